@@ -1,0 +1,1 @@
+//! qcow2: the image format as pure, I/O-free types (`format`) and, later, the async engine.

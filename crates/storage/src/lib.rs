@@ -1,0 +1,1 @@
+//! The storage seam: async positional I/O over files (io_uring, threads), memory and faults.
