@@ -1,1 +1,3 @@
-//! qcow2: the image format as pure, I/O-free types (`format`) and, later, the async engine.
+//! qcow2: the image format as pure, I/O-free types ([`format`]) and, later, the async engine.
+
+pub mod format;

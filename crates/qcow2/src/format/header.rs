@@ -1,0 +1,566 @@
+//! The image header (version 2 and 3): every field, feature bits, `compression_type`, unknown
+//! additional fields kept byte-for-byte, header extensions and the backing file name.
+
+use super::be;
+use super::bitmap::BitmapsExtension;
+use super::error::{FormatError, Location, Structure, UnknownFeature};
+use super::extensions::{
+    self, ExtensionContext, FdeHeaderPointer, FeatureNameTable, HeaderExtension,
+};
+use super::features::{self, FeatureKind};
+use super::geometry::{Geometry, TableBounds};
+use super::limits;
+
+/// "QFI\xfb".
+pub const QCOW2_MAGIC: u32 = 0x5146_49fb;
+/// Offset of `compression_type`, the first additional field.
+pub const COMPRESSION_TYPE_OFFSET: u32 = 104;
+/// compression_type: zlib (deflate).
+pub const COMPRESSION_ZLIB: u8 = 0;
+/// compression_type: zstd.
+pub const COMPRESSION_ZSTD: u8 = 1;
+/// crypt_method: none.
+pub const CRYPT_NONE: u32 = 0;
+/// crypt_method: legacy AES-CBC.
+pub const CRYPT_AES: u32 = 1;
+/// crypt_method: LUKS.
+pub const CRYPT_LUKS: u32 = 2;
+
+/// A decoded image header with everything stored in the first cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header {
+    /// 2 or 3.
+    pub version: u32,
+    /// Offset of the backing file name (0: none). Recomputed by [`Header::encode`].
+    pub backing_file_offset: u64,
+    /// Length of the backing file name. Recomputed by [`Header::encode`].
+    pub backing_file_size: u32,
+    /// log2 of the cluster size.
+    pub cluster_bits: u32,
+    /// Virtual disk size in bytes.
+    pub size: u64,
+    /// 0 none, 1 AES, 2 LUKS.
+    pub crypt_method: u32,
+    /// Entries in the active L1 table.
+    pub l1_size: u32,
+    /// File offset of the active L1 table.
+    pub l1_table_offset: u64,
+    /// File offset of the refcount table.
+    pub refcount_table_offset: u64,
+    /// Clusters occupied by the refcount table.
+    pub refcount_table_clusters: u32,
+    /// Number of internal snapshots.
+    pub nb_snapshots: u32,
+    /// File offset of the snapshot table.
+    pub snapshots_offset: u64,
+    /// Incompatible feature bits (0 for version 2).
+    pub incompatible_features: u64,
+    /// Compatible feature bits (0 for version 2).
+    pub compatible_features: u64,
+    /// Autoclear feature bits (0 for version 2).
+    pub autoclear_features: u64,
+    /// log2 of the refcount width (4 for version 2).
+    pub refcount_order: u32,
+    /// Header length in bytes (72 for version 2).
+    pub header_length: u32,
+    /// 0 zlib, 1 zstd; only stored when `header_length > 104`.
+    pub compression_type: u8,
+    /// Bytes 105..header_length: padding and additional fields we do not know, kept verbatim.
+    pub unknown_header_tail: Vec<u8>,
+    /// Header extensions in file order.
+    pub extensions: Vec<HeaderExtension>,
+    /// Backing file name, if any (not NUL-terminated).
+    pub backing_file: Option<Vec<u8>>,
+}
+
+const fn at(offset: u64) -> Location {
+    Location::at(Structure::Header, offset)
+}
+
+impl Header {
+    /// A fresh header with no tables placed yet: version 3 gets `header_length` 112 (with a
+    /// zero compression_type and padding), version 2 gets 72. Refcount order 4.
+    pub fn new(version: u32, cluster_bits: u32, size: u64) -> Header {
+        let v3 = version >= 3;
+        Header {
+            version,
+            backing_file_offset: 0,
+            backing_file_size: 0,
+            cluster_bits,
+            size,
+            crypt_method: CRYPT_NONE,
+            l1_size: 0,
+            l1_table_offset: 0,
+            refcount_table_offset: 0,
+            refcount_table_clusters: 0,
+            nb_snapshots: 0,
+            snapshots_offset: 0,
+            incompatible_features: 0,
+            compatible_features: 0,
+            autoclear_features: 0,
+            refcount_order: 4,
+            header_length: if v3 { 112 } else { limits::V2_HEADER_LENGTH },
+            compression_type: COMPRESSION_ZLIB,
+            unknown_header_tail: if v3 { vec![0; 7] } else { Vec::new() },
+            extensions: Vec::new(),
+            backing_file: None,
+        }
+    }
+
+    /// Decodes and validates the header from the first cluster of the file (or the whole file
+    /// if it is shorter), applying every check QEMU applies when opening an image that can be
+    /// made from the first cluster alone.
+    pub fn decode(buf: &[u8]) -> Result<Header, FormatError> {
+        let magic = be::u32_at(buf, 0, at(0), "header")?;
+        if magic != QCOW2_MAGIC {
+            return Err(FormatError::BadMagic { found: magic });
+        }
+        let version = be::u32_at(buf, 4, at(4), "header")?;
+        if !(2..=3).contains(&version) {
+            return Err(FormatError::InvalidValue {
+                at: at(4),
+                field: "version",
+                value: version.into(),
+                reason: "only versions 2 and 3 are supported",
+            });
+        }
+        let mut h = Header::new(version, 0, 0);
+        let field = |pos: usize| at(pos as u64);
+        h.backing_file_offset = be::u64_at(buf, 8, field(8), "header")?;
+        h.backing_file_size = be::u32_at(buf, 16, field(16), "header")?;
+        h.cluster_bits = be::u32_at(buf, 20, field(20), "header")?;
+        h.size = be::u64_at(buf, 24, field(24), "header")?;
+        h.crypt_method = be::u32_at(buf, 32, field(32), "header")?;
+        h.l1_size = be::u32_at(buf, 36, field(36), "header")?;
+        h.l1_table_offset = be::u64_at(buf, 40, field(40), "header")?;
+        h.refcount_table_offset = be::u64_at(buf, 48, field(48), "header")?;
+        h.refcount_table_clusters = be::u32_at(buf, 56, field(56), "header")?;
+        h.nb_snapshots = be::u32_at(buf, 60, field(60), "header")?;
+        h.snapshots_offset = be::u64_at(buf, 64, field(64), "header")?;
+
+        if !(limits::MIN_CLUSTER_BITS..=limits::MAX_CLUSTER_BITS).contains(&h.cluster_bits) {
+            return Err(FormatError::InvalidValue {
+                at: at(20),
+                field: "cluster_bits",
+                value: h.cluster_bits.into(),
+                reason: "must be 9..=21 (512 B to 2 MiB clusters)",
+            });
+        }
+        let cluster_size = 1u64 << h.cluster_bits;
+
+        if version >= 3 {
+            h.incompatible_features = be::u64_at(buf, 72, field(72), "version 3 header")?;
+            h.compatible_features = be::u64_at(buf, 80, field(80), "version 3 header")?;
+            h.autoclear_features = be::u64_at(buf, 88, field(88), "version 3 header")?;
+            h.refcount_order = be::u32_at(buf, 96, field(96), "version 3 header")?;
+            h.header_length = be::u32_at(buf, 100, field(100), "version 3 header")?;
+            if h.header_length < limits::MIN_V3_HEADER_LENGTH {
+                return Err(FormatError::InvalidValue {
+                    at: at(100),
+                    field: "header_length",
+                    value: h.header_length.into(),
+                    reason: "a version 3 header is at least 104 bytes",
+                });
+            }
+            if u64::from(h.header_length) > cluster_size {
+                return Err(FormatError::InvalidValue {
+                    at: at(100),
+                    field: "header_length",
+                    value: h.header_length.into(),
+                    reason: "the header must fit in the first cluster",
+                });
+            }
+            let header_len = h.header_length as usize; // ≤ 2 MiB, checked above
+            h.compression_type = 0;
+            h.unknown_header_tail = Vec::new();
+            if h.header_length > COMPRESSION_TYPE_OFFSET {
+                let tail = be::bytes_at(
+                    buf,
+                    104,
+                    header_len - 104,
+                    at(104),
+                    "additional header fields",
+                )?;
+                h.compression_type = tail[0];
+                h.unknown_header_tail = tail[1..].to_vec();
+            }
+        }
+
+        if h.backing_file_offset > cluster_size {
+            return Err(FormatError::InvalidValue {
+                at: at(8),
+                field: "backing_file_offset",
+                value: h.backing_file_offset,
+                reason: "the backing file name must be in the first cluster",
+            });
+        }
+        h.validate_compression_type()?;
+
+        let ctx = ExtensionContext {
+            cluster_size,
+            crypt_method: h.crypt_method,
+            bitmaps_consistent: h.autoclear_features & features::AUTOCLEAR_BITMAPS != 0,
+        };
+        // Both ≤ 2 MiB (checked above), so the conversions are lossless.
+        let ext_start = h.header_length as usize;
+        let ext_end = if h.backing_file_offset != 0 {
+            h.backing_file_offset
+        } else {
+            cluster_size
+        } as usize;
+
+        let unknown = h.incompatible_features & !features::INCOMPAT_KNOWN;
+        if unknown != 0 {
+            // Like QEMU, read the extensions leniently only to name the unknown bits.
+            let exts =
+                extensions::decode_all(buf, ext_start, ext_end, &ctx, true).unwrap_or_default();
+            let table = exts.iter().rev().find_map(|e| match e {
+                HeaderExtension::FeatureNameTable(t) => Some(t),
+                _ => None,
+            });
+            let features = (0..64)
+                .filter(|bit| unknown & (1u64 << bit) != 0)
+                .map(|bit| UnknownFeature {
+                    bit,
+                    name: table.and_then(|t| t.name_of(FeatureKind::Incompatible, bit)),
+                })
+                .collect();
+            return Err(FormatError::UnsupportedIncompatibleFeatures { features });
+        }
+
+        let geometry = Geometry::new(
+            h.cluster_bits,
+            h.has_extended_l2(),
+            h.refcount_order,
+            h.size,
+        )?;
+
+        if h.crypt_method > CRYPT_LUKS {
+            return Err(FormatError::InvalidValue {
+                at: at(32),
+                field: "crypt_method",
+                value: h.crypt_method.into(),
+                reason: "unsupported encryption method (0 none, 1 AES, 2 LUKS)",
+            });
+        }
+        h.validate_tables(&geometry)?;
+
+        h.extensions = extensions::decode_all(buf, ext_start, ext_end, &ctx, false)?;
+
+        if h.autoclear_features & features::AUTOCLEAR_DATA_FILE_RAW != 0 && !h.has_data_file() {
+            return Err(FormatError::Inconsistent {
+                at: at(88),
+                problem: "raw external data bit set without the external data file bit",
+            });
+        }
+
+        if h.backing_file_offset != 0 {
+            let offset = h.backing_file_offset as usize; // ≤ cluster size
+            let room =
+                (cluster_size - h.backing_file_offset).min(limits::MAX_BACKING_FILE_NAME.into());
+            if u64::from(h.backing_file_size) > room {
+                return Err(FormatError::LimitExceeded {
+                    at: at(16),
+                    field: "backing_file_size",
+                    value: h.backing_file_size.into(),
+                    limit: room,
+                    why: "the name must fit in the first cluster and in 1023 bytes",
+                });
+            }
+            let len = h.backing_file_size as usize; // ≤ 1023
+            let name = be::bytes_at(
+                buf,
+                offset,
+                len,
+                Location::at(Structure::BackingFileName, offset as u64),
+                "backing file name",
+            )?;
+            h.backing_file = Some(name.to_vec());
+        } else {
+            h.backing_file_size = 0;
+        }
+        Ok(h)
+    }
+
+    fn validate_compression_type(&self) -> Result<(), FormatError> {
+        let bit = self.incompatible_features & features::INCOMPAT_COMPRESSION != 0;
+        match self.compression_type {
+            COMPRESSION_ZLIB if bit => Err(FormatError::Inconsistent {
+                at: at(104),
+                problem: "compression type bit is set but compression_type is zlib (0)",
+            }),
+            COMPRESSION_ZLIB => Ok(()),
+            COMPRESSION_ZSTD if !bit => Err(FormatError::Inconsistent {
+                at: at(104),
+                problem: "compression_type is non-zero but the compression type bit is clear",
+            }),
+            COMPRESSION_ZSTD => Ok(()),
+            other => Err(FormatError::InvalidValue {
+                at: at(104),
+                field: "compression_type",
+                value: other.into(),
+                reason: "unknown compression type (0 zlib, 1 zstd)",
+            }),
+        }
+    }
+
+    /// QEMU's placement and size checks for the refcount table, snapshot table and L1 table.
+    fn validate_tables(&self, geometry: &Geometry) -> Result<(), FormatError> {
+        if self.refcount_table_clusters == 0 {
+            return Err(FormatError::InvalidValue {
+                at: at(56),
+                field: "refcount_table_clusters",
+                value: 0,
+                reason: "the image has no refcount table",
+            });
+        }
+        geometry.validate_table(&TableBounds {
+            at: at(48),
+            offset_field: "refcount_table_offset",
+            offset: self.refcount_table_offset,
+            size_field: "refcount_table_clusters",
+            entries: self.refcount_table_clusters.into(),
+            entry_size: geometry.cluster_size(),
+            max_bytes: limits::MAX_REFCOUNT_TABLE_BYTES,
+            why: "QEMU keeps the refcount table in memory, at most 8 MiB",
+        })?;
+        geometry.validate_table(&TableBounds {
+            at: at(64),
+            offset_field: "snapshots_offset",
+            offset: self.snapshots_offset,
+            size_field: "nb_snapshots",
+            entries: self.nb_snapshots.into(),
+            entry_size: limits::SNAPSHOT_ENTRY_FIXED_SIZE,
+            max_bytes: limits::SNAPSHOT_ENTRY_FIXED_SIZE * u64::from(limits::MAX_SNAPSHOTS),
+            why: "QEMU supports at most 65536 snapshots",
+        })?;
+        geometry.validate_table(&TableBounds {
+            at: at(40),
+            offset_field: "l1_table_offset",
+            offset: self.l1_table_offset,
+            size_field: "l1_size",
+            entries: self.l1_size.into(),
+            entry_size: 8,
+            max_bytes: limits::MAX_L1_SIZE_BYTES,
+            why: "QEMU keeps the L1 table in memory, at most 32 MiB",
+        })?;
+        if geometry.l1_entries_needed() > limits::MAX_L1_ENTRIES_NEEDED {
+            return Err(FormatError::LimitExceeded {
+                at: at(24),
+                field: "size",
+                value: self.size,
+                limit: limits::MAX_L1_ENTRIES_NEEDED,
+                why: "the image is too big: it needs more L1 entries than QEMU can index",
+            });
+        }
+        if u64::from(self.l1_size) < geometry.l1_entries_needed() {
+            return Err(FormatError::InvalidValue {
+                at: at(36),
+                field: "l1_size",
+                value: self.l1_size.into(),
+                reason: "the L1 table is too small for the virtual disk size",
+            });
+        }
+        Ok(())
+    }
+
+    /// Encodes the first cluster: header, extensions, end marker and backing file name
+    /// (placed right after the end marker; `backing_file_offset`/`_size` are recomputed).
+    /// Fails if it does not fit in `cluster_size` bytes or fields contradict the version.
+    pub fn encode(&self, cluster_size: u64) -> Result<Vec<u8>, FormatError> {
+        let v3 = self.version >= 3;
+        if !(2..=3).contains(&self.version) {
+            return Err(FormatError::InvalidValue {
+                at: at(4),
+                field: "version",
+                value: self.version.into(),
+                reason: "only 2 and 3 can be written",
+            });
+        }
+        if !v3 {
+            let v3_only =
+                self.incompatible_features | self.compatible_features | self.autoclear_features;
+            if v3_only != 0
+                || self.refcount_order != 4
+                || self.header_length != limits::V2_HEADER_LENGTH
+                || !self.unknown_header_tail.is_empty()
+                || self.compression_type != 0
+            {
+                return Err(FormatError::Inconsistent {
+                    at: at(72),
+                    problem: "version 2 headers have no feature bits, refcount order 4, length 72 and zlib",
+                });
+            }
+        } else {
+            let expected_tail = (self.header_length as usize).saturating_sub(105);
+            let ok = if self.header_length < limits::MIN_V3_HEADER_LENGTH {
+                false
+            } else if self.header_length == limits::MIN_V3_HEADER_LENGTH {
+                self.compression_type == 0 && self.unknown_header_tail.is_empty()
+            } else {
+                self.unknown_header_tail.len() == expected_tail
+            };
+            if !ok {
+                return Err(FormatError::Inconsistent {
+                    at: at(100),
+                    problem: "header_length does not match compression_type and the unknown header fields",
+                });
+            }
+        }
+        let mut out = Vec::with_capacity(4096);
+        out.extend_from_slice(&QCOW2_MAGIC.to_be_bytes());
+        out.extend_from_slice(&self.version.to_be_bytes());
+        out.extend_from_slice(&[0; 12]); // backing file offset and size, filled in below
+        out.extend_from_slice(&self.cluster_bits.to_be_bytes());
+        out.extend_from_slice(&self.size.to_be_bytes());
+        out.extend_from_slice(&self.crypt_method.to_be_bytes());
+        out.extend_from_slice(&self.l1_size.to_be_bytes());
+        out.extend_from_slice(&self.l1_table_offset.to_be_bytes());
+        out.extend_from_slice(&self.refcount_table_offset.to_be_bytes());
+        out.extend_from_slice(&self.refcount_table_clusters.to_be_bytes());
+        out.extend_from_slice(&self.nb_snapshots.to_be_bytes());
+        out.extend_from_slice(&self.snapshots_offset.to_be_bytes());
+        if v3 {
+            out.extend_from_slice(&self.incompatible_features.to_be_bytes());
+            out.extend_from_slice(&self.compatible_features.to_be_bytes());
+            out.extend_from_slice(&self.autoclear_features.to_be_bytes());
+            out.extend_from_slice(&self.refcount_order.to_be_bytes());
+            out.extend_from_slice(&self.header_length.to_be_bytes());
+            if self.header_length > limits::MIN_V3_HEADER_LENGTH {
+                out.push(self.compression_type);
+                out.extend_from_slice(&self.unknown_header_tail);
+            }
+        }
+        extensions::encode_all(&self.extensions, &mut out)?;
+        if let Some(name) = &self.backing_file {
+            if name.len() > limits::MAX_BACKING_FILE_NAME as usize {
+                return Err(FormatError::LimitExceeded {
+                    at: at(16),
+                    field: "backing_file_size",
+                    value: name.len() as u64,
+                    limit: limits::MAX_BACKING_FILE_NAME.into(),
+                    why: "QEMU reads at most 1023 bytes of backing file name",
+                });
+            }
+            let offset = out.len() as u64;
+            out[8..16].copy_from_slice(&offset.to_be_bytes());
+            out[16..20].copy_from_slice(&(name.len() as u32).to_be_bytes()); // ≤ 1023
+            out.extend_from_slice(name);
+        }
+        if out.len() as u64 > cluster_size {
+            return Err(FormatError::DoesNotFit {
+                at: at(0),
+                what: "header, extensions and backing file name",
+                need: out.len() as u64,
+                available: cluster_size,
+            });
+        }
+        // cluster_size ≥ out.len(), so it fits in usize.
+        out.resize(cluster_size as usize, 0);
+        Ok(out)
+    }
+
+    /// Cluster size in bytes (cluster_bits is validated by `decode`; others saturate).
+    pub fn cluster_size(&self) -> u64 {
+        1u64.checked_shl(self.cluster_bits).unwrap_or(0)
+    }
+
+    /// The geometry the header describes.
+    pub fn geometry(&self) -> Result<Geometry, FormatError> {
+        Geometry::new(
+            self.cluster_bits,
+            self.has_extended_l2(),
+            self.refcount_order,
+            self.size,
+        )
+        .map(|g| g.with_data_file(self.has_data_file()))
+    }
+
+    /// Refcounts may be inconsistent (lazy refcounts were in use).
+    pub fn is_dirty(&self) -> bool {
+        self.incompatible_features & features::INCOMPAT_DIRTY != 0
+    }
+
+    /// The image is marked corrupt.
+    pub fn is_corrupt(&self) -> bool {
+        self.incompatible_features & features::INCOMPAT_CORRUPT != 0
+    }
+
+    /// Guest data lives in an external data file.
+    pub fn has_data_file(&self) -> bool {
+        self.incompatible_features & features::INCOMPAT_DATA_FILE != 0
+    }
+
+    /// The external data file is a consistent raw image.
+    pub fn data_file_is_raw(&self) -> bool {
+        self.autoclear_features & features::AUTOCLEAR_DATA_FILE_RAW != 0
+    }
+
+    /// L2 entries are extended (subclusters).
+    pub fn has_extended_l2(&self) -> bool {
+        self.incompatible_features & features::INCOMPAT_EXTENDED_L2 != 0
+    }
+
+    /// Lazy refcounts are enabled.
+    pub fn has_lazy_refcounts(&self) -> bool {
+        self.compatible_features & features::COMPAT_LAZY_REFCOUNTS != 0
+    }
+
+    /// The compression type's name as qemu-img prints it.
+    pub fn compression_type_name(&self) -> &'static str {
+        match self.compression_type {
+            COMPRESSION_ZSTD => "zstd",
+            _ => "zlib",
+        }
+    }
+
+    /// The feature name table, if present (the last one wins, as in QEMU).
+    pub fn feature_table(&self) -> Option<&FeatureNameTable> {
+        self.extensions.iter().rev().find_map(|e| match e {
+            HeaderExtension::FeatureNameTable(t) => Some(t),
+            _ => None,
+        })
+    }
+
+    /// The name of a feature bit: from the image's feature name table, else our own.
+    pub fn feature_name(&self, kind: FeatureKind, bit: u32) -> Option<String> {
+        self.feature_table()
+            .and_then(|t| t.name_of(kind, bit))
+            .or_else(|| features::known_feature_name(kind, bit).map(str::to_owned))
+    }
+
+    /// The backing file format name, if recorded.
+    pub fn backing_format(&self) -> Option<&[u8]> {
+        self.extensions.iter().rev().find_map(|e| match e {
+            HeaderExtension::BackingFormat(f) => Some(f.as_slice()),
+            _ => None,
+        })
+    }
+
+    /// The external data file name, if recorded.
+    pub fn data_file_name(&self) -> Option<&[u8]> {
+        self.extensions.iter().rev().find_map(|e| match e {
+            HeaderExtension::ExternalDataFile(f) => Some(f.as_slice()),
+            _ => None,
+        })
+    }
+
+    /// The bitmaps extension, only if the autoclear bit says it is consistent.
+    pub fn bitmaps(&self) -> Option<&BitmapsExtension> {
+        if self.autoclear_features & features::AUTOCLEAR_BITMAPS == 0 {
+            return None;
+        }
+        self.extensions.iter().rev().find_map(|e| match e {
+            HeaderExtension::Bitmaps(b) => Some(b),
+            _ => None,
+        })
+    }
+
+    /// The full disk encryption header pointer, if present.
+    pub fn fde_pointer(&self) -> Option<&FdeHeaderPointer> {
+        self.extensions.iter().rev().find_map(|e| match e {
+            HeaderExtension::FullDiskEncryption(p) => Some(p),
+            _ => None,
+        })
+    }
+}

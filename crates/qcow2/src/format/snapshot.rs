@@ -1,0 +1,267 @@
+//! Internal snapshot table entries (with their extra data) and whole-table decoding within
+//! QEMU's limits.
+
+use super::be;
+use super::error::{FormatError, Location, Structure};
+use super::geometry::Geometry;
+use super::limits;
+
+/// One snapshot table entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotTableEntry {
+    /// File offset of the snapshot's L1 table.
+    pub l1_table_offset: u64,
+    /// Entries in the snapshot's L1 table.
+    pub l1_size: u32,
+    /// Unique ID string (not NUL-terminated).
+    pub id: Vec<u8>,
+    /// Name (not NUL-terminated).
+    pub name: Vec<u8>,
+    /// Seconds since the epoch when the snapshot was taken.
+    pub date_sec: u32,
+    /// Sub-second part of the date, in nanoseconds.
+    pub date_nsec: u32,
+    /// Guest run time at the snapshot, in nanoseconds.
+    pub vm_clock_nsec: u64,
+    /// 32-bit VM state size (superseded by the 64-bit one in the extra data).
+    pub vm_state_size_32: u32,
+    /// Extra data, kept verbatim: bytes 0-7 the 64-bit VM state size, 8-15 the virtual disk
+    /// size, 16-23 the instruction count; anything after is for future use.
+    pub extra_data: Vec<u8>,
+}
+
+fn extra_u64(extra: &[u8], pos: usize) -> Option<u64> {
+    extra
+        .get(pos..pos + 8)
+        .and_then(|b| b.try_into().ok())
+        .map(u64::from_be_bytes)
+}
+
+impl SnapshotTableEntry {
+    /// VM state size in bytes (the 64-bit field when the extra data has it).
+    pub fn vm_state_size(&self) -> u64 {
+        extra_u64(&self.extra_data, 0).unwrap_or(self.vm_state_size_32.into())
+    }
+
+    /// Virtual disk size at the snapshot, if the extra data records it.
+    pub fn disk_size(&self) -> Option<u64> {
+        extra_u64(&self.extra_data, 8)
+    }
+
+    /// Guest instruction count at the snapshot, if recorded (-1 means "not recorded").
+    pub fn icount(&self) -> Option<u64> {
+        extra_u64(&self.extra_data, 16).filter(|&v| v != u64::MAX)
+    }
+
+    /// ID for display (invalid UTF-8 replaced).
+    pub fn id_lossy(&self) -> String {
+        String::from_utf8_lossy(&self.id).into_owned()
+    }
+
+    /// Name for display (invalid UTF-8 replaced).
+    pub fn name_lossy(&self) -> String {
+        String::from_utf8_lossy(&self.name).into_owned()
+    }
+
+    /// Total entry length (fixed part, extra data, ID, name, padding) given the 40-byte fixed
+    /// part, so a reader can fetch one entry at a time.
+    pub fn entry_len(fixed: &[u8], at: Location) -> Result<usize, FormatError> {
+        let id_len = be::u16_at(fixed, 12, at, "snapshot entry")?;
+        let name_len = be::u16_at(fixed, 14, at, "snapshot entry")?;
+        let extra = be::u32_at(fixed, 36, at, "snapshot entry")?;
+        if extra > limits::MAX_SNAPSHOT_EXTRA_DATA {
+            return Err(FormatError::LimitExceeded {
+                at,
+                field: "extra_data_size",
+                value: extra.into(),
+                limit: limits::MAX_SNAPSHOT_EXTRA_DATA.into(),
+                why: "QEMU allows at most 1 KiB of snapshot extra data",
+            });
+        }
+        // At most 40 + 1024 + 2 * 65535 bytes: no overflow possible.
+        let raw = limits::SNAPSHOT_ENTRY_FIXED_SIZE as usize
+            + extra as usize
+            + usize::from(id_len)
+            + usize::from(name_len);
+        be::pad8(raw).ok_or(FormatError::Overflow {
+            at,
+            what: "snapshot entry length",
+        })
+    }
+
+    /// Decodes entry `index` from `buf`, which starts at the entry; returns it and its length.
+    pub fn decode(
+        buf: &[u8],
+        entry_offset: u64,
+        index: u64,
+        geometry: &Geometry,
+    ) -> Result<(SnapshotTableEntry, usize), FormatError> {
+        let at = Location::entry(Structure::SnapshotTable, entry_offset, index);
+        let len = Self::entry_len(buf, at)?;
+        let l1_table_offset = be::u64_at(buf, 0, at, "snapshot entry")?;
+        let l1_size = be::u32_at(buf, 8, at, "snapshot entry")?;
+        let id_len = usize::from(be::u16_at(buf, 12, at, "snapshot entry")?);
+        let name_len = usize::from(be::u16_at(buf, 14, at, "snapshot entry")?);
+        let extra_len = be::u32_at(buf, 36, at, "snapshot entry")? as usize; // ≤ 1024, checked
+        let fixed = limits::SNAPSHOT_ENTRY_FIXED_SIZE as usize;
+        let extra_data = be::bytes_at(buf, fixed, extra_len, at, "snapshot extra data")?.to_vec();
+        let id = be::bytes_at(buf, fixed + extra_len, id_len, at, "snapshot ID")?.to_vec();
+        let name = be::bytes_at(
+            buf,
+            fixed + extra_len + id_len,
+            name_len,
+            at,
+            "snapshot name",
+        )?
+        .to_vec();
+        be::bytes_at(buf, 0, len, at, "snapshot entry padding")?;
+
+        geometry.validate_table(&super::geometry::TableBounds {
+            at,
+            offset_field: "l1_table_offset",
+            offset: l1_table_offset,
+            size_field: "l1_size",
+            entries: l1_size.into(),
+            entry_size: 8,
+            max_bytes: limits::MAX_L1_SIZE_BYTES,
+            why: "QEMU keeps L1 tables in memory, at most 32 MiB",
+        })?;
+
+        let entry = SnapshotTableEntry {
+            l1_table_offset,
+            l1_size,
+            id,
+            name,
+            date_sec: be::u32_at(buf, 16, at, "snapshot entry")?,
+            date_nsec: be::u32_at(buf, 20, at, "snapshot entry")?,
+            vm_clock_nsec: be::u64_at(buf, 24, at, "snapshot entry")?,
+            vm_state_size_32: be::u32_at(buf, 32, at, "snapshot entry")?,
+            extra_data,
+        };
+        Ok((entry, len))
+    }
+
+    /// Appends the encoded entry (with zero padding) to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), FormatError> {
+        let at = Location::at(Structure::SnapshotTable, 0);
+        let too_long = |field, len: usize| FormatError::LimitExceeded {
+            at,
+            field,
+            value: len as u64,
+            limit: u16::MAX.into(),
+            why: "the length field is 16 bits",
+        };
+        let id_len =
+            u16::try_from(self.id.len()).map_err(|_| too_long("id_str_size", self.id.len()))?;
+        let name_len =
+            u16::try_from(self.name.len()).map_err(|_| too_long("name_size", self.name.len()))?;
+        let extra_len = u32::try_from(self.extra_data.len())
+            .ok()
+            .filter(|&l| l <= limits::MAX_SNAPSHOT_EXTRA_DATA)
+            .ok_or(FormatError::LimitExceeded {
+                at,
+                field: "extra_data_size",
+                value: self.extra_data.len() as u64,
+                limit: limits::MAX_SNAPSHOT_EXTRA_DATA.into(),
+                why: "QEMU allows at most 1 KiB of snapshot extra data",
+            })?;
+        let start = out.len();
+        out.extend_from_slice(&self.l1_table_offset.to_be_bytes());
+        out.extend_from_slice(&self.l1_size.to_be_bytes());
+        out.extend_from_slice(&id_len.to_be_bytes());
+        out.extend_from_slice(&name_len.to_be_bytes());
+        out.extend_from_slice(&self.date_sec.to_be_bytes());
+        out.extend_from_slice(&self.date_nsec.to_be_bytes());
+        out.extend_from_slice(&self.vm_clock_nsec.to_be_bytes());
+        out.extend_from_slice(&self.vm_state_size_32.to_be_bytes());
+        out.extend_from_slice(&extra_len.to_be_bytes());
+        out.extend_from_slice(&self.extra_data);
+        out.extend_from_slice(&self.id);
+        out.extend_from_slice(&self.name);
+        let len = out.len() - start;
+        out.resize(start + be::pad8(len).unwrap_or(len), 0);
+        Ok(())
+    }
+}
+
+/// Running limits while reading a snapshot table entry by entry.
+#[derive(Debug, Clone, Copy)]
+pub struct SnapshotTableCursor {
+    table_offset: u64,
+    consumed: u64,
+}
+
+impl SnapshotTableCursor {
+    /// Starts at the table's file offset.
+    pub fn new(table_offset: u64) -> Self {
+        SnapshotTableCursor {
+            table_offset,
+            consumed: 0,
+        }
+    }
+
+    /// File offset of the next entry.
+    pub fn next_offset(&self) -> Result<u64, FormatError> {
+        self.table_offset
+            .checked_add(self.consumed)
+            .ok_or(FormatError::Overflow {
+                at: Location::at(Structure::SnapshotTable, self.table_offset),
+                what: "snapshot entry offset",
+            })
+    }
+
+    /// Accounts for an entry of `len` bytes, failing once the table exceeds 64 MiB.
+    pub fn advance(&mut self, len: usize) -> Result<(), FormatError> {
+        self.consumed = self.consumed.saturating_add(len as u64);
+        if self.consumed > limits::MAX_SNAPSHOT_TABLE_BYTES {
+            return Err(FormatError::LimitExceeded {
+                at: Location::at(Structure::SnapshotTable, self.table_offset),
+                field: "snapshot table size",
+                value: self.consumed,
+                limit: limits::MAX_SNAPSHOT_TABLE_BYTES,
+                why: "QEMU loads the whole table into memory, at most 64 MiB",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Decodes `nb_snapshots` entries from `buf`, which holds the table starting at file offset
+/// `table_offset`.
+pub fn decode_table(
+    buf: &[u8],
+    table_offset: u64,
+    nb_snapshots: u32,
+    geometry: &Geometry,
+) -> Result<Vec<SnapshotTableEntry>, FormatError> {
+    if nb_snapshots > limits::MAX_SNAPSHOTS {
+        return Err(FormatError::LimitExceeded {
+            at: Location::at(Structure::Header, 60),
+            field: "nb_snapshots",
+            value: nb_snapshots.into(),
+            limit: limits::MAX_SNAPSHOTS.into(),
+            why: "QEMU supports at most 65536 snapshots",
+        });
+    }
+    let mut cursor = SnapshotTableCursor::new(table_offset);
+    let mut entries = Vec::new();
+    let mut pos = 0usize;
+    for index in 0..u64::from(nb_snapshots) {
+        let entry_offset = cursor.next_offset()?;
+        let rest = buf.get(pos..).unwrap_or(&[]);
+        let (entry, len) = SnapshotTableEntry::decode(rest, entry_offset, index, geometry)?;
+        cursor.advance(len)?;
+        pos += len; // len was read from within buf
+        entries.push(entry);
+    }
+    Ok(entries)
+}
+
+/// Encodes a whole snapshot table.
+pub fn encode_table(entries: &[SnapshotTableEntry]) -> Result<Vec<u8>, FormatError> {
+    let mut out = Vec::new();
+    for entry in entries {
+        entry.encode(&mut out)?;
+    }
+    Ok(out)
+}
