@@ -1,12 +1,37 @@
-//! `qcow2-nbd`: inspect qcow2 images and serve them over NBD.
+//! `qcow2-nbd`: inspect qcow2 images (and, as later issues land, serve them over NBD).
 
-use clap::Parser;
+mod backing_chain;
+mod info;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
 
 /// Command-line interface.
 #[derive(Parser, Debug)]
-#[command(name = "qcow2-nbd", version, about = "qcow2 image tools and NBD server")]
-enum Cli {}
+#[command(name = "qcow2-nbd", version, about = "qcow2 image tools")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
 
-fn main() {
-    let _ = Cli::parse();
+/// The subcommands; each lives in its own module.
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Show what a qcow2 image contains, like `qemu-img info`.
+    Info(info::InfoArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::Info(args) => info::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("qcow2-nbd: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -1,3 +1,6 @@
-//! qcow2: the image format as pure, I/O-free types ([`format`]) and, later, the async engine.
+//! qcow2: the image format as pure, I/O-free types ([`format`]), a synchronous inspector
+//! that decodes an image's metadata for `qcow2-nbd info` ([`inspect`]) and, later, the async
+//! engine.
 
 pub mod format;
+pub mod inspect;

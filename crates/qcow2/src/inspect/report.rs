@@ -1,0 +1,305 @@
+//! The `info` report: a serializable model whose JSON keys are exactly `qemu-img info
+//! --output=json`'s for every fact both tools show.
+
+use serde::Serialize;
+
+use super::ImageMetadata;
+use crate::format::header::{CRYPT_AES, CRYPT_LUKS};
+
+/// What `info` reports about one image (one element of `--backing-chain`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct ImageInfo {
+    /// The image's file name as given (or as resolved for backing files).
+    pub filename: String,
+    /// `qcow2` or `raw`.
+    pub format: String,
+    /// Virtual disk size in bytes.
+    pub virtual_size: u64,
+    /// Bytes the file occupies on disk (allocated blocks), when known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub actual_size: Option<u64>,
+    /// Cluster size (qcow2 only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster_size: Option<u64>,
+    /// Present (and true) only for encrypted images.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub encrypted: Option<bool>,
+    /// The dirty bit.
+    pub dirty_flag: bool,
+    /// Backing file name as stored in the image.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backing_filename: Option<String>,
+    /// Backing file name resolved against the image's directory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub full_backing_filename: Option<String>,
+    /// Backing file format from the header extension.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backing_filename_format: Option<String>,
+    /// Internal snapshots (omitted when there are none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snapshots: Option<Vec<SnapshotInfo>>,
+    /// qcow2-specific facts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub format_specific: Option<FormatSpecific>,
+    /// The protocol node below the format node (the image file itself).
+    pub children: Vec<ChildInfo>,
+}
+
+/// One internal snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct SnapshotInfo {
+    /// Unique ID.
+    pub id: String,
+    /// Name (tag).
+    pub name: String,
+    /// VM state size in bytes.
+    pub vm_state_size: u64,
+    /// Date, seconds since the epoch.
+    pub date_sec: u64,
+    /// Date, nanoseconds part.
+    pub date_nsec: u64,
+    /// Guest clock, whole seconds.
+    pub vm_clock_sec: u64,
+    /// Guest clock, nanoseconds part.
+    pub vm_clock_nsec: u64,
+    /// Instruction count, when recorded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub icount: Option<u64>,
+}
+
+/// `format-specific`: `{ "type": "qcow2", "data": {...} }`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FormatSpecific {
+    /// Always `qcow2`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The facts.
+    pub data: Qcow2Specific,
+}
+
+/// qcow2-specific facts, keyed like qemu-img's `ImageInfoSpecificQCow2`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct Qcow2Specific {
+    /// `0.10` (version 2) or `1.1` (version 3).
+    pub compat: String,
+    /// `zlib` or `zstd`.
+    pub compression_type: String,
+    /// Lazy refcounts (version 3 only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lazy_refcounts: Option<bool>,
+    /// Persistent bitmaps (omitted when there are none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bitmaps: Option<Vec<BitmapInfo>>,
+    /// Refcount width.
+    pub refcount_bits: u32,
+    /// Corrupt bit (version 3 only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub corrupt: Option<bool>,
+    /// Extended L2 entries (version 3 only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub extended_l2: Option<bool>,
+    /// External data file name, if recorded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data_file: Option<String>,
+    /// Whether the external data file is raw (only with an external data file).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data_file_raw: Option<bool>,
+    /// Encryption format (details of the LUKS header are not decoded).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub encrypt: Option<EncryptInfo>,
+}
+
+/// Encryption format.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct EncryptInfo {
+    /// `aes` or `luks`.
+    pub format: String,
+}
+
+/// One persistent bitmap.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BitmapInfo {
+    /// `in-use` and/or `auto`.
+    pub flags: Vec<String>,
+    /// Name.
+    pub name: String,
+    /// Bytes per bit.
+    pub granularity: u64,
+}
+
+/// The protocol (file) node under an image.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ChildInfo {
+    /// Always `file`.
+    pub name: String,
+    /// Facts about the file.
+    pub info: FileNodeInfo,
+}
+
+/// Facts about the image file itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct FileNodeInfo {
+    /// No children.
+    pub children: Vec<ChildInfo>,
+    /// File length in bytes.
+    pub virtual_size: u64,
+    /// File name.
+    pub filename: String,
+    /// Always `file`.
+    pub format: String,
+    /// Allocated bytes on disk, when known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub actual_size: Option<u64>,
+    /// `{ "type": "file", "data": {} }`.
+    pub format_specific: FileSpecific,
+    /// Always false.
+    pub dirty_flag: bool,
+}
+
+/// The file node's (empty) format-specific facts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FileSpecific {
+    /// Always `file`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// No facts.
+    pub data: EmptyData,
+}
+
+/// An empty JSON object.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct EmptyData {}
+
+impl ChildInfo {
+    /// The file node for `filename`. Like QEMU, the length is reported in whole 512-byte
+    /// sectors, rounded up.
+    pub fn file(filename: &str, file_len: u64, actual_size: Option<u64>) -> ChildInfo {
+        ChildInfo {
+            name: "file".into(),
+            info: FileNodeInfo {
+                children: Vec::new(),
+                virtual_size: file_len.div_ceil(512).saturating_mul(512),
+                filename: filename.into(),
+                format: "file".into(),
+                actual_size,
+                format_specific: FileSpecific {
+                    kind: "file".into(),
+                    data: EmptyData {},
+                },
+                dirty_flag: false,
+            },
+        }
+    }
+}
+
+impl ImageInfo {
+    /// The report for a decoded qcow2 image. File-system facts (allocated size, resolved
+    /// backing name) are left for the caller, which knows the path.
+    pub fn from_metadata(meta: &ImageMetadata, filename: &str) -> ImageInfo {
+        let h = &meta.header;
+        let v3 = h.version >= 3;
+        let lossy = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        let bitmaps: Vec<BitmapInfo> = meta
+            .bitmaps
+            .iter()
+            .map(|b| BitmapInfo {
+                flags: [(b.in_use(), "in-use"), (b.auto(), "auto")]
+                    .iter()
+                    .filter(|(set, _)| *set)
+                    .map(|(_, name)| (*name).to_owned())
+                    .collect(),
+                name: b.name_lossy(),
+                granularity: b.granularity(),
+            })
+            .collect();
+        let snapshots: Vec<SnapshotInfo> = meta
+            .snapshots
+            .iter()
+            .map(|s| SnapshotInfo {
+                id: s.id_lossy(),
+                name: s.name_lossy(),
+                vm_state_size: s.vm_state_size(),
+                date_sec: s.date_sec.into(),
+                date_nsec: s.date_nsec.into(),
+                vm_clock_sec: s.vm_clock_nsec / 1_000_000_000,
+                vm_clock_nsec: s.vm_clock_nsec % 1_000_000_000,
+                icount: s.icount(),
+            })
+            .collect();
+        let encrypt = match h.crypt_method {
+            CRYPT_AES => Some(EncryptInfo {
+                format: "aes".into(),
+            }),
+            CRYPT_LUKS => Some(EncryptInfo {
+                format: "luks".into(),
+            }),
+            _ => None,
+        };
+        let data = Qcow2Specific {
+            compat: if v3 { "1.1" } else { "0.10" }.into(),
+            compression_type: h.compression_type_name().into(),
+            lazy_refcounts: v3.then(|| h.has_lazy_refcounts()),
+            bitmaps: (!bitmaps.is_empty()).then_some(bitmaps),
+            refcount_bits: meta.geometry.refcount_bits(),
+            corrupt: v3.then(|| h.is_corrupt()),
+            extended_l2: v3.then(|| h.has_extended_l2()),
+            data_file: h.data_file_name().map(lossy),
+            data_file_raw: h.has_data_file().then(|| h.data_file_is_raw()),
+            encrypt,
+        };
+        ImageInfo {
+            filename: filename.into(),
+            format: "qcow2".into(),
+            virtual_size: h.size,
+            actual_size: None,
+            cluster_size: Some(meta.geometry.cluster_size()),
+            encrypted: (h.crypt_method != 0).then_some(true),
+            dirty_flag: h.is_dirty(),
+            backing_filename: h
+                .backing_file
+                .as_deref()
+                .filter(|n| !n.is_empty())
+                .map(lossy),
+            full_backing_filename: None,
+            backing_filename_format: h.backing_format().map(lossy),
+            snapshots: (!snapshots.is_empty()).then_some(snapshots),
+            format_specific: Some(FormatSpecific {
+                kind: "qcow2".into(),
+                data,
+            }),
+            children: vec![ChildInfo::file(filename, meta.file_len, None)],
+        }
+    }
+
+    /// The report for a raw image (a backing file without qcow2 metadata); its size is the
+    /// file length in whole sectors, as QEMU reports it.
+    pub fn raw(filename: &str, file_len: u64) -> ImageInfo {
+        ImageInfo {
+            filename: filename.into(),
+            format: "raw".into(),
+            virtual_size: file_len.div_ceil(512).saturating_mul(512),
+            actual_size: None,
+            cluster_size: None,
+            encrypted: None,
+            dirty_flag: false,
+            backing_filename: None,
+            full_backing_filename: None,
+            backing_filename_format: None,
+            snapshots: None,
+            format_specific: None,
+            children: vec![ChildInfo::file(filename, file_len, None)],
+        }
+    }
+
+    /// Records the allocated size on disk for the image and its file node.
+    pub fn set_actual_size(&mut self, actual: u64) {
+        self.actual_size = Some(actual);
+        for child in &mut self.children {
+            child.info.actual_size = Some(actual);
+        }
+    }
+}

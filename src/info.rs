@@ -1,0 +1,195 @@
+//! `qcow2-nbd info`: print what a qcow2 image contains, in qemu-img's human or JSON layout.
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use clap::{Args, ValueEnum};
+use qcow2::format::header::QCOW2_MAGIC;
+use qcow2::inspect::{self, ByteSource, ImageInfo, InspectError};
+
+use crate::backing_chain::{self, BackingError, ChainGuard};
+
+/// Output layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OutputFormat {
+    /// Lines like `qemu-img info`.
+    Human,
+    /// JSON with `qemu-img info --output=json`'s key names.
+    Json,
+}
+
+/// Arguments of `info`.
+#[derive(Args, Debug)]
+pub struct InfoArgs {
+    /// The qcow2 image file.
+    pub image: PathBuf,
+    /// Output layout.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
+    pub output: OutputFormat,
+    /// Also show every backing file, following the chain (never `json:` or protocol names).
+    #[arg(long)]
+    pub backing_chain: bool,
+}
+
+/// Why `info` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum InfoError {
+    /// The file could not be opened or examined.
+    #[error("{path}: {source}")]
+    Open {
+        /// The file.
+        path: String,
+        /// The error.
+        source: io::Error,
+    },
+    /// The image is not valid qcow2 (or a read failed).
+    #[error("{path}: {source}")]
+    Inspect {
+        /// The file.
+        path: String,
+        /// The error.
+        source: InspectError,
+    },
+    /// A backing file cannot be followed safely.
+    #[error(transparent)]
+    Backing(#[from] BackingError),
+    /// The backing format is one we cannot read.
+    #[error("{path}: backing file format {format:?} is not supported (only qcow2 and raw)")]
+    UnsupportedFormat {
+        /// The backing file.
+        path: String,
+        /// Its format.
+        format: String,
+    },
+    /// Writing the output failed.
+    #[error("writing output: {0}")]
+    Output(#[from] io::Error),
+    /// Serializing JSON failed.
+    #[error("encoding JSON: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// How to read a file in the chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Format {
+    Qcow2,
+    Raw,
+}
+
+fn open(path: &Path) -> Result<File, InfoError> {
+    File::open(path).map_err(|source| InfoError::Open {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// Bytes the file occupies on disk, as `qemu-img info` reports `actual-size`.
+fn allocated_size(file: &File) -> Option<u64> {
+    file.metadata().ok().map(|m| m.blocks().saturating_mul(512))
+}
+
+/// Builds the report for one file, with everything that needs the path filled in.
+fn describe(path: &Path, format: Format) -> Result<ImageInfo, InfoError> {
+    let file = open(path)?;
+    let name = path.display().to_string();
+    let mut info = match format {
+        Format::Qcow2 => {
+            let meta = inspect::inspect(&file).map_err(|source| InfoError::Inspect {
+                path: name.clone(),
+                source,
+            })?;
+            let mut info = ImageInfo::from_metadata(&meta, &name);
+            if let Some(backing) = &info.backing_filename {
+                // qemu-img shows where the name points even without opening it; a name we
+                // would never follow is shown as stored.
+                info.full_backing_filename = Some(
+                    backing_chain::resolve(path, backing)
+                        .map_or_else(|_| backing.clone(), |p| p.display().to_string()),
+                );
+            }
+            info
+        }
+        Format::Raw => {
+            let len = file.byte_len().map_err(|source| InfoError::Open {
+                path: name.clone(),
+                source,
+            })?;
+            ImageInfo::raw(&name, len)
+        }
+    };
+    if let Some(actual) = allocated_size(&file) {
+        info.set_actual_size(actual);
+    }
+    Ok(info)
+}
+
+/// Decides how to read a backing file: its recorded format, or a safe probe (qcow2 magic,
+/// else raw) when the image does not record one.
+fn backing_format(path: &Path, recorded: Option<&str>) -> Result<Format, InfoError> {
+    match recorded {
+        Some("qcow2") => Ok(Format::Qcow2),
+        Some("raw") => Ok(Format::Raw),
+        Some(other) => Err(InfoError::UnsupportedFormat {
+            path: path.display().to_string(),
+            format: other.into(),
+        }),
+        None => {
+            let file = open(path)?;
+            let mut magic = [0u8; 4];
+            let is_qcow2 = file.read_exact_at(0, &mut magic).is_ok()
+                && u32::from_be_bytes(magic) == QCOW2_MAGIC;
+            Ok(if is_qcow2 { Format::Qcow2 } else { Format::Raw })
+        }
+    }
+}
+
+/// Collects the reports for the image and, with `backing_chain`, every backing file.
+pub fn collect(image: &Path, backing_chain: bool) -> Result<Vec<ImageInfo>, InfoError> {
+    let mut guard = ChainGuard::default();
+    guard.enter(image, image)?;
+    let mut infos = vec![describe(image, Format::Qcow2)?];
+    if !backing_chain {
+        return Ok(infos);
+    }
+    let mut current = image.to_path_buf();
+    loop {
+        let Some(last) = infos.last() else { break };
+        let Some(name) = last.backing_filename.clone() else {
+            break;
+        };
+        let next = backing_chain::resolve(&current, &name)?;
+        guard.enter(&current, &next)?;
+        let format = backing_format(&next, last.backing_filename_format.as_deref())?;
+        infos.push(describe(&next, format)?);
+        current = next;
+    }
+    Ok(infos)
+}
+
+/// Runs `info`.
+pub fn run(args: &InfoArgs) -> Result<(), InfoError> {
+    let infos = collect(&args.image, args.backing_chain)?;
+    let mut out = io::stdout().lock();
+    match args.output {
+        OutputFormat::Json if args.backing_chain => {
+            writeln!(out, "{}", serde_json::to_string_pretty(&infos)?)?
+        }
+        OutputFormat::Json => {
+            for info in &infos {
+                writeln!(out, "{}", serde_json::to_string_pretty(info)?)?;
+            }
+        }
+        OutputFormat::Human => {
+            for (i, info) in infos.iter().enumerate() {
+                if i > 0 {
+                    writeln!(out)?;
+                }
+                write!(out, "{}", info.to_human())?;
+            }
+        }
+    }
+    out.flush()?;
+    Ok(())
+}
