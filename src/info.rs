@@ -154,14 +154,13 @@ pub fn collect(image: &Path, backing_chain: bool) -> Result<Vec<ImageInfo>, Info
         return Ok(infos);
     }
     let mut current = image.to_path_buf();
-    loop {
-        let Some(last) = infos.last() else { break };
-        let Some(name) = last.backing_filename.clone() else {
-            break;
-        };
+    while let Some(name) = infos.last().and_then(|last| last.backing_filename.clone()) {
+        let recorded = infos
+            .last()
+            .and_then(|last| last.backing_filename_format.clone());
         let next = backing_chain::resolve(&current, &name)?;
         guard.enter(&current, &next)?;
-        let format = backing_format(&next, last.backing_filename_format.as_deref())?;
+        let format = backing_format(&next, recorded.as_deref())?;
         infos.push(describe(&next, format)?);
         current = next;
     }
