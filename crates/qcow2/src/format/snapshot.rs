@@ -63,8 +63,9 @@ impl SnapshotTableEntry {
         String::from_utf8_lossy(&self.name).into_owned()
     }
 
-    /// Total entry length (fixed part, extra data, ID, name, padding) given the 40-byte fixed
-    /// part, so a reader can fetch one entry at a time.
+    /// Length of the entry's data (fixed part, extra data, ID and name, without the padding
+    /// to 8 bytes) given its 40-byte fixed part, so a reader can fetch one entry at a time.
+    /// The padding of the last entry need not be in the file: QEMU never reads it.
     pub fn entry_len(fixed: &[u8], at: Location) -> Result<usize, FormatError> {
         let id_len = be::u16_at(fixed, 12, at, "snapshot entry")?;
         let name_len = be::u16_at(fixed, 14, at, "snapshot entry")?;
@@ -79,17 +80,14 @@ impl SnapshotTableEntry {
             });
         }
         // At most 40 + 1024 + 2 * 65535 bytes: no overflow possible.
-        let raw = limits::SNAPSHOT_ENTRY_FIXED_SIZE as usize
+        Ok(limits::SNAPSHOT_ENTRY_FIXED_SIZE as usize
             + extra as usize
             + usize::from(id_len)
-            + usize::from(name_len);
-        be::pad8(raw).ok_or(FormatError::Overflow {
-            at,
-            what: "snapshot entry length",
-        })
+            + usize::from(name_len))
     }
 
-    /// Decodes entry `index` from `buf`, which starts at the entry; returns it and its length.
+    /// Decodes entry `index` from `buf`, which starts at the entry; returns it and its length
+    /// including padding (where the next entry starts).
     pub fn decode(
         buf: &[u8],
         entry_offset: u64,
@@ -114,7 +112,10 @@ impl SnapshotTableEntry {
             "snapshot name",
         )?
         .to_vec();
-        be::bytes_at(buf, 0, len, at, "snapshot entry padding")?;
+        let padded = be::pad8(len).ok_or(FormatError::Overflow {
+            at,
+            what: "snapshot entry length",
+        })?;
 
         geometry.validate_table(&super::geometry::TableBounds {
             at,
@@ -138,7 +139,7 @@ impl SnapshotTableEntry {
             vm_state_size_32: be::u32_at(buf, 32, at, "snapshot entry")?,
             extra_data,
         };
-        Ok((entry, len))
+        Ok((entry, padded))
     }
 
     /// Appends the encoded entry (with zero padding) to `out`.

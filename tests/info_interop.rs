@@ -1,0 +1,316 @@
+//! Interop matrix: images made by `qemu-img` across cluster sizes, extended L2, refcount
+//! widths, compat levels, compression types, backing files, snapshots and bitmaps must give
+//! the same `info --output=json` from us as from `qemu-img info --output=json`.
+//!
+//! Needs qemu-img (Debian: qemu-utils); fails with a clear message when it is missing.
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+
+fn qemu_img(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("qemu-img")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run qemu-img ({e}); install qemu-utils to run the interop tests")
+        });
+    assert!(
+        out.status.success(),
+        "qemu-img {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn qemu_io(dir: &Path, image: &str, cmd: &str) {
+    let out = Command::new("qemu-io")
+        .args(["-f", "qcow2", "-c", cmd, image])
+        .current_dir(dir)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run qemu-io ({e}); install qemu-utils to run the interop tests")
+        });
+    assert!(
+        out.status.success(),
+        "qemu-io {cmd:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn ours(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_qcow2-nbd"))
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("run qcow2-nbd");
+    assert!(
+        out.status.success(),
+        "qcow2-nbd {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Lists every difference between two JSON values, by path.
+fn differences(ours: &Value, qemu: &Value, path: &str, out: &mut Vec<String>) {
+    match (ours, qemu) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, v) in b {
+                match a.get(k) {
+                    Some(mine) => differences(mine, v, &format!("{path}/{k}"), out),
+                    None => out.push(format!("{path}/{k}: missing from ours (qemu: {v})")),
+                }
+            }
+            for k in a.keys().filter(|k| !b.contains_key(*k)) {
+                out.push(format!("{path}/{k}: only in ours ({})", a[k]));
+            }
+        }
+        (Value::Array(a), Value::Array(b)) if a.len() == b.len() => {
+            for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                differences(x, y, &format!("{path}[{i}]"), out);
+            }
+        }
+        _ if ours != qemu => out.push(format!("{path}: ours {ours} != qemu {qemu}")),
+        _ => {}
+    }
+}
+
+/// Compares both tools' JSON for `image` (with and without `--backing-chain`).
+fn assert_same_info(dir: &Path, image: &str, backing_chain: bool) {
+    let mut qemu_args = vec!["info", "--output=json"];
+    let mut our_args = vec!["info", "--output=json"];
+    if backing_chain {
+        qemu_args.push("--backing-chain");
+        our_args.push("--backing-chain");
+    }
+    qemu_args.push(image);
+    our_args.push(image);
+    let qemu: Value = serde_json::from_str(&qemu_img(dir, &qemu_args)).expect("qemu-img JSON");
+    let mine: Value = serde_json::from_str(&ours(dir, &our_args)).expect("our JSON");
+    let mut diffs = Vec::new();
+    differences(&mine, &qemu, "", &mut diffs);
+    assert!(
+        diffs.is_empty(),
+        "{image}: info differs from qemu-img:\n{}",
+        diffs.join("\n")
+    );
+}
+
+fn create(dir: &Path, name: &str, opts: &str, size: &str) {
+    let mut args = vec!["create", "-q", "-f", "qcow2"];
+    if !opts.is_empty() {
+        args.extend(["-o", opts]);
+    }
+    args.extend([name, size]);
+    qemu_img(dir, &args);
+}
+
+#[test]
+fn cluster_sizes_512b_to_2m_with_and_without_extended_l2() {
+    let dir = tempfile::tempdir().unwrap();
+    for bits in 9..=21u32 {
+        let size = 1u64 << bits;
+        let plain = format!("plain-{bits}.qcow2");
+        create(dir.path(), &plain, &format!("cluster_size={size}"), "100M");
+        qemu_io(dir.path(), &plain, "write -P 7 0 300k");
+        assert_same_info(dir.path(), &plain, false);
+        if bits >= 14 {
+            let ext = format!("ext-{bits}.qcow2");
+            create(
+                dir.path(),
+                &ext,
+                &format!("cluster_size={size},extended_l2=on"),
+                "100M",
+            );
+            qemu_io(dir.path(), &ext, "write -P 7 4k 300k");
+            assert_same_info(dir.path(), &ext, false);
+        }
+    }
+}
+
+#[test]
+fn refcount_widths_1_to_64_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    for order in 0..=6 {
+        let bits = 1u32 << order;
+        let name = format!("rc-{bits}.qcow2");
+        create(dir.path(), &name, &format!("refcount_bits={bits}"), "64M");
+        qemu_io(dir.path(), &name, "write -P 1 0 128k");
+        assert_same_info(dir.path(), &name, false);
+    }
+}
+
+#[test]
+fn compat_0_10_and_1_1_with_lazy_refcounts_and_zstd() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, opts) in [
+        ("v2.qcow2", "compat=0.10"),
+        ("v2-small.qcow2", "compat=0.10,cluster_size=512"),
+        ("v3.qcow2", "compat=1.1"),
+        ("lazy.qcow2", "compat=1.1,lazy_refcounts=on"),
+        ("zstd.qcow2", "compression_type=zstd"),
+        (
+            "zstd-ext.qcow2",
+            "compression_type=zstd,extended_l2=on,cluster_size=128k",
+        ),
+        ("zlib.qcow2", "compression_type=zlib"),
+    ] {
+        create(dir.path(), name, opts, "1G");
+        assert_same_info(dir.path(), name, false);
+    }
+    // Compressed clusters written through qemu-img convert -c.
+    qemu_img(
+        dir.path(),
+        &[
+            "convert",
+            "-c",
+            "-O",
+            "qcow2",
+            "-o",
+            "compression_type=zstd",
+            "zstd.qcow2",
+            "conv.qcow2",
+        ],
+    );
+    assert_same_info(dir.path(), "conv.qcow2", false);
+}
+
+#[test]
+fn backing_files_given_with_format() {
+    let dir = tempfile::tempdir().unwrap();
+    create(dir.path(), "base.qcow2", "", "64M");
+    qemu_io(dir.path(), "base.qcow2", "write -P 3 0 1M");
+    qemu_img(
+        dir.path(),
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            "base.qcow2",
+            "-F",
+            "qcow2",
+            "mid.qcow2",
+        ],
+    );
+    qemu_img(
+        dir.path(),
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            "mid.qcow2",
+            "-F",
+            "qcow2",
+            "top.qcow2",
+        ],
+    );
+    qemu_io(dir.path(), "top.qcow2", "write -P 4 512k 64k");
+    std::fs::write(
+        dir.path().join("base.raw"),
+        vec![0u8; 3 * 1024 * 1024 + 100],
+    )
+    .unwrap();
+    qemu_img(
+        dir.path(),
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            "base.raw",
+            "-F",
+            "raw",
+            "over-raw.qcow2",
+        ],
+    );
+    for image in ["top.qcow2", "mid.qcow2", "over-raw.qcow2"] {
+        assert_same_info(dir.path(), image, false);
+        assert_same_info(dir.path(), image, true);
+    }
+    // An absolute image path resolves the backing name against the image's directory.
+    let abs = dir.path().join("top.qcow2");
+    assert_same_info(dir.path(), abs.to_str().unwrap(), true);
+}
+
+#[test]
+fn internal_snapshots() {
+    let dir = tempfile::tempdir().unwrap();
+    create(dir.path(), "snap.qcow2", "", "64M");
+    qemu_io(dir.path(), "snap.qcow2", "write -P 1 0 256k");
+    qemu_img(dir.path(), &["snapshot", "-c", "first", "snap.qcow2"]);
+    qemu_io(dir.path(), "snap.qcow2", "write -P 2 0 64k");
+    qemu_img(dir.path(), &["snapshot", "-c", "second", "snap.qcow2"]);
+    assert_same_info(dir.path(), "snap.qcow2", false);
+
+    create(dir.path(), "snap-v2.qcow2", "compat=0.10", "64M");
+    qemu_img(
+        dir.path(),
+        &["snapshot", "-c", "old-style", "snap-v2.qcow2"],
+    );
+    assert_same_info(dir.path(), "snap-v2.qcow2", false);
+}
+
+#[test]
+fn persistent_bitmaps() {
+    let dir = tempfile::tempdir().unwrap();
+    create(dir.path(), "bm.qcow2", "", "64M");
+    qemu_img(dir.path(), &["bitmap", "--add", "bm.qcow2", "enabled"]);
+    qemu_img(
+        dir.path(),
+        &[
+            "bitmap",
+            "--add",
+            "-g",
+            "1M",
+            "--disable",
+            "bm.qcow2",
+            "disabled",
+        ],
+    );
+    qemu_io(dir.path(), "bm.qcow2", "write -P 9 0 2M");
+    assert_same_info(dir.path(), "bm.qcow2", false);
+}
+
+#[test]
+fn external_data_file() {
+    let dir = tempfile::tempdir().unwrap();
+    create(
+        dir.path(),
+        "df.qcow2",
+        "data_file=df.raw,data_file_raw=on",
+        "16M",
+    );
+    assert_same_info(dir.path(), "df.qcow2", false);
+    create(dir.path(), "df2.qcow2", "data_file=df2.raw", "16M");
+    assert_same_info(dir.path(), "df2.qcow2", false);
+}
+
+#[test]
+fn everything_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    create(dir.path(), "base.qcow2", "cluster_size=2M", "256M");
+    qemu_img(
+        dir.path(),
+        &[
+            "create", "-q", "-f", "qcow2", "-o",
+            "compression_type=zstd,extended_l2=on,lazy_refcounts=on,refcount_bits=4,cluster_size=32k",
+            "-b", "base.qcow2", "-F", "qcow2", "all.qcow2",
+        ],
+    );
+    qemu_io(dir.path(), "all.qcow2", "write -P 5 1k 100k");
+    qemu_img(dir.path(), &["snapshot", "-c", "s1", "all.qcow2"]);
+    qemu_img(
+        dir.path(),
+        &["bitmap", "--add", "-g", "512", "all.qcow2", "fine"],
+    );
+    assert_same_info(dir.path(), "all.qcow2", false);
+    assert_same_info(dir.path(), "all.qcow2", true);
+}
