@@ -1,1 +1,34 @@
-//! The NBD protocol: wire types, handshake, transmission loop and the `Export` trait (issue 6).
+//! The NBD protocol: wire types, handshake, transmission loop, server and the [`Export`]
+//! trait (issue 6).
+//!
+//! - [`wire`]: pure encode/decode of every protocol structure, safe on untrusted bytes.
+//! - [`negotiate`]: the handshake (fixed and non-fixed newstyle, `OPT_GO`/`INFO`/`LIST`/
+//!   `ABORT`, structured replies, extended headers, metadata contexts).
+//! - [`transmission`]: pipelined request handling with simple, structured or extended
+//!   replies.
+//! - [`server`]: the accept loop over Unix, TCP and socket-activated listeners.
+//! - [`Export`]: what an engine implements; [`MemExport`] is an in-memory one for tests.
+//!
+//! Everything runs on one thread (a current-thread runtime and a `LocalSet`): exports and
+//! their futures need not be `Send`.
+
+pub mod connection;
+pub mod errno;
+pub mod export;
+pub mod exports;
+pub mod mem_export;
+pub mod negotiate;
+pub mod server;
+pub mod systemd;
+pub mod transmission;
+pub mod wire;
+
+pub use connection::{serve_connection, ConnectionEnd, ConnectionError};
+pub use errno::Errno;
+pub use export::{
+    BlockSize, BlockSizeError, Export, ExportFeatures, Extent, ReadChunk, WriteZeroesFlags,
+};
+pub use exports::{ExportEntry, Exports, ExportsError};
+pub use mem_export::{MemExport, MemStats};
+pub use negotiate::meta::{ALLOCATION_DEPTH, BASE_ALLOCATION};
+pub use server::{shutdown_signal, Listener, ServeReport, Server, ServerConfig, ServerError};

@@ -1,0 +1,223 @@
+//! The handshake: greeting, client flags and option haggling up to transmission.
+//!
+//! Fixed newstyle and non-fixed newstyle clients are served; oldstyle is not (the spec has
+//! retired it). The decisions live in [`options`] as a pure state machine; this module only
+//! moves bytes.
+
+pub mod meta;
+pub mod options;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::export::{BlockSize, Export, ExportFeatures};
+use crate::exports::Exports;
+use crate::wire::consts::*;
+use crate::wire::handshake::{
+    ClientFlags, ExportNameReply, Greeting, OptionHeader, OptionReplyHeader, CLIENT_FLAGS_LEN,
+    OPTION_HEADER_LEN,
+};
+use crate::wire::WireError;
+use meta::MetaSelection;
+use options::{OptReply, OptionState, Step};
+
+/// Largest option payload we buffer; larger ones are drained and refused, never allocated.
+/// Generous for every option we know (a `SET_META_CONTEXT` with hundreds of queries fits).
+pub const MAX_OPTION_LEN: u32 = 1 << 20;
+
+/// Which reply format transmission uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Simple replies only (no structured replies negotiated, e.g. the Linux kernel).
+    Simple,
+    /// Structured replies with compact headers.
+    Structured,
+    /// Extended headers: 32-byte requests and replies, 64-bit lengths.
+    Extended,
+}
+
+/// The outcome of a successful handshake.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Negotiated {
+    /// Index of the chosen export in the [`Exports`] list.
+    pub export: usize,
+    /// Reply format.
+    pub mode: Mode,
+    /// Metadata contexts selected for this export.
+    pub meta: MetaSelection,
+    /// Export size sent to the client.
+    pub size: u64,
+    /// Transmission flags sent to the client.
+    pub flags: u16,
+    /// Block sizes advertised (maximum already capped).
+    pub block_size: BlockSize,
+}
+
+/// Transmission flags for an export's features under a reply mode.
+pub fn transmission_flags(features: &ExportFeatures, mode: Mode) -> u16 {
+    let mut flags = FLAG_HAS_FLAGS;
+    let mut set = |cond: bool, bit: u16| {
+        if cond {
+            flags |= bit;
+        }
+    };
+    let writable = !features.read_only;
+    set(features.read_only, FLAG_READ_ONLY);
+    set(features.flush, FLAG_SEND_FLUSH);
+    set(features.fua, FLAG_SEND_FUA);
+    set(features.rotational, FLAG_ROTATIONAL);
+    set(writable && features.trim, FLAG_SEND_TRIM);
+    set(writable && features.write_zeroes, FLAG_SEND_WRITE_ZEROES);
+    set(
+        writable && features.write_zeroes && features.fast_zero,
+        FLAG_SEND_FAST_ZERO,
+    );
+    set(mode != Mode::Simple, FLAG_SEND_DF);
+    set(features.multi_conn, FLAG_CAN_MULTI_CONN);
+    set(features.cache, FLAG_SEND_CACHE);
+    flags
+}
+
+/// Why a handshake ended without reaching transmission (other than the client leaving).
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    /// The socket failed.
+    #[error("handshake I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// The client sent a malformed structure.
+    #[error("handshake: {0}")]
+    Wire(#[from] WireError),
+    /// The client broke a rule that leaves no way to answer but hanging up.
+    #[error("handshake refused: {0}")]
+    Refused(String),
+}
+
+/// How a handshake ended normally.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HandshakeEnd {
+    /// Enter transmission.
+    Transmission(Negotiated),
+    /// The client aborted, or hung up, before choosing an export.
+    ClientLeft,
+}
+
+/// Runs the server side of the handshake over `reader`/`writer`.
+pub async fn negotiate<R, W, E>(
+    reader: &mut R,
+    writer: &mut W,
+    exports: &Exports<E>,
+) -> Result<HandshakeEnd, HandshakeError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+    E: Export,
+{
+    let server_flags = FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES;
+    writer
+        .write_all(
+            &Greeting {
+                flags: server_flags,
+            }
+            .encode(),
+        )
+        .await?;
+    writer.flush().await?;
+
+    let mut buf = [0u8; CLIENT_FLAGS_LEN];
+    if !read_or_eof(reader, &mut buf).await? {
+        return Ok(HandshakeEnd::ClientLeft);
+    }
+    let client = ClientFlags::decode(&buf, server_flags)?;
+    let mut state = OptionState::new(client.fixed_newstyle, client.no_zeroes);
+
+    let mut data = Vec::new();
+    loop {
+        let mut head = [0u8; OPTION_HEADER_LEN];
+        if !read_or_eof(reader, &mut head).await? {
+            return Ok(HandshakeEnd::ClientLeft);
+        }
+        let header = OptionHeader::decode(&head)?;
+        let step = if header.length > MAX_OPTION_LEN {
+            drain(reader, header.length.into()).await?;
+            state.oversized(header.option, header.length)
+        } else {
+            data.clear();
+            data.resize(usize::try_from(header.length).unwrap_or(0), 0);
+            reader.read_exact(&mut data).await?;
+            state.handle(exports, header.option, &data)
+        };
+        tracing::debug!(
+            option = header.option,
+            length = header.length,
+            ?step,
+            "option"
+        );
+        match step {
+            Step::Continue(replies) => send_replies(writer, &replies).await?,
+            Step::Go(replies, negotiated) => {
+                send_replies(writer, &replies).await?;
+                return Ok(HandshakeEnd::Transmission(negotiated));
+            }
+            Step::ExportName(negotiated) => {
+                let reply = ExportNameReply {
+                    size: negotiated.size,
+                    flags: negotiated.flags,
+                };
+                writer.write_all(&reply.encode(state.no_zeroes)).await?;
+                writer.flush().await?;
+                return Ok(HandshakeEnd::Transmission(negotiated));
+            }
+            Step::Abort(replies) => {
+                // The client may already be gone; an ACK it never reads is no error.
+                let _ = send_replies(writer, &replies).await;
+                return Ok(HandshakeEnd::ClientLeft);
+            }
+            Step::Close(reason) => return Err(HandshakeError::Refused(reason)),
+        }
+    }
+}
+
+async fn send_replies<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    replies: &[OptReply],
+) -> std::io::Result<()> {
+    let mut out = Vec::new();
+    for r in replies {
+        let header = OptionReplyHeader {
+            option: r.option,
+            reply_type: r.reply_type,
+            length: u32::try_from(r.data.len()).unwrap_or(u32::MAX),
+        };
+        out.extend_from_slice(&header.encode());
+        out.extend_from_slice(&r.data);
+    }
+    writer.write_all(&out).await?;
+    writer.flush().await
+}
+
+/// Fills `buf`; `Ok(false)` if the peer closed before sending its first byte.
+pub(crate) async fn read_or_eof<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    buf: &mut [u8],
+) -> std::io::Result<bool> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let n = reader.read(&mut buf[filled..]).await?;
+        if n == 0 {
+            if filled == 0 {
+                return Ok(false);
+            }
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        filled += n;
+    }
+    Ok(true)
+}
+
+/// Reads and discards `len` bytes without allocating them.
+pub(crate) async fn drain<R: AsyncRead + Unpin>(reader: &mut R, len: u64) -> std::io::Result<()> {
+    let copied = tokio::io::copy(&mut reader.take(len), &mut tokio::io::sink()).await?;
+    if copied < len {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(())
+}

@@ -1,0 +1,395 @@
+//! Option haggling as a pure state machine: one client option in, the replies and the next
+//! step out. No I/O here, so every answer is unit-tested byte for byte.
+
+use super::meta::{self, MetaSelection, QueryMode};
+use super::{transmission_flags, Mode, Negotiated};
+use crate::export::Export;
+use crate::exports::Exports;
+use crate::wire::consts::*;
+use crate::wire::option_data::{
+    InfoReply, InfoRequest, MetaContextEntry, MetaContextRequest, ServerEntry,
+};
+
+/// One option reply to send: option, reply type, data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OptReply {
+    /// Option being answered.
+    pub option: u32,
+    /// `REP_*` type.
+    pub reply_type: u32,
+    /// Reply data.
+    pub data: Vec<u8>,
+}
+
+impl OptReply {
+    fn ack(option: u32) -> Self {
+        Self {
+            option,
+            reply_type: REP_ACK,
+            data: Vec::new(),
+        }
+    }
+
+    fn error(option: u32, reply_type: u32, message: impl Into<String>) -> Self {
+        Self {
+            option,
+            reply_type,
+            data: message.into().into_bytes(),
+        }
+    }
+}
+
+/// What the connection does after an option.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Send the replies and read the next option.
+    Continue(Vec<OptReply>),
+    /// Send the replies and enter transmission (`OPT_GO` succeeded).
+    Go(Vec<OptReply>, Negotiated),
+    /// Send the `OPT_EXPORT_NAME` reply and enter transmission.
+    ExportName(Negotiated),
+    /// Send the replies and close (`OPT_ABORT`).
+    Abort(Vec<OptReply>),
+    /// Close without replying: the protocol leaves no way to report this error.
+    Close(String),
+}
+
+/// Negotiation state of one connection.
+#[derive(Debug, Clone, Default)]
+pub struct OptionState {
+    /// The client set `NBD_FLAG_C_FIXED_NEWSTYLE`.
+    pub fixed: bool,
+    /// The client set `NBD_FLAG_C_NO_ZEROES`.
+    pub no_zeroes: bool,
+    structured: bool,
+    extended: bool,
+    /// Selected contexts and the export they were selected for.
+    meta: Option<(usize, MetaSelection)>,
+}
+
+impl OptionState {
+    /// State after the client flags.
+    pub fn new(fixed: bool, no_zeroes: bool) -> Self {
+        Self {
+            fixed,
+            no_zeroes,
+            ..Self::default()
+        }
+    }
+
+    /// The reply mode negotiated so far.
+    pub fn mode(&self) -> Mode {
+        if self.extended {
+            Mode::Extended
+        } else if self.structured {
+            Mode::Structured
+        } else {
+            Mode::Simple
+        }
+    }
+
+    /// Answers an option whose data exceeded the size we are willing to buffer (the caller
+    /// has already drained the data).
+    pub fn oversized(&mut self, option: u32, length: u32) -> Step {
+        if option == OPT_EXPORT_NAME || !self.fixed {
+            return Step::Close(format!(
+                "option {option} with {length} bytes of data is too large"
+            ));
+        }
+        if option == OPT_SET_META_CONTEXT {
+            self.meta = None;
+        }
+        let reply = if is_known(option) {
+            OptReply::error(
+                option,
+                REP_ERR_TOO_BIG,
+                format!("option data of {length} bytes is too large"),
+            )
+        } else {
+            OptReply::error(
+                option,
+                REP_ERR_UNSUP,
+                format!("option {option} is not supported"),
+            )
+        };
+        Step::Continue(vec![reply])
+    }
+
+    /// Handles one option with its complete data.
+    pub fn handle<E: Export>(&mut self, exports: &Exports<E>, option: u32, data: &[u8]) -> Step {
+        if !self.fixed && option != OPT_EXPORT_NAME {
+            // A non-fixed client cannot parse option replies: hang up, as qemu-nbd does.
+            return Step::Close(format!(
+                "option {option} from a client without fixed newstyle"
+            ));
+        }
+        match option {
+            OPT_EXPORT_NAME => self.export_name(exports, data),
+            OPT_ABORT => Step::Abort(vec![OptReply::ack(option)]),
+            OPT_LIST => Step::Continue(list(exports, data)),
+            OPT_INFO | OPT_GO => self.info_or_go(exports, option, data),
+            OPT_STRUCTURED_REPLY => Step::Continue(vec![self.structured_reply(data)]),
+            OPT_EXTENDED_HEADERS => Step::Continue(vec![self.extended_headers(data)]),
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                Step::Continue(self.meta_context(exports, option, data))
+            }
+            _ => Step::Continue(vec![OptReply::error(
+                option,
+                REP_ERR_UNSUP,
+                format!("option {option} is not supported"),
+            )]),
+        }
+    }
+
+    fn negotiated<E: Export>(&self, exports: &Exports<E>, index: usize) -> Option<Negotiated> {
+        let entry = exports.get(index)?;
+        let features = entry.export.features();
+        let mode = self.mode();
+        let meta = match self.meta {
+            Some((for_export, sel)) if for_export == index && mode != Mode::Simple => sel,
+            _ => MetaSelection::default(),
+        };
+        Some(Negotiated {
+            export: index,
+            mode,
+            meta,
+            size: entry.export.size(),
+            flags: transmission_flags(&features, mode),
+            block_size: features.block_size.advertised(),
+        })
+    }
+
+    fn export_name<E: Export>(&mut self, exports: &Exports<E>, data: &[u8]) -> Step {
+        if self.extended {
+            return Step::Close("OPT_EXPORT_NAME after extended headers were negotiated".into());
+        }
+        if data.len() > MAX_STRING_LEN {
+            return Step::Close(format!("export name of {} bytes is too long", data.len()));
+        }
+        match exports.find(data).and_then(|i| self.negotiated(exports, i)) {
+            Some(n) => Step::ExportName(n),
+            None => Step::Close(format!(
+                "unknown export {:?}",
+                String::from_utf8_lossy(data)
+            )),
+        }
+    }
+
+    fn info_or_go<E: Export>(&mut self, exports: &Exports<E>, option: u32, data: &[u8]) -> Step {
+        let request = match InfoRequest::decode(data) {
+            Ok(r) => r,
+            Err(e) => {
+                return Step::Continue(vec![OptReply::error(
+                    option,
+                    REP_ERR_INVALID,
+                    e.to_string(),
+                )])
+            }
+        };
+        let Some((index, n)) = exports
+            .find(request.name)
+            .and_then(|i| Some((i, self.negotiated(exports, i)?)))
+        else {
+            return Step::Continue(vec![OptReply::error(
+                option,
+                REP_ERR_UNKNOWN,
+                format!(
+                    "export {:?} not found",
+                    String::from_utf8_lossy(request.name)
+                ),
+            )]);
+        };
+        let Some(entry) = exports.get(index) else {
+            return Step::Continue(vec![OptReply::error(
+                option,
+                REP_ERR_UNKNOWN,
+                "export vanished",
+            )]);
+        };
+        let info = |item: InfoReply<'_>| OptReply {
+            option,
+            reply_type: REP_INFO,
+            data: item.encode(),
+        };
+        let mut replies = Vec::new();
+        // Name and description only when asked for; export and block sizes always (the
+        // spec allows unrequested items, and clients that ignore them lose nothing).
+        if request.requests.contains(&INFO_NAME) {
+            replies.push(info(InfoReply::Name(entry.name.as_bytes())));
+        }
+        if request.requests.contains(&INFO_DESCRIPTION) && !entry.description.is_empty() {
+            replies.push(info(InfoReply::Description(entry.description.as_bytes())));
+        }
+        replies.push(info(InfoReply::BlockSize {
+            minimum: n.block_size.minimum,
+            preferred: n.block_size.preferred,
+            maximum: n.block_size.maximum,
+        }));
+        replies.push(info(InfoReply::Export {
+            size: n.size,
+            flags: n.flags,
+        }));
+        replies.push(OptReply::ack(option));
+        if option == OPT_GO {
+            Step::Go(replies, n)
+        } else {
+            Step::Continue(replies)
+        }
+    }
+
+    fn structured_reply(&mut self, data: &[u8]) -> OptReply {
+        let option = OPT_STRUCTURED_REPLY;
+        if !data.is_empty() {
+            return OptReply::error(
+                option,
+                REP_ERR_INVALID,
+                "OPT_STRUCTURED_REPLY takes no data",
+            );
+        }
+        if self.extended {
+            return OptReply::error(
+                option,
+                REP_ERR_EXT_HEADER_REQD,
+                "extended headers already negotiated",
+            );
+        }
+        if self.structured {
+            return OptReply::error(
+                option,
+                REP_ERR_INVALID,
+                "structured replies already negotiated",
+            );
+        }
+        self.structured = true;
+        OptReply::ack(option)
+    }
+
+    fn extended_headers(&mut self, data: &[u8]) -> OptReply {
+        let option = OPT_EXTENDED_HEADERS;
+        if !data.is_empty() {
+            return OptReply::error(
+                option,
+                REP_ERR_INVALID,
+                "OPT_EXTENDED_HEADERS takes no data",
+            );
+        }
+        if self.extended {
+            return OptReply::error(
+                option,
+                REP_ERR_INVALID,
+                "extended headers already negotiated",
+            );
+        }
+        self.extended = true;
+        OptReply::ack(option)
+    }
+
+    fn meta_context<E: Export>(
+        &mut self,
+        exports: &Exports<E>,
+        option: u32,
+        data: &[u8],
+    ) -> Vec<OptReply> {
+        let setting = option == OPT_SET_META_CONTEXT;
+        if setting {
+            // A set replaces the previous selection even when it fails.
+            self.meta = None;
+        }
+        if self.mode() == Mode::Simple {
+            return vec![OptReply::error(
+                option,
+                REP_ERR_INVALID,
+                "negotiate structured replies or extended headers first",
+            )];
+        }
+        let request = match MetaContextRequest::decode(data) {
+            Ok(r) => r,
+            Err(e) => return vec![OptReply::error(option, REP_ERR_INVALID, e.to_string())],
+        };
+        let Some(entry) = exports
+            .find(request.name)
+            .and_then(|i| Some((i, exports.get(i)?)))
+        else {
+            return vec![OptReply::error(
+                option,
+                REP_ERR_UNKNOWN,
+                format!(
+                    "export {:?} not found",
+                    String::from_utf8_lossy(request.name)
+                ),
+            )];
+        };
+        let (index, entry) = entry;
+        let available = MetaSelection {
+            base_allocation: true,
+            allocation_depth: entry.export.features().allocation_depth,
+        };
+        let mode = if setting {
+            QueryMode::Set
+        } else {
+            QueryMode::List
+        };
+        let selected = meta::select(&request.queries, mode, available);
+        let mut replies: Vec<OptReply> = selected
+            .contexts()
+            .into_iter()
+            .map(|ctx| OptReply {
+                option,
+                reply_type: REP_META_CONTEXT,
+                data: MetaContextEntry {
+                    id: if setting { ctx.id() } else { 0 },
+                    name: ctx.name().as_bytes(),
+                }
+                .encode(),
+            })
+            .collect();
+        replies.push(OptReply::ack(option));
+        if setting {
+            self.meta = Some((index, selected));
+        }
+        replies
+    }
+}
+
+fn list<E>(exports: &Exports<E>, data: &[u8]) -> Vec<OptReply> {
+    if !data.is_empty() {
+        return vec![OptReply::error(
+            OPT_LIST,
+            REP_ERR_INVALID,
+            "OPT_LIST takes no data",
+        )];
+    }
+    let mut replies: Vec<OptReply> = exports
+        .entries()
+        .iter()
+        .map(|e| OptReply {
+            option: OPT_LIST,
+            reply_type: REP_SERVER,
+            data: ServerEntry {
+                name: e.name.as_bytes(),
+                details: e.description.as_bytes(),
+            }
+            .encode(),
+        })
+        .collect();
+    replies.push(OptReply::ack(OPT_LIST));
+    replies
+}
+
+fn is_known(option: u32) -> bool {
+    matches!(
+        option,
+        OPT_EXPORT_NAME
+            | OPT_ABORT
+            | OPT_LIST
+            | OPT_INFO
+            | OPT_GO
+            | OPT_STRUCTURED_REPLY
+            | OPT_LIST_META_CONTEXT
+            | OPT_SET_META_CONTEXT
+            | OPT_EXTENDED_HEADERS
+    )
+}
+
+#[cfg(test)]
+mod tests;

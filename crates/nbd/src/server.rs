@@ -1,0 +1,307 @@
+//! The accept loop: Unix, TCP and socket-activated listeners, named exports, `persistent`
+//! and connection-limit semantics like qemu-nbd's `-t` and `-e`, and graceful shutdown.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::path::{Path, PathBuf};
+use std::task::Poll;
+use std::time::Duration;
+
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::watch;
+use tokio::task::{JoinSet, LocalSet};
+
+use crate::connection::{serve_connection, ConnectionEnd};
+use crate::errno::Errno;
+use crate::export::Export;
+use crate::exports::{ExportEntry, Exports, ExportsError};
+use crate::systemd::ActivatedSocket;
+
+/// Server behaviour.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConfig {
+    /// Keep serving after the last client leaves (qemu-nbd `-t`); otherwise stop once the
+    /// number of clients drops back to zero after the first one.
+    pub persistent: bool,
+    /// Most clients served at once (qemu-nbd `-e`); further clients wait in the listen
+    /// backlog. `None` means unlimited.
+    pub max_connections: Option<NonZeroUsize>,
+    /// Time a client has to finish the handshake (qemu-nbd `--handshake-limit`).
+    pub handshake_timeout: Option<Duration>,
+}
+
+impl Default for ServerConfig {
+    /// qemu-nbd's defaults: one client, not persistent, 10 s handshake limit.
+    fn default() -> Self {
+        Self {
+            persistent: false,
+            max_connections: NonZeroUsize::new(1),
+            handshake_timeout: Some(Duration::from_secs(10)),
+        }
+    }
+}
+
+/// A socket the server accepts clients on.
+#[derive(Debug)]
+pub enum Listener {
+    /// A Unix socket; `path` is removed when the listener is dropped if we created it.
+    Unix {
+        /// The socket.
+        listener: UnixListener,
+        /// Path to unlink on drop.
+        path: Option<PathBuf>,
+    },
+    /// A TCP socket.
+    Tcp(TcpListener),
+}
+
+impl Listener {
+    /// Binds a Unix socket at `path` (must be called inside a tokio runtime).
+    pub fn bind_unix(path: impl AsRef<Path>) -> std::io::Result<Self> {
+        let path = path.as_ref();
+        let listener = UnixListener::bind(path)?;
+        Ok(Self::Unix {
+            listener,
+            path: Some(path.to_owned()),
+        })
+    }
+
+    /// Binds a TCP socket (port 0 picks a free port; see [`Listener::local_tcp_addr`]).
+    pub async fn bind_tcp(addr: SocketAddr) -> std::io::Result<Self> {
+        Ok(Self::Tcp(TcpListener::bind(addr).await?))
+    }
+
+    /// Wraps a socket-activated listener (must be called inside a tokio runtime).
+    pub fn from_activated(socket: ActivatedSocket) -> std::io::Result<Self> {
+        Ok(match socket {
+            ActivatedSocket::Unix(l) => Self::Unix {
+                listener: UnixListener::from_std(l)?,
+                path: None,
+            },
+            ActivatedSocket::Tcp(l) => Self::Tcp(TcpListener::from_std(l)?),
+        })
+    }
+
+    /// The bound TCP address, for TCP listeners.
+    pub fn local_tcp_addr(&self) -> Option<SocketAddr> {
+        match self {
+            Self::Tcp(l) => l.local_addr().ok(),
+            Self::Unix { .. } => None,
+        }
+    }
+
+    fn poll_accept(&self, cx: &mut std::task::Context<'_>) -> Poll<std::io::Result<Accepted>> {
+        match self {
+            Self::Unix { listener, .. } => {
+                listener.poll_accept(cx).map_ok(|(s, _)| Accepted::Unix(s))
+            }
+            Self::Tcp(l) => l.poll_accept(cx).map_ok(|(s, peer)| Accepted::Tcp(s, peer)),
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Self::Unix { path: Some(p), .. } = self {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+enum Accepted {
+    Unix(tokio::net::UnixStream),
+    Tcp(tokio::net::TcpStream, SocketAddr),
+}
+
+/// Why serving failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// The exports cannot be served.
+    #[error(transparent)]
+    Exports(#[from] ExportsError),
+    /// No listener was given.
+    #[error("no listening socket")]
+    NoListener,
+    /// The final flush of an export failed.
+    #[error("flushing export {name:?} at shutdown failed: {errno}")]
+    Flush {
+        /// Export concerned.
+        name: String,
+        /// Its error.
+        errno: Errno,
+    },
+}
+
+/// What happened while serving.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServeReport {
+    /// Clients accepted.
+    pub connections: u64,
+    /// Clients whose connection ended with an error (protocol violation, I/O failure).
+    pub failed_connections: u64,
+    /// Serving stopped because of the shutdown signal (rather than the last client leaving).
+    pub shut_down: bool,
+}
+
+/// An NBD server for a set of exports.
+pub struct Server<E> {
+    exports: Exports<E>,
+    config: ServerConfig,
+}
+
+impl<E: Export + 'static> Server<E> {
+    /// Validates the exports.
+    pub fn new(exports: Vec<ExportEntry<E>>, config: ServerConfig) -> Result<Self, ServerError> {
+        Ok(Self {
+            exports: Exports::new(exports)?,
+            config,
+        })
+    }
+
+    /// Accepts clients on `listeners` until `shutdown` completes (or, without
+    /// `persistent`, until the clients are gone). On shutdown it stops accepting, lets
+    /// in-flight requests finish, flushes every export and returns.
+    ///
+    /// Runs its connections on a `LocalSet` of its own, so it works on a current-thread
+    /// runtime with or without an enclosing `LocalSet`.
+    pub async fn serve(
+        self,
+        listeners: Vec<Listener>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ServeReport, ServerError> {
+        if listeners.is_empty() {
+            return Err(ServerError::NoListener);
+        }
+        let local = LocalSet::new();
+        local.run_until(self.run(listeners, shutdown)).await
+    }
+
+    async fn run(
+        self,
+        listeners: Vec<Listener>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ServeReport, ServerError> {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let mut report = ServeReport::default();
+        let mut clients: JoinSet<bool> = JoinSet::new();
+        tokio::pin!(shutdown);
+        loop {
+            let room = self
+                .config
+                .max_connections
+                .is_none_or(|max| clients.len() < max.get());
+            tokio::select! {
+                () = &mut shutdown => {
+                    report.shut_down = true;
+                    break;
+                }
+                accepted = accept_any(&listeners), if room => match accepted {
+                    Ok(stream) => {
+                        report.connections += 1;
+                        let exports = self.exports.clone();
+                        let stop = stop_rx.clone();
+                        let limit = self.config.handshake_timeout;
+                        clients.spawn_local(async move { handle(stream, exports, limit, stop).await });
+                    }
+                    Err(e) => {
+                        // EMFILE and friends: back off instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                },
+                Some(done) = clients.join_next(), if !clients.is_empty() => {
+                    if !matches!(done, Ok(true)) {
+                        report.failed_connections += 1;
+                    }
+                    if !self.config.persistent && clients.is_empty() {
+                        break;
+                    }
+                }
+            }
+        }
+        drop(listeners);
+        let _ = stop_tx.send(true);
+        while let Some(done) = clients.join_next().await {
+            if !matches!(done, Ok(true)) {
+                report.failed_connections += 1;
+            }
+        }
+        for entry in self.exports.entries() {
+            entry
+                .export
+                .flush()
+                .await
+                .map_err(|errno| ServerError::Flush {
+                    name: entry.name.clone(),
+                    errno,
+                })?;
+        }
+        Ok(report)
+    }
+}
+
+async fn accept_any(listeners: &[Listener]) -> std::io::Result<Accepted> {
+    std::future::poll_fn(|cx| {
+        for l in listeners {
+            if let Poll::Ready(r) = l.poll_accept(cx) {
+                return Poll::Ready(r);
+            }
+        }
+        Poll::Pending
+    })
+    .await
+}
+
+/// Serves one accepted client; true if it ended without error.
+async fn handle<E: Export + 'static>(
+    stream: Accepted,
+    exports: Exports<E>,
+    limit: Option<Duration>,
+    stop: watch::Receiver<bool>,
+) -> bool {
+    let (result, peer) = match stream {
+        Accepted::Unix(s) => {
+            let (r, w) = s.into_split();
+            (
+                serve_connection(r, w, &exports, limit, stop).await,
+                "unix".to_owned(),
+            )
+        }
+        Accepted::Tcp(s, peer) => {
+            // The spec asks both ends to disable Nagle: replies are small and latency-bound.
+            let _ = s.set_nodelay(true);
+            let (r, w) = s.into_split();
+            (
+                serve_connection(r, w, &exports, limit, stop).await,
+                peer.to_string(),
+            )
+        }
+    };
+    match result {
+        Ok(ConnectionEnd::Transmission(n, end)) => {
+            tracing::info!(%peer, export = n.export, ?end, "client disconnected");
+            true
+        }
+        Ok(end) => {
+            tracing::debug!(%peer, ?end, "client left during handshake");
+            true
+        }
+        Err(e) => {
+            tracing::info!(%peer, error = %e, "connection closed");
+            false
+        }
+    }
+}
+
+/// Completes on SIGINT or SIGTERM: the conventional shutdown signal for `serve`.
+pub async fn shutdown_signal() -> std::io::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut term = signal(SignalKind::terminate())?;
+    tokio::select! {
+        _ = int.recv() => {}
+        _ = term.recv() => {}
+    }
+    Ok(())
+}

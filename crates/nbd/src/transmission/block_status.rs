@@ -1,0 +1,216 @@
+//! Turning an export's extents into the descriptors of one metadata context, within the
+//! limits the spec puts on a block status reply.
+
+use crate::export::Extent;
+use crate::negotiate::meta::MetaContext;
+use crate::wire::consts::{MAX_EXTENTS_PER_CHUNK, STATE_HOLE, STATE_ZERO};
+use crate::wire::reply::Descriptor;
+
+/// Largest descriptor length in a compact reply: the biggest 64 KiB multiple below 4 GiB, so a
+/// clamped extent stays aligned to any legal minimum block size.
+const COMPACT_MAX_EXTENT: u64 = 0xffff_0000;
+
+/// The status value of an extent in a context.
+pub fn status_of(extent: &Extent, ctx: MetaContext) -> u64 {
+    match ctx {
+        MetaContext::BaseAllocation => {
+            let mut flags = 0;
+            if extent.hole {
+                flags |= STATE_HOLE;
+            }
+            if extent.zero {
+                flags |= STATE_ZERO;
+            }
+            flags.into()
+        }
+        MetaContext::AllocationDepth => extent.depth.into(),
+    }
+}
+
+/// The request a block status reply answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatusQuery {
+    /// Offset of the request.
+    pub offset: u64,
+    /// Length the client asked about.
+    pub len: u64,
+    /// The client asked for one extent per context.
+    pub req_one: bool,
+    /// Compact (32-bit) descriptors.
+    pub compact: bool,
+    /// Export size.
+    pub size: u64,
+}
+
+/// Descriptors for `ctx`: zero-length extents dropped, equal neighbours merged, nothing past
+/// the end of the export, stopping once the requested length is covered (the last one may
+/// run past it unless `req_one`), and no more than the spec's 2^20 per chunk. Empty if the
+/// export described nothing.
+pub fn descriptors(extents: &[Extent], ctx: MetaContext, q: &StatusQuery) -> Vec<Descriptor> {
+    let limit = q.size.saturating_sub(q.offset);
+    let mut out: Vec<Descriptor> = Vec::new();
+    let mut covered = 0u64;
+    for extent in extents {
+        if covered >= q.len || covered >= limit {
+            break;
+        }
+        let len = extent.len.min(limit - covered);
+        if len == 0 {
+            continue;
+        }
+        let status = status_of(extent, ctx);
+        let full = out.len() >= MAX_EXTENTS_PER_CHUNK;
+        match out.last_mut() {
+            Some(last) if last.status == status => last.length += len,
+            _ if full => break,
+            _ => out.push(Descriptor {
+                length: len,
+                status,
+            }),
+        }
+        covered += len;
+    }
+    if q.req_one {
+        out.truncate(1);
+        if let Some(first) = out.first_mut() {
+            first.length = first.length.min(q.len);
+        }
+    }
+    if q.compact {
+        if let Some(last) = out.last_mut() {
+            if last.length > u64::from(u32::MAX) {
+                last.length = COMPACT_MAX_EXTENT;
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ext(len: u64, hole: bool, zero: bool, depth: u32) -> Extent {
+        Extent {
+            len,
+            hole,
+            zero,
+            depth,
+        }
+    }
+
+    fn q(offset: u64, len: u64, req_one: bool, compact: bool, size: u64) -> StatusQuery {
+        StatusQuery {
+            offset,
+            len,
+            req_one,
+            compact,
+            size,
+        }
+    }
+
+    fn pairs(d: &[Descriptor]) -> Vec<(u64, u64)> {
+        d.iter().map(|d| (d.length, d.status)).collect()
+    }
+
+    #[test]
+    fn base_allocation_maps_hole_and_zero_bits_and_merges_neighbours() {
+        let e = [
+            ext(4096, false, false, 1),
+            ext(4096, false, false, 2),
+            ext(8192, true, true, 0),
+            ext(512, false, true, 1),
+        ];
+        let d = descriptors(
+            &e,
+            MetaContext::BaseAllocation,
+            &q(0, 1 << 20, false, true, 1 << 20),
+        );
+        assert_eq!(pairs(&d), [(8192, 0), (8192, 3), (512, 2)]);
+        let d = descriptors(
+            &e,
+            MetaContext::AllocationDepth,
+            &q(0, 1 << 20, false, true, 1 << 20),
+        );
+        assert_eq!(pairs(&d), [(4096, 1), (4096, 2), (8192, 0), (512, 1)]);
+    }
+
+    #[test]
+    fn stops_once_the_request_is_covered_but_the_last_may_run_past_it() {
+        let e = [
+            ext(1000, false, false, 1),
+            ext(5000, true, true, 0),
+            ext(100, false, false, 1),
+        ];
+        let d = descriptors(
+            &e,
+            MetaContext::BaseAllocation,
+            &q(0, 2000, false, true, 10_000),
+        );
+        assert_eq!(pairs(&d), [(1000, 0), (5000, 3)]);
+    }
+
+    #[test]
+    fn req_one_gives_one_extent_no_longer_than_the_request() {
+        let e = [ext(5000, true, true, 0), ext(100, false, false, 1)];
+        let d = descriptors(
+            &e,
+            MetaContext::BaseAllocation,
+            &q(0, 2000, true, true, 10_000),
+        );
+        assert_eq!(pairs(&d), [(2000, 3)]);
+    }
+
+    #[test]
+    fn never_describes_past_the_end_of_the_export() {
+        let e = [ext(u64::MAX, false, false, 1)];
+        let d = descriptors(
+            &e,
+            MetaContext::BaseAllocation,
+            &q(4096, 100, false, false, 8192),
+        );
+        assert_eq!(pairs(&d), [(4096, 0)]);
+    }
+
+    #[test]
+    fn compact_replies_clamp_huge_extents_to_32_bits() {
+        let e = [ext(1 << 40, true, true, 0)];
+        let d = descriptors(
+            &e,
+            MetaContext::BaseAllocation,
+            &q(0, 4096, false, true, 1 << 41),
+        );
+        assert_eq!(pairs(&d), [(COMPACT_MAX_EXTENT, 3)]);
+        let d = descriptors(
+            &e,
+            MetaContext::BaseAllocation,
+            &q(0, 4096, false, false, 1 << 41),
+        );
+        assert_eq!(pairs(&d), [(1 << 40, 3)]);
+    }
+
+    #[test]
+    fn empty_and_zero_length_extents_describe_nothing() {
+        assert!(
+            descriptors(&[], MetaContext::BaseAllocation, &q(0, 10, false, true, 10)).is_empty()
+        );
+        let e = [ext(0, true, true, 0)];
+        assert!(
+            descriptors(&e, MetaContext::BaseAllocation, &q(0, 10, false, true, 10)).is_empty()
+        );
+    }
+
+    #[test]
+    fn at_most_two_to_the_twenty_descriptors() {
+        let e: Vec<Extent> = (0..(MAX_EXTENTS_PER_CHUNK + 10))
+            .map(|i| ext(1, i % 2 == 0, false, 0))
+            .collect();
+        let size = e.len() as u64;
+        let d = descriptors(
+            &e,
+            MetaContext::BaseAllocation,
+            &q(0, size, false, true, size),
+        );
+        assert_eq!(d.len(), MAX_EXTENTS_PER_CHUNK);
+    }
+}

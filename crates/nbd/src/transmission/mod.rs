@@ -1,0 +1,249 @@
+//! The transmission phase of one connection: requests are read continuously, each runs as
+//! its own local task, and replies go out in completion order through one writer.
+//!
+//! Memory stays bounded whatever the client sends: at most [`MAX_IN_FLIGHT`] requests and
+//! [`MAX_IN_FLIGHT_BYTES`] of payload are in flight, a payload above the maximum is skipped
+//! (compact headers) or refused by hanging up (extended headers, as the spec recommends),
+//! and a client that vanishes mid-payload ends only its own connection.
+
+pub mod block_status;
+pub mod commands;
+pub mod reply_writer;
+pub mod validate;
+
+use std::cell::Cell;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{watch, Mutex, Notify, Semaphore};
+
+use crate::errno::Errno;
+use crate::export::Export;
+use crate::negotiate::{drain, read_or_eof, Mode, Negotiated};
+use crate::wire::request::{Command, RequestHeader, COMPACT_REQUEST_LEN, EXTENDED_REQUEST_LEN};
+use crate::wire::WireError;
+use commands::{execute, ExecContext};
+use reply_writer::{serialize, Outcome, ReplyTo};
+use validate::{payload_of, validate, Limits, Payload};
+
+/// Most requests of one connection being served at once; further requests wait unread.
+pub const MAX_IN_FLIGHT: usize = 128;
+/// Most payload bytes (write data and read lengths) of one connection in flight at once.
+pub const MAX_IN_FLIGHT_BYTES: usize = 64 * 1024 * 1024;
+
+/// How a transmission phase ended without a protocol error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransmissionEnd {
+    /// The client sent `NBD_CMD_DISC`.
+    Disconnect,
+    /// The client closed the connection between requests.
+    ClientClosed,
+    /// The server is shutting down.
+    Shutdown,
+    /// A reply could not be written (the client went away).
+    WriteFailed,
+}
+
+/// Why a transmission phase ended abruptly; the connection is closed, the server goes on.
+#[derive(Debug, thiserror::Error)]
+pub enum TransmissionError {
+    /// Reading from the client failed, e.g. it disconnected mid-request.
+    #[error("transmission I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// The client sent a malformed request header; there is no way to resynchronise.
+    #[error("transmission: {0}")]
+    Wire(#[from] WireError),
+    /// The client broke a rule the spec answers with a hard disconnect.
+    #[error("transmission: {0}")]
+    Protocol(String),
+}
+
+struct Conn<E: Export, W> {
+    export: Rc<E>,
+    writer: Mutex<W>,
+    exec: ExecContext,
+    write_failed: Cell<bool>,
+    stop: Notify,
+}
+
+impl<E: Export, W: AsyncWrite + Unpin> Conn<E, W> {
+    async fn reply(&self, to: ReplyTo, outcome: Outcome<E::Buf>) {
+        let bytes = serialize(&to, &outcome);
+        let mut w = self.writer.lock().await;
+        if self.write_failed.get() {
+            return;
+        }
+        if let Err(e) = bytes.write_to(&mut *w).await {
+            tracing::debug!(error = %e, "writing a reply failed; closing the connection");
+            self.write_failed.set(true);
+            self.stop.notify_one();
+        }
+    }
+}
+
+/// Serves requests until the client disconnects, `shutdown` turns true, or an error.
+/// In-flight requests always finish (and are answered if possible) before this returns.
+///
+/// Must run inside a tokio `LocalSet`: each request is a `spawn_local` task.
+pub async fn transmit<R, W, E>(
+    mut reader: R,
+    writer: W,
+    export: Rc<E>,
+    negotiated: &Negotiated,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<TransmissionEnd, TransmissionError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin + 'static,
+    E: Export + 'static,
+{
+    let limits = Limits::from(negotiated);
+    let conn = Rc::new(Conn {
+        export,
+        writer: Mutex::new(writer),
+        exec: ExecContext {
+            mode: negotiated.mode,
+            size: negotiated.size,
+            meta: negotiated.meta,
+        },
+        write_failed: Cell::new(false),
+        stop: Notify::new(),
+    });
+    let requests = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+    let bytes = Arc::new(Semaphore::new(MAX_IN_FLIGHT_BYTES));
+
+    let result = loop {
+        let stop = async {
+            tokio::select! {
+                _ = shutdown.wait_for(|down| *down) => TransmissionEnd::Shutdown,
+                () = conn.stop.notified() => TransmissionEnd::WriteFailed,
+            }
+        };
+        let step = async {
+            let slot = requests.clone().acquire_owned().await;
+            let header = read_header(&mut reader, limits.mode).await;
+            (slot, header)
+        };
+        let (slot, header) = tokio::select! {
+            end = stop => break Ok(end),
+            got = step => got,
+        };
+        let Ok(slot) = slot else {
+            break Ok(TransmissionEnd::Shutdown);
+        };
+        let header = match header {
+            Ok(Some(h)) => h,
+            Ok(None) => break Ok(TransmissionEnd::ClientClosed),
+            Err(e) => break Err(e),
+        };
+        tracing::trace!(?header, "request");
+
+        let payload = payload_of(&header, limits.mode, limits.max_payload);
+        let budget = match (payload, header.command) {
+            (Payload::Read(n), _) => n,
+            (_, Command::Read) => usize::try_from(header.length)
+                .unwrap_or(usize::MAX)
+                .min(limits.max_payload as usize),
+            _ => 0,
+        };
+        let budget = u32::try_from(budget.min(MAX_IN_FLIGHT_BYTES)).unwrap_or(0);
+        let Ok(budget) = bytes.clone().acquire_many_owned(budget).await else {
+            break Ok(TransmissionEnd::Shutdown);
+        };
+
+        let mut data = None;
+        match payload {
+            Payload::None => {}
+            Payload::Read(n) => {
+                let mut buf = conn.export.alloc(n);
+                if buf.as_ref().len() != n {
+                    tracing::error!(
+                        n,
+                        got = buf.as_ref().len(),
+                        "export allocated a buffer of the wrong size"
+                    );
+                    if let Err(e) = drain(&mut reader, n as u64).await {
+                        break Err(e.into());
+                    }
+                    let to = reply_to(&header, limits.mode);
+                    conn.reply(to, Outcome::Error(Errno::Io, "buffer allocation failed"))
+                        .await;
+                    continue;
+                }
+                if let Err(e) = reader.read_exact(buf.as_mut()).await {
+                    break Err(e.into());
+                }
+                data = Some(buf);
+            }
+            Payload::Drain(n) => {
+                if let Err(e) = drain(&mut reader, n).await {
+                    break Err(e.into());
+                }
+            }
+            Payload::Disconnect => {
+                break Err(TransmissionError::Protocol(format!(
+                    "{} payload of {} bytes exceeds the maximum of {}",
+                    header.command.name(),
+                    header.length,
+                    limits.max_payload
+                )))
+            }
+        }
+
+        let action = match validate(&header, &limits, payload) {
+            Ok(validate::Action::Disc) => break Ok(TransmissionEnd::Disconnect),
+            Ok(action) => Ok(action),
+            Err(refusal) => {
+                tracing::debug!(?header, ?refusal, "request refused");
+                Err(refusal)
+            }
+        };
+        let conn = Rc::clone(&conn);
+        tokio::task::spawn_local(async move {
+            let to = reply_to(&header, conn.exec.mode);
+            let outcome = match action {
+                Ok(action) => execute(&*conn.export, &conn.exec, action, data).await,
+                Err(r) => Outcome::Error(r.errno, r.message),
+            };
+            conn.reply(to, outcome).await;
+            drop((slot, budget));
+        });
+    };
+
+    // Let in-flight requests finish and answer; then close our side.
+    let all = u32::try_from(MAX_IN_FLIGHT).unwrap_or(u32::MAX);
+    let _ = requests.acquire_many(all).await;
+    let mut w = conn.writer.lock().await;
+    let _ = w.shutdown().await;
+    result
+}
+
+fn reply_to(h: &RequestHeader, mode: Mode) -> ReplyTo {
+    ReplyTo {
+        mode,
+        cookie: h.cookie,
+        offset: h.offset,
+        is_read: h.command == Command::Read,
+    }
+}
+
+async fn read_header<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    mode: Mode,
+) -> Result<Option<RequestHeader>, TransmissionError> {
+    let mut buf = [0u8; EXTENDED_REQUEST_LEN];
+    let len = match mode {
+        Mode::Extended => EXTENDED_REQUEST_LEN,
+        _ => COMPACT_REQUEST_LEN,
+    };
+    let head = &mut buf[..len];
+    if !read_or_eof(reader, head).await? {
+        return Ok(None);
+    }
+    let header = match mode {
+        Mode::Extended => RequestHeader::decode_extended(head)?,
+        _ => RequestHeader::decode_compact(head)?,
+    };
+    Ok(Some(header))
+}
