@@ -1,0 +1,24 @@
+//! Header + extensions + backing name: decoding never panics, and whatever decodes
+//! re-encodes to bytes that decode to the same header.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use qcow2::format::{FeatureKind, Header};
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(header) = Header::decode(data) else { return };
+    let cluster_size = header.cluster_size();
+    let geometry = header.geometry().expect("a decoded header has a valid geometry");
+    assert_eq!(geometry.cluster_size(), cluster_size);
+    for bit in 0..64 {
+        let _ = header.feature_name(FeatureKind::Incompatible, bit);
+    }
+    let _ = (header.bitmaps(), header.backing_format(), header.data_file_name(), header.fde_pointer());
+    if let Ok(encoded) = header.encode(cluster_size) {
+        let again = Header::decode(&encoded).expect("an encoded header decodes");
+        assert_eq!(again.encode(cluster_size).expect("re-encodes"), encoded);
+        assert_eq!(again.extensions, header.extensions);
+        assert_eq!(again.unknown_header_tail, header.unknown_header_tail);
+        assert_eq!(again.backing_file, header.backing_file.filter(|n| !n.is_empty()).or(again.backing_file.clone()));
+    }
+});

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Builds the fuzz seed corpora from real images made by qemu-img.
+
+For each target it writes inputs in the layout the target expects (see fuzz_targets/*.rs):
+  header            first cluster of each image
+  l1_l2             selector byte + L1 table, selector byte + each L2 table
+  refcount          order byte + refcount table, order byte + each refcount block
+  snapshot_table    nb_snapshots (u16 BE) + cluster_bits-9 + snapshot table bytes
+  bitmap_directory  nb_bitmaps (u16 BE) + cluster_bits-9 + bitmap directory bytes
+  open_info         whole image files (small clusters keep them small)
+
+Usage: make_corpus.py CORPUS_DIR   (needs qemu-img and qemu-io; binary corpora are not
+committed, this script recreates them).
+"""
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+
+MAX_OPEN_INFO = 1 << 20  # libFuzzer inputs stay small; larger images seed the other targets
+
+
+def run(*args, cwd):
+    subprocess.run(args, cwd=cwd, check=True, stdout=subprocess.DEVNULL)
+
+
+def make_images(d):
+    """(name, create options, extra commands) for a spread of real layouts."""
+    specs = [
+        ("c512", "cluster_size=512", []),
+        ("c1k-rc1", "cluster_size=1024,refcount_bits=1", []),
+        ("c2k-rc2", "cluster_size=2048,refcount_bits=2", []),
+        ("c4k-rc4", "cluster_size=4096,refcount_bits=4", []),
+        ("c4k-rc8", "cluster_size=4096,refcount_bits=8", []),
+        ("c4k-rc32", "cluster_size=4096,refcount_bits=32", []),
+        ("c4k-rc64", "cluster_size=4096,refcount_bits=64", []),
+        ("v2-c512", "compat=0.10,cluster_size=512", []),
+        ("ext16k", "cluster_size=16384,extended_l2=on", []),
+        ("zstd-c4k", "cluster_size=4096,compression_type=zstd", []),
+        ("lazy-c1k", "cluster_size=1024,lazy_refcounts=on", []),
+        ("snap-c512", "cluster_size=512", [["snapshot", "-c", "one", "{img}"], ["snapshot", "-c", "two", "{img}"]]),
+        ("bm-c4k", "cluster_size=4096", [["bitmap", "--add", "{img}", "b0"], ["bitmap", "--add", "-g", "1M", "--disable", "{img}", "b1"]]),
+        ("df-c4k", "cluster_size=4096,data_file=df-c4k.raw,data_file_raw=on", []),
+        ("c64k", "", [["snapshot", "-c", "s", "{img}"], ["bitmap", "--add", "{img}", "b"]]),
+    ]
+    images = []
+    run("qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size=512", "base.qcow2", "1M", cwd=d)
+    for name, opts, cmds in specs:
+        path = name + ".qcow2"
+        run("qemu-img", "create", "-q", "-f", "qcow2", "-o", opts or "cluster_size=65536", path, "1M", cwd=d)
+        if not name.startswith("df"):
+            run("qemu-io", "-f", "qcow2", "-c", "write -P 5 0 20k", "-c", "write -z 40k 8k", path, cwd=d)
+            if "ext" in name:
+                run("qemu-io", "-f", "qcow2", "-c", "write -P 6 65k 1k", path, cwd=d)
+        for cmd in cmds:
+            run("qemu-img", *[path if a == "{img}" else a for a in cmd], cwd=d)
+        images.append(path)
+    run("qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size=512", "-b", "base.qcow2", "-F", "qcow2",
+        "top.qcow2", cwd=d)
+    images.append("top.qcow2")
+    run("qemu-img", "convert", "-c", "-O", "qcow2", "-o", "cluster_size=4096", "c4k-rc8.qcow2", "compressed.qcow2",
+        cwd=d)
+    images.append("compressed.qcow2")
+    return images
+
+
+def u32(b, o):
+    return struct.unpack_from(">I", b, o)[0]
+
+
+def u64(b, o):
+    return struct.unpack_from(">Q", b, o)[0]
+
+
+def seeds_for(data, name, out):
+    def put(target, tag, payload):
+        os.makedirs(os.path.join(out, target), exist_ok=True)
+        with open(os.path.join(out, target, f"seed-{name}-{tag}"), "wb") as f:
+            f.write(payload)
+
+    cluster_bits = u32(data, 20)
+    cs = 1 << cluster_bits
+    version = u32(data, 4)
+    incompat = u64(data, 72) if version >= 3 else 0
+    refcount_order = u32(data, 96) if version >= 3 else 4
+    extended = bool(incompat & 16)
+    header_length = u32(data, 100) if version >= 3 else 72
+    put("header", "first-cluster", data[:cs])
+    if len(data) <= MAX_OPEN_INFO:
+        put("open_info", "image", data)
+
+    selector = (cluster_bits - 9) | (0x10 if extended else 0) | (0x20 if incompat & 4 else 0)
+    l1_size, l1_off = u32(data, 36), u64(data, 40)
+    l1 = data[l1_off:l1_off + 8 * l1_size]
+    put("l1_l2", "l1", bytes([selector]) + l1)
+    for i in range(l1_size):
+        l2_off = u64(l1, 8 * i) & 0x00FFFFFFFFFFFE00
+        if l2_off:
+            put("l1_l2", f"l2-{i}", bytes([selector]) + data[l2_off:l2_off + cs])
+
+    rt_off, rt_clusters = u64(data, 48), u32(data, 56)
+    table = data[rt_off:rt_off + cs * rt_clusters]
+    put("refcount", "table", bytes([refcount_order]) + table)
+    for i in range(len(table) // 8):
+        block = u64(table, 8 * i)
+        if block:
+            put("refcount", f"block-{i}", bytes([refcount_order]) + data[block:block + cs])
+
+    nb_snapshots, snap_off = u32(data, 60), u64(data, 64)
+    if nb_snapshots:
+        end, pos = snap_off, snap_off
+        for _ in range(nb_snapshots):
+            extra = u32(data, pos + 36)
+            id_len, name_len = struct.unpack_from(">HH", data, pos + 12)
+            end = pos + 40 + extra + id_len + name_len
+            pos = (end + 7) & ~7
+        put("snapshot_table", "table",
+            struct.pack(">HB", nb_snapshots, cluster_bits - 9) + data[snap_off:end])
+
+    # Walk the header extensions for the bitmaps extension.
+    pos = header_length
+    while pos + 8 <= cs:
+        magic, length = u32(data, pos), u32(data, pos + 4)
+        if magic == 0:
+            break
+        if magic == 0x23852875 and length == 24:
+            nb, dir_size, dir_off = u32(data, pos + 8), u64(data, pos + 16), u64(data, pos + 24)
+            put("bitmap_directory", "dir",
+                struct.pack(">HB", nb, cluster_bits - 9) + data[dir_off:dir_off + dir_size])
+        pos += 8 + ((length + 7) & ~7)
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    out = sys.argv[1]
+    for tool in ("qemu-img", "qemu-io"):
+        if shutil.which(tool) is None:
+            sys.exit(f"make_corpus.py: {tool} not found; install qemu-utils")
+    with tempfile.TemporaryDirectory() as d:
+        for image in make_images(d):
+            with open(os.path.join(d, image), "rb") as f:
+                seeds_for(f.read(), image.removesuffix(".qcow2"), out)
+    counts = {t: len(os.listdir(os.path.join(out, t))) for t in sorted(os.listdir(out))
+              if os.path.isdir(os.path.join(out, t))}
+    print("seed corpora:", ", ".join(f"{t} {n}" for t, n in counts.items()))
+
+
+if __name__ == "__main__":
+    main()
