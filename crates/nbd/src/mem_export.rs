@@ -252,6 +252,32 @@ impl MemExport {
     fn clear(&self, offset: u64, end: u64, deallocate: bool, zero_partial: bool) {
         let g = self.granularity;
         let mut pos = offset;
+        if deallocate && self.backing.is_none() {
+            // Drop whole granules by visiting only the allocated ones, so clearing a huge
+            // range costs what is allocated, not what is cleared.
+            let first_whole = offset.div_ceil(g);
+            let end_whole = if end == self.size {
+                end.div_ceil(g)
+            } else {
+                end / g
+            };
+            if first_whole < end_whole {
+                let mut map = self.granules.borrow_mut();
+                let doomed: Vec<u64> = map.range(first_whole..end_whole).map(|(&k, _)| k).collect();
+                for k in doomed {
+                    map.remove(&k);
+                }
+                drop(map);
+                self.clear(offset, (first_whole * g).min(end), false, zero_partial);
+                self.clear(
+                    (end_whole * g).max(offset).min(end),
+                    end,
+                    false,
+                    zero_partial,
+                );
+                return;
+            }
+        }
         while pos < end {
             let idx = pos / g;
             let gstart = idx * g;

@@ -1,0 +1,238 @@
+//! Shared harness of the integration tests: an in-process server on its own thread
+//! (current-thread runtime, as the product runs it), external-tool lookup, and a raw client.
+#![allow(dead_code)] // each test binary uses a different subset
+
+pub mod client;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::rc::Rc;
+use std::thread::JoinHandle;
+
+use nbd::{
+    Export, ExportEntry, Extent, Listener, MemExport, MemStats, ServeReport, Server, ServerConfig,
+};
+
+/// A server running on a background thread until [`TestServer::stop`].
+pub struct TestServer<T: Send + 'static> {
+    dir: tempfile::TempDir,
+    pub socket: PathBuf,
+    pub tcp: Option<SocketAddr>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<JoinHandle<(ServeReport, T)>>,
+}
+
+/// What a test can inspect of a [`MemExport`] after the server stopped.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    pub name: String,
+    /// Contents, for exports up to 256 MiB (empty for larger ones).
+    pub contents: Vec<u8>,
+    pub extents: Vec<Extent>,
+    pub stats: MemStats,
+}
+
+/// Server options for tests: persistent and unlimited unless a test says otherwise.
+#[derive(Debug, Clone)]
+pub struct Opts {
+    pub config: ServerConfig,
+    pub tcp: bool,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Self {
+            config: ServerConfig {
+                persistent: true,
+                max_connections: None,
+                handshake_timeout: None,
+            },
+            tcp: false,
+        }
+    }
+}
+
+impl<T: Send + 'static> TestServer<T> {
+    /// Starts a server whose exports `make` builds on the server thread; after it stops,
+    /// `finish` inspects them there and its result is returned by [`TestServer::stop`].
+    pub fn start_with<E, M, F>(opts: Opts, make: M, finish: F) -> Self
+    where
+        E: Export + 'static,
+        M: FnOnce() -> Vec<ExportEntry<E>> + Send + 'static,
+        F: FnOnce(&[ExportEntry<E>]) -> T + Send + 'static,
+    {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let socket = dir.path().join("nbd.sock");
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let path = socket.clone();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let entries = make();
+                let mut listeners = vec![Listener::bind_unix(&path).expect("bind unix socket")];
+                let mut tcp = None;
+                if opts.tcp {
+                    let l = Listener::bind_tcp("127.0.0.1:0".parse().unwrap())
+                        .await
+                        .expect("bind tcp");
+                    tcp = l.local_tcp_addr();
+                    listeners.push(l);
+                }
+                ready_tx.send(tcp).expect("test thread waits");
+                let server = Server::new(entries.clone(), opts.config).expect("valid exports");
+                let report = server
+                    .serve(listeners, async {
+                        let _ = stop_rx.await;
+                    })
+                    .await
+                    .expect("serve");
+                (report, finish(&entries))
+            })
+        });
+        let tcp = ready_rx.recv().expect("server thread started");
+        Self {
+            dir,
+            socket,
+            tcp,
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        }
+    }
+
+    /// `nbd+unix` URI of the default export.
+    pub fn uri(&self) -> String {
+        format!("nbd+unix:///?socket={}", self.socket.display())
+    }
+
+    /// `nbd+unix` URI of a named export.
+    pub fn uri_of(&self, export: &str) -> String {
+        format!("nbd+unix:///{export}?socket={}", self.socket.display())
+    }
+
+    /// A scratch directory that lives as long as the server.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Signals shutdown (if the server still runs) and waits for it.
+    pub fn stop(mut self) -> (ServeReport, T) {
+        self.finish()
+    }
+
+    /// Waits for a server that stops by itself (not persistent).
+    pub fn join(mut self) -> (ServeReport, T) {
+        self.stop.take();
+        self.thread
+            .take()
+            .expect("running")
+            .join()
+            .expect("server thread panicked")
+    }
+
+    /// Sends the shutdown signal without waiting.
+    pub fn signal_shutdown(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+    }
+
+    fn finish(&mut self) -> (ServeReport, T) {
+        self.signal_shutdown();
+        self.thread
+            .take()
+            .expect("running")
+            .join()
+            .expect("server thread panicked")
+    }
+}
+
+impl<T: Send + 'static> Drop for TestServer<T> {
+    fn drop(&mut self) {
+        if self.thread.is_some() && !std::thread::panicking() {
+            let _ = self.finish();
+        }
+    }
+}
+
+/// Snapshots of every export.
+pub fn snapshots(entries: &[ExportEntry<MemExport>]) -> Vec<Snapshot> {
+    entries
+        .iter()
+        .map(|e| Snapshot {
+            name: e.name.clone(),
+            contents: if e.export.size() <= 256 << 20 {
+                e.export.contents()
+            } else {
+                Vec::new()
+            },
+            extents: e.export.extents(),
+            stats: e.export.stats(),
+        })
+        .collect()
+}
+
+/// A server with one default export built by `make`.
+pub fn mem_server<M>(opts: Opts, make: M) -> TestServer<Vec<Snapshot>>
+where
+    M: FnOnce() -> MemExport + Send + 'static,
+{
+    TestServer::start_with(
+        opts,
+        move || vec![ExportEntry::new("", Rc::new(make()))],
+        snapshots,
+    )
+}
+
+/// Path of an external tool, or a panic naming the Debian package that provides it.
+pub fn require(tool: &str, package: &str) -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    for dir in
+        std::env::split_paths(&path).chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
+    {
+        let candidate = dir.join(tool);
+        if candidate.is_file() {
+            return candidate;
+        }
+    }
+    panic!("`{tool}` is required by this test but not installed: install the Debian package `{package}` (apt-get install {package})");
+}
+
+/// A Python interpreter that can `import nbd` (libnbd's bindings, which nbdsh uses).
+pub fn python_with_libnbd() -> PathBuf {
+    for python in ["python3", "/usr/bin/python3"] {
+        let ok = Command::new(python)
+            .args(["-c", "import nbd"])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false);
+        if ok {
+            return PathBuf::from(python);
+        }
+    }
+    panic!("no python3 can `import nbd`: install the Debian package `python3-libnbd` (it provides nbdsh's bindings)");
+}
+
+/// Runs a command, panicking with its output if it fails.
+pub fn run_ok(cmd: &mut Command) -> Output {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed with {}\n--- stdout\n{}\n--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Stdout as text.
+pub fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
