@@ -4,3 +4,6 @@
 
 pub mod format;
 pub mod inspect;
+
+#[cfg(feature = "engine")]
+pub mod engine;

@@ -1,0 +1,107 @@
+//! Block status: what each guest byte is (data, zeros, nothing) and which layer provides it,
+//! with the meanings `qemu-img map --output=json` gives its keys.
+
+use super::error::Result;
+use super::range_lock::LockMode;
+use super::resolve::Source;
+use super::Image;
+use storage::Storage;
+
+/// A run of guest bytes with the same status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    /// First guest byte.
+    pub start: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Reads from stored data (qemu-img map's `data`).
+    pub data: bool,
+    /// Reads as zeros (`zero`).
+    pub zero: bool,
+    /// Allocated as data or zeros in some layer (`present`).
+    pub present: bool,
+    /// The layer that provides it when present, else the deepest layer that covers it
+    /// (`depth`: 0 = the opened image).
+    pub depth: usize,
+    /// Stored compressed (`compressed`).
+    pub compressed: bool,
+    /// Where the data is in its layer's data file (`offset`), for uncompressed data.
+    pub offset: Option<u64>,
+}
+
+impl Extent {
+    /// NBD `qemu:allocation-depth`: 0 when absent, else 1 for the opened image, n for layer n-1.
+    pub fn allocation_depth(&self) -> u32 {
+        if self.present {
+            u32::try_from(self.depth + 1).unwrap_or(u32::MAX)
+        } else {
+            0
+        }
+    }
+
+    /// True when `next` can be merged into `self` without changing what either says.
+    fn continues(&self, next: &Extent) -> bool {
+        self.start + self.len == next.start
+            && self.data == next.data
+            && self.zero == next.zero
+            && self.present == next.present
+            && self.depth == next.depth
+            && self.compressed == next.compressed
+            && match (self.offset, next.offset) {
+                (None, None) => true,
+                (Some(a), Some(b)) => a + self.len == b,
+                _ => false,
+            }
+    }
+}
+
+impl<S: Storage> Image<S> {
+    /// The status of `[offset, offset + len)`, as extents in guest order covering it exactly.
+    pub async fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        let inner = &self.inner;
+        inner.check_range(offset, len)?;
+        let _guard = inner.lock_range(offset, len, LockMode::Shared).await;
+        let mut pieces = Vec::new();
+        inner.resolve(offset, len, 0, &mut pieces).await?;
+        let mut out: Vec<Extent> = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            let e = match p.src {
+                Source::Zero => Extent {
+                    start: p.start,
+                    len: p.len,
+                    data: false,
+                    zero: true,
+                    present: p.present,
+                    depth: p.layer,
+                    compressed: false,
+                    offset: None,
+                },
+                Source::Data { host } => Extent {
+                    start: p.start,
+                    len: p.len,
+                    data: true,
+                    zero: false,
+                    present: true,
+                    depth: p.layer,
+                    compressed: false,
+                    offset: Some(host),
+                },
+                Source::Compressed { .. } => Extent {
+                    start: p.start,
+                    len: p.len,
+                    data: true,
+                    zero: false,
+                    present: true,
+                    depth: p.layer,
+                    compressed: true,
+                    offset: None,
+                },
+            };
+            match out.last_mut() {
+                Some(last) if last.continues(&e) => last.len += e.len,
+                _ => out.push(e),
+            }
+        }
+        Ok(out)
+    }
+}

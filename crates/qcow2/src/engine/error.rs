@@ -1,0 +1,189 @@
+//! The engine's error type: what went wrong and where, convertible to an errno at the edges.
+
+use super::backing_name::BackingError;
+use super::compress::CompressError;
+use crate::format::FormatError;
+use std::io;
+use thiserror::Error;
+
+/// Result alias for engine operations.
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+/// Everything an image operation can fail with.
+#[derive(Debug, Error)]
+pub enum EngineError {
+    /// An I/O error from the storage below, with what we were doing.
+    #[error("{image}: {what} at {offset:#x}: {source}")]
+    Io {
+        /// Image (file name) the I/O was for.
+        image: String,
+        /// What was being read or written.
+        what: &'static str,
+        /// File offset.
+        offset: u64,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// A file could not be opened.
+    #[error("could not open {path}: {source}")]
+    Open {
+        /// The path.
+        path: String,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// A structure failed to decode or broke a limit.
+    #[error("{image}: {source}")]
+    Format {
+        /// Image the structure belongs to.
+        image: String,
+        /// The decoding error (names structure, field and offset).
+        #[source]
+        source: FormatError,
+    },
+    /// Structures that decode fine but contradict each other (pointers past the end of the
+    /// file, overlapping tables, ...).
+    #[error("{image}: {detail}")]
+    Corrupt {
+        /// Image the inconsistency was found in.
+        image: String,
+        /// What is wrong and where.
+        detail: String,
+    },
+    /// The image was already marked corrupt, or was marked corrupt by us, so writes are refused.
+    #[error("{image}: the image is marked corrupt; it can only be opened read-only (repair it with `qcow2-nbd check -r all`)")]
+    MarkedCorrupt {
+        /// The image.
+        image: String,
+    },
+    /// A write to a read-only image.
+    #[error("{image}: the image is open read-only")]
+    ReadOnly {
+        /// The image.
+        image: String,
+    },
+    /// A request outside the virtual disk.
+    #[error("request at {offset:#x} + {len:#x} is past the end of the disk ({size:#x} bytes)")]
+    OutOfRange {
+        /// Start of the request.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// Virtual disk size.
+        size: u64,
+    },
+    /// A feature or combination we do not implement (refused, never half-done).
+    #[error("{image}: {what} is not supported")]
+    Unsupported {
+        /// The image.
+        image: String,
+        /// What is not supported.
+        what: String,
+    },
+    /// A fast zero request that could only be done by writing data.
+    #[error("zeroing {offset:#x} + {len:#x} would have to write data")]
+    ZeroNotFast {
+        /// Start of the request.
+        offset: u64,
+        /// Its length.
+        len: u64,
+    },
+    /// The image cannot grow any further (host offsets or table limits).
+    #[error("{image}: no space: {detail}")]
+    NoSpace {
+        /// The image.
+        image: String,
+        /// Which limit was hit.
+        detail: String,
+    },
+    /// A backing file name we refuse to follow, a loop, or a chain too deep.
+    #[error(transparent)]
+    Backing(#[from] BackingError),
+    /// A compressed cluster failed to decode.
+    #[error("{image}: compressed cluster at {offset:#x}: {source}")]
+    Compressed {
+        /// The image.
+        image: String,
+        /// Host offset of the compressed data.
+        offset: u64,
+        /// The codec's error.
+        #[source]
+        source: CompressError,
+    },
+    /// The metadata cache failed (a load or write-back error, or a misconfiguration).
+    #[error("{image}: metadata cache: {source}")]
+    Cache {
+        /// The image.
+        image: String,
+        /// The cache's error.
+        #[source]
+        source: cache::CacheError,
+    },
+    /// Cache size options that do not fit the image.
+    #[error("{image}: {source}")]
+    CacheSize {
+        /// The image.
+        image: String,
+        /// The sizing error.
+        #[source]
+        source: cache::SizeError,
+    },
+    /// An internal snapshot that does not exist.
+    #[error("{image}: no snapshot with id or name {wanted:?}")]
+    NoSuchSnapshot {
+        /// The image.
+        image: String,
+        /// The id or name asked for.
+        wanted: String,
+    },
+}
+
+impl EngineError {
+    /// The errno an NBD server (or any POSIX-style caller) should report for this error.
+    pub fn errno(&self) -> i32 {
+        match self {
+            EngineError::ReadOnly { .. } => libc_errno::EPERM,
+            EngineError::OutOfRange { .. } => libc_errno::EINVAL,
+            EngineError::Unsupported { .. } | EngineError::ZeroNotFast { .. } => {
+                libc_errno::ENOTSUP
+            }
+            EngineError::NoSpace { .. } => libc_errno::ENOSPC,
+            EngineError::Io { source, .. } | EngineError::Open { source, .. } => {
+                match source.raw_os_error() {
+                    Some(e @ (libc_errno::ENOSPC | libc_errno::EDQUOT)) => e,
+                    _ => libc_errno::EIO,
+                }
+            }
+            _ => libc_errno::EIO,
+        }
+    }
+
+    /// True when this error means the image's metadata is inconsistent (as opposed to an I/O
+    /// failure or a bad request).
+    pub fn is_corruption(&self) -> bool {
+        matches!(
+            self,
+            EngineError::Corrupt { .. }
+                | EngineError::Format { .. }
+                | EngineError::Compressed { .. }
+        )
+    }
+}
+
+/// The few errno values we report, spelled out so the engine needs no libc dependency.
+pub mod libc_errno {
+    /// Operation not permitted.
+    pub const EPERM: i32 = 1;
+    /// I/O error.
+    pub const EIO: i32 = 5;
+    /// Invalid argument.
+    pub const EINVAL: i32 = 22;
+    /// No space left on device.
+    pub const ENOSPC: i32 = 28;
+    /// Operation not supported.
+    pub const ENOTSUP: i32 = 95;
+    /// Disk quota exceeded.
+    pub const EDQUOT: i32 = 122;
+}

@@ -1,0 +1,166 @@
+//! One layer of a backing chain: a qcow2 image (header, geometry, L1 table, optional external
+//! data file) or a raw file. Layer 0 is the image that was opened; layer n is its n-th backing
+//! file.
+
+use super::compress::Codec;
+use super::error::{EngineError, Result};
+use crate::format::{l1, Geometry, Header, HostOffset, L1Entry};
+use std::cell::{Cell, RefCell};
+use storage::{IoBuf, Storage};
+
+/// A layer of the chain.
+pub(crate) struct Layer<S> {
+    /// File name, for messages.
+    pub name: String,
+    /// The image file (for raw layers, the data itself).
+    pub file: S,
+    /// Guest-visible size of this layer.
+    pub size: u64,
+    /// What kind of layer it is.
+    pub format: LayerFormat<S>,
+}
+
+/// Raw or qcow2.
+pub(crate) enum LayerFormat<S> {
+    /// Every byte below `size` is data at the same offset in the file.
+    Raw,
+    /// A qcow2 image.
+    Qcow2(Qcow2Meta<S>),
+}
+
+/// The in-memory state of a qcow2 layer.
+pub(crate) struct Qcow2Meta<S> {
+    /// The decoded header (rewritten in place when the engine changes it).
+    pub header: RefCell<Header>,
+    /// Cluster arithmetic.
+    pub geom: Geometry,
+    /// The L1 table in use (the active one, or a snapshot's), as raw entry words.
+    pub l1: RefCell<Vec<u64>>,
+    /// Where the L1 table lives in the file.
+    pub l1_offset: Cell<u64>,
+    /// External data file, if the image has one.
+    pub data_file: Option<S>,
+    /// The external data file is a consistent raw image of the disk (autoclear bit 1).
+    pub data_raw: bool,
+    /// Codec of compressed clusters.
+    pub codec: Codec,
+    /// Bytes of the file known to hold clusters; pointers at or past it are corrupt. For the
+    /// writable layer the allocator keeps this up to date.
+    pub file_end: Cell<u64>,
+}
+
+impl<S: Storage> Layer<S> {
+    /// The qcow2 state, if this is a qcow2 layer.
+    pub fn qcow2(&self) -> Option<&Qcow2Meta<S>> {
+        match &self.format {
+            LayerFormat::Qcow2(m) => Some(m),
+            LayerFormat::Raw => None,
+        }
+    }
+
+    /// Where this layer's guest data lives: the external data file, or the image file.
+    pub fn data_storage(&self) -> &S {
+        match &self.format {
+            LayerFormat::Qcow2(Qcow2Meta {
+                data_file: Some(d), ..
+            }) => d,
+            _ => &self.file,
+        }
+    }
+
+    /// Reads `len` bytes at `offset` of the image file into a fresh buffer.
+    pub async fn read_file(&self, what: &'static str, offset: u64, len: usize) -> Result<IoBuf> {
+        read_exact(&self.file, &self.name, what, offset, len).await
+    }
+
+}
+
+/// Reads `len` bytes at `offset` of `file` into a fresh buffer.
+pub(crate) async fn read_exact<S: Storage>(
+    file: &S,
+    image: &str,
+    what: &'static str,
+    offset: u64,
+    len: usize,
+) -> Result<IoBuf> {
+    let (res, slice) = file.read_at(IoBuf::zeroed(len).into(), offset).await;
+    res.map_err(|source| EngineError::Io {
+        image: image.to_string(),
+        what,
+        offset,
+        source,
+    })?;
+    Ok(slice.into_inner())
+}
+
+impl<S> Layer<S> {
+    /// An I/O error in this layer's file.
+    pub fn io_error(&self, what: &'static str, offset: u64, source: std::io::Error) -> EngineError {
+        EngineError::Io {
+            image: self.name.clone(),
+            what,
+            offset,
+            source,
+        }
+    }
+
+    /// A metadata inconsistency in this layer.
+    pub fn corrupt(&self, detail: String) -> EngineError {
+        EngineError::Corrupt {
+            image: self.name.clone(),
+            detail,
+        }
+    }
+}
+
+impl<S> Qcow2Meta<S> {
+    /// The L2 table offset for L1 index `index`, `None` when unallocated or out of the table.
+    /// Entries were validated when the table was loaded or written.
+    pub fn l2_table(&self, index: u64) -> Option<u64> {
+        let l1 = self.l1.borrow();
+        let word = *l1.get(usize::try_from(index).ok()?)?;
+        match word & l1::L1_OFFSET_MASK {
+            0 => None,
+            off => Some(off),
+        }
+    }
+
+    /// Decodes and validates a whole L1 table read from the file: reserved bits, alignment,
+    /// and every L2 table inside the file.
+    pub fn decode_l1(
+        raw: &[u8],
+        entries: usize,
+        geom: &Geometry,
+        table_offset: u64,
+        file_len: u64,
+        image: &str,
+    ) -> Result<Vec<u64>> {
+        let mut out = Vec::with_capacity(entries);
+        for i in 0..entries {
+            let word = l1::entry_at(raw, i).ok_or_else(|| EngineError::Corrupt {
+                image: image.to_string(),
+                detail: format!("L1 table at {table_offset:#x} is truncated at entry {i}"),
+            })?;
+            let entry = L1Entry::decode(word, geom, i as u64, HostOffset(table_offset)).map_err(
+                |source| EngineError::Format {
+                    image: image.to_string(),
+                    source,
+                },
+            )?;
+            if let Some(l2) = entry.l2_offset {
+                let end = l2.0.checked_add(geom.cluster_size());
+                if l2.0 == 0 || end.is_none_or(|e| e > file_len) {
+                    return Err(EngineError::Corrupt {
+                        image: image.to_string(),
+                        detail: format!(
+                            "L1 table at {table_offset:#x}: entry {i} points to an L2 table at {:#x} past the end of the file ({file_len:#x} bytes)",
+                            l2.0
+                        ),
+                    });
+                }
+            }
+            out.push(word);
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,107 @@
+//! The metadata caches' keys and backends: L2 slices of every layer share one cache (one
+//! memory budget for the whole chain), refcount blocks of the writable layer have their own.
+
+use super::layer::{read_exact, Layer};
+use std::io;
+use std::rc::Rc;
+use storage::{IoBuf, Storage};
+
+/// A slice of an L2 table of one layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct L2Key {
+    /// Layer index (0 = the opened image).
+    pub layer: u32,
+    /// File offset of the L2 table.
+    pub table: u64,
+    /// Which slice of the table.
+    pub slice: u32,
+}
+
+/// Loads L2 slices from any layer; writes them back only to layer 0.
+pub(crate) struct L2Backend<S> {
+    pub layers: Rc<Vec<Layer<S>>>,
+    pub slice_bytes: usize,
+}
+
+/// A refcount block of the writable layer, by file offset.
+pub(crate) type RefcountKey = u64;
+
+/// Loads and writes back refcount blocks of layer 0.
+pub(crate) struct RefcountBackend<S> {
+    pub layers: Rc<Vec<Layer<S>>>,
+    pub block_bytes: usize,
+}
+
+fn to_io(e: super::error::EngineError) -> io::Error {
+    io::Error::other(e.to_string())
+}
+
+async fn write_all<S: Storage>(file: &S, data: &[u8], offset: u64) -> io::Result<()> {
+    let (res, _) = file.write_at(IoBuf::from_slice(data).into(), offset).await;
+    res
+}
+
+/// Makes the writable layer durable: its data file first (guest data written by copy-on-write
+/// must be on disk before metadata that exposes it), then the image file.
+pub(crate) async fn flush_layer<S: Storage>(layer: &Layer<S>) -> io::Result<()> {
+    if let Some(meta) = layer.qcow2() {
+        if let Some(data) = &meta.data_file {
+            data.flush().await?;
+        }
+    }
+    layer.file.flush().await
+}
+
+impl<S: Storage> cache::Backend<L2Key> for L2Backend<S> {
+    async fn load(&self, key: L2Key, buf: &mut [u8]) -> io::Result<()> {
+        let layer = self
+            .layers
+            .get(key.layer as usize)
+            .ok_or_else(|| io::Error::other(format!("no layer {}", key.layer)))?;
+        let offset = slice_offset(key, self.slice_bytes)?;
+        let data = read_exact(&layer.file, &layer.name, "reading L2 table", offset, buf.len())
+            .await
+            .map_err(to_io)?;
+        buf.copy_from_slice(&data);
+        Ok(())
+    }
+
+    async fn write_back(&self, key: L2Key, data: &[u8]) -> io::Result<()> {
+        if key.layer != 0 {
+            return Err(io::Error::other("backing layers are read-only"));
+        }
+        let offset = slice_offset(key, self.slice_bytes)?;
+        write_all(&self.layers[0].file, data, offset).await
+    }
+
+    async fn flush(&self) -> io::Result<()> {
+        flush_layer(&self.layers[0]).await
+    }
+}
+
+fn slice_offset(key: L2Key, slice_bytes: usize) -> io::Result<u64> {
+    (key.slice as u64)
+        .checked_mul(slice_bytes as u64)
+        .and_then(|o| o.checked_add(key.table))
+        .ok_or_else(|| io::Error::other("L2 slice offset overflows"))
+}
+
+impl<S: Storage> cache::Backend<RefcountKey> for RefcountBackend<S> {
+    async fn load(&self, key: RefcountKey, buf: &mut [u8]) -> io::Result<()> {
+        let layer = &self.layers[0];
+        debug_assert_eq!(buf.len(), self.block_bytes);
+        let data = read_exact(&layer.file, &layer.name, "reading refcount block", key, buf.len())
+            .await
+            .map_err(to_io)?;
+        buf.copy_from_slice(&data);
+        Ok(())
+    }
+
+    async fn write_back(&self, key: RefcountKey, data: &[u8]) -> io::Result<()> {
+        write_all(&self.layers[0].file, data, key).await
+    }
+
+    async fn flush(&self) -> io::Result<()> {
+        flush_layer(&self.layers[0]).await
+    }
+}

@@ -1,0 +1,136 @@
+//! Reading guest data: resolve the range through the chain, then one I/O per contiguous host
+//! run, zeros filled in memory, compressed clusters decoded.
+
+use super::compress;
+use super::error::{EngineError, Result};
+use super::range_lock::LockMode;
+use super::resolve::{Piece, Source};
+use super::{Decompressed, Image, Inner};
+use crate::format::{CompressedDescriptor, Location, Structure};
+use std::rc::Rc;
+use storage::{IoBuf, Storage};
+
+impl<S: Storage> Image<S> {
+    /// Reads `len` guest bytes at `offset` into a new buffer.
+    pub async fn read(&self, offset: u64, len: usize) -> Result<IoBuf> {
+        let (res, buf) = self.read_into(offset, IoBuf::zeroed(len)).await;
+        res.map(|()| buf)
+    }
+
+    /// Reads `buf.len()` guest bytes at `offset` into `buf`, which is handed back either way.
+    pub async fn read_into(&self, offset: u64, buf: IoBuf) -> (Result<()>, IoBuf) {
+        self.inner.read_into(offset, buf).await
+    }
+}
+
+impl<S: Storage> Inner<S> {
+    pub(crate) async fn read_into(&self, offset: u64, mut buf: IoBuf) -> (Result<()>, IoBuf) {
+        let len = buf.len() as u64;
+        if let Err(e) = self.check_range(offset, len) {
+            return (Err(e), buf);
+        }
+        if len == 0 {
+            return (Ok(()), buf);
+        }
+        // Shared: no cluster under us may be freed and reused while we read it.
+        let _guard = self.lock_range(offset, len, LockMode::Shared).await;
+        let mut pieces = Vec::new();
+        if let Err(e) = self.resolve(offset, len, 0, &mut pieces).await {
+            return (Err(e), buf);
+        }
+        let res = self.fill(offset, &pieces, &mut buf).await;
+        (res, buf)
+    }
+
+    /// Copies the pieces (which cover the buffer exactly, in order) into `buf`.
+    async fn fill(&self, base: u64, pieces: &[Piece], buf: &mut IoBuf) -> Result<()> {
+        let mut i = 0;
+        while i < pieces.len() {
+            let p = pieces[i];
+            let at = (p.start - base) as usize;
+            match p.src {
+                Source::Zero => {
+                    buf[at..at + p.len as usize].fill(0);
+                    i += 1;
+                }
+                Source::Compressed { raw, cluster } => {
+                    let data = self.decompress(p.layer, raw).await?;
+                    let from = (p.start - cluster) as usize;
+                    buf[at..at + p.len as usize].copy_from_slice(&data[from..from + p.len as usize]);
+                    i += 1;
+                }
+                Source::Data { host } => {
+                    // Merge following pieces that continue this one in the same file.
+                    let mut len = p.len;
+                    let mut j = i + 1;
+                    while let Some(q) = pieces.get(j) {
+                        match q.src {
+                            Source::Data { host: h }
+                                if q.layer == p.layer && h == host + len && q.start == p.start + len =>
+                            {
+                                len += q.len;
+                                j += 1;
+                            }
+                            _ => break,
+                        }
+                    }
+                    let layer = &self.layers[p.layer];
+                    let owned = std::mem::replace(buf, IoBuf::zeroed(0));
+                    let (res, slice) = layer
+                        .data_storage()
+                        .read_at(owned.slice(at..at + len as usize), host)
+                        .await;
+                    *buf = slice.into_inner();
+                    res.map_err(|e| layer.io_error("reading data", host, e))?;
+                    i = j;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Decodes one compressed cluster of layer `li` (the raw L2 word says where it is).
+    pub(crate) async fn decompress(&self, li: usize, raw: u64) -> Result<Rc<[u8]>> {
+        if let Some(d) = self.decompressed.borrow().as_ref() {
+            if d.layer == li && d.raw == raw {
+                return Ok(d.data.clone());
+            }
+        }
+        let layer = &self.layers[li];
+        let meta = layer.qcow2().expect("compressed clusters exist only in qcow2 layers");
+        let cs = meta.geom.cluster_size() as usize;
+        let at = Location::at(Structure::L2Table, 0);
+        let desc = CompressedDescriptor::decode(raw, meta.geom.cluster_bits(), at).map_err(|source| {
+            EngineError::Format {
+                image: layer.name.clone(),
+                source,
+            }
+        })?;
+        let (offset, len) = desc.byte_range();
+        if offset >= meta.file_end.get() {
+            return Err(layer.corrupt(format!(
+                "compressed cluster at {offset:#x} is past the end of the file ({:#x} bytes)",
+                meta.file_end.get()
+            )));
+        }
+        let input = layer.read_file("reading a compressed cluster", offset, len as usize).await?;
+        let mut out = vec![0u8; cs];
+        compress::decompress(meta.codec, &input, &mut out).map_err(|source| {
+            EngineError::Compressed {
+                image: layer.name.clone(),
+                offset,
+                source,
+            }
+        })?;
+        let data: Rc<[u8]> = out.into();
+        // Only layers nobody writes may be cached: a written layer could reuse the place.
+        if self.read_only || li > 0 {
+            *self.decompressed.borrow_mut() = Some(Decompressed {
+                layer: li,
+                raw,
+                data: data.clone(),
+            });
+        }
+        Ok(data)
+    }
+}

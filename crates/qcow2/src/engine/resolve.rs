@@ -1,0 +1,113 @@
+//! Resolving a guest range through the whole chain: which layer provides each byte, and how.
+
+use super::error::Result;
+use super::layer::LayerFormat;
+use super::map::{map_layer, Run, RunKind};
+use super::Inner;
+use storage::Storage;
+
+/// Where the bytes of a piece come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// Zeros (a zero cluster or subcluster, or nothing allocated anywhere).
+    Zero,
+    /// Bytes at `host` of the layer's data storage.
+    Data { host: u64 },
+    /// Part of a compressed cluster (raw L2 word, guest offset of the cluster's start).
+    Compressed { raw: u64, cluster: u64 },
+}
+
+/// A run of guest bytes and where they come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Piece {
+    /// First guest byte.
+    pub start: u64,
+    /// Length.
+    pub len: u64,
+    /// Where the bytes come from.
+    pub src: Source,
+    /// The layer that decided: the one holding the data or zero flag when `present`,
+    /// otherwise the deepest layer whose size covers the range (qemu-img map's `depth`).
+    pub layer: usize,
+    /// Allocated (as data or zeros) in some layer.
+    pub present: bool,
+}
+
+impl<S: Storage> Inner<S> {
+    /// Appends the pieces of `[start, start + len)` as seen from layer `from` downwards, in
+    /// guest order. The range must lie within layer `from`'s size.
+    pub(crate) async fn resolve(
+        &self,
+        start: u64,
+        len: u64,
+        from: usize,
+        out: &mut Vec<Piece>,
+    ) -> Result<()> {
+        let first = out.len();
+        // (layer, start, len, deepest covering layer so far)
+        let mut todo = vec![(from, start, len)];
+        let mut runs: Vec<Run> = Vec::new();
+        while let Some((li, s, l)) = todo.pop() {
+            let Some(layer) = self.layers.get(li) else {
+                out.push(absent(s, l, li - 1));
+                continue;
+            };
+            if s >= layer.size {
+                // Past the end of this (shorter) backing layer: zeros, and QEMU does not look
+                // further down.
+                out.push(absent(s, l, li.saturating_sub(1)));
+                continue;
+            }
+            let inside = l.min(layer.size - s);
+            if inside < l {
+                out.push(absent(s + inside, l - inside, li.saturating_sub(1)));
+            }
+            match &layer.format {
+                LayerFormat::Raw => out.push(Piece {
+                    start: s,
+                    len: inside,
+                    src: Source::Data { host: s },
+                    layer: li,
+                    present: true,
+                }),
+                LayerFormat::Qcow2(_) => {
+                    runs.clear();
+                    map_layer(&self.layers, &self.l2, li, s, inside, &mut runs).await?;
+                    for r in &runs {
+                        let src = match r.kind {
+                            RunKind::Unallocated => {
+                                todo.push((li + 1, r.start, r.len));
+                                continue;
+                            }
+                            RunKind::Zero => Source::Zero,
+                            RunKind::Data { host } => Source::Data { host },
+                            RunKind::Compressed { raw, cluster } => {
+                                Source::Compressed { raw, cluster }
+                            }
+                        };
+                        out.push(Piece {
+                            start: r.start,
+                            len: r.len,
+                            src,
+                            layer: li,
+                            present: true,
+                        });
+                    }
+                }
+            }
+        }
+        out[first..].sort_unstable_by_key(|p| p.start);
+        Ok(())
+    }
+}
+
+/// Zeros nobody allocated; `deepest` is the last layer that covers them.
+fn absent(start: u64, len: u64, deepest: usize) -> Piece {
+    Piece {
+        start,
+        len,
+        src: Source::Zero,
+        layer: deepest,
+        present: false,
+    }
+}
