@@ -25,7 +25,9 @@ pub enum Payload {
 pub fn payload_of(h: &RequestHeader, mode: Mode, max_payload: u32) -> Payload {
     let max = u64::from(max_payload);
     let payload_len = match mode {
-        Mode::Extended if h.flags & CMD_FLAG_PAYLOAD_LEN != 0 => {
+        // QEMU's client (at least up to 10.0) omits PAYLOAD_LEN on extended writes, and
+        // QEMU's server accepts that: a write's length is its payload length either way.
+        Mode::Extended if h.flags & CMD_FLAG_PAYLOAD_LEN != 0 || h.command == Command::Write => {
             if h.length > max {
                 return Payload::Disconnect;
             }
@@ -188,12 +190,6 @@ pub fn validate(h: &RequestHeader, limits: &Limits, payload: Payload) -> Result<
             ))
         }
         Payload::Drain(_) => return Err(refuse(Errno::Inval, "command does not take a payload")),
-        Payload::None if cmd == Command::Write => {
-            return Err(refuse(
-                Errno::Inval,
-                "write without NBD_CMD_FLAG_PAYLOAD_LEN",
-            ))
-        }
         Payload::Disconnect => return Err(refuse(Errno::Inval, "payload too large")),
         Payload::None | Payload::Read(_) => {}
     }

@@ -62,6 +62,11 @@ impl<T: Send + 'static> TestServer<T> {
         M: FnOnce() -> Vec<ExportEntry<E>> + Send + 'static,
         F: FnOnce(&[ExportEntry<E>]) -> T + Send + 'static,
     {
+        // RUST_LOG=nbd=debug shows the server's view when a test fails.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
         let dir = tempfile::tempdir().expect("temp dir");
         let socket = dir.path().join("nbd.sock");
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
