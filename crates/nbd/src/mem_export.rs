@@ -116,6 +116,15 @@ impl MemExport {
         self.write_bytes(offset, &data[..len]);
     }
 
+    /// Zeroes `len` bytes at `offset` synchronously (test setup): whole granules become
+    /// allocated zeroes, or unallocated with `may_unmap` (out-of-range bytes are ignored).
+    pub fn zero(&self, offset: u64, len: u64, may_unmap: bool) {
+        let end = offset.saturating_add(len).min(self.size);
+        if offset < end {
+            self.clear(offset, end, may_unmap, true);
+        }
+    }
+
     /// The whole export's contents (for tests of small exports).
     pub fn contents(&self) -> Vec<u8> {
         let mut out = vec![0u8; usize::try_from(self.size).unwrap_or(0)];
