@@ -126,7 +126,7 @@ fn map_of_base_allocation_and_allocation_depth() {
             (196608, 851968, 3, "hole,zero".to_owned()),
         ]
     );
-    // nbdinfo names depth 0 "absent", 1 "local" and N >= 2 "backing depth=N".
+    // nbdinfo names depth 0 "absent", 1 "local" and N >= 2 "backing depth N".
     let out = nbdinfo(&["--map=qemu:allocation-depth", &server.uri()]);
     assert_eq!(
         map_rows(&out),
@@ -136,7 +136,7 @@ fn map_of_base_allocation_and_allocation_depth() {
             (196608, 851968, 0, "absent".to_owned()),
         ]
     );
-    assert!(out.contains("depth=2"), "{out}");
+    assert!(out.contains("backing depth 2"), "{out}");
     // The map agrees with the export's own view.
     let (_, snaps) = server.stop();
     let mut depths: Vec<(u64, u32)> = Vec::new();
