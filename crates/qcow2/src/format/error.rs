@@ -118,6 +118,20 @@ impl fmt::Display for UnknownFeature {
     }
 }
 
+/// Small values read best in decimal (counts, lengths, bit numbers), large ones in hex
+/// (offsets, masks).
+struct Num(u64);
+
+impl fmt::Display for Num {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0 < 0x1_0000 {
+            write!(f, "{}", self.0)
+        } else {
+            write!(f, "{:#x}", self.0)
+        }
+    }
+}
+
 fn list_features(features: &[UnknownFeature]) -> String {
     features
         .iter()
@@ -148,7 +162,7 @@ pub enum FormatError {
         found: u32,
     },
     /// A field holds a value the format does not allow.
-    #[error("{at}: {field} = {value:#x}: {reason}")]
+    #[error("{at}: {field} = {}: {reason}", Num(*.value))]
     InvalidValue {
         /// Where.
         at: Location,
@@ -160,7 +174,7 @@ pub enum FormatError {
         reason: &'static str,
     },
     /// A field exceeds one of QEMU's sanity limits (see `limits`).
-    #[error("{at}: {field} = {value:#x} exceeds the limit {limit:#x} ({why})")]
+    #[error("{at}: {field} = {} exceeds the limit {} ({why})", Num(*.value), Num(*.limit))]
     LimitExceeded {
         /// Where.
         at: Location,
