@@ -131,7 +131,7 @@ impl<T: Send + 'static> TestServer<T> {
 
     /// Waits for a server that stops by itself (not persistent).
     pub fn join(mut self) -> (ServeReport, T) {
-        self.stop.take();
+        // Keep the shutdown sender alive: dropping it would count as a shutdown signal.
         self.thread
             .take()
             .expect("running")
