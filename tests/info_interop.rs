@@ -314,3 +314,55 @@ fn everything_at_once() {
     assert_same_info(dir.path(), "all.qcow2", false);
     assert_same_info(dir.path(), "all.qcow2", true);
 }
+
+#[test]
+fn human_output_matches_qemu_img_line_for_line() {
+    let dir = tempfile::tempdir().unwrap();
+    create(
+        dir.path(),
+        "base.qcow2",
+        "compat=0.10,cluster_size=4096",
+        "10M",
+    );
+    qemu_img(
+        dir.path(),
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "extended_l2=on,lazy_refcounts=on",
+            "-b",
+            "base.qcow2",
+            "-F",
+            "qcow2",
+            "h.qcow2",
+        ],
+    );
+    qemu_io(dir.path(), "h.qcow2", "write -P 1 0 3M");
+    qemu_img(dir.path(), &["bitmap", "--add", "h.qcow2", "one"]);
+    qemu_img(
+        dir.path(),
+        &["bitmap", "--add", "-g", "4M", "--disable", "h.qcow2", "two"],
+    );
+    create(
+        dir.path(),
+        "d.qcow2",
+        "data_file=d.raw,data_file_raw=on,compression_type=zstd",
+        "3G",
+    );
+    for (image, chain) in [("h.qcow2", false), ("h.qcow2", true), ("d.qcow2", false)] {
+        let mut args = vec!["info"];
+        if chain {
+            args.push("--backing-chain");
+        }
+        args.push(image);
+        let qemu = qemu_img(dir.path(), &args);
+        let mine = ours(dir.path(), &args);
+        assert_eq!(
+            mine, qemu,
+            "{image} (backing chain: {chain}): human output differs"
+        );
+    }
+}

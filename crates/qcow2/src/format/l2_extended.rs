@@ -113,8 +113,7 @@ impl ExtendedL2Entry {
         Ok((self.entry.encode(geometry)?, bitmap))
     }
 
-    /// State of subcluster `index` (0..32; larger indices read as the last subcluster's
-    /// neighbour would: they are masked to 0..32).
+    /// State of subcluster `index` (masked to 0..32, so any index is safe).
     pub fn state(&self, index: u32) -> SubclusterState {
         if let L2Entry::Compressed(_) = self.entry {
             return SubclusterState::Allocated;

@@ -107,8 +107,12 @@ fn specific(out: &mut String, d: &Qcow2Specific) {
     };
     line("refcount bits", &d.refcount_bits);
     if let Some(e) = &d.encrypt {
-        line("encrypt format", &e.format);
+        let _ = writeln!(out, "    encrypt:");
+        let _ = writeln!(out, "        format: {}", e.format);
     }
+    let mut line = |key: &str, value: &dyn std::fmt::Display| {
+        let _ = writeln!(out, "    {key}: {value}");
+    };
     if let Some(v) = &d.data_file {
         line("data file", v);
     }
