@@ -277,6 +277,20 @@ fn persistent_bitmaps() {
     );
     qemu_io(dir.path(), "bm.qcow2", "write -P 9 0 2M");
     assert_same_info(dir.path(), "bm.qcow2", false);
+
+    // A bitmap left in use (not saved cleanly) is shown with the in-use flag by both.
+    let path = dir.path().join("bm.qcow2");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let header = qcow2::format::Header::decode(&bytes).unwrap();
+    let flags_at = header
+        .bitmaps()
+        .expect("bitmaps extension")
+        .directory_offset as usize
+        + 12;
+    bytes[flags_at + 3] |= qcow2::format::bitmap::FLAG_IN_USE as u8;
+    std::fs::write(&path, &bytes).unwrap();
+    assert!(ours(dir.path(), &["info", "--output=json", "bm.qcow2"]).contains("\"in-use\""));
+    assert_same_info(dir.path(), "bm.qcow2", false);
 }
 
 #[test]
