@@ -380,3 +380,36 @@ fn human_output_matches_qemu_img_line_for_line() {
         );
     }
 }
+
+#[test]
+fn dirty_and_corrupt_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    create(dir.path(), "dirty.qcow2", "lazy_refcounts=on", "10M");
+    // qemu-io's abort leaves the image as a crash would: dirty, refcounts not yet written.
+    let _ = Command::new("qemu-io")
+        .args([
+            "-f",
+            "qcow2",
+            "-c",
+            "write 0 64k",
+            "-c",
+            "abort",
+            "dirty.qcow2",
+        ])
+        .current_dir(dir.path())
+        .output()
+        .expect("run qemu-io");
+    assert!(ours(dir.path(), &["info", "--output=json", "dirty.qcow2"])
+        .contains("\"dirty-flag\": true"));
+    assert_same_info(dir.path(), "dirty.qcow2", false);
+
+    create(dir.path(), "corrupt.qcow2", "", "10M");
+    let path = dir.path().join("corrupt.qcow2");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[79] |= qcow2::format::features::INCOMPAT_CORRUPT as u8;
+    std::fs::write(&path, &bytes).unwrap();
+    assert!(
+        ours(dir.path(), &["info", "--output=json", "corrupt.qcow2"]).contains("\"corrupt\": true")
+    );
+    assert_same_info(dir.path(), "corrupt.qcow2", false);
+}
