@@ -1,0 +1,196 @@
+//! `info --backing-chain` follows backing files only where it is safe: never `json:` or
+//! protocol-prefixed names, relative names against the image's directory, no loops.
+//!
+//! Needs qemu-img (Debian: qemu-utils); fails with a clear message without it.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn qemu_img(dir: &Path, args: &[&str]) {
+    let status = Command::new("qemu-img")
+        .args(args)
+        .current_dir(dir)
+        .status()
+        .unwrap_or_else(|e| {
+            panic!("cannot run qemu-img ({e}); install qemu-utils to run this test")
+        });
+    assert!(status.success(), "qemu-img {args:?} failed");
+}
+
+fn info(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_qcow2-nbd"))
+        .arg("info")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap()
+}
+
+fn error_of(out: &Output) -> String {
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "expected failure, got {:?}",
+        out.status
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn loops_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    qemu_img(
+        dir.path(),
+        &["create", "-q", "-f", "qcow2", "a.qcow2", "1M"],
+    );
+    qemu_img(
+        dir.path(),
+        &[
+            "create", "-q", "-f", "qcow2", "-b", "a.qcow2", "-F", "qcow2", "b.qcow2",
+        ],
+    );
+    // Unsafe rebase: point a at b without checking, closing the loop.
+    qemu_img(
+        dir.path(),
+        &[
+            "rebase", "-u", "-f", "qcow2", "-b", "b.qcow2", "-F", "qcow2", "a.qcow2",
+        ],
+    );
+    let err = error_of(&info(dir.path(), &["--backing-chain", "b.qcow2"]));
+    assert!(err.contains("backing chain loops back to"), "{err}");
+    // Without --backing-chain nothing is followed, so the image itself is fine.
+    assert!(info(dir.path(), &["b.qcow2"]).status.success());
+}
+
+#[test]
+fn json_and_protocol_names_are_shown_but_never_followed() {
+    let dir = tempfile::tempdir().unwrap();
+    qemu_img(
+        dir.path(),
+        &["create", "-q", "-f", "qcow2", "base.qcow2", "1M"],
+    );
+    for (image, name, expected) in [
+        (
+            "j.qcow2",
+            r#"json:{"file":{"driver":"file","filename":"base.qcow2"}}"#,
+            "json: names are not supported",
+        ),
+        (
+            "n.qcow2",
+            "nbd:127.0.0.1:1",
+            "protocol \"nbd\" is not a local file",
+        ),
+        (
+            "h.qcow2",
+            "http://127.0.0.1/base.qcow2",
+            "protocol \"http\" is not a local file",
+        ),
+    ] {
+        qemu_img(dir.path(), &["create", "-q", "-f", "qcow2", image, "1M"]);
+        qemu_img(
+            dir.path(),
+            &[
+                "rebase", "-u", "-f", "qcow2", "-b", name, "-F", "qcow2", image,
+            ],
+        );
+        let out = info(dir.path(), &["--output=json", image]);
+        assert!(
+            out.status.success(),
+            "{image}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(json["backing-filename"], name);
+        let err = error_of(&info(dir.path(), &["--backing-chain", image]));
+        assert!(err.contains(expected), "{image}: {err}");
+    }
+}
+
+#[test]
+fn relative_names_resolve_against_the_image_directory_not_the_cwd() {
+    let dir = tempfile::tempdir().unwrap();
+    let sub = dir.path().join("images");
+    std::fs::create_dir(&sub).unwrap();
+    qemu_img(&sub, &["create", "-q", "-f", "qcow2", "base.qcow2", "1M"]);
+    qemu_img(
+        &sub,
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            "base.qcow2",
+            "-F",
+            "qcow2",
+            "top.qcow2",
+        ],
+    );
+    // A decoy with the same name in the working directory must not be picked up.
+    std::fs::write(dir.path().join("base.qcow2"), b"not an image").unwrap();
+    let out = info(
+        dir.path(),
+        &["--backing-chain", "--output=json", "images/top.qcow2"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let chain: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(chain[1]["filename"], "images/base.qcow2");
+    assert_eq!(chain[1]["format"], "qcow2");
+}
+
+#[test]
+fn missing_and_unsupported_backing_files_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    qemu_img(
+        dir.path(),
+        &["create", "-q", "-f", "qcow2", "base.qcow2", "1M"],
+    );
+    qemu_img(
+        dir.path(),
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            "base.qcow2",
+            "-F",
+            "qcow2",
+            "top.qcow2",
+        ],
+    );
+    std::fs::remove_file(dir.path().join("base.qcow2")).unwrap();
+    let err = error_of(&info(dir.path(), &["--backing-chain", "top.qcow2"]));
+    assert!(
+        err.starts_with("qcow2-nbd: base.qcow2: No such file"),
+        "{err}"
+    );
+
+    qemu_img(
+        dir.path(),
+        &["create", "-q", "-f", "vmdk", "disk.vmdk", "1M"],
+    );
+    qemu_img(
+        dir.path(),
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            "disk.vmdk",
+            "-F",
+            "vmdk",
+            "over.qcow2",
+        ],
+    );
+    let err = error_of(&info(dir.path(), &["--backing-chain", "over.qcow2"]));
+    assert!(
+        err.contains("backing file format \"vmdk\" is not supported"),
+        "{err}"
+    );
+}
