@@ -13,7 +13,9 @@ fuzz_target!(|data: &[u8]| {
     let nb_bitmaps = u32::from(u16::from_be_bytes([data[0], data[1]]));
     let cluster_bits = 9 + u32::from(data[2]) % 13;
     let dir = &data[3..];
-    let Ok(geometry) = Geometry::new(cluster_bits, false, 4, 1 << 30) else { return };
+    let Ok(geometry) = Geometry::new(cluster_bits, false, 4, 1 << 30) else {
+        return;
+    };
     let ext = BitmapsExtension {
         nb_bitmaps,
         reserved: 0,

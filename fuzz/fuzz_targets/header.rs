@@ -6,14 +6,23 @@ use libfuzzer_sys::fuzz_target;
 use qcow2::format::{FeatureKind, Header};
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(header) = Header::decode(data) else { return };
+    let Ok(header) = Header::decode(data) else {
+        return;
+    };
     let cluster_size = header.cluster_size();
-    let geometry = header.geometry().expect("a decoded header has a valid geometry");
+    let geometry = header
+        .geometry()
+        .expect("a decoded header has a valid geometry");
     assert_eq!(geometry.cluster_size(), cluster_size);
     for bit in 0..64 {
         let _ = header.feature_name(FeatureKind::Incompatible, bit);
     }
-    let _ = (header.bitmaps(), header.backing_format(), header.data_file_name(), header.fde_pointer());
+    let _ = (
+        header.bitmaps(),
+        header.backing_format(),
+        header.data_file_name(),
+        header.fde_pointer(),
+    );
     if let Ok(encoded) = header.encode(cluster_size) {
         let again = Header::decode(&encoded).expect("an encoded header decodes");
         assert_eq!(again.encode(cluster_size).expect("re-encodes"), encoded);

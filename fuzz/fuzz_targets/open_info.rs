@@ -6,7 +6,9 @@ use libfuzzer_sys::fuzz_target;
 use qcow2::inspect::{self, ImageInfo};
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(meta) = inspect::inspect(data) else { return };
+    let Ok(meta) = inspect::inspect(data) else {
+        return;
+    };
     let info = ImageInfo::from_metadata(&meta, "fuzz.qcow2");
     let human = info.to_human();
     assert!(human.starts_with("image: fuzz.qcow2\n"));

@@ -7,7 +7,9 @@ use qcow2::format::refcount;
 use qcow2::format::{Geometry, HostOffset, RefcountTableEntry};
 
 fuzz_target!(|data: &[u8]| {
-    let Some((&selector, block)) = data.split_first() else { return };
+    let Some((&selector, block)) = data.split_first() else {
+        return;
+    };
     let order = u32::from(selector) % 8; // 7 must be refused
     let entries = refcount::entries_in(block.len(), order);
     let mut copy = block.to_vec();

@@ -13,11 +13,21 @@ fuzz_target!(|data: &[u8]| {
     let nb = u32::from(u16::from_be_bytes([data[0], data[1]]));
     let cluster_bits = 9 + u32::from(data[2]) % 13;
     let table = &data[3..];
-    let Ok(geometry) = Geometry::new(cluster_bits, false, 4, 1 << 30) else { return };
-    let Ok(entries) = snapshot::decode_table(table, 0x30000, nb, &geometry) else { return };
+    let Ok(geometry) = Geometry::new(cluster_bits, false, 4, 1 << 30) else {
+        return;
+    };
+    let Ok(entries) = snapshot::decode_table(table, 0x30000, nb, &geometry) else {
+        return;
+    };
     assert_eq!(entries.len() as u64, u64::from(nb));
     for e in &entries {
-        let _ = (e.vm_state_size(), e.disk_size(), e.icount(), e.name_lossy(), e.id_lossy());
+        let _ = (
+            e.vm_state_size(),
+            e.disk_size(),
+            e.icount(),
+            e.name_lossy(),
+            e.id_lossy(),
+        );
     }
     let encoded = snapshot::encode_table(&entries).expect("decoded entries encode");
     let again = snapshot::decode_table(&encoded, 0x30000, nb, &geometry).expect("re-decodes");
