@@ -330,3 +330,32 @@ fn oversized_options_are_refused_without_hanging_up_when_possible() {
         Step::Close(_)
     ));
 }
+
+mod arbitrary {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any sequence of options with any data: never a panic, and every step that
+        /// continues carries at least one reply (the client always gets an answer).
+        #[test]
+        fn option_sequences_never_panic(
+            fixed in any::<bool>(),
+            opts in proptest::collection::vec((0u32..14, proptest::collection::vec(any::<u8>(), 0..64)), 1..12),
+        ) {
+            let ex = exports();
+            let mut s = OptionState::new(fixed, false);
+            for (option, data) in opts {
+                match s.handle(&ex, option, &data) {
+                    Step::Continue(replies) => prop_assert!(!replies.is_empty()),
+                    Step::Go(replies, n) => {
+                        prop_assert_eq!(replies.last().map(|r| r.reply_type), Some(REP_ACK));
+                        prop_assert!(ex.get(n.export).is_some());
+                        break;
+                    }
+                    Step::ExportName(_) | Step::Abort(_) | Step::Close(_) => break,
+                }
+            }
+        }
+    }
+}
