@@ -57,10 +57,18 @@ pub enum Listener {
 }
 
 impl Listener {
-    /// Binds a Unix socket at `path` (must be called inside a tokio runtime).
+    /// Binds a Unix socket at `path` (must be called inside a tokio runtime). A stale
+    /// socket file left by a dead server (nobody accepts on it) is replaced; a live one is
+    /// an `AddrInUse` error.
     pub fn bind_unix(path: impl AsRef<Path>) -> std::io::Result<Self> {
         let path = path.as_ref();
-        let listener = UnixListener::bind(path)?;
+        let listener = match UnixListener::bind(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && is_stale_socket(path) => {
+                std::fs::remove_file(path)?;
+                UnixListener::bind(path)?
+            }
+            other => other?,
+        };
         Ok(Self::Unix {
             listener,
             path: Some(path.to_owned()),
@@ -107,6 +115,17 @@ impl Drop for Listener {
             let _ = std::fs::remove_file(p);
         }
     }
+}
+
+/// True if `path` is a socket file nobody listens on.
+fn is_stale_socket(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    let is_socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
+    is_socket
+        && matches!(
+            std::os::unix::net::UnixStream::connect(path),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused
+        )
 }
 
 enum Accepted {
@@ -304,4 +323,30 @@ pub async fn shutdown_signal() -> std::io::Result<()> {
         _ = term.recv() => {}
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn binding_replaces_a_stale_socket_but_not_a_live_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        // A socket file whose server is gone.
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        assert!(path.exists());
+        let live = Listener::bind_unix(&path).expect("stale socket replaced");
+        let again = Listener::bind_unix(&path);
+        assert_eq!(again.unwrap_err().kind(), std::io::ErrorKind::AddrInUse);
+        drop(live);
+        assert!(
+            !path.exists(),
+            "our socket file is removed with the listener"
+        );
+        // A regular file is never removed.
+        std::fs::write(&path, b"data").unwrap();
+        assert!(Listener::bind_unix(&path).is_err());
+        assert_eq!(std::fs::read(&path).unwrap(), b"data");
+    }
 }

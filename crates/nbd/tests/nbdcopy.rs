@@ -1,6 +1,6 @@
-//! nbdcopy out of and into the server with four connections (nbdcopy caps connections at
-//! its thread count, so both are set): extents, zeroing and
-//! multi-conn writes end up byte-identical.
+//! nbdcopy out of and into the server with four connections: extents, zeroing and
+//! multi-conn writes end up byte-identical. (nbdcopy caps connections at its thread
+//! count, so both are set.)
 
 mod common;
 
