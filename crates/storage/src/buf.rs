@@ -1,0 +1,280 @@
+//! Owned, 4 KiB-aligned I/O buffers passed by value through every storage operation.
+//!
+//! io_uring and worker threads write into a buffer after the future that submitted the
+//! operation may have been dropped, so buffers are owned by the operation and handed back on
+//! completion (the tokio-uring model) instead of being borrowed.
+
+use std::alloc::{self, Layout};
+use std::fmt;
+use std::ops::{Deref, DerefMut, Range};
+use std::ptr::NonNull;
+
+/// Alignment of every [`IoBuf`] allocation: enough for O_DIRECT on any common device.
+pub const BUF_ALIGN: usize = 4096;
+
+/// Heap buffer aligned to 4096 bytes (O_DIRECT-ready), zero-initialised, `len <= capacity`.
+pub struct IoBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+    cap: usize,
+}
+
+// SAFETY: IoBuf uniquely owns its allocation (like Vec<u8>); no interior sharing.
+unsafe impl Send for IoBuf {}
+// SAFETY: shared references only permit reads of the owned bytes.
+unsafe impl Sync for IoBuf {}
+
+impl IoBuf {
+    /// A buffer of `len` zero bytes.
+    pub fn zeroed(len: usize) -> IoBuf {
+        let cap = round_capacity(len);
+        IoBuf {
+            ptr: alloc_zeroed(cap),
+            len,
+            cap,
+        }
+    }
+
+    /// A buffer holding a copy of `data`.
+    pub fn from_slice(data: &[u8]) -> IoBuf {
+        let mut buf = IoBuf::zeroed(data.len());
+        buf.copy_from_slice(data);
+        buf
+    }
+
+    /// Number of bytes in use.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the buffer holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes allocated; growing up to this never reallocates.
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    /// Set the length; new bytes are zero. Reallocates (keeping the contents) past capacity.
+    pub fn resize(&mut self, len: usize) {
+        if len > self.cap {
+            let cap = round_capacity(len);
+            let ptr = alloc_zeroed(cap);
+            // SAFETY: both allocations are valid for `self.len` bytes (self.len <= self.cap < cap)
+            // and distinct, so they cannot overlap.
+            unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), ptr.as_ptr(), self.len) };
+            let old = std::mem::replace(self, IoBuf { ptr, len: 0, cap });
+            self.len = old.len;
+        }
+        if len > self.len {
+            // SAFETY: [self.len, len) lies inside the allocation because len <= self.cap.
+            unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(self.len), 0, len - self.len) };
+        }
+        self.len = len;
+    }
+
+    /// Shorten to `len` bytes (no effect when already shorter).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    /// Restrict I/O to `range` of this buffer, keeping ownership of the whole buffer.
+    ///
+    /// # Panics
+    /// When `range` is decreasing or past `len()`, like slice indexing.
+    pub fn slice(self, range: Range<usize>) -> Slice {
+        assert!(
+            range.start <= range.end && range.end <= self.len,
+            "IoBuf::slice: range {range:?} out of bounds for length {}",
+            self.len
+        );
+        Slice { buf: self, range }
+    }
+}
+
+/// Round a requested length up to a whole number of alignment units (at least one), so every
+/// allocation has a non-zero size and ends on an O_DIRECT boundary.
+fn round_capacity(len: usize) -> usize {
+    len.max(1)
+        .checked_next_multiple_of(BUF_ALIGN)
+        .expect("IoBuf capacity overflows usize")
+}
+
+fn layout(cap: usize) -> Layout {
+    Layout::from_size_align(cap, BUF_ALIGN).expect("IoBuf layout exceeds isize::MAX")
+}
+
+fn alloc_zeroed(cap: usize) -> NonNull<u8> {
+    let layout = layout(cap);
+    // SAFETY: `layout` has a non-zero size (round_capacity returns at least BUF_ALIGN).
+    let ptr = unsafe { alloc::alloc_zeroed(layout) };
+    NonNull::new(ptr).unwrap_or_else(|| alloc::handle_alloc_error(layout))
+}
+
+impl Drop for IoBuf {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from alloc_zeroed with exactly this layout and is freed once.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), layout(self.cap)) };
+    }
+}
+
+impl Deref for IoBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the allocation is valid and initialised for `len <= cap` bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl DerefMut for IoBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in deref, and `&mut self` guarantees exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Clone for IoBuf {
+    fn clone(&self) -> IoBuf {
+        let mut copy = IoBuf {
+            ptr: alloc_zeroed(self.cap),
+            len: self.len,
+            cap: self.cap,
+        };
+        copy.copy_from_slice(self);
+        copy
+    }
+}
+
+impl fmt::Debug for IoBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IoBuf")
+            .field("len", &self.len)
+            .field("capacity", &self.cap)
+            .finish()
+    }
+}
+
+impl PartialEq for IoBuf {
+    fn eq(&self, other: &IoBuf) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for IoBuf {}
+
+/// A byte range of an owned [`IoBuf`]; I/O happens on exactly this range.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Slice {
+    buf: IoBuf,
+    range: Range<usize>,
+}
+
+impl Slice {
+    /// Give back the whole buffer.
+    pub fn into_inner(self) -> IoBuf {
+        self.buf
+    }
+
+    /// The range of the underlying buffer this slice covers.
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    /// The underlying buffer (all of it, not just this range).
+    pub fn get_ref(&self) -> &IoBuf {
+        &self.buf
+    }
+
+    /// The same buffer restricted to `range` (relative to the whole buffer), for partial I/O.
+    pub(crate) fn with_range(self, range: Range<usize>) -> Slice {
+        self.buf.slice(range)
+    }
+
+    /// Raw pointer to the first byte of the range, for handing to the kernel.
+    pub(crate) fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.deref_mut().as_mut_ptr()
+    }
+}
+
+impl From<IoBuf> for Slice {
+    fn from(buf: IoBuf) -> Slice {
+        let len = buf.len();
+        buf.slice(0..len)
+    }
+}
+
+impl Deref for Slice {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[self.range.clone()]
+    }
+}
+
+impl DerefMut for Slice {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[self.range.clone()]
+    }
+}
+
+impl fmt::Debug for Slice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Slice")
+            .field("range", &self.range)
+            .field("buf", &self.buf)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zeroed_is_aligned_and_zero() {
+        for len in [0, 1, 511, 4096, 4097, 1 << 20] {
+            let buf = IoBuf::zeroed(len);
+            assert_eq!(buf.len(), len);
+            assert!(buf.capacity() >= len);
+            assert_eq!(buf.as_ptr() as usize % BUF_ALIGN, 0);
+            assert!(buf.iter().all(|&b| b == 0));
+        }
+    }
+
+    #[test]
+    fn resize_zero_fills_after_truncate_and_growth() {
+        let mut buf = IoBuf::from_slice(&[7u8; 100]);
+        buf.truncate(10);
+        buf.resize(50);
+        assert_eq!(&buf[..10], &[7u8; 10]);
+        assert!(buf[10..].iter().all(|&b| b == 0), "stale bytes reappeared");
+        buf.resize(10_000);
+        assert_eq!(buf.len(), 10_000);
+        assert_eq!(&buf[..10], &[7u8; 10]);
+        assert!(buf[10..].iter().all(|&b| b == 0));
+        assert_eq!(buf.as_ptr() as usize % BUF_ALIGN, 0);
+    }
+
+    #[test]
+    fn slice_views_exact_range_and_returns_whole_buffer() {
+        let data: Vec<u8> = (0..=255).collect();
+        let mut s = IoBuf::from_slice(&data).slice(16..32);
+        assert_eq!(&s[..], &data[16..32]);
+        s[0] = 0xff;
+        assert_eq!(s.range(), 16..32);
+        let buf = s.into_inner();
+        assert_eq!(buf.len(), 256);
+        assert_eq!(buf[16], 0xff);
+        assert_eq!(buf[15], 15);
+        let whole = Slice::from(buf.clone());
+        assert_eq!(whole.range(), 0..256);
+        assert_eq!(whole.into_inner(), buf);
+    }
+
+    #[test]
+    #[should_panic(expected = "out of bounds")]
+    fn slice_past_len_panics() {
+        let _ = IoBuf::zeroed(8).slice(4..9);
+    }
+}
