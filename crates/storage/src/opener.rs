@@ -1,0 +1,131 @@
+//! Run-time choice of file backend (`--aio io_uring|threads`) and the [`Opener`] for files.
+
+use std::io;
+use std::path::Path;
+use std::str::FromStr;
+
+use crate::{BufResult, OpenOptions, Opener, Slice, Storage, ThreadsStorage, UringStorage};
+
+/// Which file backend to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Aio {
+    /// io_uring through our reactor (falls back to threads if io_uring cannot be set up).
+    #[default]
+    IoUring,
+    /// Blocking syscalls on a thread pool.
+    Threads,
+}
+
+impl FromStr for Aio {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Aio, String> {
+        match s {
+            "io_uring" => Ok(Aio::IoUring),
+            "threads" => Ok(Aio::Threads),
+            other => Err(format!(
+                "unknown aio mode {other:?} (expected io_uring or threads)"
+            )),
+        }
+    }
+}
+
+/// A file storage of either backend.
+pub enum AnyStorage {
+    /// io_uring backend.
+    Uring(UringStorage),
+    /// Thread-pool backend.
+    Threads(ThreadsStorage),
+}
+
+impl AnyStorage {
+    /// The backend actually in use (after any fallback).
+    pub fn aio(&self) -> Aio {
+        match self {
+            AnyStorage::Uring(_) => Aio::IoUring,
+            AnyStorage::Threads(_) => Aio::Threads,
+        }
+    }
+}
+
+macro_rules! each {
+    ($self:ident, $s:ident => $e:expr) => {
+        match $self {
+            AnyStorage::Uring($s) => $e,
+            AnyStorage::Threads($s) => $e,
+        }
+    };
+}
+
+impl Storage for AnyStorage {
+    async fn read_at(&self, buf: Slice, offset: u64) -> BufResult<Slice> {
+        each!(self, s => s.read_at(buf, offset).await)
+    }
+    async fn write_at(&self, buf: Slice, offset: u64) -> BufResult<Slice> {
+        each!(self, s => s.write_at(buf, offset).await)
+    }
+    async fn write_zeroes_at(&self, offset: u64, len: u64, unmap: bool) -> io::Result<()> {
+        each!(self, s => s.write_zeroes_at(offset, len, unmap).await)
+    }
+    async fn discard_at(&self, offset: u64, len: u64) -> io::Result<()> {
+        each!(self, s => s.discard_at(offset, len).await)
+    }
+    async fn flush(&self) -> io::Result<()> {
+        each!(self, s => s.flush().await)
+    }
+    async fn len(&self) -> io::Result<u64> {
+        each!(self, s => s.len().await)
+    }
+    async fn set_len(&self, len: u64) -> io::Result<()> {
+        each!(self, s => s.set_len(len).await)
+    }
+    fn zeroes_are_cheap(&self) -> bool {
+        each!(self, s => s.zeroes_are_cheap())
+    }
+    fn alignment(&self) -> usize {
+        each!(self, s => s.alignment())
+    }
+}
+
+/// Opens files with the chosen backend; `direct` forces O_DIRECT on every open (QEMU's
+/// `cache=none`) in addition to what each open asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FileOpener {
+    /// Backend to use.
+    pub aio: Aio,
+    /// Open every file with O_DIRECT.
+    pub direct: bool,
+}
+
+impl Opener for FileOpener {
+    type Storage = AnyStorage;
+
+    async fn open(&self, path: &Path, opts: OpenOptions) -> io::Result<AnyStorage> {
+        let opts = OpenOptions {
+            direct: opts.direct || self.direct,
+            ..opts
+        };
+        if self.aio == Aio::IoUring {
+            match crate::Reactor::current() {
+                Ok(reactor) => {
+                    return UringStorage::open_with(reactor, path, opts)
+                        .await
+                        .map(AnyStorage::Uring)
+                }
+                Err(e) => warn_fallback(&e),
+            }
+        }
+        ThreadsStorage::open(path, opts)
+            .await
+            .map(AnyStorage::Threads)
+    }
+}
+
+/// Say once per thread why io_uring is not used, not once per file of a backing chain.
+fn warn_fallback(e: &io::Error) {
+    thread_local! {
+        static WARNED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    if !WARNED.with(|w| w.replace(true)) {
+        tracing::warn!("io_uring unavailable ({e}); falling back to the threads backend");
+    }
+}

@@ -1,0 +1,176 @@
+//! Thin, checked wrappers over the Linux syscalls the file backends need and std lacks:
+//! positional I/O into raw buffers, fallocate, fdatasync, O_DIRECT alignment probing.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+use crate::{IoBuf, OpenOptions};
+
+/// fallocate mode that zeroes a range (allocating unwritten extents, extending the file).
+pub(crate) const ZERO_RANGE: i32 = libc::FALLOC_FL_ZERO_RANGE;
+/// fallocate mode that deallocates a range without changing the file size.
+pub(crate) const PUNCH_HOLE: i32 = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+
+/// Open a file the way `opts` asks.
+pub(crate) fn open(path: &Path, opts: OpenOptions) -> io::Result<File> {
+    let mut o = std::fs::OpenOptions::new();
+    o.read(true);
+    if !opts.read_only {
+        o.write(true).create(opts.create);
+    }
+    let mut flags = libc::O_CLOEXEC;
+    if opts.direct {
+        flags |= libc::O_DIRECT;
+    }
+    o.custom_flags(flags);
+    o.open(path).map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!("opening {}{}: {e}", path.display(), direct_note(opts)),
+        )
+    })
+}
+
+fn direct_note(opts: OpenOptions) -> &'static str {
+    if opts.direct {
+        " with O_DIRECT"
+    } else {
+        ""
+    }
+}
+
+fn cvt(ret: libc::c_int) -> io::Result<()> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+fn off_t(offset: u64) -> io::Result<libc::off_t> {
+    libc::off_t::try_from(offset).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("offset {offset} exceeds the maximum file offset"),
+        )
+    })
+}
+
+/// One `pread` into `buf`; returns the bytes read (0 at end of file).
+pub(crate) fn pread(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let off = off_t(offset)?;
+    loop {
+        // SAFETY: `buf` is a valid, exclusively borrowed region of buf.len() bytes.
+        let n = unsafe { libc::pread(file.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), off) };
+        match usize::try_from(n) {
+            Ok(n) => return Ok(n),
+            Err(_) => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
+/// One `pwrite` from `buf`; returns the bytes written.
+pub(crate) fn pwrite(file: &File, buf: &[u8], offset: u64) -> io::Result<usize> {
+    let off = off_t(offset)?;
+    loop {
+        // SAFETY: `buf` is a valid region of buf.len() bytes that the kernel only reads.
+        let n = unsafe { libc::pwrite(file.as_raw_fd(), buf.as_ptr().cast(), buf.len(), off) };
+        match usize::try_from(n) {
+            Ok(n) => return Ok(n),
+            Err(_) => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
+/// `fallocate(mode, offset, len)`.
+pub(crate) fn fallocate(file: &File, mode: i32, offset: u64, len: u64) -> io::Result<()> {
+    let (off, len) = (off_t(offset)?, off_t(len)?);
+    // SAFETY: plain syscall on an owned descriptor; no memory is passed.
+    cvt(unsafe { libc::fallocate(file.as_raw_fd(), mode, off, len) })
+}
+
+/// `fdatasync`.
+pub(crate) fn fdatasync(file: &File) -> io::Result<()> {
+    // SAFETY: plain syscall on an owned descriptor.
+    cvt(unsafe { libc::fdatasync(file.as_raw_fd()) })
+}
+
+/// True when `e` means "this file system cannot do that fallocate mode".
+pub(crate) fn is_unsupported(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL)
+    )
+}
+
+/// Whether the file system under `file` implements fallocate's ZERO_RANGE and PUNCH_HOLE as
+/// metadata operations (the ones QEMU relies on for cheap zeroes). Unknown ones say no; the
+/// answer is also corrected at run time when fallocate fails.
+pub(crate) fn fs_has_cheap_zeroes(file: &File) -> bool {
+    // SAFETY: statfs is plain data; all-zero is a valid value to overwrite.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a valid, writable statfs for the kernel to fill.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
+        return false;
+    }
+    const EXT4: i64 = 0xEF53;
+    const XFS: i64 = 0x5846_5342;
+    const BTRFS: i64 = 0x9123_683E;
+    const F2FS: i64 = 0xF2F5_2010;
+    const BCACHEFS: i64 = 0xCA45_1A4E;
+    // f_type is i64 on x86_64 but narrower on some targets.
+    #[allow(clippy::useless_conversion)]
+    let magic = i64::from(st.f_type);
+    matches!(magic, EXT4 | XFS | BTRFS | F2FS | BCACHEFS)
+}
+
+/// The offset/length alignment O_DIRECT needs on `file`: statx's DIOALIGN when the kernel
+/// reports it, else probed by reading (512 first, then 4096).
+pub(crate) fn direct_alignment(file: &File) -> usize {
+    if let Some(a) = statx_dio_align(file) {
+        return a;
+    }
+    // Reading at an offset the device cannot address fails with EINVAL before any EOF check.
+    let mut probe = IoBuf::zeroed(512);
+    match pread(file, &mut probe, 512) {
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => 4096,
+        _ => 512,
+    }
+}
+
+fn statx_dio_align(file: &File) -> Option<usize> {
+    // SAFETY: statx is plain data; all-zero is a valid value to overwrite.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: the path is an empty C string with AT_EMPTY_PATH (so the fd itself is queried)
+    // and `stx` is a valid, writable statx buffer.
+    let ret = unsafe {
+        libc::statx(
+            file.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN,
+            &mut stx,
+        )
+    };
+    if ret != 0 || stx.stx_mask & libc::STATX_DIOALIGN == 0 {
+        return None;
+    }
+    let off = usize::try_from(stx.stx_dio_offset_align).ok()?;
+    let mem = usize::try_from(stx.stx_dio_mem_align).ok()?;
+    // 0 means "O_DIRECT unsupported here"; >64 KiB would be a device we cannot buffer for.
+    let a = off.max(mem);
+    (a.is_power_of_two() && a <= 65536).then_some(a.max(1))
+}

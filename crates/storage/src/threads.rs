@@ -1,0 +1,107 @@
+//! The portable file backend: blocking `pread`/`pwrite`/`fallocate`/`fdatasync` run on tokio's
+//! blocking thread pool. Each job owns its buffer, so a dropped future cannot free memory a
+//! worker is still using (the job runs to completion and drops the buffer itself).
+
+use std::fs::File;
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::file::{FileStorage, RawFile};
+use crate::{OpenOptions, Slice};
+
+/// A file whose I/O runs on tokio's blocking pool.
+pub struct ThreadsFile {
+    file: Arc<File>,
+}
+
+/// Thread-pool-backed file storage.
+pub type ThreadsStorage = FileStorage<ThreadsFile>;
+
+impl ThreadsStorage {
+    /// Open `path`; must be used inside a tokio runtime.
+    pub async fn open(path: &Path, opts: OpenOptions) -> io::Result<ThreadsStorage> {
+        let p = path.to_path_buf();
+        let file = blocking(move || crate::sys::open(&p, opts)).await?;
+        Ok(ThreadsStorage::from_file(
+            ThreadsFile::new(file),
+            opts.direct,
+        ))
+    }
+}
+
+impl ThreadsFile {
+    /// Wrap an open file.
+    pub fn new(file: File) -> ThreadsFile {
+        ThreadsFile {
+            file: Arc::new(file),
+        }
+    }
+}
+
+fn join_error(e: tokio::task::JoinError) -> io::Error {
+    io::Error::other(format!("storage worker thread failed: {e}"))
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> io::Result<T> + Send + 'static,
+) -> io::Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(join_error)
+        .and_then(|r| r)
+}
+
+impl RawFile for ThreadsFile {
+    async fn read(&self, mut buf: Slice, offset: u64) -> (io::Result<usize>, Slice) {
+        let file = Arc::clone(&self.file);
+        let range = buf.range();
+        let job = tokio::task::spawn_blocking(move || {
+            let r = crate::sys::pread(&file, &mut buf, offset);
+            (r, buf)
+        });
+        match job.await {
+            Ok(out) => out,
+            Err(e) => (Err(join_error(e)), lost_buffer(range)),
+        }
+    }
+
+    async fn write(&self, buf: Slice, offset: u64) -> (io::Result<usize>, Slice) {
+        let file = Arc::clone(&self.file);
+        let range = buf.range();
+        let job = tokio::task::spawn_blocking(move || {
+            let r = crate::sys::pwrite(&file, &buf, offset);
+            (r, buf)
+        });
+        match job.await {
+            Ok(out) => out,
+            Err(e) => (Err(join_error(e)), lost_buffer(range)),
+        }
+    }
+
+    async fn fallocate(&self, mode: i32, offset: u64, len: u64) -> io::Result<()> {
+        let file = Arc::clone(&self.file);
+        blocking(move || crate::sys::fallocate(&file, mode, offset, len)).await
+    }
+
+    async fn fdatasync(&self) -> io::Result<()> {
+        let file = Arc::clone(&self.file);
+        blocking(move || crate::sys::fdatasync(&file)).await
+    }
+
+    async fn set_len(&self, len: u64) -> io::Result<()> {
+        let file = Arc::clone(&self.file);
+        blocking(move || file.set_len(len)).await
+    }
+
+    fn file(&self) -> &File {
+        &self.file
+    }
+}
+
+/// A worker that panicked or was cancelled at runtime shutdown took the buffer with it; hand
+/// back an empty one (the error says why).
+fn lost_buffer(range: std::ops::Range<usize>) -> Slice {
+    tracing::error!("storage worker lost its buffer (range {range:?})");
+    crate::IoBuf::zeroed(0).slice(0..0)
+}
