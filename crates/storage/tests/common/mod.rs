@@ -1,0 +1,174 @@
+//! Shared helpers for the storage integration tests: a single-threaded runtime like the
+//! engine's, every backend behind one constructor, and a tiny deterministic RNG.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::future::Future;
+use std::path::PathBuf;
+
+use storage::{
+    FaultStorage, MemStorage, OpenOptions, Reactor, Storage, ThreadsStorage, UringStorage,
+};
+
+/// Run `f` the way the engine runs: current-thread runtime, I/O enabled, inside a LocalSet.
+pub fn run<F: Future>(f: F) -> F::Output {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("building the test runtime");
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&rt, f)
+}
+
+/// A scratch directory on a real disk (O_DIRECT does not work on tmpfs).
+pub fn scratch_dir() -> tempfile::TempDir {
+    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("creating scratch dir")
+}
+
+/// Every backend the behaviour suite runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Mem,
+    FaultMem,
+    Threads,
+    ThreadsDirect,
+    Uring,
+    UringUnbatched,
+    UringDirect,
+}
+
+impl Backend {
+    pub const ALL: [Backend; 7] = [
+        Backend::Mem,
+        Backend::FaultMem,
+        Backend::Threads,
+        Backend::ThreadsDirect,
+        Backend::Uring,
+        Backend::UringUnbatched,
+        Backend::UringDirect,
+    ];
+
+    pub fn is_direct(self) -> bool {
+        matches!(self, Backend::ThreadsDirect | Backend::UringDirect)
+    }
+}
+
+/// A storage of any backend (holding its scratch directory alive).
+pub enum TestStorage {
+    Mem(MemStorage),
+    Fault(FaultStorage<MemStorage>),
+    Threads(ThreadsStorage, tempfile::TempDir),
+    Uring(UringStorage, tempfile::TempDir),
+}
+
+/// Open a fresh, empty storage of `backend`.
+pub async fn open(backend: Backend) -> TestStorage {
+    let file = |dir: &tempfile::TempDir| -> PathBuf { dir.path().join("disk.img") };
+    let opts = OpenOptions::create().with_direct(backend.is_direct());
+    match backend {
+        Backend::Mem => TestStorage::Mem(MemStorage::new()),
+        Backend::FaultMem => TestStorage::Fault(FaultStorage::from_mem(MemStorage::new())),
+        Backend::Threads | Backend::ThreadsDirect => {
+            let dir = scratch_dir();
+            let s = ThreadsStorage::open(&file(&dir), opts).await.expect("open");
+            TestStorage::Threads(s, dir)
+        }
+        Backend::Uring | Backend::UringDirect | Backend::UringUnbatched => {
+            let dir = scratch_dir();
+            let reactor = if backend == Backend::UringUnbatched {
+                Reactor::new(64, false)
+            } else {
+                Reactor::current()
+            }
+            .expect("io_uring must be available on this machine (kernel.io_uring_disabled=0)");
+            let s = UringStorage::open_with(reactor, &file(&dir), opts)
+                .await
+                .expect("open");
+            TestStorage::Uring(s, dir)
+        }
+    }
+}
+
+macro_rules! each {
+    ($self:ident, $s:ident => $e:expr) => {
+        match $self {
+            TestStorage::Mem($s) => $e,
+            TestStorage::Fault($s) => $e,
+            TestStorage::Threads($s, _) => $e,
+            TestStorage::Uring($s, _) => $e,
+        }
+    };
+}
+
+impl Storage for TestStorage {
+    async fn read_at(
+        &self,
+        buf: storage::Slice,
+        offset: u64,
+    ) -> storage::BufResult<storage::Slice> {
+        each!(self, s => s.read_at(buf, offset).await)
+    }
+    async fn write_at(
+        &self,
+        buf: storage::Slice,
+        offset: u64,
+    ) -> storage::BufResult<storage::Slice> {
+        each!(self, s => s.write_at(buf, offset).await)
+    }
+    async fn write_zeroes_at(&self, offset: u64, len: u64, unmap: bool) -> std::io::Result<()> {
+        each!(self, s => s.write_zeroes_at(offset, len, unmap).await)
+    }
+    async fn discard_at(&self, offset: u64, len: u64) -> std::io::Result<()> {
+        each!(self, s => s.discard_at(offset, len).await)
+    }
+    async fn flush(&self) -> std::io::Result<()> {
+        each!(self, s => s.flush().await)
+    }
+    async fn len(&self) -> std::io::Result<u64> {
+        each!(self, s => s.len().await)
+    }
+    async fn set_len(&self, len: u64) -> std::io::Result<()> {
+        each!(self, s => s.set_len(len).await)
+    }
+    fn zeroes_are_cheap(&self) -> bool {
+        each!(self, s => s.zeroes_are_cheap())
+    }
+    fn alignment(&self) -> usize {
+        each!(self, s => s.alignment())
+    }
+}
+
+/// Write `data` at `offset`, panicking with context on failure.
+pub async fn write<S: Storage>(s: &S, offset: u64, data: &[u8]) {
+    let (res, _) = s
+        .write_at(storage::IoBuf::from_slice(data).into(), offset)
+        .await;
+    res.unwrap_or_else(|e| panic!("write of {} bytes at {offset}: {e}", data.len()));
+}
+
+/// Read `len` bytes at `offset`.
+pub async fn read<S: Storage>(s: &S, offset: u64, len: usize) -> Vec<u8> {
+    let (res, buf) = s.read_at(storage::IoBuf::zeroed(len).into(), offset).await;
+    res.unwrap_or_else(|e| panic!("read of {len} bytes at {offset}: {e}"));
+    buf.to_vec()
+}
+
+/// SplitMix64, so tests are reproducible without a rand dependency.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
