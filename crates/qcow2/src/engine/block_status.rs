@@ -55,7 +55,7 @@ impl Extent {
     }
 }
 
-impl<S: Storage> Image<S> {
+impl<S: Storage + 'static> Image<S> {
     /// The status of `[offset, offset + len)`, as extents in guest order covering it exactly.
     pub async fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
         let inner = &self.inner;

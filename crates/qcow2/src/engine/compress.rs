@@ -107,7 +107,11 @@ fn zstd_decode(input: &[u8], output: &mut [u8]) -> Result<(), CompressError> {
 
 /// Compress one cluster; `None` when the result would not be smaller than `limit` bytes
 /// (QEMU then stores the cluster uncompressed).
-pub fn compress(codec: Codec, input: &[u8], limit: usize) -> Result<Option<Vec<u8>>, CompressError> {
+pub fn compress(
+    codec: Codec,
+    input: &[u8],
+    limit: usize,
+) -> Result<Option<Vec<u8>>, CompressError> {
     match codec {
         Codec::Zlib => deflate_raw(input, limit),
         Codec::Zstd => zstd_encode(input, limit),
@@ -165,7 +169,9 @@ mod tests {
         for codec in [Codec::Zlib, Codec::Zstd] {
             for len in [512usize, 4096, 65536, 2 << 20] {
                 let data = sample(len, 31);
-                let mut packed = compress(codec, &data, len - 1).unwrap().unwrap_or_else(|| panic!("{codec:?} {len} not compressible"));
+                let mut packed = compress(codec, &data, len - 1)
+                    .unwrap()
+                    .unwrap_or_else(|| panic!("{codec:?} {len} not compressible"));
                 packed.extend_from_slice(&[0xA5; 700]);
                 let mut out = vec![0u8; len];
                 decompress(codec, &packed, &mut out).unwrap();

@@ -14,8 +14,8 @@ pub(crate) struct Layer<S> {
     pub name: String,
     /// The image file (for raw layers, the data itself).
     pub file: S,
-    /// Guest-visible size of this layer.
-    pub size: u64,
+    /// Guest-visible size of this layer (grows when layer 0 is resized).
+    pub size: Cell<u64>,
     /// What kind of layer it is.
     pub format: LayerFormat<S>,
 }
@@ -49,7 +49,7 @@ pub(crate) struct Qcow2Meta<S> {
     pub file_end: Cell<u64>,
 }
 
-impl<S: Storage> Layer<S> {
+impl<S: Storage + 'static> Layer<S> {
     /// The qcow2 state, if this is a qcow2 layer.
     pub fn qcow2(&self) -> Option<&Qcow2Meta<S>> {
         match &self.format {
@@ -72,11 +72,10 @@ impl<S: Storage> Layer<S> {
     pub async fn read_file(&self, what: &'static str, offset: u64, len: usize) -> Result<IoBuf> {
         read_exact(&self.file, &self.name, what, offset, len).await
     }
-
 }
 
 /// Reads `len` bytes at `offset` of `file` into a fresh buffer.
-pub(crate) async fn read_exact<S: Storage>(
+pub(crate) async fn read_exact<S: Storage + 'static>(
     file: &S,
     image: &str,
     what: &'static str,

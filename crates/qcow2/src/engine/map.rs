@@ -7,9 +7,7 @@ use super::error::{EngineError, Result};
 use super::layer::{Layer, Qcow2Meta};
 use super::metacache::L2Key;
 use super::L2Cache;
-use crate::format::{
-    l2, ExtendedL2Entry, GuestOffset, HostOffset, L2Entry, SubclusterState,
-};
+use crate::format::{l2, ExtendedL2Entry, GuestOffset, HostOffset, L2Entry, SubclusterState};
 use storage::Storage;
 
 /// How a run of guest bytes reads in one layer.
@@ -69,7 +67,7 @@ pub(crate) fn push_run(out: &mut Vec<Run>, start: u64, len: u64, kind: RunKind) 
 
 /// Maps `[start, start + len)` of qcow2 layer `li` (which must lie inside the layer's virtual
 /// size) into runs appended to `out`.
-pub(crate) async fn map_layer<S: Storage>(
+pub(crate) async fn map_layer<S: Storage + 'static>(
     layers: &[Layer<S>],
     l2: &L2Cache<S>,
     li: usize,
@@ -85,13 +83,11 @@ pub(crate) async fn map_layer<S: Storage>(
     let bits = g.cluster_bits();
     let slice_bytes = l2.entry_size() as u64;
     let per_slice = slice_bytes / g.l2_entry_size();
-    let end = start
-        .checked_add(len)
-        .ok_or(EngineError::OutOfRange {
-            offset: start,
-            len,
-            size: layer.size,
-        })?;
+    let end = start.checked_add(len).ok_or(EngineError::OutOfRange {
+        offset: start,
+        len,
+        size: layer.size.get(),
+    })?;
     let mut pos = start;
     while pos < end {
         let cluster = pos >> bits;
@@ -145,14 +141,19 @@ fn decode_slice<S>(
         let cluster_start = pos & !(cs - 1);
         let cluster_end = end.min(cluster_start.saturating_add(cs));
         let index = g.l2_index(GuestOffset(pos)) as u64;
-        let (word, bitmap) = l2::entry_at(bytes, (index - first_index) as usize, ext)
-            .ok_or_else(|| layer.corrupt(format!("L2 table at {table:#x}: entry {index} is outside the cached slice")))?;
+        let (word, bitmap) =
+            l2::entry_at(bytes, (index - first_index) as usize, ext).ok_or_else(|| {
+                layer.corrupt(format!(
+                    "L2 table at {table:#x}: entry {index} is outside the cached slice"
+                ))
+            })?;
         let fmt = |source| EngineError::Format {
             image: layer.name.clone(),
             source,
         };
         if ext {
-            let e = ExtendedL2Entry::decode(word, bitmap, g, index, HostOffset(table)).map_err(fmt)?;
+            let e =
+                ExtendedL2Entry::decode(word, bitmap, g, index, HostOffset(table)).map_err(fmt)?;
             match e.entry {
                 L2Entry::Compressed(_) => push_run(
                     out,
@@ -175,7 +176,8 @@ fn decode_slice<S>(
                     while pos < cluster_end {
                         let sc = g.subcluster_index(GuestOffset(pos));
                         let (state, count) = e.run_at(sc);
-                        let run_end = cluster_end.min(cluster_start + (u64::from(sc) + u64::from(count)) * scs);
+                        let run_end = cluster_end
+                            .min(cluster_start + (u64::from(sc) + u64::from(count)) * scs);
                         let kind = match state {
                             SubclusterState::Unallocated => RunKind::Unallocated,
                             SubclusterState::Zero => RunKind::Zero,
@@ -262,11 +264,31 @@ mod tests {
         assert_eq!(
             v,
             vec![
-                Run { start: 0, len: 1024, kind: RunKind::Data { host: 4096 } },
-                Run { start: 1024, len: 512, kind: RunKind::Data { host: 8192 } },
-                Run { start: 1536, len: 20, kind: RunKind::Zero },
-                Run { start: 1556, len: 4, kind: c },
-                Run { start: 1560, len: 4, kind: c },
+                Run {
+                    start: 0,
+                    len: 1024,
+                    kind: RunKind::Data { host: 4096 }
+                },
+                Run {
+                    start: 1024,
+                    len: 512,
+                    kind: RunKind::Data { host: 8192 }
+                },
+                Run {
+                    start: 1536,
+                    len: 20,
+                    kind: RunKind::Zero
+                },
+                Run {
+                    start: 1556,
+                    len: 4,
+                    kind: c
+                },
+                Run {
+                    start: 1560,
+                    len: 4,
+                    kind: c
+                },
             ]
         );
     }

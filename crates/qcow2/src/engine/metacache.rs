@@ -36,14 +36,14 @@ fn to_io(e: super::error::EngineError) -> io::Error {
     io::Error::other(e.to_string())
 }
 
-async fn write_all<S: Storage>(file: &S, data: &[u8], offset: u64) -> io::Result<()> {
+async fn write_all<S: Storage + 'static>(file: &S, data: &[u8], offset: u64) -> io::Result<()> {
     let (res, _) = file.write_at(IoBuf::from_slice(data).into(), offset).await;
     res
 }
 
 /// Makes the writable layer durable: its data file first (guest data written by copy-on-write
 /// must be on disk before metadata that exposes it), then the image file.
-pub(crate) async fn flush_layer<S: Storage>(layer: &Layer<S>) -> io::Result<()> {
+pub(crate) async fn flush_layer<S: Storage + 'static>(layer: &Layer<S>) -> io::Result<()> {
     if let Some(meta) = layer.qcow2() {
         if let Some(data) = &meta.data_file {
             data.flush().await?;
@@ -52,16 +52,22 @@ pub(crate) async fn flush_layer<S: Storage>(layer: &Layer<S>) -> io::Result<()> 
     layer.file.flush().await
 }
 
-impl<S: Storage> cache::Backend<L2Key> for L2Backend<S> {
+impl<S: Storage + 'static> cache::Backend<L2Key> for L2Backend<S> {
     async fn load(&self, key: L2Key, buf: &mut [u8]) -> io::Result<()> {
         let layer = self
             .layers
             .get(key.layer as usize)
             .ok_or_else(|| io::Error::other(format!("no layer {}", key.layer)))?;
         let offset = slice_offset(key, self.slice_bytes)?;
-        let data = read_exact(&layer.file, &layer.name, "reading L2 table", offset, buf.len())
-            .await
-            .map_err(to_io)?;
+        let data = read_exact(
+            &layer.file,
+            &layer.name,
+            "reading L2 table",
+            offset,
+            buf.len(),
+        )
+        .await
+        .map_err(to_io)?;
         buf.copy_from_slice(&data);
         Ok(())
     }
@@ -86,13 +92,19 @@ fn slice_offset(key: L2Key, slice_bytes: usize) -> io::Result<u64> {
         .ok_or_else(|| io::Error::other("L2 slice offset overflows"))
 }
 
-impl<S: Storage> cache::Backend<RefcountKey> for RefcountBackend<S> {
+impl<S: Storage + 'static> cache::Backend<RefcountKey> for RefcountBackend<S> {
     async fn load(&self, key: RefcountKey, buf: &mut [u8]) -> io::Result<()> {
         let layer = &self.layers[0];
         debug_assert_eq!(buf.len(), self.block_bytes);
-        let data = read_exact(&layer.file, &layer.name, "reading refcount block", key, buf.len())
-            .await
-            .map_err(to_io)?;
+        let data = read_exact(
+            &layer.file,
+            &layer.name,
+            "reading refcount block",
+            key,
+            buf.len(),
+        )
+        .await
+        .map_err(to_io)?;
         buf.copy_from_slice(&data);
         Ok(())
     }

@@ -11,21 +11,35 @@
 //! Files: `open` (opening and validating a chain), `layer` (one file of the chain), `map`
 //! (guest range → runs through one layer's L2 entries), `resolve` (through the whole chain),
 //! `read`, `block_status`, `metacache` (cache keys and backends), `compress` (codecs),
-//! `range_lock`, `backing_name` (which backing names we follow).
+//! `range_lock`, `backing_name` (which backing names we follow); the write side: `writer`
+//! (refcount table, header bits), `refcount` (refcounts and the allocator), `l2_table`
+//! (writable L2 tables), `l2_entry` (entry updates), `write` (allocation and copy-on-write),
+//! `zero`, `discard`, `flush`, `overlap` (metadata that data must never overwrite).
 
 pub mod backing_name;
 mod block_status;
 pub mod compress;
+mod create;
+mod discard;
 mod error;
+mod flush;
+mod l2_entry;
+mod l2_table;
 mod layer;
 mod map;
 mod metacache;
 mod open;
+mod overlap;
 pub mod range_lock;
 mod read;
+mod refcount;
 mod resolve;
+mod write;
+mod writer;
+mod zero;
 
 pub use block_status::Extent;
+pub use create::{create, create_file, CreateOptions, Preallocation};
 pub use error::{libc_errno, EngineError, Result};
 pub use open::{Format, OpenOptions};
 
@@ -40,11 +54,11 @@ use storage::Storage;
 pub(crate) type L2Cache<S> = cache::Cache<L2Key, L2Backend<S>>;
 
 /// An open image (and its backing chain). Cheap to clone: clones share everything.
-pub struct Image<S: Storage> {
+pub struct Image<S: Storage + 'static> {
     inner: Rc<Inner<S>>,
 }
 
-impl<S: Storage> Clone for Image<S> {
+impl<S: Storage + 'static> Clone for Image<S> {
     fn clone(&self) -> Self {
         Image {
             inner: self.inner.clone(),
@@ -60,7 +74,7 @@ pub(crate) struct Decompressed {
     data: Rc<[u8]>,
 }
 
-pub(crate) struct Inner<S: Storage> {
+pub(crate) struct Inner<S: Storage + 'static> {
     /// Layer 0 is the opened image, layer n its n-th backing file.
     pub layers: Rc<Vec<Layer<S>>>,
     /// L2 slices of every layer.
@@ -72,6 +86,10 @@ pub(crate) struct Inner<S: Storage> {
     pub decompressed: RefCell<Option<Decompressed>>,
     /// The cache sizes in use.
     pub cache_sizes: cache::ResolvedCacheSizes,
+    /// Refcounts and allocation state (writable qcow2 images only).
+    pub writer: Option<writer::Writer<S>>,
+    /// Punch holes in the file when a guest discard (or zeroing with unmap) frees clusters.
+    pub discard_passthrough: bool,
 }
 
 /// Facts about an open image, for `info`/`map` style output and for NBD negotiation.
@@ -91,10 +109,10 @@ pub struct ImageFacts {
     pub chain: Vec<String>,
 }
 
-impl<S: Storage> Image<S> {
+impl<S: Storage + 'static> Image<S> {
     /// Guest-visible size in bytes.
     pub fn size(&self) -> u64 {
-        self.inner.layers[0].size
+        self.inner.layers[0].size.get()
     }
 
     /// True when writes are refused.
@@ -110,11 +128,11 @@ impl<S: Storage> Image<S> {
     /// Facts about the image.
     pub fn facts(&self) -> ImageFacts {
         let top = &self.inner.layers[0];
-        let (cluster_size, subcluster_size) = top
-            .qcow2()
-            .map_or((512, 512), |m| (m.geom.cluster_size(), m.geom.subcluster_size()));
+        let (cluster_size, subcluster_size) = top.qcow2().map_or((512, 512), |m| {
+            (m.geom.cluster_size(), m.geom.subcluster_size())
+        });
         ImageFacts {
-            size: top.size,
+            size: top.size.get(),
             cluster_size,
             subcluster_size,
             qcow2: top.qcow2().is_some(),
@@ -146,10 +164,10 @@ impl<S: Storage> Image<S> {
     }
 }
 
-impl<S: Storage> Inner<S> {
+impl<S: Storage + 'static> Inner<S> {
     /// Refuses requests that leave the disk.
     pub(crate) fn check_range(&self, offset: u64, len: u64) -> Result<()> {
-        let size = self.layers[0].size;
+        let size = self.layers[0].size.get();
         match offset.checked_add(len) {
             Some(end) if end <= size => Ok(()),
             _ => Err(EngineError::OutOfRange { offset, len, size }),

@@ -7,6 +7,7 @@ use super::error::{EngineError, Result};
 use super::layer::{read_exact, Layer, LayerFormat, Qcow2Meta};
 use super::metacache::L2Backend;
 use super::range_lock::RangeLocks;
+use super::writer::Writer;
 use super::{Image, Inner, L2Cache};
 use crate::format::{limits, snapshot, Header, SnapshotTableEntry};
 use std::cell::{Cell, RefCell};
@@ -54,9 +55,11 @@ pub struct OpenOptions {
     pub snapshot: Option<String>,
     /// Open files with `O_DIRECT` (QEMU's `cache=none`).
     pub direct: bool,
+    /// Punch holes in the file when a guest discard frees clusters (`--discard=unmap`).
+    pub discard_passthrough: bool,
 }
 
-impl<S: Storage> Image<S> {
+impl<S: Storage + 'static> Image<S> {
     /// Opens `path` and its backing chain.
     pub async fn open<O>(opener: &O, path: &Path, opts: &OpenOptions) -> Result<Image<S>>
     where
@@ -78,7 +81,10 @@ impl<S: Storage> Image<S> {
         let mut layers = vec![top];
         let mut paths = vec![path.to_path_buf()];
         while !opts.no_backing {
-            let (last, last_path) = (layers.last().expect("non-empty"), paths.last().expect("non-empty"));
+            let (last, last_path) = (
+                layers.last().expect("non-empty"),
+                paths.last().expect("non-empty"),
+            );
             let Some(meta) = last.qcow2() else { break };
             let (name, fmt_name) = {
                 let h = meta.header.borrow();
@@ -87,16 +93,19 @@ impl<S: Storage> Image<S> {
                 };
                 (name, h.backing_format().map(<[u8]>::to_vec))
             };
-            let name = String::from_utf8(name).map_err(|_| last.corrupt("backing file name is not UTF-8".into()))?;
+            let name = String::from_utf8(name)
+                .map_err(|_| last.corrupt("backing file name is not UTF-8".into()))?;
             let next_path: PathBuf = backing_name::resolve(last_path, &name)?;
             guard.enter(last_path, &next_path)?;
             let fmt = match fmt_name {
                 Some(f) => {
                     let f = String::from_utf8_lossy(&f).into_owned();
-                    Some(Format::from_name(&f).ok_or_else(|| EngineError::Unsupported {
-                        image: last.name.clone(),
-                        what: format!("backing file format {f:?}"),
-                    })?)
+                    Some(
+                        Format::from_name(&f).ok_or_else(|| EngineError::Unsupported {
+                            image: last.name.clone(),
+                            what: format!("backing file format {f:?}"),
+                        })?,
+                    )
                 }
                 None => None,
             };
@@ -104,22 +113,23 @@ impl<S: Storage> Image<S> {
             layers.push(layer);
             paths.push(next_path);
         }
-        build(layers, read_only, &opts.cache)
+        build(layers, read_only, opts).await
     }
 }
 
-fn build<S: Storage>(
+async fn build<S: Storage + 'static>(
     layers: Vec<Layer<S>>,
     read_only: bool,
-    cache_opts: &cache::CacheOptions,
+    opts: &OpenOptions,
 ) -> Result<Image<S>> {
+    let cache_opts = &opts.cache;
     let top_name = layers[0].name.clone();
     let (cache_sizes, slice_bytes) = match layers[0].qcow2() {
         Some(m) => {
             let h = m.header.borrow();
             let params = cache::ImageParams {
                 cluster_size: m.geom.cluster_size(),
-                virtual_size: layers[0].size,
+                virtual_size: layers[0].size.get(),
                 extended_l2: m.geom.extended_l2(),
                 refcount_bits: m.geom.refcount_bits(),
             };
@@ -163,6 +173,18 @@ fn build<S: Storage>(
         image: top_name.clone(),
         source,
     })?;
+    let writer = match layers[0].qcow2() {
+        Some(m) if !read_only => {
+            if m.header.borrow().is_dirty() {
+                return Err(EngineError::Unsupported {
+                    image: top_name,
+                    what: "writing to an image whose dirty bit is set (refcounts may be stale); repair it with `qcow2-nbd check -r all` or open it read-only".into(),
+                });
+            }
+            Some(Writer::open(&layers, cache_sizes.refcount_cache_bytes).await?)
+        }
+        _ => None,
+    };
     Ok(Image {
         inner: Rc::new(Inner {
             layers,
@@ -171,12 +193,14 @@ fn build<S: Storage>(
             locks: RangeLocks::new(),
             decompressed: RefCell::new(None),
             cache_sizes,
+            writer,
+            discard_passthrough: opts.discard_passthrough,
         }),
     })
 }
 
 /// Opens one file of the chain.
-async fn open_layer<O: Opener>(
+async fn open_layer<O>(
     opener: &O,
     path: &Path,
     format: Option<Format>,
@@ -184,7 +208,11 @@ async fn open_layer<O: Opener>(
     direct: bool,
     snapshot: Option<&str>,
     top: bool,
-) -> Result<Layer<O::Storage>> {
+) -> Result<Layer<O::Storage>>
+where
+    O: Opener,
+    O::Storage: 'static,
+{
     let name = path.display().to_string();
     let file = opener
         .open(
@@ -214,7 +242,8 @@ async fn open_layer<O: Opener>(
         None if top => {
             return Err(EngineError::Unsupported {
                 image: name,
-                what: "opening a file that is not qcow2 without an explicit format (use raw)".into(),
+                what: "opening a file that is not qcow2 without an explicit format (use raw)"
+                    .into(),
             })
         }
         None => Format::Raw,
@@ -229,23 +258,26 @@ async fn open_layer<O: Opener>(
         return Ok(Layer {
             name,
             file,
-            size: file_len,
+            size: Cell::new(file_len),
             format: LayerFormat::Raw,
         });
     }
-    let meta = open_qcow2(opener, &file, path, &name, file_len, read_only, direct, snapshot).await?;
+    let meta = open_qcow2(
+        opener, &file, path, &name, file_len, read_only, direct, snapshot,
+    )
+    .await?;
     let size = meta.1;
     Ok(Layer {
         name,
         file,
-        size,
+        size: Cell::new(size),
         format: LayerFormat::Qcow2(meta.0),
     })
 }
 
 /// Reads and validates a qcow2 layer's header and tables.
 #[allow(clippy::too_many_arguments)]
-async fn open_qcow2<O: Opener>(
+async fn open_qcow2<O>(
     opener: &O,
     file: &O::Storage,
     path: &Path,
@@ -254,7 +286,11 @@ async fn open_qcow2<O: Opener>(
     read_only: bool,
     direct: bool,
     snapshot: Option<&str>,
-) -> Result<(Qcow2Meta<O::Storage>, u64)> {
+) -> Result<(Qcow2Meta<O::Storage>, u64)>
+where
+    O: Opener,
+    O::Storage: 'static,
+{
     let fmt_err = |source| EngineError::Format {
         image: name.to_string(),
         source,
@@ -300,7 +336,7 @@ async fn open_qcow2<O: Opener>(
         u64::from(header.refcount_table_clusters) * cs,
         "the refcount table",
     ));
-    let snapshots = read_snapshot_table(file, name, &header, &geom, file_len).await?;
+    let snapshots = snapshot_table(file, name, &header, &geom, file_len).await?;
     if header.nb_snapshots > 0 {
         let len = snapshots.iter().map(|s| s.1).sum::<u64>();
         regions.push((header.snapshots_offset, len, "the snapshot table"));
@@ -321,7 +357,12 @@ async fn open_qcow2<O: Opener>(
                 .iter()
                 .map(|s| &s.0)
                 .find(|s| s.id == wanted.as_bytes())
-                .or_else(|| snapshots.iter().map(|s| &s.0).find(|s| s.name == wanted.as_bytes()))
+                .or_else(|| {
+                    snapshots
+                        .iter()
+                        .map(|s| &s.0)
+                        .find(|s| s.name == wanted.as_bytes())
+                })
                 .ok_or_else(|| EngineError::NoSuchSnapshot {
                     image: name.to_string(),
                     wanted: wanted.to_string(),
@@ -358,7 +399,14 @@ async fn open_qcow2<O: Opener>(
         (u64::from(l1_entries) * 8) as usize,
     )
     .await?;
-    let l1 = Qcow2Meta::<O::Storage>::decode_l1(&raw, l1_entries as usize, &geom, l1_offset, file_len, name)?;
+    let l1 = Qcow2Meta::<O::Storage>::decode_l1(
+        &raw,
+        l1_entries as usize,
+        &geom,
+        l1_offset,
+        file_len,
+        name,
+    )?;
     // No L2 table may sit on top of the header, the L1 table or the refcount table.
     for (i, &word) in l1.iter().enumerate() {
         let off = word & crate::format::l1::L1_OFFSET_MASK;
@@ -421,7 +469,7 @@ async fn open_qcow2<O: Opener>(
 
 /// Reads the snapshot table one entry at a time (entries with their encoded lengths), so an
 /// image with a few snapshots does not cost a 64 MiB read.
-async fn read_snapshot_table<S: Storage>(
+pub(crate) async fn snapshot_table<S: Storage + 'static>(
     file: &S,
     name: &str,
     header: &Header,
@@ -449,7 +497,14 @@ async fn read_snapshot_table<S: Storage>(
                 detail: format!("snapshot table at {:#x}: entry {index} at {offset:#x} is past the end of the file", header.snapshots_offset),
             });
         }
-        let head = read_exact(file, name, "reading the snapshot table", offset, fixed as usize).await?;
+        let head = read_exact(
+            file,
+            name,
+            "reading the snapshot table",
+            offset,
+            fixed as usize,
+        )
+        .await?;
         let len = SnapshotTableEntry::entry_len(&head, at).map_err(fmt_err)?;
         total += len as u64;
         if total > limits::MAX_SNAPSHOT_TABLE_BYTES || offset + len as u64 > file_len {
@@ -459,7 +514,8 @@ async fn read_snapshot_table<S: Storage>(
             });
         }
         let whole = read_exact(file, name, "reading the snapshot table", offset, len).await?;
-        let (entry, used) = SnapshotTableEntry::decode(&whole, offset, index, geom).map_err(fmt_err)?;
+        let (entry, used) =
+            SnapshotTableEntry::decode(&whole, offset, index, geom).map_err(fmt_err)?;
         cursor.advance(used).map_err(fmt_err)?;
         out.push((entry, used as u64));
     }

@@ -10,7 +10,7 @@ use crate::format::{CompressedDescriptor, Location, Structure};
 use std::rc::Rc;
 use storage::{IoBuf, Storage};
 
-impl<S: Storage> Image<S> {
+impl<S: Storage + 'static> Image<S> {
     /// Reads `len` guest bytes at `offset` into a new buffer.
     pub async fn read(&self, offset: u64, len: usize) -> Result<IoBuf> {
         let (res, buf) = self.read_into(offset, IoBuf::zeroed(len)).await;
@@ -23,7 +23,7 @@ impl<S: Storage> Image<S> {
     }
 }
 
-impl<S: Storage> Inner<S> {
+impl<S: Storage + 'static> Inner<S> {
     pub(crate) async fn read_into(&self, offset: u64, mut buf: IoBuf) -> (Result<()>, IoBuf) {
         let len = buf.len() as u64;
         if let Err(e) = self.check_range(offset, len) {
@@ -43,7 +43,7 @@ impl<S: Storage> Inner<S> {
     }
 
     /// Copies the pieces (which cover the buffer exactly, in order) into `buf`.
-    async fn fill(&self, base: u64, pieces: &[Piece], buf: &mut IoBuf) -> Result<()> {
+    pub(crate) async fn fill(&self, base: u64, pieces: &[Piece], buf: &mut IoBuf) -> Result<()> {
         let mut i = 0;
         while i < pieces.len() {
             let p = pieces[i];
@@ -56,7 +56,8 @@ impl<S: Storage> Inner<S> {
                 Source::Compressed { raw, cluster } => {
                     let data = self.decompress(p.layer, raw).await?;
                     let from = (p.start - cluster) as usize;
-                    buf[at..at + p.len as usize].copy_from_slice(&data[from..from + p.len as usize]);
+                    buf[at..at + p.len as usize]
+                        .copy_from_slice(&data[from..from + p.len as usize]);
                     i += 1;
                 }
                 Source::Data { host } => {
@@ -66,7 +67,9 @@ impl<S: Storage> Inner<S> {
                     while let Some(q) = pieces.get(j) {
                         match q.src {
                             Source::Data { host: h }
-                                if q.layer == p.layer && h == host + len && q.start == p.start + len =>
+                                if q.layer == p.layer
+                                    && h == host + len
+                                    && q.start == p.start + len =>
                             {
                                 len += q.len;
                                 j += 1;
@@ -97,15 +100,18 @@ impl<S: Storage> Inner<S> {
             }
         }
         let layer = &self.layers[li];
-        let meta = layer.qcow2().expect("compressed clusters exist only in qcow2 layers");
+        let meta = layer
+            .qcow2()
+            .expect("compressed clusters exist only in qcow2 layers");
         let cs = meta.geom.cluster_size() as usize;
         let at = Location::at(Structure::L2Table, 0);
-        let desc = CompressedDescriptor::decode(raw, meta.geom.cluster_bits(), at).map_err(|source| {
-            EngineError::Format {
-                image: layer.name.clone(),
-                source,
-            }
-        })?;
+        let desc =
+            CompressedDescriptor::decode(raw, meta.geom.cluster_bits(), at).map_err(|source| {
+                EngineError::Format {
+                    image: layer.name.clone(),
+                    source,
+                }
+            })?;
         let (offset, len) = desc.byte_range();
         if offset >= meta.file_end.get() {
             return Err(layer.corrupt(format!(
@@ -113,7 +119,9 @@ impl<S: Storage> Inner<S> {
                 meta.file_end.get()
             )));
         }
-        let input = layer.read_file("reading a compressed cluster", offset, len as usize).await?;
+        let input = layer
+            .read_file("reading a compressed cluster", offset, len as usize)
+            .await?;
         let mut out = vec![0u8; cs];
         compress::decompress(meta.codec, &input, &mut out).map_err(|source| {
             EngineError::Compressed {

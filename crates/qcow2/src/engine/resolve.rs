@@ -33,7 +33,7 @@ pub(crate) struct Piece {
     pub present: bool,
 }
 
-impl<S: Storage> Inner<S> {
+impl<S: Storage + 'static> Inner<S> {
     /// Appends the pieces of `[start, start + len)` as seen from layer `from` downwards, in
     /// guest order. The range must lie within layer `from`'s size.
     pub(crate) async fn resolve(
@@ -52,13 +52,14 @@ impl<S: Storage> Inner<S> {
                 out.push(absent(s, l, li - 1));
                 continue;
             };
-            if s >= layer.size {
+            let size = layer.size.get();
+            if s >= size {
                 // Past the end of this (shorter) backing layer: zeros, and QEMU does not look
                 // further down.
                 out.push(absent(s, l, li.saturating_sub(1)));
                 continue;
             }
-            let inside = l.min(layer.size - s);
+            let inside = l.min(size - s);
             if inside < l {
                 out.push(absent(s + inside, l - inside, li.saturating_sub(1)));
             }

@@ -1,0 +1,394 @@
+//! Creating images the way `qemu-img create` lays them out: header, refcount table, refcount
+//! block(s) and L1 table in the first clusters, with the feature name table and (for backed
+//! images) the backing format extension; preallocation runs through the normal allocator.
+
+use super::compress::Codec;
+use super::error::{EngineError, Result};
+use super::open::{Format, OpenOptions};
+use super::Image;
+use crate::format::extensions::{FeatureNameEntry, FeatureNameTable};
+use crate::format::features::{
+    known_feature_name, FeatureKind, COMPAT_LAZY_REFCOUNTS, INCOMPAT_COMPRESSION,
+    INCOMPAT_EXTENDED_L2,
+};
+use crate::format::{limits, refcount, Geometry, Header, HeaderExtension};
+use storage::{IoBuf, Opener, Storage};
+
+/// How much of the disk to allocate up front (`preallocation=`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Preallocation {
+    /// Nothing.
+    #[default]
+    Off,
+    /// L2 tables and data clusters, without touching the data.
+    Metadata,
+    /// Metadata, plus the data area reserved with fallocate.
+    Falloc,
+    /// Metadata, plus the data area written with zeros.
+    Full,
+}
+
+impl Preallocation {
+    /// Parses QEMU's names.
+    pub fn from_name(name: &str) -> Option<Preallocation> {
+        match name {
+            "off" => Some(Preallocation::Off),
+            "metadata" => Some(Preallocation::Metadata),
+            "falloc" => Some(Preallocation::Falloc),
+            "full" => Some(Preallocation::Full),
+            _ => None,
+        }
+    }
+}
+
+/// Everything `create` needs; the defaults are `qemu-img create -f qcow2`'s.
+#[derive(Clone, Debug)]
+pub struct CreateOptions {
+    /// Virtual size in bytes (rounded up to 512 as QEMU does).
+    pub size: u64,
+    /// Cluster size (a power of two, 512 B .. 2 MiB).
+    pub cluster_size: u64,
+    /// Extended L2 entries (32 subclusters per cluster).
+    pub extended_l2: bool,
+    /// Bits per refcount (1, 2, 4, ... 64).
+    pub refcount_bits: u32,
+    /// Codec for compressed clusters.
+    pub compression: Codec,
+    /// Lazy refcounts (compatible feature bit 0).
+    pub lazy_refcounts: bool,
+    /// 2 for compat=0.10, 3 for compat=1.1.
+    pub version: u32,
+    /// Up-front allocation.
+    pub preallocation: Preallocation,
+    /// Backing file name as it is stored, and its format.
+    pub backing: Option<(String, Format)>,
+}
+
+impl Default for CreateOptions {
+    fn default() -> Self {
+        CreateOptions {
+            size: 0,
+            cluster_size: 65536,
+            extended_l2: false,
+            refcount_bits: 16,
+            compression: Codec::Zlib,
+            lazy_refcounts: false,
+            version: 3,
+            preallocation: Preallocation::Off,
+            backing: None,
+        }
+    }
+}
+
+fn invalid(what: impl Into<String>) -> EngineError {
+    EngineError::Unsupported {
+        image: "new image".into(),
+        what: what.into(),
+    }
+}
+
+impl CreateOptions {
+    /// The checks `qemu-img create` makes, with its messages' substance.
+    fn validate(&self) -> Result<(u32, u32)> {
+        let cs = self.cluster_size;
+        if !cs.is_power_of_two() || !(512..=2 << 20).contains(&cs) {
+            return Err(invalid(format!(
+                "cluster size {cs} (it must be a power of two between 512 and 2M)"
+            )));
+        }
+        let cluster_bits = cs.trailing_zeros();
+        if !self.refcount_bits.is_power_of_two() || self.refcount_bits > 64 {
+            return Err(invalid(format!(
+                "refcount_bits={} (it must be a power of two up to 64)",
+                self.refcount_bits
+            )));
+        }
+        if !(2..=3).contains(&self.version) {
+            return Err(invalid(format!("version {}", self.version)));
+        }
+        let v3 = self.version == 3;
+        if !v3 {
+            if self.refcount_bits != 16 {
+                return Err(invalid("refcount_bits other than 16 with compat=0.10"));
+            }
+            if self.lazy_refcounts {
+                return Err(invalid("lazy refcounts with compat=0.10 (use compat=1.1)"));
+            }
+            if self.extended_l2 {
+                return Err(invalid(
+                    "extended L2 entries with compat=0.10 (use compat=1.1)",
+                ));
+            }
+            if self.compression != Codec::Zlib {
+                return Err(invalid(
+                    "zstd compression with compat=0.10 (use compat=1.1)",
+                ));
+            }
+        }
+        if self.extended_l2 && cluster_bits < limits::MIN_CLUSTER_BITS_EXTENDED_L2 {
+            return Err(invalid(format!(
+                "extended L2 entries with {cs}-byte clusters (they need at least 16k)"
+            )));
+        }
+        if let Some((name, _)) = &self.backing {
+            if name.len() > limits::MAX_BACKING_FILE_NAME as usize {
+                return Err(invalid("a backing file name longer than 1023 bytes"));
+            }
+            if self.preallocation != Preallocation::Off {
+                return Err(invalid("preallocation together with a backing file"));
+            }
+        }
+        Ok((cluster_bits, self.refcount_bits.trailing_zeros()))
+    }
+}
+
+/// QEMU's feature name table: every feature bit it knows, named.
+fn feature_table() -> FeatureNameTable {
+    let mut entries = Vec::new();
+    for kind in [
+        FeatureKind::Incompatible,
+        FeatureKind::Compatible,
+        FeatureKind::Autoclear,
+    ] {
+        for bit in 0..64u8 {
+            if let Some(name) = known_feature_name(kind, u32::from(bit)) {
+                entries.push(FeatureNameEntry::new(kind, bit, name));
+            }
+        }
+    }
+    FeatureNameTable {
+        entries,
+        trailing: Vec::new(),
+    }
+}
+
+/// Writes a new, empty image into `file` (which should be empty).
+pub async fn create<S: Storage + 'static>(file: &S, opts: &CreateOptions) -> Result<()> {
+    let (cluster_bits, refcount_order) = opts.validate()?;
+    let size = opts.size.div_ceil(512) * 512;
+    let cs = opts.cluster_size;
+    let geom =
+        Geometry::new(cluster_bits, opts.extended_l2, refcount_order, size).map_err(|source| {
+            EngineError::Format {
+                image: "new image".into(),
+                source,
+            }
+        })?;
+    let l1_entries = geom.l1_entries_needed();
+    if l1_entries * 8 > limits::MAX_L1_SIZE_BYTES {
+        return Err(invalid(format!(
+            "a virtual size of {size} bytes with {cs}-byte clusters (the L1 table would exceed 32 MiB)"
+        )));
+    }
+    let l1_clusters = (l1_entries * 8).div_ceil(cs).max(1);
+    let epb = geom.refcount_block_entries();
+    // Header, refcount table, refcount blocks and L1 table, with enough blocks for all of them.
+    let (mut rt, mut rb) = (1u64, 1u64);
+    loop {
+        let total = 1 + rt + rb + l1_clusters;
+        let need_rb = total.div_ceil(epb);
+        let need_rt = (need_rb * 8).div_ceil(cs);
+        if need_rb <= rb && need_rt <= rt {
+            break;
+        }
+        rb = rb.max(need_rb);
+        rt = rt.max(need_rt);
+    }
+    let total = 1 + rt + rb + l1_clusters;
+    let reftable_off = cs;
+    let refblock_off = (1 + rt) * cs;
+    let l1_off = (1 + rt + rb) * cs;
+
+    let mut h = Header::new(opts.version, cluster_bits, size);
+    h.refcount_order = refcount_order;
+    h.l1_size = u32::try_from(l1_entries).map_err(|_| invalid("an L1 table that large"))?;
+    h.l1_table_offset = l1_off;
+    h.refcount_table_offset = reftable_off;
+    h.refcount_table_clusters = rt as u32;
+    if opts.version >= 3 {
+        if opts.extended_l2 {
+            h.incompatible_features |= INCOMPAT_EXTENDED_L2;
+        }
+        if opts.compression == Codec::Zstd {
+            h.incompatible_features |= INCOMPAT_COMPRESSION;
+            h.compression_type = 1;
+        }
+        if opts.lazy_refcounts {
+            h.compatible_features |= COMPAT_LAZY_REFCOUNTS;
+        }
+    }
+    if let Some((name, fmt)) = &opts.backing {
+        let fmt = match fmt {
+            Format::Qcow2 => "qcow2",
+            Format::Raw => "raw",
+        };
+        h.extensions
+            .push(HeaderExtension::BackingFormat(fmt.as_bytes().to_vec()));
+        h.backing_file = Some(name.as_bytes().to_vec());
+    }
+    if opts.version >= 3 {
+        h.extensions
+            .push(HeaderExtension::FeatureNameTable(feature_table()));
+    }
+    let fmt_err = |source| EngineError::Format {
+        image: "new image".into(),
+        source,
+    };
+    let header = h.encode(cs).map_err(fmt_err)?;
+
+    let mut meta = vec![0u8; ((1 + rt + rb) * cs) as usize];
+    meta[..header.len()].copy_from_slice(&header);
+    for j in 0..rb {
+        let entry = (reftable_off + j * 8) as usize;
+        meta[entry..entry + 8].copy_from_slice(&(refblock_off + j * cs).to_be_bytes());
+    }
+    for c in 0..total {
+        let block = (refblock_off + (c / epb) * cs) as usize;
+        refcount::set(
+            &mut meta[block..block + cs as usize],
+            refcount_order,
+            (c % epb) as usize,
+            1,
+        )
+        .map_err(fmt_err)?;
+    }
+    let io = |what: &'static str, offset: u64| {
+        move |source| EngineError::Io {
+            image: "new image".into(),
+            what,
+            offset,
+            source,
+        }
+    };
+    file.set_len(0).await.map_err(io("truncating", 0))?;
+    let (res, _) = file.write_at(IoBuf::from_slice(&meta).into(), 0).await;
+    res.map_err(io("writing the metadata", 0))?;
+    // The L1 table is all zeros: the file just has to reach its end, as QEMU leaves it.
+    file.set_len(l1_off + l1_entries * 8)
+        .await
+        .map_err(io("sizing the file", l1_off))?;
+    file.flush().await.map_err(io("flushing", 0))?;
+    Ok(())
+}
+
+/// Creates `path` with `opts` through `opener` and, if asked, preallocates it.
+pub async fn create_file<O>(opener: &O, path: &std::path::Path, opts: &CreateOptions) -> Result<()>
+where
+    O: Opener,
+    O::Storage: 'static,
+{
+    let file = opener
+        .open(
+            path,
+            storage::OpenOptions {
+                read_only: false,
+                create: true,
+                direct: false,
+            },
+        )
+        .await
+        .map_err(|source| EngineError::Open {
+            path: path.display().to_string(),
+            source,
+        })?;
+    create(&file, opts).await?;
+    drop(file);
+    if opts.preallocation != Preallocation::Off {
+        let img = Image::open(
+            opener,
+            path,
+            &OpenOptions {
+                no_backing: true,
+                ..OpenOptions::default()
+            },
+        )
+        .await?;
+        img.preallocate(opts.preallocation).await?;
+        img.close().await?;
+    }
+    Ok(())
+}
+
+impl<S: Storage + 'static> Image<S> {
+    /// Allocates L2 tables and data clusters for the whole disk (`preallocation=`). With
+    /// extended L2 entries the clusters are reserved but their subclusters stay unallocated,
+    /// as QEMU leaves them.
+    pub async fn preallocate(&self, mode: Preallocation) -> Result<()> {
+        use crate::format::l2::L2_COPIED;
+        use crate::format::GuestOffset;
+        let inner = &self.inner;
+        if mode == Preallocation::Off {
+            return Ok(());
+        }
+        let w = inner.writer()?;
+        let top = &inner.layers[0];
+        let meta = top
+            .qcow2()
+            .ok_or_else(|| invalid("preallocating a raw image"))?;
+        let g = &meta.geom;
+        let cs = g.cluster_size();
+        let size = top.size.get();
+        let per_table = g.l2_entries() * cs;
+        let mut pos = 0;
+        while pos < size {
+            let chunk = (per_table - pos % per_table).min(size - pos);
+            let n = chunk.div_ceil(cs);
+            let host = {
+                let _g = w.meta_lock.lock().await;
+                inner.l2_for_write(g.l1_index(GuestOffset(pos))).await?;
+                inner.alloc_clusters(n).await?
+            };
+            let end = host + n * cs;
+            match mode {
+                Preallocation::Falloc => top
+                    .file
+                    .write_zeroes_at(host, n * cs, false)
+                    .await
+                    .map_err(|e| top.io_error("preallocating", host, e))?,
+                Preallocation::Full => {
+                    let mut off = host;
+                    while off < end {
+                        let len = (end - off).min(1 << 20);
+                        let (res, _) = top
+                            .file
+                            .write_at(IoBuf::zeroed(len as usize).into(), off)
+                            .await;
+                        res.map_err(|e| top.io_error("preallocating", off, e))?;
+                        off += len;
+                    }
+                }
+                _ => {}
+            }
+            if top
+                .file
+                .len()
+                .await
+                .map_err(|e| top.io_error("getting the file size", 0, e))?
+                < end
+            {
+                top.file
+                    .set_len(end)
+                    .await
+                    .map_err(|e| top.io_error("extending the file", end, e))?;
+            }
+            if let Some(wr) = &inner.writer {
+                wr.physical_len.set(wr.physical_len.get().max(end));
+            }
+            inner
+                .l2
+                .set_dependency(inner.refcounts_flush())
+                .await
+                .map_err(|source| EngineError::Cache {
+                    image: top.name.clone(),
+                    source,
+                })?;
+            for i in 0..n {
+                inner
+                    .set_l2_entry(pos + i * cs, (host + i * cs) | L2_COPIED, 0)
+                    .await?;
+            }
+            pos += chunk;
+        }
+        inner.flush().await
+    }
+}

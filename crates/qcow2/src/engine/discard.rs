@@ -1,0 +1,105 @@
+//! Discard (NBD TRIM), as QEMU does it: only whole clusters, the range reads as zeros
+//! afterwards whenever a backing file could otherwise show through, and clusters whose
+//! refcount drops to zero are freed (and punched out of the file with discard passthrough).
+
+use super::error::Result;
+use super::range_lock::LockMode;
+use super::{Image, Inner};
+use crate::format::l2::{L2_COMPRESSED, L2_OFFSET_MASK, L2_ZERO};
+use storage::Storage;
+
+/// Every subcluster reads as zeros: the 32 zero bits set, no allocation bits.
+pub(crate) const ALL_ZERO_BITMAP: u64 = 0xffff_ffff << 32;
+
+impl<S: Storage + 'static> Image<S> {
+    /// Discards `[offset, offset + len)`: advisory, so unaligned edges are simply kept.
+    pub async fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.inner.discard(offset, len).await
+    }
+}
+
+impl<S: Storage + 'static> Inner<S> {
+    pub(crate) async fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.check_writable()?;
+        self.check_range(offset, len)?;
+        let top = &self.layers[0];
+        let Some(meta) = top.qcow2() else {
+            let punch = self.discard_passthrough;
+            if punch && len > 0 {
+                top.file
+                    .discard_at(offset, len)
+                    .await
+                    .map_err(|e| top.io_error("discarding", offset, e))?;
+            }
+            return Ok(());
+        };
+        let w = self.writer()?;
+        let g = &meta.geom;
+        let cs = g.cluster_size();
+        let size = top.size.get();
+        let has_backing = self.layers.len() > 1;
+        let v3 = meta.header.borrow().version >= 3;
+        if !v3 && has_backing {
+            // Without the zero flag, freeing would expose the backing file: QEMU declines too.
+            return Ok(());
+        }
+        let start = offset.div_ceil(cs) * cs;
+        let end = if offset + len == size {
+            size
+        } else {
+            (offset + len) / cs * cs
+        };
+        if start >= end {
+            return Ok(());
+        }
+        let _guard = self
+            .lock_range(start, end - start, LockMode::Exclusive)
+            .await;
+        let entries = self.l2_entries(start, end - start).await?;
+        for e in entries {
+            if e.table == 0 {
+                continue;
+            }
+            let allocated = e.word & (L2_OFFSET_MASK | L2_COMPRESSED) != 0;
+            if !has_backing && !allocated {
+                continue;
+            }
+            let (word, bitmap) = if g.extended_l2() {
+                (0, ALL_ZERO_BITMAP)
+            } else if v3 {
+                (L2_ZERO, 0)
+            } else {
+                (0, 0)
+            };
+            if (word, bitmap) == (e.word, e.bitmap) {
+                continue;
+            }
+            self.l2.set_flush_before_writeback();
+            if w.lazy_refcounts {
+                self.mark_dirty().await?;
+            }
+            self.set_l2_entry(e.cluster, word, bitmap).await?;
+            self.release(e.word, self.discard_passthrough).await?;
+        }
+        Ok(())
+    }
+
+    /// Drops the reference an old L2 entry held on its host cluster(s), if any.
+    pub(crate) async fn release(&self, old_word: u64, punch: bool) -> Result<()> {
+        let meta = self.layers[0].qcow2().expect("qcow2");
+        if meta.data_file.is_some() {
+            // Clusters in an external data file are not refcounted.
+            return Ok(());
+        }
+        let w = self.writer()?;
+        let _g = w.meta_lock.lock().await;
+        if old_word & L2_COMPRESSED != 0 {
+            self.free_compressed(old_word).await
+        } else if old_word & L2_OFFSET_MASK != 0 {
+            self.free_clusters(old_word & L2_OFFSET_MASK, 1, punch)
+                .await
+        } else {
+            Ok(())
+        }
+    }
+}

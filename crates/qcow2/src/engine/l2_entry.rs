@@ -1,0 +1,143 @@
+//! Reading and writing raw L2 entries of the writable layer through the cache (the write
+//! side's view; reads use `map`).
+
+use super::error::{EngineError, Result};
+use super::metacache::L2Key;
+use super::Inner;
+use crate::format::{l2, GuestOffset};
+use storage::Storage;
+
+/// One L2 entry of layer 0: the guest cluster it maps and its raw words.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RawEntry {
+    /// Guest offset of the cluster's first byte.
+    pub cluster: u64,
+    /// First word (descriptor and flags).
+    pub word: u64,
+    /// Subcluster bitmap (0 without extended L2 entries).
+    pub bitmap: u64,
+    /// The L2 table holding it (0 when the L1 entry is empty).
+    pub table: u64,
+}
+
+impl<S: Storage + 'static> Inner<S> {
+    fn l2_key(&self, table: u64, cluster: u64) -> (L2Key, usize) {
+        let g = &self.layers[0].qcow2().expect("qcow2").geom;
+        let per_slice = self.l2.entry_size() as u64 / g.l2_entry_size();
+        let index = g.l2_index(GuestOffset(cluster)) as u64;
+        (
+            L2Key {
+                layer: 0,
+                table,
+                slice: (index / per_slice) as u32,
+            },
+            (index % per_slice) as usize,
+        )
+    }
+
+    fn l2_cache_err(&self, source: cache::CacheError) -> EngineError {
+        EngineError::Cache {
+            image: self.layers[0].name.clone(),
+            source,
+        }
+    }
+
+    /// The raw L2 entries of layer 0 for every cluster touching `[offset, offset + len)`.
+    pub(crate) async fn l2_entries(&self, offset: u64, len: u64) -> Result<Vec<RawEntry>> {
+        let meta = self.layers[0].qcow2().expect("qcow2");
+        let g = &meta.geom;
+        let cs = g.cluster_size();
+        let ext = g.extended_l2();
+        let mut out = Vec::new();
+        if len == 0 {
+            return Ok(out);
+        }
+        let mut c = offset - offset % cs;
+        let end = offset + len;
+        while c < end {
+            let table = meta.l2_table(g.l1_index(GuestOffset(c))).unwrap_or(0);
+            if table == 0 {
+                out.push(RawEntry {
+                    cluster: c,
+                    word: 0,
+                    bitmap: 0,
+                    table: 0,
+                });
+                c += cs;
+                continue;
+            }
+            // Every entry of this slice that the range needs, in one cache access.
+            let (key, first) = self.l2_key(table, c);
+            let per_slice = self.l2.entry_size() as u64 / g.l2_entry_size();
+            let left_in_slice = per_slice - first as u64;
+            let n = left_in_slice.min((end - c).div_ceil(cs));
+            let base = c;
+            let got = self
+                .l2
+                .read(key, |b| {
+                    (0..n)
+                        .map(|i| {
+                            let (word, bitmap) =
+                                l2::entry_at(b, first + i as usize, ext).unwrap_or((0, 0));
+                            RawEntry {
+                                cluster: base + i * cs,
+                                word,
+                                bitmap,
+                                table,
+                            }
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .await
+                .map_err(|e| self.l2_cache_err(e))?;
+            out.extend(got);
+            c += n * cs;
+        }
+        Ok(out)
+    }
+
+    /// Stores an L2 entry of layer 0; its table must already be writable (COPIED). The caller
+    /// has set the cache dependencies that order this entry after what it points to.
+    pub(crate) async fn set_l2_entry(&self, cluster: u64, word: u64, bitmap: u64) -> Result<()> {
+        self.update_l2_entry(cluster, |_, _| Some((word, bitmap)))
+            .await
+            .map(|_| ())
+    }
+
+    /// Read-modify-write of one L2 entry of layer 0 in a single synchronous step, so that
+    /// concurrent updates of other bits of the same entry are never lost. `f` gets the current
+    /// words and returns the new ones (`None`: leave it). Returns the words `f` saw.
+    pub(crate) async fn update_l2_entry(
+        &self,
+        cluster: u64,
+        f: impl FnOnce(u64, u64) -> Option<(u64, u64)>,
+    ) -> Result<(u64, u64)> {
+        let meta = self.layers[0].qcow2().expect("qcow2");
+        let g = &meta.geom;
+        let ext = g.extended_l2();
+        let table = meta
+            .l2_table(g.l1_index(GuestOffset(cluster)))
+            .ok_or_else(|| {
+                self.layers[0].corrupt(format!(
+                    "no L2 table for guest cluster {cluster:#x} after allocating one"
+                ))
+            })?;
+        let (key, idx) = self.l2_key(table, cluster);
+        let seen = self
+            .l2
+            .modify(key, |b| {
+                let old = l2::entry_at(b, idx, ext)?;
+                if let Some((word, bitmap)) = f(old.0, old.1) {
+                    l2::set_entry_at(b, idx, ext, word, bitmap);
+                }
+                Some(old)
+            })
+            .await
+            .map_err(|e| self.l2_cache_err(e))?;
+        seen.ok_or_else(|| {
+            self.layers[0].corrupt(format!(
+                "L2 entry for guest cluster {cluster:#x} is outside its slice"
+            ))
+        })
+    }
+}

@@ -1,0 +1,82 @@
+//! Getting an L2 table that a write may modify: allocate it when the L1 entry is empty, copy
+//! it when it is shared with a snapshot (L1 COPIED flag clear).
+//!
+//! Order: the new table's refcount is made durable, the whole table is written and flushed,
+//! and only then does the L1 entry point to it; a shared table loses its reference last.
+
+use super::error::Result;
+use super::metacache::L2Key;
+use super::overlap::MetaKind;
+use super::Inner;
+use crate::format::l1::{L1_COPIED, L1_OFFSET_MASK};
+use storage::{IoBuf, Storage};
+
+impl<S: Storage + 'static> Inner<S> {
+    /// The offset of a writable (COPIED) L2 table for L1 index `l1i`, creating one if needed.
+    /// The caller holds the meta lock.
+    pub(crate) async fn l2_for_write(&self, l1i: u64) -> Result<u64> {
+        let top = &self.layers[0];
+        let meta = top.qcow2().expect("writes go to qcow2 layers");
+        let w = self.writer()?;
+        let word = meta
+            .l1
+            .borrow()
+            .get(l1i as usize)
+            .copied()
+            .ok_or_else(|| top.corrupt(format!("L1 index {l1i} is beyond the L1 table")))?;
+        let old = word & L1_OFFSET_MASK;
+        if old != 0 && word & L1_COPIED != 0 {
+            return Ok(old);
+        }
+        let cs = meta.geom.cluster_size();
+        let new = self.alloc_clusters(1).await?;
+        // The table's refcount must be on disk before anything points to it.
+        w.refcounts
+            .flush()
+            .await
+            .map_err(|source| super::EngineError::Cache {
+                image: top.name.clone(),
+                source,
+            })?;
+        let mut table = IoBuf::zeroed(cs as usize);
+        if old != 0 {
+            // A copy of the shared table; its clusters stay shared (not COPIED).
+            let slice = self.l2.entry_size();
+            for s in 0..(cs as usize / slice) {
+                let key = L2Key {
+                    layer: 0,
+                    table: old,
+                    slice: s as u32,
+                };
+                let dst = &mut table[s * slice..(s + 1) * slice];
+                self.l2
+                    .read(key, |b| dst.copy_from_slice(b))
+                    .await
+                    .map_err(|source| super::EngineError::Cache {
+                        image: top.name.clone(),
+                        source,
+                    })?;
+            }
+        }
+        self.l2.forget(|k| k.layer == 0 && k.table == new);
+        self.write_meta("writing a new L2 table", new, &table)
+            .await?;
+        self.sync().await?;
+        w.meta.borrow_mut().insert(new, cs, MetaKind::L2Table);
+        let entry = new | L1_COPIED;
+        meta.l1.borrow_mut()[l1i as usize] = entry;
+        self.write_meta(
+            "updating the L1 table",
+            meta.l1_offset.get() + l1i * 8,
+            &entry.to_be_bytes(),
+        )
+        .await?;
+        if old != 0 {
+            // The snapshot keeps the old table; it loses the active L1's reference only once
+            // the L1 entry no longer names it on disk.
+            self.sync().await?;
+            self.free_clusters(old, 1, false).await?;
+        }
+        Ok(new)
+    }
+}

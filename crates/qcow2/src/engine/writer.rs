@@ -1,0 +1,364 @@
+//! State that only a writable image has: the refcount table and cache, the allocator's hints,
+//! the metadata index for overlap checks, and the header bits (dirty, corrupt) it maintains.
+
+use super::error::{EngineError, Result};
+use super::layer::{read_exact, Layer};
+use super::metacache::RefcountBackend;
+use super::overlap::{MetaIndex, MetaKind};
+use super::Inner;
+use crate::format::features::{INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
+use crate::format::{bitmap, l1, HostOffset, RefcountTableEntry};
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use storage::{IoBuf, Storage};
+
+/// The refcount-block cache of the writable layer.
+pub(crate) type RefcountCache<S> = cache::Cache<u64, RefcountBackend<S>>;
+
+/// Byte offset of `incompatible_features` in a version 3 header.
+const INCOMPAT_OFFSET: u64 = 72;
+
+/// Everything a writable image keeps beyond what reading needs.
+pub(crate) struct Writer<S: Storage + 'static> {
+    /// Refcount blocks by file offset.
+    pub refcounts: Rc<RefcountCache<S>>,
+    /// The refcount table: block offset per entry (0 = no block).
+    pub reftable: RefCell<Vec<u64>>,
+    /// Where the refcount table lives and how many clusters it has.
+    pub reftable_offset: Cell<u64>,
+    pub reftable_clusters: Cell<u64>,
+    /// First cluster index worth looking at for a free cluster.
+    pub free_hint: Cell<u64>,
+    /// Bytes of the file that may hold non-zero data; clusters allocated past it read as
+    /// zeros without being written.
+    pub physical_len: Cell<u64>,
+    /// Serializes allocation and table growth (never held across guest data I/O).
+    pub meta_lock: tokio::sync::Mutex<()>,
+    /// Set once an inconsistency was found while writing: every later write fails.
+    pub corrupt: Cell<bool>,
+    /// Lazy refcounts: the dirty bit is set before the first L2 update and refcounts are not
+    /// ordered before L2 writes.
+    pub lazy_refcounts: bool,
+    /// The dirty bit is set on disk (by us, for lazy refcounts).
+    pub dirty_on_disk: Cell<bool>,
+    /// Metadata ranges that data writes must never touch.
+    pub meta: RefCell<MetaIndex>,
+    /// Where the next compressed cluster may start (0 = start a new cluster).
+    pub free_byte_offset: Cell<u64>,
+}
+
+impl<S: Storage + 'static> Writer<S> {
+    /// Builds the writer for layer 0 of `layers`, reading and validating the refcount table.
+    pub async fn open(layers: &Rc<Vec<Layer<S>>>, refcount_cache_bytes: u64) -> Result<Writer<S>> {
+        let layer = &layers[0];
+        let meta = layer
+            .qcow2()
+            .expect("only qcow2 images are opened with a writer");
+        let (reftable_offset, reftable_clusters, lazy, version) = {
+            let h = meta.header.borrow();
+            (
+                h.refcount_table_offset,
+                u64::from(h.refcount_table_clusters),
+                h.has_lazy_refcounts(),
+                h.version,
+            )
+        };
+        let g = &meta.geom;
+        let cs = g.cluster_size();
+        let file_len = meta.file_end.get();
+        let raw = read_exact(
+            &layer.file,
+            &layer.name,
+            "reading the refcount table",
+            reftable_offset,
+            (reftable_clusters * cs) as usize,
+        )
+        .await?;
+        let mut reftable = Vec::with_capacity(raw.len() / 8);
+        let mut index = MetaIndex::default();
+        for (i, w) in raw.chunks_exact(8).enumerate() {
+            let word = u64::from_be_bytes(w.try_into().expect("8 bytes"));
+            let e = RefcountTableEntry::decode(word, g, i as u64, HostOffset(reftable_offset))
+                .map_err(|source| EngineError::Format {
+                    image: layer.name.clone(),
+                    source,
+                })?;
+            let off = e.block_offset.map_or(0, |o| o.0);
+            if off != 0 {
+                if off.checked_add(cs).is_none_or(|e| e > file_len) {
+                    return Err(layer.corrupt(format!(
+                        "refcount table at {reftable_offset:#x}: entry {i} points to a refcount block at {off:#x} past the end of the file ({file_len:#x} bytes)"
+                    )));
+                }
+                index.insert(off, cs, MetaKind::RefcountBlock);
+            }
+            reftable.push(off);
+        }
+        index.insert(0, cs, MetaKind::Header);
+        index.insert(
+            reftable_offset,
+            reftable_clusters * cs,
+            MetaKind::RefcountTable,
+        );
+        let l1_offset = meta.l1_offset.get();
+        let l1_len = meta.l1.borrow().len() as u64 * 8;
+        index.insert(l1_offset, l1_len.div_ceil(cs) * cs, MetaKind::L1Table);
+        for &w in meta.l1.borrow().iter() {
+            let off = w & l1::L1_OFFSET_MASK;
+            if off != 0 {
+                index.insert(off, cs, MetaKind::L2Table);
+            }
+        }
+        let h = meta.header.borrow();
+        if let Some(fde) = h.fde_pointer() {
+            index.insert(
+                fde.offset,
+                fde.length.div_ceil(cs) * cs,
+                MetaKind::EncryptionHeader,
+            );
+        }
+        if let Some(ext) = h.bitmaps() {
+            let dir = read_exact(
+                &layer.file,
+                &layer.name,
+                "reading the bitmap directory",
+                ext.directory_offset,
+                ext.directory_size as usize,
+            )
+            .await?;
+            let entries =
+                bitmap::decode_directory(&dir, ext, g).map_err(|source| EngineError::Format {
+                    image: layer.name.clone(),
+                    source,
+                })?;
+            if let Some(b) = entries.iter().find(|b| b.auto()) {
+                return Err(EngineError::Unsupported {
+                    image: layer.name.clone(),
+                    what: format!(
+                        "writing to an image with an enabled persistent dirty bitmap ({:?}); open it read-only",
+                        b.name_lossy()
+                    ),
+                });
+            }
+            index.insert(
+                ext.directory_offset,
+                ext.directory_size.div_ceil(cs) * cs,
+                MetaKind::BitmapDirectory,
+            );
+            for b in &entries {
+                index.insert(
+                    b.table_offset,
+                    (u64::from(b.table_size) * 8).div_ceil(cs) * cs,
+                    MetaKind::BitmapTable,
+                );
+            }
+        }
+        drop(h);
+        let snapshots_offset = meta.header.borrow().snapshots_offset;
+        let nb_snapshots = meta.header.borrow().nb_snapshots;
+        if nb_snapshots > 0 {
+            // The table's length and the snapshots' L1 tables were validated on open; record
+            // them by reading the table again (cheap: it is small and rarely present).
+            let snaps = super::open::snapshot_table(
+                &layer.file,
+                &layer.name,
+                &meta.header.borrow(),
+                g,
+                file_len,
+            )
+            .await?;
+            let len: u64 = snaps.iter().map(|s| s.1).sum();
+            index.insert(
+                snapshots_offset,
+                len.div_ceil(cs) * cs,
+                MetaKind::SnapshotTable,
+            );
+            for (s, _) in &snaps {
+                index.insert(
+                    s.l1_table_offset,
+                    (u64::from(s.l1_size) * 8).div_ceil(cs) * cs,
+                    MetaKind::SnapshotL1Table,
+                );
+            }
+        }
+        let block_bytes = cs as usize;
+        let refcounts = cache::Cache::new(
+            cache::CacheConfig::new("refcount", block_bytes, refcount_cache_bytes.max(2 * cs)),
+            RefcountBackend {
+                layers: layers.clone(),
+                block_bytes,
+            },
+        )
+        .map_err(|source| EngineError::Cache {
+            image: layer.name.clone(),
+            source,
+        })?;
+        Ok(Writer {
+            refcounts: Rc::new(refcounts),
+            reftable: RefCell::new(reftable),
+            reftable_offset: Cell::new(reftable_offset),
+            reftable_clusters: Cell::new(reftable_clusters),
+            free_hint: Cell::new(0),
+            physical_len: Cell::new(file_len),
+            meta_lock: tokio::sync::Mutex::new(()),
+            corrupt: Cell::new(false),
+            lazy_refcounts: lazy && version >= 3,
+            dirty_on_disk: Cell::new(false),
+            meta: RefCell::new(index),
+            free_byte_offset: Cell::new(0),
+        })
+    }
+}
+
+impl<S: Storage + 'static> Inner<S> {
+    /// The writer, or the error a write to this image gets.
+    pub(crate) fn writer(&self) -> Result<&Writer<S>> {
+        let top = &self.layers[0];
+        match &self.writer {
+            None => Err(EngineError::ReadOnly {
+                image: top.name.clone(),
+            }),
+            Some(w) if w.corrupt.get() => Err(EngineError::MarkedCorrupt {
+                image: top.name.clone(),
+            }),
+            Some(w) => Ok(w),
+        }
+    }
+
+    /// Refuses writes to a read-only image or one found corrupt.
+    pub(crate) fn check_writable(&self) -> Result<()> {
+        if self.read_only {
+            return Err(EngineError::ReadOnly {
+                image: self.layers[0].name.clone(),
+            });
+        }
+        match &self.writer {
+            Some(w) if w.corrupt.get() => Err(EngineError::MarkedCorrupt {
+                image: self.layers[0].name.clone(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Writes `bytes` at `offset` of layer 0's file (header fields, table entries).
+    pub(crate) async fn write_meta(
+        &self,
+        what: &'static str,
+        offset: u64,
+        bytes: &[u8],
+    ) -> Result<()> {
+        let top = &self.layers[0];
+        let (res, _) = top
+            .file
+            .write_at(IoBuf::from_slice(bytes).into(), offset)
+            .await;
+        res.map_err(|e| top.io_error(what, offset, e))?;
+        if let Some(w) = &self.writer {
+            let end = offset + bytes.len() as u64;
+            if end > w.physical_len.get() {
+                w.physical_len.set(end);
+            }
+        }
+        Ok(())
+    }
+
+    /// fdatasync of layer 0's files (data file first).
+    pub(crate) async fn sync(&self) -> Result<()> {
+        let top = &self.layers[0];
+        super::metacache::flush_layer(top)
+            .await
+            .map_err(|e| top.io_error("flushing", 0, e))
+    }
+
+    /// Rewrites the header's incompatible-feature bits and makes them durable.
+    async fn write_incompatible(&self, bits: u64) -> Result<()> {
+        let meta = self.layers[0].qcow2().expect("writable images are qcow2");
+        meta.header.borrow_mut().incompatible_features = bits;
+        self.write_meta("updating the header", INCOMPAT_OFFSET, &bits.to_be_bytes())
+            .await?;
+        self.sync().await
+    }
+
+    /// Sets the dirty bit (lazy refcounts) before the first L2 update that may outrun its
+    /// refcounts; refcounts are then rebuilt on the next open unless we close cleanly.
+    pub(crate) async fn mark_dirty(&self) -> Result<()> {
+        let w = self.writer()?;
+        if !w.lazy_refcounts || w.dirty_on_disk.get() {
+            return Ok(());
+        }
+        let _g = w.meta_lock.lock().await;
+        if w.dirty_on_disk.get() {
+            return Ok(());
+        }
+        let bits = self.layers[0]
+            .qcow2()
+            .expect("qcow2")
+            .header
+            .borrow()
+            .incompatible_features;
+        self.write_incompatible(bits | INCOMPAT_DIRTY).await?;
+        w.dirty_on_disk.set(true);
+        Ok(())
+    }
+
+    /// Clears the dirty bit once every refcount is on disk (a clean close).
+    pub(crate) async fn mark_clean(&self) -> Result<()> {
+        let Some(w) = &self.writer else { return Ok(()) };
+        if !w.dirty_on_disk.get() || w.corrupt.get() {
+            return Ok(());
+        }
+        let bits = self.layers[0]
+            .qcow2()
+            .expect("qcow2")
+            .header
+            .borrow()
+            .incompatible_features;
+        self.write_incompatible(bits & !INCOMPAT_DIRTY).await?;
+        w.dirty_on_disk.set(false);
+        Ok(())
+    }
+
+    /// Records an inconsistency found while writing: the image is marked corrupt on disk (as
+    /// QEMU does) and every later write fails. Returns the error to report.
+    pub(crate) async fn mark_corrupt(&self, detail: String) -> EngineError {
+        let top = &self.layers[0];
+        tracing::error!(image = %top.name, "marking the image corrupt: {detail}");
+        if let Some(w) = &self.writer {
+            if !w.corrupt.replace(true) {
+                let meta = top.qcow2().expect("qcow2");
+                let (version, bits) = {
+                    let h = meta.header.borrow();
+                    (h.version, h.incompatible_features)
+                };
+                if version >= 3 {
+                    if let Err(e) = self.write_incompatible(bits | INCOMPAT_CORRUPT).await {
+                        tracing::error!(image = %top.name, "could not set the corrupt bit: {e}");
+                    }
+                }
+            }
+        }
+        top.corrupt(detail)
+    }
+
+    /// Refuses a data write over metadata (and marks the image corrupt), as QEMU's overlap
+    /// check does. Data in an external data file cannot overlap qcow2 metadata.
+    pub(crate) async fn check_overlap(&self, host: u64, len: u64) -> Result<()> {
+        let w = self.writer()?;
+        if self.layers[0]
+            .qcow2()
+            .is_some_and(|m| m.data_file.is_some())
+        {
+            return Ok(());
+        }
+        let hit = w.meta.borrow().overlap(host, len);
+        if let Some((start, kind)) = hit {
+            return Err(self
+                .mark_corrupt(format!(
+                    "a data write to {host:#x} + {len:#x} would overwrite {} at {start:#x}",
+                    kind.name()
+                ))
+                .await);
+        }
+        Ok(())
+    }
+}
