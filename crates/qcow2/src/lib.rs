@@ -1,9 +1,7 @@
 //! qcow2: the image format as pure, I/O-free types ([`format`]), a synchronous inspector
-//! that decodes an image's metadata for `qcow2-nbd info` ([`inspect`]) and, later, the async
-//! engine.
+//! that decodes an image's metadata for `qcow2-nbd info` ([`inspect`]) and the async image
+//! engine ([`engine`]).
 
 pub mod format;
 pub mod inspect;
-
-#[cfg(feature = "engine")]
 pub mod engine;

@@ -1,6 +1,5 @@
 //! Read side against QEMU: every image qemu-img/qemu-io can make reads back through the engine
 //! exactly as `qemu-img convert -O raw` reads it.
-#![cfg(feature = "engine")]
 
 mod support;
 
@@ -16,7 +15,11 @@ fn check_image(img: &Path, what: &str) {
             let image = open_ro(img, aio).await;
             for chunk in [1 << 20, 12_345] {
                 let ours = read_all(&image, chunk).await;
-                assert_same(&ours, &expected, &format!("{what} ({aio:?}, {chunk}-byte reads)"));
+                assert_same(
+                    &ours,
+                    &expected,
+                    &format!("{what} ({aio:?}, {chunk}-byte reads)"),
+                );
             }
         });
     }
@@ -50,8 +53,20 @@ fn cluster_sizes_and_extended_l2() {
             let cs = 1u64 << bits;
             let size = (cs * 16).max(1 << 20);
             let name = format!("c{bits}-{ext}.qcow2");
-            let opts = format!("cluster_size={cs},extended_l2={}", if ext { "on" } else { "off" });
-            qemu_img(&["create", "-q", "-f", "qcow2", "-o", &opts, &d.s(&name), &size.to_string()]);
+            let opts = format!(
+                "cluster_size={cs},extended_l2={}",
+                if ext { "on" } else { "off" }
+            );
+            qemu_img(&[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-o",
+                &opts,
+                &d.s(&name),
+                &size.to_string(),
+            ]);
             scribble(&d.path(&name), cs);
             check_image(&d.path(&name), &name);
         }
@@ -82,15 +97,32 @@ fn compressed_zlib_and_zstd() {
     qemu_io(
         &src,
         "qcow2",
-        &["write -P 0xaa 0 1M", "write -P 0x5c 1536k 300k", "write -z 2M 64k", "write -P 0x01 4M 2M"],
+        &[
+            "write -P 0xaa 0 1M",
+            "write -P 0x5c 1536k 300k",
+            "write -z 2M 64k",
+            "write -P 0x01 4M 2M",
+        ],
     );
     for ct in ["zlib", "zstd"] {
         for cs in ["4k", "64k", "2M"] {
             let name = format!("c-{ct}-{cs}.qcow2");
             let opts = format!("compression_type={ct},cluster_size={cs}");
-            qemu_img(&["convert", "-c", "-O", "qcow2", "-o", &opts, src.to_str().unwrap(), &d.s(&name)]);
+            qemu_img(&[
+                "convert",
+                "-c",
+                "-O",
+                "qcow2",
+                "-o",
+                &opts,
+                src.to_str().unwrap(),
+                &d.s(&name),
+            ]);
             let map = qemu_img(&["map", "--output=json", &d.s(&name)]);
-            assert!(map.contains("\"compressed\": true"), "{name} has no compressed cluster: {map}");
+            assert!(
+                map.contains("\"compressed\": true"),
+                "{name} has no compressed cluster: {map}"
+            );
             check_image(&d.path(&name), &name);
         }
     }
@@ -101,17 +133,48 @@ fn backing_chain_raw_and_qcow2_with_short_backing() {
     let d = Dir::new();
     // raw base of 1.5 MiB (shorter than the image), qcow2 middle, extended-L2 top.
     std::fs::write(d.path("base.raw"), vec![0x77u8; 1536 * 1024]).unwrap();
-    qemu_img(&["create", "-q", "-f", "qcow2", "-b", &d.s("base.raw"), "-F", "raw", &d.s("mid.qcow2"), "2M"]);
-    qemu_io(&d.path("mid.qcow2"), "qcow2", &["write -P 0x88 64k 64k", "write -z 256k 64k"]);
     qemu_img(&[
-        "create", "-q", "-f", "qcow2", "-o", "extended_l2=on,cluster_size=64k", "-b", "mid.qcow2", "-F", "qcow2",
-        &d.s("top.qcow2"), "4M",
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        &d.s("base.raw"),
+        "-F",
+        "raw",
+        &d.s("mid.qcow2"),
+        "2M",
+    ]);
+    qemu_io(
+        &d.path("mid.qcow2"),
+        "qcow2",
+        &["write -P 0x88 64k 64k", "write -z 256k 64k"],
+    );
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "extended_l2=on,cluster_size=64k",
+        "-b",
+        "mid.qcow2",
+        "-F",
+        "qcow2",
+        &d.s("top.qcow2"),
+        "4M",
     ]);
     // Mixed subclusters over the backing file: partial, whole, zero.
     qemu_io(
         &d.path("top.qcow2"),
         "qcow2",
-        &["write -P 0x99 70k 3k", "write -P 0x9a 128k 2k", "write -z 130k 4k", "write -P 0x9b 1500k 100k", "write -z 3M 8k"],
+        &[
+            "write -P 0x99 70k 3k",
+            "write -P 0x9a 128k 2k",
+            "write -z 130k 4k",
+            "write -P 0x9b 1500k 100k",
+            "write -z 3M 8k",
+        ],
     );
     check_image(&d.path("top.qcow2"), "three-layer chain");
 }
@@ -131,7 +194,9 @@ fn internal_snapshot_reads_as_qemu_reads_it() {
                 snapshot: Some(wanted.into()),
                 ..Default::default()
             };
-            let image = qcow2::engine::Image::open(&opener(Aio::Threads), &img, &opts).await.unwrap();
+            let image = qcow2::engine::Image::open(&opener(Aio::Threads), &img, &opts)
+                .await
+                .unwrap();
             assert!(image.is_read_only());
             assert_same(&read_all(&image, 65536).await, &expected, wanted);
         }
@@ -144,8 +209,20 @@ fn external_data_file() {
     let d = Dir::new();
     for raw in ["on", "off"] {
         let img = d.path(&format!("df-{raw}.qcow2"));
-        let opts = format!("data_file={},data_file_raw={raw}", d.s(&format!("df-{raw}.data")));
-        qemu_img(&["create", "-q", "-f", "qcow2", "-o", &opts, img.to_str().unwrap(), "4M"]);
+        let opts = format!(
+            "data_file={},data_file_raw={raw}",
+            d.s(&format!("df-{raw}.data"))
+        );
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            &opts,
+            img.to_str().unwrap(),
+            "4M",
+        ]);
         scribble(&img, 65536);
         check_image(&img, &format!("data file raw={raw}"));
     }

@@ -1,6 +1,5 @@
 //! Write side against QEMU: images we create and write pass `qemu-img check` and read back
 //! in QEMU exactly as our model says.
-#![cfg(feature = "engine")]
 
 mod support;
 

@@ -55,6 +55,14 @@ impl<S: Storage + 'static> Inner<S> {
         let _guard = self
             .lock_range(start, end - start, LockMode::Exclusive)
             .await;
+        if meta.data_raw {
+            // Discarded clusters read as zeros, so the raw data file must too.
+            if let Some(d) = &meta.data_file {
+                d.write_zeroes_at(start, end - start, true)
+                    .await
+                    .map_err(|e| top.io_error("zeroing the raw data file", start, e))?;
+            }
+        }
         let entries = self.l2_entries(start, end - start).await?;
         for e in entries {
             if e.table == 0 {

@@ -35,6 +35,7 @@ mod read;
 mod refcount;
 mod resolve;
 mod write;
+mod write_compressed;
 mod writer;
 mod zero;
 

@@ -55,6 +55,14 @@ impl<S: Storage + 'static> Inner<S> {
                 .await
                 .map_err(|e| top.io_error("writing zeroes", offset, e));
         };
+        if meta.data_raw {
+            // The data file must stay a consistent raw image of the disk.
+            if let Some(d) = &meta.data_file {
+                d.write_zeroes_at(offset, len, may_unmap)
+                    .await
+                    .map_err(|e| top.io_error("zeroing the raw data file", offset, e))?;
+            }
+        }
         let g = &meta.geom;
         let size = top.size.get();
         let has_backing = self.layers.len() > 1;
