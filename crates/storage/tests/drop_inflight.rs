@@ -8,7 +8,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::future::Future;
 use std::pin::pin;
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Waker};
 
 use common::{read, run, write, Backend};
 use storage::{IoBuf, Storage};
@@ -94,7 +94,7 @@ fn dropping_in_flight_futures_is_safe_and_buffers_are_reclaimed() {
         Backend::Threads,
         Backend::ThreadsDirect,
         Backend::Uring,
-        Backend::UringUnbatched,
+        Backend::UringBatched,
         Backend::UringDirect,
     ] {
         run(dropped_ops_release_their_buffers(backend));

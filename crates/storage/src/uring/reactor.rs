@@ -101,7 +101,8 @@ pub struct ReactorStats {
 }
 
 impl Reactor {
-    /// The calling thread's reactor, created (with batching) if none is alive.
+    /// The calling thread's reactor, created (submitting at once, see the crate docs for why)
+    /// if none is alive.
     ///
     /// Must be called inside a tokio runtime with I/O enabled; the reactor must then be used
     /// on this thread only.
@@ -109,7 +110,7 @@ impl Reactor {
         if let Some(inner) = CURRENT.with(|c| c.borrow().upgrade()) {
             return Ok(Reactor { inner });
         }
-        let reactor = Reactor::new(DEFAULT_ENTRIES, true)?;
+        let reactor = Reactor::new(DEFAULT_ENTRIES, false)?;
         CURRENT.with(|c| *c.borrow_mut() = Rc::downgrade(&reactor.inner));
         Ok(reactor)
     }

@@ -32,7 +32,7 @@ pub enum Backend {
     Threads,
     ThreadsDirect,
     Uring,
-    UringUnbatched,
+    UringBatched,
     UringDirect,
 }
 
@@ -43,7 +43,7 @@ impl Backend {
         Backend::Threads,
         Backend::ThreadsDirect,
         Backend::Uring,
-        Backend::UringUnbatched,
+        Backend::UringBatched,
         Backend::UringDirect,
     ];
 
@@ -72,10 +72,10 @@ pub async fn open(backend: Backend) -> TestStorage {
             let s = ThreadsStorage::open(&file(&dir), opts).await.expect("open");
             TestStorage::Threads(s, dir)
         }
-        Backend::Uring | Backend::UringDirect | Backend::UringUnbatched => {
+        Backend::Uring | Backend::UringDirect | Backend::UringBatched => {
             let dir = scratch_dir();
-            let reactor = if backend == Backend::UringUnbatched {
-                Reactor::new(64, false)
+            let reactor = if backend == Backend::UringBatched {
+                Reactor::new(64, true)
             } else {
                 Reactor::current()
             }
