@@ -90,14 +90,14 @@ fn random_drops_never_stall_the_other_operations() {
                     (completed, awaited)
                 });
             }
-            let mut total = 0;
             while let Some(r) = tasks.join_next().await {
-                total += r.unwrap();
+                let (completed, awaited) = r.unwrap();
+                // Every awaited operation completes; raced ones may or may not.
+                assert!(
+                    completed >= awaited && awaited > 50,
+                    "batch={batch}: {completed}/{awaited}"
+                );
             }
-            assert!(
-                total >= 48 * 100,
-                "batch={batch}: only {total} operations completed"
-            );
             // Abandoned operations are released once their completions are reaped.
             for _ in 0..1000 {
                 if reactor.stats().in_flight == 0 {
