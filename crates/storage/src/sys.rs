@@ -59,13 +59,10 @@ fn off_t(offset: u64) -> io::Result<libc::off_t> {
     })
 }
 
-/// One `pread` into `buf`; returns the bytes read (0 at end of file).
-pub(crate) fn pread(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-    let off = off_t(offset)?;
+/// Run a read/write-style syscall until it is not interrupted; returns the byte count.
+fn transfer(mut call: impl FnMut() -> isize) -> io::Result<usize> {
     loop {
-        // SAFETY: `buf` is a valid, exclusively borrowed region of buf.len() bytes.
-        let n = unsafe { libc::pread(file.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), off) };
-        match usize::try_from(n) {
+        match usize::try_from(call()) {
             Ok(n) => return Ok(n),
             Err(_) => {
                 let e = io::Error::last_os_error();
@@ -77,22 +74,18 @@ pub(crate) fn pread(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usiz
     }
 }
 
+/// One `pread` into `buf`; returns the bytes read (0 at end of file).
+pub(crate) fn pread(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let off = off_t(offset)?;
+    // SAFETY: `buf` is a valid, exclusively borrowed region of buf.len() bytes.
+    transfer(|| unsafe { libc::pread(file.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), off) })
+}
+
 /// One `pwrite` from `buf`; returns the bytes written.
 pub(crate) fn pwrite(file: &File, buf: &[u8], offset: u64) -> io::Result<usize> {
     let off = off_t(offset)?;
-    loop {
-        // SAFETY: `buf` is a valid region of buf.len() bytes that the kernel only reads.
-        let n = unsafe { libc::pwrite(file.as_raw_fd(), buf.as_ptr().cast(), buf.len(), off) };
-        match usize::try_from(n) {
-            Ok(n) => return Ok(n),
-            Err(_) => {
-                let e = io::Error::last_os_error();
-                if e.kind() != io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            }
-        }
-    }
+    // SAFETY: `buf` is a valid region of buf.len() bytes that the kernel only reads.
+    transfer(|| unsafe { libc::pwrite(file.as_raw_fd(), buf.as_ptr().cast(), buf.len(), off) })
 }
 
 /// `fallocate(mode, offset, len)`.
