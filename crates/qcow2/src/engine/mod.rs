@@ -18,6 +18,7 @@
 
 pub mod backing_name;
 mod block_status;
+pub mod check;
 pub mod compress;
 mod create;
 mod discard;
@@ -33,6 +34,7 @@ mod overlap;
 pub mod range_lock;
 mod read;
 mod refcount;
+mod resize;
 mod resolve;
 mod write;
 mod write_compressed;

@@ -1,0 +1,126 @@
+//! Growing the virtual disk, and with it the L1 table.
+//!
+//! Order: the new L1 table and its refcounts are durable before one header write switches
+//! `l1_size` and `l1_table_offset` together; the size field is written after that, and the old
+//! table is freed last. A crash at any point leaves the old or the new table in use (each
+//! large enough for the size on disk), with at worst leaked clusters.
+
+use super::error::{EngineError, Result};
+use super::overlap::MetaKind;
+use super::{Image, Inner};
+use crate::format::{limits, Geometry};
+use storage::Storage;
+
+/// Byte offset of `size` in the header.
+const SIZE_OFFSET: u64 = 24;
+/// Byte offset of `l1_size`, followed by `l1_table_offset`.
+const L1_FIELDS_OFFSET: u64 = 36;
+
+impl<S: Storage + 'static> Image<S> {
+    /// Grows the virtual disk to `new_size` bytes (rounded up to 512); the new space reads as
+    /// zeros (or, as in QEMU, from a longer backing file). Shrinking is refused.
+    pub async fn resize(&self, new_size: u64) -> Result<()> {
+        self.inner.resize(new_size).await
+    }
+}
+
+impl<S: Storage + 'static> Inner<S> {
+    async fn resize(&self, new_size: u64) -> Result<()> {
+        self.check_writable()?;
+        let top = &self.layers[0];
+        let unsupported = |what: &str| EngineError::Unsupported {
+            image: top.name.clone(),
+            what: what.into(),
+        };
+        let meta = top.qcow2().ok_or_else(|| unsupported("resizing a raw image"))?;
+        let new_size = new_size
+            .checked_next_multiple_of(512)
+            .ok_or_else(|| unsupported("a size that large"))?;
+        let old_size = top.size.get();
+        if new_size < old_size {
+            return Err(unsupported("shrinking an image"));
+        }
+        if new_size == old_size {
+            return Ok(());
+        }
+        let g = &meta.geom;
+        let geom = Geometry::new(g.cluster_bits(), g.extended_l2(), g.refcount_order(), new_size)
+            .map_err(|source| EngineError::Format {
+                image: top.name.clone(),
+                source,
+            })?;
+        let needed = geom.l1_entries_needed();
+        if needed * 8 > limits::MAX_L1_SIZE_BYTES {
+            return Err(EngineError::NoSpace {
+                image: top.name.clone(),
+                detail: "the L1 table would exceed QEMU's 32 MiB limit".into(),
+            });
+        }
+        let w = self.writer()?;
+        let _g = w.meta_lock.lock().await;
+        if needed > meta.l1.borrow().len() as u64 {
+            self.grow_l1(needed).await?;
+        }
+        self.write_meta("updating the header", SIZE_OFFSET, &new_size.to_be_bytes())
+            .await?;
+        self.sync().await?;
+        meta.header.borrow_mut().size = new_size;
+        top.size.set(new_size);
+        Ok(())
+    }
+
+    /// Replaces the L1 table with one of at least `entries` entries. Holds the meta lock.
+    async fn grow_l1(&self, entries: u64) -> Result<()> {
+        let top = &self.layers[0];
+        let meta = top.qcow2().expect("qcow2");
+        let w = self.writer()?;
+        let cs = meta.geom.cluster_size();
+        let old: Vec<u64> = meta.l1.borrow().clone();
+        // Grow by half again, as QEMU does, so that small steps do not copy every time.
+        let len = entries
+            .max(old.len() as u64 + old.len() as u64 / 2)
+            .min(limits::MAX_L1_SIZE_BYTES / 8);
+        let clusters = (len * 8).div_ceil(cs);
+        let new_off = self.alloc_clusters(clusters).await?;
+        // Its refcounts must be durable before the header points to it.
+        w.refcounts
+            .flush()
+            .await
+            .map_err(|source| EngineError::Cache {
+                image: top.name.clone(),
+                source,
+            })?;
+        let mut table = vec![0u8; (clusters * cs) as usize];
+        for (i, e) in old.iter().enumerate() {
+            table[i * 8..i * 8 + 8].copy_from_slice(&e.to_be_bytes());
+        }
+        self.write_meta("writing the L1 table", new_off, &table).await?;
+        self.sync().await?;
+        let mut fields = [0u8; 12];
+        fields[..4].copy_from_slice(&(len as u32).to_be_bytes());
+        fields[4..].copy_from_slice(&new_off.to_be_bytes());
+        self.write_meta("updating the header", L1_FIELDS_OFFSET, &fields)
+            .await?;
+        self.sync().await?;
+        let old_off = meta.l1_offset.replace(new_off);
+        let old_clusters = (old.len() as u64 * 8).div_ceil(cs);
+        {
+            let mut l1 = meta.l1.borrow_mut();
+            l1.resize(len as usize, 0);
+        }
+        {
+            let mut h = meta.header.borrow_mut();
+            h.l1_size = len as u32;
+            h.l1_table_offset = new_off;
+        }
+        {
+            let mut m = w.meta.borrow_mut();
+            m.remove(old_off);
+            m.insert(new_off, clusters * cs, MetaKind::L1Table);
+        }
+        if old_clusters > 0 {
+            self.free_clusters(old_off, old_clusters, false).await?;
+        }
+        Ok(())
+    }
+}
