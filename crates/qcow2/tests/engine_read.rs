@@ -227,3 +227,73 @@ fn external_data_file() {
         check_image(&img, &format!("data file raw={raw}"));
     }
 }
+
+/// Per 512-byte sector: (data, zero, present, depth) from qemu-img map's JSON.
+fn qemu_map(img: &Path) -> Vec<(bool, bool, bool, u64)> {
+    let json = qemu_img(&["map", "--output=json", img.to_str().unwrap()]);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let mut out = Vec::new();
+    for e in v.as_array().unwrap() {
+        let len = e["length"].as_u64().unwrap();
+        let t = (
+            e["data"].as_bool().unwrap(),
+            e["zero"].as_bool().unwrap(),
+            e["present"].as_bool().unwrap(),
+            e["depth"].as_u64().unwrap(),
+        );
+        out.extend(std::iter::repeat_n(t, len.div_ceil(512) as usize));
+    }
+    out
+}
+
+fn check_map(img: &Path, what: &str) {
+    let expected = qemu_map(img);
+    run(async {
+        let image = open_ro(img, Aio::Threads).await;
+        let extents = image.block_status(0, image.size()).await.unwrap();
+        let mut ours = Vec::new();
+        for e in extents {
+            let t = (e.data, e.zero, e.present, e.depth as u64);
+            ours.extend(std::iter::repeat_n(t, e.len.div_ceil(512) as usize));
+        }
+        assert_eq!(ours.len(), expected.len(), "{what}: lengths");
+        if let Some(i) = ours.iter().zip(&expected).position(|(a, b)| a != b) {
+            panic!(
+                "{what}: sector {i} (byte {:#x}): ours (data, zero, present, depth) = {:?}, qemu-img map says {:?}",
+                i * 512,
+                ours[i],
+                expected[i]
+            );
+        }
+    });
+}
+
+#[test]
+fn block_status_agrees_with_qemu_img_map() {
+    let d = Dir::new();
+    let mut base = vec![0u8; 1536 * 1024];
+    base[..300 * 1024].fill(0x77);
+    std::fs::write(d.path("base.raw"), &base).unwrap();
+    // A hole in the middle of the raw file.
+    qemu_img(&["create", "-q", "-f", "raw", &d.s("sparse.raw"), "1M"]);
+    qemu_io(&d.path("sparse.raw"), "raw", &["write -P 1 0 64k", "write -P 2 512k 64k"]);
+    qemu_img(&["create", "-q", "-f", "qcow2", "-b", &d.s("sparse.raw"), "-F", "raw", &d.s("mid.qcow2"), "2M"]);
+    qemu_io(&d.path("mid.qcow2"), "qcow2", &["write -P 0x88 64k 64k", "write -z 256k 64k"]);
+    qemu_img(&[
+        "create", "-q", "-f", "qcow2", "-o", "extended_l2=on", "-b", &d.s("mid.qcow2"), "-F", "qcow2",
+        &d.s("top.qcow2"), "4M",
+    ]);
+    qemu_io(
+        &d.path("top.qcow2"),
+        "qcow2",
+        &["write -P 0x99 70k 4k", "write -z 130k 4k", "write -P 0x9b 1500k 100k", "write -z 3M 8k"],
+    );
+    check_map(&d.path("top.qcow2"), "chain over a sparse raw file");
+    for p in ["metadata", "falloc"] {
+        let name = format!("prealloc-{p}.qcow2");
+        qemu_img(&["create", "-q", "-f", "qcow2", "-o", &format!("preallocation={p}"), &d.s(&name), "1M"]);
+        check_map(&d.path(&name), &name);
+    }
+    qemu_img(&["convert", "-c", "-O", "qcow2", &d.s("mid.qcow2"), &d.s("comp.qcow2")]);
+    check_map(&d.path("comp.qcow2"), "compressed");
+}

@@ -461,6 +461,10 @@ impl<S: Storage> Storage for FaultStorage<S> {
             .await
     }
 
+    async fn data_run(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
+        self.inner.data_run(offset, len).await
+    }
+
     async fn discard_at(&self, offset: u64, len: u64) -> io::Result<()> {
         self.admit(OpKind::Discard)?;
         checked_end("discard_at", offset, len)?;

@@ -307,6 +307,11 @@ fn at(op: &str, offset: u64, len: usize, e: io::Error) -> io::Error {
 }
 
 impl<R: RawFile> Storage for FileStorage<R> {
+    async fn data_run(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
+        let (data, end) = crate::sys::data_run(self.raw.file(), offset)?;
+        Ok((data, end.saturating_sub(offset).min(len).max(1).min(len)))
+    }
+
     async fn read_at(&self, buf: Slice, offset: u64) -> BufResult<Slice> {
         if let Err(e) = checked_end("read_at", offset, len_u64(buf.len())) {
             return (Err(e.into()), buf);

@@ -87,6 +87,14 @@ pub trait Storage {
     /// Best-effort deallocation (punch hole); contents afterwards read as zeros or unchanged.
     /// Never changes the length.
     async fn discard_at(&self, offset: u64, len: u64) -> std::io::Result<()>;
+    /// Whether `offset` starts a run of stored data (`true`) or a hole (`false`), and how many
+    /// bytes of that run lie in `[offset, offset + len)`. Holes read as zeros; this is what lets
+    /// block status say "zero" for data clusters that were never written, as QEMU does. The
+    /// default says "all data", which is always safe.
+    async fn data_run(&self, offset: u64, len: u64) -> std::io::Result<(bool, u64)> {
+        let _ = offset;
+        Ok((true, len))
+    }
     /// fdatasync: everything written before is durable when this returns.
     async fn flush(&self) -> std::io::Result<()>;
     /// Current length in bytes.

@@ -66,6 +66,9 @@ impl Storage for AnyStorage {
     async fn write_zeroes_at(&self, offset: u64, len: u64, unmap: bool) -> io::Result<()> {
         each!(self, s => s.write_zeroes_at(offset, len, unmap).await)
     }
+    async fn data_run(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
+        each!(self, s => s.data_run(offset, len).await)
+    }
     async fn discard_at(&self, offset: u64, len: u64) -> io::Result<()> {
         each!(self, s => s.discard_at(offset, len).await)
     }

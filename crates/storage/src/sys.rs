@@ -95,6 +95,29 @@ pub(crate) fn fallocate(file: &File, mode: i32, offset: u64, len: u64) -> io::Re
     cvt(unsafe { libc::fallocate(file.as_raw_fd(), mode, off, len) })
 }
 
+/// `lseek(SEEK_DATA/SEEK_HOLE)`: whether `offset` is in data, and where that run ends
+/// (`u64::MAX` when unknown or at end of file). File systems without hole reporting say data.
+pub(crate) fn data_run(file: &File, offset: u64) -> io::Result<(bool, u64)> {
+    let off = off_t(offset)?;
+    // SAFETY: plain syscall on an owned descriptor; no memory is passed.
+    let data = unsafe { libc::lseek(file.as_raw_fd(), off, libc::SEEK_DATA) };
+    if data < 0 {
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            // No data at or after `offset`: a hole up to (and past) the end of the file.
+            Some(libc::ENXIO) => Ok((false, u64::MAX)),
+            Some(libc::EINVAL | libc::EOPNOTSUPP) => Ok((true, u64::MAX)),
+            _ => Err(e),
+        };
+    }
+    if data > off {
+        return Ok((false, data as u64));
+    }
+    // SAFETY: as above.
+    let hole = unsafe { libc::lseek(file.as_raw_fd(), off, libc::SEEK_HOLE) };
+    Ok((true, if hole < 0 { u64::MAX } else { hole as u64 }))
+}
+
 /// `fdatasync`.
 pub(crate) fn fdatasync(file: &File) -> io::Result<()> {
     // SAFETY: plain syscall on an owned descriptor.

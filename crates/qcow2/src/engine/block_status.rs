@@ -64,42 +64,53 @@ impl<S: Storage + 'static> Image<S> {
         let mut pieces = Vec::new();
         inner.resolve(offset, len, 0, &mut pieces).await?;
         let mut out: Vec<Extent> = Vec::with_capacity(pieces.len());
+        let mut push = |e: Extent| match out.last_mut() {
+            Some(last) if last.continues(&e) => last.len += e.len,
+            _ => out.push(e),
+        };
         for p in pieces {
-            let e = match p.src {
-                Source::Zero => Extent {
-                    start: p.start,
-                    len: p.len,
-                    data: false,
-                    zero: true,
-                    present: p.present,
-                    depth: p.layer,
-                    compressed: false,
-                    offset: None,
-                },
-                Source::Data { host } => Extent {
-                    start: p.start,
-                    len: p.len,
-                    data: true,
-                    zero: false,
-                    present: true,
-                    depth: p.layer,
-                    compressed: false,
-                    offset: Some(host),
-                },
-                Source::Compressed { .. } => Extent {
-                    start: p.start,
-                    len: p.len,
-                    data: true,
-                    zero: false,
-                    present: true,
-                    depth: p.layer,
-                    compressed: true,
-                    offset: None,
-                },
+            let base = Extent {
+                start: p.start,
+                len: p.len,
+                data: false,
+                zero: true,
+                present: p.present,
+                depth: p.layer,
+                compressed: false,
+                offset: None,
             };
-            match out.last_mut() {
-                Some(last) if last.continues(&e) => last.len += e.len,
-                _ => out.push(e),
+            match p.src {
+                Source::Zero => push(base),
+                Source::Compressed { .. } => push(Extent {
+                    data: true,
+                    zero: false,
+                    compressed: true,
+                    ..base
+                }),
+                Source::Data { host } => {
+                    // Data over a hole of the file reads as zeros: QEMU reports it as zero,
+                    // and (for raw layers, whose status is the file's) not as data.
+                    let layer = &inner.layers[p.layer];
+                    let raw = layer.qcow2().is_none();
+                    let mut pos = 0;
+                    while pos < p.len {
+                        let (stored, n) = layer
+                            .data_storage()
+                            .data_run(host + pos, p.len - pos)
+                            .await
+                            .map_err(|e| layer.io_error("querying allocation", host + pos, e))?;
+                        let n = n.clamp(1, p.len - pos);
+                        push(Extent {
+                            start: p.start + pos,
+                            len: n,
+                            data: stored || !raw,
+                            zero: !stored,
+                            offset: Some(host + pos),
+                            ..base
+                        });
+                        pos += n;
+                    }
+                }
             }
         }
         Ok(out)
