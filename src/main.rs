@@ -1,6 +1,7 @@
 //! `qcow2-nbd`: inspect qcow2 images (and, as later issues land, serve them over NBD).
 
 mod backing_chain;
+mod check;
 mod info;
 
 use std::process::ExitCode;
@@ -20,12 +21,15 @@ struct Cli {
 enum Command {
     /// Show what a qcow2 image contains, like `qemu-img info`.
     Info(info::InfoArgs),
+    /// Check a qcow2 image for consistency and repair it, like `qemu-img check`.
+    Check(check::CheckArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Info(args) => info::run(args),
+        Command::Check(args) => return check::main(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

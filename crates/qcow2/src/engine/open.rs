@@ -176,10 +176,8 @@ async fn build<S: Storage + 'static>(
     let writer = match layers[0].qcow2() {
         Some(m) if !read_only => {
             if m.header.borrow().is_dirty() {
-                return Err(EngineError::Unsupported {
-                    image: top_name,
-                    what: "writing to an image whose dirty bit is set (refcounts may be stale); repair it with `qcow2-nbd check -r all` or open it read-only".into(),
-                });
+                // Lazy refcounts may be stale after a crash: rebuild them before any write.
+                super::check::repair_dirty_layer(&layers[0]).await?;
             }
             Some(Writer::open(&layers, cache_sizes.refcount_cache_bytes).await?)
         }

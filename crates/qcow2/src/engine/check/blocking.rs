@@ -1,0 +1,38 @@
+//! Checking a file by path from synchronous code (the `qcow2-nbd check` command): a private
+//! single-threaded runtime runs the async checker over the thread-pool file backend, which
+//! works on every file system.
+
+use super::error::CheckError;
+use super::report::Finding;
+use super::run::{check, CheckOutcome, Repair};
+use std::path::Path;
+use storage::{Aio, FileOpener, OpenOptions, Opener};
+
+/// Checks the image at `path` like `qemu-img check [-r ...] PATH`; the file is opened
+/// read-only unless `repair` allows writes.
+pub fn check_path(
+    path: &Path,
+    repair: Repair,
+    log: &mut dyn FnMut(Finding),
+) -> Result<CheckOutcome, CheckError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| CheckError::io("starting the I/O runtime", 0, e))?;
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&rt, async {
+        let opener = FileOpener {
+            aio: Aio::Threads,
+            direct: false,
+        };
+        let opts = OpenOptions {
+            read_only: repair == Repair::None,
+            ..OpenOptions::default()
+        };
+        let file = opener
+            .open(path, opts)
+            .await
+            .map_err(|e| CheckError::io("opening the image", 0, e))?;
+        check(&file, repair, log).await
+    })
+}

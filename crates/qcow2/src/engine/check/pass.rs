@@ -1,0 +1,217 @@
+//! One check pass over an image (QEMU's `qcow2_co_check_locked`): the state it carries and the
+//! helpers every step uses: logging findings, counting references into the in-memory refcount
+//! table, and guarded writes for repairs.
+
+use super::error::CheckError;
+use super::imrt::Imrt;
+use super::io;
+use super::meta::Meta;
+use super::overlap::Section;
+use super::report::{CheckReport, Finding, FindingKind};
+use crate::format::features::INCOMPAT_CORRUPT;
+use storage::Storage;
+
+/// What a pass may repair (QEMU's `BdrvCheckMode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Fix {
+    /// Drop refcounts nothing uses.
+    pub leaks: bool,
+    /// Fix refcounts that are too low, flags and entries, rebuilding refcounts if needed.
+    pub errors: bool,
+}
+
+impl Fix {
+    pub const NONE: Fix = Fix {
+        leaks: false,
+        errors: false,
+    };
+    pub const LEAKS: Fix = Fix {
+        leaks: true,
+        errors: false,
+    };
+
+    /// Any repair at all.
+    pub fn any(self) -> bool {
+        self.leaks || self.errors
+    }
+}
+
+/// Byte offset of `incompatible_features` in a version 3 header.
+pub(crate) const INCOMPAT_FIELD: u64 = 72;
+
+/// The state of one pass.
+pub(crate) struct Pass<'a, S: Storage> {
+    pub file: &'a S,
+    pub meta: Meta,
+    /// Current length of the file (repairs may grow it).
+    pub file_len: u64,
+    /// What this pass repairs; with none, nothing is written.
+    pub fix: Fix,
+    pub res: CheckReport,
+    log: &'a mut dyn FnMut(Finding),
+    /// A corruption was signalled once already (QEMU then stays quiet on writable images).
+    signalled: bool,
+    /// Housekeeping after a repair: findings are not reported.
+    pub quiet: bool,
+}
+
+impl<'a, S: Storage> Pass<'a, S> {
+    /// A pass over an image already loaded.
+    pub fn new(
+        file: &'a S,
+        meta: Meta,
+        file_len: u64,
+        fix: Fix,
+        log: &'a mut dyn FnMut(Finding),
+    ) -> Self {
+        Pass {
+            file,
+            meta,
+            file_len,
+            fix,
+            res: CheckReport::default(),
+            log,
+            signalled: false,
+            quiet: false,
+        }
+    }
+
+    /// Reports one finding.
+    pub fn log(&mut self, kind: FindingKind, message: String) {
+        if !self.quiet {
+            (self.log)(Finding { kind, message });
+        }
+    }
+
+    /// "Repairing" when `repairing`, else "ERROR": how QEMU starts a line about a problem.
+    pub fn verb(repairing: bool) -> &'static str {
+        if repairing {
+            "Repairing"
+        } else {
+            "ERROR"
+        }
+    }
+
+    /// Counts one reference to every cluster in `[offset, offset + size)` (QEMU's
+    /// `qcow2_inc_refcounts_imrt`): a region reaching a cluster or more past the end of the
+    /// file, or a refcount that would overflow the image's width, is a corruption instead.
+    pub fn inc(&mut self, imrt: &mut Imrt, offset: u64, size: u64) -> Result<(), CheckError> {
+        if size == 0 {
+            return Ok(());
+        }
+        let cs = self.meta.cluster_size;
+        let end = offset
+            .checked_add(size)
+            .filter(|&e| e <= crate::format::limits::MAX_FILE_OFFSET);
+        let Some(end) = end.filter(|&e| e <= self.file_len || e - self.file_len < cs) else {
+            self.log(
+                FindingKind::Error,
+                format!("ERROR: counting reference for region exceeding the end of the file by one cluster or more: offset {offset:#x} size {size:#x}"),
+            );
+            self.res.corruptions += 1;
+            return Ok(());
+        };
+        let bits = self.meta.cluster_bits;
+        let limit = Imrt::limit(self.meta.refcount_max);
+        for k in (offset >> bits)..=((end - 1) >> bits) {
+            if k >= imrt.len() {
+                imrt.grow(k + 1)?;
+            }
+            let r = imrt.get(k);
+            if r >= limit {
+                self.log(
+                    FindingKind::Error,
+                    format!("ERROR: overflow cluster offset={:#x}", k << bits),
+                );
+                self.log(
+                    FindingKind::Error,
+                    "Use qemu-img amend to increase the refcount entry width or qemu-img convert to create a clean copy if the image cannot be opened for writing".into(),
+                );
+                self.res.corruptions += 1;
+                continue;
+            }
+            imrt.set(k, r + 1);
+        }
+        Ok(())
+    }
+
+    /// Writes repair data, refusing (and marking the image corrupt, as QEMU's overlap check
+    /// does) when it would land on metadata other than the sections in `ignore`.
+    pub async fn guarded_write(
+        &mut self,
+        what: &'static str,
+        offset: u64,
+        bytes: &[u8],
+        ignore: &[Section],
+    ) -> Result<(), CheckError> {
+        let len = bytes.len() as u64;
+        if let Some(hit) = self.overlap(ignore, offset, len) {
+            let detail = format!(
+                "Preventing invalid write on metadata (overlaps with {})",
+                hit.name()
+            );
+            self.signal_corruption(detail).await;
+            return Err(CheckError::Overlap {
+                offset,
+                len,
+                what: hit.name(),
+            });
+        }
+        io::write(self.file, what, offset, bytes).await?;
+        self.file_len = self.file_len.max(offset.saturating_add(len));
+        Ok(())
+    }
+
+    /// Reports an inconsistency found while accessing metadata (QEMU's
+    /// `qcow2_signal_corruption`): a repair pass marks the image corrupt on disk.
+    pub async fn signal_corruption(&mut self, detail: String) {
+        if self.fix.any() {
+            if self.signalled {
+                return;
+            }
+            self.signalled = true;
+            self.log(
+                FindingKind::Error,
+                format!("qcow2: Marking image as corrupt: {detail}; further corruption events will be suppressed"),
+            );
+            if self.meta.header.version >= 3 && !self.meta.is_corrupt() {
+                let bits = self.meta.incompatible | INCOMPAT_CORRUPT;
+                let done = io::write(
+                    self.file,
+                    "marking the image corrupt",
+                    INCOMPAT_FIELD,
+                    &bits.to_be_bytes(),
+                )
+                .await
+                .is_ok()
+                    && io::flush(self.file).await.is_ok();
+                if done {
+                    self.meta.incompatible = bits;
+                }
+            }
+        } else {
+            self.log(
+                FindingKind::Error,
+                format!("qcow2: Image is corrupt: {detail}"),
+            );
+        }
+    }
+
+    /// Rewrites the incompatible feature bits (version 3 headers only) and flushes.
+    pub async fn write_incompatible(&mut self, bits: u64) -> Result<(), CheckError> {
+        if self.meta.header.version < 3 || bits == self.meta.incompatible {
+            return Ok(());
+        }
+        io::flush(self.file).await?;
+        io::write(
+            self.file,
+            "updating the header",
+            INCOMPAT_FIELD,
+            &bits.to_be_bytes(),
+        )
+        .await?;
+        io::flush(self.file).await?;
+        self.meta.incompatible = bits;
+        Ok(())
+    }
+}

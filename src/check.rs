@@ -1,0 +1,98 @@
+//! `qcow2-nbd check [-r leaks|all] [--output human|json] IMG`: `qemu-img check` for qcow2,
+//! with its output (findings on stderr, the summary on stdout) and its exit codes: 0 clean,
+//! 1 check not completed, 2 corruptions, 3 leaks only, 63 not a format with checks.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, ValueEnum};
+use qcow2::engine::check::{self, CheckError, Repair};
+
+/// Output layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CheckOutput {
+    /// qemu-img's summary lines.
+    Human,
+    /// qemu-img's JSON object.
+    Json,
+}
+
+/// Arguments of `check`.
+#[derive(Args, Debug)]
+pub struct CheckArgs {
+    /// Repair leaks only, or all errors (the image is opened read-write).
+    #[arg(short = 'r', long = "repair", value_name = "leaks|all", value_parser = parse_repair)]
+    pub repair: Option<Repair>,
+    /// Output layout.
+    #[arg(long, value_enum, default_value_t = CheckOutput::Human)]
+    pub output: CheckOutput,
+    /// The qcow2 image file.
+    pub image: PathBuf,
+}
+
+fn parse_repair(s: &str) -> Result<Repair, String> {
+    s.parse()
+}
+
+/// Why `check` could not report.
+#[derive(Debug, thiserror::Error)]
+enum CheckCliError {
+    /// The file could not be opened or is not an image QEMU would open.
+    #[error("Could not open '{path}': {source}")]
+    Open { path: String, source: CheckError },
+    /// The check stopped before it could report.
+    #[error("Check failed: {0}")]
+    Failed(CheckError),
+    /// The check ran but had internal errors.
+    #[error("Check failed")]
+    Incomplete,
+    /// Writing the report failed.
+    #[error("writing the report: {0}")]
+    Output(#[from] std::io::Error),
+}
+
+/// Runs `check` and returns qemu-img's exit code for it.
+pub fn main(args: &CheckArgs) -> ExitCode {
+    match run(args) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("qcow2-nbd: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
+    let repair = args.repair.unwrap_or_default();
+    let path = args.image.display().to_string();
+    let mut log = |f: check::Finding| eprintln!("{}", f.message);
+    let outcome = match check::check_path(&args.image, repair, &mut log) {
+        Ok(o) => o,
+        Err(CheckError::NotQcow2 { .. }) => {
+            eprintln!("qcow2-nbd: This image format does not support checks");
+            return Ok(63);
+        }
+        Err(
+            e @ (CheckError::Open { .. }
+            | CheckError::Io {
+                what: "opening the image",
+                ..
+            }),
+        ) => {
+            return Err(CheckCliError::Open { path, source: e });
+        }
+        Err(e) => return Err(CheckCliError::Failed(e)),
+    };
+    let text = match args.output {
+        CheckOutput::Human => outcome.to_human(),
+        CheckOutput::Json => outcome.report.to_json(&path),
+    };
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())?;
+    out.flush()?;
+    match outcome.report.exit_code() {
+        1 => Err(CheckCliError::Incomplete),
+        code => Ok(code),
+    }
+}
