@@ -2,7 +2,10 @@
 
 mod backing_chain;
 mod check;
+mod create;
+mod engine_run;
 mod info;
+mod options;
 
 use std::process::ExitCode;
 
@@ -23,6 +26,8 @@ enum Command {
     Info(info::InfoArgs),
     /// Check a qcow2 image for consistency and repair it, like `qemu-img check`.
     Check(check::CheckArgs),
+    /// Create a new qcow2 or raw image, like `qemu-img create`.
+    Create(create::CreateArgs),
 }
 
 fn main() -> ExitCode {
@@ -30,6 +35,7 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Info(args) => info::run(args),
         Command::Check(args) => return check::main(args),
+        Command::Create(args) => return create::main(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

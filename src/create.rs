@@ -1,0 +1,706 @@
+//! `qcow2-nbd create`: new qcow2 (or sparse raw) images with `qemu-img create`'s option
+//! names, size suffixes, defaults, checks and messages. The qcow2 option table and its checks
+//! are shared with `convert -O qcow2`.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::Args;
+use qcow2::engine::compress::Codec;
+use qcow2::engine::{self as engine, CreateOptions, EngineError, Format, Image, Preallocation};
+use storage::{IoBuf, Opener, Storage};
+
+use crate::engine_run::{self, format_name, OpenError, OPENER};
+use crate::options::{self, Kind, OptionsError, Parsed, Spec};
+
+/// Options of qcow2 images (`-o help` lists them).
+pub const QCOW2_OPTIONS: &[Spec] = &[
+    Spec {
+        name: "backing_file",
+        kind: Kind::Str,
+        help: "File name of a base image",
+    },
+    Spec {
+        name: "backing_fmt",
+        kind: Kind::Str,
+        help: "Image format of the base image",
+    },
+    Spec {
+        name: "cluster_size",
+        kind: Kind::Size,
+        help: "qcow2 cluster size",
+    },
+    Spec {
+        name: "compat",
+        kind: Kind::Str,
+        help: "Compatibility level (v2 [0.10] or v3 [1.1])",
+    },
+    Spec {
+        name: "compression_type",
+        kind: Kind::Str,
+        help: "Compression method used for image cluster compression",
+    },
+    Spec {
+        name: "extended_l2",
+        kind: Kind::Bool,
+        help: "Extended L2 tables",
+    },
+    Spec {
+        name: "lazy_refcounts",
+        kind: Kind::Bool,
+        help: "Postpone refcount updates",
+    },
+    Spec {
+        name: "preallocation",
+        kind: Kind::Str,
+        help: "Preallocation mode (allowed values: off, metadata, falloc, full)",
+    },
+    Spec {
+        name: "refcount_bits",
+        kind: Kind::Number,
+        help: "Width of a reference count entry in bits",
+    },
+    Spec {
+        name: "size",
+        kind: Kind::Size,
+        help: "Virtual disk size",
+    },
+];
+
+/// qcow2 options QEMU has that we do not implement (refused by name, not as unknown).
+pub const QCOW2_UNSUPPORTED: &[&str] = &[
+    "data_file",
+    "data_file_raw",
+    "encryption",
+    "encrypt.format",
+    "encrypt.key-secret",
+    "encrypt.cipher-alg",
+    "encrypt.cipher-mode",
+    "encrypt.hash-alg",
+    "encrypt.ivgen-alg",
+    "encrypt.ivgen-hash-alg",
+    "encrypt.iter-time",
+    "extent_size_hint",
+    "nocow",
+];
+
+/// Options of raw images.
+pub const RAW_OPTIONS: &[Spec] = &[
+    Spec {
+        name: "preallocation",
+        kind: Kind::Str,
+        help: "Preallocation mode (allowed values: off, falloc, full)",
+    },
+    Spec {
+        name: "size",
+        kind: Kind::Size,
+        help: "Virtual disk size",
+    },
+];
+
+/// raw options QEMU has that we do not implement.
+pub const RAW_UNSUPPORTED: &[&str] = &["extent_size_hint", "nocow"];
+
+/// The option table for a format.
+pub fn option_table(format: Format) -> (&'static [Spec], &'static [&'static str]) {
+    match format {
+        Format::Qcow2 => (QCOW2_OPTIONS, QCOW2_UNSUPPORTED),
+        Format::Raw => (RAW_OPTIONS, RAW_UNSUPPORTED),
+    }
+}
+
+/// Arguments of `create`.
+#[derive(Args, Debug)]
+pub struct CreateArgs {
+    /// Format of the new image: qcow2 (the default here) or raw.
+    #[arg(short = 'f', long = "format", default_value = "qcow2")]
+    pub format: String,
+    /// Format options, `key=value,...` (`-o help` lists them); may be repeated.
+    #[arg(short = 'o', long = "options")]
+    pub options: Vec<String>,
+    /// Backing file, stored as given (relative names are relative to the new image).
+    #[arg(short = 'b', long = "backing")]
+    pub backing: Option<String>,
+    /// Format of the backing file (required with -b, as in qemu-img 10).
+    #[arg(short = 'F', long = "backing-format")]
+    pub backing_format: Option<String>,
+    /// Do not open the backing file (then SIZE is required).
+    #[arg(short = 'u', long = "backing-unsafe")]
+    pub backing_unsafe: bool,
+    /// Do not print the "Formatting ..." line.
+    #[arg(short = 'q', long)]
+    pub quiet: bool,
+    /// The image to create (replaced if it exists).
+    pub image: Option<PathBuf>,
+    /// Virtual size with an optional suffix (k, M, G, T, P, E); defaults to the backing
+    /// file's size.
+    pub size: Option<String>,
+}
+
+/// Why `create` (or the target side of `convert`) failed. Messages follow qemu-img's.
+#[derive(Debug, thiserror::Error)]
+pub enum CreateError {
+    /// A bad `-o` list or value.
+    #[error("{image}: {source}")]
+    Options {
+        /// The image being created.
+        image: String,
+        /// What is wrong.
+        source: OptionsError,
+    },
+    /// `-o` given without a list to parse (only `-o help` works then).
+    #[error("Expecting one image file name")]
+    NoImage,
+    /// A format we cannot create.
+    #[error(transparent)]
+    Format(#[from] OpenError),
+    /// SIZE that does not parse.
+    #[error("Invalid image size specified: '{0}'.")]
+    InvalidSize(String),
+    /// SIZE beyond what QEMU allows.
+    #[error("Invalid image size specified. Must be between 0 and 9223372036854775807.")]
+    SizeOutOfRange,
+    /// A check on the combination of options failed.
+    #[error("{image}: {detail}")]
+    Invalid {
+        /// The image being created.
+        image: String,
+        /// qemu-img's message.
+        detail: String,
+    },
+    /// The backing file could not be opened to learn its size.
+    #[error("{image}: Could not open backing image: {source}")]
+    Backing {
+        /// The image being created.
+        image: String,
+        /// Why.
+        source: OpenError,
+    },
+    /// The engine failed to write the image.
+    #[error("{image}: {source}")]
+    Engine {
+        /// The image being created.
+        image: String,
+        /// What failed.
+        source: Box<EngineError>,
+    },
+    /// Creating a raw file failed.
+    #[error("{image}: {what}: {}", engine_run::plain_io(.source))]
+    Io {
+        /// The image being created.
+        image: String,
+        /// What was being done.
+        what: &'static str,
+        /// The error.
+        source: std::io::Error,
+    },
+}
+
+/// What a new qcow2 image will be, decided from the options.
+#[derive(Debug, Clone)]
+pub struct Qcow2Plan {
+    /// The engine's creation options (size and backing filled in by the caller).
+    pub opts: CreateOptions,
+    /// `compat` exactly as given, for the "Formatting" line.
+    pub compat: Option<String>,
+    /// `preallocation` exactly as given.
+    pub prealloc_text: Option<String>,
+}
+
+/// Decides the qcow2 settings from parsed options, with qemu-img's checks and messages (size
+/// and backing file are checked by the caller, which knows them).
+pub fn qcow2_plan(p: &Parsed, has_backing: bool) -> Result<Qcow2Plan, String> {
+    let version = match p.str("compat") {
+        None | Some("1.1") | Some("v3") => 3,
+        Some("0.10") | Some("v2") => 2,
+        Some(other) => {
+            return Err(OptionsError::BadValue {
+                name: "version",
+                value: other.into(),
+            }
+            .to_string())
+        }
+    };
+    let preallocation = match p.str("preallocation") {
+        None => Preallocation::Off,
+        Some(s) => Preallocation::from_name(s).ok_or_else(|| {
+            OptionsError::BadValue {
+                name: "preallocation",
+                value: s.into(),
+            }
+            .to_string()
+        })?,
+    };
+    let compression = match p.str("compression_type") {
+        None | Some("zlib") => Codec::Zlib,
+        Some("zstd") => Codec::Zstd,
+        Some(other) => {
+            return Err(OptionsError::BadValue {
+                name: "compression-type",
+                value: other.into(),
+            }
+            .to_string())
+        }
+    };
+    let extended_l2 = p.bool("extended_l2").unwrap_or(false);
+    let lazy_refcounts = p.bool("lazy_refcounts").unwrap_or(false);
+    let cluster_size = p.num("cluster_size").unwrap_or(65536);
+    let refcount_bits = p.num("refcount_bits").unwrap_or(16);
+    const V3: &str = "(use version=v3 or greater)";
+    if version < 3 && extended_l2 {
+        return Err(format!(
+            "Extended L2 entries are only supported with compatibility level 1.1 and above {V3}"
+        ));
+    }
+    if !cluster_size.is_power_of_two() || !(512..=2 << 20).contains(&cluster_size) {
+        return Err("Cluster size must be a power of two between 512 and 2048k".into());
+    }
+    if extended_l2 && cluster_size < 16384 {
+        return Err(
+            "Extended L2 entries are only supported with cluster sizes of at least 16384 bytes"
+                .into(),
+        );
+    }
+    if has_backing && preallocation != Preallocation::Off && !extended_l2 {
+        return Err(
+            "Backing file and preallocation can only be used at the same time if extended_l2 is on"
+                .into(),
+        );
+    }
+    if version < 3 && lazy_refcounts {
+        return Err(format!(
+            "Lazy refcounts only supported with compatibility level 1.1 and above {V3}"
+        ));
+    }
+    if refcount_bits > 64 || !refcount_bits.is_power_of_two() {
+        return Err("Refcount width must be a power of two and may not exceed 64 bits".into());
+    }
+    if version < 3 && refcount_bits != 16 {
+        return Err(format!(
+            "Different refcount widths than 16 bits require compatibility level 1.1 or above {V3}"
+        ));
+    }
+    if version < 3 && compression != Codec::Zlib {
+        return Err(format!(
+            "Non-zlib compression type is only supported with compatibility level 1.1 and above {V3}"
+        ));
+    }
+    Ok(Qcow2Plan {
+        opts: CreateOptions {
+            size: 0,
+            cluster_size,
+            extended_l2,
+            // At most 64 (checked above).
+            refcount_bits: u32::try_from(refcount_bits).unwrap_or(64),
+            compression,
+            lazy_refcounts,
+            version,
+            preallocation,
+            backing: None,
+        },
+        compat: p.str("compat").map(str::to_string),
+        prealloc_text: p.str("preallocation").map(str::to_string),
+    })
+}
+
+/// QEMU's limit: the L1 table may not exceed 32 MiB, which caps the virtual size per
+/// cluster size.
+pub fn check_qcow2_size(opts: &CreateOptions) -> Result<(), String> {
+    let entry_bytes = if opts.extended_l2 { 16 } else { 8 };
+    let per_l2 = u128::from(opts.cluster_size) * u128::from(opts.cluster_size / entry_bytes);
+    let l1_entries = u128::from(opts.size).div_ceil(per_l2);
+    if l1_entries * 8 > 32 << 20 {
+        return Err(
+            "The image size is too large for file format 'qcow2' (try using a larger cluster size)"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
+/// Reads the SIZE argument as qemu-img does.
+pub fn parse_image_size(s: &str) -> Result<u64, CreateError> {
+    match cache::parse_size(s) {
+        Ok(v) if v <= i64::MAX as u64 => Ok(v),
+        Ok(_) => Err(CreateError::SizeOutOfRange),
+        Err(cache::SizeError::SizeOutOfRange { .. }) => Err(CreateError::SizeOutOfRange),
+        Err(_) => Err(CreateError::InvalidSize(s.to_string())),
+    }
+}
+
+/// The line qemu-img prints before creating an image.
+pub fn formatting_line(
+    image: &str,
+    size: u64,
+    plan: Option<&Qcow2Plan>,
+    raw_prealloc: Option<&str>,
+) -> String {
+    let Some(plan) = plan else {
+        let mut s = format!("Formatting '{image}', fmt=raw size={size}");
+        if let Some(p) = raw_prealloc {
+            s.push_str(&format!(" preallocation={p}"));
+        }
+        return s;
+    };
+    let o = &plan.opts;
+    let onoff = |b: bool| if b { "on" } else { "off" };
+    let mut s = format!(
+        "Formatting '{image}', fmt=qcow2 cluster_size={} extended_l2={}",
+        o.cluster_size,
+        onoff(o.extended_l2)
+    );
+    if let Some(p) = &plan.prealloc_text {
+        s.push_str(&format!(" preallocation={p}"));
+    }
+    let codec = match o.compression {
+        Codec::Zlib => "zlib",
+        Codec::Zstd => "zstd",
+    };
+    s.push_str(&format!(" compression_type={codec} size={size}"));
+    if let Some(c) = &plan.compat {
+        s.push_str(&format!(" compat={c}"));
+    }
+    if let Some((name, fmt)) = &o.backing {
+        s.push_str(&format!(
+            " backing_file={name} backing_fmt={}",
+            format_name(*fmt)
+        ));
+    }
+    s.push_str(&format!(
+        " lazy_refcounts={} refcount_bits={}",
+        onoff(o.lazy_refcounts),
+        o.refcount_bits
+    ));
+    s
+}
+
+/// Writes a new qcow2 image at `path` (replacing any file there) and preallocates it. The
+/// engine refuses preallocation with a backing file, which QEMU allows with extended L2
+/// entries (the clusters are reserved, their subclusters stay unallocated), so the image is
+/// created first and preallocated without opening its backing file.
+pub async fn create_qcow2(path: &Path, opts: &CreateOptions) -> Result<(), EngineError> {
+    let base = CreateOptions {
+        preallocation: Preallocation::Off,
+        ..opts.clone()
+    };
+    engine::create_file(&OPENER, path, &base).await?;
+    if opts.preallocation != Preallocation::Off {
+        let img = Image::open(
+            &OPENER,
+            path,
+            &engine::OpenOptions {
+                no_backing: true,
+                format: Some(Format::Qcow2),
+                ..engine::OpenOptions::default()
+            },
+        )
+        .await?;
+        img.preallocate(opts.preallocation).await?;
+        img.close().await?;
+    }
+    Ok(())
+}
+
+/// Writes a new raw image: a sparse file of `size` bytes (rounded up to 512 as QEMU does),
+/// reserved (`falloc`) or written with zeros (`full`) when asked.
+pub async fn create_raw(path: &Path, size: u64, prealloc: Preallocation) -> std::io::Result<()> {
+    let file = OPENER.open(path, storage::OpenOptions::create()).await?;
+    let size = size
+        .checked_next_multiple_of(512)
+        .ok_or_else(|| std::io::Error::other("size too large"))?;
+    file.set_len(0).await?;
+    file.set_len(size).await?;
+    match prealloc {
+        Preallocation::Off | Preallocation::Metadata => {}
+        Preallocation::Falloc => file.write_zeroes_at(0, size, false).await?,
+        Preallocation::Full => {
+            const CHUNK: u64 = 1 << 20;
+            let mut pos = 0;
+            while pos < size {
+                let n = CHUNK.min(size - pos);
+                // n <= 1 MiB.
+                let (res, _) = file.write_at(IoBuf::zeroed(n as usize).into(), pos).await;
+                res?;
+                pos += n;
+            }
+        }
+    }
+    file.flush().await
+}
+
+async fn create(args: &CreateArgs) -> Result<(), CreateError> {
+    let format = engine_run::parse_format(&args.format)?;
+    let (specs, unsupported) = option_table(format);
+    let list = options::join_lists(&args.options).map_err(|source| CreateError::Options {
+        image: args
+            .image
+            .as_ref()
+            .map_or_else(String::new, |p| p.display().to_string()),
+        source,
+    })?;
+    if list.as_deref().is_some_and(options::wants_help) {
+        print!("{}", options::help_text(specs));
+        return Ok(());
+    }
+    let image_path = args.image.as_ref().ok_or(CreateError::NoImage)?;
+    let image = image_path.display().to_string();
+    let invalid = |detail: String| CreateError::Invalid {
+        image: image.clone(),
+        detail,
+    };
+    let mut parsed = match &list {
+        Some(l) => Parsed::parse(l, specs, unsupported).map_err(|source| CreateError::Options {
+            image: image.clone(),
+            source,
+        })?,
+        None => Parsed::default(),
+    };
+    // -b and -F become options, overriding -o as in qemu-img.
+    if format == Format::Qcow2 {
+        if let Some(b) = &args.backing {
+            parsed.set_str(&QCOW2_OPTIONS[0], b);
+        }
+        if let Some(f) = &args.backing_format {
+            parsed.set_str(&QCOW2_OPTIONS[1], f);
+        }
+    } else if args.backing.is_some() || args.backing_format.is_some() {
+        return Err(invalid(
+            "Backing file not supported for file format 'raw'".into(),
+        ));
+    }
+    let mut size = match &args.size {
+        Some(s) => Some(parse_image_size(s)?),
+        None => None,
+    };
+    if let Some(s) = parsed.num("size") {
+        if size.is_some() {
+            return Err(invalid("The image size must be specified only once".into()));
+        }
+        if s > i64::MAX as u64 {
+            return Err(CreateError::SizeOutOfRange);
+        }
+        size = Some(s);
+    }
+
+    if format == Format::Raw {
+        let prealloc_text = parsed.str("preallocation");
+        let prealloc = match prealloc_text {
+            None | Some("off") => Preallocation::Off,
+            Some("falloc") => Preallocation::Falloc,
+            Some("full") => Preallocation::Full,
+            Some(other) => {
+                return Err(invalid(
+                    OptionsError::BadValue {
+                        name: "preallocation",
+                        value: other.into(),
+                    }
+                    .to_string(),
+                ))
+            }
+        };
+        let size = size.ok_or_else(|| invalid("Image creation needs a size parameter".into()))?;
+        if !args.quiet {
+            println!("{}", formatting_line(&image, size, None, prealloc_text));
+        }
+        return create_raw(image_path, size, prealloc)
+            .await
+            .map_err(|source| CreateError::Io {
+                image: image.clone(),
+                what: "creating the raw image",
+                source,
+            });
+    }
+
+    let backing_name = parsed.str("backing_file").map(str::to_string);
+    let backing_fmt = parsed.str("backing_fmt").map(str::to_string);
+    let mut plan = qcow2_plan(&parsed, backing_name.is_some()).map_err(&invalid)?;
+    if let Some(name) = &backing_name {
+        let Some(fmt_name) = &backing_fmt else {
+            return Err(invalid(
+                "Backing file specified without backing format".into(),
+            ));
+        };
+        let fmt = engine_run::parse_format(fmt_name)?;
+        plan.opts.backing = Some((name.clone(), fmt));
+        let resolved = engine::backing_name::resolve(image_path, name);
+        if let Ok(r) = &resolved {
+            if same_file(r, image_path) {
+                return Err(invalid(
+                    "Error: Trying to create an image with the same filename as the backing file"
+                        .into(),
+                ));
+            }
+        }
+        if !args.backing_unsafe {
+            let resolved = resolved.map_err(|e| CreateError::Backing {
+                image: image.clone(),
+                source: OpenError::from(EngineError::Backing(e)),
+            })?;
+            let backing = engine_run::open_read_only(&resolved, Some(fmt), None)
+                .await
+                .map_err(|source| CreateError::Backing {
+                    image: image.clone(),
+                    source,
+                })?;
+            size = size.or(Some(backing.size()));
+        }
+    } else if backing_fmt.is_some() {
+        return Err(invalid(
+            "Backing format cannot be used without backing file".into(),
+        ));
+    }
+    let size = size.ok_or_else(|| invalid("Image creation needs a size parameter".into()))?;
+    plan.opts.size = size;
+    if !args.quiet {
+        println!("{}", formatting_line(&image, size, Some(&plan), None));
+    }
+    check_qcow2_size(&plan.opts).map_err(&invalid)?;
+    create_qcow2(image_path, &plan.opts)
+        .await
+        .map_err(|source| CreateError::Engine {
+            image: image.clone(),
+            source: Box::new(source),
+        })
+}
+
+/// True when `a` and `b` name the same file: equal as written, or equal once canonicalized.
+fn same_file(a: &Path, b: &Path) -> bool {
+    if a == b {
+        return true;
+    }
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => false,
+    }
+}
+
+/// Runs `create` and returns the exit status.
+pub fn main(args: &CreateArgs) -> ExitCode {
+    let res = engine_run::block_on(create(args)).map_err(|source| CreateError::Io {
+        image: String::new(),
+        what: "starting the runtime",
+        source,
+    });
+    engine_run::exit_code(res.and_then(|r| r))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(list: &str, backing: bool) -> Result<Qcow2Plan, String> {
+        let p = Parsed::parse(list, QCOW2_OPTIONS, QCOW2_UNSUPPORTED).map_err(|e| e.to_string())?;
+        qcow2_plan(&p, backing)
+    }
+
+    #[test]
+    fn defaults_are_qemu_img_defaults() {
+        let p = plan("size=1M", false).unwrap();
+        let d = CreateOptions::default();
+        assert_eq!(p.opts.cluster_size, 65536);
+        assert_eq!(p.opts.cluster_size, d.cluster_size);
+        assert_eq!(p.opts.refcount_bits, 16);
+        assert_eq!(p.opts.version, 3);
+        assert!(!p.opts.extended_l2 && !p.opts.lazy_refcounts);
+        assert_eq!(p.opts.compression, Codec::Zlib);
+        assert_eq!(p.opts.preallocation, Preallocation::Off);
+    }
+
+    #[test]
+    fn options_are_read() {
+        let p = plan(
+            "cluster_size=128k,extended_l2=on,refcount_bits=64,compression_type=zstd,lazy_refcounts=on,preallocation=falloc,compat=v3",
+            false,
+        )
+        .unwrap();
+        assert_eq!(p.opts.cluster_size, 128 << 10);
+        assert!(p.opts.extended_l2 && p.opts.lazy_refcounts);
+        assert_eq!(p.opts.refcount_bits, 64);
+        assert_eq!(p.opts.compression, Codec::Zstd);
+        assert_eq!(p.opts.preallocation, Preallocation::Falloc);
+        assert_eq!(plan("compat=0.10", false).unwrap().opts.version, 2);
+    }
+
+    #[test]
+    fn qemu_img_checks_and_messages() {
+        let e = |l: &str, b: bool| plan(l, b).unwrap_err();
+        assert_eq!(
+            e("compat=0.9", false),
+            "Parameter 'version' does not accept value '0.9'"
+        );
+        assert_eq!(
+            e("compression_type=lz4", false),
+            "Parameter 'compression-type' does not accept value 'lz4'"
+        );
+        assert_eq!(
+            e("preallocation=yes", false),
+            "Parameter 'preallocation' does not accept value 'yes'"
+        );
+        assert_eq!(
+            e("cluster_size=1000", false),
+            "Cluster size must be a power of two between 512 and 2048k"
+        );
+        assert_eq!(
+            e("cluster_size=4M", false),
+            "Cluster size must be a power of two between 512 and 2048k"
+        );
+        assert_eq!(
+            e("cluster_size=4k,extended_l2=on", false),
+            "Extended L2 entries are only supported with cluster sizes of at least 16384 bytes"
+        );
+        assert!(e("compat=0.10,extended_l2=on", false)
+            .starts_with("Extended L2 entries are only supported with compatibility level 1.1"));
+        assert!(
+            e("compat=0.10,lazy_refcounts=on", false).starts_with("Lazy refcounts only supported")
+        );
+        assert!(e("compat=0.10,refcount_bits=8", false).starts_with("Different refcount widths"));
+        assert!(
+            e("compat=0.10,compression_type=zstd", false).starts_with("Non-zlib compression type")
+        );
+        for bits in ["3", "0", "128"] {
+            assert_eq!(
+                e(&format!("refcount_bits={bits}"), false),
+                "Refcount width must be a power of two and may not exceed 64 bits"
+            );
+        }
+        assert_eq!(
+            e("preallocation=metadata", true),
+            "Backing file and preallocation can only be used at the same time if extended_l2 is on"
+        );
+        assert!(plan("preallocation=metadata,extended_l2=on", true).is_ok());
+    }
+
+    #[test]
+    fn size_limits() {
+        let mut o = CreateOptions {
+            size: 1 << 50,
+            ..CreateOptions::default()
+        };
+        assert!(check_qcow2_size(&o).is_ok());
+        o.cluster_size = 512;
+        assert!(check_qcow2_size(&o).is_err());
+        assert!(matches!(
+            parse_image_size("1Q"),
+            Err(CreateError::InvalidSize(_))
+        ));
+        assert!(matches!(
+            parse_image_size("100E"),
+            Err(CreateError::SizeOutOfRange)
+        ));
+        assert_eq!(parse_image_size("1G").unwrap(), 1 << 30);
+    }
+
+    #[test]
+    fn formatting_line_matches_qemu_img() {
+        let mut p = plan("preallocation=metadata,extended_l2=on", true).unwrap();
+        p.opts.backing = Some(("b.qcow2".into(), Format::Qcow2));
+        assert_eq!(
+            formatting_line("t.qcow2", 2097152, Some(&p), None),
+            "Formatting 't.qcow2', fmt=qcow2 cluster_size=65536 extended_l2=on preallocation=metadata compression_type=zlib size=2097152 backing_file=b.qcow2 backing_fmt=qcow2 lazy_refcounts=off refcount_bits=16"
+        );
+        assert_eq!(
+            formatting_line("r", 1000, None, Some("falloc")),
+            "Formatting 'r', fmt=raw size=1000 preallocation=falloc"
+        );
+    }
+}

@@ -1,0 +1,128 @@
+//! What the engine-backed subcommands (`create`, `map`, `convert`) share: the single-threaded
+//! runtime the engine expects, format names and probing, and opening images.
+
+use std::fmt::Display;
+use std::future::Future;
+use std::io::Read;
+use std::path::Path;
+use std::process::ExitCode;
+
+use qcow2::engine::{EngineError, Format, Image, OpenOptions};
+use storage::{Aio, AnyStorage, FileOpener};
+
+/// The file opener every subcommand uses: io_uring (falling back to threads), page cache on.
+pub const OPENER: FileOpener = FileOpener {
+    aio: Aio::IoUring,
+    direct: false,
+};
+
+/// Runs `f` on a current-thread runtime inside a `LocalSet`, as the engine requires.
+pub fn block_on<F: Future>(f: F) -> std::io::Result<F::Output> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    Ok(tokio::task::LocalSet::new().block_on(&rt, f))
+}
+
+/// Why an image could not be opened (or its format not determined).
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// A format name other than qcow2 or raw.
+    #[error("Unknown or unsupported file format '{0}' (qcow2-nbd handles qcow2 and raw)")]
+    UnknownFormat(String),
+    /// The file could not be opened or read to probe its format.
+    #[error("Could not open '{path}': {}", plain_io(.source))]
+    Probe {
+        /// The file.
+        path: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The engine refused the image.
+    #[error(transparent)]
+    Engine(Box<EngineError>),
+}
+
+impl From<EngineError> for OpenError {
+    fn from(e: EngineError) -> OpenError {
+        OpenError::Engine(Box::new(e))
+    }
+}
+
+/// Parses a `-f`/`-F`/`-O` format name; only the formats the engine reads are accepted.
+pub fn parse_format(name: &str) -> Result<Format, OpenError> {
+    Format::from_name(name).ok_or_else(|| OpenError::UnknownFormat(name.to_string()))
+}
+
+/// The name of a format, as qemu-img prints it.
+pub fn format_name(f: Format) -> &'static str {
+    match f {
+        Format::Qcow2 => "qcow2",
+        Format::Raw => "raw",
+    }
+}
+
+/// Guesses a file's format the way qemu-img does for the formats we know: the qcow2 magic,
+/// otherwise raw. Only used for images opened read-only, where guessing raw is harmless.
+pub fn probe_format(path: &Path) -> Result<Format, OpenError> {
+    let probe_err = |source| OpenError::Probe {
+        path: path.display().to_string(),
+        source,
+    };
+    let mut magic = [0u8; 4];
+    let mut f = std::fs::File::open(path).map_err(probe_err)?;
+    let mut got = 0;
+    while got < magic.len() {
+        match f.read(&mut magic[got..]) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(probe_err(e)),
+        }
+    }
+    Ok(if got == 4 && magic == *b"QFI\xfb" {
+        Format::Qcow2
+    } else {
+        Format::Raw
+    })
+}
+
+/// An I/O error's text without Rust's " (os error N)" suffix, as C tools print it.
+pub fn plain_io(e: &std::io::Error) -> String {
+    let s = e.to_string();
+    match s.rfind(" (os error ") {
+        Some(i) => s[..i].to_string(),
+        None => s,
+    }
+}
+
+/// Opens `path` read-only with its backing chain; `format` `None` probes it.
+pub async fn open_read_only(
+    path: &Path,
+    format: Option<Format>,
+    snapshot: Option<String>,
+) -> Result<Image<AnyStorage>, OpenError> {
+    let format = match format {
+        Some(f) => f,
+        None => probe_format(path)?,
+    };
+    let opts = OpenOptions {
+        read_only: true,
+        format: Some(format),
+        snapshot,
+        ..OpenOptions::default()
+    };
+    Ok(Image::open(&OPENER, path, &opts).await?)
+}
+
+/// Turns a subcommand's result into the process exit status, printing the error the way
+/// every subcommand does.
+pub fn exit_code<E: Display>(result: Result<(), E>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("qcow2-nbd: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
