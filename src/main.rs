@@ -5,6 +5,7 @@ mod check;
 mod create;
 mod engine_run;
 mod info;
+mod map;
 mod options;
 
 use std::process::ExitCode;
@@ -28,6 +29,8 @@ enum Command {
     Check(check::CheckArgs),
     /// Create a new qcow2 or raw image, like `qemu-img create`.
     Create(create::CreateArgs),
+    /// Show which layer and file holds each guest byte, like `qemu-img map`.
+    Map(map::MapArgs),
 }
 
 fn main() -> ExitCode {
@@ -36,6 +39,7 @@ fn main() -> ExitCode {
         Command::Info(args) => info::run(args),
         Command::Check(args) => return check::main(args),
         Command::Create(args) => return create::main(args),
+        Command::Map(args) => return map::main(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
