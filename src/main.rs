@@ -2,11 +2,13 @@
 
 mod backing_chain;
 mod check;
+mod convert;
 mod create;
 mod engine_run;
 mod info;
 mod map;
 mod options;
+mod progress;
 
 use std::process::ExitCode;
 
@@ -31,6 +33,8 @@ enum Command {
     Create(create::CreateArgs),
     /// Show which layer and file holds each guest byte, like `qemu-img map`.
     Map(map::MapArgs),
+    /// Copy an image into a new raw or qcow2 image, like `qemu-img convert`.
+    Convert(convert::ConvertArgs),
 }
 
 fn main() -> ExitCode {
@@ -40,6 +44,7 @@ fn main() -> ExitCode {
         Command::Check(args) => return check::main(args),
         Command::Create(args) => return create::main(args),
         Command::Map(args) => return map::main(args),
+        Command::Convert(args) => return convert::main(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

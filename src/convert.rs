@@ -1,0 +1,422 @@
+//! `qcow2-nbd convert`: copy what a guest sees of an image (its whole backing chain, or an
+//! internal snapshot) into a new raw or qcow2 image, optionally compressed.
+//!
+//! Only data is copied: block status says which ranges are data, and of those, blocks that
+//! read as all zeros are skipped too (qemu-img's `-S 4k` behaviour), because a new raw file
+//! (sparse after truncation) and a new qcow2 image without a backing file both read as zeros
+//! where nothing was written. Data goes in large requests, several in flight, each aligned
+//! to the target's cluster so that zero detection and `-c` work on whole clusters.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::rc::Rc;
+
+use clap::Args;
+use qcow2::engine::{EngineError, Format, Image, OpenOptions, Preallocation};
+use storage::{AnyStorage, IoBuf};
+use tokio::task::JoinSet;
+
+use crate::create::{self, option_table, CreateError};
+use crate::engine_run::{self, OpenError, OPENER};
+use crate::options::{self, OptionsError, Parsed};
+use crate::progress::{self, Progress};
+
+/// How much of the source one block-status query covers.
+const QUERY_BYTES: u64 = 1 << 30;
+/// Largest copy request: big enough for sequential throughput, small enough that eight in
+/// flight stay cheap in memory.
+const REQUEST_BYTES: u64 = 2 << 20;
+/// Zero-detection unit for raw targets (qemu-img's default `-S 4k`).
+const RAW_GRAIN: u64 = 4096;
+
+/// Arguments of `convert`.
+#[derive(Args, Debug)]
+pub struct ConvertArgs {
+    /// Format of the source (qcow2 or raw); probed when not given.
+    #[arg(short = 'f', long = "source-format")]
+    pub source_format: Option<String>,
+    /// Format of the target: raw (the default, as in qemu-img) or qcow2.
+    #[arg(short = 'O', long = "target-format", default_value = "raw")]
+    pub target_format: String,
+    /// Target format options, as for `create` (`-o help` lists them); may be repeated.
+    #[arg(short = 'o', long = "target-options")]
+    pub options: Vec<String>,
+    /// Compress every cluster of the (qcow2) target.
+    #[arg(short = 'c', long = "compress")]
+    pub compress: bool,
+    /// Copy an internal snapshot: its id or name, or `snapshot.id=ID` / `snapshot.name=NAME`.
+    #[arg(short = 'l', long = "source-snapshot")]
+    pub snapshot: Option<String>,
+    /// Show progress even when stderr is not a terminal.
+    #[arg(short = 'p', long = "progress")]
+    pub progress: bool,
+    /// No progress output.
+    #[arg(short = 'q', long = "quiet")]
+    pub quiet: bool,
+    /// Copy requests in flight at once.
+    #[arg(short = 'm', long = "parallel", default_value_t = 8,
+          value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub parallel: u16,
+    /// The image to copy.
+    pub source: PathBuf,
+    /// The image to write (replaced if it exists).
+    pub target: PathBuf,
+}
+
+/// Why `convert` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConvertError {
+    /// A bad `-o` list or value.
+    #[error("{0}")]
+    Options(#[from] OptionsError),
+    /// `-c` with a raw target.
+    #[error("Compression not supported for this file format")]
+    CompressRaw,
+    /// An option that makes no sense for a full copy.
+    #[error("Parameter '{0}' is not supported by convert (the target is always a complete copy)")]
+    TargetOption(&'static str),
+    /// A `-l` parameter we cannot read.
+    #[error("Invalid snapshot parameter '{0}' (expected ID_OR_NAME, snapshot.id=ID or snapshot.name=NAME)")]
+    SnapshotParam(String),
+    /// Source and target are one file.
+    #[error("{0}: the source and the target are the same file")]
+    SameFile(String),
+    /// The source could not be opened.
+    #[error(transparent)]
+    Source(#[from] OpenError),
+    /// The target could not be created.
+    #[error(transparent)]
+    Create(Box<CreateError>),
+    /// Reading the source or writing the target failed.
+    #[error("error while converting: {0}")]
+    Copy(Box<EngineError>),
+    /// A copy task died (a bug: tasks return their errors).
+    #[error("internal error: a copy task failed: {0}")]
+    Task(String),
+    /// The runtime could not start.
+    #[error("starting the runtime: {0}")]
+    Runtime(#[from] std::io::Error),
+}
+
+impl From<CreateError> for ConvertError {
+    fn from(e: CreateError) -> ConvertError {
+        ConvertError::Create(Box::new(e))
+    }
+}
+
+impl From<EngineError> for ConvertError {
+    fn from(e: EngineError) -> ConvertError {
+        ConvertError::Copy(Box::new(e))
+    }
+}
+
+/// Reads `-l`: a plain id or name, `snapshot.id=ID` or `snapshot.name=NAME`.
+pub fn snapshot_param(s: &str) -> Result<String, ConvertError> {
+    let bad = || ConvertError::SnapshotParam(s.to_string());
+    if !s.starts_with("snapshot.") {
+        return Ok(s.to_string());
+    }
+    let pairs = options::split(s);
+    match pairs.as_slice() {
+        [(k, Some(v))] if (k == "snapshot.id" || k == "snapshot.name") && !v.is_empty() => {
+            Ok(v.clone())
+        }
+        _ => Err(bad()),
+    }
+}
+
+/// True when `data` is all zero bytes.
+pub fn is_zero(data: &[u8]) -> bool {
+    let (head, words, tail) = {
+        // SAFETY: u8 -> u64 reinterpretation: every bit pattern is a valid u64, and
+        // `align_to` only puts correctly aligned, in-bounds memory in the middle slice.
+        unsafe { data.align_to::<u64>() }
+    };
+    head.iter().all(|&b| b == 0) && words.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
+}
+
+/// Everything a copy task needs.
+struct Job {
+    src: Image<AnyStorage>,
+    dst: Image<AnyStorage>,
+    /// Zero-detection (and, with `compress`, compression) unit: a power of two.
+    grain: u64,
+    compress: bool,
+    progress: Rc<Progress<std::io::Stderr>>,
+}
+
+impl Job {
+    /// Copies `[off, off + len)`, skipping grains that read as zeros.
+    async fn copy(self: Rc<Self>, off: u64, len: u64) -> Result<(), EngineError> {
+        // len <= REQUEST_BYTES (or one grain), which fits in memory by construction.
+        let buf = self.src.read(off, len as usize).await?;
+        let grain = self.grain as usize;
+        if self.compress {
+            let dst_size = self.dst.size();
+            for (i, block) in buf.chunks(grain).enumerate() {
+                if is_zero(block) {
+                    continue;
+                }
+                let at = off + (i * grain) as u64;
+                // The target may be a little longer than the source (sizes round up to 512):
+                // a short last cluster is padded to the target's end.
+                let want = self.grain.min(dst_size - at) as usize;
+                let mut data = IoBuf::zeroed(want.max(block.len()));
+                data[..block.len()].copy_from_slice(block);
+                self.dst.write_compressed(at, data).await?;
+            }
+        } else {
+            let blocks: Vec<bool> = buf.chunks(grain).map(|b| !is_zero(b)).collect();
+            if blocks.iter().all(|&nz| nz) {
+                let (res, _) = self.dst.write(off, buf, false).await;
+                res?;
+            } else {
+                let mut i = 0;
+                while i < blocks.len() {
+                    if !blocks[i] {
+                        i += 1;
+                        continue;
+                    }
+                    let j = blocks[i..]
+                        .iter()
+                        .position(|&nz| !nz)
+                        .map_or(blocks.len(), |k| i + k);
+                    let (a, b) = (i * grain, (j * grain).min(buf.len()));
+                    let (res, _) = self
+                        .dst
+                        .write(off + a as u64, IoBuf::from_slice(&buf[a..b]), false)
+                        .await;
+                    res?;
+                    i = j;
+                }
+            }
+        }
+        self.progress.advance(len);
+        Ok(())
+    }
+}
+
+/// Waits for one task, turning a panic into an error.
+async fn reap(tasks: &mut JoinSet<Result<(), EngineError>>) -> Result<(), ConvertError> {
+    match tasks.join_next().await {
+        None => Ok(()),
+        Some(Ok(r)) => Ok(r?),
+        Some(Err(e)) => Err(ConvertError::Task(e.to_string())),
+    }
+}
+
+/// Copies every data range of the first `size` bytes of `job.src` into `job.dst`.
+async fn copy_all(job: Rc<Job>, size: u64, parallel: usize) -> Result<(), ConvertError> {
+    let grain = job.grain;
+    let request = REQUEST_BYTES.max(grain);
+    let mut tasks: JoinSet<Result<(), EngineError>> = JoinSet::new();
+    // Everything below `issued` is either skipped (counted at once) or in a request.
+    let mut issued = 0u64;
+    let mut pos = 0u64;
+    let result: Result<(), ConvertError> = async {
+        while pos < size {
+            let len = (QUERY_BYTES - pos % QUERY_BYTES).min(size - pos);
+            let extents = job.src.block_status(pos, len).await?;
+            pos += len;
+            // Grain-aligned data ranges, merged. Query ends are grain-aligned too, so no
+            // range reaches into the next query.
+            let mut ranges: Vec<(u64, u64)> = Vec::new();
+            for e in extents.iter().filter(|e| e.data) {
+                let s = e.start - e.start % grain;
+                let end = (e.start + e.len)
+                    .div_ceil(grain)
+                    .saturating_mul(grain)
+                    .min(size);
+                match ranges.last_mut() {
+                    Some((_, pe)) if s <= *pe => *pe = (*pe).max(end),
+                    _ => ranges.push((s, end)),
+                }
+            }
+            for (s, e) in ranges {
+                job.progress.advance(s.saturating_sub(issued));
+                issued = e;
+                let mut off = s;
+                while off < e {
+                    let n = (request - off % request).min(e - off);
+                    while tasks.len() >= parallel {
+                        reap(&mut tasks).await?;
+                    }
+                    tasks.spawn_local(job.clone().copy(off, n));
+                    off += n;
+                }
+            }
+        }
+        while !tasks.is_empty() {
+            reap(&mut tasks).await?;
+        }
+        job.progress.advance(size.saturating_sub(issued));
+        Ok(())
+    }
+    .await;
+    // On error, let the requests in flight finish before the images are dropped.
+    while !tasks.is_empty() {
+        let _ = tasks.join_next().await;
+    }
+    result
+}
+
+/// True when `a` and `b` are the same existing file.
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => false,
+    }
+}
+
+async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
+    let target_format = engine_run::parse_format(&args.target_format)?;
+    let (specs, unsupported) = option_table(target_format);
+    let list = options::join_lists(&args.options)?;
+    if list.as_deref().is_some_and(options::wants_help) {
+        print!("{}", options::help_text(specs));
+        return Ok(());
+    }
+    if args.compress && target_format == Format::Raw {
+        return Err(ConvertError::CompressRaw);
+    }
+    let parsed = match &list {
+        Some(l) => Parsed::parse(l, specs, unsupported)?,
+        None => Parsed::default(),
+    };
+    for name in ["backing_file", "backing_fmt", "size"] {
+        if parsed.has(name) {
+            let spec = specs
+                .iter()
+                .find(|s| s.name == name)
+                .map_or("size", |s| s.name);
+            return Err(ConvertError::TargetOption(spec));
+        }
+    }
+    let snapshot = args.snapshot.as_deref().map(snapshot_param).transpose()?;
+    let source_format = args
+        .source_format
+        .as_deref()
+        .map(engine_run::parse_format)
+        .transpose()?;
+    if same_file(&args.source, &args.target) {
+        return Err(ConvertError::SameFile(args.target.display().to_string()));
+    }
+    let src = engine_run::open_read_only(&args.source, source_format, snapshot.clone()).await?;
+    // qemu-img convert -l swaps in the snapshot's L1 table but keeps the active disk's size:
+    // the copy is that long, reading zeros past the snapshot's own end (or dropping what the
+    // snapshot has past the active end).
+    let size = match snapshot {
+        Some(_) => engine_run::open_read_only(&args.source, source_format, None)
+            .await?
+            .size(),
+        None => src.size(),
+    };
+    let copy_len = src.size().min(size);
+    let target = args.target.display().to_string();
+    let invalid = |detail: String| CreateError::Invalid {
+        image: target.clone(),
+        detail,
+    };
+
+    let grain = match target_format {
+        Format::Raw => {
+            let prealloc = match parsed.str("preallocation") {
+                None | Some("off") => Preallocation::Off,
+                Some("falloc") => Preallocation::Falloc,
+                Some("full") => Preallocation::Full,
+                Some(other) => {
+                    return Err(OptionsError::BadValue {
+                        name: "preallocation",
+                        value: other.into(),
+                    }
+                    .into())
+                }
+            };
+            create::create_raw(&args.target, size, prealloc)
+                .await
+                .map_err(|source| CreateError::Io {
+                    image: target.clone(),
+                    what: "creating the raw image",
+                    source,
+                })?;
+            RAW_GRAIN
+        }
+        Format::Qcow2 => {
+            let mut plan = create::qcow2_plan(&parsed, false).map_err(&invalid)?;
+            plan.opts.size = size;
+            create::check_qcow2_size(&plan.opts).map_err(&invalid)?;
+            create::create_qcow2(&args.target, &plan.opts)
+                .await
+                .map_err(|source| CreateError::Engine {
+                    image: target.clone(),
+                    source: Box::new(source),
+                })?;
+            plan.opts.cluster_size
+        }
+    };
+    let dst = Image::open(
+        &OPENER,
+        &args.target,
+        &OpenOptions {
+            format: Some(target_format),
+            no_backing: true,
+            ..OpenOptions::default()
+        },
+    )
+    .await
+    .map_err(|source| CreateError::Engine {
+        image: target.clone(),
+        source: Box::new(source),
+    })?;
+    let progress = Rc::new(Progress::stderr(
+        copy_len,
+        progress::wanted(args.progress, args.quiet),
+    ));
+    let job = Rc::new(Job {
+        src,
+        dst: dst.clone(),
+        grain,
+        compress: args.compress,
+        progress: progress.clone(),
+    });
+    copy_all(job, copy_len, usize::from(args.parallel)).await?;
+    dst.close().await?;
+    progress.finish();
+    Ok(())
+}
+
+/// Runs `convert` and returns the exit status.
+pub fn main(args: &ConvertArgs) -> ExitCode {
+    let res = engine_run::block_on(convert(args)).map_err(ConvertError::from);
+    engine_run::exit_code(res.and_then(|r| r))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_detection_at_every_alignment() {
+        let mut v = vec![0u8; 4096 + 7];
+        for start in 0..8 {
+            assert!(is_zero(&v[start..]));
+        }
+        for i in [0, 3, 8, 4095, 4102] {
+            v[i] = 1;
+            assert!(!is_zero(&v), "byte {i}");
+            v[i] = 0;
+        }
+        assert!(is_zero(&[]));
+    }
+
+    #[test]
+    fn snapshot_parameters() {
+        assert_eq!(snapshot_param("1").unwrap(), "1");
+        assert_eq!(snapshot_param("before upgrade").unwrap(), "before upgrade");
+        assert_eq!(snapshot_param("snapshot.id=3").unwrap(), "3");
+        assert_eq!(snapshot_param("snapshot.name=a,,b").unwrap(), "a,b");
+        assert!(snapshot_param("snapshot.id=1,snapshot.name=x").is_err());
+        assert!(snapshot_param("snapshot.size=1").is_err());
+        assert!(snapshot_param("snapshot.id=").is_err());
+    }
+}
