@@ -5,10 +5,12 @@ mod check;
 mod convert;
 mod create;
 mod engine_run;
+mod export;
 mod info;
 mod map;
 mod options;
 mod progress;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -35,6 +37,8 @@ enum Command {
     Map(map::MapArgs),
     /// Copy an image into a new raw or qcow2 image, like `qemu-img convert`.
     Convert(convert::ConvertArgs),
+    /// Export an image over NBD, like `qemu-nbd`.
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -45,6 +49,7 @@ fn main() -> ExitCode {
         Command::Create(args) => return create::main(args),
         Command::Map(args) => return map::main(args),
         Command::Convert(args) => return convert::main(args),
+        Command::Serve(args) => return serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,369 @@
+//! [`ImageExport`]: the [`nbd::Export`] the server drives, over a qcow2 (or raw) [`Image`].
+//!
+//! The NBD crate validates every request (range, flags, lengths) before it gets here, so this
+//! file is only policy: qemu-nbd's `--cache`, `--discard` and `--detect-zeroes` semantics,
+//! which features to advertise, and how engine errors become NBD errors.
+//!
+//! Data is never copied on the way through: WRITE payloads arrive in an [`IoBuf`] (4 KiB
+//! aligned, so O_DIRECT can use it as is) that goes straight to the engine, and READ data is
+//! sent from the buffer the engine filled.
+//!
+//! Reads look up block status first and answer ranges that read as zeroes with hole chunks
+//! instead of zero bytes. Measured with fio over a Unix socket on a 1 GiB image (2 shared
+//! cores, so only large differences count): sequential 1 MiB reads (qd 8) of a sparse image
+//! went from 530-1030 MiB/s to 3550-6240 MiB/s; on a fully allocated image 4 KiB random
+//! reads (qd 32) stayed at a median of ~29.5k IOPS either way and 1 MiB sequential reads at
+//! ~700 MiB/s, the extra lookup costing at most ~5% server CPU per request, within noise.
+
+use nbd::{BlockSize, Errno, Export, ExportFeatures, Extent, ReadChunk, WriteZeroesFlags};
+use qcow2::engine::{libc_errno, EngineError, Image};
+use storage::{AnyStorage, IoBuf};
+
+/// Largest block size we advertise as preferred: a write of this many bytes never needs a
+/// copy-on-write of the rest of its (sub)cluster, and it stays far below the 32 MiB payload.
+const MAX_PREFERRED: u32 = 2 << 20;
+
+/// `qemu:allocation-depth`/`base:allocation` answers cover at most this many (sub)clusters,
+/// which bounds the memory one BLOCK_STATUS request can make the engine use (the protocol
+/// lets the server describe less than was asked).
+const BLOCK_STATUS_UNITS: u64 = 1 << 16;
+
+/// NBD_CMD_CACHE prefetches at most this many bytes per request (the command is advisory);
+/// a request for a whole multi-terabyte disk must not tie up the server for hours.
+const CACHE_PREFETCH_MAX: u64 = 64 << 20;
+
+/// Buffer size used while prefetching.
+const CACHE_CHUNK: usize = 1 << 20;
+
+/// What `--discard` does with TRIM (and with the unmap permission of WRITE_ZEROES).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DiscardMode {
+    /// qemu-nbd's default: TRIM succeeds without effect and zeroing never deallocates.
+    #[default]
+    Ignore,
+    /// TRIM frees clusters (and punches holes in the file); zeroing may deallocate.
+    Unmap,
+}
+
+/// What `--detect-zeroes` does with WRITEs whose payload is all zero bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DetectZeroes {
+    /// Write them as data.
+    #[default]
+    Off,
+    /// Turn them into zeroing (zero flags instead of data clusters).
+    On,
+    /// Turn them into zeroing that may deallocate (requires [`DiscardMode::Unmap`]).
+    Unmap,
+}
+
+/// How the export treats requests and what it advertises (from the `serve` flags).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ExportPolicy {
+    /// Every write is force-unit-access (`--cache=writethrough|directsync`).
+    pub writethrough: bool,
+    /// FLUSH and FUA do nothing (`--cache=unsafe`).
+    pub ignore_flush: bool,
+    /// Files are opened with O_DIRECT (`--cache=none|directsync`): prefetching data is useless.
+    pub direct: bool,
+    /// `--discard`.
+    pub discard: DiscardMode,
+    /// `--detect-zeroes`.
+    pub detect_zeroes: DetectZeroes,
+    /// Several clients may connect at once (`-e` other than 1), so advertise multi-conn:
+    /// every connection shares one image and one cache, so a FLUSH covers them all.
+    pub multi_conn: bool,
+    /// Offer the `qemu:allocation-depth` context (`-A`).
+    pub allocation_depth: bool,
+}
+
+/// A request or reply payload: the engine's aligned [`IoBuf`], moved (never copied) between
+/// the socket and the engine. A newtype only because `IoBuf` lacks the `AsRef`/`AsMut`
+/// impls the NBD crate asks of a buffer.
+#[derive(Debug)]
+pub struct Payload(pub IoBuf);
+
+impl AsRef<[u8]> for Payload {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl AsMut<[u8]> for Payload {
+    fn as_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+}
+
+/// An image served over NBD.
+pub struct ImageExport {
+    image: Image<AnyStorage>,
+    policy: ExportPolicy,
+    features: ExportFeatures,
+    /// Block-status answers are capped at this many bytes.
+    status_limit: u64,
+}
+
+impl ImageExport {
+    /// Wraps an open image; the advertised features follow qemu-nbd's for the same flags.
+    pub fn new(image: Image<AnyStorage>, policy: ExportPolicy) -> Self {
+        let facts = image.facts();
+        let writable = !image.is_read_only();
+        // A client that writes whole subclusters never makes us copy-on-write a backing
+        // file's data, so that is the efficient size; raw images and small subclusters get
+        // the page size.
+        let preferred = u32::try_from(facts.subcluster_size)
+            .unwrap_or(MAX_PREFERRED)
+            .clamp(4096, MAX_PREFERRED);
+        let features = ExportFeatures {
+            read_only: !writable,
+            flush: true,
+            fua: writable,
+            trim: writable,
+            write_zeroes: writable,
+            fast_zero: writable,
+            cache: true,
+            // Read-only exports are trivially consistent across connections (qemu-nbd too).
+            multi_conn: policy.multi_conn || !writable,
+            rotational: false,
+            block_size: BlockSize {
+                minimum: 1,
+                preferred,
+                maximum: nbd::wire::MAX_PAYLOAD,
+            },
+            allocation_depth: policy.allocation_depth,
+        };
+        let status_limit = facts
+            .subcluster_size
+            .max(512)
+            .saturating_mul(BLOCK_STATUS_UNITS);
+        Self {
+            image,
+            policy,
+            features,
+            status_limit,
+        }
+    }
+
+    /// Persists after a request that asked for FUA (or under writethrough).
+    async fn after_write(&self, fua: bool) -> Result<(), Errno> {
+        if (fua || self.policy.writethrough) && !self.policy.ignore_flush {
+            self.image.flush().await.map_err(|e| errno("flush", &e))?;
+        }
+        Ok(())
+    }
+
+    /// Block status of `[offset, offset + len)`, merged into NBD's coarser view.
+    async fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>, EngineError> {
+        let mut out: Vec<Extent> = Vec::new();
+        for e in self.image.block_status(offset, len).await? {
+            let next = Extent {
+                len: e.len,
+                hole: !e.data,
+                zero: e.zero,
+                depth: e.allocation_depth(),
+            };
+            match out.last_mut() {
+                Some(last)
+                    if (last.hole, last.zero, last.depth) == (next.hole, next.zero, next.depth) =>
+                {
+                    last.len = last.len.saturating_add(next.len);
+                }
+                _ => out.push(next),
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The NBD error for an engine error. Failures the client did not cause are logged: they
+/// mean a damaged image or a failing disk, which the operator must hear about.
+fn errno(op: &'static str, e: &EngineError) -> Errno {
+    let errno = match e.errno() {
+        libc_errno::EPERM => Errno::Perm,
+        libc_errno::EINVAL => Errno::Inval,
+        libc_errno::ENOSPC | libc_errno::EDQUOT => Errno::NoSpc,
+        libc_errno::ENOTSUP => Errno::NotSup,
+        _ => Errno::Io,
+    };
+    match e {
+        EngineError::ZeroNotFast { .. } => tracing::trace!(op, error = %e, "request refused"),
+        _ if errno == Errno::Io || errno == Errno::NoSpc => {
+            tracing::warn!(op, error = %e, "request failed")
+        }
+        _ => tracing::debug!(op, error = %e, "request refused"),
+    }
+    errno
+}
+
+/// True if every byte is zero. OR-folding fixed-size blocks lets the compiler vectorize
+/// the check (this runs on every write under `--detect-zeroes`).
+fn is_zero(buf: &[u8]) -> bool {
+    let mut blocks = buf.chunks_exact(64);
+    let blocks_zero = blocks
+        .by_ref()
+        .all(|b| b.iter().fold(0u8, |acc, &x| acc | x) == 0);
+    blocks_zero && blocks.remainder().iter().all(|&x| x == 0)
+}
+
+impl Export for ImageExport {
+    type Buf = Payload;
+
+    fn alloc(&self, len: usize) -> Payload {
+        Payload(IoBuf::zeroed(len))
+    }
+
+    fn size(&self) -> u64 {
+        self.image.size()
+    }
+
+    fn features(&self) -> ExportFeatures {
+        self.features
+    }
+
+    async fn read(&self, offset: u64, len: usize) -> Result<Vec<ReadChunk<Payload>>, Errno> {
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let len64 = u64::try_from(len).map_err(|_| Errno::Inval)?;
+        let runs = self
+            .image
+            .block_status(offset, len64)
+            .await
+            .map_err(|e| errno("read", &e))?;
+        let mut chunks = Vec::new();
+        let mut at = offset;
+        let mut i = 0;
+        while i < runs.len() {
+            // One read per run of data, whatever layers it comes from: the engine merges
+            // what is contiguous on disk, as it would for a plain read.
+            let zero = runs[i].zero;
+            let mut n = 0u64;
+            while let Some(r) = runs.get(i).filter(|r| r.zero == zero) {
+                n = n.saturating_add(r.len);
+                i += 1;
+            }
+            let n_usize = usize::try_from(n).map_err(|_| Errno::Inval)?;
+            if zero {
+                chunks.push(ReadChunk::Hole(n_usize));
+            } else {
+                let buf = self
+                    .image
+                    .read(at, n_usize)
+                    .await
+                    .map_err(|e| errno("read", &e))?;
+                chunks.push(ReadChunk::Data(Payload(buf)));
+            }
+            at = at.saturating_add(n);
+        }
+        if at != offset.saturating_add(len64) {
+            tracing::error!(
+                offset,
+                len,
+                covered = at - offset,
+                "block status did not cover the read"
+            );
+            return Err(Errno::Io);
+        }
+        Ok(chunks)
+    }
+
+    async fn write(&self, offset: u64, Payload(data): Payload, fua: bool) -> Result<(), Errno> {
+        let fua = fua && !self.policy.ignore_flush;
+        if self.policy.detect_zeroes != DetectZeroes::Off && is_zero(&data) {
+            let len = u64::try_from(data.len()).map_err(|_| Errno::Inval)?;
+            let unmap = self.policy.detect_zeroes == DetectZeroes::Unmap
+                && self.policy.discard == DiscardMode::Unmap;
+            self.image
+                .write_zeroes(offset, len, unmap, false)
+                .await
+                .map_err(|e| errno("write (detected zeroes)", &e))?;
+            return self.after_write(fua).await;
+        }
+        let writethrough = self.policy.writethrough && !self.policy.ignore_flush;
+        let (res, _buf) = self.image.write(offset, data, fua || writethrough).await;
+        res.map_err(|e| errno("write", &e))
+    }
+
+    async fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        flags: WriteZeroesFlags,
+    ) -> Result<(), Errno> {
+        let may_unmap = flags.may_unmap && self.policy.discard == DiscardMode::Unmap;
+        self.image
+            .write_zeroes(offset, len, may_unmap, flags.fast)
+            .await
+            .map_err(|e| errno("write zeroes", &e))?;
+        self.after_write(flags.fua).await
+    }
+
+    async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
+        if self.policy.discard == DiscardMode::Unmap {
+            self.image
+                .discard(offset, len)
+                .await
+                .map_err(|e| errno("trim", &e))?;
+        }
+        self.after_write(fua).await
+    }
+
+    async fn flush(&self) -> Result<(), Errno> {
+        if self.policy.ignore_flush {
+            return Ok(());
+        }
+        self.image.flush().await.map_err(|e| errno("flush", &e))
+    }
+
+    async fn cache(&self, offset: u64, len: u64) -> Result<(), Errno> {
+        let len = len.min(CACHE_PREFETCH_MAX);
+        if self.policy.direct {
+            // O_DIRECT bypasses the page cache: only the metadata lookup can be warmed.
+            self.image
+                .block_status(offset, len)
+                .await
+                .map_err(|e| errno("cache", &e))?;
+            return Ok(());
+        }
+        // Reading loads the L2 slices and brings the data into the page cache.
+        let mut buf = IoBuf::zeroed(0);
+        let end = offset.saturating_add(len);
+        let mut at = offset;
+        while at < end {
+            let n = usize::try_from(end - at).map_or(CACHE_CHUNK, |n| n.min(CACHE_CHUNK));
+            buf.resize(n);
+            let (res, back) = self.image.read_into(at, buf).await;
+            buf = back;
+            res.map_err(|e| errno("cache", &e))?;
+            at += n as u64;
+        }
+        Ok(())
+    }
+
+    async fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>, Errno> {
+        let len = len.min(self.status_limit);
+        self.extents(offset, len)
+            .await
+            .map_err(|e| errno("block status", &e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_detection_looks_at_every_byte_whatever_the_alignment() {
+        let mut buf = vec![0u8; 4096 + 3];
+        assert!(is_zero(&buf));
+        assert!(is_zero(&buf[1..]));
+        assert!(is_zero(&[]));
+        for i in [0, 1, 7, 8, 2048, 4095, 4098] {
+            buf[i] = 1;
+            assert!(!is_zero(&buf), "byte {i}");
+            assert!(!is_zero(&buf[i.min(1)..]), "byte {i}, unaligned start");
+            buf[i] = 0;
+        }
+    }
+}

@@ -1,0 +1,280 @@
+//! `qcow2-nbd serve IMAGE`: export an image over NBD with qemu-nbd's options.
+//!
+//! The sequence: parse and check the flags, take any socket-activation sockets, `--fork` (while
+//! the process still has one thread), then on a current-thread runtime: install the signal
+//! handlers, open the image (or a `-s` overlay over it), bind the listeners, write the pid
+//! file and release a `--fork` parent, and serve until the last client leaves (without `-t`)
+//! or SIGINT/SIGTERM. Shutting down lets requests in flight finish, writes the caches back
+//! and closes the image cleanly (lazy-refcount dirty bit cleared), then exits 0.
+//!
+//! Files: `args` (the command line), `listen` (sockets), `daemon` (`--fork`, `--pid-file`),
+//! `overlay` (`-s`), `cleaner` (`--cache-clean-interval`), `signals`; the NBD export over the
+//! engine is `crate::export`.
+
+mod args;
+mod cleaner;
+mod daemon;
+mod listen;
+mod overlay;
+mod signals;
+
+use std::io::IsTerminal;
+use std::num::NonZeroUsize;
+use std::process::ExitCode;
+use std::rc::Rc;
+use std::time::Duration;
+
+use nbd::{ExportEntry, Server, ServerConfig};
+use qcow2::engine::{EngineError, Format, Image, OpenOptions};
+use storage::{AnyStorage, FileOpener};
+
+pub use args::ServeArgs;
+
+use crate::export::{DetectZeroes, DiscardMode, ExportPolicy, ImageExport};
+
+/// Why `serve` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// A flag combination qemu-nbd refuses too.
+    #[error("--detect-zeroes=unmap requires --discard=unmap")]
+    DetectZeroesUnmap,
+    /// `-l` is malformed.
+    #[error(transparent)]
+    SnapshotParam(#[from] args::SnapshotParamError),
+    /// The socket-activation environment is unusable.
+    #[error(transparent)]
+    Activation(#[from] nbd::systemd::SystemdError),
+    /// `--fork` failed.
+    #[error("--fork: {0}")]
+    Fork(std::io::Error),
+    /// The async runtime or the signal handlers could not be set up.
+    #[error("cannot start the server runtime: {0}")]
+    Runtime(std::io::Error),
+    /// The image could not be opened.
+    #[error(transparent)]
+    Open(EngineError),
+    /// The `-s` overlay could not be created.
+    #[error(transparent)]
+    Overlay(#[from] overlay::OverlayError),
+    /// No socket to listen on.
+    #[error(transparent)]
+    Listen(#[from] listen::ListenError),
+    /// The pid file could not be written.
+    #[error("cannot write the pid file {path}: {source}")]
+    PidFile {
+        /// Path given.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The server failed (invalid export, or the final flush).
+    #[error(transparent)]
+    Server(#[from] nbd::ServerError),
+    /// Closing the image failed: writes may not have reached the disk.
+    #[error("closing the image failed: {0}")]
+    Close(EngineError),
+}
+
+/// Runs `serve` and reports any failure on stderr.
+pub fn run(args: &ServeArgs) -> ExitCode {
+    match serve(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "serve failed");
+            eprintln!("qcow2-nbd: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Everything the flags decide, checked.
+struct Plan {
+    opener: FileOpener,
+    open: OpenOptions,
+    policy: ExportPolicy,
+    config: ServerConfig,
+    endpoint: listen::Endpoint,
+    /// An address was given on the command line.
+    explicit_endpoint: bool,
+}
+
+impl Plan {
+    fn new(args: &ServeArgs) -> Result<Plan, ServeError> {
+        let cache_mode = if args.nocache {
+            args::CacheMode::None
+        } else {
+            args.cache
+        };
+        let discard = DiscardMode::from(args.discard);
+        let detect_zeroes = DetectZeroes::from(args.detect_zeroes);
+        if detect_zeroes == DetectZeroes::Unmap && discard != DiscardMode::Unmap {
+            return Err(ServeError::DetectZeroesUnmap);
+        }
+        let snapshot = args
+            .load_snapshot
+            .as_deref()
+            .map(args::snapshot_param)
+            .transpose()?;
+        let direct = cache_mode.direct();
+        let open = OpenOptions {
+            // An internal snapshot is exported read-only, as qemu-nbd does.
+            read_only: args.read_only || snapshot.is_some(),
+            format: args.format.map(Format::from),
+            cache: cache::CacheOptions {
+                l2_cache_size: args.l2_cache_size,
+                l2_cache_entry_size: args.l2_cache_entry_size,
+                refcount_cache_size: args.refcount_cache_size,
+                cache_size: args.cache_size,
+                cache_clean_interval: args.cache_clean_interval,
+            },
+            no_backing: false,
+            snapshot,
+            direct,
+            discard_passthrough: discard == DiscardMode::Unmap,
+        };
+        let policy = ExportPolicy {
+            writethrough: cache_mode.writethrough(),
+            ignore_flush: cache_mode.ignore_flush(),
+            direct,
+            discard,
+            detect_zeroes,
+            multi_conn: args.shared != 1,
+            allocation_depth: args.allocation_depth,
+        };
+        let config = ServerConfig {
+            persistent: args.persistent,
+            max_connections: NonZeroUsize::new(args.shared),
+            handshake_timeout: (args.handshake_limit > 0)
+                .then(|| Duration::from_secs(args.handshake_limit)),
+        };
+        Ok(Plan {
+            opener: FileOpener {
+                aio: args.aio.into(),
+                direct,
+            },
+            open,
+            policy,
+            config,
+            endpoint: listen::Endpoint::from_flags(
+                args.socket.clone(),
+                args.bind.clone(),
+                args.port,
+            ),
+            explicit_endpoint: args.socket.is_some() || args.bind.is_some() || args.port.is_some(),
+        })
+    }
+}
+
+/// Logs go to stderr: warnings and errors only unless `-v` or `RUST_LOG` asks for more.
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .try_init();
+}
+
+fn serve(args: &ServeArgs) -> Result<(), ServeError> {
+    init_logging(args.verbose);
+    let plan = Plan::new(args)?;
+    // Before forking: LISTEN_PID names this process, not the child.
+    let activated = nbd::systemd::listen_fds()?;
+    let readiness = if args.fork {
+        Some(daemon::fork_and_wait().map_err(ServeError::Fork)?)
+    } else {
+        None
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(ServeError::Runtime)?;
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&runtime, serve_on_runtime(args, plan, activated, readiness))
+}
+
+async fn serve_on_runtime(
+    args: &ServeArgs,
+    plan: Plan,
+    activated: Vec<nbd::systemd::ActivatedSocket>,
+    readiness: Option<daemon::Readiness>,
+) -> Result<(), ServeError> {
+    let signals = signals::ShutdownSignals::install().map_err(ServeError::Runtime)?;
+    let overlay = if args.snapshot {
+        let o = overlay::create(&plan.opener, &args.image, plan.open.format, &plan.open).await?;
+        tracing::info!(overlay = %o.path().display(), "writes go to a temporary overlay");
+        Some(o)
+    } else {
+        None
+    };
+    let (path, open) = match &overlay {
+        Some(o) => (
+            o.path(),
+            OpenOptions {
+                format: Some(Format::Qcow2),
+                ..plan.open.clone()
+            },
+        ),
+        None => (args.image.clone(), plan.open.clone()),
+    };
+    let image: Image<AnyStorage> = Image::open(&plan.opener, &path, &open)
+        .await
+        .map_err(ServeError::Open)?;
+    let facts = image.facts();
+    tracing::info!(
+        image = %args.image.display(),
+        size = facts.size,
+        cluster_size = facts.cluster_size,
+        layers = facts.chain.len(),
+        read_only = facts.read_only,
+        cache = ?image.cache_sizes(),
+        "image open"
+    );
+    let export = Rc::new(ImageExport::new(image.clone(), plan.policy));
+    let entry = ExportEntry::new(args.export_name.clone(), export)
+        .with_description(args.description.clone());
+    let server = Server::new(vec![entry], plan.config)?;
+    let listeners = listen::bind(activated, plan.explicit_endpoint, &plan.endpoint).await?;
+    for (_, name) in &listeners {
+        tracing::info!(on = %name, export = %args.export_name, "listening");
+    }
+    let pid_file = args
+        .pid_file
+        .as_deref()
+        .map(|p| {
+            daemon::PidFile::write(p).map_err(|source| ServeError::PidFile {
+                path: p.display().to_string(),
+                source,
+            })
+        })
+        .transpose()?;
+    if let Some(r) = readiness {
+        r.notify(args.verbose > 0).map_err(ServeError::Fork)?;
+    }
+    let cleaner = cleaner::Cleaner::start(image.clone(), image.cache_sizes().clean_interval_secs);
+    let served = server
+        .serve(
+            listeners.into_iter().map(|(l, _)| l).collect(),
+            signals.received(),
+        )
+        .await;
+    if let Some(c) = cleaner {
+        c.stop().await;
+    }
+    let closed = image.close().await;
+    match &served {
+        Ok(report) => tracing::info!(?report, "server stopped"),
+        Err(e) => tracing::error!(error = %e, "server failed"),
+    }
+    drop(pid_file);
+    drop(overlay);
+    served?;
+    closed.map_err(ServeError::Close)
+}

@@ -1,0 +1,409 @@
+//! The `serve` command line: qemu-nbd's option names and defaults, and the checks that turn
+//! it into settings (combinations qemu-nbd refuses are refused here too).
+
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+use qcow2::engine::Format;
+
+use crate::export::{DetectZeroes, DiscardMode};
+
+/// Export an image over NBD, like `qemu-nbd`.
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Image to export (qcow2, or raw with `-f raw`).
+    pub image: PathBuf,
+
+    /// Listen on this Unix socket instead of TCP.
+    #[arg(short = 'k', long = "socket", value_name = "PATH", conflicts_with_all = ["port", "bind"])]
+    pub socket: Option<PathBuf>,
+
+    /// TCP port to listen on [default: 10809].
+    #[arg(short = 'p', long, value_name = "PORT")]
+    pub port: Option<u16>,
+
+    /// Address or host name to listen on [default: 0.0.0.0].
+    #[arg(short = 'b', long, value_name = "IFACE")]
+    pub bind: Option<String>,
+
+    /// Name of the export (the empty name also reaches it).
+    #[arg(
+        short = 'x',
+        long = "export-name",
+        value_name = "NAME",
+        default_value = ""
+    )]
+    pub export_name: String,
+
+    /// Human-readable description sent to clients that ask.
+    #[arg(short = 'D', long, value_name = "TEXT", default_value = "")]
+    pub description: String,
+
+    /// Export read-only.
+    #[arg(short = 'r', long = "read-only")]
+    pub read_only: bool,
+
+    /// Keep serving after the last client disconnects.
+    #[arg(short = 't', long)]
+    pub persistent: bool,
+
+    /// Serve up to NUM clients at once, 0 for unlimited (NUM > 1 advertises multi-conn).
+    #[arg(short = 'e', long = "shared", value_name = "NUM", default_value_t = 1)]
+    pub shared: usize,
+
+    /// Send writes to a temporary qcow2 overlay (backed by IMAGE) that is deleted on exit.
+    #[arg(short = 's', long, conflicts_with_all = ["read_only", "load_snapshot"])]
+    pub snapshot: bool,
+
+    /// Export an internal snapshot read-only: ID_OR_NAME, or snapshot.id=ID / snapshot.name=NAME.
+    #[arg(short = 'l', long = "load-snapshot", value_name = "SNAPSHOT")]
+    pub load_snapshot: Option<String>,
+
+    /// Image format; without it only qcow2 is accepted (a raw file must be named as such).
+    #[arg(short = 'f', long, value_enum, value_name = "FORMAT")]
+    pub format: Option<FormatArg>,
+
+    /// Host cache mode, as QEMU's `-drive cache=`.
+    #[arg(long, value_enum, value_name = "MODE", default_value = "writeback")]
+    pub cache: CacheMode,
+
+    /// Same as --cache=none.
+    #[arg(short = 'n', long = "nocache", conflicts_with = "cache")]
+    pub nocache: bool,
+
+    /// File I/O backend (`native` is accepted as io_uring).
+    #[arg(long, value_enum, value_name = "MODE", default_value = "io_uring")]
+    pub aio: AioArg,
+
+    /// What TRIM does: `ignore` (off) or `unmap` (on: free clusters, punch holes).
+    #[arg(long, value_enum, value_name = "MODE", default_value = "ignore")]
+    pub discard: DiscardArg,
+
+    /// Turn all-zero writes into zeroing: `off`, `on`, or `unmap` (needs --discard=unmap).
+    #[arg(
+        long = "detect-zeroes",
+        value_enum,
+        value_name = "MODE",
+        default_value = "off"
+    )]
+    pub detect_zeroes: DetectZeroesArg,
+
+    /// Offer the qemu:allocation-depth metadata context.
+    #[arg(short = 'A', long = "allocation-depth")]
+    pub allocation_depth: bool,
+
+    /// Write the server's process id here once it is listening.
+    #[arg(long = "pid-file", value_name = "PATH")]
+    pub pid_file: Option<PathBuf>,
+
+    /// Run in the background; the command returns once the server is listening.
+    #[arg(long)]
+    pub fork: bool,
+
+    /// Seconds a client has to finish the handshake, 0 for no limit.
+    #[arg(long = "handshake-limit", value_name = "N", default_value_t = 10)]
+    pub handshake_limit: u64,
+
+    /// Maximum size of the L2 table cache (e.g. 8M).
+    #[arg(long = "l2-cache-size", value_name = "SIZE", value_parser = parse_size)]
+    pub l2_cache_size: Option<u64>,
+
+    /// Size of one L2 cache entry, a slice of an L2 table (e.g. 4K).
+    #[arg(long = "l2-cache-entry-size", value_name = "SIZE", value_parser = parse_size)]
+    pub l2_cache_entry_size: Option<u64>,
+
+    /// Maximum size of the refcount block cache.
+    #[arg(long = "refcount-cache-size", value_name = "SIZE", value_parser = parse_size)]
+    pub refcount_cache_size: Option<u64>,
+
+    /// Maximum size of both metadata caches together.
+    #[arg(long = "cache-size", value_name = "SIZE", value_parser = parse_size)]
+    pub cache_size: Option<u64>,
+
+    /// Seconds between drops of cache entries left unused, 0 to never drop them.
+    #[arg(long = "cache-clean-interval", value_name = "SECONDS")]
+    pub cache_clean_interval: Option<u64>,
+
+    /// Log more (-v: connections, -vv: debugging); RUST_LOG overrides.
+    #[arg(short = 'v', long, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    cache::parse_size(s).map_err(|e| e.to_string())
+}
+
+/// `-f`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FormatArg {
+    /// qcow2 (versions 2 and 3).
+    Qcow2,
+    /// A raw disk image.
+    Raw,
+}
+
+impl From<FormatArg> for Format {
+    fn from(f: FormatArg) -> Format {
+        match f {
+            FormatArg::Qcow2 => Format::Qcow2,
+            FormatArg::Raw => Format::Raw,
+        }
+    }
+}
+
+/// `--cache`: QEMU's modes, each a combination of O_DIRECT, writethrough and ignored flushes.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheMode {
+    /// O_DIRECT, flushes honoured.
+    None,
+    /// Page cache, flushes honoured.
+    Writeback,
+    /// Page cache, every write persisted before it completes.
+    Writethrough,
+    /// O_DIRECT, every write persisted before it completes.
+    Directsync,
+    /// Page cache, flushes ignored (fast, loses data on a host crash).
+    Unsafe,
+}
+
+impl CacheMode {
+    /// Files are opened with O_DIRECT.
+    pub fn direct(self) -> bool {
+        matches!(self, Self::None | Self::Directsync)
+    }
+
+    /// Every write completes only once durable.
+    pub fn writethrough(self) -> bool {
+        matches!(self, Self::Writethrough | Self::Directsync)
+    }
+
+    /// FLUSH and FUA are no-ops.
+    pub fn ignore_flush(self) -> bool {
+        self == Self::Unsafe
+    }
+}
+
+/// `--aio`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AioArg {
+    /// io_uring (falls back to threads where the kernel refuses it).
+    #[value(name = "io_uring", alias = "native")]
+    IoUring,
+    /// Blocking calls on a thread pool.
+    Threads,
+}
+
+impl From<AioArg> for storage::Aio {
+    fn from(a: AioArg) -> storage::Aio {
+        match a {
+            AioArg::IoUring => storage::Aio::IoUring,
+            AioArg::Threads => storage::Aio::Threads,
+        }
+    }
+}
+
+/// `--discard`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DiscardArg {
+    /// TRIM does nothing.
+    #[value(alias = "off")]
+    Ignore,
+    /// TRIM frees clusters.
+    #[value(alias = "on")]
+    Unmap,
+}
+
+impl From<DiscardArg> for DiscardMode {
+    fn from(d: DiscardArg) -> DiscardMode {
+        match d {
+            DiscardArg::Ignore => DiscardMode::Ignore,
+            DiscardArg::Unmap => DiscardMode::Unmap,
+        }
+    }
+}
+
+/// `--detect-zeroes`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DetectZeroesArg {
+    /// Zero writes are written as data.
+    Off,
+    /// Zero writes become zeroing.
+    On,
+    /// Zero writes become zeroing that may free clusters.
+    Unmap,
+}
+
+impl From<DetectZeroesArg> for DetectZeroes {
+    fn from(d: DetectZeroesArg) -> DetectZeroes {
+        match d {
+            DetectZeroesArg::Off => DetectZeroes::Off,
+            DetectZeroesArg::On => DetectZeroes::On,
+            DetectZeroesArg::Unmap => DetectZeroes::Unmap,
+        }
+    }
+}
+
+/// Why a `-l` argument is not understood.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "invalid -l/--load-snapshot {0:?}: expected ID_OR_NAME, snapshot.id=ID or snapshot.name=NAME"
+)]
+pub struct SnapshotParamError(pub String);
+
+/// The internal snapshot `-l` selects, as an id or name for the engine. Like qemu-nbd it
+/// accepts `snapshot.id=ID`, `snapshot.name=NAME` (or both, comma-separated: the id is
+/// then used) and a bare id-or-name.
+pub fn snapshot_param(arg: &str) -> Result<String, SnapshotParamError> {
+    if !arg.starts_with("snapshot.") {
+        if arg.is_empty() {
+            return Err(SnapshotParamError(arg.to_owned()));
+        }
+        return Ok(arg.to_owned());
+    }
+    let (mut id, mut name) = (None, None);
+    for part in arg.split(',') {
+        match part.split_once('=') {
+            Some(("snapshot.id", v)) if !v.is_empty() => id = Some(v),
+            Some(("snapshot.name", v)) if !v.is_empty() => name = Some(v),
+            _ => return Err(SnapshotParamError(arg.to_owned())),
+        }
+    }
+    id.or(name)
+        .map(str::to_owned)
+        .ok_or_else(|| SnapshotParamError(arg.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<ServeArgs, clap::Error> {
+        Cli::try_parse_from(std::iter::once("serve").chain(args.iter().copied())).map(|c| c.serve)
+    }
+
+    #[test]
+    fn defaults_are_qemu_nbds() {
+        let a = parse(&["disk.qcow2"]).unwrap();
+        assert_eq!(a.image, PathBuf::from("disk.qcow2"));
+        assert_eq!((a.port, a.bind.as_deref(), a.socket), (None, None, None));
+        assert_eq!(
+            (a.export_name.as_str(), a.shared, a.persistent),
+            ("", 1, false)
+        );
+        assert_eq!(a.cache, CacheMode::Writeback);
+        assert_eq!(a.discard, DiscardArg::Ignore);
+        assert_eq!(a.detect_zeroes, DetectZeroesArg::Off);
+        assert_eq!(a.handshake_limit, 10);
+        assert!(!a.allocation_depth && !a.read_only && !a.snapshot && !a.fork);
+    }
+
+    #[test]
+    fn short_and_long_names_and_size_suffixes() {
+        let a = parse(&[
+            "-k",
+            "/tmp/s",
+            "-x",
+            "disk",
+            "-D",
+            "a disk",
+            "-r",
+            "-t",
+            "-e",
+            "0",
+            "-f",
+            "raw",
+            "--cache=directsync",
+            "--aio=native",
+            "--discard=on",
+            "--detect-zeroes=unmap",
+            "-A",
+            "--l2-cache-size",
+            "8M",
+            "--l2-cache-entry-size=4K",
+            "--refcount-cache-size",
+            "1.5M",
+            "--cache-size=16M",
+            "--cache-clean-interval=30",
+            "-vv",
+            "img",
+        ])
+        .unwrap();
+        assert_eq!(a.socket, Some(PathBuf::from("/tmp/s")));
+        assert_eq!(
+            (a.export_name.as_str(), a.description.as_str()),
+            ("disk", "a disk")
+        );
+        assert!(a.read_only && a.persistent && a.allocation_depth);
+        assert_eq!(a.shared, 0);
+        assert_eq!(a.format, Some(FormatArg::Raw));
+        assert!(a.cache.direct() && a.cache.writethrough() && !a.cache.ignore_flush());
+        assert_eq!(a.aio, AioArg::IoUring);
+        assert_eq!(a.discard, DiscardArg::Unmap);
+        assert_eq!(a.detect_zeroes, DetectZeroesArg::Unmap);
+        assert_eq!(a.l2_cache_size, Some(8 << 20));
+        assert_eq!(a.l2_cache_entry_size, Some(4096));
+        assert_eq!(a.refcount_cache_size, Some(1572864));
+        assert_eq!(a.cache_size, Some(16 << 20));
+        assert_eq!(a.cache_clean_interval, Some(30));
+        assert_eq!(a.verbose, 2);
+    }
+
+    #[test]
+    fn contradictory_or_malformed_flags_are_refused() {
+        for bad in [
+            &["-k", "/tmp/s", "-p", "10809", "img"][..],
+            &["-k", "/tmp/s", "-b", "::1", "img"],
+            &["-s", "-r", "img"],
+            &["-s", "-l", "snap", "img"],
+            &["-n", "--cache=writeback", "img"],
+            &["--l2-cache-size=8MB", "img"],
+            &["--cache=bogus", "img"],
+            &["-f", "vmdk", "img"],
+            &["-e", "-1", "img"],
+            &[],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn cache_modes_combine_like_qemus() {
+        use CacheMode::*;
+        let table = [
+            (None, true, false, false),
+            (Writeback, false, false, false),
+            (Writethrough, false, true, false),
+            (Directsync, true, true, false),
+            (Unsafe, false, false, true),
+        ];
+        for (mode, direct, wt, ignore) in table {
+            assert_eq!(
+                (mode.direct(), mode.writethrough(), mode.ignore_flush()),
+                (direct, wt, ignore),
+                "{mode:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn snapshot_parameters_in_both_syntaxes() {
+        assert_eq!(snapshot_param("backup1").unwrap(), "backup1");
+        assert_eq!(snapshot_param("2").unwrap(), "2");
+        assert_eq!(snapshot_param("snapshot.id=3").unwrap(), "3");
+        assert_eq!(snapshot_param("snapshot.name=daily").unwrap(), "daily");
+        assert_eq!(
+            snapshot_param("snapshot.id=4,snapshot.name=daily").unwrap(),
+            "4"
+        );
+        for bad in ["", "snapshot.id=", "snapshot.bogus=1", "snapshot.name=a,x"] {
+            assert!(snapshot_param(bad).is_err(), "{bad:?}");
+        }
+    }
+}
