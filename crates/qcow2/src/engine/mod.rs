@@ -17,6 +17,7 @@
 //! `zero`, `discard`, `flush`, `overlap` (metadata that data must never overwrite).
 
 pub mod backing_name;
+mod backing_map;
 mod block_status;
 pub mod check;
 pub mod compress;
@@ -89,6 +90,8 @@ pub(crate) struct Inner<S: Storage + 'static> {
     pub decompressed: RefCell<Option<Decompressed>>,
     /// The cache sizes in use.
     pub cache_sizes: cache::ResolvedCacheSizes,
+    /// Which backing layer provides each granule (chains with two or more backing layers).
+    pub backing_map: Option<backing_map::BackingMap<S>>,
     /// Refcounts and allocation state (writable qcow2 images only).
     pub writer: Option<writer::Writer<S>>,
     /// Punch holes in the file when a guest discard (or zeroing with unmap) frees clusters.
@@ -149,6 +152,11 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.l2.stats()
     }
 
+    /// Statistics of the merged backing map's cache, for chains that have one.
+    pub fn backing_map_stats(&self) -> Option<cache::CacheStats> {
+        self.inner.backing_map.as_ref().map(|m| m.stats())
+    }
+
     /// The cache sizes resolved from the options and the image.
     pub fn cache_sizes(&self) -> cache::ResolvedCacheSizes {
         self.inner.cache_sizes
@@ -156,6 +164,18 @@ impl<S: Storage + 'static> Image<S> {
 
     /// Drops metadata not used since the previous call (QEMU's `cache-clean-interval`).
     pub async fn clean_idle_caches(&self) -> Result<()> {
+        if let Some(map) = &self.inner.backing_map {
+            map.clean_idle().await?;
+        }
+        if let Some(w) = &self.inner.writer {
+            w.refcounts
+                .clean_idle()
+                .await
+                .map_err(|source| EngineError::Cache {
+                    image: self.inner.layers[0].name.clone(),
+                    source,
+                })?;
+        }
         self.inner
             .l2
             .clean_idle()

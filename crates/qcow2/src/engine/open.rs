@@ -7,6 +7,7 @@ use super::error::{EngineError, Result};
 use super::layer::{read_exact, Layer, LayerFormat, Qcow2Meta};
 use super::metacache::L2Backend;
 use super::range_lock::RangeLocks;
+use super::backing_map::BackingMap;
 use super::writer::Writer;
 use super::{Image, Inner, L2Cache};
 use crate::format::{limits, snapshot, Header, SnapshotTableEntry};
@@ -183,10 +184,18 @@ async fn build<S: Storage + 'static>(
         }
         _ => None,
     };
+    let l2 = Rc::new(l2);
+    // Deep chains get a merged map of the backing layers (see backing_map.rs).
+    let backing_map = if layers.len() >= 3 {
+        Some(BackingMap::new(&layers, &l2, cache_sizes.l2_cache_bytes)?)
+    } else {
+        None
+    };
     Ok(Image {
         inner: Rc::new(Inner {
             layers,
-            l2: Rc::new(l2),
+            l2,
+            backing_map,
             read_only,
             locks: RangeLocks::new(),
             decompressed: RefCell::new(None),

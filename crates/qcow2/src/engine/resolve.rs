@@ -35,7 +35,8 @@ pub(crate) struct Piece {
 
 impl<S: Storage + 'static> Inner<S> {
     /// Appends the pieces of `[start, start + len)` as seen from layer `from` downwards, in
-    /// guest order. The range must lie within layer `from`'s size.
+    /// guest order. The range must lie within layer `from`'s size. Ranges that fall through
+    /// to the backing chain are answered by the merged backing map when there is one.
     pub(crate) async fn resolve(
         &self,
         start: u64,
@@ -43,12 +44,47 @@ impl<S: Storage + 'static> Inner<S> {
         from: usize,
         out: &mut Vec<Piece>,
     ) -> Result<()> {
+        match &self.backing_map {
+            Some(map) if from == 0 => {
+                let first = out.len();
+                let mut below = Vec::new();
+                walk(&self.layers, &self.l2, start, len, 0, Some(&mut below), out).await?;
+                for (s, l) in below {
+                    map.resolve(s, l, out).await?;
+                }
+                out[first..].sort_unstable_by_key(|p| p.start);
+                Ok(())
+            }
+            _ => walk(&self.layers, &self.l2, start, len, from, None, out).await,
+        }
+    }
+}
+
+/// Walks the chain from layer `from` for `[start, start + len)`, appending pieces in guest
+/// order. With `stop_below`, ranges unallocated in layer `from` are handed back there instead
+/// of being followed down the chain.
+pub(crate) async fn walk<S: Storage + 'static>(
+    layers: &[super::layer::Layer<S>],
+    l2: &super::L2Cache<S>,
+    start: u64,
+    len: u64,
+    from: usize,
+    mut stop_below: Option<&mut Vec<(u64, u64)>>,
+    out: &mut Vec<Piece>,
+) -> Result<()> {
+    {
         let first = out.len();
         // (layer, start, len, deepest covering layer so far)
         let mut todo = vec![(from, start, len)];
         let mut runs: Vec<Run> = Vec::new();
         while let Some((li, s, l)) = todo.pop() {
-            let Some(layer) = self.layers.get(li) else {
+            if li > from {
+                if let Some(below) = stop_below.as_deref_mut() {
+                    below.push((s, l));
+                    continue;
+                }
+            }
+            let Some(layer) = layers.get(li) else {
                 out.push(absent(s, l, li - 1));
                 continue;
             };
@@ -73,7 +109,7 @@ impl<S: Storage + 'static> Inner<S> {
                 }),
                 LayerFormat::Qcow2(_) => {
                     runs.clear();
-                    map_layer(&self.layers, &self.l2, li, s, inside, &mut runs).await?;
+                    map_layer(layers, l2, li, s, inside, &mut runs).await?;
                     for r in &runs {
                         let src = match r.kind {
                             RunKind::Unallocated => {
