@@ -1,19 +1,105 @@
-//! Counting the clusters of persistent dirty bitmaps (QEMU's `qcow2_check_bitmaps_refcounts`):
-//! the directory, every bitmap table and every data cluster the tables point to.
+//! Persistent dirty bitmaps: what QEMU validates before it will open (and so check) an image
+//! with bitmaps, and counting their clusters (QEMU's `qcow2_check_bitmaps_refcounts`): the
+//! directory, every bitmap table and every data cluster the tables point to.
 
 use super::error::CheckError;
 use super::imrt::Imrt;
 use super::io;
 use super::meta::words;
 use super::pass::Pass;
-use crate::format::bitmap::{self, BITMAP_TABLE_OFFSET_MASK, BITMAP_TABLE_RESERVED_MASK};
-use crate::format::Geometry;
+use crate::format::bitmap::{
+    self, BitmapDirectoryEntry, BITMAP_TABLE_OFFSET_MASK, BITMAP_TABLE_RESERVED_MASK,
+};
+use crate::format::{BitmapsExtension, Geometry};
 use storage::Storage;
 
 /// Bit 0 of a bitmap table entry without a cluster: the bitmap data reads as all ones.
 const ALL_ONES: u64 = 1;
 /// Bitmap tables are read this many entries at a time, so a large table costs little memory.
 const TABLE_CHUNK: u64 = 8192;
+
+/// Whether a bitmap table entry is valid (QEMU's `check_table_entry`).
+fn entry_ok(entry: u64, cluster_size: u64) -> bool {
+    let offset = entry & BITMAP_TABLE_OFFSET_MASK;
+    entry & BITMAP_TABLE_RESERVED_MASK == 0
+        && (offset == 0 || (entry & ALL_ONES == 0 && offset % cluster_size == 0))
+}
+
+/// Calls `f` with every entry of a bitmap's table, reading it a chunk at a time.
+async fn for_each_entry<S: Storage>(
+    file: &S,
+    e: &BitmapDirectoryEntry,
+    mut f: impl FnMut(u64) -> Result<(), CheckError>,
+) -> Result<(), CheckError> {
+    let size = u64::from(e.table_size);
+    let mut done = 0u64;
+    while done < size {
+        let n = TABLE_CHUNK.min(size - done);
+        // At most 64 KiB.
+        let raw = io::read(
+            file,
+            "reading a bitmap table",
+            e.table_offset + done * 8,
+            (n * 8) as usize,
+        )
+        .await?;
+        for entry in words(&raw) {
+            f(entry)?;
+        }
+        done += n;
+    }
+    Ok(())
+}
+
+/// Loads the bitmap directory and validates what QEMU validates when it opens the image
+/// (`bitmap_list_load`, and `bitmap_table_load` for every bitmap not marked in use). QEMU
+/// refuses to open an image failing these, so a check cannot look at it either.
+pub(crate) async fn load_directory<S: Storage>(
+    file: &S,
+    ext: &BitmapsExtension,
+    geom: &Geometry,
+    file_len: u64,
+) -> Result<Vec<BitmapDirectoryEntry>, CheckError> {
+    let broken = |detail: String| CheckError::Bitmaps {
+        offset: ext.directory_offset,
+        detail,
+    };
+    // The extension was validated with the header: the directory is at most 64 MiB.
+    let dir = io::read(
+        file,
+        "reading the bitmap directory",
+        ext.directory_offset,
+        ext.directory_size as usize,
+    )
+    .await?;
+    let entries = bitmap::decode_directory(&dir, ext, geom).map_err(|e| broken(e.to_string()))?;
+    let cs = geom.cluster_size();
+    for e in &entries {
+        if !e.extra_data.is_empty() {
+            return Err(broken("Bitmap extra data is not supported".into()));
+        }
+        if u64::from(e.table_size).saturating_mul(cs) > file_len {
+            return Err(broken(format!(
+                "Bitmap '{}' doesn't satisfy the constraints",
+                e.name_lossy()
+            )));
+        }
+    }
+    for e in entries.iter().filter(|e| !e.in_use()) {
+        for_each_entry(file, e, |entry| {
+            if entry_ok(entry, cs) {
+                Ok(())
+            } else {
+                Err(broken(format!(
+                    "Could not read bitmap_table table from image for bitmap '{}': Invalid argument",
+                    e.name_lossy()
+                )))
+            }
+        })
+        .await?;
+    }
+    Ok(entries)
+}
 
 impl<S: Storage> Pass<'_, S> {
     /// Counts the bitmap directory, tables and data clusters.
@@ -25,81 +111,45 @@ impl<S: Storage> Pass<'_, S> {
             return Ok(());
         }
         self.inc(imrt, ext.directory_offset, ext.directory_size)?;
-        let broken = |detail: String| CheckError::Bitmaps {
-            offset: ext.directory_offset,
-            detail,
-        };
-        // The extension was validated on load: the directory is at most 64 MiB.
-        let dir = io::read(
-            self.file,
-            "reading the bitmap directory",
-            ext.directory_offset,
-            ext.directory_size as usize,
-        )
-        .await?;
-        let geom = Geometry::new(
-            self.meta.cluster_bits,
-            self.meta.extended,
-            self.meta.refcount_order,
-            self.meta.virtual_size,
-        )
-        .map_err(|e| broken(e.to_string()))?;
-        let entries = match bitmap::decode_directory(&dir, &ext, &geom) {
-            Ok(e) => e,
-            Err(e) => {
-                self.res.corruptions += 1;
-                return Err(broken(e.to_string()));
-            }
-        };
         let cs = self.meta.cluster_size;
+        let entries = std::mem::take(&mut self.meta.bitmap_dir);
+        let mut counted = Ok(());
         for e in &entries {
-            if !e.extra_data.is_empty() {
-                self.res.corruptions += 1;
-                return Err(broken("Bitmap extra data is not supported".into()));
-            }
-            if u64::from(e.table_size).saturating_mul(cs) > self.file_len {
-                self.res.corruptions += 1;
-                return Err(broken(format!(
-                    "Bitmap '{}' doesn't satisfy the constraints",
-                    e.name_lossy()
-                )));
+            counted = self.count_bitmap(imrt, e, cs).await;
+            if counted.is_err() {
+                break;
             }
         }
-        for e in &entries {
-            let table_bytes = u64::from(e.table_size) * 8;
-            self.inc(imrt, e.table_offset, table_bytes)?;
-            let mut done = 0u64;
-            while done < u64::from(e.table_size) {
-                let n = TABLE_CHUNK.min(u64::from(e.table_size) - done);
-                let raw = match io::read(
-                    self.file,
-                    "reading a bitmap table",
-                    e.table_offset + done * 8,
-                    // At most 64 KiB.
-                    (n * 8) as usize,
-                )
-                .await
-                {
-                    Ok(raw) => raw,
-                    Err(err) => {
-                        self.res.corruptions += 1;
-                        return Err(err);
-                    }
-                };
-                for entry in words(&raw) {
-                    let offset = entry & BITMAP_TABLE_OFFSET_MASK;
-                    let bad = entry & BITMAP_TABLE_RESERVED_MASK != 0
-                        || (offset != 0 && (entry & ALL_ONES != 0 || offset % cs != 0));
-                    if bad {
-                        self.res.corruptions += 1;
-                        continue;
-                    }
-                    if offset != 0 {
-                        self.inc(imrt, offset, cs)?;
-                    }
-                }
-                done += n;
+        self.meta.bitmap_dir = entries;
+        counted
+    }
+
+    async fn count_bitmap(
+        &mut self,
+        imrt: &mut Imrt,
+        e: &BitmapDirectoryEntry,
+        cs: u64,
+    ) -> Result<(), CheckError> {
+        self.inc(imrt, e.table_offset, u64::from(e.table_size) * 8)?;
+        let mut clusters = Vec::new();
+        let mut bad = 0u64;
+        let file = self.file;
+        let read = for_each_entry(file, e, |entry| {
+            if !entry_ok(entry, cs) {
+                bad += 1;
+            } else if entry & BITMAP_TABLE_OFFSET_MASK != 0 {
+                clusters.push(entry & BITMAP_TABLE_OFFSET_MASK);
             }
+            Ok(())
+        })
+        .await;
+        if let Err(err) = read {
+            self.res.corruptions += 1;
+            return Err(err);
+        }
+        self.res.corruptions += bad;
+        for offset in clusters {
+            self.inc(imrt, offset, cs)?;
         }
         Ok(())
     }

@@ -6,7 +6,7 @@
 use super::error::CheckError;
 use super::io::read;
 use crate::format::features::INCOMPAT_CORRUPT;
-use crate::format::{limits, BitmapsExtension, Header};
+use crate::format::{limits, BitmapDirectoryEntry, BitmapsExtension, Header};
 use storage::Storage;
 
 /// Byte offset of `refcount_table_clusters` in the header.
@@ -90,8 +90,9 @@ pub(crate) struct Meta {
     pub snapshots_size: u64,
     /// The encryption header (offset, length), if any.
     pub crypto: Option<(u64, u64)>,
-    /// The bitmaps extension, if the autoclear bit says it is consistent.
+    /// The bitmaps extension, if the autoclear bit says it is consistent, and its directory.
     pub bitmaps: Option<BitmapsExtension>,
+    pub bitmap_dir: Vec<BitmapDirectoryEntry>,
     /// Incompatible feature bits as on disk (version 3).
     pub incompatible: u64,
     /// Virtual disk size rounded down to sectors, as QEMU keeps it.
@@ -193,6 +194,13 @@ pub(crate) async fn load<S: Storage>(file: &S, file_len: u64) -> Result<Meta, Ch
         reftable_bytes as usize,
     )
     .await?;
+    let bitmaps = header.bitmaps().copied();
+    let bitmap_dir = match &bitmaps {
+        Some(ext) if ext.nb_bitmaps > 0 => {
+            super::bitmaps::load_directory(file, ext, &geom, file_len).await?
+        }
+        _ => Vec::new(),
+    };
     let csize_shift = 62 - (cluster_bits - 8);
     let refcount_order = header.refcount_order;
     Ok(Meta {
@@ -217,7 +225,8 @@ pub(crate) async fn load<S: Storage>(file: &S, file_len: u64) -> Result<Meta, Ch
         snapshots: Vec::new(),
         snapshots_size: 0,
         crypto: header.fde_pointer().map(|p| (p.offset, p.length)),
-        bitmaps: header.bitmaps().copied(),
+        bitmaps,
+        bitmap_dir,
         incompatible: header.incompatible_features,
         virtual_size: header.size / 512 * 512,
         header,
