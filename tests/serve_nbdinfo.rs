@@ -140,8 +140,11 @@ fn preferred_block_size_is_the_subcluster_within_4k_and_2m() {
     }
 }
 
+/// (granule index, value) for every 512-byte granule of a map.
+type Granules = Vec<(u64, u64)>;
+
 /// One qemu-img map extent, or one nbdinfo map row, cut into 512-byte granules.
-fn granules(start: u64, len: u64, value: u64, out: &mut Vec<(u64, u64)>) {
+fn granules(start: u64, len: u64, value: u64, out: &mut Granules) {
     assert!(start % 512 == 0 && len % 512 == 0, "{start} {len}");
     for g in 0..len / 512 {
         out.push((start / 512 + g, value));
@@ -150,7 +153,7 @@ fn granules(start: u64, len: u64, value: u64, out: &mut Vec<(u64, u64)>) {
 
 /// Per granule, what `qemu-img map` implies for `base:allocation` (NBD_STATE_HOLE = 1 when
 /// not data, NBD_STATE_ZERO = 2) and for `qemu:allocation-depth` (0 absent, else depth + 1).
-fn qemu_expectations(image: &str) -> (Vec<(u64, u64)>, Vec<(u64, u64)>) {
+fn qemu_expectations(image: &str) -> (Granules, Granules) {
     let map: Value = serde_json::from_str(&qemu_img(&["map", "--output=json", image])).unwrap();
     let (mut alloc, mut depth) = (Vec::new(), Vec::new());
     for e in map.as_array().unwrap() {
@@ -170,7 +173,7 @@ fn qemu_expectations(image: &str) -> (Vec<(u64, u64)>, Vec<(u64, u64)>) {
 }
 
 /// `nbdinfo --map[=CONTEXT]` rows ("start length value description") as granules.
-fn nbdinfo_map(server: &Server, context: Option<&str>) -> Vec<(u64, u64)> {
+fn nbdinfo_map(server: &Server, context: Option<&str>) -> Granules {
     let flag = match context {
         Some(c) => format!("--map={c}"),
         None => "--map".to_owned(),
