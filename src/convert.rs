@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use std::rc::Rc;
 
 use clap::Args;
-use qcow2::engine::{EngineError, Format, Image, OpenOptions, Preallocation};
+use qcow2::engine::{EngineError, Format, Image, OpenOptions};
 use storage::{AnyStorage, IoBuf};
 use tokio::task::JoinSet;
 
@@ -320,18 +320,8 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
 
     let grain = match target_format {
         Format::Raw => {
-            let prealloc = match parsed.str("preallocation") {
-                None | Some("off") => Preallocation::Off,
-                Some("falloc") => Preallocation::Falloc,
-                Some("full") => Preallocation::Full,
-                Some(other) => {
-                    return Err(OptionsError::BadValue {
-                        name: "preallocation",
-                        value: other.into(),
-                    }
-                    .into())
-                }
-            };
+            let prealloc =
+                create::raw_preallocation(parsed.str("preallocation")).map_err(&invalid)?;
             create::create_raw(&args.target, size, prealloc)
                 .await
                 .map_err(|source| CreateError::Io {

@@ -169,7 +169,7 @@ pub enum CreateError {
         detail: String,
     },
     /// The backing file could not be opened to learn its size.
-    #[error("{image}: Could not open backing image: {source}")]
+    #[error("{image}: {source}\nCould not open backing image.")]
     Backing {
         /// The image being created.
         image: String,
@@ -301,6 +301,22 @@ pub fn qcow2_plan(p: &Parsed, has_backing: bool) -> Result<Qcow2Plan, String> {
         compat: p.str("compat").map(str::to_string),
         prealloc_text: p.str("preallocation").map(str::to_string),
     })
+}
+
+/// The `preallocation` of a raw image, with qemu-img's messages.
+pub fn raw_preallocation(text: Option<&str>) -> Result<Preallocation, String> {
+    match text.map(|t| (t, Preallocation::from_name(t))) {
+        None => Ok(Preallocation::Off),
+        Some((_, Some(Preallocation::Metadata))) => {
+            Err("Unsupported preallocation mode: metadata".into())
+        }
+        Some((_, Some(p))) => Ok(p),
+        Some((t, None)) => Err(OptionsError::BadValue {
+            name: "preallocation",
+            value: t.into(),
+        }
+        .to_string()),
+    }
 }
 
 /// QEMU's limit: the L1 table may not exceed 32 MiB, which caps the virtual size per
@@ -484,20 +500,7 @@ async fn create(args: &CreateArgs) -> Result<(), CreateError> {
 
     if format == Format::Raw {
         let prealloc_text = parsed.str("preallocation");
-        let prealloc = match prealloc_text {
-            None | Some("off") => Preallocation::Off,
-            Some("falloc") => Preallocation::Falloc,
-            Some("full") => Preallocation::Full,
-            Some(other) => {
-                return Err(invalid(
-                    OptionsError::BadValue {
-                        name: "preallocation",
-                        value: other.into(),
-                    }
-                    .to_string(),
-                ))
-            }
-        };
+        let prealloc = raw_preallocation(prealloc_text).map_err(&invalid)?;
         let size = size.ok_or_else(|| invalid("Image creation needs a size parameter".into()))?;
         if !args.quiet {
             println!("{}", formatting_line(&image, size, None, prealloc_text));
