@@ -7,6 +7,7 @@
 //! where nothing was written. Data goes in large requests, several in flight, each aligned
 //! to the target's cluster so that zero detection and `-c` work on whole clusters.
 
+use std::cell::Cell;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::rc::Rc;
@@ -14,6 +15,7 @@ use std::rc::Rc;
 use clap::Args;
 use qcow2::engine::{EngineError, Format, Image, OpenOptions};
 use storage::{AnyStorage, IoBuf};
+use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
 use crate::create::{self, option_table, CreateError};
@@ -142,14 +144,43 @@ struct Job {
     /// Zero-detection (and, with `compress`, compression) unit: a power of two.
     grain: u64,
     compress: bool,
+    /// Write in guest order (reads still overlap), so that a qcow2 target allocates its
+    /// clusters in guest order as qemu-img does, instead of fragmenting by completion order.
+    ordered: bool,
+    /// Sequence number of the request whose turn it is to write (when `ordered`).
+    turn: Cell<u64>,
+    turn_changed: Notify,
     progress: Rc<Progress<std::io::Stderr>>,
 }
 
 impl Job {
-    /// Copies `[off, off + len)`, skipping grains that read as zeros.
-    async fn copy(self: Rc<Self>, off: u64, len: u64) -> Result<(), EngineError> {
+    /// Copies `[off, off + len)` (request number `seq`), skipping grains that read as zeros.
+    async fn copy(self: Rc<Self>, seq: u64, off: u64, len: u64) -> Result<(), EngineError> {
         // len <= REQUEST_BYTES (or one grain), which fits in memory by construction.
-        let buf = self.src.read(off, len as usize).await?;
+        let read = self.src.read(off, len as usize).await;
+        if self.ordered {
+            // Single-threaded: nothing runs between the check and registering the waiter.
+            while self.turn.get() != seq {
+                self.turn_changed.notified().await;
+            }
+        }
+        // Even a failed read passes the turn on, so no later request waits forever.
+        let res = match read {
+            Ok(buf) => self.write_out(off, buf).await,
+            Err(e) => Err(e),
+        };
+        if self.ordered {
+            self.turn.set(seq + 1);
+            self.turn_changed.notify_waiters();
+        }
+        if res.is_ok() {
+            self.progress.advance(len);
+        }
+        res
+    }
+
+    /// Writes the non-zero grains of `buf` (read at `off`) to the target.
+    async fn write_out(&self, off: u64, buf: IoBuf) -> Result<(), EngineError> {
         let grain = self.grain as usize;
         if self.compress {
             let dst_size = self.dst.size();
@@ -165,33 +196,31 @@ impl Job {
                 data[..block.len()].copy_from_slice(block);
                 self.dst.write_compressed(at, data).await?;
             }
-        } else {
-            let blocks: Vec<bool> = buf.chunks(grain).map(|b| !is_zero(b)).collect();
-            if blocks.iter().all(|&nz| nz) {
-                let (res, _) = self.dst.write(off, buf, false).await;
-                res?;
-            } else {
-                let mut i = 0;
-                while i < blocks.len() {
-                    if !blocks[i] {
-                        i += 1;
-                        continue;
-                    }
-                    let j = blocks[i..]
-                        .iter()
-                        .position(|&nz| !nz)
-                        .map_or(blocks.len(), |k| i + k);
-                    let (a, b) = (i * grain, (j * grain).min(buf.len()));
-                    let (res, _) = self
-                        .dst
-                        .write(off + a as u64, IoBuf::from_slice(&buf[a..b]), false)
-                        .await;
-                    res?;
-                    i = j;
-                }
-            }
+            return Ok(());
         }
-        self.progress.advance(len);
+        let blocks: Vec<bool> = buf.chunks(grain).map(|b| !is_zero(b)).collect();
+        if blocks.iter().all(|&nz| nz) {
+            let (res, _) = self.dst.write(off, buf, false).await;
+            return res;
+        }
+        let mut i = 0;
+        while i < blocks.len() {
+            if !blocks[i] {
+                i += 1;
+                continue;
+            }
+            let j = blocks[i..]
+                .iter()
+                .position(|&nz| !nz)
+                .map_or(blocks.len(), |k| i + k);
+            let (a, b) = (i * grain, (j * grain).min(buf.len()));
+            let (res, _) = self
+                .dst
+                .write(off + a as u64, IoBuf::from_slice(&buf[a..b]), false)
+                .await;
+            res?;
+            i = j;
+        }
         Ok(())
     }
 }
@@ -212,6 +241,7 @@ async fn copy_all(job: Rc<Job>, size: u64, parallel: usize) -> Result<(), Conver
     let mut tasks: JoinSet<Result<(), EngineError>> = JoinSet::new();
     // Everything below `issued` is either skipped (counted at once) or in a request.
     let mut issued = 0u64;
+    let mut seq = 0u64;
     let mut pos = 0u64;
     let result: Result<(), ConvertError> = async {
         while pos < size {
@@ -241,7 +271,8 @@ async fn copy_all(job: Rc<Job>, size: u64, parallel: usize) -> Result<(), Conver
                     while tasks.len() >= parallel {
                         reap(&mut tasks).await?;
                     }
-                    tasks.spawn_local(job.clone().copy(off, n));
+                    tasks.spawn_local(job.clone().copy(seq, off, n));
+                    seq += 1;
                     off += n;
                 }
             }
@@ -253,10 +284,9 @@ async fn copy_all(job: Rc<Job>, size: u64, parallel: usize) -> Result<(), Conver
         Ok(())
     }
     .await;
-    // On error, let the requests in flight finish before the images are dropped.
-    while !tasks.is_empty() {
-        let _ = tasks.join_next().await;
-    }
+    // On error, stop the requests in flight (the target is incomplete either way).
+    tasks.abort_all();
+    while tasks.join_next().await.is_some() {}
     result
 }
 
@@ -367,6 +397,9 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
         dst: dst.clone(),
         grain,
         compress: args.compress,
+        ordered: target_format == Format::Qcow2,
+        turn: Cell::new(0),
+        turn_changed: Notify::new(),
         progress: progress.clone(),
     });
     copy_all(job, copy_len, usize::from(args.parallel)).await?;
