@@ -147,7 +147,15 @@ async fn build<S: Storage + 'static>(
                 .filter_map(|l| l.qcow2().map(|m| m.geom.cluster_size()))
                 .min()
                 .unwrap_or(sizes.l2_entry_size);
-            (sizes, sizes.l2_entry_size.min(smallest))
+            // With a backing map the L2 cache mostly serves walks that read a little of every
+            // layer's tables: whole-table slices (QEMU's choice when one layer fits) would read
+            // 16 times too much, so deep chains use QEMU's small-slice default.
+            let slice = if layers.len() >= 3 {
+                sizes.l2_entry_size.min(cache::SMALL_L2_ENTRY_SIZE)
+            } else {
+                sizes.l2_entry_size
+            };
+            (sizes, slice.min(smallest))
         }
         None => {
             // Raw top layer: no L2 tables; a token cache keeps the types simple.
@@ -306,8 +314,12 @@ where
         image: name.to_string(),
         detail,
     };
-    // The header fits in the first cluster; read the largest possible one (or the file).
-    let first_len = file_len.min(1 << limits::MAX_CLUSTER_BITS);
+    // The header fits in the first cluster: learn the cluster size from the first sector,
+    // then read just that cluster (or the whole file, if it is shorter).
+    let probe = read_exact(file, name, "reading the header", 0, 512).await?;
+    let bits = u32::from_be_bytes([probe[20], probe[21], probe[22], probe[23]])
+        .clamp(limits::MIN_CLUSTER_BITS, limits::MAX_CLUSTER_BITS);
+    let first_len = file_len.min(1 << bits).max(512);
     let first = read_exact(file, name, "reading the header", 0, first_len as usize).await?;
     let header = Header::decode(&first).map_err(fmt_err)?;
     if header.crypt_method != 0 {
