@@ -289,7 +289,9 @@ fn block_status_agrees_with_qemu_img_map() {
         &["write -P 0x99 70k 4k", "write -z 130k 4k", "write -P 0x9b 1500k 100k", "write -z 3M 8k"],
     );
     check_map(&d.path("top.qcow2"), "chain over a sparse raw file");
-    for p in ["metadata", "falloc"] {
+    // Not falloc: whether ext4 reports its unwritten extents as data or as holes depends on
+    // page-cache state at the moment of asking, for QEMU and for us alike.
+    for p in ["metadata"] {
         let name = format!("prealloc-{p}.qcow2");
         qemu_img(&["create", "-q", "-f", "qcow2", "-o", &format!("preallocation={p}"), &d.s(&name), "1M"]);
         check_map(&d.path(&name), &name);
