@@ -357,7 +357,11 @@ where
     ));
     let snapshots = snapshot_table(file, name, &header, &geom, file_len).await?;
     if header.nb_snapshots > 0 {
-        let len = snapshots.iter().map(|s| s.1).sum::<u64>();
+        // QEMU does not write the padding after the last entry when the table ends the file.
+        let padding = snapshots.last().map_or(0, |(e, used)| {
+            used - (40 + e.extra_data.len() + e.id.len() + e.name.len()) as u64
+        });
+        let len = snapshots.iter().map(|s| s.1).sum::<u64>() - padding;
         regions.push((header.snapshots_offset, len, "the snapshot table"));
     }
     if let Some(b) = header.bitmaps() {
