@@ -234,7 +234,16 @@ pub async fn create<S: Storage + 'static>(file: &S, opts: &CreateOptions) -> Res
         image: "new image".into(),
         source,
     };
-    let header = h.encode(cs).map_err(fmt_err)?;
+    // Like QEMU, leave the (optional) feature name table out when it does not fit.
+    let header = match h.encode(cs) {
+        Ok(bytes) => bytes,
+        Err(_) if h.extensions.iter().any(|e| matches!(e, HeaderExtension::FeatureNameTable(_))) => {
+            h.extensions
+                .retain(|e| !matches!(e, HeaderExtension::FeatureNameTable(_)));
+            h.encode(cs).map_err(fmt_err)?
+        }
+        Err(e) => return Err(fmt_err(e)),
+    };
 
     let mut meta = vec![0u8; ((1 + rt + rb) * cs) as usize];
     meta[..header.len()].copy_from_slice(&header);
