@@ -1,0 +1,479 @@
+#!/usr/bin/env bash
+# Side by side with qemu-nbd (issue 7): builds the release binary, makes images with qemu-img,
+# serves identical copies with `qemu-nbd` and `qcow2-nbd serve` under equivalent settings
+# (O_DIRECT, io_uring, the same cache sizes), drives both with `fio --ioengine=nbd` in
+# alternating rounds (A B, B A, ...; medians), measures a raw file exported by our own server as
+# the physical limit, and prints a markdown table.
+#
+#   benches/compare.sh            # full run, about 15-20 minutes on 2 cores
+#   QUICK=1 benches/compare.sh    # smoke run, about 3 minutes (1 round, short runs)
+#
+# Every server runs on a Unix socket and is started fresh for each measurement, so each run
+# starts with cold metadata caches and the peak RSS (VmHWM) belongs to that run alone.
+#
+# Environment (defaults in brackets; QUICK=1 changes the defaults marked *):
+#   ROUNDS [3*]          alternating rounds per scenario (the median is reported)
+#   RUNTIME [6*]         seconds per time-based fio run (plus 1 s of ramp-up)
+#   ALLOC_BACKING_MIB [2048*]  fully written raw backing file of the allocation scenarios
+#   ALLOC_IOS [3000*]    allocating writes per run (capped by the units the image has)
+#   ALLOC_QD [1]         queue depth of the allocation runs
+#   DATA_MIB [1024*]     allocated image for random/sequential I/O
+#   L2_GIB [40]          image of the L2-cache table (64 KiB clusters, preallocation=metadata:
+#                        40 GiB needs 5 MiB of L2 tables)
+#   L2_RUNTIME [4*]      seconds per L2-cache run
+#   CHAIN_MIB [256*]     guest size of the chain images
+#   CHAIN_DEPTH [300]    depth of the long chain
+#   CLEAN_INTERVAL [2]   cache-clean-interval (seconds) of the RSS scenario
+#   RSS_L2_CACHE [4M]    l2-cache-size of the RSS scenario
+#   BENCH_DIR [/var/tmp] where the scratch directory goes (not a tmpfs: O_DIRECT)
+#   QEMU_AIO [io_uring]  qemu-nbd --aio mode (io_uring or native)
+#   CARGO_TARGET_DIR     where cargo builds (default: target/ in the repository)
+#   SKIP_BUILD=1         use the existing release binary
+#   QCOW2_NBD_BIN        the server binary to measure (default: the release build)
+#   ONLY="alloc io l2 chain rss"   run a subset of the scenario groups
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+QUICK=${QUICK:-0}
+if [ "$QUICK" = 1 ]; then
+    d_rounds=1 d_runtime=2 d_alloc_mib=512 d_alloc_ios=600 d_data_mib=256 d_l2_runtime=2
+    d_chain_mib=64
+else
+    d_rounds=3 d_runtime=6 d_alloc_mib=2048 d_alloc_ios=3000 d_data_mib=1024 d_l2_runtime=4
+    d_chain_mib=256
+fi
+ROUNDS=${ROUNDS:-$d_rounds}
+RUNTIME=${RUNTIME:-$d_runtime}
+ALLOC_BACKING_MIB=${ALLOC_BACKING_MIB:-$d_alloc_mib}
+ALLOC_IOS=${ALLOC_IOS:-$d_alloc_ios}
+ALLOC_QD=${ALLOC_QD:-1}
+DATA_MIB=${DATA_MIB:-$d_data_mib}
+L2_GIB=${L2_GIB:-40}
+L2_RUNTIME=${L2_RUNTIME:-$d_l2_runtime}
+CHAIN_MIB=${CHAIN_MIB:-$d_chain_mib}
+CHAIN_DEPTH=${CHAIN_DEPTH:-300}
+CLEAN_INTERVAL=${CLEAN_INTERVAL:-2}
+RSS_L2_CACHE=${RSS_L2_CACHE:-4M}
+BENCH_DIR=${BENCH_DIR:-/var/tmp}
+QEMU_AIO=${QEMU_AIO:-io_uring}
+ONLY=${ONLY:-"alloc io l2 chain rss"}
+
+log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+for tool in qemu-img qemu-io qemu-nbd fio cargo shuf; do
+    command -v "$tool" >/dev/null || die "$tool is required but not installed"
+done
+fio --enghelp=nbd >/dev/null 2>&1 || die "fio lacks the nbd engine (needs libnbd)"
+
+# ---------------------------------------------------------------------------------------------
+# Build
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+    log "building release binary"
+    (cd "$REPO" && cargo build --release --quiet --bin qcow2-nbd)
+fi
+BIN=${QCOW2_NBD_BIN:-${CARGO_TARGET_DIR:-$REPO/target}/release/qcow2-nbd}
+[ -x "$BIN" ] || die "no release binary at $BIN"
+
+# ---------------------------------------------------------------------------------------------
+# Scratch space and cleanup: no server and no image outlives the script.
+WORK=$(mktemp -d "$BENCH_DIR/qcow2-nbd-compare.XXXXXX")
+SERVER_PID=""
+cleanup() {
+    if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
+        kill -TERM "$SERVER_PID" 2>/dev/null || true
+        wait "$SERVER_PID" 2>/dev/null || true
+    fi
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+if [ "$(stat -f -c %T "$WORK")" = tmpfs ]; then
+    die "$WORK is on tmpfs, where O_DIRECT fails; set BENCH_DIR"
+fi
+SOCK=$WORK/nbd.sock
+RESULTS=$WORK/results.tsv
+: >"$RESULTS"
+
+# ---------------------------------------------------------------------------------------------
+# Servers. start_server KIND IMAGE [SETTINGS...]: KIND is qemu, ours or raw (our server with
+# -f raw); SETTINGS are key=value pairs applied to both servers the same way: l2=SIZE,
+# slice=SIZE, clean=SECONDS, ro=1.
+start_server() {
+    local kind=$1 image=$2
+    shift 2
+    local l2="" slice="" clean="" ro=0 kv
+    for kv in "$@"; do
+        case $kv in
+        l2=*) l2=${kv#l2=} ;;
+        slice=*) slice=${kv#slice=} ;;
+        clean=*) clean=${kv#clean=} ;;
+        ro=*) ro=${kv#ro=} ;;
+        *) die "unknown server setting $kv" ;;
+        esac
+    done
+    rm -f "$SOCK" "$WORK/server.pid"
+    local args=()
+    case $kind in
+    qemu)
+        local opts="driver=qcow2,file.driver=file,file.filename=$image"
+        [ -n "$l2" ] && opts+=",l2-cache-size=$l2"
+        [ -n "$slice" ] && opts+=",l2-cache-entry-size=$slice"
+        [ -n "$clean" ] && opts+=",cache-clean-interval=$clean"
+        args=(qemu-nbd -t -k "$SOCK" --cache=none --aio="$QEMU_AIO" --pid-file="$WORK/server.pid")
+        [ "$ro" = 1 ] && args+=(-r)
+        args+=(--image-opts "$opts")
+        ;;
+    ours | raw)
+        args=("$BIN" serve -t -k "$SOCK" --cache none --aio io_uring --pid-file "$WORK/server.pid")
+        if [ "$kind" = raw ]; then args+=(-f raw); else args+=(-f qcow2); fi
+        [ -n "$l2" ] && args+=(--l2-cache-size "$l2")
+        [ -n "$slice" ] && args+=(--l2-cache-entry-size "$slice")
+        [ -n "$clean" ] && args+=(--cache-clean-interval "$clean")
+        [ "$ro" = 1 ] && args+=(-r)
+        args+=("$image")
+        ;;
+    *) die "unknown server kind $kind" ;;
+    esac
+    "${args[@]}" >"$WORK/server.log" 2>&1 &
+    SERVER_PID=$!
+    local i
+    for i in $(seq 1 600); do
+        if [ -S "$SOCK" ] && [ -s "$WORK/server.pid" ]; then return 0; fi
+        kill -0 "$SERVER_PID" 2>/dev/null || break
+        sleep 0.05
+    done
+    cat "$WORK/server.log" >&2
+    die "$kind server did not start: ${args[*]}"
+}
+
+stop_server() {
+    kill -TERM "$SERVER_PID" 2>/dev/null || true
+    wait "$SERVER_PID" 2>/dev/null || true
+    SERVER_PID=""
+}
+
+# status_kib FIELD: a /proc/PID/status field of the running server, in KiB.
+status_kib() { awk -v f="$1:" '$1 == f { print $2 }' "/proc/$SERVER_PID/status"; }
+
+URI() { printf 'nbd+unix:///?socket=%s' "$SOCK"; }
+
+# run_fio DIRECTION ARGS...: runs fio against the server and prints the job's
+# "IOPS MiB/s runtime_ms" for DIRECTION (read or write), from fio's terse output (v3).
+run_fio() {
+    local dir=$1
+    shift
+    local out
+    out=$(fio --name=bench --ioengine=nbd --uri="$(URI)" --output-format=terse \
+        --terse-version=3 "$@" 2>"$WORK/fio.err") || {
+        cat "$WORK/fio.err" >&2
+        die "fio failed: $*"
+    }
+    # terse v3 (the nbd engine also prints a line of its own): read kb/bw(KiB/s)/iops/
+    # runtime(ms) at fields 6..9, write at 47..50.
+    echo "$out" | awk -F';' -v d="$dir" '$1 == "3" {
+        if (d == "read") { printf "%s %.1f %s\n", $8, $7 / 1024, $9 }
+        else { printf "%s %.1f %s\n", $49, $48 / 1024, $50 } }'
+}
+
+record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$RESULTS"; } # scenario, server, value
+
+median() { # median of the values recorded for (scenario, server)
+    awk -F'\t' -v s="$1" -v k="$2" '$1 == s && $2 == k { print $3 }' "$RESULTS" | sort -g |
+        awk '{ v[NR] = $1 } END { if (NR == 0) print "-"; else if (NR % 2) print v[(NR + 1) / 2];
+              else printf "%.6g\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
+
+# order ROUND: the alternation, qemu first in odd rounds and ours first in even ones.
+order() { if [ $(($1 % 2)) = 1 ]; then echo "qemu ours"; else echo "ours qemu"; fi; }
+
+copy_image() { cp --sparse=always "$1" "$2"; }
+
+# ---------------------------------------------------------------------------------------------
+# 1. Allocation: 4 KiB writes into an empty overlay over a fully written raw backing file, each
+# to a fresh allocation unit (a cluster, or a subcluster with extended L2; at least 4 KiB), in
+# the same random order for both servers (a replayed fio iolog).
+ALLOC_CONFIGS="std-64k:64k:off std-128k:128k:off std-2m:2M:off ext-64k/2k:64k:on
+ext-128k/4k:128k:on ext-256k/8k:256k:on ext-2m/64k:2M:on"
+
+bytes() { # 64k -> 65536
+    local v=$1
+    case $v in
+    *k) echo $((${v%k} << 10)) ;; *M) echo $((${v%M} << 20)) ;; *G) echo $((${v%G} << 30)) ;;
+    *) echo "$v" ;;
+    esac
+}
+
+alloc_scenarios() {
+    local backing=$WORK/backing.raw size=$((ALLOC_BACKING_MIB << 20))
+    log "allocation: writing a ${ALLOC_BACKING_MIB} MiB backing file"
+    fio --name=fill --filename="$backing" --rw=write --bs=1M --size="$size" --direct=1 \
+        --refill_buffers --output-format=terse >/dev/null
+    # The physical limit: random 4 KiB writes to a raw file through our server.
+    cp "$backing" "$WORK/limit.raw"
+    local cfg label cluster ext unit units n r kind
+    for cfg in $ALLOC_CONFIGS; do
+        IFS=: read -r label cluster ext <<<"$cfg"
+        cluster=$(bytes "$cluster")
+        if [ "$ext" = on ]; then unit=$((cluster / 32)); else unit=$cluster; fi
+        [ "$unit" -lt 4096 ] && unit=4096
+        units=$((size / unit))
+        n=$((ALLOC_IOS < units ? ALLOC_IOS : units))
+        {
+            echo "fio version 2 iolog"
+            echo "nbd add"
+            echo "nbd open"
+            shuf -i 0-$((units - 1)) -n "$n" --random-source=<(yes "$label") |
+                awk -v u="$unit" '{ printf "nbd write %d 4096\n", $1 * u }'
+            echo "nbd close"
+        } >"$WORK/alloc.iolog"
+        for r in $(seq 1 "$ROUNDS"); do
+            for kind in $(order "$r"); do
+                qemu-img create -q -f qcow2 -b backing.raw -F raw \
+                    -o cluster_size="$cluster",extended_l2="$ext" "$WORK/overlay.qcow2"
+                start_server "$kind" "$WORK/overlay.qcow2"
+                stats=$(run_fio write --read_iolog="$WORK/alloc.iolog" \
+                    --size="$size" --iodepth="$ALLOC_QD")
+                read -r iops _ _ <<<"$stats"
+                stop_server
+                qemu-img check -q "$WORK/overlay.qcow2" ||
+                    die "$kind left a corrupt overlay ($label)"
+                record "alloc $label" "$kind" "$iops"
+                log "alloc $label round $r $kind: $iops IOPS ($n writes)"
+                rm -f "$WORK/overlay.qcow2"
+            done
+        done
+    done
+    for r in $(seq 1 "$ROUNDS"); do
+        start_server raw "$WORK/limit.raw"
+        stats=$(run_fio write --rw=randwrite --bs=4k --iodepth="$ALLOC_QD" \
+            --size="$size" --runtime="$RUNTIME" --time_based --ramp_time=1)
+        read -r iops _ _ <<<"$stats"
+        stop_server
+        record "alloc raw" raw "$iops"
+        log "alloc raw limit round $r: $iops IOPS"
+    done
+    rm -f "$backing" "$WORK/limit.raw"
+}
+
+# ---------------------------------------------------------------------------------------------
+# 2. Random and sequential I/O on a fully allocated image (qemu-img convert of random data, so
+# every cluster is allocated with data), one copy per server, and the raw data as the limit.
+IO_SCENARIOS="randread-4k-qd1:read:randread:4k:1 randread-4k-qd32:read:randread:4k:32
+randwrite-4k-qd1:write:randwrite:4k:1 randwrite-4k-qd32:write:randwrite:4k:32
+seqread-1m-qd1:read:read:1M:1 seqwrite-1m-qd1:write:write:1M:1"
+
+io_scenarios() {
+    local size=$((DATA_MIB << 20))
+    log "random/sequential I/O: making a ${DATA_MIB} MiB allocated image"
+    fio --name=fill --filename="$WORK/data.raw" --rw=write --bs=1M --size="$size" --direct=1 \
+        --refill_buffers --output-format=terse >/dev/null
+    qemu-img convert -f raw -O qcow2 "$WORK/data.raw" "$WORK/data-qemu.qcow2"
+    cp "$WORK/data-qemu.qcow2" "$WORK/data-ours.qcow2"
+    local sc label dirn rw bs qd r kind iops bw image
+    for sc in $IO_SCENARIOS; do
+        IFS=: read -r label dirn rw bs qd <<<"$sc"
+        for r in $(seq 1 "$ROUNDS"); do
+            for kind in $(order "$r") raw; do
+                case $kind in
+                qemu) image=$WORK/data-qemu.qcow2 ;; ours) image=$WORK/data-ours.qcow2 ;;
+                raw) image=$WORK/data.raw ;;
+                esac
+                start_server "$kind" "$image"
+                stats=$(run_fio "$dirn" --rw="$rw" --bs="$bs" --iodepth="$qd" \
+                    --size="$size" --runtime="$RUNTIME" --time_based --ramp_time=1)
+                read -r iops bw _ <<<"$stats"
+                stop_server
+                if [ "$bs" = 1M ]; then record "$label" "$kind" "$bw"; else
+                    record "$label" "$kind" "$iops"; fi
+                log "$label round $r $kind: $iops IOPS, $bw MiB/s"
+            done
+        done
+    done
+    qemu-img check -q "$WORK/data-ours.qcow2" || die "our server left a corrupt image"
+    rm -f "$WORK/data.raw" "$WORK/data-qemu.qcow2" "$WORK/data-ours.qcow2"
+}
+
+# ---------------------------------------------------------------------------------------------
+# 3. L2 cache: 4 KiB random reads (QD1) over an image whose clusters are all allocated
+# (preallocation=metadata), with 1/3/5 MiB caches and 4/16/64 KiB slices, read-only.
+l2_scenarios() {
+    log "L2 cache: making a ${L2_GIB} GiB image with preallocation=metadata"
+    qemu-img create -q -f qcow2 -o preallocation=metadata "$WORK/l2-qemu.qcow2" "${L2_GIB}G"
+    copy_image "$WORK/l2-qemu.qcow2" "$WORK/l2-ours.qcow2"
+    local cache slice r kind iops image
+    for cache in 1M 3M 5M; do
+        for slice in 4k 16k 64k; do
+            for r in $(seq 1 "$ROUNDS"); do
+                for kind in $(order "$r"); do
+                    image=$WORK/l2-$kind.qcow2
+                    start_server "$kind" "$image" l2="$cache" slice="$slice" ro=1
+                    stats=$(run_fio read --rw=randread --bs=4k --iodepth=1 \
+                        --runtime="$L2_RUNTIME" --time_based --ramp_time=1)
+                    read -r iops _ _ <<<"$stats"
+                    stop_server
+                    record "l2 cache $cache slice $slice" "$kind" "$iops"
+                    log "l2 $cache/$slice round $r $kind: $iops IOPS"
+                done
+            done
+        done
+    done
+    rm -f "$WORK/l2-qemu.qcow2" "$WORK/l2-ours.qcow2"
+}
+
+# ---------------------------------------------------------------------------------------------
+# 4. Chains: the same guest data through one image and through CHAIN_DEPTH layers (layer k
+# holds every cluster i with i % depth == k). A full sequential read (1 MiB, QD1), its time and
+# the server's peak RSS (VmHWM, a fresh server per read).
+build_chain() {
+    local dir=$WORK/chain depth=$CHAIN_DEPTH size=$((CHAIN_MIB << 20)) k i prev="" cmds
+    local clusters=$((size / 65536))
+    mkdir -p "$dir"
+    for k in $(seq 0 $((depth - 1))); do
+        local name
+        name=$(printf 'layer%03d.qcow2' "$k")
+        # The layer is written with no backing, then pointed at the one below (unsafe rebase:
+        # only the header changes), so building stays linear in the depth.
+        qemu-img create -q -f qcow2 "$dir/$name" "${CHAIN_MIB}M"
+        cmds=()
+        for ((i = k; i < clusters; i += depth)); do
+            cmds+=(-c "write -q -P $((i % 251 + 1)) $((i * 65536)) 64k")
+        done
+        [ ${#cmds[@]} -gt 0 ] && qemu-io -f qcow2 "${cmds[@]}" "$dir/$name" >/dev/null
+        [ -n "$prev" ] && qemu-img rebase -u -f qcow2 -b "$prev" -F qcow2 "$dir/$name"
+        prev=$name
+    done
+    ln -sf "$(printf 'layer%03d.qcow2' $((depth - 1)))" "$dir/top.qcow2"
+    qemu-img convert -f qcow2 -O qcow2 "$dir/top.qcow2" "$WORK/flat.qcow2"
+}
+
+chain_scenarios() {
+    log "chains: building depth $CHAIN_DEPTH and depth 1 with the same $CHAIN_MIB MiB of data"
+    build_chain
+    local size=$((CHAIN_MIB << 20)) r kind image label ms hwm depth
+    for r in $(seq 1 "$ROUNDS"); do
+        for depth in 1 "$CHAIN_DEPTH"; do
+            if [ "$depth" = 1 ]; then image=$WORK/flat.qcow2; else image=$WORK/chain/top.qcow2; fi
+            for kind in $(order "$r"); do
+                start_server "$kind" "$image" ro=1
+                stats=$(run_fio read --rw=read --bs=1M --iodepth=1 --size="$size")
+                read -r _ _ ms <<<"$stats"
+                hwm=$(status_kib VmHWM)
+                stop_server
+                record "chain $depth read ms" "$kind" "$ms"
+                record "chain $depth peak rss MiB" "$kind" "$(awk -v k="$hwm" 'BEGIN { printf "%.1f", k / 1024 }')"
+                log "chain depth $depth round $r $kind: $ms ms, VmHWM $hwm KiB"
+            done
+        done
+    done
+    rm -rf "$WORK/chain" "$WORK/flat.qcow2"
+}
+
+# ---------------------------------------------------------------------------------------------
+# 5. Memory: server RSS at rest (just started), after random reads over the whole L2-cache
+# image have filled a RSS_L2_CACHE L2 cache, and after CLEAN_INTERVAL has emptied it again.
+rss_scenarios() {
+    log "RSS: ${L2_GIB} GiB image, l2-cache-size=$RSS_L2_CACHE, cache-clean-interval=$CLEAN_INTERVAL"
+    qemu-img create -q -f qcow2 -o preallocation=metadata "$WORK/rss-qemu.qcow2" "${L2_GIB}G"
+    copy_image "$WORK/rss-qemu.qcow2" "$WORK/rss-ours.qcow2"
+    local r kind rest loaded cleaned hwm
+    for r in $(seq 1 "$ROUNDS"); do
+        for kind in $(order "$r"); do
+            start_server "$kind" "$WORK/rss-$kind.qcow2" l2="$RSS_L2_CACHE" \
+                clean="$CLEAN_INTERVAL" ro=1
+            sleep 0.5
+            rest=$(status_kib VmRSS)
+            run_fio read --rw=randread --bs=4k --iodepth=32 --runtime="$RUNTIME" \
+                --time_based >/dev/null
+            loaded=$(status_kib VmRSS)
+            hwm=$(status_kib VmHWM)
+            sleep $((2 * CLEAN_INTERVAL + 1))
+            cleaned=$(status_kib VmRSS)
+            stop_server
+            record "rss at rest MiB" "$kind" "$(awk -v k="$rest" 'BEGIN { printf "%.1f", k / 1024 }')"
+            record "rss loaded MiB" "$kind" "$(awk -v k="$loaded" 'BEGIN { printf "%.1f", k / 1024 }')"
+            record "rss peak MiB" "$kind" "$(awk -v k="$hwm" 'BEGIN { printf "%.1f", k / 1024 }')"
+            record "rss after clean MiB" "$kind" "$(awk -v k="$cleaned" 'BEGIN { printf "%.1f", k / 1024 }')"
+            log "rss round $r $kind: rest $rest KiB, loaded $loaded KiB, peak $hwm KiB, cleaned $cleaned KiB"
+        done
+    done
+    rm -f "$WORK/rss-qemu.qcow2" "$WORK/rss-ours.qcow2"
+}
+
+# ---------------------------------------------------------------------------------------------
+START=$(date +%s)
+for group in $ONLY; do
+    case $group in
+    alloc) alloc_scenarios ;; io) io_scenarios ;; l2) l2_scenarios ;;
+    chain) chain_scenarios ;; rss) rss_scenarios ;;
+    *) die "unknown scenario group $group (alloc io l2 chain rss)" ;;
+    esac
+done
+ELAPSED=$(($(date +%s) - START))
+
+# ---------------------------------------------------------------------------------------------
+# The table. ratio = ours / qemu-nbd for rates (higher is better) and qemu-nbd / ours for
+# times and memory (so above 1 always means we are better); "raw" is our server on a raw file.
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a == "-" || b == "-" || b == 0) print "-"; else printf "%.2f\n", a / b }'; }
+
+row() { # scenario label unit higher_is_better
+    local sc=$1 label=$2 unit=$3 better=$4 q o w rt
+    q=$(median "$sc" qemu)
+    o=$(median "$sc" ours)
+    [ "$q" = - ] && [ "$o" = - ] && return 0
+    if [ "$better" = higher ]; then rt=$(ratio "$o" "$q"); else rt=$(ratio "$q" "$o"); fi
+    w=$(median "$sc" raw)
+    printf '| %s | %s | %s | %s | %s | %s |\n' "$label" "$unit" "$q" "$o" "$rt" "$w"
+}
+
+{
+    echo
+    echo "qcow2-nbd vs qemu-nbd $(qemu-nbd --version | head -1 | awk '{print $2}'), $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) CPUs, Linux $(uname -r), ROUNDS=$ROUNDS RUNTIME=${RUNTIME}s QUICK=$QUICK, ${ELAPSED}s"
+    echo
+    echo "| scenario | unit | qemu-nbd | ours | ratio | raw (ours) |"
+    echo "|---|---|---:|---:|---:|---:|"
+    raw_alloc=$(median "alloc raw" raw)
+    for cfg in $ALLOC_CONFIGS; do
+        IFS=: read -r label _ _ <<<"$cfg"
+        q=$(median "alloc $label" qemu)
+        o=$(median "alloc $label" ours)
+        [ "$q" = - ] && continue
+        printf '| alloc 4k randwrite %s (QD%s) | IOPS | %s | %s | %s | %s |\n' "$label" "$ALLOC_QD" \
+            "$q" "$o" "$(ratio "$o" "$q")" "$raw_alloc"
+    done
+    for sc in $IO_SCENARIOS; do
+        IFS=: read -r label _ _ bs _ <<<"$sc"
+        if [ "$bs" = 1M ]; then row "$label" "$label" MiB/s higher; else
+            row "$label" "$label" IOPS higher; fi
+    done
+    for cache in 1M 3M 5M; do
+        for slice in 4k 16k 64k; do
+            row "l2 cache $cache slice $slice" "L2 ${L2_GIB}G: cache $cache, slice $slice" IOPS higher
+        done
+    done
+    for depth in 1 "$CHAIN_DEPTH"; do
+        row "chain $depth read ms" "chain depth $depth: full read" ms lower
+    done
+    for depth in 1 "$CHAIN_DEPTH"; do
+        row "chain $depth peak rss MiB" "chain depth $depth: peak RSS" MiB lower
+    done
+    row "rss at rest MiB" "RSS at rest" MiB lower
+    row "rss loaded MiB" "RSS after random reads (l2 $RSS_L2_CACHE)" MiB lower
+    row "rss peak MiB" "peak RSS (l2 $RSS_L2_CACHE)" MiB lower
+    row "rss after clean MiB" "RSS after cache-clean-interval" MiB lower
+    echo
+    echo "ratio: ours/qemu-nbd for rates, qemu-nbd/ours for times and memory (above 1 = ours better)."
+    # Chain targets are about our server against itself.
+    c1=$(median "chain 1 read ms" ours)
+    cn=$(median "chain $CHAIN_DEPTH read ms" ours)
+    m1=$(median "chain 1 peak rss MiB" ours)
+    mn=$(median "chain $CHAIN_DEPTH peak rss MiB" ours)
+    if [ "$c1" != - ]; then
+        echo "ours: chain $CHAIN_DEPTH / chain 1 read time = $(ratio "$cn" "$c1"), peak RSS growth = $(awk -v a="$mn" -v b="$m1" 'BEGIN { printf "%.1f", a - b }') MiB"
+        q1=$(median "chain 1 read ms" qemu)
+        qn=$(median "chain $CHAIN_DEPTH read ms" qemu)
+        qm1=$(median "chain 1 peak rss MiB" qemu)
+        qmn=$(median "chain $CHAIN_DEPTH peak rss MiB" qemu)
+        echo "qemu-nbd: chain $CHAIN_DEPTH / chain 1 read time = $(ratio "$qn" "$q1"), peak RSS growth = $(awk -v a="$qmn" -v b="$qm1" 'BEGIN { printf "%.1f", a - b }') MiB"
+    fi
+}
