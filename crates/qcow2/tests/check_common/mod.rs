@@ -353,7 +353,7 @@ impl Patch {
     /// File offset of the refcount block entry of host cluster `cluster` and the block.
     fn refcount_slot(&self, cluster: u64) -> (u64, u64) {
         let order = self.refcount_order();
-        let entries = self.cluster_size() * 8 >> order;
+        let entries = (self.cluster_size() * 8) >> order;
         let block = self.u64(self.reftable_offset() + 8 * (cluster / entries)) & !0x1ff;
         assert_ne!(block, 0, "cluster {cluster} has no refcount block");
         (block, cluster % entries)

@@ -118,16 +118,18 @@ impl<S: Storage> Pass<'_, S> {
                     format!("{} refcount block {i} is outside image", Self::verb(fixing)),
                 );
                 if fixing {
-                    match self.grow_file_to(offset, imrt).await {
-                        Ok(()) if cluster < imrt.len() => {
-                            self.res.corruptions -= 1;
-                            self.res.corruptions_fixed += 1;
-                            // The new cluster is zeroed and referenced once: nothing else to
-                            // check for it.
-                            self.inc(imrt, offset, cs)?;
-                            continue;
-                        }
+                    match self.grow_file_to(offset).await {
                         Ok(()) => {
+                            let clusters = self.meta.clusters(self.file_len);
+                            imrt.grow(clusters)?;
+                            if cluster < imrt.len() {
+                                self.res.corruptions -= 1;
+                                self.res.corruptions_fixed += 1;
+                                // The new cluster is zeroed and referenced once: nothing
+                                // else to check for it.
+                                self.inc(imrt, offset, cs)?;
+                                continue;
+                            }
                             *rebuild = true;
                             self.log(
                                 FindingKind::Error,
@@ -161,28 +163,35 @@ impl<S: Storage> Pass<'_, S> {
         Ok(())
     }
 
-    /// Grows the file so that the cluster at `offset` is inside it, and the table with it.
-    async fn grow_file_to(&mut self, offset: u64, imrt: &mut Imrt) -> Result<(), CheckError> {
+    /// Grows the file so that the cluster at `offset` is inside it. A file of more clusters
+    /// than a check can count is refused, as the check of such a file would be.
+    async fn grow_file_to(&mut self, offset: u64) -> Result<(), CheckError> {
         let cs = self.meta.cluster_size;
+        let invalid = |what| {
+            CheckError::io(
+                "growing the image",
+                offset,
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, what),
+            )
+        };
         let end = offset
             .checked_add(cs)
             .filter(|&e| e <= limits::MAX_FILE_OFFSET)
-            .ok_or_else(|| {
-                CheckError::io(
-                    "growing the image",
-                    offset,
-                    std::io::Error::from(std::io::ErrorKind::InvalidInput),
-                )
-            })?;
-        self.file
-            .set_len(end)
-            .await
-            .map_err(|e| CheckError::io("growing the image", end, e))?;
+            .ok_or_else(|| invalid("Invalid argument"))?;
+        if self.meta.clusters(end) > i32::MAX as u64 {
+            return Err(invalid("File too large"));
+        }
+        if end > self.file_len {
+            self.file
+                .set_len(end)
+                .await
+                .map_err(|e| CheckError::io("growing the image", end, e))?;
+        }
         self.file_len = self
             .file
             .len()
             .await
             .map_err(|e| CheckError::io("getting the file size", 0, e))?;
-        imrt.grow(self.meta.clusters(self.file_len))
+        Ok(())
     }
 }

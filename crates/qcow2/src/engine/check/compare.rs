@@ -5,6 +5,7 @@
 use super::error::CheckError;
 use super::imrt::Imrt;
 use super::ondisk::Refblocks;
+use super::overlap::REFT_OFFSET_MASK;
 use super::pass::{Fix, Pass};
 use super::report::FindingKind;
 use storage::Storage;
@@ -20,7 +21,14 @@ impl<S: Storage> Pass<'_, S> {
     ) -> Result<u64, CheckError> {
         let mut rb = Refblocks::default();
         let mut highest = 0u64;
-        for k in 0..imrt.len() {
+        let mut next = 0u64;
+        while next < imrt.len() {
+            if let Some(resume) = self.skip_unused(imrt, next) {
+                next = resume;
+                continue;
+            }
+            let k = next;
+            next += 1;
             let stored = match self.stored_refcount(&mut rb, k).await {
                 Ok(v) => v,
                 Err(e) => {
@@ -72,5 +80,31 @@ impl<S: Storage> Pass<'_, S> {
         }
         self.write_back_refblock(&mut rb).await?;
         Ok(highest)
+    }
+
+    /// Where comparing can resume when cluster `k` starts a stretch that no refcount block
+    /// describes and nothing uses: both sides are zero there. `None` when `k` needs looking
+    /// at. This keeps a check of a sparse file (or one a repair grew) proportional to what
+    /// the image uses.
+    fn skip_unused(&self, imrt: &Imrt, k: u64) -> Option<u64> {
+        let bits = self.meta.refblock_bits;
+        let index = k >> bits;
+        let beyond_table = index >= self.meta.reftable.len() as u64;
+        let no_block = beyond_table
+            || usize::try_from(index)
+                .ok()
+                .and_then(|i| self.meta.reftable.get(i))
+                .is_some_and(|&raw| raw & REFT_OFFSET_MASK == 0);
+        if !no_block {
+            return None;
+        }
+        if beyond_table {
+            // Every block past the table is absent: jump to the block of the next use.
+            let next_used = imrt.next_used(k).unwrap_or(imrt.len());
+            let resume = (next_used >> bits) << bits;
+            return (resume > k).then_some(resume);
+        }
+        let block_end = (index + 1) << bits;
+        (!imrt.any_used(k, block_end)).then_some(block_end)
     }
 }

@@ -2,54 +2,107 @@
 //! computed from the references the check finds, indexed by host cluster.
 
 use super::error::CheckError;
+use std::collections::BTreeMap;
+
+/// Clusters per chunk of the table (chunks are allocated on first use).
+const CHUNK_BITS: u32 = 16;
+const CHUNK: u64 = 1 << CHUNK_BITS;
 
 /// Computed refcounts, one per host cluster.
 ///
-/// Stored as `u32`: a cluster cannot be referenced more often than there are references in the
-/// image, and counting 2^32 of them would take far longer than any check runs. Counts stop at
-/// the image's refcount limit, where QEMU reports an overflow.
+/// Stored in chunks that exist only where some cluster is used, so a table that covers a
+/// sparse file (or one a repair grew) costs memory only for what is referenced. Counts are
+/// `u32`: a cluster cannot be referenced more often than there are references in the image,
+/// and counting 2^32 of them would take far longer than any check runs. Counts stop at the
+/// image's refcount limit, where QEMU reports an overflow.
 pub(crate) struct Imrt {
-    counts: Vec<u32>,
+    chunks: BTreeMap<u64, Box<[u32]>>,
+    len: u64,
 }
 
 impl Imrt {
     /// A table of `clusters` zero refcounts.
     pub fn new(clusters: u64) -> Result<Imrt, CheckError> {
-        let mut t = Imrt { counts: Vec::new() };
+        let mut t = Imrt {
+            chunks: BTreeMap::new(),
+            len: 0,
+        };
         t.grow(clusters)?;
         Ok(t)
     }
 
     /// Number of clusters covered.
     pub fn len(&self) -> u64 {
-        self.counts.len() as u64
+        self.len
     }
 
     /// Grows the table to cover `clusters` clusters (never shrinks).
     pub fn grow(&mut self, clusters: u64) -> Result<(), CheckError> {
-        let n = usize::try_from(clusters).map_err(|_| CheckError::TooLarge { clusters })?;
-        if n > self.counts.len() {
-            self.counts
-                .try_reserve(n - self.counts.len())
-                .map_err(|_| CheckError::TooLarge { clusters })?;
-            self.counts.resize(n, 0);
-        }
+        self.len = self.len.max(clusters);
         Ok(())
+    }
+
+    fn split(k: u64) -> (u64, usize) {
+        // Offsets inside a chunk are below 2^16.
+        (k >> CHUNK_BITS, (k & (CHUNK - 1)) as usize)
     }
 
     /// The refcount of cluster `k` (0 past the end).
     pub fn get(&self, k: u64) -> u64 {
-        usize::try_from(k)
-            .ok()
-            .and_then(|i| self.counts.get(i))
+        let (c, i) = Self::split(k);
+        self.chunks
+            .get(&c)
+            .and_then(|chunk| chunk.get(i))
             .map_or(0, |&v| u64::from(v))
     }
 
     /// Sets the refcount of cluster `k`, which must be covered; values past `u32` saturate.
     pub fn set(&mut self, k: u64, value: u64) {
-        if let Some(slot) = usize::try_from(k).ok().and_then(|i| self.counts.get_mut(i)) {
-            *slot = u32::try_from(value).unwrap_or(u32::MAX);
+        if k >= self.len {
+            return;
         }
+        let (c, i) = Self::split(k);
+        let chunk = match self.chunks.get_mut(&c) {
+            Some(chunk) => chunk,
+            None if value == 0 => return,
+            None => self
+                .chunks
+                .entry(c)
+                .or_insert_with(|| vec![0u32; CHUNK as usize].into_boxed_slice()),
+        };
+        if let Some(v) = chunk.get_mut(i) {
+            *v = u32::try_from(value).unwrap_or(u32::MAX);
+        }
+    }
+
+    /// The first cluster at or after `k` with a non-zero count.
+    pub fn next_used(&self, k: u64) -> Option<u64> {
+        let (first, skip) = Self::split(k);
+        for (&c, chunk) in self.chunks.range(first..) {
+            let from = if c == first { skip } else { 0 };
+            if let Some(pos) = chunk.iter().skip(from).position(|&v| v != 0) {
+                let found = (c << CHUNK_BITS) + (from + pos) as u64;
+                return (found < self.len).then_some(found);
+            }
+        }
+        None
+    }
+
+    /// Whether any cluster in `[start, end)` has a non-zero count.
+    pub fn any_used(&self, start: u64, end: u64) -> bool {
+        if start >= end {
+            return false;
+        }
+        let (first, _) = Self::split(start);
+        let (last, _) = Self::split(end - 1);
+        self.chunks.range(first..=last).any(|(&c, chunk)| {
+            let base = c << CHUNK_BITS;
+            let from = start.saturating_sub(base).min(CHUNK) as usize;
+            let to = (end - base).min(CHUNK) as usize;
+            chunk
+                .get(from..to)
+                .is_some_and(|s| s.iter().any(|&v| v != 0))
+        })
     }
 
     /// The largest count this table can hold for an image whose refcounts stop at `max`.
@@ -59,7 +112,7 @@ impl Imrt {
 
     /// Zeroes every count, keeping the size.
     pub fn clear(&mut self) {
-        self.counts.fill(0);
+        self.chunks.clear();
     }
 
     /// Finds `count` contiguous free clusters at or after `*first_free`, marks them used
@@ -70,7 +123,7 @@ impl Imrt {
         let mut cluster = *first_free;
         let mut run = 0u64;
         let mut first_gap = true;
-        while cluster < self.len() && run < count {
+        while cluster < self.len && run < count {
             if self.get(cluster) == 0 {
                 run += 1;
                 if first_gap {
@@ -126,5 +179,21 @@ mod tests {
         assert_eq!(t.get(5), 0);
         t.set(1, u64::MAX);
         assert_eq!(t.get(1), u64::from(u32::MAX));
+    }
+
+    #[test]
+    fn a_huge_sparse_table_costs_only_its_used_chunks() {
+        let mut t = Imrt::new(1 << 40).unwrap();
+        t.set(3, 1);
+        t.set((1 << 39) + 7, 2);
+        assert_eq!(t.next_used(0), Some(3));
+        assert_eq!(t.next_used(4), Some((1 << 39) + 7));
+        assert_eq!(t.next_used((1 << 39) + 8), None);
+        assert!(t.any_used(0, 4));
+        assert!(!t.any_used(4, 1 << 39));
+        assert!(t.any_used((1 << 39) + 7, (1 << 39) + 8));
+        t.clear();
+        assert_eq!(t.next_used(0), None);
+        assert_eq!(t.len(), 1 << 40);
     }
 }

@@ -82,9 +82,9 @@ impl<S: Storage> Pass<'_, S> {
         let mut grown = false;
         let mut cluster = first;
         while cluster < end {
-            if imrt.get(cluster) == 0 {
-                cluster += 1;
-                continue;
+            match imrt.next_used(cluster) {
+                Some(used) if used < end => cluster = used,
+                _ => break,
             }
             let index = cluster >> bits;
             let block_start = index << bits;
