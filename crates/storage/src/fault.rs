@@ -465,6 +465,10 @@ impl<S: Storage> Storage for FaultStorage<S> {
         self.inner.data_run(offset, len).await
     }
 
+    fn allocated_size(&self) -> Option<u64> {
+        self.inner.allocated_size()
+    }
+
     async fn discard_at(&self, offset: u64, len: u64) -> io::Result<()> {
         self.admit(OpKind::Discard)?;
         checked_end("discard_at", offset, len)?;

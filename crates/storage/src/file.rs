@@ -307,6 +307,12 @@ fn at(op: &str, offset: u64, len: usize, e: io::Error) -> io::Error {
 }
 
 impl<R: RawFile> Storage for FileStorage<R> {
+    fn allocated_size(&self) -> Option<u64> {
+        use std::os::unix::fs::MetadataExt;
+        let m = self.raw.file().metadata().ok()?;
+        m.blocks().checked_mul(512)
+    }
+
     async fn data_run(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
         let (data, end) = crate::sys::data_run(self.raw.file(), offset)?;
         Ok((data, end.saturating_sub(offset).min(len).max(1).min(len)))

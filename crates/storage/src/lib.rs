@@ -95,6 +95,11 @@ pub trait Storage {
         let _ = offset;
         Ok((true, len))
     }
+    /// Bytes the storage really occupies (a file's allocated blocks), when known. QEMU compares
+    /// it with the image's allocated clusters to tell `preallocation=metadata` images apart.
+    fn allocated_size(&self) -> Option<u64> {
+        None
+    }
     /// fdatasync: everything written before is durable when this returns.
     async fn flush(&self) -> std::io::Result<()>;
     /// Current length in bytes.

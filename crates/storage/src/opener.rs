@@ -69,6 +69,9 @@ impl Storage for AnyStorage {
     async fn data_run(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
         each!(self, s => s.data_run(offset, len).await)
     }
+    fn allocated_size(&self) -> Option<u64> {
+        each!(self, s => s.allocated_size())
+    }
     async fn discard_at(&self, offset: u64, len: u64) -> io::Result<()> {
         each!(self, s => s.discard_at(offset, len).await)
     }

@@ -88,10 +88,20 @@ impl<S: Storage + 'static> Image<S> {
                     ..base
                 }),
                 Source::Data { host } => {
-                    // Data over a hole of the file reads as zeros: QEMU reports it as zero,
-                    // and (for raw layers, whose status is the file's) not as data.
+                    // Raw layers take the file's status: holes are zeros, not data. A qcow2
+                    // layer asks its file only when QEMU would (metadata preallocation), and
+                    // then data over a hole is data that reads as zeros.
                     let layer = &inner.layers[p.layer];
                     let raw = layer.qcow2().is_none();
+                    if !raw && !inner.metadata_preallocated(p.layer).await {
+                        push(Extent {
+                            data: true,
+                            zero: false,
+                            offset: Some(host),
+                            ..base
+                        });
+                        continue;
+                    }
                     let mut pos = 0;
                     while pos < p.len {
                         let (stored, n) = layer

@@ -21,6 +21,9 @@ pub(crate) struct Layer<S> {
 }
 
 /// Raw or qcow2.
+// One value per layer, built once on open: boxing the large variant would only add an
+// indirection on every request.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum LayerFormat<S> {
     /// Every byte below `size` is data at the same offset in the file.
     Raw,
@@ -47,6 +50,8 @@ pub(crate) struct Qcow2Meta<S> {
     /// Bytes of the file known to hold clusters; pointers at or past it are corrupt. For the
     /// writable layer the allocator keeps this up to date.
     pub file_end: Cell<u64>,
+    /// Whether this layer looks made with `preallocation=metadata` (decided on first use).
+    pub metadata_prealloc: Cell<Option<bool>>,
 }
 
 impl<S: Storage + 'static> Layer<S> {

@@ -16,8 +16,8 @@
 //! (writable L2 tables), `l2_entry` (entry updates), `write` (allocation and copy-on-write),
 //! `zero`, `discard`, `flush`, `overlap` (metadata that data must never overwrite).
 
-pub mod backing_name;
 mod backing_map;
+pub mod backing_name;
 mod block_status;
 pub mod check;
 pub mod compress;
@@ -25,6 +25,7 @@ mod create;
 mod discard;
 mod error;
 mod flush;
+mod join_all;
 mod l2_entry;
 mod l2_table;
 mod layer;
@@ -32,6 +33,7 @@ mod map;
 mod metacache;
 mod open;
 mod overlap;
+mod prealloc_detect;
 pub mod range_lock;
 mod read;
 mod refcount;

@@ -1,13 +1,13 @@
 //! Opening an image and its backing chain: probing, validating every structure against the
 //! file and against each other, and sizing the shared metadata cache.
 
+use super::backing_map::BackingMap;
 use super::backing_name::{self, ChainGuard};
 use super::compress::Codec;
 use super::error::{EngineError, Result};
 use super::layer::{read_exact, Layer, LayerFormat, Qcow2Meta};
 use super::metacache::L2Backend;
 use super::range_lock::RangeLocks;
-use super::backing_map::BackingMap;
 use super::writer::Writer;
 use super::{Image, Inner, L2Cache};
 use crate::format::{limits, snapshot, Header, SnapshotTableEntry};
@@ -81,7 +81,10 @@ impl<S: Storage + 'static> Image<S> {
         .await?;
         let mut layers = vec![top];
         let mut paths = vec![path.to_path_buf()];
-        while !opts.no_backing {
+        loop {
+            if opts.no_backing {
+                break;
+            }
             let (last, last_path) = (
                 layers.last().expect("non-empty"),
                 paths.last().expect("non-empty"),
@@ -485,6 +488,7 @@ where
             data_raw,
             codec,
             file_end: Cell::new(file_len),
+            metadata_prealloc: Cell::new(None),
         },
         size,
     ))

@@ -1,0 +1,90 @@
+//! QEMU's guess whether a qcow2 layer was made with `preallocation=metadata`: then its data
+//! clusters may sit over holes of the file, and block status asks the file which of them
+//! really hold data. Otherwise a data cluster is data, whatever the file says — so `map` and
+//! NBD block status agree with `qemu-img map` byte for byte.
+//!
+//! The test (as QEMU's `qcow2_detect_metadata_preallocation`): the clusters with a nonzero
+//! refcount outnumber what the file really occupies by a ninth (and by at least two).
+
+use super::layer::Layer;
+use super::Inner;
+use crate::format::refcount;
+use storage::Storage;
+
+impl<S: Storage + 'static> Inner<S> {
+    /// Whether layer `index` looks metadata-preallocated; decided once per layer, and any
+    /// error reading refcounts simply means "no" (block status must not fail over a guess).
+    pub(crate) async fn metadata_preallocated(&self, index: usize) -> bool {
+        let layer = &self.layers[index];
+        let Some(meta) = layer.qcow2() else {
+            return false;
+        };
+        if let Some(known) = meta.metadata_prealloc.get() {
+            return known;
+        }
+        let answer = self.detect(index, layer).await.unwrap_or(false);
+        meta.metadata_prealloc.set(Some(answer));
+        answer
+    }
+
+    async fn detect(&self, index: usize, layer: &Layer<S>) -> Option<bool> {
+        let meta = layer.qcow2()?;
+        let g = &meta.geom;
+        let cs = g.cluster_size();
+        let real_clusters = layer.file.allocated_size()? / cs;
+        let threshold = (real_clusters * 10 / 9).max(real_clusters + 2);
+        let file_len = layer.file.len().await.ok()?;
+        let end_cluster = file_len.div_ceil(cs);
+        let order = g.refcount_order();
+        let per_block = g.refcount_block_entries();
+        let entries = usize::try_from(per_block).ok()?;
+        // Layer 0 of a writable image: its refcount blocks may be newer in the cache than in
+        // the file, so count through the cache.
+        let writer = self.writer.as_ref().filter(|_| index == 0);
+        let reftable: Vec<u64> = match writer {
+            Some(w) => w.reftable.borrow().clone(),
+            None => {
+                let h = meta.header.borrow().clone();
+                let len = usize::try_from(u64::from(h.refcount_table_clusters) * cs).ok()?;
+                let bytes = layer
+                    .read_file("reading the refcount table", h.refcount_table_offset, len)
+                    .await
+                    .ok()?;
+                bytes
+                    .chunks_exact(8)
+                    .map(|c| {
+                        u64::from_be_bytes(c.try_into().expect("8 bytes"))
+                            & !refcount::REFTABLE_RESERVED_MASK
+                    })
+                    .collect()
+            }
+        };
+        let count_block = |b: &[u8], n: usize| {
+            (0..n)
+                .filter(|&i| refcount::get(b, order, i).is_ok_and(|r| r != 0))
+                .count() as u64
+        };
+        let mut counted = 0u64;
+        for (i, &block) in reftable.iter().enumerate() {
+            let first = (i as u64).checked_mul(per_block)?;
+            if first >= end_cluster || counted >= threshold {
+                break;
+            }
+            if block == 0 {
+                continue;
+            }
+            let n = usize::try_from((end_cluster - first).min(per_block)).ok()?;
+            counted += match writer {
+                Some(w) => w.refcounts.read(block, |b| count_block(b, n)).await.ok()?,
+                None => {
+                    let b = layer
+                        .read_file("reading a refcount block", block, usize::try_from(cs).ok()?)
+                        .await
+                        .ok()?;
+                    count_block(&b, n.min(entries))
+                }
+            };
+        }
+        Some(counted >= threshold)
+    }
+}
