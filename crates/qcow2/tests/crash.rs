@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
-use storage::{CrashPlan, FaultStorage, InjectedError, IoBuf, MemFs, MemStorage, Opener, Storage};
+use storage::{CrashPlan, FaultStorage, InjectedError, IoBuf, MemFs, MemStorage, Opener};
 use support::run;
 
 /// Paths to fault-injecting storages, so the engine can open an image and its backing file.
@@ -46,11 +46,25 @@ impl Rng {
 
 #[derive(Clone, Copy, Debug)]
 enum Op {
-    Write { off: u64, len: u64, byte: u8, fua: bool },
-    Zero { off: u64, len: u64, unmap: bool },
-    Discard { off: u64, len: u64 },
+    Write {
+        off: u64,
+        len: u64,
+        byte: u8,
+        fua: bool,
+    },
+    Zero {
+        off: u64,
+        len: u64,
+        unmap: bool,
+    },
+    Discard {
+        off: u64,
+        len: u64,
+    },
     Flush,
-    Resize { size: u64 },
+    Resize {
+        size: u64,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -71,7 +85,11 @@ struct Config {
 
 fn workload(c: &Config, seed: u64) -> Vec<Op> {
     let mut rng = Rng(seed);
-    let unit = if c.extended_l2 { c.cluster / 32 } else { c.cluster };
+    let unit = if c.extended_l2 {
+        c.cluster / 32
+    } else {
+        c.cluster
+    };
     let mut size = c.size;
     let mut ops = Vec::new();
     for i in 0..c.ops {
@@ -248,7 +266,11 @@ async fn run_workload(c: &Config, ops: &[Op], fail_after: Option<u64>) -> (Fault
             }
         };
         if let Err(e) = res {
-            assert!(fail_after.is_some(), "{}: {op:?} failed without a fault: {e}", c.name);
+            assert!(
+                fail_after.is_some(),
+                "{}: {op:?} failed without a fault: {e}",
+                c.name
+            );
             return finish(fs, expect, Some(e.to_string()));
         }
     }
@@ -268,7 +290,10 @@ async fn verify(c: &Config, crash: MemStorage, expect: &Expect, what: &str, qemu
     let memfs = MemFs::new();
     memfs.insert(TOP, crash.clone());
     if c.backing {
-        memfs.insert(BASE, MemStorage::from_bytes(&base_bytes(c.grow_to.unwrap_or(c.size))));
+        memfs.insert(
+            BASE,
+            MemStorage::from_bytes(&base_bytes(c.grow_to.unwrap_or(c.size))),
+        );
     }
     let img = Image::open(
         &memfs,
@@ -281,7 +306,10 @@ async fn verify(c: &Config, crash: MemStorage, expect: &Expect, what: &str, qemu
     .await
     .unwrap_or_else(|e| panic!("{what}: the crash image does not open: {e}"));
     let size = img.size().min(expect.durable.len() as u64);
-    let got = img.read(0, size as usize).await.unwrap_or_else(|e| panic!("{what}: read: {e}"));
+    let got = img
+        .read(0, size as usize)
+        .await
+        .unwrap_or_else(|e| panic!("{what}: read: {e}"));
     for i in 0..size as usize {
         if !expect.dirty[i] && got[i] != expect.durable[i] {
             panic!(
@@ -294,33 +322,48 @@ async fn verify(c: &Config, crash: MemStorage, expect: &Expect, what: &str, qemu
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("top.qcow2");
         if c.backing {
-            std::fs::write(dir.path().join("base.raw"), base_bytes(c.grow_to.unwrap_or(c.size))).unwrap();
+            std::fs::write(
+                dir.path().join("base.raw"),
+                base_bytes(c.grow_to.unwrap_or(c.size)),
+            )
+            .unwrap();
         }
         // A dirty lazy-refcount image is repaired by the next read-write open, not checked
         // as it is.
         if !c.lazy {
-        std::fs::write(&p, crash.to_vec()).unwrap();
-        let out = std::process::Command::new("qemu-img")
-            .args(["check", "--output=json", p.to_str().unwrap()])
-            .output()
-            .expect("run qemu-img (install qemu-utils)");
-        let code = out.status.code();
-        assert!(
-            code == Some(0) || code == Some(3),
-            "{what}: qemu-img check exited {code:?}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+            std::fs::write(&p, crash.to_vec()).unwrap();
+            let out = std::process::Command::new("qemu-img")
+                .args(["check", "--output=json", p.to_str().unwrap()])
+                .output()
+                .expect("run qemu-img (install qemu-utils)");
+            let code = out.status.code();
+            assert!(
+                code == Some(0) || code == Some(3),
+                "{what}: qemu-img check exited {code:?}: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         // The crashed image must also stay writable: allocate over it and check again.
         let fs2 = MemFs::new();
         fs2.insert(TOP, MemStorage::from_bytes(&crash.to_vec()));
         if c.backing {
-            fs2.insert(BASE, MemStorage::from_bytes(&base_bytes(c.grow_to.unwrap_or(c.size))));
+            fs2.insert(
+                BASE,
+                MemStorage::from_bytes(&base_bytes(c.grow_to.unwrap_or(c.size))),
+            );
         }
-        let img = Image::open(&fs2, Path::new(TOP), &OpenOptions::default()).await.unwrap();
+        let img = Image::open(&fs2, Path::new(TOP), &OpenOptions::default())
+            .await
+            .unwrap();
         let len = (c.cluster * 3).min(img.size() / 2);
-        let (r, _) = img.write(img.size() / 3, IoBuf::from_slice(&vec![0xee; len as usize]), true).await;
+        let (r, _) = img
+            .write(
+                img.size() / 3,
+                IoBuf::from_slice(&vec![0xee; len as usize]),
+                true,
+            )
+            .await;
         r.unwrap_or_else(|e| panic!("{what}: writing after the crash: {e}"));
         img.close().await.unwrap();
         std::fs::write(&p, fs2.get(Path::new(TOP)).unwrap().to_vec()).unwrap();
@@ -356,7 +399,10 @@ fn crash_campaign(c: Config, points: usize, plans_per_point: usize) -> usize {
                         tear: true,
                     },
                 };
-                let what = format!("{}: crash after storage op {n} of {total}, plan {k}", c.name);
+                let what = format!(
+                    "{}: crash after storage op {n} of {total}, plan {k}",
+                    c.name
+                );
                 let qemu = (p * plans_per_point + k) % 7 == 0;
                 verify(&c, handle.crash_image(&plan), &expect, &what, qemu).await;
                 checked += 1;

@@ -47,7 +47,11 @@ fn build_chain(d: &Dir, depth: usize, qemu: bool) -> PathBuf {
         if k % 6 == 3 {
             // A compressed cluster first (QEMU compresses only into unallocated clusters); the
             // writes below may then copy-on-write out of it.
-            writes.push(W::Compressed((k as u64 % 9) * (1 << 20), cs, (k % 200 + 3) as u8));
+            writes.push(W::Compressed(
+                (k as u64 % 9) * (1 << 20),
+                cs,
+                (k % 200 + 3) as u8,
+            ));
         }
         writes.push(W::Data(own, 20 << 10, (k % 250 + 1) as u8));
         writes.push(W::Data(shared, 3000, ((k * 7) % 250 + 1) as u8));
@@ -56,9 +60,29 @@ fn build_chain(d: &Dir, depth: usize, qemu: bool) -> PathBuf {
         }
         let p = d.path(&name);
         if qemu {
-            let fmt = if below.1 == Format::Raw { "raw" } else { "qcow2" };
-            let opts = format!("cluster_size={cs},extended_l2={}", if ext { "on" } else { "off" });
-            qemu_img(&["create", "-q", "-f", "qcow2", "-o", &opts, "-b", &below.0, "-F", fmt, p.to_str().unwrap(), &SIZE.to_string()]);
+            let fmt = if below.1 == Format::Raw {
+                "raw"
+            } else {
+                "qcow2"
+            };
+            let opts = format!(
+                "cluster_size={cs},extended_l2={}",
+                if ext { "on" } else { "off" }
+            );
+            qemu_img(&[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-o",
+                &opts,
+                "-b",
+                &below.0,
+                "-F",
+                fmt,
+                p.to_str().unwrap(),
+                &SIZE.to_string(),
+            ]);
             let cmds: Vec<String> = writes
                 .iter()
                 .map(|w| match *w {
@@ -79,12 +103,21 @@ fn build_chain(d: &Dir, depth: usize, qemu: bool) -> PathBuf {
             };
             run(async {
                 create_file(&opener(Aio::Threads), &p, &opts).await.unwrap();
-                let img = Image::open(&opener(Aio::Threads), &p, &OpenOptions::default()).await.unwrap();
+                let img = Image::open(&opener(Aio::Threads), &p, &OpenOptions::default())
+                    .await
+                    .unwrap();
                 for w in &writes {
                     match *w {
-                        W::Data(o, l, v) => img.write(o, IoBuf::from_slice(&vec![v; l as usize]), false).await.0.unwrap(),
+                        W::Data(o, l, v) => img
+                            .write(o, IoBuf::from_slice(&vec![v; l as usize]), false)
+                            .await
+                            .0
+                            .unwrap(),
                         W::Zero(o, l) => img.write_zeroes(o, l, false, false).await.unwrap(),
-                        W::Compressed(o, l, v) => img.write_compressed(o, IoBuf::from_slice(&vec![v; l as usize])).await.unwrap(),
+                        W::Compressed(o, l, v) => img
+                            .write_compressed(o, IoBuf::from_slice(&vec![v; l as usize]))
+                            .await
+                            .unwrap(),
                     }
                 }
                 img.close().await.unwrap();
@@ -103,10 +136,20 @@ fn check_chain(depth: usize, qemu: bool) {
     run(async {
         let img = open_ro(&top, Aio::IoUring).await;
         assert_eq!(img.chain_len(), depth + 1);
-        assert_same(&read_all(&img, 1 << 20).await, &expected, &format!("depth {depth}, 1 MiB reads"));
-        assert_same(&read_all(&img, 4096 + 512).await, &expected, &format!("depth {depth}, small reads"));
+        assert_same(
+            &read_all(&img, 1 << 20).await,
+            &expected,
+            &format!("depth {depth}, 1 MiB reads"),
+        );
+        assert_same(
+            &read_all(&img, 4096 + 512).await,
+            &expected,
+            &format!("depth {depth}, small reads"),
+        );
         if depth >= 2 {
-            let stats = img.backing_map_stats().expect("deep chains use the backing map");
+            let stats = img
+                .backing_map_stats()
+                .expect("deep chains use the backing map");
             assert!(stats.hits > 0, "the backing map was never used: {stats:?}");
         }
     });
@@ -121,7 +164,10 @@ fn check_chain(depth: usize, qemu: bool) {
             e["present"].as_bool().unwrap(),
             e["depth"].as_u64().unwrap(),
         );
-        theirs.extend(std::iter::repeat_n(t, (e["length"].as_u64().unwrap() / 512) as usize));
+        theirs.extend(std::iter::repeat_n(
+            t,
+            (e["length"].as_u64().unwrap() / 512) as usize,
+        ));
     }
     run(async {
         let img = open_ro(&top, Aio::Threads).await;
@@ -131,28 +177,59 @@ fn check_chain(depth: usize, qemu: bool) {
             ours.extend(std::iter::repeat_n(t, (e.len / 512) as usize));
         }
         if let Some(i) = ours.iter().zip(&theirs).position(|(a, b)| a != b) {
-            panic!("depth {depth}: sector {i}: ours {:?}, qemu-img map {:?}", ours[i], theirs[i]);
+            panic!(
+                "depth {depth}: sector {i}: ours {:?}, qemu-img map {:?}",
+                ours[i], theirs[i]
+            );
         }
         assert_eq!(ours.len(), theirs.len());
     });
     // Writes on top of the chain: copy-on-write from deep layers.
     let overlay = d.path("overlay.qcow2");
     let top_name = top.file_name().unwrap().to_str().unwrap();
-    qemu_img(&["create", "-q", "-f", "qcow2", "-o", "extended_l2=on", "-b", top_name, "-F", "qcow2", overlay.to_str().unwrap()]);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "extended_l2=on",
+        "-b",
+        top_name,
+        "-F",
+        "qcow2",
+        overlay.to_str().unwrap(),
+    ]);
     let mut model = expected.clone();
     run(async {
-        let img = Image::open(&opener(Aio::IoUring), &overlay, &OpenOptions::default()).await.unwrap();
+        let img = Image::open(&opener(Aio::IoUring), &overlay, &OpenOptions::default())
+            .await
+            .unwrap();
         for k in 0..40u64 {
             let off = (k * 786_433) % (SIZE - 10_000);
             let len = 1000 + (k * 997) % 9000;
             model[off as usize..(off + len) as usize].fill(0xA0 + k as u8);
-            let (r, _) = img.write(off, IoBuf::from_slice(&vec![0xA0 + k as u8; len as usize]), false).await;
+            let (r, _) = img
+                .write(
+                    off,
+                    IoBuf::from_slice(&vec![0xA0 + k as u8; len as usize]),
+                    false,
+                )
+                .await;
             r.unwrap();
         }
-        assert_same(&img.read(0, SIZE as usize).await.unwrap(), &model, "after writes");
+        assert_same(
+            &img.read(0, SIZE as usize).await.unwrap(),
+            &model,
+            "after writes",
+        );
         img.close().await.unwrap();
     });
-    assert_same(&qemu_raw(&overlay, None), &model, &format!("depth {depth}: QEMU reading the overlay"));
+    assert_same(
+        &qemu_raw(&overlay, None),
+        &model,
+        &format!("depth {depth}: QEMU reading the overlay"),
+    );
     qemu_img(&["check", overlay.to_str().unwrap()]);
 }
 
@@ -171,4 +248,3 @@ fn chain_depth_3() {
 fn chain_depth_300() {
     check_chain(300, false);
 }
-

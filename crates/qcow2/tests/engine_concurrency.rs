@@ -66,9 +66,15 @@ fn campaign(name: &str, cs: u64, ext: bool, backing: bool, batches: usize) {
         backing: backing.then(|| ("base.raw".into(), Format::Raw)),
         ..CreateOptions::default()
     };
-    let mut model = if backing { base_bytes } else { vec![0u8; size as usize] };
+    let mut model = if backing {
+        base_bytes
+    } else {
+        vec![0u8; size as usize]
+    };
     run(async {
-        create_file(&opener(Aio::IoUring), &path, &opts).await.unwrap();
+        create_file(&opener(Aio::IoUring), &path, &opts)
+            .await
+            .unwrap();
         let img = Rc::new(
             Image::open(&opener(Aio::IoUring), &path, &OpenOptions::default())
                 .await
@@ -88,7 +94,10 @@ fn campaign(name: &str, cs: u64, ext: bool, backing: bool, batches: usize) {
                 tasks.push(tokio::task::spawn_local(async move {
                     match r {
                         Req::Write(o, l, v) => {
-                            img.write(o, IoBuf::from_slice(&vec![v; l as usize]), false).await.0.unwrap();
+                            img.write(o, IoBuf::from_slice(&vec![v; l as usize]), false)
+                                .await
+                                .0
+                                .unwrap();
                             None
                         }
                         Req::Zero(o, l, unmap) => {
@@ -101,7 +110,10 @@ fn campaign(name: &str, cs: u64, ext: bool, backing: bool, batches: usize) {
                         }
                         Req::Read(o, l) => {
                             let got = img.read(o, l as usize).await.unwrap();
-                            assert!(got[..] == expect_read[..], "concurrent read at {o:#x}+{l:#x} saw another request's bytes");
+                            assert!(
+                                got[..] == expect_read[..],
+                                "concurrent read at {o:#x}+{l:#x} saw another request's bytes"
+                            );
                             None
                         }
                     }
@@ -114,8 +126,15 @@ fn campaign(name: &str, cs: u64, ext: bool, backing: bool, batches: usize) {
                     Req::Zero(o, l, _) => model[o as usize..(o + l) as usize].fill(0),
                     Req::Discard(o, l) => {
                         let now = after.unwrap();
-                        for (i, (&m, &n)) in model[o as usize..(o + l) as usize].iter().zip(&now).enumerate() {
-                            assert!(m == n || n == 0, "{name}: discard changed byte {i} to {n:#x}");
+                        for (i, (&m, &n)) in model[o as usize..(o + l) as usize]
+                            .iter()
+                            .zip(&now)
+                            .enumerate()
+                        {
+                            assert!(
+                                m == n || n == 0,
+                                "{name}: discard changed byte {i} to {n:#x}"
+                            );
                         }
                         model[o as usize..(o + l) as usize].copy_from_slice(&now);
                     }
@@ -134,8 +153,16 @@ fn campaign(name: &str, cs: u64, ext: bool, backing: bool, batches: usize) {
         .args(["check", path.to_str().unwrap()])
         .output()
         .expect("run qemu-img (install qemu-utils)");
-    assert!(out.status.success(), "{name}: qemu-img check: {}", String::from_utf8_lossy(&out.stdout));
-    assert_same(&qemu_raw(&path, None), &model, &format!("{name}: QEMU's view"));
+    assert!(
+        out.status.success(),
+        "{name}: qemu-img check: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert_same(
+        &qemu_raw(&path, None),
+        &model,
+        &format!("{name}: QEMU's view"),
+    );
 }
 
 #[test]

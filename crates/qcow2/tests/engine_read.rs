@@ -276,26 +276,73 @@ fn block_status_agrees_with_qemu_img_map() {
     std::fs::write(d.path("base.raw"), &base).unwrap();
     // A hole in the middle of the raw file.
     qemu_img(&["create", "-q", "-f", "raw", &d.s("sparse.raw"), "1M"]);
-    qemu_io(&d.path("sparse.raw"), "raw", &["write -P 1 0 64k", "write -P 2 512k 64k"]);
-    qemu_img(&["create", "-q", "-f", "qcow2", "-b", &d.s("sparse.raw"), "-F", "raw", &d.s("mid.qcow2"), "2M"]);
-    qemu_io(&d.path("mid.qcow2"), "qcow2", &["write -P 0x88 64k 64k", "write -z 256k 64k"]);
+    qemu_io(
+        &d.path("sparse.raw"),
+        "raw",
+        &["write -P 1 0 64k", "write -P 2 512k 64k"],
+    );
     qemu_img(&[
-        "create", "-q", "-f", "qcow2", "-o", "extended_l2=on", "-b", &d.s("mid.qcow2"), "-F", "qcow2",
-        &d.s("top.qcow2"), "4M",
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        &d.s("sparse.raw"),
+        "-F",
+        "raw",
+        &d.s("mid.qcow2"),
+        "2M",
+    ]);
+    qemu_io(
+        &d.path("mid.qcow2"),
+        "qcow2",
+        &["write -P 0x88 64k 64k", "write -z 256k 64k"],
+    );
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "extended_l2=on",
+        "-b",
+        &d.s("mid.qcow2"),
+        "-F",
+        "qcow2",
+        &d.s("top.qcow2"),
+        "4M",
     ]);
     qemu_io(
         &d.path("top.qcow2"),
         "qcow2",
-        &["write -P 0x99 70k 4k", "write -z 130k 4k", "write -P 0x9b 1500k 100k", "write -z 3M 8k"],
+        &[
+            "write -P 0x99 70k 4k",
+            "write -z 130k 4k",
+            "write -P 0x9b 1500k 100k",
+            "write -z 3M 8k",
+        ],
     );
     check_map(&d.path("top.qcow2"), "chain over a sparse raw file");
     // Not falloc: whether ext4 reports its unwritten extents as data or as holes depends on
     // page-cache state at the moment of asking, for QEMU and for us alike.
-    for p in ["metadata"] {
-        let name = format!("prealloc-{p}.qcow2");
-        qemu_img(&["create", "-q", "-f", "qcow2", "-o", &format!("preallocation={p}"), &d.s(&name), "1M"]);
-        check_map(&d.path(&name), &name);
-    }
-    qemu_img(&["convert", "-c", "-O", "qcow2", &d.s("mid.qcow2"), &d.s("comp.qcow2")]);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "preallocation=metadata",
+        &d.s("prealloc-metadata.qcow2"),
+        "1M",
+    ]);
+    check_map(&d.path("prealloc-metadata.qcow2"), "preallocation=metadata");
+    qemu_img(&[
+        "convert",
+        "-c",
+        "-O",
+        "qcow2",
+        &d.s("mid.qcow2"),
+        &d.s("comp.qcow2"),
+    ]);
     check_map(&d.path("comp.qcow2"), "compressed");
 }

@@ -26,32 +26,80 @@ fn fixture() -> &'static Fixture {
     F.get_or_init(|| {
         let d = Dir::new();
         let base = d.path("base.qcow2");
-        qemu_img(&["create", "-q", "-f", "qcow2", "-o", "cluster_size=4k", base.to_str().unwrap(), "5M"]);
-        qemu_io(&base, "qcow2", &["write -P 0x11 0 2M", "write -c -P 0x22 2M 64k", "write -z 1M 8k"]);
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "cluster_size=4k",
+            base.to_str().unwrap(),
+            "5M",
+        ]);
+        qemu_io(
+            &base,
+            "qcow2",
+            &[
+                "write -P 0x11 0 2M",
+                "write -c -P 0x22 2M 64k",
+                "write -z 1M 8k",
+            ],
+        );
         let top = d.path("top.qcow2");
         qemu_img(&[
-            "create", "-q", "-f", "qcow2", "-o", "cluster_size=64k,extended_l2=on", "-b", "base.qcow2",
-            "-F", "qcow2", top.to_str().unwrap(), &SIZE.to_string(),
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "cluster_size=64k,extended_l2=on",
+            "-b",
+            "base.qcow2",
+            "-F",
+            "qcow2",
+            top.to_str().unwrap(),
+            &SIZE.to_string(),
         ]);
         qemu_io(
             &top,
             "qcow2",
-            &["write -P 0x33 5000 7000", "write -z 70k 6k", "write -P 0x44 1M 130k", "write -P 0x55 4M 1M", "write -z -u 4200k 64k"],
+            &[
+                "write -P 0x33 5000 7000",
+                "write -z 70k 6k",
+                "write -P 0x44 1M 130k",
+                "write -P 0x55 4M 1M",
+                "write -z -u 4200k 64k",
+            ],
         );
         let expected = qemu_raw(&top, None);
-        Fixture { _dir: d, top, base, expected }
+        Fixture {
+            _dir: d,
+            top,
+            base,
+            expected,
+        }
     })
 }
 
 fn check(img_read: impl std::future::Future<Output = Vec<u8>>, off: u64, len: u64, what: &str) {
     let f = fixture();
     let got = run(img_read);
-    assert_same(&got, &f.expected[off as usize..(off + len) as usize], &format!("{what} at {off:#x}+{len:#x}"));
+    assert_same(
+        &got,
+        &f.expected[off as usize..(off + len) as usize],
+        &format!("{what} at {off:#x}+{len:#x}"),
+    );
 }
 
 async fn read_file(path: &Path, aio: Aio, direct: bool, off: u64, len: u64) -> Vec<u8> {
-    let opts = OpenOptions { read_only: true, direct, ..OpenOptions::default() };
-    let img = Image::open(&FileOpener { aio, direct }, path, &opts).await.unwrap();
+    let opts = OpenOptions {
+        read_only: true,
+        direct,
+        ..OpenOptions::default()
+    };
+    let img = Image::open(&FileOpener { aio, direct }, path, &opts)
+        .await
+        .unwrap();
     img.read(off, len as usize).await.unwrap().to_vec()
 }
 
@@ -59,7 +107,10 @@ async fn read_mem(top: &Path, base: &Path, off: u64, len: u64) -> Vec<u8> {
     let fs = MemFs::new();
     fs.insert(top, MemStorage::from_bytes(&std::fs::read(top).unwrap()));
     fs.insert(base, MemStorage::from_bytes(&std::fs::read(base).unwrap()));
-    let opts = OpenOptions { read_only: true, ..OpenOptions::default() };
+    let opts = OpenOptions {
+        read_only: true,
+        ..OpenOptions::default()
+    };
     let img = Image::open(&fs, top, &opts).await.unwrap();
     img.read(off, len as usize).await.unwrap().to_vec()
 }

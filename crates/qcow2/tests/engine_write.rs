@@ -261,7 +261,16 @@ fn writes_into_images_with_internal_snapshots_copy_shared_clusters() {
     for ext in ["off", "on"] {
         let path = d.path(&format!("snap-{ext}.qcow2"));
         let p = path.to_str().unwrap();
-        qemu_img(&["create", "-q", "-f", "qcow2", "-o", &format!("extended_l2={ext}"), p, "4M"]);
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            &format!("extended_l2={ext}"),
+            p,
+            "4M",
+        ]);
         qemu_io(&path, "qcow2", &["write -P 0x31 0 3M", "write -z 3M 256k"]);
         qemu_img(&["snapshot", "-c", "one", p]);
         qemu_io(&path, "qcow2", &["write -P 0x32 1M 1M"]);
@@ -269,10 +278,28 @@ fn writes_into_images_with_internal_snapshots_copy_shared_clusters() {
         let one = qemu_raw(&path, Some("one"));
         let two = qemu_raw(&path, Some("two"));
         let mut model = qemu_raw(&path, None);
-        run(exercise(&path, &mut model, 99, 200, if ext == "on" { 2048 } else { 65536 }));
+        run(exercise(
+            &path,
+            &mut model,
+            99,
+            200,
+            if ext == "on" { 2048 } else { 65536 },
+        ));
         qemu_check_clean(&path);
-        assert_same(&qemu_raw(&path, None), &model, "active layer after our writes");
-        assert_same(&qemu_raw(&path, Some("one")), &one, "snapshot one is untouched");
-        assert_same(&qemu_raw(&path, Some("two")), &two, "snapshot two is untouched");
+        assert_same(
+            &qemu_raw(&path, None),
+            &model,
+            "active layer after our writes",
+        );
+        assert_same(
+            &qemu_raw(&path, Some("one")),
+            &one,
+            "snapshot one is untouched",
+        );
+        assert_same(
+            &qemu_raw(&path, Some("two")),
+            &two,
+            "snapshot two is untouched",
+        );
     }
 }

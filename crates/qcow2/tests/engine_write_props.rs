@@ -23,9 +23,8 @@ enum Op {
 }
 
 fn op(unit: u64) -> impl Strategy<Value = Op> {
-    let at = (0..SIZE / unit, prop_oneof![Just(0i64), -700i64..700]).prop_map(move |(k, j)| {
-        ((k * unit) as i64 + j).clamp(0, SIZE as i64 - 1) as u64
-    });
+    let at = (0..SIZE / unit, prop_oneof![Just(0i64), -700i64..700])
+        .prop_map(move |(k, j)| ((k * unit) as i64 + j).clamp(0, SIZE as i64 - 1) as u64);
     let len = prop_oneof![1u64..600, Just(unit), 1..unit * 3];
     (at, len, 0u8..10, any::<u8>(), any::<bool>()).prop_map(|(off, len, kind, byte, flag)| {
         let len = len.clamp(1, SIZE - off);
@@ -45,7 +44,11 @@ fn base_bytes() -> Vec<u8> {
 fn run_case(cs: u64, ext: bool, backing: bool, ops: &[Op]) -> Result<(), TestCaseError> {
     let fs = MemFs::new();
     let top = Path::new("/t/top.qcow2");
-    let mut model = if backing { base_bytes() } else { vec![0u8; SIZE as usize] };
+    let mut model = if backing {
+        base_bytes()
+    } else {
+        vec![0u8; SIZE as usize]
+    };
     run(async {
         let mem = MemStorage::new();
         let opts = CreateOptions {
@@ -58,11 +61,15 @@ fn run_case(cs: u64, ext: bool, backing: bool, ops: &[Op]) -> Result<(), TestCas
         create(&mem, &opts).await.unwrap();
         fs.insert(top, mem);
         fs.insert("/t/base.raw", MemStorage::from_bytes(&base_bytes()));
-        let img = Image::open(&fs, top, &OpenOptions::default()).await.unwrap();
+        let img = Image::open(&fs, top, &OpenOptions::default())
+            .await
+            .unwrap();
         for (i, op) in ops.iter().enumerate() {
             match *op {
                 Op::Write(o, l, b, fua) => {
-                    let (r, _) = img.write(o, IoBuf::from_slice(&vec![b; l as usize]), fua).await;
+                    let (r, _) = img
+                        .write(o, IoBuf::from_slice(&vec![b; l as usize]), fua)
+                        .await;
                     r.unwrap();
                     model[o as usize..(o + l) as usize].fill(b);
                 }
@@ -81,7 +88,10 @@ fn run_case(cs: u64, ext: bool, backing: bool, ops: &[Op]) -> Result<(), TestCas
                 Op::Flush => img.flush().await.unwrap(),
             }
             let all = img.read(0, SIZE as usize).await.unwrap();
-            prop_assert!(all[..] == model[..], "step {i} ({op:?}): image differs from the model");
+            prop_assert!(
+                all[..] == model[..],
+                "step {i} ({op:?}): image differs from the model"
+            );
         }
         img.close().await.unwrap();
         Ok(())
@@ -94,12 +104,28 @@ fn run_case(cs: u64, ext: bool, backing: bool, ops: &[Op]) -> Result<(), TestCas
         .args(["check", &d.s("top.qcow2")])
         .output()
         .expect("run qemu-img (install qemu-utils)");
-    prop_assert!(check.status.success(), "qemu-img check: {}", String::from_utf8_lossy(&check.stdout));
+    prop_assert!(
+        check.status.success(),
+        "qemu-img check: {}",
+        String::from_utf8_lossy(&check.stdout)
+    );
     let cmp = std::process::Command::new("qemu-img")
-        .args(["compare", "-f", "qcow2", "-F", "raw", &d.s("top.qcow2"), &d.s("model.raw")])
+        .args([
+            "compare",
+            "-f",
+            "qcow2",
+            "-F",
+            "raw",
+            &d.s("top.qcow2"),
+            &d.s("model.raw"),
+        ])
         .output()
         .unwrap();
-    prop_assert!(cmp.status.success(), "qemu-img compare: {}", String::from_utf8_lossy(&cmp.stdout));
+    prop_assert!(
+        cmp.status.success(),
+        "qemu-img compare: {}",
+        String::from_utf8_lossy(&cmp.stdout)
+    );
     Ok(())
 }
 

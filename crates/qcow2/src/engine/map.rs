@@ -92,9 +92,7 @@ pub(crate) async fn map_layer<S: Storage + 'static>(
     while pos < end {
         let cluster = pos >> bits;
         let first_in_slice = cluster - cluster % per_slice;
-        let slice_end = (first_in_slice + per_slice)
-            .checked_mul(g.cluster_size())
-            .unwrap_or(u64::MAX);
+        let slice_end = (first_in_slice + per_slice).saturating_mul(g.cluster_size());
         let chunk_end = end.min(slice_end);
         let l1_index = g.l1_index(GuestOffset(pos));
         match meta.l2_table(l1_index) {

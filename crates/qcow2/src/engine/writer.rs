@@ -109,7 +109,8 @@ impl<S: Storage + 'static> Writer<S> {
                 index.insert(off, cs, MetaKind::L2Table);
             }
         }
-        let h = meta.header.borrow();
+        // A copy: the header must not stay borrowed across the reads below.
+        let h = meta.header.borrow().clone();
         if let Some(fde) = h.fde_pointer() {
             index.insert(
                 fde.offset,
@@ -153,20 +154,13 @@ impl<S: Storage + 'static> Writer<S> {
                 );
             }
         }
-        drop(h);
-        let snapshots_offset = meta.header.borrow().snapshots_offset;
-        let nb_snapshots = meta.header.borrow().nb_snapshots;
+        let snapshots_offset = h.snapshots_offset;
+        let nb_snapshots = h.nb_snapshots;
         if nb_snapshots > 0 {
             // The table's length and the snapshots' L1 tables were validated on open; record
             // them by reading the table again (cheap: it is small and rarely present).
-            let snaps = super::open::snapshot_table(
-                &layer.file,
-                &layer.name,
-                &meta.header.borrow(),
-                g,
-                file_len,
-            )
-            .await?;
+            let snaps =
+                super::open::snapshot_table(&layer.file, &layer.name, &h, g, file_len).await?;
             let len: u64 = snaps.iter().map(|s| s.1).sum();
             index.insert(
                 snapshots_offset,

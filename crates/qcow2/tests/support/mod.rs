@@ -9,9 +9,12 @@ use storage::{Aio, AnyStorage, FileOpener};
 
 /// Runs a QEMU tool, failing the test with its output if it fails or is missing.
 pub fn tool(program: &str, args: &[&str]) -> String {
-    let out = Command::new(program).args(args).output().unwrap_or_else(|e| {
-        panic!("cannot run {program} ({e}); install Debian's qemu-utils package")
-    });
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run {program} ({e}); install Debian's qemu-utils package")
+        });
     assert!(
         out.status.success(),
         "{program} {args:?} failed: {}{}",
@@ -86,7 +89,10 @@ pub async fn read_all(img: &Image<AnyStorage>, chunk: usize) -> Vec<u8> {
     let mut pos = 0u64;
     while pos < size {
         let n = chunk.min((size - pos) as usize);
-        let buf = img.read(pos, n).await.unwrap_or_else(|e| panic!("read at {pos:#x}: {e}"));
+        let buf = img
+            .read(pos, n)
+            .await
+            .unwrap_or_else(|e| panic!("read at {pos:#x}: {e}"));
         out.extend_from_slice(&buf);
         pos += n as u64;
     }
