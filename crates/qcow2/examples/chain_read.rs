@@ -35,7 +35,11 @@ async fn build(dir: &Path, depth: u64, size: u64) {
     std::fs::create_dir_all(dir).unwrap();
     let mut below: Option<String> = None;
     for k in 0..depth {
-        let name = if k + 1 == depth { "top.qcow2".to_string() } else { format!("l{k}.qcow2") };
+        let name = if k + 1 == depth {
+            "top.qcow2".to_string()
+        } else {
+            format!("l{k}.qcow2")
+        };
         let path = dir.join(&name);
         let opts = CreateOptions {
             size,
@@ -43,14 +47,27 @@ async fn build(dir: &Path, depth: u64, size: u64) {
             ..CreateOptions::default()
         };
         create_file(&opener(), &path, &opts).await.unwrap();
-        let img = Image::open(&opener(), &path, &OpenOptions { no_backing: true, ..OpenOptions::default() })
-            .await
-            .unwrap();
+        let img = Image::open(
+            &opener(),
+            &path,
+            &OpenOptions {
+                no_backing: true,
+                ..OpenOptions::default()
+            },
+        )
+        .await
+        .unwrap();
         // Layer k holds every stretch i with i % depth == k: data at every depth.
         let mut i = k;
         while i * STRETCH < size {
             let byte = (i % 251) as u8 + 1;
-            let (r, _) = img.write(i * STRETCH, IoBuf::from_slice(&vec![byte; STRETCH as usize]), false).await;
+            let (r, _) = img
+                .write(
+                    i * STRETCH,
+                    IoBuf::from_slice(&vec![byte; STRETCH as usize]),
+                    false,
+                )
+                .await;
             r.unwrap();
             i += depth;
         }
@@ -61,9 +78,16 @@ async fn build(dir: &Path, depth: u64, size: u64) {
 
 async fn read(path: &Path) {
     let t = Instant::now();
-    let img = Image::open(&opener(), path, &OpenOptions { read_only: true, ..OpenOptions::default() })
-        .await
-        .unwrap();
+    let img = Image::open(
+        &opener(),
+        path,
+        &OpenOptions {
+            read_only: true,
+            ..OpenOptions::default()
+        },
+    )
+    .await
+    .unwrap();
     let opened = t.elapsed();
     let size = img.size();
     let mut pos = 0;
@@ -85,7 +109,10 @@ async fn read(path: &Path) {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let local = tokio::task::LocalSet::new();
     match args.get(1).map(String::as_str) {
         Some("build") if args.len() == 5 => {

@@ -2,6 +2,6 @@
 //! that decodes an image's metadata for `qcow2-nbd info` ([`inspect`]) and the async image
 //! engine ([`engine`]).
 
+pub mod engine;
 pub mod format;
 pub mod inspect;
-pub mod engine;

@@ -143,7 +143,9 @@ impl<S: Storage + 'static> BackingMap<S> {
         let mut pos = start;
         while pos < end {
             let slot = (pos >> bits) / PER_SLOT;
-            let slot_end = ((slot + 1) * PER_SLOT).checked_shl(bits).unwrap_or(u64::MAX);
+            let slot_end = ((slot + 1) * PER_SLOT)
+                .checked_shl(bits)
+                .unwrap_or(u64::MAX);
             let chunk_end = end.min(slot_end);
             let first = (pos >> bits) % PER_SLOT;
             let from = pos;
@@ -160,7 +162,12 @@ impl<S: Storage + 'static> BackingMap<S> {
                         let piece = match kind {
                             ABSENT => Some((Source::Zero, false)),
                             ZERO => Some((Source::Zero, true)),
-                            DATA => Some((Source::Data { host: host + (gs - g0) }, true)),
+                            DATA => Some((
+                                Source::Data {
+                                    host: host + (gs - g0),
+                                },
+                                true,
+                            )),
                             _ => None,
                         };
                         match piece {

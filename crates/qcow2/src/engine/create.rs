@@ -237,7 +237,11 @@ pub async fn create<S: Storage + 'static>(file: &S, opts: &CreateOptions) -> Res
     // Like QEMU, leave the (optional) feature name table out when it does not fit.
     let header = match h.encode(cs) {
         Ok(bytes) => bytes,
-        Err(_) if h.extensions.iter().any(|e| matches!(e, HeaderExtension::FeatureNameTable(_))) => {
+        Err(_)
+            if h.extensions
+                .iter()
+                .any(|e| matches!(e, HeaderExtension::FeatureNameTable(_))) =>
+        {
             h.extensions
                 .retain(|e| !matches!(e, HeaderExtension::FeatureNameTable(_)));
             h.encode(cs).map_err(fmt_err)?

@@ -32,7 +32,9 @@ impl<S: Storage + 'static> Inner<S> {
             image: top.name.clone(),
             what: what.into(),
         };
-        let meta = top.qcow2().ok_or_else(|| unsupported("resizing a raw image"))?;
+        let meta = top
+            .qcow2()
+            .ok_or_else(|| unsupported("resizing a raw image"))?;
         let new_size = new_size
             .checked_next_multiple_of(512)
             .ok_or_else(|| unsupported("a size that large"))?;
@@ -44,11 +46,16 @@ impl<S: Storage + 'static> Inner<S> {
             return Ok(());
         }
         let g = &meta.geom;
-        let geom = Geometry::new(g.cluster_bits(), g.extended_l2(), g.refcount_order(), new_size)
-            .map_err(|source| EngineError::Format {
-                image: top.name.clone(),
-                source,
-            })?;
+        let geom = Geometry::new(
+            g.cluster_bits(),
+            g.extended_l2(),
+            g.refcount_order(),
+            new_size,
+        )
+        .map_err(|source| EngineError::Format {
+            image: top.name.clone(),
+            source,
+        })?;
         let needed = geom.l1_entries_needed();
         if needed * 8 > limits::MAX_L1_SIZE_BYTES {
             return Err(EngineError::NoSpace {
@@ -94,7 +101,8 @@ impl<S: Storage + 'static> Inner<S> {
         for (i, e) in old.iter().enumerate() {
             table[i * 8..i * 8 + 8].copy_from_slice(&e.to_be_bytes());
         }
-        self.write_meta("writing the L1 table", new_off, &table).await?;
+        self.write_meta("writing the L1 table", new_off, &table)
+            .await?;
         self.sync().await?;
         let mut fields = [0u8; 12];
         fields[..4].copy_from_slice(&(len as u32).to_be_bytes());

@@ -28,25 +28,32 @@ impl<S: Storage + 'static> Inner<S> {
             image: top.name.clone(),
             what: what.into(),
         };
-        let meta = top.qcow2().ok_or_else(|| unsupported("compressed writes to a raw image"))?;
+        let meta = top
+            .qcow2()
+            .ok_or_else(|| unsupported("compressed writes to a raw image"))?;
         if meta.data_file.is_some() {
-            return Err(unsupported("compressed writes to an image with an external data file"));
+            return Err(unsupported(
+                "compressed writes to an image with an external data file",
+            ));
         }
         let g = &meta.geom;
         let cs = g.cluster_size();
         let size = top.size.get();
         if offset % cs != 0 || (len != cs && offset + len != size) || len == 0 {
-            return Err(unsupported("a compressed write that is not exactly one cluster"));
+            return Err(unsupported(
+                "a compressed write that is not exactly one cluster",
+            ));
         }
         let mut cluster = vec![0u8; cs as usize];
         cluster[..len as usize].copy_from_slice(&data);
-        let packed = compress::compress(meta.codec, &cluster, cs as usize - 1).map_err(|source| {
-            EngineError::Compressed {
-                image: top.name.clone(),
-                offset,
-                source,
-            }
-        })?;
+        let packed =
+            compress::compress(meta.codec, &cluster, cs as usize - 1).map_err(|source| {
+                EngineError::Compressed {
+                    image: top.name.clone(),
+                    offset,
+                    source,
+                }
+            })?;
         let Some(packed) = packed else {
             let (res, _) = self.write(offset, data).await;
             return res;
@@ -64,7 +71,10 @@ impl<S: Storage + 'static> Inner<S> {
         };
         let plen = packed.len() as u64;
         self.check_overlap(host, plen).await?;
-        let (res, _) = top.file.write_at(IoBuf::from_slice(&packed).into(), host).await;
+        let (res, _) = top
+            .file
+            .write_at(IoBuf::from_slice(&packed).into(), host)
+            .await;
         res.map_err(|e| top.io_error("writing a compressed cluster", host, e))?;
         if let Some(wr) = &self.writer {
             wr.physical_len.set(wr.physical_len.get().max(host + plen));
@@ -73,10 +83,13 @@ impl<S: Storage + 'static> Inner<S> {
             host_offset: host,
             additional_sectors: (host + plen - 1) / 512 - host / 512,
         };
-        let word = desc.encode(g.cluster_bits()).map_err(|source| EngineError::Format {
-            image: top.name.clone(),
-            source,
-        })? | L2_COMPRESSED;
+        let word = desc
+            .encode(g.cluster_bits())
+            .map_err(|source| EngineError::Format {
+                image: top.name.clone(),
+                source,
+            })?
+            | L2_COMPRESSED;
         self.l2
             .set_dependency(self.refcounts_flush())
             .await
