@@ -80,7 +80,6 @@ pub fn run(args: &ServeArgs) -> ExitCode {
     match serve(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!(error = %e, "serve failed");
             eprintln!("qcow2-nbd: {e}");
             ExitCode::FAILURE
         }

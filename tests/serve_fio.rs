@@ -22,23 +22,28 @@ fn fio_four_jobs_queue_depth_32_verifies_every_byte() {
     );
     let server = Server::unix(&["-t", "-e", "0", top.to_str().unwrap()]);
     let report = images.path("fio.json");
-    run_ok(Command::new(require("fio", "fio")).args([
-        "--name=serve",
-        "--ioengine=nbd",
-        &format!("--uri={}", server.uri()),
-        "--rw=randwrite",
-        "--bsrange=512-64k",
-        "--iodepth=32",
-        "--numjobs=4",
-        "--size=16m",
-        "--offset_increment=16m",
-        "--verify=crc32c",
-        "--do_verify=1",
-        "--verify_fatal=1",
-        "--group_reporting",
-        "--output-format=json",
-        &format!("--output={}", report.display()),
-    ]));
+    // fio leaves its verify state files in the working directory.
+    run_ok(
+        Command::new(require("fio", "fio"))
+            .current_dir(images.path(""))
+            .args([
+                "--name=serve",
+                "--ioengine=nbd",
+                &format!("--uri={}", server.uri()),
+                "--rw=randwrite",
+                "--bsrange=512-64k",
+                "--iodepth=32",
+                "--numjobs=4",
+                "--size=16m",
+                "--offset_increment=16m",
+                "--verify=crc32c",
+                "--do_verify=1",
+                "--verify_fatal=1",
+                "--group_reporting",
+                "--output-format=json",
+                &format!("--output={}", report.display()),
+            ]),
+    );
     server.stop_ok();
     let text = std::fs::read_to_string(&report).unwrap();
     let json: serde_json::Value = serde_json::from_str(&text[text.find('{').unwrap_or(0)..])

@@ -119,14 +119,7 @@ impl KernelClient {
         len: u32,
         payload: &[u8],
     ) {
-        let mut msg = Vec::with_capacity(28 + payload.len());
-        msg.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
-        msg.extend_from_slice(&flags.to_be_bytes());
-        msg.extend_from_slice(&cmd.to_be_bytes());
-        msg.extend_from_slice(&cookie.to_be_bytes());
-        msg.extend_from_slice(&offset.to_be_bytes());
-        msg.extend_from_slice(&len.to_be_bytes());
-        msg.extend_from_slice(payload);
+        let msg = Self::encode(cmd, flags, cookie, offset, len, payload);
         if cmd == CMD_READ {
             self.pending_reads.insert(cookie, len as usize);
         }
@@ -140,8 +133,24 @@ impl KernelClient {
 
     /// Receives the next reply, whichever request it answers.
     pub fn reply(&mut self) -> SimpleReply {
+        self.try_reply().expect("simple reply")
+    }
+
+    /// Receives the next reply, or `None` if the server closed the connection first.
+    pub fn try_reply(&mut self) -> Option<SimpleReply> {
         let mut h = [0u8; 16];
-        self.stream.read_exact(&mut h).expect("simple reply");
+        match self.stream.read_exact(&mut h) {
+            Ok(()) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset
+                ) =>
+            {
+                return None
+            }
+            Err(e) => panic!("reading a reply: {e}"),
+        }
         assert_eq!(
             u32::from_be_bytes(h[..4].try_into().unwrap()),
             SIMPLE_REPLY_MAGIC,
@@ -152,11 +161,31 @@ impl KernelClient {
         let len = self.pending_reads.remove(&cookie).unwrap_or(0);
         let mut data = vec![0u8; if error == 0 { len } else { 0 }];
         self.stream.read_exact(&mut data).expect("read data");
-        SimpleReply {
+        Some(SimpleReply {
             cookie,
             error,
             data,
-        }
+        })
+    }
+
+    /// The request bytes for a command (to send from another thread).
+    pub fn encode(
+        cmd: u16,
+        flags: u16,
+        cookie: u64,
+        offset: u64,
+        len: u32,
+        payload: &[u8],
+    ) -> Vec<u8> {
+        let mut msg = Vec::with_capacity(28 + payload.len());
+        msg.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
+        msg.extend_from_slice(&flags.to_be_bytes());
+        msg.extend_from_slice(&cmd.to_be_bytes());
+        msg.extend_from_slice(&cookie.to_be_bytes());
+        msg.extend_from_slice(&offset.to_be_bytes());
+        msg.extend_from_slice(&len.to_be_bytes());
+        msg.extend_from_slice(payload);
+        msg
     }
 
     /// One request and its reply (nothing else in flight).

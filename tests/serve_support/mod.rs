@@ -78,8 +78,17 @@ pub fn qemu_img(args: &[&str]) -> String {
 /// `qemu-io` with commands on `target` (a file with `-f fmt`, or an NBD URI with `raw`);
 /// fails on any error or pattern mismatch it reports.
 pub fn qemu_io(fmt: &str, target: &str, cmds: &[&str]) -> String {
+    qemu_io_opts(&["-f", fmt], target, cmds)
+}
+
+/// [`qemu_io`] opening `target` read-only (a read-only export refuses read-write opens).
+pub fn qemu_io_read_only(fmt: &str, target: &str, cmds: &[&str]) -> String {
+    qemu_io_opts(&["-r", "-f", fmt], target, cmds)
+}
+
+fn qemu_io_opts(opts: &[&str], target: &str, cmds: &[&str]) -> String {
     let mut cmd = Command::new(require("qemu-io", "qemu-utils"));
-    cmd.args(["-f", fmt]);
+    cmd.args(opts);
     for c in cmds {
         cmd.args(["-c", c]);
     }
@@ -108,8 +117,13 @@ pub fn assert_check_clean(image: &Path) {
 
 /// `qemu-img compare` finds `image` (qcow2) and `model` (raw) identical.
 pub fn assert_same_as_model(image: &Path, model: &Path) {
+    assert_same_as_model_fmt(image, "qcow2", model);
+}
+
+/// `qemu-img compare` finds `image` (of format `fmt`) and `model` (raw) identical.
+pub fn assert_same_as_model_fmt(image: &Path, fmt: &str, model: &Path) {
     let out = Command::new(require("qemu-img", "qemu-utils"))
-        .args(["compare", "-f", "qcow2", "-F", "raw"])
+        .args(["compare", "-f", fmt, "-F", "raw"])
         .arg(image)
         .arg(model)
         .output()
@@ -166,11 +180,16 @@ pub struct Server {
 impl Server {
     /// `serve -k SOCKET --pid-file PID ARGS...`, waiting until it listens.
     pub fn unix(args: &[&str]) -> Server {
+        Self::unix_with_env(args, &[])
+    }
+
+    /// [`Server::unix`] with extra environment variables.
+    pub fn unix_with_env(args: &[&str], env: &[(&str, &Path)]) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("nbd.sock");
         let mut full = vec!["-k".to_owned(), socket.to_str().unwrap().to_owned()];
         full.extend(args.iter().map(|s| s.to_string()));
-        Self::start(dir, socket, None, &full)
+        Self::start(dir, socket, None, &full, env)
     }
 
     /// `serve -b 127.0.0.1 -p PORT --pid-file PID ARGS...`, waiting until it listens.
@@ -183,7 +202,7 @@ impl Server {
             .collect();
         full.extend(args.iter().map(|s| s.to_string()));
         let socket = dir.path().join("unused");
-        Self::start(dir, socket, Some(port), &full)
+        Self::start(dir, socket, Some(port), &full, &[])
     }
 
     fn start(
@@ -191,9 +210,11 @@ impl Server {
         socket: PathBuf,
         port: Option<u16>,
         args: &[String],
+        env: &[(&str, &Path)],
     ) -> Server {
         let pid_file = dir.path().join("serve.pid");
         let child = Command::new(BIN)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .arg("serve")
             .arg("--pid-file")
             .arg(&pid_file)
@@ -310,26 +331,39 @@ impl Drop for Server {
     }
 }
 
-/// Runs `qcow2-nbd serve ARGS` expecting it to fail: its stderr.
+/// Runs `qcow2-nbd serve ARGS` expecting it to fail: its stderr. A server that starts
+/// serving instead is killed after a minute and the test fails (rather than hanging).
 pub fn serve_fails(args: &[&str]) -> String {
-    let out = Command::new(BIN)
+    let mut child = Command::new(BIN)
         .arg("serve")
         .args(args)
         .stdin(Stdio::null())
-        .output()
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
-    assert!(
-        !out.status.success(),
-        "serve {args:?} succeeded:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "serve {args:?}: {:?}",
-        out.status
-    );
-    String::from_utf8_lossy(&out.stderr).into_owned()
+    let mut stderr = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut err = String::new();
+        let _ = stderr.read_to_string(&mut err);
+        err
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("serve {args:?} was expected to fail but kept running");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let err = reader.join().unwrap();
+    assert!(!status.success(), "serve {args:?} succeeded:\n{err}");
+    assert_eq!(status.code(), Some(1), "serve {args:?}: {status:?}\n{err}");
+    err
 }
 
 /// A temporary directory with helpers to make images in it.

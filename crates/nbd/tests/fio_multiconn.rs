@@ -13,7 +13,8 @@ fn fio_with_four_connections_and_queue_depth_32_verifies() {
     let server = mem_server(Opts::default(), || MemExport::new(64 << 20));
     let fio = require("fio", "fio");
     let report_file = server.dir().join("fio.json");
-    run_ok(Command::new(fio).args([
+    // fio leaves its verify state files in the working directory.
+    run_ok(Command::new(fio).current_dir(server.dir()).args([
         "--name=multiconn",
         "--ioengine=nbd",
         &format!("--uri={}", server.uri()),
