@@ -133,6 +133,53 @@ def seeds_for(data, name, out):
         pos += 8 + ((length + 7) & ~7)
 
 
+REQUEST_MAGIC, EXTENDED_REQUEST_MAGIC = 0x25609513, 0x21E41C71
+
+
+def nbd_request(cmd, offset, length, flags=0, cookie=1, extended=False, payload=b""):
+    if extended:
+        head = struct.pack(">IHHQQQ", EXTENDED_REQUEST_MAGIC, flags, cmd, cookie, offset, length)
+    else:
+        head = struct.pack(">IHHQQI", REQUEST_MAGIC, flags, cmd, cookie, offset, length)
+    return head + payload
+
+
+def nbd_seeds(out):
+    """Seeds for the NBD targets: valid request streams in each reply mode, and wire units."""
+    def put(target, tag, payload):
+        d = os.path.join(out, target)
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, tag), "wb") as f:
+            f.write(payload)
+    for mode in range(3):
+        ext = mode == 2
+        reqs = [
+            nbd_request(1, 4096, 8, cookie=1, extended=ext, payload=b"abcdefgh"),  # WRITE
+            nbd_request(1, 0, 512, flags=1, cookie=2, extended=ext, payload=bytes(512)),  # FUA
+            nbd_request(0, 0, 16384, cookie=3, extended=ext),  # READ
+            nbd_request(0, 0, 8192, flags=4, cookie=4, extended=ext),  # READ, DF
+            nbd_request(7, 0, 1 << 20, cookie=5, extended=ext),  # BLOCK_STATUS
+            nbd_request(6, 8192, 4096, flags=2, cookie=6, extended=ext),  # WRITE_ZEROES
+            nbd_request(4, 65536, 65536, cookie=7, extended=ext),  # TRIM
+            nbd_request(5, 0, 4096, cookie=8, extended=ext),  # CACHE
+            nbd_request(3, 0, 0, cookie=9, extended=ext),  # FLUSH
+            nbd_request(0, (1 << 20) - 4, 8, cookie=10, extended=ext),  # READ past the end
+        ]
+        put("nbd_session", f"mode{mode}", bytes([mode]) + b"".join(reqs)
+            + nbd_request(2, 0, 0, cookie=11, extended=ext))
+        put("nbd_wire", f"request{mode}", bytes([1 if ext else 0]) + reqs[mode])
+    # From the first byte: client flags, then OPT_LIST, OPT_INFO and OPT_ABORT.
+    opt = lambda o, d=b"": struct.pack(">QII", 0x49484156454F5054, o, len(d)) + d
+    info = struct.pack(">I", 0) + struct.pack(">H", 1) + struct.pack(">H", 3)
+    meta = struct.pack(">I", 0) + struct.pack(">I", 1) + struct.pack(">I", 5) + b"qemu:"
+    put("nbd_session", "options", bytes([3]) + struct.pack(">I", 3)
+        + opt(3) + opt(6, info) + opt(9, meta) + opt(2))
+    put("nbd_wire", "option_header", bytes([2]) + opt(6))
+    put("nbd_wire", "info_request", bytes([4]) + info)
+    put("nbd_wire", "meta_request", bytes([5]) + meta)
+    put("nbd_wire", "block_status", bytes([10]) + struct.pack(">IIIII", 1, 4096, 0, 8192, 3))
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
@@ -144,6 +191,7 @@ def main():
         for image in make_images(d):
             with open(os.path.join(d, image), "rb") as f:
                 seeds_for(f.read(), image.removesuffix(".qcow2"), out)
+    nbd_seeds(out)
     counts = {t: len(os.listdir(os.path.join(out, t))) for t in sorted(os.listdir(out))
               if os.path.isdir(os.path.join(out, t))}
     print("seed corpora:", ", ".join(f"{t} {n}" for t, n in counts.items()))
