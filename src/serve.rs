@@ -12,6 +12,7 @@
 //! engine is `crate::export`.
 
 mod args;
+mod banner;
 mod cleaner;
 mod daemon;
 mod listen;
@@ -254,6 +255,16 @@ async fn serve_on_runtime(
             })
         })
         .transpose()?;
+    if readiness.is_none() {
+        let names: Vec<String> = listeners.iter().map(|(_, n)| n.clone()).collect();
+        banner::print(
+            &args.image,
+            facts.size,
+            &args.export_name,
+            &names,
+            facts.read_only,
+        );
+    }
     if let Some(r) = readiness {
         r.notify(args.verbose > 0).map_err(ServeError::Fork)?;
     }

@@ -1,0 +1,100 @@
+//! What a person at a terminal sees once the server listens: where it is and how to attach
+//! the usual clients. Scripts (stderr not a terminal) get nothing, as from qemu-nbd.
+
+use std::io::{IsTerminal, Write};
+use std::path::Path;
+
+/// Prints the connect hints for each listener (`unix:PATH` / `tcp:ADDR`) to a terminal.
+pub fn print(image: &Path, size: u64, export: &str, listeners: &[String], read_only: bool) {
+    let mut err = std::io::stderr();
+    if !err.is_terminal() {
+        return;
+    }
+    let _ = write!(err, "{}", text(image, size, export, listeners, read_only));
+}
+
+/// The hints themselves (separate so tests can read them).
+pub fn text(
+    image: &Path,
+    size: u64,
+    export: &str,
+    listeners: &[String],
+    read_only: bool,
+) -> String {
+    let mut out = format!(
+        "qcow2-nbd: serving {} ({}{}) as export {export:?}; Ctrl-C stops it.\n",
+        image.display(),
+        human(size),
+        if read_only { ", read-only" } else { "" }
+    );
+    let name_opt = if export.is_empty() {
+        String::new()
+    } else {
+        format!(" -N {export}")
+    };
+    let ro = if read_only { "-r " } else { "" };
+    for l in listeners {
+        let (uri, nbd_client) = if let Some(path) = l.strip_prefix("unix:") {
+            (
+                format!("nbd+unix:///{export}?socket={path}"),
+                format!("nbd-client -unix {path}{name_opt} /dev/nbd0"),
+            )
+        } else if let Some(addr) = l.strip_prefix("tcp:") {
+            let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "10809"));
+            let host = match host {
+                "0.0.0.0" | "[::]" => "localhost",
+                h => h,
+            };
+            (
+                format!("nbd://{host}:{port}/{export}"),
+                format!("nbd-client {host} {port} /dev/nbd0{name_opt}"),
+            )
+        } else {
+            continue;
+        };
+        out.push_str(&format!(
+            "  qemu-io {ro}-f raw -c 'read -v 0 512' '{uri}'\n  nbdinfo '{uri}'\n  {nbd_client}\n"
+        ));
+    }
+    out
+}
+
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut unit = 0;
+    let mut whole = bytes;
+    while whole >= 1024 && whole % 1024 == 0 && unit + 1 < UNITS.len() {
+        whole /= 1024;
+        unit += 1;
+    }
+    format!("{whole} {}", UNITS[unit])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unix_and_tcp_hints_name_the_export_and_its_address() {
+        let t = text(
+            Path::new("demo.qcow2"),
+            1 << 30,
+            "",
+            &["unix:/tmp/demo.sock".into(), "tcp:0.0.0.0:10809".into()],
+            false,
+        );
+        assert!(t.contains("demo.qcow2 (1 GiB)"), "{t}");
+        assert!(t.contains("'nbd+unix:///?socket=/tmp/demo.sock'"), "{t}");
+        assert!(
+            t.contains("nbd-client -unix /tmp/demo.sock /dev/nbd0"),
+            "{t}"
+        );
+        assert!(t.contains("nbdinfo 'nbd://localhost:10809/'"), "{t}");
+        assert!(t.contains("nbd-client localhost 10809 /dev/nbd0"), "{t}");
+        let named = text(Path::new("d"), 1536, "disk", &["unix:/s".into()], true);
+        assert!(named.contains("(1536 B, read-only)"), "{named}");
+        assert!(named.contains("qemu-io -r -f raw"), "{named}");
+        assert!(named.contains("nbd+unix:///disk?socket=/s"), "{named}");
+        assert!(named.contains("-unix /s -N disk /dev/nbd0"), "{named}");
+    }
+}
