@@ -37,7 +37,7 @@ pub fn text(
         let (uri, nbd_client) = if let Some(path) = l.strip_prefix("unix:") {
             (
                 format!("nbd+unix:///{export}?socket={path}"),
-                format!("nbd-client -unix {path}{name_opt} /dev/nbd0"),
+                format!("nbd-client{name_opt} -u {path} /dev/nbd0"),
             )
         } else if let Some(addr) = l.strip_prefix("tcp:") {
             let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "10809"));
@@ -86,7 +86,7 @@ mod tests {
         assert!(t.contains("demo.qcow2 (1 GiB)"), "{t}");
         assert!(t.contains("'nbd+unix:///?socket=/tmp/demo.sock'"), "{t}");
         assert!(
-            t.contains("nbd-client -unix /tmp/demo.sock /dev/nbd0"),
+            t.contains("nbd-client -u /tmp/demo.sock /dev/nbd0"),
             "{t}"
         );
         assert!(t.contains("nbdinfo 'nbd://localhost:10809/'"), "{t}");
@@ -95,6 +95,6 @@ mod tests {
         assert!(named.contains("(1536 B, read-only)"), "{named}");
         assert!(named.contains("qemu-io -r -f raw"), "{named}");
         assert!(named.contains("nbd+unix:///disk?socket=/s"), "{named}");
-        assert!(named.contains("-unix /s -N disk /dev/nbd0"), "{named}");
+        assert!(named.contains("nbd-client -N disk -u /s /dev/nbd0"), "{named}");
     }
 }
