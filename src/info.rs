@@ -9,7 +9,7 @@ use clap::{Args, ValueEnum};
 use qcow2::format::header::QCOW2_MAGIC;
 use qcow2::inspect::{self, ByteSource, ImageInfo, InspectError};
 
-use crate::backing_chain::{self, BackingError, ChainGuard};
+use qcow2::engine::backing_name::{self as backing_chain, BackingError, ChainGuard};
 
 /// Output layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

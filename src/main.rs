@@ -1,6 +1,5 @@
-//! `qcow2-nbd`: inspect qcow2 images (and, as later issues land, serve them over NBD).
+//! `qcow2-nbd`: qemu-img-like tools for qcow2 images and an NBD server that exports them.
 
-mod backing_chain;
 mod check;
 mod convert;
 mod create;
