@@ -85,16 +85,16 @@ mod tests {
         );
         assert!(t.contains("demo.qcow2 (1 GiB)"), "{t}");
         assert!(t.contains("'nbd+unix:///?socket=/tmp/demo.sock'"), "{t}");
-        assert!(
-            t.contains("nbd-client -u /tmp/demo.sock /dev/nbd0"),
-            "{t}"
-        );
+        assert!(t.contains("nbd-client -u /tmp/demo.sock /dev/nbd0"), "{t}");
         assert!(t.contains("nbdinfo 'nbd://localhost:10809/'"), "{t}");
         assert!(t.contains("nbd-client localhost 10809 /dev/nbd0"), "{t}");
         let named = text(Path::new("d"), 1536, "disk", &["unix:/s".into()], true);
         assert!(named.contains("(1536 B, read-only)"), "{named}");
         assert!(named.contains("qemu-io -r -f raw"), "{named}");
         assert!(named.contains("nbd+unix:///disk?socket=/s"), "{named}");
-        assert!(named.contains("nbd-client -N disk -u /s /dev/nbd0"), "{named}");
+        assert!(
+            named.contains("nbd-client -N disk -u /s /dev/nbd0"),
+            "{named}"
+        );
     }
 }
