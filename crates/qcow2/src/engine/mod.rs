@@ -25,7 +25,6 @@ mod create;
 mod discard;
 mod error;
 mod flush;
-mod join_all;
 mod l2_entry;
 mod l2_table;
 mod layer;
