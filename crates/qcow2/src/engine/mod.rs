@@ -25,6 +25,7 @@ mod create;
 mod discard;
 mod error;
 mod flush;
+mod join_all;
 mod l2_entry;
 mod l2_table;
 mod layer;

@@ -3,6 +3,7 @@
 
 use super::compress;
 use super::error::{EngineError, Result};
+use super::join_all::join_all;
 use super::range_lock::LockMode;
 use super::resolve::{Piece, Source};
 use super::{Decompressed, Image, Inner};
@@ -43,7 +44,13 @@ impl<S: Storage + 'static> Inner<S> {
     }
 
     /// Copies the pieces (which cover the buffer exactly, in order) into `buf`.
+    ///
+    /// Data runs in different places (other layers of a chain, or non-contiguous clusters)
+    /// are read concurrently: one after another, a 1 MiB read through a deep chain costs
+    /// sixteen device round trips instead of one.
     pub(crate) async fn fill(&self, base: u64, pieces: &[Piece], buf: &mut IoBuf) -> Result<()> {
+        // (offset in buf, length, layer, host offset) of each run of data to read.
+        let mut runs: Vec<(usize, u64, usize, u64)> = Vec::new();
         let mut i = 0;
         while i < pieces.len() {
             let p = pieces[i];
@@ -77,17 +84,41 @@ impl<S: Storage + 'static> Inner<S> {
                             _ => break,
                         }
                     }
-                    let layer = &self.layers[p.layer];
-                    let owned = std::mem::replace(buf, IoBuf::zeroed(0));
-                    let (res, slice) = layer
-                        .data_storage()
-                        .read_at(owned.slice(at..at + len as usize), host)
-                        .await;
-                    *buf = slice.into_inner();
-                    res.map_err(|e| layer.io_error("reading data", host, e))?;
+                    runs.push((at, len, p.layer, host));
                     i = j;
                 }
             }
+        }
+        if runs.is_empty() {
+            return Ok(());
+        }
+        if let [(at, len, li, host)] = runs[..] {
+            // One run: straight into the caller's buffer, no copy.
+            let layer = &self.layers[li];
+            let owned = std::mem::replace(buf, IoBuf::zeroed(0));
+            let (res, slice) = layer
+                .data_storage()
+                .read_at(owned.slice(at..at + len as usize), host)
+                .await;
+            *buf = slice.into_inner();
+            return res.map_err(|e| layer.io_error("reading data", host, e));
+        }
+        let reads = runs.iter().map(|&(_, len, li, host)| async move {
+            let layer = &self.layers[li];
+            let tmp = IoBuf::zeroed(len as usize);
+            let (res, slice) = layer
+                .data_storage()
+                .read_at(tmp.slice(0..len as usize), host)
+                .await;
+            (
+                res.map_err(|e| layer.io_error("reading data", host, e)),
+                slice.into_inner(),
+            )
+        });
+        let done = join_all(reads.collect()).await;
+        for (&(at, len, _, _), (res, tmp)) in runs.iter().zip(done) {
+            res?;
+            buf[at..at + len as usize].copy_from_slice(&tmp[..len as usize]);
         }
         Ok(())
     }

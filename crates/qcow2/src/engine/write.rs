@@ -651,10 +651,10 @@ impl<S: Storage + 'static> Inner<S> {
             .unwrap_or(data_to)
             .max(data_to);
         let mut span = IoBuf::zeroed((span_to - span_from) as usize);
-        for (_, _, pieces) in &fills {
-            if let Err(e) = self.fill(span_from, pieces, &mut span).await {
-                return (Err(e), buf);
-            }
+        // All fills in one call, so that a head and a tail are read concurrently.
+        let pieces: Vec<Piece> = fills.iter().flat_map(|f| f.2.iter().copied()).collect();
+        if let Err(e) = self.fill(span_from, &pieces, &mut span).await {
+            return (Err(e), buf);
         }
         span[(data_from - span_from) as usize..(data_to - span_from) as usize]
             .copy_from_slice(&buf[(data_from - offset) as usize..(data_to - offset) as usize]);
