@@ -6,6 +6,7 @@ mod create;
 mod engine_run;
 mod export;
 mod info;
+mod malloc_tuning;
 mod map;
 mod options;
 mod progress;
@@ -41,6 +42,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    malloc_tuning::tune_for_io_buffers();
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Info(args) => info::run(args),
