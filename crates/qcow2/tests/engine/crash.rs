@@ -1,0 +1,479 @@
+//! Crash consistency: a workload runs on fault-injecting storage that "dies" after its n-th
+//! operation (so crash points fall inside multi-step metadata updates too: refcount block
+//! allocation, refcount table growth, L1 growth, L2 allocation), then crash images keep a
+//! random subset of the writes that were not yet flushed (some torn at sector granularity).
+//! Every crash image must open, every byte acknowledged by a completed FLUSH or FUA write must
+//! read back, and `qemu-img check` must find no corruption (leaks are allowed).
+
+use crate::support::run;
+use qcow2::engine::{create, CreateOptions, Format, Image, OpenOptions};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use storage::{CrashPlan, FaultStorage, InjectedError, IoBuf, MemFs, MemStorage, Opener};
+
+/// Paths to fault-injecting storages, so the engine can open an image and its backing file.
+#[derive(Clone, Default)]
+struct FaultFs(Rc<RefCell<HashMap<PathBuf, FaultStorage<MemStorage>>>>);
+
+impl Opener for FaultFs {
+    type Storage = FaultStorage<MemStorage>;
+    async fn open(&self, path: &Path, _: storage::OpenOptions) -> io::Result<Self::Storage> {
+        self.0
+            .borrow()
+            .get(path)
+            .cloned()
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    Write {
+        off: u64,
+        len: u64,
+        byte: u8,
+        fua: bool,
+    },
+    Zero {
+        off: u64,
+        len: u64,
+        unmap: bool,
+    },
+    Discard {
+        off: u64,
+        len: u64,
+    },
+    Flush,
+    Resize {
+        size: u64,
+    },
+}
+
+#[derive(Clone, Debug)]
+struct Config {
+    name: &'static str,
+    cluster: u64,
+    extended_l2: bool,
+    refcount_bits: u32,
+    version: u32,
+    backing: bool,
+    size: u64,
+    /// Grow the disk to this size halfway through (L1 table growth).
+    grow_to: Option<u64>,
+    ops: usize,
+    /// Lazy refcounts: crash images are dirty and get their refcounts rebuilt on open.
+    lazy: bool,
+}
+
+fn workload(c: &Config, seed: u64) -> Vec<Op> {
+    let mut rng = Rng(seed);
+    let unit = if c.extended_l2 {
+        c.cluster / 32
+    } else {
+        c.cluster
+    };
+    let mut size = c.size;
+    let mut ops = Vec::new();
+    for i in 0..c.ops {
+        if i == c.ops / 2 {
+            if let Some(s) = c.grow_to {
+                ops.push(Op::Resize { size: s });
+                size = s;
+                continue;
+            }
+        }
+        let edge = rng.below(size / unit) * unit;
+        let off = match rng.below(3) {
+            0 => edge,
+            1 => edge + rng.below(unit),
+            _ => rng.below(size),
+        }
+        .min(size - 1);
+        let len = (rng.below((size - off).min(unit * 4)) + 1).min(size - off);
+        ops.push(match rng.below(12) {
+            0..=6 => Op::Write {
+                off,
+                len,
+                byte: (rng.below(254) + 1) as u8,
+                fua: rng.below(10) == 0,
+            },
+            7 | 8 => Op::Zero {
+                off,
+                len,
+                unmap: rng.below(2) == 0,
+            },
+            9 => Op::Discard { off, len },
+            _ => Op::Flush,
+        });
+    }
+    ops
+}
+
+/// What the guest may see after a crash.
+struct Expect {
+    /// Contents as of the last completed flush (or FUA write).
+    durable: Vec<u8>,
+    /// Bytes changed since then, which may read as anything they held since.
+    dirty: Vec<bool>,
+}
+
+const TOP: &str = "/img/top.qcow2";
+const BASE: &str = "/img/base.raw";
+
+fn base_bytes(size: u64) -> Vec<u8> {
+    (0..size).map(|i| (i / 4096 % 251) as u8 + 1).collect()
+}
+
+/// Creates the image (and a raw backing file) as durable, unflushed-log-free storages.
+async fn fresh(c: &Config) -> FaultFs {
+    let top = MemStorage::new();
+    create(
+        &top,
+        &CreateOptions {
+            size: c.size,
+            cluster_size: c.cluster,
+            extended_l2: c.extended_l2,
+            refcount_bits: c.refcount_bits,
+            version: c.version,
+            lazy_refcounts: c.lazy,
+            backing: c.backing.then(|| ("base.raw".to_string(), Format::Raw)),
+            ..CreateOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let fs = FaultFs::default();
+    fs.0.borrow_mut()
+        .insert(TOP.into(), FaultStorage::from_mem(top));
+    if c.backing {
+        let size = c.grow_to.unwrap_or(c.size);
+        fs.0.borrow_mut().insert(
+            BASE.into(),
+            FaultStorage::from_mem(MemStorage::from_bytes(&base_bytes(size))),
+        );
+    }
+    fs
+}
+
+/// Runs the workload until the storage dies after `fail_after` operations (or to the end),
+/// and returns what a crash now may show.
+async fn run_workload(c: &Config, ops: &[Op], fail_after: Option<u64>) -> (FaultFs, Expect, u64) {
+    let fs = fresh(c).await;
+    let img = Image::open(&fs, Path::new(TOP), &OpenOptions::default())
+        .await
+        .unwrap();
+    let handle = fs.0.borrow()[Path::new(TOP)].clone();
+    let mut model = if c.backing {
+        base_bytes(c.grow_to.unwrap_or(c.size))
+    } else {
+        vec![0u8; c.grow_to.unwrap_or(c.size) as usize]
+    };
+    model.truncate(c.size as usize);
+    let mut expect = Expect {
+        durable: model.clone(),
+        dirty: vec![false; model.len()],
+    };
+    if let Some(n) = fail_after {
+        handle.fail_after(n, InjectedError::Eio);
+    }
+    for op in ops {
+        let touched = match *op {
+            Op::Write { off, len, .. } | Op::Zero { off, len, .. } | Op::Discard { off, len } => {
+                Some((off, len))
+            }
+            _ => None,
+        };
+        // Anything the failing operation touched may or may not have landed.
+        if let Some((off, len)) = touched {
+            expect.dirty[off as usize..(off + len) as usize].fill(true);
+        }
+        let res = match *op {
+            Op::Write {
+                off,
+                len,
+                byte,
+                fua,
+            } => {
+                let buf = IoBuf::from_slice(&vec![byte; len as usize]);
+                let r = img.write(off, buf, fua).await.0;
+                if r.is_ok() {
+                    model[off as usize..(off + len) as usize].fill(byte);
+                    if fua {
+                        expect.durable.copy_from_slice(&model);
+                        expect.dirty.fill(false);
+                    }
+                }
+                r
+            }
+            Op::Zero { off, len, unmap } => {
+                let r = img.write_zeroes(off, len, unmap, false).await;
+                if r.is_ok() {
+                    model[off as usize..(off + len) as usize].fill(0);
+                }
+                r
+            }
+            Op::Discard { off, len } => {
+                let r = img.discard(off, len).await;
+                if r.is_ok() {
+                    match img.read(off, len as usize).await {
+                        Ok(now) => model[off as usize..(off + len) as usize].copy_from_slice(&now),
+                        Err(e) => return finish(fs, expect, Some(e.to_string())),
+                    }
+                }
+                r
+            }
+            Op::Flush => {
+                let r = img.flush().await;
+                if r.is_ok() {
+                    expect.durable.copy_from_slice(&model);
+                    expect.dirty.fill(false);
+                }
+                r
+            }
+            Op::Resize { size } => {
+                let r = img.resize(size).await;
+                if r.is_ok() {
+                    model.resize(size as usize, 0);
+                    if c.backing {
+                        let b = base_bytes(size);
+                        model[c.size as usize..].copy_from_slice(&b[c.size as usize..]);
+                    }
+                    // The grown part is new either way: mark it dirty until flushed.
+                    let old = expect.durable.len();
+                    expect.durable.resize(size as usize, 0);
+                    expect.dirty.resize(size as usize, true);
+                    expect.dirty[old..].fill(true);
+                }
+                r
+            }
+        };
+        if let Err(e) = res {
+            assert!(
+                fail_after.is_some(),
+                "{}: {op:?} failed without a fault: {e}",
+                c.name
+            );
+            return finish(fs, expect, Some(e.to_string()));
+        }
+    }
+    finish(fs, expect, None)
+}
+
+fn finish(fs: FaultFs, expect: Expect, _err: Option<String>) -> (FaultFs, Expect, u64) {
+    let ops = {
+        let s = fs.0.borrow()[Path::new(TOP)].stats();
+        s.reads + s.writes + s.write_zeroes + s.discards + s.flushes + s.set_lens
+    };
+    (fs, expect, ops)
+}
+
+/// Opens a crash image, checks every durable byte, and (sometimes) asks qemu-img check.
+async fn verify(c: &Config, crash: MemStorage, expect: &Expect, what: &str, qemu: bool) {
+    let memfs = MemFs::new();
+    memfs.insert(TOP, crash.clone());
+    if c.backing {
+        memfs.insert(
+            BASE,
+            MemStorage::from_bytes(&base_bytes(c.grow_to.unwrap_or(c.size))),
+        );
+    }
+    let img = Image::open(
+        &memfs,
+        Path::new(TOP),
+        &OpenOptions {
+            read_only: true,
+            ..OpenOptions::default()
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{what}: the crash image does not open: {e}"));
+    let size = img.size().min(expect.durable.len() as u64);
+    let got = img
+        .read(0, size as usize)
+        .await
+        .unwrap_or_else(|e| panic!("{what}: read: {e}"));
+    for i in 0..size as usize {
+        if !expect.dirty[i] && got[i] != expect.durable[i] {
+            panic!(
+                "{what}: byte {i:#x} was durable as {:#04x} but reads {:#04x}",
+                expect.durable[i], got[i]
+            );
+        }
+    }
+    if qemu {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("top.qcow2");
+        if c.backing {
+            std::fs::write(
+                dir.path().join("base.raw"),
+                base_bytes(c.grow_to.unwrap_or(c.size)),
+            )
+            .unwrap();
+        }
+        // A dirty lazy-refcount image is repaired by the next read-write open, not checked
+        // as it is.
+        if !c.lazy {
+            std::fs::write(&p, crash.to_vec()).unwrap();
+            let out = std::process::Command::new("qemu-img")
+                .args(["check", "--output=json", p.to_str().unwrap()])
+                .output()
+                .expect("run qemu-img (install qemu-utils)");
+            let code = out.status.code();
+            assert!(
+                code == Some(0) || code == Some(3),
+                "{what}: qemu-img check exited {code:?}: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        // The crashed image must also stay writable: allocate over it and check again.
+        let fs2 = MemFs::new();
+        fs2.insert(TOP, MemStorage::from_bytes(&crash.to_vec()));
+        if c.backing {
+            fs2.insert(
+                BASE,
+                MemStorage::from_bytes(&base_bytes(c.grow_to.unwrap_or(c.size))),
+            );
+        }
+        let img = Image::open(&fs2, Path::new(TOP), &OpenOptions::default())
+            .await
+            .unwrap();
+        let len = (c.cluster * 3).min(img.size() / 2);
+        let (r, _) = img
+            .write(
+                img.size() / 3,
+                IoBuf::from_slice(&vec![0xee; len as usize]),
+                true,
+            )
+            .await;
+        r.unwrap_or_else(|e| panic!("{what}: writing after the crash: {e}"));
+        img.close().await.unwrap();
+        std::fs::write(&p, fs2.get(Path::new(TOP)).unwrap().to_vec()).unwrap();
+        let out = std::process::Command::new("qemu-img")
+            .args(["check", p.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let code = out.status.code();
+        assert!(
+            code == Some(0) || code == Some(3),
+            "{what}: after writing to the crashed image, qemu-img check exited {code:?}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+}
+
+fn crash_campaign(c: Config, points: usize, plans_per_point: usize) -> usize {
+    let ops = workload(&c, 0xC0FFEE ^ c.cluster);
+    let total = run(async { run_workload(&c, &ops, None).await.2 });
+    let mut rng = Rng(0x5EED ^ c.cluster ^ u64::from(c.extended_l2));
+    let mut checked = 0;
+    for p in 0..points {
+        let n = rng.below(total) + 1;
+        run(async {
+            let (fs, expect, _) = run_workload(&c, &ops, Some(n)).await;
+            let handle = fs.0.borrow()[Path::new(TOP)].clone();
+            for k in 0..plans_per_point {
+                let plan = match k {
+                    0 => CrashPlan::mask(&[]),
+                    1 => CrashPlan::mask(&vec![true; handle.unflushed_ops()]),
+                    _ => CrashPlan::Random {
+                        seed: rng.next(),
+                        tear: true,
+                    },
+                };
+                let what = format!(
+                    "{}: crash after storage op {n} of {total}, plan {k}",
+                    c.name
+                );
+                let qemu = (p * plans_per_point + k) % 7 == 0;
+                verify(&c, handle.crash_image(&plan), &expect, &what, qemu).await;
+                checked += 1;
+            }
+        });
+    }
+    checked
+}
+
+fn base_config(name: &'static str) -> Config {
+    Config {
+        name,
+        cluster: 65536,
+        extended_l2: false,
+        refcount_bits: 16,
+        version: 3,
+        backing: false,
+        size: 8 << 20,
+        grow_to: None,
+        ops: 120,
+        lazy: false,
+    }
+}
+
+#[test]
+fn crash_standard_l2() {
+    let n = crash_campaign(base_config("64k standard"), 120, 4);
+    assert_eq!(n, 480);
+}
+
+#[test]
+fn crash_extended_l2_over_backing() {
+    let c = Config {
+        extended_l2: true,
+        backing: true,
+        ..base_config("64k extended over raw backing")
+    };
+    assert_eq!(crash_campaign(c, 120, 4), 480);
+}
+
+#[test]
+fn crash_refcount_table_growth() {
+    // 512-byte clusters with 64-bit refcounts: one refcount block covers 64 clusters and the
+    // first table 4096, so the workload allocates blocks and grows the table many times.
+    let c = Config {
+        cluster: 512,
+        refcount_bits: 64,
+        size: 6 << 20,
+        ops: 150,
+        ..base_config("512 B clusters, 64-bit refcounts")
+    };
+    assert_eq!(crash_campaign(c, 150, 4), 600);
+}
+
+#[test]
+fn crash_l1_growth_and_v2() {
+    let c = Config {
+        cluster: 4096,
+        version: 2,
+        size: 4 << 20,
+        grow_to: Some(40 << 20),
+        ops: 120,
+        ..base_config("4k clusters, compat 0.10, L1 growth")
+    };
+    assert_eq!(crash_campaign(c, 120, 4), 480);
+}
+
+#[test]
+fn crash_lazy_refcounts() {
+    let c = Config {
+        lazy: true,
+        extended_l2: true,
+        ..base_config("64k extended, lazy refcounts")
+    };
+    assert_eq!(crash_campaign(c, 80, 4), 320);
+}

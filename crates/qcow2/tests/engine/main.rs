@@ -1,0 +1,11 @@
+//! The image engine against QEMU: reads, writes, chains, concurrency and crash consistency; one test binary so the suite links once.
+
+mod support;
+
+mod chain;
+mod concurrency;
+mod crash;
+mod read;
+mod read_props;
+mod write;
+mod write_props;

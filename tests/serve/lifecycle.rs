@@ -1,0 +1,253 @@
+//! How `qcow2-nbd serve` starts and stops: SIGTERM with writes in flight (exit 0, every
+//! acknowledged write in a consistent image), SIGINT, the pid file, the exit after the last
+//! client without `-t`, systemd socket activation through `nbdinfo -- [ ... ]`, `--fork`, and
+//! the messages of startup failures.
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::support::kernel_client::{KernelClient, CMD_WRITE};
+use crate::support::{
+    assert_check_clean, qemu_io, require, run_ok, serve_fails, stdout, Images, Server, BIN,
+};
+
+const MIB: u32 = 1 << 20;
+
+#[test]
+fn sigterm_with_writes_in_flight_exits_0_and_keeps_every_acknowledged_write() {
+    let images = Images::new();
+    let img = images.create("disk.qcow2", "qcow2", "", None, "128M");
+    let server = Server::unix(&["-t", img.to_str().unwrap()]);
+    let mut client = KernelClient::connect(&server.socket, "");
+    // 96 MiB of writes from another thread: far more than socket buffers hold, so the
+    // server is still receiving and executing them when the signal arrives.
+    let mut sender = client.stream.try_clone().unwrap();
+    let sending = std::thread::spawn(move || {
+        for i in 0..96u32 {
+            let payload = vec![u8::try_from(i % 250).unwrap() + 1; MIB as usize];
+            let msg = KernelClient::encode(
+                CMD_WRITE,
+                0,
+                u64::from(i),
+                u64::from(i * MIB),
+                MIB,
+                &payload,
+            );
+            if sender.write_all(&msg).is_err() {
+                return i; // the server stopped reading and closed
+            }
+        }
+        96
+    });
+    let first = client.reply();
+    assert_eq!(first.error, 0);
+    server.signal(libc::SIGTERM);
+    let mut acked = vec![first.cookie];
+    while let Some(r) = client.try_reply() {
+        assert_eq!(r.error, 0, "an accepted write failed: {r:?}");
+        acked.push(r.cookie);
+    }
+    let sent = sending.join().unwrap();
+    let mut server = server;
+    let (status, err) = server.wait();
+    assert!(
+        status.success(),
+        "exit status {status} after SIGTERM:\n{err}"
+    );
+    assert!(
+        !acked.is_empty() && acked.len() <= usize::try_from(sent.max(1)).unwrap(),
+        "{} acknowledged of {sent} sent",
+        acked.len()
+    );
+    assert_check_clean(&img);
+    let reads: Vec<String> = acked
+        .iter()
+        .map(|&i| format!("read -P {} {} 1M", i % 250 + 1, i * u64::from(MIB)))
+        .collect();
+    let reads: Vec<&str> = reads.iter().map(String::as_str).collect();
+    qemu_io("qcow2", img.to_str().unwrap(), &reads);
+}
+
+#[test]
+fn sigint_shuts_down_cleanly_too() {
+    let images = Images::new();
+    let img = images.create("disk.qcow2", "qcow2", "lazy_refcounts=on", None, "8M");
+    let server = Server::unix(&["-t", img.to_str().unwrap()]);
+    qemu_io("raw", &server.uri(), &["write -P 0x61 0 1M"]);
+    server.signal(libc::SIGINT);
+    let mut server = server;
+    let (status, err) = server.wait();
+    assert!(status.success(), "{status}: {err}");
+    assert_check_clean(&img);
+    qemu_io("qcow2", img.to_str().unwrap(), &["read -P 0x61 0 1M"]);
+}
+
+#[test]
+fn the_pid_file_means_listening_and_goes_away_on_exit() {
+    let images = Images::new();
+    let img = images.create("disk.qcow2", "qcow2", "", None, "1M");
+    for _ in 0..5 {
+        // The harness returns as soon as the pid file exists: connecting must work at once.
+        let server = Server::unix(&["-t", img.to_str().unwrap()]);
+        let c = KernelClient::connect(&server.socket, "");
+        assert_eq!(c.size, 1 << 20);
+        c.disconnect();
+        let pid_file = server.pid_file.clone();
+        let socket = server.socket.clone();
+        server.stop_ok();
+        assert!(!pid_file.exists(), "pid file removed on exit");
+        assert!(!socket.exists(), "socket removed on exit");
+    }
+}
+
+#[test]
+fn without_persistent_the_server_exits_after_its_client() {
+    let images = Images::new();
+    let img = images.create("disk.qcow2", "qcow2", "", None, "2M");
+    let mut server = Server::unix(&[img.to_str().unwrap()]);
+    let size = stdout(&run_ok(
+        Command::new(require("nbdinfo", "libnbd-bin")).args(["--size", &server.uri()]),
+    ));
+    assert_eq!(size.trim(), (2u64 << 20).to_string());
+    let (status, err) = server.wait();
+    assert!(status.success(), "{status}: {err}");
+}
+
+#[test]
+fn socket_activation_through_nbdinfo() {
+    let images = Images::new();
+    let img = images.create("disk.qcow2", "qcow2", "", None, "5M");
+    images.io("disk.qcow2", "qcow2", &["write -P 1 0 64k"]);
+    let out = run_ok(
+        Command::new(require("nbdinfo", "libnbd-bin"))
+            .args(["--json", "--", "[", BIN, "serve", "-A"])
+            .arg(&img)
+            .arg("]"),
+    );
+    let v: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let e = &v["exports"][0];
+    assert_eq!(e["export-size"], 5 << 20, "{v}");
+    assert_eq!(
+        e["contexts"],
+        serde_json::json!(["base:allocation", "qemu:allocation-depth"])
+    );
+    // And a client that writes: nbdcopy into an activated server, then QEMU reads it back.
+    let source = images.path("source.raw");
+    std::fs::write(&source, vec![0x42u8; 5 << 20]).unwrap();
+    run_ok(
+        Command::new(require("nbdcopy", "libnbd-bin"))
+            .arg("--flush")
+            .arg(&source)
+            .args(["--", "[", BIN, "serve"])
+            .arg(&img)
+            .arg("]"),
+    );
+    assert_check_clean(&img);
+    qemu_io("qcow2", img.to_str().unwrap(), &["read -P 0x42 0 5M"]);
+}
+
+/// True once process `pid` is gone (or a zombie nobody reaps, as in some containers).
+fn exited(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
+    }
+}
+
+fn wait_exited(pid: i32) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !exited(pid) {
+        assert!(Instant::now() < deadline, "daemon {pid} did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn fork_returns_once_listening_and_the_daemon_serves_until_sigterm() {
+    let images = Images::new();
+    let img = images.create("disk.qcow2", "qcow2", "", None, "4M");
+    let pid_file = images.path("serve.pid");
+    let socket = images.path("nbd.sock");
+    // output() waits for stdout and stderr to close: the daemon must let go of them.
+    let out = Command::new(BIN)
+        .args(["serve", "--fork", "-t", "--pid-file"])
+        .arg(&pid_file)
+        .arg("-k")
+        .arg(&socket)
+        .arg(&img)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .expect("pid file written before the parent returned")
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(!exited(pid), "the daemon runs");
+    let uri = format!("nbd+unix:///?socket={}", socket.display());
+    qemu_io("raw", &uri, &["write -P 0x17 0 64k", "read -P 0x17 0 64k"]);
+    // SAFETY: kill only sends a signal to the daemon we started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    wait_exited(pid);
+    assert!(
+        !socket.exists() && !pid_file.exists(),
+        "clean exit removes both"
+    );
+    assert_check_clean(&img);
+    qemu_io("qcow2", img.to_str().unwrap(), &["read -P 0x17 0 64k"]);
+}
+
+#[test]
+fn fork_passes_a_startup_failure_on() {
+    let images = Images::new();
+    let missing = images.path("missing.qcow2");
+    let err = serve_fails(&["--fork", "-k", &images.s("s"), missing.to_str().unwrap()]);
+    assert!(err.contains("missing.qcow2"), "{err}");
+}
+
+fn assert_fails_with(args: &[&str], needle: &str) {
+    let err = serve_fails(args);
+    assert!(err.contains(needle), "serve {args:?}: {err}");
+    assert!(err.starts_with("qcow2-nbd: "), "one clear line: {err}");
+}
+
+#[test]
+fn startup_failures_say_what_is_wrong_and_exit_1() {
+    let images = Images::new();
+    let img = images.create("disk.qcow2", "qcow2", "", None, "1M");
+    let raw = images.create("disk.raw", "raw", "", None, "1M");
+    let sock = images.s("s");
+    let i = img.to_str().unwrap();
+    assert_fails_with(&["-k", &sock, &images.s("nope.qcow2")], "could not open");
+    assert_fails_with(&["-k", &sock, raw.to_str().unwrap()], "use raw");
+    assert_fails_with(
+        &["-k", &sock, "--detect-zeroes=unmap", i],
+        "--detect-zeroes=unmap requires --discard=unmap",
+    );
+    assert_fails_with(&["-k", &sock, "-l", "nosuch", i], "no snapshot");
+    assert_fails_with(
+        &["-k", &sock, "--pid-file", &images.s("no/such/dir/pid"), i],
+        "pid file",
+    );
+    assert_fails_with(&["-k", &images.s("no/such/dir/s"), i], "cannot listen");
+    // As in QEMU, a tiny cache is raised to its minimum, but all three sizes at once conflict.
+    assert_fails_with(
+        &[
+            "-k",
+            &sock,
+            "--cache-size=4M",
+            "--l2-cache-size=1M",
+            "--refcount-cache-size=1M",
+            i,
+        ],
+        "may not be set at the same time",
+    );
+    // None of that touched the image.
+    assert_check_clean(Path::new(i));
+}

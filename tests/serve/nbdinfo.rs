@@ -1,0 +1,274 @@
+//! libnbd's nbdinfo against `qcow2-nbd serve`: the flags, block sizes and contexts in
+//! `--json` for the flag combinations that change them, export listing, and `--map` of both
+//! contexts agreeing with `qemu-img map` on backing chains (raw and qcow2 layers, standard
+//! and extended L2, zeroed and discarded clusters).
+
+use std::process::Command;
+
+use crate::support::{qemu_img, require, run_ok, stdout, Images, Server};
+use serde_json::Value;
+
+fn nbdinfo(args: &[&str]) -> String {
+    stdout(&run_ok(
+        Command::new(require("nbdinfo", "libnbd-bin")).args(args),
+    ))
+}
+
+fn export_json(server: &Server) -> Value {
+    let out = nbdinfo(&["--json", &server.uri()]);
+    let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(v["protocol"], "newstyle-fixed", "{v}");
+    assert_eq!(v["structured"], true, "{v}");
+    v["exports"][0].clone()
+}
+
+fn assert_flags(e: &Value, flags: &[(&str, bool)]) {
+    for (key, want) in flags {
+        assert_eq!(e[*key], *want, "{key} in {e}");
+    }
+}
+
+fn contexts(e: &Value) -> Vec<String> {
+    e["contexts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[test]
+fn json_shows_every_feature_of_a_writable_shared_export() {
+    let images = Images::new();
+    let img = images.create("disk.qcow2", "qcow2", "", None, "3M");
+    let server = Server::unix(&[
+        "-t",
+        "-A",
+        "-e",
+        "2",
+        "-x",
+        "disk",
+        "-D",
+        "a qcow2 disk",
+        img.to_str().unwrap(),
+    ]);
+    let e = export_json(&server);
+    // The empty name reaches the only export, which tells its real name.
+    assert_eq!(e["export-name"], "disk");
+    assert_eq!(e["export-size"], 3 << 20);
+    assert_flags(
+        &e,
+        &[
+            ("is_read_only", false),
+            ("is_rotational", false),
+            ("can_cache", true),
+            ("can_df", true),
+            ("can_fast_zero", true),
+            ("can_flush", true),
+            ("can_fua", true),
+            ("can_multi_conn", true),
+            ("can_trim", true),
+            ("can_zero", true),
+        ],
+    );
+    assert_eq!(e["block_size_minimum"], 1);
+    assert_eq!(e["block_size_preferred"], 65536, "the cluster size");
+    assert_eq!(e["block_size_maximum"], 32 << 20);
+    assert_eq!(contexts(&e), ["base:allocation", "qemu:allocation-depth"]);
+    // The named export and its description, as a listing shows them.
+    let list: Value = serde_json::from_str(&nbdinfo(&["--list", "--json", &server.uri()])).unwrap();
+    let exports = list["exports"].as_array().unwrap();
+    assert_eq!(exports.len(), 1, "{list}");
+    assert_eq!(exports[0]["export-name"], "disk");
+    assert_eq!(exports[0]["description"], "a qcow2 disk");
+    let size = nbdinfo(&["--size", &server.uri_of("disk")]);
+    assert_eq!(size.trim(), (3u64 << 20).to_string());
+    server.stop_ok();
+}
+
+#[test]
+fn json_of_a_read_only_export() {
+    let images = Images::new();
+    let img = images.create("disk.qcow2", "qcow2", "cluster_size=4096", None, "1M");
+    let server = Server::unix(&["-r", img.to_str().unwrap()]);
+    let e = export_json(&server);
+    assert_flags(
+        &e,
+        &[
+            ("is_read_only", true),
+            ("can_trim", false),
+            ("can_zero", false),
+            ("can_fast_zero", false),
+            // A read-only export is consistent across connections by nature.
+            ("can_multi_conn", true),
+            ("can_flush", true),
+            ("can_cache", true),
+        ],
+    );
+    assert_eq!(e["block_size_preferred"], 4096);
+    assert_eq!(contexts(&e), ["base:allocation"], "no -A, no depth context");
+    server.stop_ok();
+}
+
+#[test]
+fn a_writable_export_for_one_client_does_not_advertise_multi_conn() {
+    let images = Images::new();
+    let img = images.create("disk.qcow2", "qcow2", "", None, "1M");
+    let server = Server::unix(&[img.to_str().unwrap()]);
+    let e = export_json(&server);
+    assert_flags(&e, &[("can_multi_conn", false), ("can_trim", true)]);
+    server.stop_ok();
+}
+
+#[test]
+fn preferred_block_size_is_the_subcluster_within_4k_and_2m() {
+    let images = Images::new();
+    for (opts, fmt, want) in [
+        ("cluster_size=65536,extended_l2=on", "qcow2", 4096),
+        ("cluster_size=2M,extended_l2=on", "qcow2", 65536),
+        ("cluster_size=2M", "qcow2", 2 << 20),
+        ("", "raw", 4096),
+    ] {
+        let name = format!("disk-{want}-{fmt}");
+        let img = images.create(&name, fmt, opts, None, "4M");
+        let server = Server::unix(&["-f", fmt, img.to_str().unwrap()]);
+        let e = export_json(&server);
+        assert_eq!(e["block_size_preferred"], want, "{opts} {fmt}: {e}");
+        server.stop_ok();
+    }
+}
+
+/// (granule index, value) for every 512-byte granule of a map.
+type Granules = Vec<(u64, u64)>;
+
+/// One qemu-img map extent, or one nbdinfo map row, cut into 512-byte granules.
+fn granules(start: u64, len: u64, value: u64, out: &mut Granules) {
+    assert!(start % 512 == 0 && len % 512 == 0, "{start} {len}");
+    for g in 0..len / 512 {
+        out.push((start / 512 + g, value));
+    }
+}
+
+/// Per granule, what `qemu-img map` implies for `base:allocation` (NBD_STATE_HOLE = 1 when
+/// not data, NBD_STATE_ZERO = 2) and for `qemu:allocation-depth` (0 absent, else depth + 1).
+fn qemu_expectations(image: &str) -> (Granules, Granules) {
+    let map: Value = serde_json::from_str(&qemu_img(&["map", "--output=json", image])).unwrap();
+    let (mut alloc, mut depth) = (Vec::new(), Vec::new());
+    for e in map.as_array().unwrap() {
+        let (start, len) = (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap());
+        let data = e["data"].as_bool().unwrap();
+        let zero = e["zero"].as_bool().unwrap();
+        let flags = u64::from(!data) | (u64::from(zero) << 1);
+        granules(start, len, flags, &mut alloc);
+        let d = if e["present"].as_bool().unwrap() {
+            e["depth"].as_u64().unwrap() + 1
+        } else {
+            0
+        };
+        granules(start, len, d, &mut depth);
+    }
+    (alloc, depth)
+}
+
+/// `nbdinfo --map[=CONTEXT]` rows ("start length value description") as granules.
+fn nbdinfo_map(server: &Server, context: Option<&str>) -> Granules {
+    let flag = match context {
+        Some(c) => format!("--map={c}"),
+        None => "--map".to_owned(),
+    };
+    let out = nbdinfo(&[&flag, &server.uri()]);
+    let mut g = Vec::new();
+    for line in out.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        granules(
+            f[0].parse().unwrap(),
+            f[1].parse().unwrap(),
+            f[2].parse().unwrap(),
+            &mut g,
+        );
+    }
+    g
+}
+
+fn assert_maps_agree(image: &str) {
+    let (alloc, depth) = qemu_expectations(image);
+    let server = Server::unix(&["-t", "-r", "-A", image]);
+    let ours = nbdinfo_map(&server, None);
+    let first = ours.iter().zip(&alloc).position(|(a, b)| a != b);
+    assert!(
+        ours.len() == alloc.len() && first.is_none(),
+        "{image}: base:allocation differs from qemu-img map at granule {first:?} ({} vs {} granules)",
+        ours.len(),
+        alloc.len()
+    );
+    let ours = nbdinfo_map(&server, Some("qemu:allocation-depth"));
+    let first = ours.iter().zip(&depth).position(|(a, b)| a != b);
+    assert!(
+        ours.len() == depth.len() && first.is_none(),
+        "{image}: qemu:allocation-depth differs from qemu-img map at granule {first:?}"
+    );
+    server.stop_ok();
+}
+
+#[test]
+fn maps_agree_with_qemu_img_on_a_raw_qcow2_extended_chain() {
+    let images = Images::new();
+    // A fully written raw base (a sparse one would show its holes as zeroes in QEMU).
+    images.create("base.raw", "raw", "", None, "4M");
+    images.io("base.raw", "raw", &["write -P 0x55 0 4M"]);
+    images.create("mid.qcow2", "qcow2", "", Some(("base.raw", "raw")), "4M");
+    images.io(
+        "mid.qcow2",
+        "qcow2",
+        &[
+            "write -P 0x66 64k 192k",
+            "write -z 512k 128k",
+            "write -P 0x67 1M 64k",
+        ],
+    );
+    images.create(
+        "top.qcow2",
+        "qcow2",
+        "cluster_size=65536,extended_l2=on",
+        Some(("mid.qcow2", "qcow2")),
+        "4M",
+    );
+    images.io(
+        "top.qcow2",
+        "qcow2",
+        &[
+            "write -P 0x77 0 2k",
+            "write -P 0x78 6k 4k",
+            "write -z 128k 6k",
+            "write -z -u 1M 64k",
+            "write -P 0x79 2M 100k",
+            "discard 3M 64k",
+        ],
+    );
+    assert_maps_agree(&images.s("top.qcow2"));
+}
+
+#[test]
+fn maps_agree_with_qemu_img_on_a_qcow2_chain_with_absent_ranges() {
+    let images = Images::new();
+    images.create("base.qcow2", "qcow2", "cluster_size=4096", None, "8M");
+    images.io(
+        "base.qcow2",
+        "qcow2",
+        &["write -P 1 0 1M", "write -z 2M 1M", "write -P 2 5M 12k"],
+    );
+    images.create(
+        "top.qcow2",
+        "qcow2",
+        "",
+        Some(("base.qcow2", "qcow2")),
+        "8M",
+    );
+    images.io(
+        "top.qcow2",
+        "qcow2",
+        &["write -P 3 512k 1M", "write -z 4M 256k", "write -P 4 7M 4k"],
+    );
+    assert_maps_agree(&images.s("top.qcow2"));
+    assert_maps_agree(&images.s("base.qcow2"));
+}
