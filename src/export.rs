@@ -16,7 +16,7 @@
 //! ~700 MiB/s, the extra lookup costing at most ~5% server CPU per request, within noise.
 
 use nbd::{BlockSize, Errno, Export, ExportFeatures, Extent, ReadChunk, WriteZeroesFlags};
-use qcow2::engine::{libc_errno, EngineError, Image};
+use qcow2::engine::{libc_errno, EngineError, Image, ReadPart};
 use storage::{AnyStorage, IoBuf};
 
 /// Largest block size we advertise as preferred: a write of this many bytes never needs a
@@ -225,47 +225,18 @@ impl Export for ImageExport {
         if len == 0 {
             return Ok(Vec::new());
         }
-        let len64 = u64::try_from(len).map_err(|_| Errno::Inval)?;
-        let runs = self
+        let parts = self
             .image
-            .block_status(offset, len64)
+            .read_sparse(offset, len)
             .await
             .map_err(|e| errno("read", &e))?;
-        let mut chunks = Vec::new();
-        let mut at = offset;
-        let mut i = 0;
-        while i < runs.len() {
-            // One read per run of data, whatever layers it comes from: the engine merges
-            // what is contiguous on disk, as it would for a plain read.
-            let zero = runs[i].zero;
-            let mut n = 0u64;
-            while let Some(r) = runs.get(i).filter(|r| r.zero == zero) {
-                n = n.saturating_add(r.len);
-                i += 1;
-            }
-            let n_usize = usize::try_from(n).map_err(|_| Errno::Inval)?;
-            if zero {
-                chunks.push(ReadChunk::Hole(n_usize));
-            } else {
-                let buf = self
-                    .image
-                    .read(at, n_usize)
-                    .await
-                    .map_err(|e| errno("read", &e))?;
-                chunks.push(ReadChunk::Data(Payload(buf)));
-            }
-            at = at.saturating_add(n);
-        }
-        if at != offset.saturating_add(len64) {
-            tracing::error!(
-                offset,
-                len,
-                covered = at - offset,
-                "block status did not cover the read"
-            );
-            return Err(Errno::Io);
-        }
-        Ok(chunks)
+        Ok(parts
+            .into_iter()
+            .map(|p| match p {
+                ReadPart::Data(buf) => ReadChunk::Data(Payload(buf)),
+                ReadPart::Hole(n) => ReadChunk::Hole(n),
+            })
+            .collect())
     }
 
     async fn write(&self, offset: u64, Payload(data): Payload, fua: bool) -> Result<(), Errno> {

@@ -13,6 +13,7 @@
 //! resolve to one thing (compressed clusters, a layer ending inside the granule) are marked
 //! "descend" and walked on each request, which is correct, only slower.
 
+use super::chain_walk::walk_window;
 use super::error::{EngineError, Result};
 use super::layer::Layer;
 use super::resolve::{walk, Piece, Source};
@@ -22,7 +23,7 @@ use std::rc::Rc;
 use storage::Storage;
 
 /// Bytes of map per cache entry.
-const SLOT_BYTES: usize = 4096;
+const SLOT_BYTES: usize = 16384;
 /// Bytes per granule in the map: kind and layer, then the host offset.
 const GRANULE_BYTES: usize = 16;
 /// Granules per cache entry.
@@ -67,7 +68,7 @@ impl<S: Storage + 'static> cache::Backend<u64> for MapBackend<S> {
             .ok_or_else(|| io::Error::other("backing map slot out of range"))?;
         let len = span.min(u64::MAX - start);
         let mut pieces = Vec::new();
-        walk(&self.layers, &self.l2, start, len, 1, None, &mut pieces)
+        walk_window(&self.layers, &self.l2, start, len, 1, &mut pieces)
             .await
             .map_err(|e| io::Error::other(e.to_string()))?;
         let mut p = 0;

@@ -8,7 +8,8 @@ use super::layer::{Layer, Qcow2Meta};
 use super::metacache::L2Key;
 use super::L2Cache;
 use crate::format::{l2, ExtendedL2Entry, GuestOffset, HostOffset, L2Entry, SubclusterState};
-use storage::Storage;
+use std::collections::HashMap;
+use storage::{IoBuf, Storage};
 
 /// How a run of guest bytes reads in one layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,14 +66,19 @@ pub(crate) fn push_run(out: &mut Vec<Run>, start: u64, len: u64, kind: RunKind) 
     out.push(Run { start, len, kind });
 }
 
+/// L2 slices of read-only layers read ahead of a walk, by cache key (see chain_walk.rs).
+pub(crate) type Prefetched = HashMap<L2Key, IoBuf>;
+
 /// Maps `[start, start + len)` of qcow2 layer `li` (which must lie inside the layer's virtual
-/// size) into runs appended to `out`.
+/// size) into runs appended to `out`. Slices found in `pre` are decoded from there, the others
+/// come through the L2 cache.
 pub(crate) async fn map_layer<S: Storage + 'static>(
     layers: &[Layer<S>],
     l2: &L2Cache<S>,
     li: usize,
     start: u64,
     len: u64,
+    pre: Option<&Prefetched>,
     out: &mut Vec<Run>,
 ) -> Result<()> {
     let layer = &layers[li];
@@ -105,6 +111,11 @@ pub(crate) async fn map_layer<S: Storage + 'static>(
                     slice: u32::try_from(l2_index / per_slice).unwrap_or(u32::MAX),
                 };
                 let first_index = l2_index - l2_index % per_slice;
+                if let Some(bytes) = pre.and_then(|p| p.get(&key)) {
+                    decode_slice(layer, meta, bytes, table, first_index, pos, chunk_end, out)?;
+                    pos = chunk_end;
+                    continue;
+                }
                 l2.read(key, |bytes| {
                     decode_slice(layer, meta, bytes, table, first_index, pos, chunk_end, out)
                 })

@@ -19,6 +19,7 @@
 mod backing_map;
 pub mod backing_name;
 mod block_status;
+mod chain_walk;
 pub mod check;
 pub mod compress;
 mod create;
@@ -36,6 +37,7 @@ mod overlap;
 mod prealloc_detect;
 pub mod range_lock;
 mod read;
+mod read_sparse;
 mod refcount;
 mod resize;
 mod resolve;
@@ -48,6 +50,7 @@ pub use block_status::Extent;
 pub use create::{create, create_file, CreateOptions, Preallocation};
 pub use error::{libc_errno, EngineError, Result};
 pub use open::{Format, OpenOptions};
+pub use read_sparse::ReadPart;
 
 use layer::Layer;
 use metacache::{L2Backend, L2Key};

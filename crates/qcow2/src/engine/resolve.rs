@@ -109,7 +109,7 @@ pub(crate) async fn walk<S: Storage + 'static>(
                 }),
                 LayerFormat::Qcow2(_) => {
                     runs.clear();
-                    map_layer(layers, l2, li, s, inside, &mut runs).await?;
+                    map_layer(layers, l2, li, s, inside, None, &mut runs).await?;
                     for r in &runs {
                         let src = match r.kind {
                             RunKind::Unallocated => {
@@ -139,7 +139,7 @@ pub(crate) async fn walk<S: Storage + 'static>(
 }
 
 /// Zeros nobody allocated; `deepest` is the last layer that covers them.
-fn absent(start: u64, len: u64, deepest: usize) -> Piece {
+pub(crate) fn absent(start: u64, len: u64, deepest: usize) -> Piece {
     Piece {
         start,
         len,

@@ -144,6 +144,16 @@ fn check_chain(depth: usize, qemu: bool) {
             &expected,
             &format!("depth {depth}, small reads"),
         );
+        let (sparse, holes) = read_all_sparse(&img, 1 << 20).await;
+        assert_same(
+            &sparse,
+            &expected,
+            &format!("depth {depth}, sparse 1 MiB reads"),
+        );
+        assert!(
+            holes > 0,
+            "depth {depth}: the zero clusters were sent as data"
+        );
         if depth >= 2 {
             let stats = img
                 .backing_map_stats()

@@ -18,6 +18,12 @@ fn check_image(img: &Path, what: &str) {
                     &expected,
                     &format!("{what} ({aio:?}, {chunk}-byte reads)"),
                 );
+                let (sparse, _) = read_all_sparse(&image, chunk).await;
+                assert_same(
+                    &sparse,
+                    &expected,
+                    &format!("{what} ({aio:?}, {chunk}-byte sparse reads)"),
+                );
             }
         });
     }
@@ -38,6 +44,44 @@ fn scribble(img: &Path, cluster: u64) {
     ];
     let cmds: Vec<&str> = cmds.iter().map(String::as_str).collect();
     qemu_io(img, "qcow2", &cmds);
+}
+
+/// A raw file's holes come back as holes from a sparse read, its data as data; a qcow2 layer's
+/// data clusters are data even over a hole of its file.
+#[test]
+fn sparse_reads_report_raw_holes() {
+    let d = Dir::new();
+    let raw = d.path("sparse.raw");
+    let f = std::fs::File::create(&raw).unwrap();
+    f.set_len(8 << 20).unwrap();
+    drop(f);
+    qemu_io(
+        &raw,
+        "raw",
+        &["write -P 0x5a 1M 64k", "write -P 0x5b 5M 4k"],
+    );
+    run(async {
+        let opts = qcow2::engine::OpenOptions {
+            read_only: true,
+            format: Some(qcow2::engine::Format::Raw),
+            ..Default::default()
+        };
+        let image = qcow2::engine::Image::open(&opener(Aio::IoUring), &raw, &opts)
+            .await
+            .unwrap();
+        let (bytes, holes) = read_all_sparse(&image, 8 << 20).await;
+        assert_same(&bytes, &qemu_raw(&raw, None), "sparse raw in one read");
+        // Filesystems allocate in blocks of up to 64 KiB around the written bytes.
+        assert!(
+            holes >= (8 << 20) - (256 << 10),
+            "only {holes} bytes of holes"
+        );
+        let parts = image.read_sparse(1 << 20, 4096).await.unwrap();
+        assert!(
+            matches!(&parts[..], [qcow2::engine::ReadPart::Data(b)] if b.iter().all(|&x| x == 0x5a)),
+            "written data not read as data: {parts:?}"
+        );
+    });
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! single-threaded runtime like the one the server uses.
 #![allow(dead_code)] // each test binary uses a different subset
 
-use qcow2::engine::{Image, OpenOptions};
+use qcow2::engine::{Image, OpenOptions, ReadPart};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use storage::{Aio, AnyStorage, FileOpener};
@@ -97,6 +97,51 @@ pub async fn read_all(img: &Image<AnyStorage>, chunk: usize) -> Vec<u8> {
         pos += n as u64;
     }
     out
+}
+
+/// Reads the whole disk in `chunk`-byte sparse reads (holes as zeros), checking that every
+/// hole is something block status calls zero; returns the bytes and how many were holes.
+pub async fn read_all_sparse(img: &Image<AnyStorage>, chunk: usize) -> (Vec<u8>, u64) {
+    let size = img.size();
+    let mut out = Vec::with_capacity(size as usize);
+    let mut holes = 0u64;
+    let mut pos = 0u64;
+    while pos < size {
+        let n = chunk.min((size - pos) as usize);
+        let parts = img
+            .read_sparse(pos, n)
+            .await
+            .unwrap_or_else(|e| panic!("sparse read at {pos:#x}: {e}"));
+        let mut at = pos;
+        for part in parts {
+            match part {
+                ReadPart::Data(buf) => {
+                    out.extend_from_slice(&buf);
+                    at += buf.len() as u64;
+                }
+                ReadPart::Hole(len) => {
+                    for e in img.block_status(at, len as u64).await.unwrap() {
+                        assert!(
+                            e.zero,
+                            "hole at {:#x}+{:#x} is not zero: {e:?}",
+                            e.start, e.len
+                        );
+                    }
+                    out.resize(out.len() + len, 0);
+                    at += len as u64;
+                    holes += len as u64;
+                }
+            }
+        }
+        assert_eq!(
+            at,
+            pos + n as u64,
+            "sparse read at {pos:#x} covers {:#x}",
+            at - pos
+        );
+        pos += n as u64;
+    }
+    (out, holes)
 }
 
 /// A fresh temporary directory and a path builder inside it.

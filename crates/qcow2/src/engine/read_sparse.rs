@@ -1,0 +1,131 @@
+//! Reading with holes: the read an NBD server answers with structured replies, where bytes
+//! that read as zeros may be sent as a hole instead of as data.
+//!
+//! The range is resolved through the chain once, for both questions (what is zero, where is
+//! the data). Zeros are what the metadata says reads as zeros (zero clusters and subclusters,
+//! nothing allocated anywhere) plus, for raw layers, the holes of the file. Data clusters of
+//! qcow2 layers are sent as data without asking the file about holes: a hole under a data
+//! cluster reads as zeros either way, and asking would cost a seek per run (or, for QEMU's
+//! preallocation guess, reading each layer's refcount structures, which for a deep chain is
+//! three reads per layer on the first request). Block status still answers those questions
+//! exactly as QEMU does.
+
+use super::error::Result;
+use super::join_all::join_all;
+use super::range_lock::LockMode;
+use super::resolve::{Piece, Source};
+use super::Image;
+use storage::{IoBuf, Storage};
+
+/// A part of a sparse read, in guest order.
+#[derive(Debug)]
+pub enum ReadPart {
+    /// Bytes read (the buffer's whole length).
+    Data(IoBuf),
+    /// This many bytes that read as zeros.
+    Hole(usize),
+}
+
+impl<S: Storage + 'static> Image<S> {
+    /// Reads `len` guest bytes at `offset` as data and holes covering the range exactly.
+    pub async fn read_sparse(&self, offset: u64, len: usize) -> Result<Vec<ReadPart>> {
+        let inner = &self.inner;
+        let len64 = len as u64;
+        inner.check_range(offset, len64)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let _guard = inner.lock_range(offset, len64, LockMode::Shared).await;
+        let mut pieces = Vec::new();
+        inner.resolve(offset, len64, 0, &mut pieces).await?;
+
+        // Split pieces of raw layers at the file's holes, then group by zero / not zero.
+        let mut classified: Vec<(Piece, bool)> = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            match p.src {
+                Source::Zero => classified.push((p, true)),
+                Source::Compressed { .. } => classified.push((p, false)),
+                Source::Data { host } => {
+                    let layer = &inner.layers[p.layer];
+                    if layer.qcow2().is_some() {
+                        classified.push((p, false));
+                        continue;
+                    }
+                    let mut pos = 0;
+                    while pos < p.len {
+                        let (stored, n) = layer
+                            .data_storage()
+                            .data_run(host + pos, p.len - pos)
+                            .await
+                            .map_err(|e| layer.io_error("querying allocation", host + pos, e))?;
+                        let n = n.clamp(1, p.len - pos);
+                        let part = Piece {
+                            start: p.start + pos,
+                            len: n,
+                            src: if stored {
+                                Source::Data { host: host + pos }
+                            } else {
+                                Source::Zero
+                            },
+                            ..p
+                        };
+                        classified.push((part, !stored));
+                        pos += n;
+                    }
+                }
+            }
+        }
+
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < classified.len() {
+            let zero = classified[i].1;
+            let mut j = i;
+            let mut n = 0u64;
+            while let Some((p, z)) = classified.get(j).filter(|(_, z)| *z == zero) {
+                debug_assert_eq!(*z, zero);
+                n += p.len;
+                j += 1;
+            }
+            let n = n as usize;
+            if zero {
+                out.push(ReadPart::Hole(n));
+            } else {
+                // Each contiguous run of the file (or compressed cluster) goes into a buffer
+                // of its own, all read concurrently: the reply sends them back to back, so
+                // nothing is copied into one request-sized buffer.
+                let segments = segments(&classified[i..j]);
+                let reads = segments.iter().map(|seg| async move {
+                    let len: u64 = seg.iter().map(|p| p.len).sum();
+                    let mut buf = IoBuf::zeroed(len as usize);
+                    inner.fill(seg[0].start, seg, &mut buf).await.map(|()| buf)
+                });
+                for buf in join_all(reads.collect()).await {
+                    out.push(ReadPart::Data(buf?));
+                }
+            }
+            i = j;
+        }
+        Ok(out)
+    }
+}
+
+/// Splits non-zero pieces into what one read fills: pieces continuing each other in the same
+/// file, or one compressed piece.
+fn segments(pieces: &[(Piece, bool)]) -> Vec<Vec<Piece>> {
+    let mut out: Vec<Vec<Piece>> = Vec::new();
+    for &(p, _) in pieces {
+        if let Some(last) = out.last_mut().and_then(|seg| seg.last().copied()) {
+            if let (Source::Data { host: a }, Source::Data { host: b }) = (last.src, p.src) {
+                if last.layer == p.layer && a + last.len == b && last.start + last.len == p.start {
+                    if let Some(seg) = out.last_mut() {
+                        seg.push(p);
+                    }
+                    continue;
+                }
+            }
+        }
+        out.push(vec![p]);
+    }
+    out
+}
