@@ -7,7 +7,7 @@
 //! window). The backing map builds each window once, so here the layers are visited level by
 //! level and, on reaching a layer whose slices are not at hand, the slices of that layer and
 //! the next [`WAVE`] - 1 layers that cover the still-unresolved ranges are read at once: a
-//! window through 300 layers costs ten rounds of concurrent reads instead of 300 in a row.
+//! window through 300 layers costs two rounds of concurrent reads instead of 300 in a row.
 //! A wave may read slices of layers that turn out not to be needed (when an upper layer
 //! resolves everything); that waste is bounded by one wave per window.
 //!
@@ -26,7 +26,9 @@ use super::L2Cache;
 use crate::format::GuestOffset;
 use storage::Storage;
 
-/// Layers whose slices are read in one round.
+/// Layers whose slices are read in one round. The map exists for chains of three or more
+/// layers, whose L2 slices are at most 4 KiB, and a window needs at most two slices of a layer,
+/// so one round holds at most 2 MiB.
 pub(crate) const WAVE: usize = 256;
 
 /// Appends the pieces of `[start, start + len)` as seen from backing layer `from` (at least
