@@ -18,10 +18,10 @@
 
 use super::error::Result;
 use super::join_all::join_all;
-use super::layer::{Layer, LayerFormat};
-use super::map::{map_layer, Prefetched, RunKind};
+use super::layer::Layer;
+use super::map::Prefetched;
 use super::metacache::L2Key;
-use super::resolve::{absent, Piece, Source};
+use super::resolve::{absent, step, Piece};
 use super::L2Cache;
 use crate::format::GuestOffset;
 use storage::Storage;
@@ -49,67 +49,22 @@ pub(crate) async fn walk_window<S: Storage + 'static>(
     let mut runs = Vec::new();
     let mut li = from;
     while !pending.is_empty() {
-        let Some(layer) = layers.get(li) else {
+        if li >= layers.len() {
             for (s, l) in pending.drain(..) {
                 out.push(absent(s, l, li.saturating_sub(1)));
             }
             break;
-        };
+        }
         if li >= fetched_to && li >= 1 {
             // The previous wave's slices belong to layers already passed: free them first.
             pre.clear();
             fetched_to = (li + WAVE).min(layers.len());
             prefetch(layers, l2.entry_size(), li..fetched_to, &pending, &mut pre).await?;
         }
-        let size = layer.size.get();
+        let p = (li >= 1).then_some(&pre);
         let mut next: Vec<(u64, u64)> = Vec::new();
         for (s, l) in pending.drain(..) {
-            if s >= size {
-                // Past the end of this shorter layer: zeros, and QEMU looks no further.
-                out.push(absent(s, l, li.saturating_sub(1)));
-                continue;
-            }
-            let inside = l.min(size - s);
-            if inside < l {
-                out.push(absent(s + inside, l - inside, li.saturating_sub(1)));
-            }
-            match &layer.format {
-                LayerFormat::Raw => out.push(Piece {
-                    start: s,
-                    len: inside,
-                    src: Source::Data { host: s },
-                    layer: li,
-                    present: true,
-                }),
-                LayerFormat::Qcow2(_) => {
-                    runs.clear();
-                    let p = (li >= 1).then_some(&pre);
-                    map_layer(layers, l2, li, s, inside, p, &mut runs).await?;
-                    for r in &runs {
-                        let src = match r.kind {
-                            RunKind::Unallocated => {
-                                match next.last_mut() {
-                                    Some(n) if n.0 + n.1 == r.start => n.1 += r.len,
-                                    _ => next.push((r.start, r.len)),
-                                }
-                                continue;
-                            }
-                            RunKind::Zero => Source::Zero,
-                            RunKind::Data { host } => Source::Data { host },
-                            RunKind::Compressed { raw, cluster } => {
-                                Source::Compressed { raw, cluster }
-                            }
-                        };
-                        out.push(Piece {
-                            start: r.start,
-                            len: r.len,
-                            src,
-                            layer: li,
-                            present: true,
-                        });
-                    }
-                }
-            }
+            step(layers, l2, li, s, l, p, &mut runs, out, &mut next).await?;
         }
         pending = next;
         li += 1;

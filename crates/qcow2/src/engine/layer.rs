@@ -77,6 +77,24 @@ impl<S: Storage + 'static> Layer<S> {
     pub async fn read_file(&self, what: &'static str, offset: u64, len: usize) -> Result<IoBuf> {
         read_exact(&self.file, &self.name, what, offset, len).await
     }
+
+    /// `[host, host + len)` of the data storage as runs of (holds data, length), in order and
+    /// covering it exactly; holes of the file read as zeros.
+    pub async fn stored_runs(&self, host: u64, len: u64) -> Result<Vec<(bool, u64)>> {
+        let mut runs = Vec::new();
+        let mut pos = 0;
+        while pos < len {
+            let (stored, n) = self
+                .data_storage()
+                .data_run(host + pos, len - pos)
+                .await
+                .map_err(|e| self.io_error("querying allocation", host + pos, e))?;
+            let n = n.clamp(1, len - pos);
+            runs.push((stored, n));
+            pos += n;
+        }
+        Ok(runs)
+    }
 }
 
 /// Reads `len` bytes at `offset` of `file` into a fresh buffer.

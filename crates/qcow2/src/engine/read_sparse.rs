@@ -52,21 +52,16 @@ impl<S: Storage + 'static> Image<S> {
                         continue;
                     }
                     let mut pos = 0;
-                    while pos < p.len {
-                        let (stored, n) = layer
-                            .data_storage()
-                            .data_run(host + pos, p.len - pos)
-                            .await
-                            .map_err(|e| layer.io_error("querying allocation", host + pos, e))?;
-                        let n = n.clamp(1, p.len - pos);
+                    for (stored, n) in layer.stored_runs(host, p.len).await? {
+                        let src = if stored {
+                            Source::Data { host: host + pos }
+                        } else {
+                            Source::Zero
+                        };
                         let part = Piece {
                             start: p.start + pos,
                             len: n,
-                            src: if stored {
-                                Source::Data { host: host + pos }
-                            } else {
-                                Source::Zero
-                            },
+                            src,
                             ..p
                         };
                         classified.push((part, !stored));

@@ -1,9 +1,10 @@
 //! Resolving a guest range through the whole chain: which layer provides each byte, and how.
 
 use super::error::Result;
-use super::layer::LayerFormat;
-use super::map::{map_layer, Run, RunKind};
+use super::layer::{Layer, LayerFormat};
+use super::map::{map_layer, Prefetched, Run, RunKind};
 use super::Inner;
+use super::L2Cache;
 use storage::Storage;
 
 /// Where the bytes of a piece come from.
@@ -64,78 +65,95 @@ impl<S: Storage + 'static> Inner<S> {
 /// order. With `stop_below`, ranges unallocated in layer `from` are handed back there instead
 /// of being followed down the chain.
 pub(crate) async fn walk<S: Storage + 'static>(
-    layers: &[super::layer::Layer<S>],
-    l2: &super::L2Cache<S>,
+    layers: &[Layer<S>],
+    l2: &L2Cache<S>,
     start: u64,
     len: u64,
     from: usize,
     mut stop_below: Option<&mut Vec<(u64, u64)>>,
     out: &mut Vec<Piece>,
 ) -> Result<()> {
-    {
-        let first = out.len();
-        // (layer, start, len, deepest covering layer so far)
-        let mut todo = vec![(from, start, len)];
-        let mut runs: Vec<Run> = Vec::new();
-        while let Some((li, s, l)) = todo.pop() {
-            if li > from {
-                if let Some(below) = stop_below.as_deref_mut() {
-                    below.push((s, l));
-                    continue;
-                }
-            }
-            let Some(layer) = layers.get(li) else {
-                out.push(absent(s, l, li - 1));
+    let first = out.len();
+    let mut todo = vec![(from, start, len)];
+    let mut runs: Vec<Run> = Vec::new();
+    let mut below = Vec::new();
+    while let Some((li, s, l)) = todo.pop() {
+        if li > from {
+            if let Some(stop) = stop_below.as_deref_mut() {
+                stop.push((s, l));
                 continue;
-            };
-            let size = layer.size.get();
-            if s >= size {
-                // Past the end of this (shorter) backing layer: zeros, and QEMU does not look
-                // further down.
-                out.push(absent(s, l, li.saturating_sub(1)));
-                continue;
-            }
-            let inside = l.min(size - s);
-            if inside < l {
-                out.push(absent(s + inside, l - inside, li.saturating_sub(1)));
-            }
-            match &layer.format {
-                LayerFormat::Raw => out.push(Piece {
-                    start: s,
-                    len: inside,
-                    src: Source::Data { host: s },
-                    layer: li,
-                    present: true,
-                }),
-                LayerFormat::Qcow2(_) => {
-                    runs.clear();
-                    map_layer(layers, l2, li, s, inside, None, &mut runs).await?;
-                    for r in &runs {
-                        let src = match r.kind {
-                            RunKind::Unallocated => {
-                                todo.push((li + 1, r.start, r.len));
-                                continue;
-                            }
-                            RunKind::Zero => Source::Zero,
-                            RunKind::Data { host } => Source::Data { host },
-                            RunKind::Compressed { raw, cluster } => {
-                                Source::Compressed { raw, cluster }
-                            }
-                        };
-                        out.push(Piece {
-                            start: r.start,
-                            len: r.len,
-                            src,
-                            layer: li,
-                            present: true,
-                        });
-                    }
-                }
             }
         }
-        out[first..].sort_unstable_by_key(|p| p.start);
-        Ok(())
+        if li >= layers.len() {
+            out.push(absent(s, l, li.saturating_sub(1)));
+            continue;
+        }
+        step(layers, l2, li, s, l, None, &mut runs, out, &mut below).await?;
+        todo.extend(below.drain(..).map(|(s, l)| (li + 1, s, l)));
     }
+    out[first..].sort_unstable_by_key(|p| p.start);
+    Ok(())
+}
+
+/// Resolves `[s, s + l)` in layer `li` (which must exist) alone: appends to `out` what this
+/// layer decides and to `below` the ranges it leaves to the next layer. Slices in `pre` are
+/// used instead of the L2 cache.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn step<S: Storage + 'static>(
+    layers: &[Layer<S>],
+    l2: &L2Cache<S>,
+    li: usize,
+    s: u64,
+    l: u64,
+    pre: Option<&Prefetched>,
+    runs: &mut Vec<Run>,
+    out: &mut Vec<Piece>,
+    below: &mut Vec<(u64, u64)>,
+) -> Result<()> {
+    let layer = &layers[li];
+    let size = layer.size.get();
+    if s >= size {
+        // Past the end of this (shorter) backing layer: zeros, and QEMU does not look
+        // further down.
+        out.push(absent(s, l, li.saturating_sub(1)));
+        return Ok(());
+    }
+    let inside = l.min(size - s);
+    if inside < l {
+        out.push(absent(s + inside, l - inside, li.saturating_sub(1)));
+    }
+    match &layer.format {
+        LayerFormat::Raw => out.push(Piece {
+            start: s,
+            len: inside,
+            src: Source::Data { host: s },
+            layer: li,
+            present: true,
+        }),
+        LayerFormat::Qcow2(_) => {
+            runs.clear();
+            map_layer(layers, l2, li, s, inside, pre, runs).await?;
+            for r in runs.iter() {
+                let src = match r.kind {
+                    RunKind::Unallocated => {
+                        below.push((r.start, r.len));
+                        continue;
+                    }
+                    RunKind::Zero => Source::Zero,
+                    RunKind::Data { host } => Source::Data { host },
+                    RunKind::Compressed { raw, cluster } => Source::Compressed { raw, cluster },
+                };
+                out.push(Piece {
+                    start: r.start,
+                    len: r.len,
+                    src,
+                    layer: li,
+                    present: true,
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Zeros nobody allocated; `deepest` is the last layer that covers them.
