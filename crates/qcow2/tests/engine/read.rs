@@ -378,6 +378,13 @@ fn block_status_agrees_with_qemu_img_map() {
         "1M",
     ]);
     check_map(&d.path("prealloc-metadata.qcow2"), "preallocation=metadata");
+    run(async {
+        // Its data clusters lie over holes of the file: a sparse read sends them as holes.
+        let image = open_ro(&d.path("prealloc-metadata.qcow2"), Aio::IoUring).await;
+        let (bytes, holes) = read_all_sparse(&image, 1 << 20).await;
+        assert!(bytes.iter().all(|&b| b == 0));
+        assert_eq!(holes, 1 << 20, "preallocated clusters were sent as data");
+    });
     qemu_img(&[
         "convert",
         "-c",
