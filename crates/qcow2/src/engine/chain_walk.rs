@@ -106,7 +106,13 @@ async fn prefetch<S: Storage + 'static>(
                         table,
                         slice: u32::try_from(l2_index / per_slice).unwrap_or(u32::MAX),
                     };
-                    if !pre.contains_key(&key) && !keys.iter().any(|k| k.1 == key) {
+                    // Keys of other layers differ in `layer`: only this layer's can repeat.
+                    let known = keys
+                        .iter()
+                        .rev()
+                        .take_while(|k| k.0 == li)
+                        .any(|k| k.1 == key);
+                    if !pre.contains_key(&key) && !known {
                         let offset = u64::from(key.slice)
                             .checked_mul(slice_bytes as u64)
                             .and_then(|o| o.checked_add(table));

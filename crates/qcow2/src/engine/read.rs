@@ -71,18 +71,9 @@ impl<S: Storage + 'static> Inner<S> {
                     // Merge following pieces that continue this one in the same file.
                     let mut len = p.len;
                     let mut j = i + 1;
-                    while let Some(q) = pieces.get(j) {
-                        match q.src {
-                            Source::Data { host: h }
-                                if q.layer == p.layer
-                                    && h == host + len
-                                    && q.start == p.start + len =>
-                            {
-                                len += q.len;
-                                j += 1;
-                            }
-                            _ => break,
-                        }
+                    while let Some(q) = pieces.get(j).filter(|q| pieces[j - 1].continues_data(q)) {
+                        len += q.len;
+                        j += 1;
                     }
                     runs.push((at, len, p.layer, host));
                     i = j;

@@ -42,17 +42,16 @@ impl<S: Storage + 'static> Image<S> {
 
         // Split data pieces at the file's holes where that is asked, then group by zero / not
         // zero.
-        let mut classified: Vec<(Piece, bool)> = Vec::with_capacity(pieces.len());
+        let mut classified: Vec<Piece> = Vec::with_capacity(pieces.len());
         for p in pieces {
             match p.src {
-                Source::Zero => classified.push((p, true)),
-                Source::Compressed { .. } => classified.push((p, false)),
+                Source::Zero | Source::Compressed { .. } => classified.push(p),
                 Source::Data { host } => {
                     let layer = &inner.layers[p.layer];
                     let ask = layer.qcow2().is_none()
                         || (p.layer == 0 && inner.metadata_preallocated(0).await);
                     if !ask {
-                        classified.push((p, false));
+                        classified.push(p);
                         continue;
                     }
                     let mut pos = 0;
@@ -68,26 +67,26 @@ impl<S: Storage + 'static> Image<S> {
                             src,
                             ..p
                         };
-                        classified.push((part, !stored));
+                        classified.push(part);
                         pos += n;
                     }
                 }
             }
         }
 
+        let zero = |p: &Piece| p.src == Source::Zero;
         let mut out = Vec::new();
         let mut i = 0;
         while i < classified.len() {
-            let zero = classified[i].1;
+            let is_zero = zero(&classified[i]);
             let mut j = i;
             let mut n = 0u64;
-            while let Some((p, z)) = classified.get(j).filter(|(_, z)| *z == zero) {
-                debug_assert_eq!(*z, zero);
+            while let Some(p) = classified.get(j).filter(|p| zero(p) == is_zero) {
                 n += p.len;
                 j += 1;
             }
             let n = n as usize;
-            if zero {
+            if is_zero {
                 out.push(ReadPart::Hole(n));
             } else {
                 // Each contiguous run of the file (or compressed cluster) goes into a buffer
@@ -111,20 +110,13 @@ impl<S: Storage + 'static> Image<S> {
 
 /// Splits non-zero pieces into what one read fills: pieces continuing each other in the same
 /// file, or one compressed piece.
-fn segments(pieces: &[(Piece, bool)]) -> Vec<Vec<Piece>> {
+fn segments(pieces: &[Piece]) -> Vec<Vec<Piece>> {
     let mut out: Vec<Vec<Piece>> = Vec::new();
-    for &(p, _) in pieces {
-        if let Some(last) = out.last_mut().and_then(|seg| seg.last().copied()) {
-            if let (Source::Data { host: a }, Source::Data { host: b }) = (last.src, p.src) {
-                if last.layer == p.layer && a + last.len == b && last.start + last.len == p.start {
-                    if let Some(seg) = out.last_mut() {
-                        seg.push(p);
-                    }
-                    continue;
-                }
-            }
+    for &p in pieces {
+        match out.last_mut() {
+            Some(seg) if seg.last().is_some_and(|last| last.continues_data(&p)) => seg.push(p),
+            _ => out.push(vec![p]),
         }
-        out.push(vec![p]);
     }
     out
 }

@@ -34,6 +34,19 @@ pub(crate) struct Piece {
     pub present: bool,
 }
 
+impl Piece {
+    /// True when `next` is data that continues this data piece in the same file, in guest
+    /// and host order alike, so one I/O can read both.
+    pub(crate) fn continues_data(&self, next: &Piece) -> bool {
+        match (self.src, next.src) {
+            (Source::Data { host: a }, Source::Data { host: b }) => {
+                next.layer == self.layer && b == a + self.len && next.start == self.start + self.len
+            }
+            _ => false,
+        }
+    }
+}
+
 impl<S: Storage + 'static> Inner<S> {
     /// Appends the pieces of `[start, start + len)` as seen from layer `from` downwards, in
     /// guest order. The range must lie within layer `from`'s size. Ranges that fall through
