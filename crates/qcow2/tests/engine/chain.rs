@@ -3,9 +3,10 @@
 //! on top agree with QEMU; the merged backing map answers deep chains without walking them.
 
 use crate::support::*;
+use qcow2::engine::ReadPart;
 use qcow2::engine::{create_file, CreateOptions, Format, Image, OpenOptions};
 use std::path::PathBuf;
-use storage::{Aio, IoBuf};
+use storage::{Aio, FaultStorage, InjectedError, IoBuf, MemStorage, OpKind};
 
 const SIZE: u64 = 32 << 20;
 
@@ -255,4 +256,74 @@ fn chain_depth_3() {
 #[test]
 fn chain_depth_300() {
     check_chain(300, false);
+}
+
+/// A read that fails anywhere under a deep chain (headers, L1 and L2 tables, the backing
+/// map's concurrent slice reads, data) makes the open or the sparse read fail, and never
+/// returns other bytes: in-memory copies of the chain's files where one file's n-th read
+/// fails once.
+#[test]
+fn sparse_reads_through_a_chain_fail_cleanly_on_read_errors() {
+    const DEPTH: usize = 5;
+    let d = Dir::new();
+    let top = build_chain(&d, DEPTH, false);
+    let expected = qemu_raw(&top, None);
+    let mut names = vec!["base.raw".to_string()];
+    names.extend((0..DEPTH).map(|k| format!("l{k}.qcow2")));
+    let files: Vec<Vec<u8>> = names
+        .iter()
+        .map(|n| std::fs::read(d.path(n)).unwrap())
+        .collect();
+    let (mut failed, mut clean) = (0, 0);
+    for victim in 0..names.len() {
+        for n in 1..=24u64 {
+            let fs = FaultFs::default();
+            for (i, name) in names.iter().enumerate() {
+                let st = FaultStorage::from_mem(MemStorage::from_bytes(&files[i]));
+                if i == victim {
+                    st.fail_nth(OpKind::Read, n, InjectedError::Eio);
+                }
+                fs.0.borrow_mut().insert(d.path(name), st);
+            }
+            let outcome = run(async {
+                let opts = OpenOptions {
+                    read_only: true,
+                    ..OpenOptions::default()
+                };
+                let img = Image::open(&fs, &top, &opts)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let mut bytes = Vec::new();
+                for pos in (0..SIZE).step_by(1 << 20) {
+                    let parts = img
+                        .read_sparse(pos, 1 << 20)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    for part in parts {
+                        match part {
+                            ReadPart::Data(b) => bytes.extend_from_slice(&b),
+                            ReadPart::Hole(len) => bytes.resize(bytes.len() + len, 0),
+                        }
+                    }
+                }
+                Ok::<_, String>(bytes)
+            });
+            match outcome {
+                Ok(bytes) => {
+                    let what = format!("{}: read {n} failed", names[victim]);
+                    assert_same(&bytes, &expected, &what);
+                    clean += 1;
+                }
+                Err(e) => {
+                    assert!(e.contains("injected fault"), "unexpected error: {e}");
+                    failed += 1;
+                }
+            }
+        }
+    }
+    assert!(failed > 0, "no injected read failure reached the reader");
+    assert!(
+        clean > 0,
+        "every case failed: the late reads are never reached"
+    );
 }

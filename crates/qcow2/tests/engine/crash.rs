@@ -5,29 +5,10 @@
 //! Every crash image must open, every byte acknowledged by a completed FLUSH or FUA write must
 //! read back, and `qemu-img check` must find no corruption (leaks are allowed).
 
-use crate::support::run;
+use crate::support::{run, FaultFs};
 use qcow2::engine::{create, CreateOptions, Format, Image, OpenOptions};
-use std::cell::RefCell;
-use std::collections::HashMap;
-use std::io;
-use std::path::{Path, PathBuf};
-use std::rc::Rc;
-use storage::{CrashPlan, FaultStorage, InjectedError, IoBuf, MemFs, MemStorage, Opener};
-
-/// Paths to fault-injecting storages, so the engine can open an image and its backing file.
-#[derive(Clone, Default)]
-struct FaultFs(Rc<RefCell<HashMap<PathBuf, FaultStorage<MemStorage>>>>);
-
-impl Opener for FaultFs {
-    type Storage = FaultStorage<MemStorage>;
-    async fn open(&self, path: &Path, _: storage::OpenOptions) -> io::Result<Self::Storage> {
-        self.0
-            .borrow()
-            .get(path)
-            .cloned()
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
-    }
-}
+use std::path::Path;
+use storage::{CrashPlan, FaultStorage, InjectedError, IoBuf, MemFs, MemStorage};
 
 struct Rng(u64);
 impl Rng {

@@ -3,9 +3,13 @@
 #![allow(dead_code)] // each test binary uses a different subset
 
 use qcow2::engine::{Image, OpenOptions, ReadPart};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::io;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use storage::{Aio, AnyStorage, FileOpener};
+use std::rc::Rc;
+use storage::{Aio, AnyStorage, FaultStorage, FileOpener, MemStorage, Opener};
 
 /// Runs a QEMU tool, failing the test with its output if it fails or is missing.
 pub fn tool(program: &str, args: &[&str]) -> String {
@@ -142,6 +146,21 @@ pub async fn read_all_sparse(img: &Image<AnyStorage>, chunk: usize) -> (Vec<u8>,
         pos += n as u64;
     }
     (out, holes)
+}
+
+/// Paths to fault-injecting storages, so the engine can open an image and its backing files.
+#[derive(Clone, Default)]
+pub struct FaultFs(pub Rc<RefCell<HashMap<PathBuf, FaultStorage<MemStorage>>>>);
+
+impl Opener for FaultFs {
+    type Storage = FaultStorage<MemStorage>;
+    async fn open(&self, path: &Path, _: storage::OpenOptions) -> io::Result<Self::Storage> {
+        self.0
+            .borrow()
+            .get(path)
+            .cloned()
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
+    }
 }
 
 /// A fresh temporary directory and a path builder inside it.
