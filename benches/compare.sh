@@ -93,6 +93,7 @@ if [ "$(stat -f -c %T "$WORK")" = tmpfs ]; then
 fi
 SOCK=$WORK/nbd.sock
 RESULTS=$WORK/results.tsv
+CLK_TCK=$(getconf CLK_TCK)
 : >"$RESULTS"
 
 # ---------------------------------------------------------------------------------------------
@@ -158,28 +159,69 @@ status_kib() { awk -v f="$1:" '$1 == f { print $2 }' "/proc/$SERVER_PID/status";
 
 URI() { printf 'nbd+unix:///?socket=%s' "$SOCK"; }
 
+# server_usage: the running server's CPU time in clock ticks (all its threads, exited ones
+# included) and the bytes it read and wrote on storage (O_DIRECT and io_uring I/O included).
+server_usage() {
+    local stat
+    stat=$(<"/proc/$SERVER_PID/stat")
+    stat=${stat##*) } # fields after "pid (comm) ": utime and stime are the 12th and 13th
+    awk '{ printf "%d ", $12 + $13 }' <<<"$stat"
+    awk '$1 == "read_bytes:" { r = $2 } $1 == "write_bytes:" { w = $2 } END { print r + w }' \
+        "/proc/$SERVER_PID/io"
+}
+
 # run_fio DIRECTION ARGS...: runs fio against the server and prints the job's
-# "IOPS MiB/s runtime_ms" for DIRECTION (read or write), from fio's terse output (v3).
+# "IOPS MiB/s runtime_ms cpu_us_per_request disk_kib_per_request" for DIRECTION (read or
+# write), from fio's terse output (v3) and the server's /proc counters. With a ramp time the
+# counters start when the ramp ends (timed from the server accepting fio's connection, seen as
+# a new descriptor), so they cover the requests fio counts.
 run_fio() {
-    local dir=$1
+    local dir=$1 ramp=0 arg snap="" out after fds
     shift
-    local out
+    for arg in "$@"; do case $arg in --ramp_time=*) ramp=${arg#--ramp_time=} ;; esac; done
+    server_usage >"$WORK/usage.before"
+    if [ "$ramp" != 0 ]; then
+        fds=$(find "/proc/$SERVER_PID/fd" -mindepth 1 | wc -l)
+        (
+            for _ in $(seq 1 1000); do
+                [ "$(find "/proc/$SERVER_PID/fd" -mindepth 1 | wc -l)" -gt "$fds" ] && break
+                sleep 0.005
+            done
+            sleep "$ramp" && server_usage >"$WORK/usage.before"
+        ) &
+        snap=$!
+    fi
     out=$(fio --name=bench --ioengine=nbd --uri="$(URI)" --output-format=terse \
         --terse-version=3 "$@" 2>"$WORK/fio.err") || {
         cat "$WORK/fio.err" >&2
         die "fio failed: $*"
     }
+    after=$(server_usage)
+    [ -n "$snap" ] && wait "$snap"
     # terse v3 (the nbd engine also prints a line of its own): read kb/bw(KiB/s)/iops/
     # runtime(ms) at fields 6..9, write at 47..50.
-    echo "$out" | awk -F';' -v d="$dir" '$1 == "3" {
-        if (d == "read") { printf "%s %.1f %s\n", $8, $7 / 1024, $9 }
-        else { printf "%s %.1f %s\n", $49, $48 / 1024, $50 } }'
+    echo "$out" | awk -F';' -v d="$dir" -v hz="$CLK_TCK" -v before="$(<"$WORK/usage.before")" \
+        -v after="$after" '$1 == "3" {
+        if (d == "read") { iops = $8; bw = $7 / 1024; ms = $9 }
+        else { iops = $49; bw = $48 / 1024; ms = $50 }
+        split(before, b, " "); split(after, a, " ")
+        n = iops * ms / 1000
+        if (n < 1) { cpu = "-"; disk = "-" }
+        else { cpu = sprintf("%.1f", (a[1] - b[1]) * 1e6 / hz / n)
+               disk = sprintf("%.1f", (a[2] - b[2]) / 1024 / n) }
+        printf "%s %.1f %s %s %s\n", iops, bw, ms, cpu, disk }'
 }
 
 record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$RESULTS"; } # scenario, server, value
 
+# record_usage SCENARIO KIND CPU DISK: the server's cost per request in this run.
+record_usage() {
+    record "cpu $1" "$2" "$3"
+    record "disk $1" "$2" "$4"
+}
+
 median() { # median of the values recorded for (scenario, server)
-    awk -F'\t' -v s="$1" -v k="$2" '$1 == s && $2 == k { print $3 }' "$RESULTS" | sort -g |
+    awk -F'\t' -v s="$1" -v k="$2" '$1 == s && $2 == k && $3 != "-" { print $3 }' "$RESULTS" | sort -g |
         awk '{ v[NR] = $1 } END { if (NR == 0) print "-"; else if (NR % 2) print v[(NR + 1) / 2];
               else printf "%.6g\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
 }
@@ -211,7 +253,7 @@ alloc_scenarios() {
         --refill_buffers --output-format=terse >/dev/null
     # The physical limit: random 4 KiB writes to a raw file through our server.
     cp "$backing" "$WORK/limit.raw"
-    local cfg label cluster ext unit units n r kind
+    local cfg label cluster ext unit units n r kind cpu disk
     for cfg in $ALLOC_CONFIGS; do
         IFS=: read -r label cluster ext <<<"$cfg"
         cluster=$(bytes "$cluster")
@@ -234,11 +276,12 @@ alloc_scenarios() {
                 start_server "$kind" "$WORK/overlay.qcow2"
                 stats=$(run_fio write --read_iolog="$WORK/alloc.iolog" \
                     --size="$size" --iodepth="$ALLOC_QD")
-                read -r iops _ _ <<<"$stats"
+                read -r iops _ _ cpu disk <<<"$stats"
                 stop_server
                 qemu-img check -q "$WORK/overlay.qcow2" ||
                     die "$kind left a corrupt overlay ($label)"
                 record "alloc $label" "$kind" "$iops"
+                record_usage "alloc $label" "$kind" "$cpu" "$disk"
                 log "alloc $label round $r $kind: $iops IOPS ($n writes)"
                 rm -f "$WORK/overlay.qcow2"
             done
@@ -248,9 +291,10 @@ alloc_scenarios() {
         start_server raw "$WORK/limit.raw"
         stats=$(run_fio write --rw=randwrite --bs=4k --iodepth="$ALLOC_QD" \
             --size="$size" --runtime="$RUNTIME" --time_based --ramp_time=1)
-        read -r iops _ _ <<<"$stats"
+        read -r iops _ _ cpu disk <<<"$stats"
         stop_server
         record "alloc raw" raw "$iops"
+        record_usage "alloc raw" raw "$cpu" "$disk"
         log "alloc raw limit round $r: $iops IOPS"
     done
     rm -f "$backing" "$WORK/limit.raw"
@@ -270,7 +314,7 @@ io_scenarios() {
         --refill_buffers --output-format=terse >/dev/null
     qemu-img convert -f raw -O qcow2 "$WORK/data.raw" "$WORK/data-qemu.qcow2"
     cp "$WORK/data-qemu.qcow2" "$WORK/data-ours.qcow2"
-    local sc label dirn rw bs qd r kind iops bw image
+    local sc label dirn rw bs qd r kind iops bw image cpu disk
     for sc in $IO_SCENARIOS; do
         IFS=: read -r label dirn rw bs qd <<<"$sc"
         for r in $(seq 1 "$ROUNDS"); do
@@ -282,8 +326,9 @@ io_scenarios() {
                 start_server "$kind" "$image"
                 stats=$(run_fio "$dirn" --rw="$rw" --bs="$bs" --iodepth="$qd" \
                     --size="$size" --runtime="$RUNTIME" --time_based --ramp_time=1)
-                read -r iops bw _ <<<"$stats"
+                read -r iops bw _ cpu disk <<<"$stats"
                 stop_server
+                record_usage "$label" "$kind" "$cpu" "$disk"
                 if [ "$bs" = 1M ]; then record "$label" "$kind" "$bw"; else
                     record "$label" "$kind" "$iops"; fi
                 log "$label round $r $kind: $iops IOPS, $bw MiB/s"
@@ -301,7 +346,7 @@ l2_scenarios() {
     log "L2 cache: making a ${L2_GIB} GiB image with preallocation=metadata"
     qemu-img create -q -f qcow2 -o preallocation=metadata "$WORK/l2-qemu.qcow2" "${L2_GIB}G"
     copy_image "$WORK/l2-qemu.qcow2" "$WORK/l2-ours.qcow2"
-    local cache slice r kind iops image
+    local cache slice r kind iops image cpu disk
     for cache in 1M 3M 5M; do
         for slice in 4k 16k 64k; do
             for r in $(seq 1 "$ROUNDS"); do
@@ -310,9 +355,10 @@ l2_scenarios() {
                     start_server "$kind" "$image" l2="$cache" slice="$slice" ro=1
                     stats=$(run_fio read --rw=randread --bs=4k --iodepth=1 \
                         --runtime="$L2_RUNTIME" --time_based --ramp_time=1)
-                    read -r iops _ _ <<<"$stats"
+                    read -r iops _ _ cpu disk <<<"$stats"
                     stop_server
                     record "l2 cache $cache slice $slice" "$kind" "$iops"
+                    record_usage "l2 cache $cache slice $slice" "$kind" "$cpu" "$disk"
                     log "l2 $cache/$slice round $r $kind: $iops IOPS"
                 done
             done
@@ -350,17 +396,18 @@ build_chain() {
 chain_scenarios() {
     log "chains: building depth $CHAIN_DEPTH and depth 1 with the same $CHAIN_MIB MiB of data"
     build_chain
-    local size=$((CHAIN_MIB << 20)) r kind image label ms hwm depth
+    local size=$((CHAIN_MIB << 20)) r kind image label ms hwm depth cpu disk
     for r in $(seq 1 "$ROUNDS"); do
         for depth in 1 "$CHAIN_DEPTH"; do
             if [ "$depth" = 1 ]; then image=$WORK/flat.qcow2; else image=$WORK/chain/top.qcow2; fi
             for kind in $(order "$r"); do
                 start_server "$kind" "$image" ro=1
                 stats=$(run_fio read --rw=read --bs=1M --iodepth=1 --size="$size")
-                read -r _ _ ms <<<"$stats"
+                read -r _ _ ms cpu disk <<<"$stats"
                 hwm=$(status_kib VmHWM)
                 stop_server
                 record "chain $depth read ms" "$kind" "$ms"
+                record_usage "chain $depth read ms" "$kind" "$cpu" "$disk"
                 record "chain $depth peak rss MiB" "$kind" "$(awk -v k="$hwm" 'BEGIN { printf "%.1f", k / 1024 }')"
                 log "chain depth $depth round $r $kind: $ms ms, VmHWM $hwm KiB"
             done
@@ -423,23 +470,30 @@ row() { # scenario label unit higher_is_better
     [ "$q" = - ] && [ "$o" = - ] && return 0
     if [ "$better" = higher ]; then rt=$(ratio "$o" "$q"); else rt=$(ratio "$q" "$o"); fi
     w=$(median "$sc" raw)
-    printf '| %s | %s | %s | %s | %s | %s |\n' "$label" "$unit" "$q" "$o" "$rt" "$w"
+    printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$label" "$unit" "$q" "$o" "$rt" "$w" \
+        "$(usage "$sc")"
+}
+
+usage() { # SCENARIO: the servers' median CPU and disk cost per request, "qemu / ours" each
+    [ "$(median "cpu $1" qemu)$(median "cpu $1" ours)" = -- ] && { printf -- '- | -'; return; }
+    printf '%s / %s | %s / %s' "$(median "cpu $1" qemu)" "$(median "cpu $1" ours)" \
+        "$(median "disk $1" qemu)" "$(median "disk $1" ours)"
 }
 
 {
     echo
     echo "qcow2-nbd vs qemu-nbd $(qemu-nbd --version | head -1 | awk '{print $2}'), $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) CPUs, Linux $(uname -r), ROUNDS=$ROUNDS RUNTIME=${RUNTIME}s QUICK=$QUICK, ${ELAPSED}s"
     echo
-    echo "| scenario | unit | qemu-nbd | ours | ratio | raw (ours) |"
-    echo "|---|---|---:|---:|---:|---:|"
+    echo "| scenario | unit | qemu-nbd | ours | ratio | raw (ours) | CPU µs/req | disk KiB/req |"
+    echo "|---|---|---:|---:|---:|---:|---:|---:|"
     raw_alloc=$(median "alloc raw" raw)
     for cfg in $ALLOC_CONFIGS; do
         IFS=: read -r label _ _ <<<"$cfg"
         q=$(median "alloc $label" qemu)
         o=$(median "alloc $label" ours)
         [ "$q" = - ] && continue
-        printf '| alloc 4k randwrite %s (QD%s) | IOPS | %s | %s | %s | %s |\n' "$label" "$ALLOC_QD" \
-            "$q" "$o" "$(ratio "$o" "$q")" "$raw_alloc"
+        printf '| alloc 4k randwrite %s (QD%s) | IOPS | %s | %s | %s | %s | %s |\n' "$label" \
+            "$ALLOC_QD" "$q" "$o" "$(ratio "$o" "$q")" "$raw_alloc" "$(usage "alloc $label")"
     done
     for sc in $IO_SCENARIOS; do
         IFS=: read -r label _ _ bs _ <<<"$sc"
@@ -463,6 +517,8 @@ row() { # scenario label unit higher_is_better
     row "rss after clean MiB" "RSS after cache-clean-interval" MiB lower
     echo
     echo "ratio: ours/qemu-nbd for rates, qemu-nbd/ours for times and memory (above 1 = ours better)."
+    echo "CPU µs/req and disk KiB/req: the server's CPU time (all threads) and storage bytes read"
+    echo "plus written per request, medians, qemu-nbd / ours (the disk's speed does not move them)."
     # Chain targets are about our server against itself.
     c1=$(median "chain 1 read ms" ours)
     cn=$(median "chain $CHAIN_DEPTH read ms" ours)
