@@ -651,7 +651,9 @@ impl<S: Storage + 'static> Inner<S> {
             .unwrap_or(data_to)
             .max(data_to);
         let mut span = IoBuf::zeroed((span_to - span_from) as usize);
-        // All fills in one call, so that a head and a tail are read concurrently.
+        // All fills in one call, in guest order, so that a head and a tail are read
+        // concurrently, or as one request when little lies between them.
+        fills.sort_by_key(|f| f.0);
         let pieces: Vec<Piece> = fills.iter().flat_map(|f| f.2.iter().copied()).collect();
         if let Err(e) = self.fill(span_from, &pieces, &mut span).await {
             return (Err(e), buf);

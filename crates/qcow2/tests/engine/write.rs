@@ -4,7 +4,7 @@
 use crate::support::*;
 use qcow2::engine::{create_file, CreateOptions, Format, Image, OpenOptions, Preallocation};
 use std::path::Path;
-use storage::{Aio, IoBuf};
+use storage::{Aio, FaultStorage, IoBuf, MemStorage};
 
 /// A small deterministic generator (xorshift), so failures replay exactly.
 struct Rng(u64);
@@ -299,5 +299,75 @@ fn writes_into_images_with_internal_snapshots_copy_shared_clusters() {
             &two,
             "snapshot two is untouched",
         );
+    }
+}
+
+/// A small write into a fresh cluster over a backing file copies the cluster's head and tail:
+/// as one backing read when only the write lies between them (the gap is read and then
+/// overwritten), as two when the write is large. Either way the result is the backing bytes
+/// with the write on top, in QEMU's eyes too.
+#[test]
+fn copy_on_write_reads_head_and_tail_in_one_request_around_small_writes() {
+    const SIZE: usize = 8 << 20;
+    let d = Dir::new();
+    let base: Vec<u8> = (0..SIZE)
+        .map(|i| (i / 512 % 253) as u8 ^ (i % 7) as u8)
+        .collect();
+    std::fs::write(d.path("base.raw"), &base).unwrap();
+    // (cluster size, write offset within the cluster, write length, backing reads expected)
+    let cases = [
+        (65536u64, 12288u64, 4096usize, 1u64),
+        (65536, 0, 4096, 1),
+        (65536, 61440, 4096, 1),
+        (2 << 20, 1 << 20, 4096, 1),
+        (2 << 20, 512 << 10, 128 << 10, 2),
+    ];
+    for (i, &(cluster, within, len, reads)) in cases.iter().enumerate() {
+        let name = format!("cow{i}.qcow2");
+        let path = d.path(&name);
+        qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            "base.raw",
+            "-F",
+            "raw",
+            "-o",
+            &format!("cluster_size={cluster}"),
+            path.to_str().unwrap(),
+            &SIZE.to_string(),
+        ]);
+        let fs = FaultFs::default();
+        for (p, bytes) in [
+            (path.clone(), std::fs::read(&path).unwrap()),
+            (d.path("base.raw"), base.clone()),
+        ] {
+            let st = FaultStorage::from_mem(MemStorage::from_bytes(&bytes));
+            fs.0.borrow_mut().insert(p, st);
+        }
+        let backing_reads = || fs.0.borrow()[&d.path("base.raw")].stats().reads;
+        let offset = cluster + within;
+        let data = IoBuf::from_slice(&vec![0xA5u8; len]);
+        let got = run(async {
+            let img = Image::open(&fs, &path, &OpenOptions::default())
+                .await
+                .unwrap();
+            let before = backing_reads();
+            let (res, _) = img.write(offset, data, false).await;
+            res.unwrap();
+            let during = backing_reads() - before;
+            img.close().await.unwrap();
+            during
+        });
+        let what = format!("{cluster}-byte clusters, {len} bytes at +{within}");
+        assert_eq!(got, reads, "{what}: backing reads");
+        let image = fs.0.borrow()[&path].inner().to_vec();
+        std::fs::write(&path, image).unwrap();
+        qemu_check_clean(&path);
+        let mut expected = base.clone();
+        expected[offset as usize..offset as usize + len].fill(0xA5);
+        assert_same(&qemu_raw(&path, None), &expected, &what);
     }
 }
