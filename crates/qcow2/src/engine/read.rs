@@ -72,9 +72,8 @@ impl<S: Storage + 'static> Inner<S> {
     pub(crate) async fn fill(&self, base: u64, pieces: &[Piece], buf: &mut IoBuf) -> Result<()> {
         // (offset in buf, length, layer, host offset) of each run of data to read.
         let mut runs: Vec<(usize, u64, usize, u64)> = Vec::new();
-        // Whether the piece before the current one went into the last run; with the pieces in
-        // increasing order, no piece then lies between that run and the current one.
-        let mut after_run = false;
+        // With the pieces in increasing order, a data piece right after another lies after the
+        // last run with no piece in between: what may be bridged is uncovered.
         let ordered = pieces
             .windows(2)
             .all(|w| w[0].start + w[0].len <= w[1].start);
@@ -82,7 +81,6 @@ impl<S: Storage + 'static> Inner<S> {
         while i < pieces.len() {
             let p = pieces[i];
             let at = (p.start - base) as usize;
-            let is_data = matches!(p.src, Source::Data { .. });
             match p.src {
                 Source::Zero => {
                     buf[at..at + p.len as usize].fill(0);
@@ -103,6 +101,7 @@ impl<S: Storage + 'static> Inner<S> {
                         len += q.len;
                         j += 1;
                     }
+                    let after_run = i > 0 && matches!(pieces[i - 1].src, Source::Data { .. });
                     match runs.last_mut() {
                         Some(last)
                             if ordered && after_run && bridges(*last, (at, p.layer, host)) =>
@@ -114,7 +113,6 @@ impl<S: Storage + 'static> Inner<S> {
                     i = j;
                 }
             }
-            after_run = is_data;
         }
         if runs.is_empty() {
             return Ok(());
