@@ -26,7 +26,8 @@ pub struct ServeArgs {
     #[arg(short = 'b', long, value_name = "IFACE")]
     pub bind: Option<String>,
 
-    /// Name of the export (the empty name also reaches it).
+    /// Name of the export. Clients must ask for exactly this name (as with qemu-nbd: with
+    /// `-x disk`, the empty name is refused).
     #[arg(
         short = 'x',
         long = "export-name",

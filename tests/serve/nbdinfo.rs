@@ -5,6 +5,7 @@
 
 use std::process::Command;
 
+use crate::support::qemu_nbd::QemuNbd;
 use crate::support::{qemu_img, require, run_ok, stdout, Images, Server};
 use serde_json::Value;
 
@@ -15,7 +16,11 @@ fn nbdinfo(args: &[&str]) -> String {
 }
 
 fn export_json(server: &Server) -> Value {
-    let out = nbdinfo(&["--json", &server.uri()]);
+    export_json_of(server, "")
+}
+
+fn export_json_of(server: &Server, name: &str) -> Value {
+    let out = nbdinfo(&["--json", &server.uri_of(name)]);
     let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
     assert_eq!(v["protocol"], "newstyle-fixed", "{v}");
     assert_eq!(v["structured"], true, "{v}");
@@ -52,8 +57,7 @@ fn json_shows_every_feature_of_a_writable_shared_export() {
         "a qcow2 disk",
         img.to_str().unwrap(),
     ]);
-    let e = export_json(&server);
-    // The empty name reaches the only export, which tells its real name.
+    let e = export_json_of(&server, "disk");
     assert_eq!(e["export-name"], "disk");
     assert_eq!(e["export-size"], 3 << 20);
     assert_flags(
@@ -271,4 +275,41 @@ fn maps_agree_with_qemu_img_on_a_qcow2_chain_with_absent_ranges() {
     );
     assert_maps_agree(&images.s("top.qcow2"));
     assert_maps_agree(&images.s("base.qcow2"));
+}
+
+/// Which of `asked` a server at `uri_of(name)` serves, by `nbdinfo --size`.
+fn names_served(uri_of: impl Fn(&str) -> String, asked: &[&str]) -> Vec<(String, bool)> {
+    asked
+        .iter()
+        .map(|name| {
+            let out = Command::new(require("nbdinfo", "libnbd-bin"))
+                .args(["--size", &uri_of(name)])
+                .output()
+                .unwrap();
+            (name.to_string(), out.status.success())
+        })
+        .collect()
+}
+
+#[test]
+fn export_names_are_matched_as_qemu_nbd_matches_them() {
+    let images = Images::new();
+    let img = images.create("disk.qcow2", "qcow2", "", None, "1M");
+    let asked = ["", "disk", "DISK", "disk%20", "dis", "other"];
+    for export in ["", "disk"] {
+        let ours = Server::unix(&["-t", "-r", "-x", export, img.to_str().unwrap()]);
+        let got = names_served(|n| ours.uri_of(n), &asked);
+        ours.stop_ok();
+        let qemu = QemuNbd::unix(&["-r", "-x", export], &img);
+        let want = names_served(|n| qemu.uri_of(n), &asked);
+        drop(qemu);
+        assert_eq!(got, want, "serving -x {export:?}");
+        // The oracle agrees with the rule the README states: exact match only.
+        let served: Vec<&str> = want
+            .iter()
+            .filter(|(_, ok)| *ok)
+            .map(|(n, _)| n.as_str())
+            .collect();
+        assert_eq!(served, [export], "qemu-nbd -x {export:?}");
+    }
 }

@@ -122,13 +122,12 @@ impl<E> Exports<E> {
         &self.entries
     }
 
-    /// The export a client's name selects: an exact match, else for the empty name the
-    /// first export (so `nbd+unix:///?socket=...` reaches a server with one named export).
+    /// The export a client's name selects: an exact, byte-for-byte match, as qemu-nbd
+    /// matches names. The empty name is a name like any other: it reaches an export only
+    /// if one is called "" (the default of `serve`), so a client that forgot the name of a
+    /// named export is told so instead of silently getting some other disk.
     pub fn find(&self, name: &[u8]) -> Option<usize> {
-        self.entries
-            .iter()
-            .position(|e| e.name.as_bytes() == name)
-            .or_else(|| name.is_empty().then_some(0))
+        self.entries.iter().position(|e| e.name.as_bytes() == name)
     }
 
     /// The export at `index` (as returned by [`Exports::find`]).

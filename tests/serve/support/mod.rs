@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test binary uses a different subset
 
 pub mod kernel_client;
+pub mod qemu_nbd;
 
 use std::io::Read;
 use std::net::TcpListener;

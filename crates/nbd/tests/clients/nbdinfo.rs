@@ -170,13 +170,18 @@ fn list_shows_every_export_with_its_description() {
     assert_eq!(names, ["disk1", "disk2"]);
     assert_eq!(exports[0]["description"], "first disk");
     assert_eq!(exports[1]["export-size"], 2 << 20);
-    // Named exports are reachable by name; the empty name reaches the first.
+    // Named exports are reachable by their exact name only, as with qemu-nbd: the empty
+    // name, another case or an unknown name is refused.
     let size = |uri: &str| nbdinfo(&["--size", uri]).trim().parse::<u64>().unwrap();
     assert_eq!(size(&server.uri_of("disk2")), 2 << 20);
-    assert_eq!(size(&server.uri()), 1 << 20);
-    let missing = Command::new(require("nbdinfo", "libnbd-bin"))
-        .args(["--size", &server.uri_of("nope")])
-        .output()
-        .unwrap();
-    assert!(!missing.status.success());
+    assert_eq!(size(&server.uri_of("disk1")), 1 << 20);
+    for uri in [server.uri(), server.uri_of("nope"), server.uri_of("DISK1")] {
+        let missing = Command::new(require("nbdinfo", "libnbd-bin"))
+            .args(["--size", &uri])
+            .output()
+            .unwrap();
+        assert!(!missing.status.success(), "{uri} was served");
+        let err = String::from_utf8_lossy(&missing.stderr);
+        assert!(err.contains("server has no export named"), "{uri}: {err}");
+    }
 }
