@@ -12,3 +12,4 @@ mod nbdcopy;
 mod nbdinfo;
 mod options;
 mod qemu_io;
+mod soak;
