@@ -27,6 +27,10 @@ pub struct CheckArgs {
     /// Output layout.
     #[arg(long, value_enum, default_value_t = CheckOutput::Human)]
     pub output: CheckOutput,
+    /// Check the image even while another process has it open for writing (qemu-img's
+    /// `-U`): no lock keeps writers out, so what is read may be inconsistent.
+    #[arg(short = 'U', long = "force-share")]
+    pub force_share: bool,
     /// The qcow2 image file.
     pub image: PathBuf,
 }
@@ -41,6 +45,9 @@ enum CheckCliError {
     /// The file could not be opened or is not an image QEMU would open.
     #[error("Could not open '{path}': {source}")]
     Open { path: String, source: CheckError },
+    /// `-U` asks to share writes, which a repair cannot allow (qemu-img's words).
+    #[error("Could not open '{path}': force-share=on can only be used with read-only images")]
+    ForceShareRepair { path: String },
     /// The check stopped before it could report.
     #[error("Check failed: {0}")]
     Failed(CheckError),
@@ -66,8 +73,13 @@ pub fn main(args: &CheckArgs) -> ExitCode {
 fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
     let repair = args.repair.unwrap_or_default();
     let path = args.image.display().to_string();
+    if args.force_share && args.repair.is_some() {
+        return Err(CheckCliError::ForceShareRepair { path });
+    }
     let mut log = |f: check::Finding| eprintln!("{}", f.message);
-    let outcome = match check::check_path(&args.image, repair, &mut log) {
+    let locking = crate::engine_run::locking();
+    let outcome = match check::check_path(&args.image, repair, locking, args.force_share, &mut log)
+    {
         Ok(o) => o,
         Err(CheckError::NotQcow2 { .. }) => {
             eprintln!("qcow2-nbd: This image format does not support checks");

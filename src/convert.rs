@@ -19,7 +19,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
 use crate::create::{self, option_table, CreateError};
-use crate::engine_run::{self, OpenError, OPENER};
+use crate::engine_run::{self, OpenError};
 use crate::options::{self, OptionsError, Parsed};
 use crate::progress::{self, Progress};
 
@@ -37,6 +37,10 @@ pub struct ConvertArgs {
     /// Format of the source (qcow2 or raw); probed when not given.
     #[arg(short = 'f', long = "source-format")]
     pub source_format: Option<String>,
+    /// Read the image even while another process has it open for writing (qemu-img's
+    /// `-U`): no lock keeps writers out, so what is read may be inconsistent.
+    #[arg(short = 'U', long = "force-share")]
+    pub force_share: bool,
     /// Format of the target: raw (the default, as in qemu-img) or qcow2.
     #[arg(short = 'O', long = "target-format", default_value = "raw")]
     pub target_format: String,
@@ -359,12 +363,18 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
     if same_file(&args.source, &args.target) {
         return Err(ConvertError::SameFile(args.target.display().to_string()));
     }
-    let src = engine_run::open_read_only(&args.source, source_format, snapshot.clone()).await?;
+    let src = engine_run::open_read_only(
+        &args.source,
+        source_format,
+        snapshot.clone(),
+        args.force_share,
+    )
+    .await?;
     // qemu-img convert -l swaps in the snapshot's L1 table but keeps the active disk's size:
     // the copy is that long, reading zeros past the snapshot's own end (or dropping what the
     // snapshot has past the active end).
     let size = match snapshot {
-        Some(_) => engine_run::open_read_only(&args.source, source_format, None)
+        Some(_) => engine_run::open_read_only(&args.source, source_format, None, args.force_share)
             .await?
             .size(),
         None => src.size(),
@@ -403,7 +413,7 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
         }
     };
     let dst = Image::open(
-        &OPENER,
+        &engine_run::opener(),
         &args.target,
         &OpenOptions {
             format: Some(target_format),

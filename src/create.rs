@@ -10,7 +10,7 @@ use qcow2::engine::compress::Codec;
 use qcow2::engine::{self as engine, CreateOptions, EngineError, Format, Image, Preallocation};
 use storage::{IoBuf, Opener, Storage};
 
-use crate::engine_run::{self, format_name, OpenError, OPENER};
+use crate::engine_run::{self, format_name, OpenError};
 use crate::options::{self, Kind, OptionsError, Parsed, Spec};
 
 /// Options of qcow2 images (`-o help` lists them).
@@ -399,10 +399,10 @@ pub async fn create_qcow2(path: &Path, opts: &CreateOptions) -> Result<(), Engin
         preallocation: Preallocation::Off,
         ..opts.clone()
     };
-    engine::create_file(&OPENER, path, &base).await?;
+    engine::create_file(&engine_run::opener(), path, &base).await?;
     if opts.preallocation != Preallocation::Off {
         let img = Image::open(
-            &OPENER,
+            &engine_run::opener(),
             path,
             &engine::OpenOptions {
                 no_backing: true,
@@ -420,7 +420,9 @@ pub async fn create_qcow2(path: &Path, opts: &CreateOptions) -> Result<(), Engin
 /// Writes a new raw image: a sparse file of `size` bytes (rounded up to 512 as QEMU does),
 /// reserved (`falloc`) or written with zeros (`full`) when asked.
 pub async fn create_raw(path: &Path, size: u64, prealloc: Preallocation) -> std::io::Result<()> {
-    let file = OPENER.open(path, storage::OpenOptions::create()).await?;
+    let file = engine_run::opener()
+        .open(path, storage::OpenOptions::create())
+        .await?;
     let size = size
         .checked_next_multiple_of(512)
         .ok_or_else(|| std::io::Error::other("size too large"))?;
@@ -539,7 +541,7 @@ async fn create(args: &CreateArgs) -> Result<(), CreateError> {
                 image: image.clone(),
                 source: OpenError::from(EngineError::Backing(e)),
             })?;
-            let backing = engine_run::open_read_only(&resolved, Some(fmt), None)
+            let backing = engine_run::open_read_only(&resolved, Some(fmt), None, false)
                 .await
                 .map_err(|source| CreateError::Backing {
                     image: image.clone(),

@@ -8,13 +8,30 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use qcow2::engine::{EngineError, Format, Image, OpenOptions};
-use storage::{Aio, AnyStorage, FileOpener};
+use storage::{Aio, AnyStorage, FileOpener, Locking};
 
-/// The file opener every subcommand uses: io_uring (falling back to threads), page cache on.
-pub const OPENER: FileOpener = FileOpener {
-    aio: Aio::IoUring,
-    direct: false,
-};
+/// The `--locking` mode of this run, set once from the command line.
+static LOCKING: std::sync::OnceLock<Locking> = std::sync::OnceLock::new();
+
+/// Records the `--locking` mode every file open of this process uses.
+pub fn set_locking(locking: Locking) {
+    let _ = LOCKING.set(locking);
+}
+
+/// The `--locking` mode of this run (`auto` unless the command line said otherwise).
+pub fn locking() -> Locking {
+    LOCKING.get().copied().unwrap_or_default()
+}
+
+/// The file opener every subcommand uses: io_uring (falling back to threads), page cache on,
+/// image locks as `--locking` says.
+pub fn opener() -> FileOpener {
+    FileOpener {
+        aio: Aio::IoUring,
+        direct: false,
+        locking: locking(),
+    }
+}
 
 /// Runs `f` on a current-thread runtime inside a `LocalSet`, as the engine requires.
 pub fn block_on<F: Future>(f: F) -> std::io::Result<F::Output> {
@@ -109,11 +126,13 @@ pub fn plain_io(e: &std::io::Error) -> String {
     }
 }
 
-/// Opens `path` read-only with its backing chain; `format` `None` probes it.
+/// Opens `path` read-only with its backing chain; `format` `None` probes it; `force_share`
+/// reads it even while another process writes it (qemu-img's `-U`).
 pub async fn open_read_only(
     path: &Path,
     format: Option<Format>,
     snapshot: Option<String>,
+    force_share: bool,
 ) -> Result<Image<AnyStorage>, OpenError> {
     let format = match format {
         Some(f) => f,
@@ -123,9 +142,10 @@ pub async fn open_read_only(
         read_only: true,
         format: Some(format),
         snapshot,
+        force_share,
         ..OpenOptions::default()
     };
-    Ok(Image::open(&OPENER, path, &opts).await?)
+    Ok(Image::open(&opener(), path, &opts).await?)
 }
 
 /// Turns a subcommand's result into the process exit status, printing the error the way

@@ -31,6 +31,10 @@ pub struct InfoArgs {
     /// Also show every backing file, following the chain (never `json:` or protocol names).
     #[arg(long)]
     pub backing_chain: bool,
+    /// Read the image even while another process has it open for writing (qemu-img's
+    /// `-U`): no lock keeps writers out, so what is shown may be inconsistent.
+    #[arg(short = 'U', long = "force-share")]
+    pub force_share: bool,
 }
 
 /// Why `info` failed.
@@ -78,11 +82,18 @@ enum Format {
     Raw,
 }
 
-fn open(path: &Path) -> Result<File, InfoError> {
-    File::open(path).map_err(|source| InfoError::Open {
+/// Opens an image file read-only, holding the read lock QEMU would (shared with every
+/// writer when `force_share`) for as long as the file is open.
+fn open(path: &Path, force_share: bool) -> Result<File, InfoError> {
+    let open_err = |source| InfoError::Open {
         path: path.display().to_string(),
         source,
-    })
+    };
+    let file = File::open(path).map_err(open_err)?;
+    let perms = storage::Permissions::for_open(true, force_share);
+    storage::lock::lock(&file, path, perms, crate::engine_run::locking())
+        .map_err(|e| open_err(e.into()))?;
+    Ok(file)
 }
 
 /// Bytes the file occupies on disk, as `qemu-img info` reports `actual-size`.
@@ -91,8 +102,8 @@ fn allocated_size(file: &File) -> Option<u64> {
 }
 
 /// Builds the report for one file, with everything that needs the path filled in.
-fn describe(path: &Path, format: Format) -> Result<ImageInfo, InfoError> {
-    let file = open(path)?;
+fn describe(path: &Path, format: Format, force_share: bool) -> Result<ImageInfo, InfoError> {
+    let file = open(path, force_share)?;
     let name = path.display().to_string();
     let mut info = match format {
         Format::Qcow2 => {
@@ -136,7 +147,7 @@ fn backing_format(path: &Path, recorded: Option<&str>) -> Result<Format, InfoErr
             format: other.into(),
         }),
         None => {
-            let file = open(path)?;
+            let file = open(path, true)?;
             let mut magic = [0u8; 4];
             let is_qcow2 = file.read_exact_at(0, &mut magic).is_ok()
                 && u32::from_be_bytes(magic) == QCOW2_MAGIC;
@@ -146,10 +157,14 @@ fn backing_format(path: &Path, recorded: Option<&str>) -> Result<Format, InfoErr
 }
 
 /// Collects the reports for the image and, with `backing_chain`, every backing file.
-pub fn collect(image: &Path, backing_chain: bool) -> Result<Vec<ImageInfo>, InfoError> {
+pub fn collect(
+    image: &Path,
+    backing_chain: bool,
+    force_share: bool,
+) -> Result<Vec<ImageInfo>, InfoError> {
     let mut guard = ChainGuard::default();
     guard.enter(image, image)?;
-    let mut infos = vec![describe(image, Format::Qcow2)?];
+    let mut infos = vec![describe(image, Format::Qcow2, force_share)?];
     if !backing_chain {
         return Ok(infos);
     }
@@ -161,7 +176,7 @@ pub fn collect(image: &Path, backing_chain: bool) -> Result<Vec<ImageInfo>, Info
         let next = backing_chain::resolve(&current, &name)?;
         guard.enter(&current, &next)?;
         let format = backing_format(&next, recorded.as_deref())?;
-        infos.push(describe(&next, format)?);
+        infos.push(describe(&next, format, force_share)?);
         current = next;
     }
     Ok(infos)
@@ -169,7 +184,7 @@ pub fn collect(image: &Path, backing_chain: bool) -> Result<Vec<ImageInfo>, Info
 
 /// Runs `info`.
 pub fn run(args: &InfoArgs) -> Result<(), InfoError> {
-    let infos = collect(&args.image, args.backing_chain)?;
+    let infos = collect(&args.image, args.backing_chain, args.force_share)?;
     let mut out = io::stdout().lock();
     match args.output {
         OutputFormat::Json if args.backing_chain => {

@@ -22,6 +22,16 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Image locks, as QEMU takes them (its `locking=` option): `auto` locks where the kernel
+    /// has OFD locks, `on` fails where it has none, `off` takes no locks, so QEMU or another
+    /// qcow2-nbd may write the image at the same time and corrupt it.
+    #[arg(
+        long,
+        global = true,
+        value_name = "auto|on|off",
+        default_value = "auto"
+    )]
+    locking: storage::Locking,
 }
 
 /// The subcommands; each lives in its own module.
@@ -44,6 +54,7 @@ enum Command {
 fn main() -> ExitCode {
     malloc_tuning::tune_for_io_buffers();
     let cli = Cli::parse();
+    engine_run::set_locking(cli.locking);
     let result = match &cli.command {
         Command::Info(args) => info::run(args),
         Command::Check(args) => return check::main(args),

@@ -131,6 +131,7 @@ impl Plan {
             snapshot,
             direct,
             discard_passthrough: discard == DiscardMode::Unmap,
+            force_share: false,
         };
         let policy = ExportPolicy {
             writethrough: cache_mode.writethrough(),
@@ -151,6 +152,7 @@ impl Plan {
             opener: FileOpener {
                 aio: args.aio.into(),
                 direct,
+                locking: crate::engine_run::locking(),
             },
             open,
             policy,

@@ -37,6 +37,7 @@ pub fn direct_opener() -> FileOpener {
     FileOpener {
         aio: Aio::IoUring,
         direct: true,
+        ..FileOpener::default()
     }
 }
 

@@ -257,6 +257,7 @@ fn apply_ours(path: &Path, ops: &[Op], cs: u64) {
         let opener = FileOpener {
             aio: Aio::IoUring,
             direct: false,
+            ..FileOpener::default()
         };
         let opts = OpenOptions {
             format: Some(Format::Qcow2),

@@ -51,6 +51,7 @@ fn ours(path: &Path, w: &[(u64, u8)]) {
         let opener = FileOpener {
             aio: Aio::IoUring,
             direct: false,
+            ..FileOpener::default()
         };
         let opts = OpenOptions {
             format: Some(Format::Qcow2),

@@ -7,6 +7,7 @@ mod abuse;
 mod fio;
 mod kernel_client;
 mod lifecycle;
+mod locks;
 mod nbd_client;
 mod nbdcopy;
 mod nbdinfo;

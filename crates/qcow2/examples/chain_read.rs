@@ -17,6 +17,7 @@ fn opener() -> FileOpener {
     FileOpener {
         aio: Aio::IoUring,
         direct: false,
+        ..FileOpener::default()
     }
 }
 

@@ -54,6 +54,7 @@ mod buf;
 mod error;
 pub mod fault;
 pub mod file;
+pub mod lock;
 mod mem;
 mod opener;
 mod sys;
@@ -63,6 +64,7 @@ pub mod uring;
 pub use buf::{IoBuf, Slice, BUF_ALIGN};
 pub use error::{checked_end, RangeError, MAX_OFFSET};
 pub use fault::{CrashPlan, FaultStats, FaultStorage, InjectedError, OpKind, Survival};
+pub use lock::{LockError, Locking, Permissions};
 pub use mem::{MemFs, MemStorage};
 pub use opener::{Aio, AnyStorage, FileOpener};
 pub use threads::ThreadsStorage;
@@ -121,6 +123,11 @@ pub struct OpenOptions {
     pub create: bool,
     /// Bypass the page cache (`O_DIRECT`, QEMU's `cache=none`).
     pub direct: bool,
+    /// Let others write the file while we read it (qemu-img's `-U`; read-only opens only).
+    pub force_share: bool,
+    /// Whether to take QEMU-compatible image locks on the file ([`lock`]); `Auto`, as in
+    /// QEMU, unless asked otherwise. Memory storages ignore it.
+    pub locking: Locking,
 }
 
 impl OpenOptions {

@@ -93,13 +93,16 @@ impl Storage for AnyStorage {
 }
 
 /// Opens files with the chosen backend; `direct` forces O_DIRECT on every open (QEMU's
-/// `cache=none`) in addition to what each open asks.
+/// `cache=none`) in addition to what each open asks, and `locking` decides the image locks
+/// of every file it opens (an image, its backing files, its data file).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct FileOpener {
     /// Backend to use.
     pub aio: Aio,
     /// Open every file with O_DIRECT.
     pub direct: bool,
+    /// Image locks (QEMU's `locking=`).
+    pub locking: crate::Locking,
 }
 
 impl Opener for FileOpener {
@@ -108,6 +111,7 @@ impl Opener for FileOpener {
     async fn open(&self, path: &Path, opts: OpenOptions) -> io::Result<AnyStorage> {
         let opts = OpenOptions {
             direct: opts.direct || self.direct,
+            locking: self.locking,
             ..opts
         };
         if self.aio == Aio::IoUring {

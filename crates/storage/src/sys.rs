@@ -26,12 +26,15 @@ pub(crate) fn open(path: &Path, opts: OpenOptions) -> io::Result<File> {
         flags |= libc::O_DIRECT;
     }
     o.custom_flags(flags);
-    o.open(path).map_err(|e| {
+    let file = o.open(path).map_err(|e| {
         io::Error::new(
             e.kind(),
             format!("opening {}{}: {e}", path.display(), direct_note(opts)),
         )
-    })
+    })?;
+    let perms = crate::lock::Permissions::for_open(opts.read_only, opts.force_share);
+    crate::lock::lock(&file, path, perms, opts.locking)?;
+    Ok(file)
 }
 
 fn direct_note(opts: OpenOptions) -> &'static str {

@@ -367,10 +367,14 @@ fn file_opener_opens_both_backends() {
             (Aio::Threads, true),
         ] {
             let path = dir.path().join(format!("{aio:?}-{direct}.img"));
-            let s = FileOpener { aio, direct }
-                .open(&path, OpenOptions::create())
-                .await
-                .unwrap();
+            let s = FileOpener {
+                aio,
+                direct,
+                ..FileOpener::default()
+            }
+            .open(&path, OpenOptions::create())
+            .await
+            .unwrap();
             assert_eq!(
                 s.aio(),
                 aio,
@@ -397,6 +401,7 @@ fn file_opener_falls_back_to_threads_without_runtime_io() {
         let s = FileOpener {
             aio: Aio::IoUring,
             direct: false,
+            ..FileOpener::default()
         }
         .open(&dir.path().join("f.img"), OpenOptions::create())
         .await

@@ -296,7 +296,7 @@ where
             storage::OpenOptions {
                 read_only: false,
                 create: true,
-                direct: false,
+                ..storage::OpenOptions::default()
             },
         )
         .await

@@ -56,6 +56,9 @@ pub struct OpenOptions {
     pub snapshot: Option<String>,
     /// Open files with `O_DIRECT` (QEMU's `cache=none`).
     pub direct: bool,
+    /// Read even while another process writes the image (qemu-img's `-U`): its image locks
+    /// let others hold every permission. Read-only opens only.
+    pub force_share: bool,
     /// Punch holes in the file when a guest discard frees clusters (`--discard=unmap`).
     pub discard_passthrough: bool,
 }
@@ -69,12 +72,17 @@ impl<S: Storage + 'static> Image<S> {
         let read_only = opts.read_only || opts.snapshot.is_some();
         let mut guard = ChainGuard::default();
         guard.enter(path, path)?;
+        let access = storage::OpenOptions {
+            read_only,
+            direct: opts.direct,
+            force_share: opts.force_share && read_only,
+            ..storage::OpenOptions::default()
+        };
         let top = open_layer(
             opener,
             path,
             opts.format,
-            read_only,
-            opts.direct,
+            access,
             opts.snapshot.as_deref(),
             true,
         )
@@ -113,7 +121,12 @@ impl<S: Storage + 'static> Image<S> {
                 }
                 None => None,
             };
-            let layer = open_layer(opener, &next_path, fmt, true, opts.direct, None, false).await?;
+            // Backing files are only read, with the sharing the image was opened with.
+            let backing = storage::OpenOptions {
+                read_only: true,
+                ..access
+            };
+            let layer = open_layer(opener, &next_path, fmt, backing, None, false).await?;
             layers.push(layer);
             paths.push(next_path);
         }
@@ -222,8 +235,7 @@ async fn open_layer<O>(
     opener: &O,
     path: &Path,
     format: Option<Format>,
-    read_only: bool,
-    direct: bool,
+    access: storage::OpenOptions,
     snapshot: Option<&str>,
     top: bool,
 ) -> Result<Layer<O::Storage>>
@@ -233,14 +245,7 @@ where
 {
     let name = path.display().to_string();
     let file = opener
-        .open(
-            path,
-            storage::OpenOptions {
-                read_only,
-                create: false,
-                direct,
-            },
-        )
+        .open(path, access)
         .await
         .map_err(|source| EngineError::Open {
             path: name.clone(),
@@ -280,10 +285,7 @@ where
             format: LayerFormat::Raw,
         });
     }
-    let meta = open_qcow2(
-        opener, &file, path, &name, file_len, read_only, direct, snapshot,
-    )
-    .await?;
+    let meta = open_qcow2(opener, &file, path, &name, file_len, access, snapshot).await?;
     let size = meta.1;
     Ok(Layer {
         name,
@@ -301,8 +303,7 @@ async fn open_qcow2<O>(
     path: &Path,
     name: &str,
     file_len: u64,
-    read_only: bool,
-    direct: bool,
+    access: storage::OpenOptions,
     snapshot: Option<&str>,
 ) -> Result<(Qcow2Meta<O::Storage>, u64)>
 where
@@ -331,6 +332,7 @@ where
             what: "an encrypted image".into(),
         });
     }
+    let read_only = access.read_only;
     if header.is_corrupt() && !read_only {
         return Err(EngineError::MarkedCorrupt {
             image: name.to_string(),
@@ -459,15 +461,9 @@ where
             .map_err(|_| corrupt("external data file name is not UTF-8".into()))?;
         let dpath = backing_name::resolve(path, &dname)?;
         Some(
+            // The data file holds the guest's bytes: it is locked as the image is.
             opener
-                .open(
-                    &dpath,
-                    storage::OpenOptions {
-                        read_only,
-                        create: false,
-                        direct,
-                    },
-                )
+                .open(&dpath, access)
                 .await
                 .map_err(|source| EngineError::Open {
                     path: dpath.display().to_string(),

@@ -25,6 +25,7 @@ fn open_chain(path: &Path) -> Result<(), String> {
         let opener = FileOpener {
             aio: Aio::Threads,
             direct: false,
+            ..FileOpener::default()
         };
         let opts = OpenOptions {
             read_only: true,

@@ -32,6 +32,7 @@ fn engine_outcome(path: &Path) -> Result<(), String> {
         let opener = FileOpener {
             aio: Aio::Threads,
             direct: false,
+            ..FileOpener::default()
         };
         let opts = OpenOptions {
             read_only: true,
@@ -477,6 +478,7 @@ fn engine_rw_outcome(path: &Path) -> Result<(), String> {
         let opener = FileOpener {
             aio: Aio::Threads,
             direct: false,
+            ..FileOpener::default()
         };
         let opts = OpenOptions {
             no_backing: true,

@@ -204,6 +204,7 @@ fn opening_a_dirty_image_for_writing_repairs_it() {
         let opener = FileOpener {
             aio: Aio::Threads,
             direct: false,
+            ..FileOpener::default()
         };
         let img: Image<AnyStorage> = Image::open(&opener, &p, &OpenOptions::default())
             .await

@@ -95,9 +95,17 @@ async fn read_file(path: &Path, aio: Aio, direct: bool, off: u64, len: u64) -> V
         direct,
         ..OpenOptions::default()
     };
-    let img = Image::open(&FileOpener { aio, direct }, path, &opts)
-        .await
-        .unwrap();
+    let img = Image::open(
+        &FileOpener {
+            aio,
+            direct,
+            ..FileOpener::default()
+        },
+        path,
+        &opts,
+    )
+    .await
+    .unwrap();
     img.read(off, len as usize).await.unwrap().to_vec()
 }
 

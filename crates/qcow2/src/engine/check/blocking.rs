@@ -6,13 +6,16 @@ use super::error::CheckError;
 use super::report::Finding;
 use super::run::{check, CheckOutcome, Repair};
 use std::path::Path;
-use storage::{Aio, FileOpener, OpenOptions, Opener};
+use storage::{Aio, FileOpener, Locking, OpenOptions, Opener};
 
-/// Checks the image at `path` like `qemu-img check [-r ...] PATH`; the file is opened
-/// read-only unless `repair` allows writes.
+/// Checks the image at `path` like `qemu-img check [-r ...] [-U] PATH`; the file is opened
+/// read-only unless `repair` allows writes, and locked as `locking` says (`force_share`:
+/// check it even while another process writes it, as `-U` does).
 pub fn check_path(
     path: &Path,
     repair: Repair,
+    locking: Locking,
+    force_share: bool,
     log: &mut dyn FnMut(Finding),
 ) -> Result<CheckOutcome, CheckError> {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -24,9 +27,12 @@ pub fn check_path(
         let opener = FileOpener {
             aio: Aio::Threads,
             direct: false,
+            locking,
         };
+        let read_only = repair == Repair::None;
         let opts = OpenOptions {
-            read_only: repair == Repair::None,
+            read_only,
+            force_share: force_share && read_only,
             ..OpenOptions::default()
         };
         let file = opener

@@ -156,7 +156,9 @@ pub fn qemu_check(path: &Path, repair: Repair, json: bool) -> QemuCheck {
 /// Our check of the file at `path`, with every finding collected.
 pub fn our_check(path: &Path, repair: Repair) -> (Result<CheckOutcome, CheckError>, Vec<Finding>) {
     let mut findings = Vec::new();
-    let r = check::check_path(path, repair, &mut |f| findings.push(f));
+    let r = check::check_path(path, repair, storage::Locking::Auto, false, &mut |f| {
+        findings.push(f)
+    });
     (r, findings)
 }
 

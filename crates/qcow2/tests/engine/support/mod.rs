@@ -72,7 +72,11 @@ pub fn run<F: std::future::Future>(f: F) -> F::Output {
 
 /// A file opener with the given backend.
 pub fn opener(aio: Aio) -> FileOpener {
-    FileOpener { aio, direct: false }
+    FileOpener {
+        aio,
+        direct: false,
+        ..FileOpener::default()
+    }
 }
 
 /// Opens `path` read-only through the engine.
