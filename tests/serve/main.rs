@@ -4,6 +4,7 @@
 mod support;
 
 mod abuse;
+mod enospc;
 mod fio;
 mod kernel_client;
 mod lifecycle;

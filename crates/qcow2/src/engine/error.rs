@@ -151,11 +151,12 @@ impl EngineError {
             }
             EngineError::NoSpace { .. } => libc_errno::ENOSPC,
             EngineError::Io { source, .. } | EngineError::Open { source, .. } => {
-                match source.raw_os_error() {
-                    Some(e @ (libc_errno::ENOSPC | libc_errno::EDQUOT)) => e,
-                    _ => libc_errno::EIO,
-                }
+                space_errno(source).unwrap_or(libc_errno::EIO)
             }
+            EngineError::Cache { source, .. } => source
+                .io_error()
+                .and_then(space_errno)
+                .unwrap_or(libc_errno::EIO),
             _ => libc_errno::EIO,
         }
     }
@@ -169,6 +170,20 @@ impl EngineError {
                 | EngineError::Format { .. }
                 | EngineError::Compressed { .. }
         )
+    }
+}
+
+/// ENOSPC or EDQUOT when `e` says the file system is full, however many layers of context
+/// were wrapped around the OS error on its way up (each keeps the kind, not the number).
+fn space_errno(e: &io::Error) -> Option<i32> {
+    match (e.raw_os_error(), e.kind()) {
+        (Some(n @ (libc_errno::ENOSPC | libc_errno::EDQUOT)), _) => Some(n),
+        (_, io::ErrorKind::StorageFull) => Some(libc_errno::ENOSPC),
+        (_, io::ErrorKind::QuotaExceeded) => Some(libc_errno::EDQUOT),
+        _ => e
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<io::Error>())
+            .and_then(space_errno),
     }
 }
 

@@ -18,6 +18,11 @@ pub(crate) struct Layer<S> {
     pub size: Cell<u64>,
     /// What kind of layer it is.
     pub format: LayerFormat<S>,
+    /// An fdatasync of this layer's files failed. The kernel may have dropped the dirty pages
+    /// it could not write and will not report that again, so nothing written before can be
+    /// called durable any more: every later flush fails too, and the image is never marked
+    /// clean. (QEMU's file driver does the same.)
+    pub sync_failed: Cell<bool>,
 }
 
 /// Raw or qcow2.

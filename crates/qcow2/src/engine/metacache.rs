@@ -32,8 +32,15 @@ pub(crate) struct RefcountBackend<S> {
     pub block_bytes: usize,
 }
 
+/// An engine error as the cache's I/O error, keeping the kind (a full disk stays "storage
+/// full" on its way back up, so the client is told ENOSPC and not EIO).
 fn to_io(e: super::error::EngineError) -> io::Error {
-    io::Error::other(e.to_string())
+    use super::error::EngineError;
+    let kind = match &e {
+        EngineError::Io { source, .. } | EngineError::Open { source, .. } => source.kind(),
+        _ => io::ErrorKind::Other,
+    };
+    io::Error::new(kind, e.to_string())
 }
 
 async fn write_all<S: Storage + 'static>(file: &S, data: &[u8], offset: u64) -> io::Result<()> {
@@ -42,14 +49,27 @@ async fn write_all<S: Storage + 'static>(file: &S, data: &[u8], offset: u64) -> 
 }
 
 /// Makes the writable layer durable: its data file first (guest data written by copy-on-write
-/// must be on disk before metadata that exposes it), then the image file.
+/// must be on disk before metadata that exposes it), then the image file. Once an fdatasync
+/// has failed, every later one fails too (see [`Layer::sync_failed`]).
 pub(crate) async fn flush_layer<S: Storage + 'static>(layer: &Layer<S>) -> io::Result<()> {
-    if let Some(meta) = layer.qcow2() {
-        if let Some(data) = &meta.data_file {
-            data.flush().await?;
-        }
+    if layer.sync_failed.get() {
+        return Err(io::Error::other(
+            "an earlier fdatasync failed, so writes since the last successful flush may be lost",
+        ));
     }
-    layer.file.flush().await
+    let synced = async {
+        if let Some(meta) = layer.qcow2() {
+            if let Some(data) = &meta.data_file {
+                data.flush().await?;
+            }
+        }
+        layer.file.flush().await
+    }
+    .await;
+    if synced.is_err() {
+        layer.sync_failed.set(true);
+    }
+    synced
 }
 
 impl<S: Storage + 'static> cache::Backend<L2Key> for L2Backend<S> {

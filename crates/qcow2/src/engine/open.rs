@@ -283,6 +283,7 @@ where
             file,
             size: Cell::new(file_len),
             format: LayerFormat::Raw,
+            sync_failed: Cell::new(false),
         });
     }
     let meta = open_qcow2(opener, &file, path, &name, file_len, access, snapshot).await?;
@@ -292,6 +293,7 @@ where
         file,
         size: Cell::new(size),
         format: LayerFormat::Qcow2(meta.0),
+        sync_failed: Cell::new(false),
     })
 }
 

@@ -298,7 +298,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// Clears the dirty bit once every refcount is on disk (a clean close).
     pub(crate) async fn mark_clean(&self) -> Result<()> {
         let Some(w) = &self.writer else { return Ok(()) };
-        if !w.dirty_on_disk.get() || w.corrupt.get() {
+        if !w.dirty_on_disk.get() || w.corrupt.get() || self.layers[0].sync_failed.get() {
             return Ok(());
         }
         let bits = self.layers[0]

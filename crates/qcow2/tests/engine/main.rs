@@ -5,6 +5,7 @@ mod support;
 mod chain;
 mod concurrency;
 mod crash;
+mod io_errors;
 mod read;
 mod read_props;
 mod write;
