@@ -251,3 +251,67 @@ fn startup_failures_say_what_is_wrong_and_exit_1() {
     // None of that touched the image.
     assert_check_clean(Path::new(i));
 }
+
+/// What a client that never reaches transmission does to a server.
+type HandshakeOnly = dyn Fn(&Server);
+
+/// A client that connects, reads the greeting and does `what` before closing.
+fn raw_client(server: &Server, what: &[u8], linger: Duration) {
+    use std::io::Read;
+    let mut s = std::os::unix::net::UnixStream::connect(&server.socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut greeting = [0u8; 18];
+    s.read_exact(&mut greeting).unwrap();
+    let _ = s.write_all(what);
+    std::thread::sleep(linger);
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+}
+
+#[test]
+fn without_persistent_only_a_client_that_reached_transmission_ends_the_server() {
+    let images = Images::new();
+    let img = images.create("disk.qcow2", "qcow2", "", None, "2M");
+    let mut abort = 3u32.to_be_bytes().to_vec(); // fixed newstyle, no zeroes
+    abort.extend_from_slice(b"IHAVEOPT");
+    abort.extend_from_slice(&2u32.to_be_bytes()); // NBD_OPT_ABORT
+    abort.extend_from_slice(&0u32.to_be_bytes());
+    let no_wait = Duration::ZERO;
+    let cases: [(&str, Box<HandshakeOnly>); 5] = [
+        (
+            "a bare connect and close",
+            Box::new(|s: &Server| drop(std::os::unix::net::UnixStream::connect(&s.socket))),
+        ),
+        (
+            "nbdinfo --list",
+            Box::new(|s: &Server| {
+                run_ok(Command::new(require("nbdinfo", "libnbd-bin")).args(["--list", &s.uri()]));
+            }),
+        ),
+        (
+            "NBD_OPT_ABORT",
+            Box::new(move |s: &Server| raw_client(s, &abort, no_wait)),
+        ),
+        (
+            "a failed handshake",
+            Box::new(move |s: &Server| raw_client(s, b"\0\0\0\x03not an option header", no_wait)),
+        ),
+        (
+            "a timed-out handshake",
+            Box::new(|s: &Server| raw_client(s, b"", Duration::from_millis(1500))),
+        ),
+    ];
+    for (what, client) in cases {
+        let mut server = Server::unix(&["--handshake-limit", "1", img.to_str().unwrap()]);
+        client(&server);
+        std::thread::sleep(Duration::from_millis(200));
+        let pid = i32::try_from(server.pid()).unwrap();
+        assert!(!exited(pid), "{what} ended the server");
+        let size = stdout(&run_ok(
+            Command::new(require("nbdinfo", "libnbd-bin")).args(["--size", &server.uri()]),
+        ));
+        assert_eq!(size.trim(), (2u64 << 20).to_string(), "after {what}");
+        let (status, err) = server.wait();
+        assert!(status.success(), "after {what}: {status}: {err}");
+    }
+}

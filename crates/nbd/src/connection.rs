@@ -39,6 +39,13 @@ pub enum ConnectionError {
     Transmission(#[from] TransmissionError),
 }
 
+impl ConnectionError {
+    /// True when the connection failed after the handshake, in transmission.
+    pub fn reached_transmission(&self) -> bool {
+        matches!(self, ConnectionError::Transmission(_))
+    }
+}
+
 /// Serves one client on `reader`/`writer` (e.g. the halves of a socket) until it leaves,
 /// `shutdown` turns true, or it breaks the protocol.
 ///

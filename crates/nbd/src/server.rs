@@ -21,8 +21,9 @@ use crate::systemd::ActivatedSocket;
 /// Server behaviour.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
-    /// Keep serving after the last client leaves (qemu-nbd `-t`); otherwise stop once the
-    /// number of clients drops back to zero after the first one.
+    /// Keep serving after the last client leaves (qemu-nbd `-t`); otherwise stop once a
+    /// client that reached transmission has left and no connection remains. Clients that
+    /// only list exports, abort, fail or time out in the handshake never end the server.
     pub persistent: bool,
     /// Most clients served at once (qemu-nbd `-e`); further clients wait in the listen
     /// backlog. `None` means unlimited.
@@ -203,7 +204,8 @@ impl<E: Export + 'static> Server<E> {
     ) -> Result<ServeReport, ServerError> {
         let (stop_tx, stop_rx) = watch::channel(false);
         let mut report = ServeReport::default();
-        let mut clients: JoinSet<bool> = JoinSet::new();
+        let mut clients: JoinSet<Handled> = JoinSet::new();
+        let mut transmitted = false;
         tokio::pin!(shutdown);
         loop {
             let room = self
@@ -230,10 +232,12 @@ impl<E: Export + 'static> Server<E> {
                     }
                 },
                 Some(done) = clients.join_next(), if !clients.is_empty() => {
-                    if !matches!(done, Ok(true)) {
+                    let handled = done.unwrap_or(Handled { ok: false, transmitted: false });
+                    if !handled.ok {
                         report.failed_connections += 1;
                     }
-                    if !self.config.persistent && clients.is_empty() {
+                    transmitted |= handled.transmitted;
+                    if !self.config.persistent && transmitted && clients.is_empty() {
                         break;
                     }
                 }
@@ -242,7 +246,7 @@ impl<E: Export + 'static> Server<E> {
         drop(listeners);
         let _ = stop_tx.send(true);
         while let Some(done) = clients.join_next().await {
-            if !matches!(done, Ok(true)) {
+            if !matches!(done, Ok(Handled { ok: true, .. })) {
                 report.failed_connections += 1;
             }
         }
@@ -272,13 +276,21 @@ async fn accept_any(listeners: &[Listener]) -> std::io::Result<Accepted> {
     .await
 }
 
-/// Serves one accepted client; true if it ended without error.
+/// How a client's connection went.
+struct Handled {
+    /// It ended without error.
+    ok: bool,
+    /// It reached transmission (and so counts for the server's lifetime).
+    transmitted: bool,
+}
+
+/// Serves one accepted client.
 async fn handle<E: Export + 'static>(
     stream: Accepted,
     exports: Exports<E>,
     limit: Option<Duration>,
     stop: watch::Receiver<bool>,
-) -> bool {
+) -> Handled {
     let (result, peer) = match stream {
         Accepted::Unix(s) => {
             let (r, w) = s.into_split();
@@ -300,15 +312,24 @@ async fn handle<E: Export + 'static>(
     match result {
         Ok(ConnectionEnd::Transmission(n, end)) => {
             tracing::info!(%peer, export = n.export, ?end, "client disconnected");
-            true
+            Handled {
+                ok: true,
+                transmitted: true,
+            }
         }
         Ok(end) => {
             tracing::debug!(%peer, ?end, "client left during handshake");
-            true
+            Handled {
+                ok: true,
+                transmitted: false,
+            }
         }
         Err(e) => {
             tracing::info!(%peer, error = %e, "connection closed");
-            false
+            Handled {
+                ok: false,
+                transmitted: e.reached_transmission(),
+            }
         }
     }
 }
