@@ -115,7 +115,7 @@ pub trait Storage {
 }
 
 /// How to open a storage.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OpenOptions {
     /// Refuse writes (the file is opened read-only).
     pub read_only: bool,
@@ -125,9 +125,22 @@ pub struct OpenOptions {
     pub direct: bool,
     /// Let others write the file while we read it (qemu-img's `-U`; read-only opens only).
     pub force_share: bool,
-    /// Whether to take QEMU-compatible image locks on the file ([`lock`]); `Auto`, as in
-    /// QEMU, unless asked otherwise. Memory storages ignore it.
+    /// Whether to take QEMU-compatible image locks on the file ([`lock`]). `Off` unless
+    /// asked: a [`FileOpener`] (what the engine opens images with) sets its own mode, `Auto`
+    /// by default. Memory storages ignore it.
     pub locking: Locking,
+}
+
+impl Default for OpenOptions {
+    fn default() -> OpenOptions {
+        OpenOptions {
+            read_only: false,
+            create: false,
+            direct: false,
+            force_share: false,
+            locking: Locking::Off,
+        }
+    }
 }
 
 impl OpenOptions {
