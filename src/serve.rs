@@ -147,6 +147,7 @@ impl Plan {
             max_connections: NonZeroUsize::new(args.shared),
             handshake_timeout: (args.handshake_limit > 0)
                 .then(|| Duration::from_secs(args.handshake_limit)),
+            shutdown_grace: Duration::from_secs(args.shutdown_grace),
         };
         Ok(Plan {
             opener: FileOpener {
@@ -274,7 +275,7 @@ async fn serve_on_runtime(
     let served = server
         .serve(
             listeners.into_iter().map(|(l, _)| l).collect(),
-            signals.received(),
+            signals.watch(),
         )
         .await;
     if let Some(c) = cleaner {

@@ -78,7 +78,7 @@ fuzz_target!(|data: &[u8]| {
             let mut sink = Vec::new();
             let _ = client_read.read_to_end(&mut sink).await;
         });
-        let _ = serve_connection(server_read, server_write, &exports, None, stop_rx).await;
+        let _ = serve_connection(server_read, server_write, &exports, None, stop_rx.clone(), stop_rx).await;
         feeder.await.expect("feeder");
         drainer.await.expect("drainer");
     });

@@ -105,6 +105,13 @@ pub struct ServeArgs {
     #[arg(long = "handshake-limit", value_name = "N", default_value_t = 10)]
     pub handshake_limit: u64,
 
+    /// On SIGINT/SIGTERM, seconds to let requests in flight finish before every connection
+    /// is closed, also those of clients stalled mid-request or not reading replies; then
+    /// the caches are written back and the image closed. A second signal exits at once
+    /// (the image stays consistent; clusters may leak).
+    #[arg(long = "shutdown-grace", value_name = "SECS", default_value_t = 5)]
+    pub shutdown_grace: u64,
+
     /// Maximum size of the L2 table cache (e.g. 8M).
     #[arg(long = "l2-cache-size", value_name = "SIZE", value_parser = parse_size)]
     pub l2_cache_size: Option<u64>,
@@ -302,6 +309,7 @@ mod tests {
         assert_eq!(a.discard, DiscardArg::Ignore);
         assert_eq!(a.detect_zeroes, DetectZeroesArg::Off);
         assert_eq!(a.handshake_limit, 10);
+        assert_eq!(a.shutdown_grace, 5);
         assert!(!a.allocation_depth && !a.read_only && !a.snapshot && !a.fork);
     }
 

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::support::kernel_client::{KernelClient, CMD_WRITE};
+use crate::support::kernel_client::{KernelClient, CMD_READ, CMD_WRITE};
 use crate::support::{
     assert_check_clean, qemu_io, require, run_ok, serve_fails, stdout, Images, Server, BIN,
 };
@@ -314,4 +314,105 @@ fn without_persistent_only_a_client_that_reached_transmission_ends_the_server() 
         let (status, err) = server.wait();
         assert!(status.success(), "after {what}: {status}: {err}");
     }
+}
+
+/// A server with acknowledged, flushed data at the start of a 64 MiB image, and a client
+/// that `stall`s on its connection; then SIGTERM (twice with `second_signal`). Returns the
+/// seconds the server took to exit and its exit status.
+fn shutdown_with_a_stuck_client(
+    grace: &str,
+    stall: impl FnOnce(&mut KernelClient),
+    second_signal: bool,
+) -> (
+    f64,
+    std::process::ExitStatus,
+    Images,
+    std::path::PathBuf,
+    String,
+) {
+    let images = Images::new();
+    let img = images.create("disk.qcow2", "qcow2", "", None, "64M");
+    let mut server = Server::unix(&[
+        "-t",
+        "-e",
+        "4",
+        "--shutdown-grace",
+        grace,
+        img.to_str().unwrap(),
+    ]);
+    // qemu-io flushes before it exits: these bytes are acknowledged after FLUSH.
+    qemu_io("raw", &server.uri(), &["write -P 0xab 0 1M"]);
+    let mut stuck = KernelClient::connect(&server.socket, "");
+    stall(&mut stuck);
+    std::thread::sleep(Duration::from_millis(300));
+    let start = Instant::now();
+    server.signal(libc::SIGTERM);
+    if second_signal {
+        std::thread::sleep(Duration::from_millis(300));
+        server.signal(libc::SIGTERM);
+    }
+    let (status, err) = server.wait_within(Duration::from_secs(30));
+    let seconds = start.elapsed().as_secs_f64();
+    drop(stuck);
+    (seconds, status, images, img, err)
+}
+
+/// Pipelines 32 MiB reads and never reads a reply.
+fn never_read_replies(c: &mut KernelClient) {
+    for i in 0..16u64 {
+        let msg = KernelClient::encode(CMD_READ, 0, i, 0, 32 * MIB, &[]);
+        c.send_raw(&msg);
+    }
+}
+
+/// Sends a 1 MiB write's header and half its payload, then nothing.
+fn stall_mid_write(c: &mut KernelClient) {
+    let payload = vec![0xcd; MIB as usize];
+    let msg = KernelClient::encode(CMD_WRITE, 0, 1, 4 * u64::from(MIB), MIB, &payload);
+    c.send_raw(&msg[..msg.len() - payload.len() / 2]);
+}
+
+fn assert_flushed_data_survived(img: &Path) {
+    assert_check_clean(img);
+    qemu_io("qcow2", img.to_str().unwrap(), &["read -P 0xab 0 1M"]);
+}
+
+#[test]
+fn shutdown_closes_a_client_that_never_reads_its_replies_after_the_grace_period() {
+    let (seconds, status, _images, img, err) =
+        shutdown_with_a_stuck_client("2", never_read_replies, false);
+    eprintln!("exit {seconds:.2} s after SIGTERM with a client not reading (grace 2 s)");
+    assert!(status.success(), "{status}: {err}");
+    assert!(seconds < 3.0, "took {seconds:.2} s with a 2 s grace period");
+    assert_flushed_data_survived(&img);
+}
+
+#[test]
+fn shutdown_closes_a_client_stalled_mid_write_after_the_grace_period() {
+    let (seconds, status, _images, img, err) =
+        shutdown_with_a_stuck_client("2", stall_mid_write, false);
+    eprintln!("exit {seconds:.2} s after SIGTERM with a client stalled mid-write (grace 2 s)");
+    assert!(status.success(), "{status}: {err}");
+    assert!(seconds < 3.0, "took {seconds:.2} s with a 2 s grace period");
+    assert_flushed_data_survived(&img);
+}
+
+#[test]
+fn a_second_signal_exits_at_once_leaving_a_consistent_image() {
+    let (seconds, status, _images, img, err) =
+        shutdown_with_a_stuck_client("60", never_read_replies, true);
+    eprintln!("exit {seconds:.2} s after two SIGTERMs (grace 60 s)");
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("exiting at once"), "{err}");
+    assert!(
+        seconds < 10.0,
+        "the second signal did not end the server: {seconds:.2} s"
+    );
+    // Consistent; leaked clusters are allowed after an abrupt exit.
+    let check = Command::new(require("qemu-img", "qemu-utils"))
+        .args(["check", img.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(matches!(check.status.code(), Some(0 | 3)), "{check:?}");
+    qemu_io("qcow2", img.to_str().unwrap(), &["read -P 0xab 0 1M"]);
 }

@@ -47,7 +47,9 @@ impl ConnectionError {
 }
 
 /// Serves one client on `reader`/`writer` (e.g. the halves of a socket) until it leaves,
-/// `shutdown` turns true, or it breaks the protocol.
+/// `shutdown` turns true, or it breaks the protocol. After `force` turns true, a client
+/// stalled in the middle of a request or not reading its replies is cut off (see
+/// [`transmit`]).
 ///
 /// Must run inside a tokio `LocalSet` (requests run as `spawn_local` tasks);
 /// [`crate::Server::serve`] provides one.
@@ -57,6 +59,7 @@ pub async fn serve_connection<R, W, E>(
     exports: &Exports<E>,
     handshake_timeout: Option<Duration>,
     mut shutdown: watch::Receiver<bool>,
+    force: watch::Receiver<bool>,
 ) -> Result<ConnectionEnd, ConnectionError>
 where
     R: AsyncRead + Unpin,
@@ -87,6 +90,6 @@ where
     };
     tracing::debug!(export = %entry.name, mode = ?negotiated.mode, "transmission");
     let export = std::rc::Rc::clone(&entry.export);
-    let end = transmit(reader, writer, export, &negotiated, shutdown).await?;
+    let end = transmit(reader, writer, export, &negotiated, shutdown, force).await?;
     Ok(ConnectionEnd::Transmission(negotiated, end))
 }

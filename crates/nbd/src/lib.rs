@@ -31,4 +31,7 @@ pub use export::{
 pub use exports::{ExportEntry, Exports, ExportsError};
 pub use mem_export::{MemExport, MemStats};
 pub use negotiate::meta::{ALLOCATION_DEPTH, BASE_ALLOCATION};
-pub use server::{shutdown_signal, Listener, ServeReport, Server, ServerConfig, ServerError};
+pub use server::{
+    shutdown_signal, Listener, ServeReport, Server, ServerConfig, ServerError,
+    DEFAULT_SHUTDOWN_GRACE,
+};

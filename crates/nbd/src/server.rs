@@ -30,7 +30,13 @@ pub struct ServerConfig {
     pub max_connections: Option<NonZeroUsize>,
     /// Time a client has to finish the handshake (qemu-nbd `--handshake-limit`).
     pub handshake_timeout: Option<Duration>,
+    /// How long a shutdown waits for requests in flight before closing every connection,
+    /// including clients stalled in the middle of a request or not reading replies.
+    pub shutdown_grace: Duration,
 }
+
+/// The default of [`ServerConfig::shutdown_grace`].
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 impl Default for ServerConfig {
     /// qemu-nbd's defaults: one client, not persistent, 10 s handshake limit.
@@ -39,6 +45,7 @@ impl Default for ServerConfig {
             persistent: false,
             max_connections: NonZeroUsize::new(1),
             handshake_timeout: Some(Duration::from_secs(10)),
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
         }
     }
 }
@@ -203,6 +210,7 @@ impl<E: Export + 'static> Server<E> {
         shutdown: impl Future<Output = ()>,
     ) -> Result<ServeReport, ServerError> {
         let (stop_tx, stop_rx) = watch::channel(false);
+        let (force_tx, force_rx) = watch::channel(false);
         let mut report = ServeReport::default();
         let mut clients: JoinSet<Handled> = JoinSet::new();
         let mut transmitted = false;
@@ -221,7 +229,7 @@ impl<E: Export + 'static> Server<E> {
                     Ok(stream) => {
                         report.connections += 1;
                         let exports = self.exports.clone();
-                        let stop = stop_rx.clone();
+                        let stop = (stop_rx.clone(), force_rx.clone());
                         let limit = self.config.handshake_timeout;
                         clients.spawn_local(async move { handle(stream, exports, limit, stop).await });
                     }
@@ -245,7 +253,23 @@ impl<E: Export + 'static> Server<E> {
         }
         drop(listeners);
         let _ = stop_tx.send(true);
-        while let Some(done) = clients.join_next().await {
+        let grace = tokio::time::sleep(self.config.shutdown_grace);
+        tokio::pin!(grace);
+        loop {
+            let done = tokio::select! {
+                done = clients.join_next() => done,
+                () = &mut grace, if !*force_tx.borrow() => {
+                    if !clients.is_empty() {
+                        tracing::warn!(
+                            clients = clients.len(),
+                            "shutdown grace period over: closing the remaining connections"
+                        );
+                    }
+                    let _ = force_tx.send(true);
+                    continue;
+                }
+            };
+            let Some(done) = done else { break };
             if !matches!(done, Ok(Handled { ok: true, .. })) {
                 report.failed_connections += 1;
             }
@@ -289,13 +313,13 @@ async fn handle<E: Export + 'static>(
     stream: Accepted,
     exports: Exports<E>,
     limit: Option<Duration>,
-    stop: watch::Receiver<bool>,
+    (stop, force): (watch::Receiver<bool>, watch::Receiver<bool>),
 ) -> Handled {
     let (result, peer) = match stream {
         Accepted::Unix(s) => {
             let (r, w) = s.into_split();
             (
-                serve_connection(r, w, &exports, limit, stop).await,
+                serve_connection(r, w, &exports, limit, stop, force).await,
                 "unix".to_owned(),
             )
         }
@@ -304,7 +328,7 @@ async fn handle<E: Export + 'static>(
             let _ = s.set_nodelay(true);
             let (r, w) = s.into_split();
             (
-                serve_connection(r, w, &exports, limit, stop).await,
+                serve_connection(r, w, &exports, limit, stop, force).await,
                 peer.to_string(),
             )
         }

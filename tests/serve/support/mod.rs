@@ -315,6 +315,24 @@ impl Server {
         (child.wait().unwrap(), err)
     }
 
+    /// Waits at most `limit` for the server to exit by itself; a server still running then
+    /// is killed and the test fails, rather than hanging.
+    pub fn wait_within(&mut self, limit: Duration) -> (ExitStatus, String) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let child = self.child.as_mut().expect("running");
+            if child.try_wait().unwrap().is_some() {
+                return self.wait();
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let (_, err) = self.wait();
+                panic!("serve did not exit within {limit:?}:\n{err}");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// SIGTERM and an assertion that the server shut down cleanly (exit 0).
     pub fn stop_ok(self) -> String {
         let (status, err) = self.stop();

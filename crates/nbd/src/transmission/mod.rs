@@ -41,6 +41,9 @@ pub enum TransmissionEnd {
     ClientClosed,
     /// The server is shutting down.
     Shutdown,
+    /// The server's shutdown grace period ran out: the connection was closed even though
+    /// the client was in the middle of a request or not reading its replies.
+    ForcedClose,
     /// A reply could not be written (the client went away).
     WriteFailed,
 }
@@ -65,16 +68,27 @@ struct Conn<E: Export, W> {
     exec: ExecContext,
     write_failed: Cell<bool>,
     stop: Notify,
+    /// Turns true when the server stops waiting for this client (see [`forced`]).
+    force: watch::Receiver<bool>,
 }
 
 impl<E: Export, W: AsyncWrite + Unpin> Conn<E, W> {
+    /// Sends a reply, unless the client stopped reading and the server gave up on it: a
+    /// reply stuck on a full socket must not keep the request (and shutdown) waiting.
     async fn reply(&self, to: ReplyTo, outcome: Outcome<E::Buf>) {
         let bytes = serialize(&to, &outcome);
-        let mut w = self.writer.lock().await;
-        if self.write_failed.get() {
-            return;
-        }
-        if let Err(e) = bytes.write_to(&mut *w).await {
+        let mut force = self.force.clone();
+        let written = tokio::select! {
+            written = async {
+                let mut w = self.writer.lock().await;
+                if self.write_failed.get() {
+                    return Ok(());
+                }
+                bytes.write_to(&mut *w).await
+            } => written,
+            () = forced(&mut force) => Err(std::io::ErrorKind::TimedOut.into()),
+        };
+        if let Err(e) = written {
             tracing::debug!(error = %e, "writing a reply failed; closing the connection");
             self.write_failed.set(true);
             self.stop.notify_one();
@@ -82,8 +96,19 @@ impl<E: Export, W: AsyncWrite + Unpin> Conn<E, W> {
     }
 }
 
+/// Completes once `force` turns true: the server's grace period is over and every socket
+/// operation of this connection is to be abandoned. Never completes if the sender is gone
+/// without forcing.
+async fn forced(force: &mut watch::Receiver<bool>) {
+    if force.wait_for(|f| *f).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 /// Serves requests until the client disconnects, `shutdown` turns true, or an error.
 /// In-flight requests always finish (and are answered if possible) before this returns.
+/// Once `force` turns true, reading a request's payload and writing replies are abandoned,
+/// so a client that stalls mid-request or stops reading cannot hold the server up.
 ///
 /// Must run inside a tokio `LocalSet`: each request is a `spawn_local` task.
 pub async fn transmit<R, W, E>(
@@ -92,6 +117,7 @@ pub async fn transmit<R, W, E>(
     export: Rc<E>,
     negotiated: &Negotiated,
     mut shutdown: watch::Receiver<bool>,
+    force: watch::Receiver<bool>,
 ) -> Result<TransmissionEnd, TransmissionError>
 where
     R: AsyncRead + Unpin,
@@ -109,7 +135,9 @@ where
         },
         write_failed: Cell::new(false),
         stop: Notify::new(),
+        force: force.clone(),
     });
+    let mut force = force;
     let requests = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     let bytes = Arc::new(Semaphore::new(MAX_IN_FLIGHT_BYTES));
 
@@ -152,44 +180,16 @@ where
             break Ok(TransmissionEnd::Shutdown);
         };
 
-        let mut data = None;
-        match payload {
-            Payload::None => {}
-            Payload::Read(n) => {
-                let mut buf = conn.export.alloc(n);
-                if buf.as_ref().len() != n {
-                    tracing::error!(
-                        n,
-                        got = buf.as_ref().len(),
-                        "export allocated a buffer of the wrong size"
-                    );
-                    if let Err(e) = drain(&mut reader, n as u64).await {
-                        break Err(e.into());
-                    }
-                    let to = reply_to(&header, limits.mode);
-                    conn.reply(to, Outcome::Error(Errno::Io, "buffer allocation failed"))
-                        .await;
-                    continue;
-                }
-                if let Err(e) = reader.read_exact(buf.as_mut()).await {
-                    break Err(e.into());
-                }
-                data = Some(buf);
-            }
-            Payload::Drain(n) => {
-                if let Err(e) = drain(&mut reader, n).await {
-                    break Err(e.into());
-                }
-            }
-            Payload::Disconnect => {
-                break Err(TransmissionError::Protocol(format!(
-                    "{} payload of {} bytes exceeds the maximum of {}",
-                    header.command.name(),
-                    header.length,
-                    limits.max_payload
-                )))
-            }
-        }
+        let read = read_payload(&mut reader, &conn, &header, &limits, payload);
+        let got = tokio::select! {
+            got = read => got,
+            () = forced(&mut force) => break Ok(TransmissionEnd::ForcedClose),
+        };
+        let data = match got {
+            Ok(data) => data,
+            Err(Skip::Request) => continue,
+            Err(Skip::Connection(end)) => break end,
+        };
 
         let action = match validate(&header, &limits, payload) {
             Ok(validate::Action::Disc) => break Ok(TransmissionEnd::Disconnect),
@@ -217,6 +217,61 @@ where
     let mut w = conn.writer.lock().await;
     let _ = w.shutdown().await;
     result
+}
+
+/// Why a request's payload did not become a request to execute.
+enum Skip {
+    /// The request was answered already; go on with the next one.
+    Request,
+    /// The connection ends.
+    Connection(Result<TransmissionEnd, TransmissionError>),
+}
+
+/// Reads (or drains) the payload that follows a request header: the write data to execute
+/// with, or nothing.
+async fn read_payload<R, W, E>(
+    reader: &mut R,
+    conn: &Conn<E, W>,
+    header: &RequestHeader,
+    limits: &Limits,
+    payload: Payload,
+) -> Result<Option<E::Buf>, Skip>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+    E: Export,
+{
+    let io_end = |e: std::io::Error| Skip::Connection(Err(e.into()));
+    match payload {
+        Payload::None => Ok(None),
+        Payload::Read(n) => {
+            let mut buf = conn.export.alloc(n);
+            if buf.as_ref().len() != n {
+                tracing::error!(
+                    n,
+                    got = buf.as_ref().len(),
+                    "export allocated a buffer of the wrong size"
+                );
+                drain(reader, n as u64).await.map_err(io_end)?;
+                let to = reply_to(header, limits.mode);
+                conn.reply(to, Outcome::Error(Errno::Io, "buffer allocation failed"))
+                    .await;
+                return Err(Skip::Request);
+            }
+            reader.read_exact(buf.as_mut()).await.map_err(io_end)?;
+            Ok(Some(buf))
+        }
+        Payload::Drain(n) => {
+            drain(reader, n).await.map_err(io_end)?;
+            Ok(None)
+        }
+        Payload::Disconnect => Err(Skip::Connection(Err(TransmissionError::Protocol(format!(
+            "{} payload of {} bytes exceeds the maximum of {}",
+            header.command.name(),
+            header.length,
+            limits.max_payload
+        ))))),
+    }
 }
 
 fn reply_to(h: &RequestHeader, mode: Mode) -> ReplyTo {

@@ -78,7 +78,15 @@ fn run_connection(input: Vec<u8>) -> (nbd::MemStats, Vec<u8>) {
             let _ = client_read.read_to_end(&mut sink).await;
             sink
         });
-        let _ = serve_connection(server_read, server_write, &exports, None, stop_rx).await;
+        let _ = serve_connection(
+            server_read,
+            server_write,
+            &exports,
+            None,
+            stop_rx.clone(),
+            stop_rx,
+        )
+        .await;
         feeder.await.unwrap();
         let sent = drainer.await.unwrap();
         (stats_of.stats(), sent)

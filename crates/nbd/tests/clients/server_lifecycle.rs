@@ -193,6 +193,7 @@ fn the_connection_limit_holds_further_clients_until_a_slot_frees() {
             persistent: true,
             max_connections: std::num::NonZeroUsize::new(1),
             handshake_timeout: None,
+            ..ServerConfig::default()
         },
         ..Opts::default()
     };
@@ -225,6 +226,7 @@ fn clients_that_stall_the_handshake_are_dropped() {
             persistent: true,
             max_connections: None,
             handshake_timeout: Some(Duration::from_millis(200)),
+            ..ServerConfig::default()
         },
         ..Opts::default()
     };

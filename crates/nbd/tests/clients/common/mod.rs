@@ -47,6 +47,7 @@ impl Default for Opts {
                 persistent: true,
                 max_connections: None,
                 handshake_timeout: None,
+                ..ServerConfig::default()
             },
             tcp: false,
         }
