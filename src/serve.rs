@@ -148,6 +148,11 @@ impl Plan {
             handshake_timeout: (args.handshake_limit > 0)
                 .then(|| Duration::from_secs(args.handshake_limit)),
             shutdown_grace: Duration::from_secs(args.shutdown_grace),
+            max_open: args.max_connections,
+            idle_timeout: (args.idle_timeout > 0).then(|| Duration::from_secs(args.idle_timeout)),
+            connection_memory: usize::try_from(args.connection_memory).unwrap_or(usize::MAX),
+            tcp_keepalive: (args.tcp_keepalive > 0)
+                .then(|| Duration::from_secs(args.tcp_keepalive)),
         };
         Ok(Plan {
             opener: FileOpener {

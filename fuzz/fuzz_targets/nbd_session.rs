@@ -9,7 +9,7 @@ use libfuzzer_sys::fuzz_target;
 use nbd::wire::consts::*;
 use nbd::wire::handshake::{ClientFlags, OptionHeader};
 use nbd::wire::option_data::{InfoRequest, MetaContextRequest};
-use nbd::{serve_connection, ExportEntry, Exports, MemExport};
+use nbd::{serve_connection, Control, ExportEntry, Exports, MemExport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn option(out: &mut Vec<u8>, option: u32, data: &[u8]) {
@@ -78,7 +78,8 @@ fuzz_target!(|data: &[u8]| {
             let mut sink = Vec::new();
             let _ = client_read.read_to_end(&mut sink).await;
         });
-        let _ = serve_connection(server_read, server_write, &exports, None, stop_rx.clone(), stop_rx).await;
+        let control = Control::new(stop_rx.clone(), stop_rx);
+        let _ = serve_connection(server_read, server_write, &exports, control).await;
         feeder.await.expect("feeder");
         drainer.await.expect("drainer");
     });

@@ -4,7 +4,9 @@
 
 use libfuzzer_sys::fuzz_target;
 use nbd::wire::handshake::{ClientFlags, OptionHeader, OptionReplyHeader};
-use nbd::wire::option_data::{InfoReply, InfoRequest, MetaContextEntry, MetaContextRequest, ServerEntry};
+use nbd::wire::option_data::{
+    InfoReply, InfoRequest, MetaContextEntry, MetaContextRequest, ServerEntry,
+};
 use nbd::wire::reply::{BlockStatusChunk, ChunkHeader, ErrorChunk, OffsetHole, SimpleReply};
 use nbd::wire::request::RequestHeader;
 

@@ -48,9 +48,31 @@ pub struct ServeArgs {
     #[arg(short = 't', long)]
     pub persistent: bool,
 
-    /// Serve up to NUM clients at once, 0 for unlimited (NUM > 1 advertises multi-conn).
+    /// Serve up to NUM clients at once, 0 for unlimited (NUM > 1 advertises multi-conn). A
+    /// further client waits, after its handshake, until one leaves.
     #[arg(short = 'e', long = "shared", value_name = "NUM", default_value_t = 1)]
     pub shared: usize,
+
+    /// Most connections open at once, those still negotiating included. When full, a new
+    /// client replaces the oldest one still negotiating, so idle handshakes cannot keep
+    /// real clients out.
+    #[arg(long = "max-connections", value_name = "NUM", default_value_t = nbd::DEFAULT_MAX_OPEN)]
+    pub max_connections: std::num::NonZeroUsize,
+
+    /// Close a client that sent no request for SECS seconds (0: never).
+    #[arg(long = "idle-timeout", value_name = "SECS", default_value_t = 0)]
+    pub idle_timeout: u64,
+
+    /// Most memory one connection may hold in request payloads and replies at once (READ
+    /// and WRITE data, block status and cache replies); further requests wait unread.
+    #[arg(long = "connection-memory", value_name = "SIZE", value_parser = parse_size,
+          default_value = "64M")]
+    pub connection_memory: u64,
+
+    /// TCP keepalive: probe a client after SECS seconds without traffic (then every 10 s,
+    /// 6 probes), so a vanished host's connection is closed (0: off).
+    #[arg(long = "tcp-keepalive", value_name = "SECS", default_value_t = 60)]
+    pub tcp_keepalive: u64,
 
     /// Send writes to a temporary qcow2 overlay (backed by IMAGE) that is deleted on exit.
     #[arg(short = 's', long, conflicts_with_all = ["read_only", "load_snapshot"])]

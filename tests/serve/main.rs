@@ -8,6 +8,7 @@ mod enospc;
 mod fio;
 mod kernel_client;
 mod lifecycle;
+mod limits;
 mod locks;
 mod nbd_client;
 mod nbdcopy;

@@ -23,7 +23,7 @@ pub mod systemd;
 pub mod transmission;
 pub mod wire;
 
-pub use connection::{serve_connection, ConnectionEnd, ConnectionError};
+pub use connection::{serve_connection, ConnectionEnd, ConnectionError, Control};
 pub use errno::Errno;
 pub use export::{
     BlockSize, BlockSizeError, Export, ExportFeatures, Extent, ReadChunk, WriteZeroesFlags,
@@ -32,6 +32,6 @@ pub use exports::{ExportEntry, Exports, ExportsError};
 pub use mem_export::{MemExport, MemStats};
 pub use negotiate::meta::{ALLOCATION_DEPTH, BASE_ALLOCATION};
 pub use server::{
-    shutdown_signal, Listener, ServeReport, Server, ServerConfig, ServerError,
-    DEFAULT_SHUTDOWN_GRACE,
+    shutdown_signal, Listener, ServeReport, Server, ServerConfig, ServerError, DEFAULT_MAX_OPEN,
+    DEFAULT_SHUTDOWN_GRACE, DEFAULT_TCP_KEEPALIVE,
 };

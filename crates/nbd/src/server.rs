@@ -1,18 +1,22 @@
 //! The accept loop: Unix, TCP and socket-activated listeners, named exports, `persistent`
 //! and connection-limit semantics like qemu-nbd's `-t` and `-e`, and graceful shutdown.
 
+use std::cell::Cell;
+use std::collections::VecDeque;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, UnixListener};
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify, Semaphore};
 use tokio::task::{JoinSet, LocalSet};
 
-use crate::connection::{serve_connection, ConnectionEnd};
+use crate::connection::{serve_connection, ConnectionEnd, Control};
 use crate::errno::Errno;
 use crate::export::Export;
 use crate::exports::{ExportEntry, Exports, ExportsError};
@@ -25,15 +29,31 @@ pub struct ServerConfig {
     /// client that reached transmission has left and no connection remains. Clients that
     /// only list exports, abort, fail or time out in the handshake never end the server.
     pub persistent: bool,
-    /// Most clients served at once (qemu-nbd `-e`); further clients wait in the listen
-    /// backlog. `None` means unlimited.
+    /// Most clients in transmission at once (qemu-nbd `-e`); a further client that finishes
+    /// its handshake waits until one leaves. `None` means unlimited.
     pub max_connections: Option<NonZeroUsize>,
+    /// Most connections open at once, those still negotiating included. When full, a new
+    /// connection replaces the oldest one still negotiating; if every connection is in
+    /// transmission, new ones wait in the listen backlog.
+    pub max_open: NonZeroUsize,
+    /// Close a client in transmission that sent no request for this long.
+    pub idle_timeout: Option<Duration>,
+    /// Most bytes of payloads and replies one connection may have in flight.
+    pub connection_memory: usize,
+    /// Probe idle TCP clients after this long without traffic, so dead peers are noticed.
+    pub tcp_keepalive: Option<Duration>,
     /// Time a client has to finish the handshake (qemu-nbd `--handshake-limit`).
     pub handshake_timeout: Option<Duration>,
     /// How long a shutdown waits for requests in flight before closing every connection,
     /// including clients stalled in the middle of a request or not reading replies.
     pub shutdown_grace: Duration,
 }
+
+/// The default of [`ServerConfig::max_open`].
+pub const DEFAULT_MAX_OPEN: NonZeroUsize = NonZeroUsize::new(100).expect("non-zero");
+
+/// The default of [`ServerConfig::tcp_keepalive`].
+pub const DEFAULT_TCP_KEEPALIVE: Duration = Duration::from_secs(60);
 
 /// The default of [`ServerConfig::shutdown_grace`].
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
@@ -46,6 +66,10 @@ impl Default for ServerConfig {
             max_connections: NonZeroUsize::new(1),
             handshake_timeout: Some(Duration::from_secs(10)),
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+            max_open: DEFAULT_MAX_OPEN,
+            idle_timeout: None,
+            connection_memory: crate::transmission::MAX_IN_FLIGHT_BYTES,
+            tcp_keepalive: Some(DEFAULT_TCP_KEEPALIVE),
         }
     }
 }
@@ -211,15 +235,19 @@ impl<E: Export + 'static> Server<E> {
     ) -> Result<ServeReport, ServerError> {
         let (stop_tx, stop_rx) = watch::channel(false);
         let (force_tx, force_rx) = watch::channel(false);
+        let slots = self
+            .config
+            .max_connections
+            .map(|n| Arc::new(Semaphore::new(n.get())));
         let mut report = ServeReport::default();
         let mut clients: JoinSet<Handled> = JoinSet::new();
+        let mut handshakes = Handshakes::default();
         let mut transmitted = false;
         tokio::pin!(shutdown);
         loop {
-            let room = self
-                .config
-                .max_connections
-                .is_none_or(|max| clients.len() < max.get());
+            handshakes.forget_finished();
+            let full = clients.len() >= self.config.max_open.get();
+            let room = !full || handshakes.any();
             tokio::select! {
                 () = &mut shutdown => {
                     report.shut_down = true;
@@ -227,11 +255,19 @@ impl<E: Export + 'static> Server<E> {
                 }
                 accepted = accept_any(&listeners), if room => match accepted {
                     Ok(stream) => {
+                        if full {
+                            handshakes.evict_oldest(self.config.max_open);
+                        }
                         report.connections += 1;
+                        let mut control = Control::new(stop_rx.clone(), force_rx.clone());
+                        control.handshake_timeout = self.config.handshake_timeout;
+                        control.idle_timeout = self.config.idle_timeout;
+                        control.slots = slots.clone();
+                        control.memory = self.config.connection_memory;
+                        handshakes.track(&control);
                         let exports = self.exports.clone();
-                        let stop = (stop_rx.clone(), force_rx.clone());
-                        let limit = self.config.handshake_timeout;
-                        clients.spawn_local(async move { handle(stream, exports, limit, stop).await });
+                        let keepalive = self.config.tcp_keepalive;
+                        clients.spawn_local(handle(stream, exports, control, keepalive));
                     }
                     Err(e) => {
                         // EMFILE and friends: back off instead of spinning.
@@ -288,6 +324,50 @@ impl<E: Export + 'static> Server<E> {
     }
 }
 
+/// The connections still negotiating, oldest first: the ones to drop when the server is
+/// full, so idle or slow handshakes can never keep a real client out.
+#[derive(Default)]
+struct Handshakes {
+    open: VecDeque<(Rc<Cell<bool>>, Rc<Notify>)>,
+    evicted: u64,
+}
+
+impl Handshakes {
+    fn track(&mut self, control: &Control) {
+        self.open
+            .push_back((Rc::clone(&control.negotiating), Rc::clone(&control.evict)));
+    }
+
+    /// Drops entries whose connection finished its handshake or ended (only we hold their
+    /// flag then).
+    fn forget_finished(&mut self) {
+        self.open
+            .retain(|(negotiating, _)| negotiating.get() && Rc::strong_count(negotiating) > 1);
+    }
+
+    fn any(&self) -> bool {
+        !self.open.is_empty()
+    }
+
+    /// Ends the oldest handshake to make room. Said once as a warning (a flood would
+    /// otherwise fill the log, and a log nobody drains would stall the server), then at
+    /// debug level.
+    fn evict_oldest(&mut self, limit: NonZeroUsize) {
+        if let Some((_, evict)) = self.open.pop_front() {
+            evict.notify_one();
+            self.evicted += 1;
+            if self.evicted == 1 {
+                tracing::warn!(
+                    limit,
+                    "connection limit reached: dropping the oldest client still negotiating"
+                );
+            } else {
+                tracing::debug!(evicted = self.evicted, "dropped a client still negotiating");
+            }
+        }
+    }
+}
+
 async fn accept_any(listeners: &[Listener]) -> std::io::Result<Accepted> {
     std::future::poll_fn(|cx| {
         for l in listeners {
@@ -312,23 +392,28 @@ struct Handled {
 async fn handle<E: Export + 'static>(
     stream: Accepted,
     exports: Exports<E>,
-    limit: Option<Duration>,
-    (stop, force): (watch::Receiver<bool>, watch::Receiver<bool>),
+    control: Control,
+    keepalive: Option<Duration>,
 ) -> Handled {
     let (result, peer) = match stream {
         Accepted::Unix(s) => {
             let (r, w) = s.into_split();
             (
-                serve_connection(r, w, &exports, limit, stop, force).await,
+                serve_connection(r, w, &exports, control).await,
                 "unix".to_owned(),
             )
         }
         Accepted::Tcp(s, peer) => {
             // The spec asks both ends to disable Nagle: replies are small and latency-bound.
             let _ = s.set_nodelay(true);
+            if let Some(idle) = keepalive {
+                if let Err(e) = set_keepalive(&s, idle) {
+                    tracing::debug!(%peer, error = %e, "cannot enable TCP keepalive");
+                }
+            }
             let (r, w) = s.into_split();
             (
-                serve_connection(r, w, &exports, limit, stop, force).await,
+                serve_connection(r, w, &exports, control).await,
                 peer.to_string(),
             )
         }
@@ -356,6 +441,37 @@ async fn handle<E: Export + 'static>(
             }
         }
     }
+}
+
+/// Turns on TCP keepalive: probes after `idle` without traffic, then every 10 s, and the
+/// connection fails after 6 unanswered probes, so a client whose host vanished is noticed
+/// in about `idle` + 1 minute instead of holding its connection forever.
+fn set_keepalive(s: &tokio::net::TcpStream, idle: Duration) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let fd = s.as_raw_fd();
+    let idle = libc::c_int::try_from(idle.as_secs().max(1)).unwrap_or(libc::c_int::MAX);
+    for (level, name, value) in [
+        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 6),
+    ] {
+        // SAFETY: fd is the open socket `s` owns; value is a c_int that outlives the call
+        // and its size is passed.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                std::ptr::from_ref(&value).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 /// Completes on SIGINT or SIGTERM: the conventional shutdown signal for `serve`.

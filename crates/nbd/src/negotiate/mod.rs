@@ -24,6 +24,14 @@ use options::{OptReply, OptionState, Step};
 /// Generous for every option we know (a `SET_META_CONTEXT` with hundreds of queries fits).
 pub const MAX_OPTION_LEN: u32 = 1 << 20;
 
+/// Most options one handshake may send. Real clients send a handful (nbdinfo --list about
+/// a dozen per export); a client that keeps haggling is cut off instead of keeping the
+/// server busy until the handshake time limit.
+pub const MAX_OPTIONS: u32 = 1024;
+
+/// Most option bytes (payloads, drained ones included) one handshake may send.
+pub const MAX_OPTION_BYTES: u64 = 16 << 20;
+
 /// Which reply format transmission uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -130,12 +138,21 @@ where
     let mut state = OptionState::new(client.fixed_newstyle, client.no_zeroes);
 
     let mut data = Vec::new();
+    let (mut options, mut option_bytes) = (0u32, 0u64);
     loop {
         let mut head = [0u8; OPTION_HEADER_LEN];
         if !read_or_eof(reader, &mut head).await? {
             return Ok(HandshakeEnd::ClientLeft);
         }
         let header = OptionHeader::decode(&head)?;
+        options += 1;
+        option_bytes += u64::from(header.length);
+        if options > MAX_OPTIONS || option_bytes > MAX_OPTION_BYTES {
+            return Err(HandshakeError::Refused(format!(
+                "more than {MAX_OPTIONS} options or {MAX_OPTION_BYTES} bytes of options in one \
+                 handshake"
+            )));
+        }
         let step = if header.length > MAX_OPTION_LEN {
             drain(reader, header.length.into()).await?;
             state.oversized(header.option, header.length)

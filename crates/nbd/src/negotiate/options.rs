@@ -10,6 +10,10 @@ use crate::wire::option_data::{
     InfoReply, InfoRequest, MetaContextEntry, MetaContextRequest, ServerEntry,
 };
 
+/// Most queries one LIST/SET_META_CONTEXT may carry; we offer two contexts, so a client
+/// never needs more than a handful, and a flood of queries is refused as too big.
+pub const MAX_META_QUERIES: usize = 128;
+
 /// One option reply to send: option, reply type, data.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OptReply {
@@ -320,6 +324,16 @@ impl OptionState {
             )];
         };
         let (index, entry) = entry;
+        if request.queries.len() > MAX_META_QUERIES {
+            return vec![OptReply::error(
+                option,
+                REP_ERR_TOO_BIG,
+                format!(
+                    "{} metadata context queries; at most {MAX_META_QUERIES} are served",
+                    request.queries.len()
+                ),
+            )];
+        }
         let available = MetaSelection {
             base_allocation: true,
             allocation_depth: entry.export.features().allocation_depth,

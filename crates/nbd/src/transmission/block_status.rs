@@ -3,7 +3,8 @@
 
 use crate::export::Extent;
 use crate::negotiate::meta::MetaContext;
-use crate::wire::consts::{MAX_EXTENTS_PER_CHUNK, STATE_HOLE, STATE_ZERO};
+use crate::transmission::MAX_STATUS_EXTENTS;
+use crate::wire::consts::{STATE_HOLE, STATE_ZERO};
 use crate::wire::reply::Descriptor;
 
 /// Largest descriptor length in a compact reply: the biggest 64 KiB multiple below 4 GiB, so a
@@ -44,7 +45,8 @@ pub struct StatusQuery {
 
 /// Descriptors for `ctx`: zero-length extents dropped, equal neighbours merged, nothing past
 /// the end of the export, stopping once the requested length is covered (the last one may
-/// run past it unless `req_one`), and no more than the spec's 2^20 per chunk. Empty if the
+/// run past it unless `req_one`), and no more than [`MAX_STATUS_EXTENTS`] (the spec allows
+/// 2^20 per chunk; fewer keep a reply's memory small). Empty if the
 /// export described nothing.
 pub fn descriptors(extents: &[Extent], ctx: MetaContext, q: &StatusQuery) -> Vec<Descriptor> {
     let limit = q.size.saturating_sub(q.offset);
@@ -59,7 +61,7 @@ pub fn descriptors(extents: &[Extent], ctx: MetaContext, q: &StatusQuery) -> Vec
             continue;
         }
         let status = status_of(extent, ctx);
-        let full = out.len() >= MAX_EXTENTS_PER_CHUNK;
+        let full = out.len() >= MAX_STATUS_EXTENTS;
         match out.last_mut() {
             Some(last) if last.status == status => last.length += len,
             _ if full => break,
@@ -201,8 +203,9 @@ mod tests {
     }
 
     #[test]
-    fn at_most_two_to_the_twenty_descriptors() {
-        let e: Vec<Extent> = (0..(MAX_EXTENTS_PER_CHUNK + 10))
+    fn at_most_max_status_extents_descriptors() {
+        const { assert!(MAX_STATUS_EXTENTS <= crate::wire::MAX_EXTENTS_PER_CHUNK) };
+        let e: Vec<Extent> = (0..(MAX_STATUS_EXTENTS + 10))
             .map(|i| ext(1, i % 2 == 0, false, 0))
             .collect();
         let size = e.len() as u64;
@@ -211,6 +214,6 @@ mod tests {
             MetaContext::BaseAllocation,
             &q(0, size, false, true, size),
         );
-        assert_eq!(d.len(), MAX_EXTENTS_PER_CHUNK);
+        assert_eq!(d.len(), MAX_STATUS_EXTENTS);
     }
 }

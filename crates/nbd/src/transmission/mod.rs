@@ -18,6 +18,7 @@ use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{watch, Mutex, Notify, Semaphore};
 
+use crate::connection::Control;
 use crate::errno::Errno;
 use crate::export::Export;
 use crate::negotiate::{drain, read_or_eof, Mode, Negotiated};
@@ -29,8 +30,22 @@ use validate::{payload_of, validate, Limits, Payload};
 
 /// Most requests of one connection being served at once; further requests wait unread.
 pub const MAX_IN_FLIGHT: usize = 128;
-/// Most payload bytes (write data and read lengths) of one connection in flight at once.
+/// Default bound on the bytes one connection may have in flight at once: write data, read
+/// lengths, and what block status and cache requests may hold (see [`BLOCK_STATUS_CHARGE`]).
 pub const MAX_IN_FLIGHT_BYTES: usize = 64 * 1024 * 1024;
+
+/// Most extents one block status reply describes per context. The spec lets a server
+/// describe less than it was asked about; this keeps one reply to a few MiB of memory
+/// however fragmented the export is.
+pub const MAX_STATUS_EXTENTS: usize = 1 << 16;
+
+/// What one BLOCK_STATUS request is charged against the connection's memory bound: the
+/// export's extents, the descriptors of up to two contexts and their encoded reply.
+pub const BLOCK_STATUS_CHARGE: usize = MAX_STATUS_EXTENTS * (32 + 2 * (16 + 8));
+
+/// What one CACHE request is charged: the export reads the range through a buffer of at
+/// most this size.
+pub const CACHE_CHARGE: usize = 1 << 20;
 
 /// How a transmission phase ended without a protocol error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +56,8 @@ pub enum TransmissionEnd {
     ClientClosed,
     /// The server is shutting down.
     Shutdown,
+    /// The client sent no request for longer than the idle timeout.
+    IdleTimeout,
     /// The server's shutdown grace period ran out: the connection was closed even though
     /// the client was in the middle of a request or not reading its replies.
     ForcedClose,
@@ -105,10 +122,11 @@ async fn forced(force: &mut watch::Receiver<bool>) {
     }
 }
 
-/// Serves requests until the client disconnects, `shutdown` turns true, or an error.
-/// In-flight requests always finish (and are answered if possible) before this returns.
-/// Once `force` turns true, reading a request's payload and writing replies are abandoned,
-/// so a client that stalls mid-request or stops reading cannot hold the server up.
+/// Serves requests until the client disconnects, the server shuts down, the client stays
+/// idle past `control.idle_timeout`, or an error. In-flight requests always finish (and are
+/// answered if possible) before this returns. Once `control.force` turns true, reading a
+/// request's payload and writing replies are abandoned, so a client that stalls
+/// mid-request or stops reading cannot hold the server up.
 ///
 /// Must run inside a tokio `LocalSet`: each request is a `spawn_local` task.
 pub async fn transmit<R, W, E>(
@@ -116,8 +134,7 @@ pub async fn transmit<R, W, E>(
     writer: W,
     export: Rc<E>,
     negotiated: &Negotiated,
-    mut shutdown: watch::Receiver<bool>,
-    force: watch::Receiver<bool>,
+    control: &Control,
 ) -> Result<TransmissionEnd, TransmissionError>
 where
     R: AsyncRead + Unpin,
@@ -135,17 +152,34 @@ where
         },
         write_failed: Cell::new(false),
         stop: Notify::new(),
-        force: force.clone(),
+        force: control.force.clone(),
     });
-    let mut force = force;
+    let mut force = control.force.clone();
+    let mut shutdown = control.shutdown.clone();
+    let memory = control
+        .memory
+        .clamp(limits.max_payload as usize, u32::MAX as usize);
     let requests = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
-    let bytes = Arc::new(Semaphore::new(MAX_IN_FLIGHT_BYTES));
+    let bytes = Arc::new(Semaphore::new(memory));
 
     let result = loop {
+        let idle = async {
+            let Some(limit) = control.idle_timeout else {
+                return std::future::pending().await;
+            };
+            loop {
+                tokio::time::sleep(limit).await;
+                // Idle: nothing in flight but the slot the pending header read holds.
+                if requests.available_permits() + 1 >= MAX_IN_FLIGHT {
+                    return TransmissionEnd::IdleTimeout;
+                }
+            }
+        };
         let stop = async {
             tokio::select! {
                 _ = shutdown.wait_for(|down| *down) => TransmissionEnd::Shutdown,
                 () = conn.stop.notified() => TransmissionEnd::WriteFailed,
+                end = idle => end,
             }
         };
         let step = async {
@@ -173,9 +207,11 @@ where
             (_, Command::Read) => usize::try_from(header.length)
                 .unwrap_or(usize::MAX)
                 .min(limits.max_payload as usize),
+            (_, Command::BlockStatus) => BLOCK_STATUS_CHARGE,
+            (_, Command::Cache) => CACHE_CHARGE,
             _ => 0,
         };
-        let budget = u32::try_from(budget.min(MAX_IN_FLIGHT_BYTES)).unwrap_or(0);
+        let budget = u32::try_from(budget.min(memory)).unwrap_or(0);
         let Ok(budget) = bytes.clone().acquire_many_owned(budget).await else {
             break Ok(TransmissionEnd::Shutdown);
         };

@@ -6,7 +6,7 @@ use std::rc::Rc;
 use nbd::wire::consts::*;
 use nbd::wire::handshake::{ClientFlags, OptionHeader};
 use nbd::wire::option_data::{InfoRequest, MetaContextRequest};
-use nbd::{serve_connection, ExportEntry, Exports, MemExport};
+use nbd::{serve_connection, Control, ExportEntry, Exports, MemExport};
 use proptest::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -82,9 +82,7 @@ fn run_connection(input: Vec<u8>) -> (nbd::MemStats, Vec<u8>) {
             server_read,
             server_write,
             &exports,
-            None,
-            stop_rx.clone(),
-            stop_rx,
+            Control::new(stop_rx.clone(), stop_rx),
         )
         .await;
         feeder.await.unwrap();
