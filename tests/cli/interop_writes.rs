@@ -257,7 +257,8 @@ fn apply_ours(path: &Path, ops: &[Op], cs: u64) {
         let opener = FileOpener {
             aio: Aio::IoUring,
             direct: false,
-            ..FileOpener::default()
+            // No image locks: see the note on test processes in storage::lock.
+            locking: storage::Locking::Off,
         };
         let opts = OpenOptions {
             format: Some(Format::Qcow2),

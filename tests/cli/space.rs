@@ -51,7 +51,8 @@ fn ours(path: &Path, w: &[(u64, u8)]) {
         let opener = FileOpener {
             aio: Aio::IoUring,
             direct: false,
-            ..FileOpener::default()
+            // No image locks: see the note on test processes in storage::lock.
+            locking: storage::Locking::Off,
         };
         let opts = OpenOptions {
             format: Some(Format::Qcow2),

@@ -13,6 +13,13 @@
 //! OFD locks belong to an open file description: they live exactly as long as the file the
 //! storage holds, are released by the kernel when the process dies, and conflict between two
 //! opens of the same file even inside one process (as in QEMU).
+//!
+//! A note on test processes: one that forks children (qemu-img, ...) from several threads
+//! lends each child a copy of every descriptor until the child execs, so a file this
+//! process just closed can keep its locks a moment longer and its next open here fails.
+//! The tools never fork after opening images; the test suites that open images in-process
+//! while other threads spawn tools therefore open them with [`Locking::Off`], and locking
+//! itself is tested from separate processes.
 
 use std::fs::File;
 use std::io;

@@ -370,7 +370,8 @@ fn file_opener_opens_both_backends() {
             let s = FileOpener {
                 aio,
                 direct,
-                ..FileOpener::default()
+                // No image locks: see the note on test processes in storage::lock.
+                locking: storage::Locking::Off,
             }
             .open(&path, OpenOptions::create())
             .await
@@ -401,7 +402,8 @@ fn file_opener_falls_back_to_threads_without_runtime_io() {
         let s = FileOpener {
             aio: Aio::IoUring,
             direct: false,
-            ..FileOpener::default()
+            // No image locks: see the note on test processes in storage::lock.
+            locking: storage::Locking::Off,
         }
         .open(&dir.path().join("f.img"), OpenOptions::create())
         .await

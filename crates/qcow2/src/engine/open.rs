@@ -198,16 +198,6 @@ async fn build<S: Storage + 'static>(
         image: top_name.clone(),
         source,
     })?;
-    let writer = match layers[0].qcow2() {
-        Some(m) if !read_only => {
-            if m.header.borrow().is_dirty() {
-                // Lazy refcounts may be stale after a crash: rebuild them before any write.
-                super::check::repair_dirty_layer(&layers[0]).await?;
-            }
-            Some(Writer::open(&layers, cache_sizes.refcount_cache_bytes).await?)
-        }
-        _ => None,
-    };
     let l2 = Rc::new(l2);
     // Deep chains get a merged map of the backing layers (see backing_map.rs).
     let backing_map = if layers.len() >= 3 {
@@ -215,7 +205,25 @@ async fn build<S: Storage + 'static>(
     } else {
         None
     };
-    Ok(Image {
+    // Nothing is written until every check that can refuse a read-write open has passed:
+    // a refused open leaves the file as it was.
+    let writer = match layers[0].qcow2() {
+        Some(m) if !read_only => {
+            let bytes = cache_sizes.refcount_cache_bytes;
+            let checked = Writer::open(&layers, bytes).await?;
+            if m.header.borrow().is_dirty() {
+                // Lazy refcounts may be stale after a crash: rebuild them before any write,
+                // then load the rebuilt ones.
+                drop(checked);
+                super::check::repair_dirty_layer(&layers[0]).await?;
+                Some(Writer::open(&layers, bytes).await?)
+            } else {
+                Some(checked)
+            }
+        }
+        _ => None,
+    };
+    let image = Image {
         inner: Rc::new(Inner {
             layers,
             l2,
@@ -227,7 +235,11 @@ async fn build<S: Storage + 'static>(
             writer,
             discard_passthrough: opts.discard_passthrough,
         }),
-    })
+    };
+    if !read_only {
+        image.inner.clear_unknown_autoclear().await?;
+    }
+    Ok(image)
 }
 
 /// Opens one file of the chain.

@@ -16,7 +16,9 @@ use storage::{IoBuf, Storage};
 pub(crate) type RefcountCache<S> = cache::Cache<u64, RefcountBackend<S>>;
 
 /// Byte offset of `incompatible_features` in a version 3 header.
-const INCOMPAT_OFFSET: u64 = 72;
+use crate::format::header::{
+    AUTOCLEAR_FEATURES_OFFSET, INCOMPATIBLE_FEATURES_OFFSET as INCOMPAT_OFFSET,
+};
 
 /// Everything a writable image keeps beyond what reading needs.
 pub(crate) struct Writer<S: Storage + 'static> {
@@ -254,6 +256,37 @@ impl<S: Storage + 'static> Inner<S> {
             }
         }
         Ok(())
+    }
+
+    /// Clears the autoclear feature bits we do not understand, as the qcow2 spec asks of a
+    /// writer: such a bit vouches for a structure we will not keep up to date, so whoever
+    /// set it must learn that the structure may be stale. Runs once every check of a
+    /// read-write open has passed.
+    pub(crate) async fn clear_unknown_autoclear(&self) -> Result<()> {
+        let Some(meta) = self.layers[0].qcow2() else {
+            return Ok(());
+        };
+        let (version, bits) = {
+            let h = meta.header.borrow();
+            (h.version, h.autoclear_features)
+        };
+        let known = bits & crate::format::features::AUTOCLEAR_KNOWN;
+        if version < 3 || known == bits {
+            return Ok(());
+        }
+        tracing::info!(
+            image = %self.layers[0].name,
+            cleared = format_args!("{:#x}", bits & !known),
+            "clearing unknown autoclear feature bits"
+        );
+        meta.header.borrow_mut().autoclear_features = known;
+        self.write_meta(
+            "clearing unknown autoclear features",
+            AUTOCLEAR_FEATURES_OFFSET,
+            &known.to_be_bytes(),
+        )
+        .await?;
+        self.sync().await
     }
 
     /// fdatasync of layer 0's files (data file first).

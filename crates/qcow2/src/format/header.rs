@@ -13,6 +13,10 @@ use super::limits;
 
 /// "QFI\xfb".
 pub const QCOW2_MAGIC: u32 = 0x5146_49fb;
+/// Offset of `incompatible_features` (version 3).
+pub const INCOMPATIBLE_FEATURES_OFFSET: u64 = 72;
+/// Offset of `autoclear_features` (version 3).
+pub const AUTOCLEAR_FEATURES_OFFSET: u64 = 88;
 /// Offset of `compression_type`, the first additional field.
 pub const COMPRESSION_TYPE_OFFSET: u32 = 104;
 /// compression_type: zlib (deflate).
@@ -149,9 +153,11 @@ impl Header {
         let cluster_size = 1u64 << h.cluster_bits;
 
         if version >= 3 {
-            h.incompatible_features = be::u64_at(buf, 72, field(72), "version 3 header")?;
+            let off = INCOMPATIBLE_FEATURES_OFFSET as usize;
+            h.incompatible_features = be::u64_at(buf, off, field(off), "version 3 header")?;
             h.compatible_features = be::u64_at(buf, 80, field(80), "version 3 header")?;
-            h.autoclear_features = be::u64_at(buf, 88, field(88), "version 3 header")?;
+            let off = AUTOCLEAR_FEATURES_OFFSET as usize;
+            h.autoclear_features = be::u64_at(buf, off, field(off), "version 3 header")?;
             h.refcount_order = be::u32_at(buf, 96, field(96), "version 3 header")?;
             h.header_length = be::u32_at(buf, 100, field(100), "version 3 header")?;
             if h.header_length < limits::MIN_V3_HEADER_LENGTH {

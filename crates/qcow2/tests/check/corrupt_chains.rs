@@ -25,7 +25,8 @@ fn open_chain(path: &Path) -> Result<(), String> {
         let opener = FileOpener {
             aio: Aio::Threads,
             direct: false,
-            ..FileOpener::default()
+            // No image locks: see the note on test processes in storage::lock.
+            locking: storage::Locking::Off,
         };
         let opts = OpenOptions {
             read_only: true,

@@ -32,7 +32,8 @@ fn engine_outcome(path: &Path) -> Result<(), String> {
         let opener = FileOpener {
             aio: Aio::Threads,
             direct: false,
-            ..FileOpener::default()
+            // No image locks: see the note on test processes in storage::lock.
+            locking: storage::Locking::Off,
         };
         let opts = OpenOptions {
             read_only: true,
@@ -478,7 +479,8 @@ fn engine_rw_outcome(path: &Path) -> Result<(), String> {
         let opener = FileOpener {
             aio: Aio::Threads,
             direct: false,
-            ..FileOpener::default()
+            // No image locks: see the note on test processes in storage::lock.
+            locking: storage::Locking::Off,
         };
         let opts = OpenOptions {
             no_backing: true,

@@ -204,7 +204,8 @@ fn opening_a_dirty_image_for_writing_repairs_it() {
         let opener = FileOpener {
             aio: Aio::Threads,
             direct: false,
-            ..FileOpener::default()
+            // No image locks: see the note on test processes in storage::lock.
+            locking: storage::Locking::Off,
         };
         let img: Image<AnyStorage> = Image::open(&opener, &p, &OpenOptions::default())
             .await

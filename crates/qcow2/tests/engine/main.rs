@@ -6,6 +6,7 @@ mod chain;
 mod concurrency;
 mod crash;
 mod io_errors;
+mod open_duties;
 mod read;
 mod read_props;
 mod write;

@@ -99,7 +99,8 @@ async fn read_file(path: &Path, aio: Aio, direct: bool, off: u64, len: u64) -> V
         &FileOpener {
             aio,
             direct,
-            ..FileOpener::default()
+            // No image locks: see the note on test processes in storage::lock.
+            locking: storage::Locking::Off,
         },
         path,
         &opts,

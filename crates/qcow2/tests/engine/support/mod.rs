@@ -75,7 +75,8 @@ pub fn opener(aio: Aio) -> FileOpener {
     FileOpener {
         aio,
         direct: false,
-        ..FileOpener::default()
+        // No image locks: see the note on test processes in storage::lock.
+        locking: storage::Locking::Off,
     }
 }
 
