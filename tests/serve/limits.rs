@@ -87,8 +87,13 @@ fn a_thousand_idle_handshakes_never_keep_a_real_client_out() {
         .map(|_| UnixStream::connect(&server.socket).unwrap())
         .collect();
     let (ok, took) = nbdinfo_size_within(&server.uri(), Duration::from_secs(30));
-    eprintln!("a real client was served in {took:?} beside 1000 idle connections");
+    let peak = vm_hwm_mib(server.pid());
+    eprintln!(
+        "a real client was served in {took:?} beside 1000 idle connections; server peak RSS \
+         {peak:.1} MiB"
+    );
     assert!(ok, "the real client was not served ({took:?})");
+    assert!(peak < 2.0 + 128.0, "peak RSS {peak:.1} MiB");
     assert!(alive(&server));
     drop(idle);
     server.stop_ok();
@@ -116,7 +121,12 @@ fn an_option_flood_is_cut_off_and_the_server_goes_on() {
     }
     let _ = s.shutdown(std::net::Shutdown::Write);
     let replied = reading.join().unwrap();
-    eprintln!("option flood: {sent} options sent, {replied} reply bytes before the server hung up");
+    let peak = vm_hwm_mib(server.pid());
+    eprintln!(
+        "option flood: {sent} options sent, {replied} reply bytes before the server hung up; \
+         server peak RSS {peak:.1} MiB"
+    );
+    assert!(peak < 2.0 + 128.0, "peak RSS {peak:.1} MiB");
     assert!(sent < 100_000, "the server never stopped reading options");
     let (ok, _) = nbdinfo_size_within(&server.uri(), Duration::from_secs(30));
     assert!(ok, "a real client after the flood was not served");
