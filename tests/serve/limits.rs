@@ -9,9 +9,11 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::support::kernel_client::KernelClient;
+use crate::support::raw::{
+    finish_option, go, negotiating, option, peak_rss_mib, OPT_LIST, OPT_LIST_META_CONTEXT,
+    OPT_SET_META_CONTEXT, OPT_STRUCTURED_REPLY, REP_ACK,
+};
 use crate::support::{qemu_img, require, Images, Server};
-
-const IHAVEOPT: &[u8] = b"IHAVEOPT";
 
 /// `nbdinfo --size URI`, killed after `limit`: whether it succeeded and how long it took.
 fn nbdinfo_size_within(uri: &str, limit: Duration) -> (bool, Duration) {
@@ -42,40 +44,6 @@ fn alive(server: &Server) -> bool {
             .contains(") Z ")
 }
 
-/// The greeting, then fixed-newstyle client flags: the connection is ready for options.
-fn negotiating(socket: &Path) -> UnixStream {
-    let mut s = UnixStream::connect(socket).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let mut greeting = [0u8; 18];
-    s.read_exact(&mut greeting).unwrap();
-    s.write_all(&3u32.to_be_bytes()).unwrap();
-    s
-}
-
-fn option(opt: u32, data: &[u8]) -> Vec<u8> {
-    let mut m = IHAVEOPT.to_vec();
-    m.extend_from_slice(&opt.to_be_bytes());
-    m.extend_from_slice(&u32::try_from(data.len()).unwrap().to_be_bytes());
-    m.extend_from_slice(data);
-    m
-}
-
-/// Reads option replies up to and including the one that ends `opt` (an ACK or error).
-fn finish_option(s: &mut UnixStream) -> u32 {
-    loop {
-        let mut head = [0u8; 20];
-        s.read_exact(&mut head).unwrap();
-        let kind = u32::from_be_bytes(head[12..16].try_into().unwrap());
-        let len = u32::from_be_bytes(head[16..20].try_into().unwrap()) as usize;
-        let mut data = vec![0u8; len];
-        s.read_exact(&mut data).unwrap();
-        // NBD_REP_ACK, or an error (high bit): both end the option.
-        if kind == 1 || kind & 0x8000_0000 != 0 {
-            return kind;
-        }
-    }
-}
-
 #[test]
 fn a_thousand_idle_handshakes_never_keep_a_real_client_out() {
     let images = Images::new();
@@ -87,7 +55,7 @@ fn a_thousand_idle_handshakes_never_keep_a_real_client_out() {
         .map(|_| UnixStream::connect(&server.socket).unwrap())
         .collect();
     let (ok, took) = nbdinfo_size_within(&server.uri(), Duration::from_secs(30));
-    let peak = vm_hwm_mib(server.pid());
+    let peak = peak_rss_mib(server.pid());
     eprintln!(
         "a real client was served in {took:?} beside 1000 idle connections; server peak RSS \
          {peak:.1} MiB"
@@ -111,7 +79,7 @@ fn an_option_flood_is_cut_off_and_the_server_goes_on() {
         let _ = reader.read_to_end(&mut sink);
         sink.len()
     });
-    let list = option(3, &[]); // NBD_OPT_LIST
+    let list = option(OPT_LIST, &[]);
     let mut sent = 0;
     for _ in 0..100_000 {
         if s.write_all(&list).is_err() {
@@ -121,7 +89,7 @@ fn an_option_flood_is_cut_off_and_the_server_goes_on() {
     }
     let _ = s.shutdown(std::net::Shutdown::Write);
     let replied = reading.join().unwrap();
-    let peak = vm_hwm_mib(server.pid());
+    let peak = peak_rss_mib(server.pid());
     eprintln!(
         "option flood: {sent} options sent, {replied} reply bytes before the server hung up; \
          server peak RSS {peak:.1} MiB"
@@ -139,15 +107,15 @@ fn too_many_meta_context_queries_are_refused_as_too_big() {
     let img = images.create("disk.qcow2", "qcow2", "", None, "1M");
     let server = Server::unix(&["-t", img.to_str().unwrap()]);
     let mut s = negotiating(&server.socket);
-    s.write_all(&option(8, &[])).unwrap(); // NBD_OPT_STRUCTURED_REPLY
-    assert_eq!(finish_option(&mut s), 1);
+    s.write_all(&option(OPT_STRUCTURED_REPLY, &[])).unwrap();
+    assert_eq!(finish_option(&mut s), REP_ACK);
     let mut data = 0u32.to_be_bytes().to_vec(); // export name ""
     data.extend_from_slice(&1000u32.to_be_bytes());
     for _ in 0..1000 {
         data.extend_from_slice(&15u32.to_be_bytes());
         data.extend_from_slice(b"base:allocation");
     }
-    s.write_all(&option(9, &data)).unwrap(); // NBD_OPT_LIST_META_CONTEXT
+    s.write_all(&option(OPT_LIST_META_CONTEXT, &data)).unwrap();
     assert_eq!(finish_option(&mut s), 0x8000_0009, "NBD_REP_ERR_TOO_BIG");
     drop(s);
     server.stop_ok();
@@ -177,35 +145,22 @@ fn fragmented(images: &Images) -> std::path::PathBuf {
     img
 }
 
-fn vm_hwm_mib(pid: u32) -> f64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap();
-    kib / 1024.0
-}
-
 #[test]
 fn pipelined_block_status_nobody_reads_stays_within_the_memory_bound() {
     let images = Images::new();
     let img = fragmented(&images);
     let server = Server::unix(&["-t", "--l2-cache-size", "1M", img.to_str().unwrap()]);
-    let before = vm_hwm_mib(server.pid());
+    let before = peak_rss_mib(server.pid());
     let mut s = negotiating(&server.socket);
-    s.write_all(&option(8, &[])).unwrap(); // structured replies
-    assert_eq!(finish_option(&mut s), 1);
+    s.write_all(&option(OPT_STRUCTURED_REPLY, &[])).unwrap();
+    assert_eq!(finish_option(&mut s), REP_ACK);
     let mut meta = 0u32.to_be_bytes().to_vec();
     meta.extend_from_slice(&1u32.to_be_bytes());
     meta.extend_from_slice(&15u32.to_be_bytes());
     meta.extend_from_slice(b"base:allocation");
-    s.write_all(&option(10, &meta)).unwrap(); // NBD_OPT_SET_META_CONTEXT
-    assert_eq!(finish_option(&mut s), 1);
-    let mut go = 0u32.to_be_bytes().to_vec();
-    go.extend_from_slice(&0u16.to_be_bytes());
-    s.write_all(&option(7, &go)).unwrap(); // NBD_OPT_GO
-    assert_eq!(finish_option(&mut s), 1);
+    s.write_all(&option(OPT_SET_META_CONTEXT, &meta)).unwrap();
+    assert_eq!(finish_option(&mut s), REP_ACK);
+    go(&mut s);
     // Block status over the fragmented 256 MiB, again and again, never reading a reply.
     s.set_write_timeout(Some(Duration::from_secs(3))).unwrap();
     let mut sent = 0u64;
@@ -217,7 +172,7 @@ fn pipelined_block_status_nobody_reads_stays_within_the_memory_bound() {
         sent += 1;
     }
     std::thread::sleep(Duration::from_secs(2));
-    let peak = vm_hwm_mib(server.pid());
+    let peak = peak_rss_mib(server.pid());
     eprintln!(
         "block status flood: {sent} requests sent, server peak RSS {peak:.1} MiB \
          (at rest {before:.1} MiB)"

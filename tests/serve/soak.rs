@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::support::raw::{go, negotiating, peak_rss_mib};
 use crate::support::{assert_check_clean, qemu_contents, Images, Server};
 
 const LANES: usize = 16;
@@ -196,34 +197,11 @@ impl Lane {
     }
 }
 
-/// Fixed newstyle handshake with NBD_OPT_GO for the default export (simple replies).
+/// A connection in transmission with the default export (simple replies).
 fn connect(socket: &Path) -> UnixStream {
-    let mut s = UnixStream::connect(socket).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let mut greeting = [0u8; 18];
-    s.read_exact(&mut greeting).unwrap();
-    assert_eq!(&greeting[..16], b"NBDMAGICIHAVEOPT");
-    s.write_all(&3u32.to_be_bytes()).unwrap(); // fixed newstyle, no zeroes
-    let mut opt = Vec::new();
-    opt.extend_from_slice(b"IHAVEOPT");
-    opt.extend_from_slice(&7u32.to_be_bytes()); // NBD_OPT_GO
-    opt.extend_from_slice(&6u32.to_be_bytes()); // name length (0) + no info requests
-    opt.extend_from_slice(&0u32.to_be_bytes());
-    opt.extend_from_slice(&0u16.to_be_bytes());
-    s.write_all(&opt).unwrap();
-    loop {
-        let mut head = [0u8; 20];
-        s.read_exact(&mut head).unwrap();
-        let kind = u32::from_be_bytes(head[12..16].try_into().unwrap());
-        let len = u32::from_be_bytes(head[16..20].try_into().unwrap()) as usize;
-        let mut data = vec![0u8; len];
-        s.read_exact(&mut data).unwrap();
-        match kind {
-            1 => return s, // NBD_REP_ACK
-            3 => {}        // NBD_REP_INFO
-            other => panic!("OPT_GO refused: reply type {other:#x}: {data:?}"),
-        }
-    }
+    let mut s = negotiating(socket);
+    go(&mut s);
+    s
 }
 
 fn header(cmd: u16, cookie: u64, offset: u64, len: u32) -> [u8; 28] {
@@ -403,15 +381,6 @@ fn run_client(
     reader.join().unwrap();
 }
 
-fn peak_rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
-}
-
 #[test]
 fn soak_mixed_requests_with_clients_killed_every_second() {
     let seconds: u64 = std::env::var("QCOW2_NBD_SOAK_SECS")
@@ -467,7 +436,7 @@ fn soak_mixed_requests_with_clients_killed_every_second() {
     for w in workers {
         w.join().expect("a client thread panicked");
     }
-    let peak = peak_rss_kib(server.pid());
+    let peak = peak_rss_mib(server.pid());
     let failures: Vec<String> = lanes
         .iter()
         .flat_map(|l| l.0.lock().unwrap().failures.clone())
@@ -495,7 +464,7 @@ fn soak_mixed_requests_with_clients_killed_every_second() {
         totals.bytes.load(Ordering::Relaxed) as f64 / (1 << 20) as f64,
         totals.kills.load(Ordering::Relaxed),
         totals.error_replies.load(Ordering::Relaxed),
-        peak as f64 / 1024.0
+        peak
     );
     assert!(totals.kills.load(Ordering::Relaxed) >= seconds.saturating_sub(2));
     assert!(requests > 0);

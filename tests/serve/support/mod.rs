@@ -4,6 +4,7 @@
 
 pub mod kernel_client;
 pub mod qemu_nbd;
+pub mod raw;
 
 use std::io::Read;
 use std::net::TcpListener;
