@@ -95,7 +95,9 @@ impl<E: Export, W: AsyncWrite + Unpin> Conn<E, W> {
     async fn reply(&self, to: ReplyTo, outcome: Outcome<E::Buf>) {
         let bytes = serialize(&to, &outcome);
         let mut force = self.force.clone();
+        // Biased, as for payloads: most replies fit the socket buffer at once.
         let written = tokio::select! {
+            biased;
             written = async {
                 let mut w = self.writer.lock().await;
                 if self.write_failed.get() {
@@ -217,7 +219,10 @@ where
         };
 
         let read = read_payload(&mut reader, &conn, &header, &limits, payload);
+        // Biased: a payload already in the buffer completes on the first poll, and the
+        // forced-close signal is only watched when the read has to wait.
         let got = tokio::select! {
+            biased;
             got = read => got,
             () = forced(&mut force) => break Ok(TransmissionEnd::ForcedClose),
         };
