@@ -27,10 +27,8 @@ pub struct CheckArgs {
     /// Output layout.
     #[arg(long, value_enum, default_value_t = CheckOutput::Human)]
     pub output: CheckOutput,
-    /// Check the image even while another process has it open for writing (qemu-img's
-    /// `-U`): no lock keeps writers out, so what is read may be inconsistent.
-    #[arg(short = 'U', long = "force-share")]
-    pub force_share: bool,
+    #[command(flatten)]
+    pub share: crate::engine_run::ForceShare,
     /// The qcow2 image file.
     pub image: PathBuf,
 }
@@ -73,13 +71,18 @@ pub fn main(args: &CheckArgs) -> ExitCode {
 fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
     let repair = args.repair.unwrap_or_default();
     let path = args.image.display().to_string();
-    if args.force_share && args.repair.is_some() {
+    if args.share.force_share && args.repair.is_some() {
         return Err(CheckCliError::ForceShareRepair { path });
     }
     let mut log = |f: check::Finding| eprintln!("{}", f.message);
     let locking = crate::engine_run::locking();
-    let outcome = match check::check_path(&args.image, repair, locking, args.force_share, &mut log)
-    {
+    let outcome = match check::check_path(
+        &args.image,
+        repair,
+        locking,
+        args.share.force_share,
+        &mut log,
+    ) {
         Ok(o) => o,
         Err(CheckError::NotQcow2 { .. }) => {
             eprintln!("qcow2-nbd: This image format does not support checks");

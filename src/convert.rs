@@ -37,10 +37,8 @@ pub struct ConvertArgs {
     /// Format of the source (qcow2 or raw); probed when not given.
     #[arg(short = 'f', long = "source-format")]
     pub source_format: Option<String>,
-    /// Read the image even while another process has it open for writing (qemu-img's
-    /// `-U`): no lock keeps writers out, so what is read may be inconsistent.
-    #[arg(short = 'U', long = "force-share")]
-    pub force_share: bool,
+    #[command(flatten)]
+    pub share: crate::engine_run::ForceShare,
     /// Format of the target: raw (the default, as in qemu-img) or qcow2.
     #[arg(short = 'O', long = "target-format", default_value = "raw")]
     pub target_format: String,
@@ -367,16 +365,18 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
         &args.source,
         source_format,
         snapshot.clone(),
-        args.force_share,
+        args.share.force_share,
     )
     .await?;
     // qemu-img convert -l swaps in the snapshot's L1 table but keeps the active disk's size:
     // the copy is that long, reading zeros past the snapshot's own end (or dropping what the
     // snapshot has past the active end).
     let size = match snapshot {
-        Some(_) => engine_run::open_read_only(&args.source, source_format, None, args.force_share)
-            .await?
-            .size(),
+        Some(_) => {
+            engine_run::open_read_only(&args.source, source_format, None, args.share.force_share)
+                .await?
+                .size()
+        }
         None => src.size(),
     };
     let copy_len = src.size().min(size);

@@ -1,5 +1,6 @@
 //! What the engine-backed subcommands (`create`, `map`, `convert`) share: the single-threaded
-//! runtime the engine expects, format names and probing, and opening images.
+//! runtime the engine expects, format names and probing, and opening images; and what every
+//! subcommand shares about image locks (`--locking`, `-U`).
 
 use std::fmt::Display;
 use std::future::Future;
@@ -9,6 +10,15 @@ use std::process::ExitCode;
 
 use qcow2::engine::{EngineError, Format, Image, OpenOptions};
 use storage::{Aio, AnyStorage, FileOpener, Locking};
+
+/// `-U`/`--force-share`, as the read-only tools (`info`, `map`, `check`, `convert`) take it.
+#[derive(clap::Args, Debug, Clone, Copy, Default)]
+pub struct ForceShare {
+    /// Open the image even while another process has it open for writing (qemu-img's
+    /// `-U`): no lock keeps writers out, so what is read may be inconsistent.
+    #[arg(short = 'U', long = "force-share")]
+    pub force_share: bool,
+}
 
 /// The `--locking` mode of this run, set once from the command line.
 static LOCKING: std::sync::OnceLock<Locking> = std::sync::OnceLock::new();

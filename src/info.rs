@@ -31,10 +31,8 @@ pub struct InfoArgs {
     /// Also show every backing file, following the chain (never `json:` or protocol names).
     #[arg(long)]
     pub backing_chain: bool,
-    /// Read the image even while another process has it open for writing (qemu-img's
-    /// `-U`): no lock keeps writers out, so what is shown may be inconsistent.
-    #[arg(short = 'U', long = "force-share")]
-    pub force_share: bool,
+    #[command(flatten)]
+    pub share: crate::engine_run::ForceShare,
 }
 
 /// Why `info` failed.
@@ -184,7 +182,7 @@ pub fn collect(
 
 /// Runs `info`.
 pub fn run(args: &InfoArgs) -> Result<(), InfoError> {
-    let infos = collect(&args.image, args.backing_chain, args.force_share)?;
+    let infos = collect(&args.image, args.backing_chain, args.share.force_share)?;
     let mut out = io::stdout().lock();
     match args.output {
         OutputFormat::Json if args.backing_chain => {

@@ -36,10 +36,8 @@ pub struct MapArgs {
     /// Format of the image (qcow2 or raw); probed when not given.
     #[arg(short = 'f', long = "format")]
     pub format: Option<String>,
-    /// Read the image even while another process has it open for writing (qemu-img's
-    /// `-U`): no lock keeps writers out, so what is read may be inconsistent.
-    #[arg(short = 'U', long = "force-share")]
-    pub force_share: bool,
+    #[command(flatten)]
+    pub share: crate::engine_run::ForceShare,
     /// First guest byte to map (size suffixes allowed).
     #[arg(long = "start-offset", value_parser = parse_size_arg)]
     pub start_offset: Option<u64>,
@@ -240,7 +238,7 @@ async fn map(args: &MapArgs) -> Result<(), MapError> {
         .as_deref()
         .map(engine_run::parse_format)
         .transpose()?;
-    let img = engine_run::open_read_only(&args.image, format, None, args.force_share).await?;
+    let img = engine_run::open_read_only(&args.image, format, None, args.share.force_share).await?;
     let size = img.size();
     let start = args.start_offset.unwrap_or(0).min(size);
     let end = match args.max_length {
