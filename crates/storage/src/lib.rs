@@ -123,7 +123,8 @@ pub struct OpenOptions {
     pub create: bool,
     /// Bypass the page cache (`O_DIRECT`, QEMU's `cache=none`).
     pub direct: bool,
-    /// Let others write the file while we read it (qemu-img's `-U`; read-only opens only).
+    /// Let others write the file while we read it (qemu-img's `-U`); ignored by read-write
+    /// opens, which never share writes.
     pub force_share: bool,
     /// Whether to take QEMU-compatible image locks on the file ([`lock`]). `Off` unless
     /// asked: a [`FileOpener`] (what the engine opens images with) sets its own mode, `Auto`

@@ -94,7 +94,6 @@ impl<E: Export, W: AsyncWrite + Unpin> Conn<E, W> {
     /// reply stuck on a full socket must not keep the request (and shutdown) waiting.
     async fn reply(&self, to: ReplyTo, outcome: Outcome<E::Buf>) {
         let bytes = serialize(&to, &outcome);
-        let mut force = self.force.clone();
         // Biased, as for payloads: most replies fit the socket buffer at once.
         let written = tokio::select! {
             biased;
@@ -105,7 +104,7 @@ impl<E: Export, W: AsyncWrite + Unpin> Conn<E, W> {
                 }
                 bytes.write_to(&mut *w).await
             } => written,
-            () = forced(&mut force) => Err(std::io::ErrorKind::TimedOut.into()),
+            () = forced(&self.force) => Err(std::io::ErrorKind::TimedOut.into()),
         };
         if let Err(e) = written {
             tracing::debug!(error = %e, "writing a reply failed; closing the connection");
@@ -117,8 +116,10 @@ impl<E: Export, W: AsyncWrite + Unpin> Conn<E, W> {
 
 /// Completes once `force` turns true: the server's grace period is over and every socket
 /// operation of this connection is to be abandoned. Never completes if the sender is gone
-/// without forcing.
-async fn forced(force: &mut watch::Receiver<bool>) {
+/// without forcing. The receiver is cloned only once this is first polled, so a biased
+/// select whose socket operation completes at once costs nothing here.
+async fn forced(force: &watch::Receiver<bool>) {
+    let mut force = force.clone();
     if force.wait_for(|f| *f).await.is_err() {
         std::future::pending::<()>().await;
     }
@@ -156,7 +157,6 @@ where
         stop: Notify::new(),
         force: control.force.clone(),
     });
-    let mut force = control.force.clone();
     let mut shutdown = control.shutdown.clone();
     let memory = control
         .memory
@@ -224,7 +224,7 @@ where
         let got = tokio::select! {
             biased;
             got = read => got,
-            () = forced(&mut force) => break Ok(TransmissionEnd::ForcedClose),
+            () = forced(&control.force) => break Ok(TransmissionEnd::ForcedClose),
         };
         let data = match got {
             Ok(data) => data,

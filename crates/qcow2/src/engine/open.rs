@@ -75,7 +75,7 @@ impl<S: Storage + 'static> Image<S> {
         let access = storage::OpenOptions {
             read_only,
             direct: opts.direct,
-            force_share: opts.force_share && read_only,
+            force_share: opts.force_share,
             ..storage::OpenOptions::default()
         };
         let top = open_layer(

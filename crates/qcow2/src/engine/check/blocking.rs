@@ -32,7 +32,7 @@ pub fn check_path(
         let read_only = repair == Repair::None;
         let opts = OpenOptions {
             read_only,
-            force_share: force_share && read_only,
+            force_share,
             ..OpenOptions::default()
         };
         let file = opener
