@@ -9,8 +9,8 @@ use std::io;
 
 use crate::arena::Arena;
 use crate::config::{CacheConfig, CacheStats};
-use crate::dependency::Dependencies;
 use crate::error::CacheError;
+use crate::flush::Dependencies;
 use crate::state::{Phase, Room, State};
 
 /// What a cache loads from and writes back to; implemented by the qcow2 engine.

@@ -23,48 +23,12 @@
 //! engine must call it *before* modifying the dependent entry, as QEMU does.
 
 use std::fmt::Debug;
-use std::future::Future;
 use std::hash::Hash;
-use std::pin::Pin;
 use std::rc::Rc;
 
 use crate::cache::{Backend, Cache};
 use crate::error::CacheError;
-
-/// A boxed, non-`Send` future of a flush.
-pub type FlushFuture<'a> = Pin<Box<dyn Future<Output = Result<(), CacheError>> + 'a>>;
-
-/// Object-safe flush handle so caches of different key/backend types can depend on each
-/// other.
-pub trait Flush {
-    /// Write back every dirty entry (honouring this cache's own dependency), then flush the
-    /// backend.
-    fn flush(&self) -> FlushFuture<'_>;
-    /// Whether this cache waits for another cache to be flushed before its next write-back.
-    fn has_dependency(&self) -> bool;
-    /// Honour that dependency now (flush the other cache) and clear it.
-    fn flush_dependency(&self) -> FlushFuture<'_>;
-    /// The cache's name, for errors.
-    fn name(&self) -> &str;
-}
-
-/// The pending obligations of one cache.
-#[derive(Default)]
-pub(crate) struct Dependencies {
-    target: Option<Rc<dyn Flush>>,
-    /// Bumped on every `set_dependency`, so that an honour that started earlier does not
-    /// clear an obligation recorded while it ran.
-    target_generation: u64,
-    flush_first: bool,
-    flush_generation: u64,
-}
-
-impl Dependencies {
-    /// Something must happen before the next write-back.
-    pub(crate) fn pending(&self) -> bool {
-        self.target.is_some() || self.flush_first
-    }
-}
+use crate::flush::{Flush, FlushFuture};
 
 /// The next obligation to honour, with the generations it was read at.
 enum Obligation {

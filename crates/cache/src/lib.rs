@@ -123,6 +123,7 @@ mod config;
 mod dependency;
 mod error;
 mod event;
+mod flush;
 mod idle;
 mod policy;
 mod size_string;
@@ -132,8 +133,8 @@ mod write_back;
 
 pub use cache::{Backend, Cache};
 pub use config::{CacheConfig, CacheStats, EvictionPolicy};
-pub use dependency::{Flush, FlushFuture};
 pub use error::CacheError;
+pub use flush::{Flush, FlushFuture};
 pub use size_string::parse_size;
 pub use sizing::{
     resolve_sizes, CacheOptions, ImageParams, ResolvedCacheSizes, SizeError,

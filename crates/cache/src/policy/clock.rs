@@ -1,7 +1,7 @@
 //! CLOCK (second chance): a hit only sets a bit; the hand sweeps the slots, clearing bits,
 //! and takes the first slot whose bit was already clear.
 
-use super::{Candidate, Pick};
+use super::pick::{Candidate, Pick};
 
 pub(crate) struct Clock {
     referenced: Vec<bool>,

@@ -1,7 +1,7 @@
 //! Least recently used, QEMU's policy: every hit moves the entry to the front of a list.
 
 use super::index_list::IndexList;
-use super::{Candidate, Pick};
+use super::pick::{Candidate, Pick};
 
 pub(crate) struct Lru {
     list: IndexList,

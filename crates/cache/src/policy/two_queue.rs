@@ -7,7 +7,7 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
 
 use super::index_list::IndexList;
-use super::{Candidate, Pick};
+use super::pick::{Candidate, Pick};
 
 pub(crate) struct TwoQueue<K> {
     a1in: IndexList,
