@@ -1,13 +1,11 @@
 //! One client connection over any async byte stream: handshake, then transmission.
 
-use std::cell::Cell;
 use std::rc::Rc;
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, BufReader};
-use tokio::sync::{watch, Notify, Semaphore};
 
+use crate::control::Control;
 use crate::export::Export;
 use crate::exports::Exports;
 use crate::negotiate::{negotiate, HandshakeEnd, HandshakeError, Negotiated};
@@ -48,47 +46,6 @@ impl ConnectionError {
     /// True when the connection failed after the handshake, in transmission.
     pub fn reached_transmission(&self) -> bool {
         matches!(self, ConnectionError::Transmission(_))
-    }
-}
-
-/// What the server tells one connection, and the limits it applies to it.
-#[derive(Debug, Clone)]
-pub struct Control {
-    /// Turns true on shutdown: stop reading requests, finish those in flight.
-    pub shutdown: watch::Receiver<bool>,
-    /// Turns true when the shutdown grace period is over: abandon every socket operation,
-    /// so a client stalled mid-request or not reading replies cannot hold the server up.
-    pub force: watch::Receiver<bool>,
-    /// Time the client has to finish the handshake.
-    pub handshake_timeout: Option<Duration>,
-    /// Close a client in transmission that sent no request for this long (none in flight).
-    pub idle_timeout: Option<Duration>,
-    /// Notified to end this connection if it is still negotiating (the server makes room
-    /// for a new client by dropping the oldest handshake).
-    pub evict: Rc<Notify>,
-    /// True while the handshake runs.
-    pub negotiating: Rc<Cell<bool>>,
-    /// Transmission slots (qemu-nbd's `-e`): a client that finished its handshake waits for
-    /// one before its requests are read.
-    pub slots: Option<Arc<Semaphore>>,
-    /// Most bytes of payloads and replies this connection may have in flight.
-    pub memory: usize,
-}
-
-impl Control {
-    /// A connection that ends on `shutdown` (abandoning its socket on `force`), with no
-    /// handshake or idle limit, never evicted, no slot limit, and the default memory bound.
-    pub fn new(shutdown: watch::Receiver<bool>, force: watch::Receiver<bool>) -> Control {
-        Control {
-            shutdown,
-            force,
-            handshake_timeout: None,
-            idle_timeout: None,
-            evict: Rc::new(Notify::new()),
-            negotiating: Rc::new(Cell::new(true)),
-            slots: None,
-            memory: crate::transmission::MAX_IN_FLIGHT_BYTES,
-        }
     }
 }
 

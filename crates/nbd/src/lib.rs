@@ -13,6 +13,7 @@
 //! their futures need not be `Send`.
 
 pub mod connection;
+pub mod control;
 pub mod errno;
 pub mod export;
 pub mod exports;
@@ -23,7 +24,8 @@ pub mod systemd;
 pub mod transmission;
 pub mod wire;
 
-pub use connection::{serve_connection, ConnectionEnd, ConnectionError, Control};
+pub use connection::{serve_connection, ConnectionEnd, ConnectionError};
+pub use control::Control;
 pub use errno::Errno;
 pub use export::{
     BlockSize, BlockSizeError, Export, ExportFeatures, Extent, ReadChunk, WriteZeroesFlags,

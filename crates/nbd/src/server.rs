@@ -16,7 +16,8 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{watch, Notify, Semaphore};
 use tokio::task::{JoinSet, LocalSet};
 
-use crate::connection::{serve_connection, ConnectionEnd, Control};
+use crate::connection::{serve_connection, ConnectionEnd};
+use crate::control::Control;
 use crate::errno::Errno;
 use crate::export::Export;
 use crate::exports::{ExportEntry, Exports, ExportsError};

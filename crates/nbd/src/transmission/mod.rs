@@ -18,7 +18,7 @@ use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{watch, Mutex, Notify, Semaphore};
 
-use crate::connection::Control;
+use crate::control::Control;
 use crate::errno::Errno;
 use crate::export::Export;
 use crate::negotiate::{drain, read_or_eof, Mode, Negotiated};
@@ -30,9 +30,7 @@ use validate::{payload_of, validate, Limits, Payload};
 
 /// Most requests of one connection being served at once; further requests wait unread.
 pub const MAX_IN_FLIGHT: usize = 128;
-/// Default bound on the bytes one connection may have in flight at once: write data, read
-/// lengths, and what block status and cache requests may hold (see [`BLOCK_STATUS_CHARGE`]).
-pub const MAX_IN_FLIGHT_BYTES: usize = 64 * 1024 * 1024;
+pub use crate::control::MAX_IN_FLIGHT_BYTES;
 
 /// Most extents one block status reply describes per context. The spec lets a server
 /// describe less than it was asked about; this keeps one reply to a few MiB of memory

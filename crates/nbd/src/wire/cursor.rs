@@ -1,6 +1,6 @@
 //! A bounds-checked big-endian reader over untrusted bytes.
 
-use super::WireError;
+use super::error::WireError;
 
 /// Reads big-endian fields from a byte slice, reporting the structure, field and offset of
 /// any shortfall instead of panicking.
