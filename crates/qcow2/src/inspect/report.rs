@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use super::ImageMetadata;
+use super::read::ImageMetadata;
 use crate::format::header::{CRYPT_AES, CRYPT_LUKS};
 
 /// What `info` reports about one image (one element of `--backing-chain`).
