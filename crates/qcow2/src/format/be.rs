@@ -78,3 +78,11 @@ pub(crate) fn pad8(n: usize) -> Option<usize> {
 pub(crate) fn to_usize(v: u64, at: Location, what: &'static str) -> Result<usize, FormatError> {
     usize::try_from(v).map_err(|_| FormatError::Overflow { at, what })
 }
+
+/// Decodes a table of big-endian 64-bit entries (L1, refcount and bitmap tables); a trailing
+/// partial word is ignored.
+pub(crate) fn words(buf: &[u8]) -> Vec<u64> {
+    buf.chunks_exact(8)
+        .map(|w| u64::from_be_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
+        .collect()
+}

@@ -3,7 +3,7 @@
 //! round-trips. One structure per file: `header`, `extensions`, `features`, `l1`, `l2`,
 //! `l2_extended`, `compressed`, `refcount`, `snapshot`, `bitmap`, `geometry`, `limits`.
 
-mod be;
+pub(crate) mod be;
 pub mod bitmap;
 pub mod compressed;
 pub mod error;

@@ -3,10 +3,8 @@
 //! directory, every bitmap table and every data cluster the tables point to.
 
 use super::error::CheckError;
-use super::imrt::Imrt;
 use super::io;
-use super::meta::words;
-use super::pass::Pass;
+use crate::format::be::words;
 use crate::format::bitmap::{
     self, BitmapDirectoryEntry, BITMAP_TABLE_OFFSET_MASK, BITMAP_TABLE_RESERVED_MASK,
 };
@@ -19,14 +17,14 @@ const ALL_ONES: u64 = 1;
 const TABLE_CHUNK: u64 = 8192;
 
 /// Whether a bitmap table entry is valid (QEMU's `check_table_entry`).
-fn entry_ok(entry: u64, cluster_size: u64) -> bool {
+pub(super) fn entry_ok(entry: u64, cluster_size: u64) -> bool {
     let offset = entry & BITMAP_TABLE_OFFSET_MASK;
     entry & BITMAP_TABLE_RESERVED_MASK == 0
         && (offset == 0 || (entry & ALL_ONES == 0 && offset % cluster_size == 0))
 }
 
 /// Calls `f` with every entry of a bitmap's table, reading it a chunk at a time.
-async fn for_each_entry<S: Storage>(
+pub(super) async fn for_each_entry<S: Storage>(
     file: &S,
     e: &BitmapDirectoryEntry,
     mut f: impl FnMut(u64) -> Result<(), CheckError>,
@@ -99,58 +97,4 @@ pub(crate) async fn load_directory<S: Storage>(
         .await?;
     }
     Ok(entries)
-}
-
-impl<S: Storage> Pass<'_, S> {
-    /// Counts the bitmap directory, tables and data clusters.
-    pub async fn count_bitmaps(&mut self, imrt: &mut Imrt) -> Result<(), CheckError> {
-        let Some(ext) = self.meta.bitmaps else {
-            return Ok(());
-        };
-        if ext.nb_bitmaps == 0 {
-            return Ok(());
-        }
-        self.inc(imrt, ext.directory_offset, ext.directory_size)?;
-        let cs = self.meta.cluster_size;
-        let entries = std::mem::take(&mut self.meta.bitmap_dir);
-        let mut counted = Ok(());
-        for e in &entries {
-            counted = self.count_bitmap(imrt, e, cs).await;
-            if counted.is_err() {
-                break;
-            }
-        }
-        self.meta.bitmap_dir = entries;
-        counted
-    }
-
-    async fn count_bitmap(
-        &mut self,
-        imrt: &mut Imrt,
-        e: &BitmapDirectoryEntry,
-        cs: u64,
-    ) -> Result<(), CheckError> {
-        self.inc(imrt, e.table_offset, u64::from(e.table_size) * 8)?;
-        let mut clusters = Vec::new();
-        let mut bad = 0u64;
-        let file = self.file;
-        let read = for_each_entry(file, e, |entry| {
-            if !entry_ok(entry, cs) {
-                bad += 1;
-            } else if entry & BITMAP_TABLE_OFFSET_MASK != 0 {
-                clusters.push(entry & BITMAP_TABLE_OFFSET_MASK);
-            }
-            Ok(())
-        })
-        .await;
-        if let Err(err) = read {
-            self.res.corruptions += 1;
-            return Err(err);
-        }
-        self.res.corruptions += bad;
-        for offset in clusters {
-            self.inc(imrt, offset, cs)?;
-        }
-        Ok(())
-    }
 }

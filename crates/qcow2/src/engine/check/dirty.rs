@@ -22,7 +22,7 @@ pub async fn repair_dirty<S: Storage>(
     if let Some(d) = data_file {
         io::flush(d).await?;
     }
-    let mut log = |f: super::Finding| match f.kind {
+    let mut log = |f: super::report::Finding| match f.kind {
         FindingKind::Error => tracing::warn!("repairing a dirty image: {}", f.message),
         _ => tracing::debug!("repairing a dirty image: {}", f.message),
     };

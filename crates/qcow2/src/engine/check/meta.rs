@@ -5,6 +5,7 @@
 
 use super::error::CheckError;
 use super::io::read;
+use crate::format::be::words;
 use crate::format::features::INCOMPAT_CORRUPT;
 use crate::format::{limits, BitmapDirectoryEntry, BitmapsExtension, Header};
 use storage::Storage;
@@ -136,13 +137,6 @@ fn be64(buf: &[u8], pos: usize) -> u64 {
     buf.get(pos..pos + 8)
         .and_then(|b| b.try_into().ok())
         .map_or(0, u64::from_be_bytes)
-}
-
-/// Decodes a table of big-endian 64-bit entries.
-pub(crate) fn words(buf: &[u8]) -> Vec<u64> {
-    buf.chunks_exact(8)
-        .map(|w| u64::from_be_bytes(w.try_into().unwrap_or([0; 8])))
-        .collect()
 }
 
 /// Loads the header, the active L1 table and the refcount table of the image in `file`.

@@ -20,6 +20,7 @@
 //! refcounts), `compare`, `copied`, `rebuild`, `snapshot_fix`, `run` (the order of it all),
 //! `overlap`, `report`, `render` (qemu-img's output), `dirty`, `blocking` (for the CLI).
 
+mod bitmap_refs;
 mod bitmaps;
 mod blocking;
 mod calculate;

@@ -1,9 +1,8 @@
 //! QEMU's metadata overlap check (the default "cached" set) for the checker's own repair
 //! writes: a repair computed from a corrupt image must never land on live metadata.
 
-use super::pass::Pass;
+use super::meta::Meta;
 use crate::format::l1::L1_OFFSET_MASK;
-use storage::Storage;
 
 /// Refcount table entries keep the block offset in bits 9-63.
 pub(crate) const REFT_OFFSET_MASK: u64 = !0x1ff;
@@ -41,14 +40,14 @@ fn overlaps(a: u64, a_len: u64, b: u64, b_len: u64) -> bool {
     b_len > 0 && a < b.saturating_add(b_len) && b < a.saturating_add(a_len)
 }
 
-impl<S: Storage> Pass<'_, S> {
+impl Meta {
     /// The first metadata section (not in `ignore`) that `[offset, offset + len)` overlaps,
     /// after widening the range to whole clusters as QEMU does.
     pub fn overlap(&self, ignore: &[Section], offset: u64, len: u64) -> Option<Section> {
         if len == 0 {
             return None;
         }
-        let m = &self.meta;
+        let m = self;
         let check = |s: Section| !ignore.contains(&s);
         if check(Section::MainHeader) && offset < m.cluster_size {
             return Some(Section::MainHeader);

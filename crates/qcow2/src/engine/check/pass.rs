@@ -145,7 +145,7 @@ impl<'a, S: Storage> Pass<'a, S> {
         ignore: &[Section],
     ) -> Result<(), CheckError> {
         let len = bytes.len() as u64;
-        if let Some(hit) = self.overlap(ignore, offset, len) {
+        if let Some(hit) = self.meta.overlap(ignore, offset, len) {
             let detail = format!(
                 "Preventing invalid write on metadata (overlaps with {})",
                 hit.name()

@@ -5,10 +5,10 @@
 use super::error::CheckError;
 use super::imrt::Imrt;
 use super::io;
-use super::meta::words;
 use super::overlap::Section;
 use super::pass::Pass;
 use super::report::FindingKind;
+use crate::format::be::words;
 use crate::format::l1::{L1_OFFSET_MASK, L1_RESERVED_MASK};
 use crate::format::l2::{
     L2_COMPRESSED, L2_COPIED, L2_OFFSET_MASK, L2_STANDARD_RESERVED_MASK, L2_ZERO,
