@@ -1,10 +1,10 @@
 //! Block status: what each guest byte is (data, zeros, nothing) and which layer provides it,
 //! with the meanings `qemu-img map --output=json` gives its keys.
 
+use super::chain::Source;
 use super::error::Result;
+use super::image::Image;
 use super::range_lock::LockMode;
-use super::resolve::Source;
-use super::Image;
 use storage::Storage;
 
 /// A run of guest bytes with the same status.
@@ -62,7 +62,7 @@ impl<S: Storage + 'static> Image<S> {
         inner.check_range(offset, len)?;
         let _guard = inner.lock_range(offset, len, LockMode::Shared).await;
         let mut pieces = Vec::new();
-        inner.resolve(offset, len, 0, &mut pieces).await?;
+        inner.chain.resolve(offset, len, 0, &mut pieces).await?;
         let mut out: Vec<Extent> = Vec::with_capacity(pieces.len());
         let mut push = |e: Extent| match out.last_mut() {
             Some(last) if last.continues(&e) => last.len += e.len,
@@ -91,7 +91,7 @@ impl<S: Storage + 'static> Image<S> {
                     // Raw layers take the file's status: holes are zeros, not data. A qcow2
                     // layer asks its file only when QEMU would (metadata preallocation), and
                     // then data over a hole is data that reads as zeros.
-                    let layer = &inner.layers[p.layer];
+                    let layer = &inner.chain.layers[p.layer];
                     let raw = layer.qcow2().is_none();
                     if !raw && !inner.metadata_preallocated(p.layer).await {
                         push(Extent {

@@ -4,8 +4,9 @@
 
 use super::compress::Codec;
 use super::error::{EngineError, Result};
-use super::open::{Format, OpenOptions};
-use super::Image;
+use super::image::Image;
+use super::load::Format;
+use super::open::OpenOptions;
 use crate::format::extensions::{FeatureNameEntry, FeatureNameTable};
 use crate::format::features::{
     known_feature_name, FeatureKind, COMPAT_LAZY_REFCOUNTS, INCOMPAT_COMPRESSION,
@@ -333,8 +334,8 @@ impl<S: Storage + 'static> Image<S> {
         if mode == Preallocation::Off {
             return Ok(());
         }
-        let w = inner.writer()?;
-        let top = &inner.layers[0];
+        let w = inner.alloc()?;
+        let top = inner.chain.top();
         let meta = top
             .qcow2()
             .ok_or_else(|| invalid("preallocating a raw image"))?;
@@ -348,8 +349,8 @@ impl<S: Storage + 'static> Image<S> {
             let n = chunk.div_ceil(cs);
             let host = {
                 let _g = w.meta_lock.lock().await;
-                inner.l2_for_write(g.l1_index(GuestOffset(pos))).await?;
-                inner.alloc_clusters(n).await?
+                w.l2_for_write(g.l1_index(GuestOffset(pos))).await?;
+                w.alloc_clusters(n).await?
             };
             let end = host + n * cs;
             match mode {
@@ -384,12 +385,13 @@ impl<S: Storage + 'static> Image<S> {
                     .await
                     .map_err(|e| top.io_error("extending the file", end, e))?;
             }
-            if let Some(wr) = &inner.writer {
+            if let Some(wr) = &inner.alloc {
                 wr.physical_len.set(wr.physical_len.get().max(end));
             }
             inner
+                .chain
                 .l2
-                .set_dependency(inner.refcounts_flush())
+                .set_dependency(w.refcounts_flush())
                 .await
                 .map_err(|source| EngineError::Cache {
                     image: top.name.clone(),
@@ -397,6 +399,7 @@ impl<S: Storage + 'static> Image<S> {
                 })?;
             for i in 0..n {
                 inner
+                    .alloc()?
                     .set_l2_entry(pos + i * cs, (host + i * cs) | L2_COPIED, 0)
                     .await?;
             }

@@ -3,8 +3,8 @@
 //! refcount drops to zero are freed (and punched out of the file with discard passthrough).
 
 use super::error::Result;
+use super::image::{Image, Inner};
 use super::range_lock::LockMode;
-use super::{Image, Inner};
 use crate::format::l2::{L2_COMPRESSED, L2_OFFSET_MASK, L2_ZERO};
 use storage::Storage;
 
@@ -22,7 +22,7 @@ impl<S: Storage + 'static> Inner<S> {
     pub(crate) async fn discard(&self, offset: u64, len: u64) -> Result<()> {
         self.check_writable()?;
         self.check_range(offset, len)?;
-        let top = &self.layers[0];
+        let top = self.chain.top();
         let Some(meta) = top.qcow2() else {
             let punch = self.discard_passthrough;
             if punch && len > 0 {
@@ -33,11 +33,11 @@ impl<S: Storage + 'static> Inner<S> {
             }
             return Ok(());
         };
-        let w = self.writer()?;
+        let w = self.alloc()?;
         let g = &meta.geom;
         let cs = g.cluster_size();
         let size = top.size.get();
-        let has_backing = self.layers.len() > 1;
+        let has_backing = self.chain.layers.len() > 1;
         let v3 = meta.header.borrow().version >= 3;
         if !v3 && has_backing {
             // Without the zero flag, freeing would expose the backing file: QEMU declines too.
@@ -63,7 +63,7 @@ impl<S: Storage + 'static> Inner<S> {
                     .map_err(|e| top.io_error("zeroing the raw data file", start, e))?;
             }
         }
-        let entries = self.l2_entries(start, end - start).await?;
+        let entries = w.l2_entries(start, end - start).await?;
         for e in entries {
             if e.table == 0 {
                 continue;
@@ -82,11 +82,11 @@ impl<S: Storage + 'static> Inner<S> {
             if (word, bitmap) == (e.word, e.bitmap) {
                 continue;
             }
-            self.l2.set_flush_before_writeback();
+            self.chain.l2.set_flush_before_writeback();
             if w.lazy_refcounts {
-                self.mark_dirty().await?;
+                w.mark_dirty().await?;
             }
-            self.set_l2_entry(e.cluster, word, bitmap).await?;
+            w.set_l2_entry(e.cluster, word, bitmap).await?;
             self.release(e.word, self.discard_passthrough).await?;
         }
         Ok(())
@@ -94,18 +94,17 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Drops the reference an old L2 entry held on its host cluster(s), if any.
     pub(crate) async fn release(&self, old_word: u64, punch: bool) -> Result<()> {
-        let meta = self.layers[0].qcow2().expect("qcow2");
+        let meta = self.chain.top().qcow2().expect("qcow2");
         if meta.data_file.is_some() {
             // Clusters in an external data file are not refcounted.
             return Ok(());
         }
-        let w = self.writer()?;
+        let w = self.alloc()?;
         let _g = w.meta_lock.lock().await;
         if old_word & L2_COMPRESSED != 0 {
-            self.free_compressed(old_word).await
+            w.free_compressed(old_word).await
         } else if old_word & L2_OFFSET_MASK != 0 {
-            self.free_clusters(old_word & L2_OFFSET_MASK, 1, punch)
-                .await
+            w.free_clusters(old_word & L2_OFFSET_MASK, 1, punch).await
         } else {
             Ok(())
         }

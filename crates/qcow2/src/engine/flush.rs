@@ -2,7 +2,7 @@
 //! everything written before a FLUSH (or a FUA write) survives a crash.
 
 use super::error::{EngineError, Result};
-use super::{Image, Inner};
+use super::image::{Image, Inner};
 use storage::Storage;
 
 impl<S: Storage + 'static> Image<S> {
@@ -14,7 +14,10 @@ impl<S: Storage + 'static> Image<S> {
     /// Flushes and, for lazy-refcount images, clears the dirty bit: the image is left clean.
     pub async fn close(&self) -> Result<()> {
         self.inner.flush().await?;
-        self.inner.mark_clean().await
+        match &self.inner.alloc {
+            Some(a) => a.mark_clean().await,
+            None => Ok(()),
+        }
     }
 }
 
@@ -23,17 +26,19 @@ impl<S: Storage + 'static> Inner<S> {
         if self.read_only {
             return Ok(());
         }
-        let top = &self.layers[0];
+        let top = self.chain.top();
         let cache_err = |source| EngineError::Cache {
             image: top.name.clone(),
             source,
         };
-        if let Some(w) = &self.writer {
+        if let Some(w) = &self.alloc {
             // L2 first: its dependency on the refcount cache makes refcounts go out before it.
-            self.l2.flush().await.map_err(cache_err)?;
+            self.chain.l2.flush().await.map_err(cache_err)?;
             w.refcounts.flush().await.map_err(cache_err)?;
         }
         // Guest data written in place touches no cache: sync explicitly.
-        self.sync().await
+        super::metacache::flush_layer(top)
+            .await
+            .map_err(|e| top.io_error("flushing", 0, e))
     }
 }

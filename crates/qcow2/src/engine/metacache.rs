@@ -17,6 +17,12 @@ pub(crate) struct L2Key {
     pub slice: u32,
 }
 
+/// The L2 cache shared by every layer of a chain.
+pub(crate) type L2Cache<S> = cache::Cache<L2Key, L2Backend<S>>;
+
+/// The refcount-block cache of the writable layer.
+pub(crate) type RefcountCache<S> = cache::Cache<RefcountKey, RefcountBackend<S>>;
+
 /// Loads L2 slices from any layer; writes them back only to layer 0.
 pub(crate) struct L2Backend<S> {
     pub layers: Rc<Vec<Layer<S>>>,

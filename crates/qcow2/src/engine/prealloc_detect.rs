@@ -6,8 +6,8 @@
 //! The test (as QEMU's `qcow2_detect_metadata_preallocation`): the clusters with a nonzero
 //! refcount outnumber what the file really occupies by a ninth (and by at least two).
 
+use super::image::Inner;
 use super::layer::Layer;
-use super::Inner;
 use crate::format::refcount;
 use storage::Storage;
 
@@ -15,7 +15,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// Whether layer `index` looks metadata-preallocated; decided once per layer, and any
     /// error reading refcounts simply means "no" (block status must not fail over a guess).
     pub(crate) async fn metadata_preallocated(&self, index: usize) -> bool {
-        let layer = &self.layers[index];
+        let layer = &self.chain.layers[index];
         let Some(meta) = layer.qcow2() else {
             return false;
         };
@@ -40,7 +40,7 @@ impl<S: Storage + 'static> Inner<S> {
         let entries = usize::try_from(per_block).ok()?;
         // Layer 0 of a writable image: its refcount blocks may be newer in the cache than in
         // the file, so count through the cache.
-        let writer = self.writer.as_ref().filter(|_| index == 0);
+        let writer = self.alloc.as_ref().filter(|_| index == 0);
         let reftable: Vec<u64> = match writer {
             Some(w) => w.reftable.borrow().clone(),
             None => {

@@ -1,12 +1,12 @@
 //! Reading guest data: resolve the range through the chain, then one I/O per contiguous host
 //! run, zeros filled in memory, compressed clusters decoded.
 
+use super::chain::{Piece, Source};
 use super::compress;
 use super::error::{EngineError, Result};
+use super::image::{Decompressed, Image, Inner};
 use super::join_all::join_all;
 use super::range_lock::LockMode;
-use super::resolve::{Piece, Source};
-use super::{Decompressed, Image, Inner};
 use crate::format::{CompressedDescriptor, Location, Structure};
 use std::rc::Rc;
 use storage::{IoBuf, Storage};
@@ -53,7 +53,7 @@ impl<S: Storage + 'static> Inner<S> {
         // Shared: no cluster under us may be freed and reused while we read it.
         let _guard = self.lock_range(offset, len, LockMode::Shared).await;
         let mut pieces = Vec::new();
-        if let Err(e) = self.resolve(offset, len, 0, &mut pieces).await {
+        if let Err(e) = self.chain.resolve(offset, len, 0, &mut pieces).await {
             return (Err(e), buf);
         }
         let res = self.fill(offset, &pieces, &mut buf).await;
@@ -119,7 +119,7 @@ impl<S: Storage + 'static> Inner<S> {
         }
         if let [(at, len, li, host)] = runs[..] {
             // One run: straight into the caller's buffer, no copy.
-            let layer = &self.layers[li];
+            let layer = &self.chain.layers[li];
             let owned = std::mem::replace(buf, IoBuf::zeroed(0));
             let (res, slice) = layer
                 .data_storage()
@@ -129,7 +129,7 @@ impl<S: Storage + 'static> Inner<S> {
             return res.map_err(|e| layer.io_error("reading data", host, e));
         }
         let reads = runs.iter().map(|&(_, len, li, host)| async move {
-            let layer = &self.layers[li];
+            let layer = &self.chain.layers[li];
             let tmp = IoBuf::zeroed(len as usize);
             let (res, slice) = layer
                 .data_storage()
@@ -155,7 +155,7 @@ impl<S: Storage + 'static> Inner<S> {
                 return Ok(d.data.clone());
             }
         }
-        let layer = &self.layers[li];
+        let layer = &self.chain.layers[li];
         let meta = layer
             .qcow2()
             .expect("compressed clusters exist only in qcow2 layers");

@@ -11,11 +11,11 @@
 //! refcount structures, which through a chain of depth 300 doubled the first full read.
 //! Block status still answers every layer exactly as QEMU does.
 
+use super::chain::{Piece, Source};
 use super::error::Result;
+use super::image::Image;
 use super::join_all::join_all;
 use super::range_lock::LockMode;
-use super::resolve::{Piece, Source};
-use super::Image;
 use storage::{IoBuf, Storage};
 
 /// A part of a sparse read, in guest order.
@@ -38,7 +38,7 @@ impl<S: Storage + 'static> Image<S> {
         }
         let _guard = inner.lock_range(offset, len64, LockMode::Shared).await;
         let mut pieces = Vec::new();
-        inner.resolve(offset, len64, 0, &mut pieces).await?;
+        inner.chain.resolve(offset, len64, 0, &mut pieces).await?;
 
         // Split data pieces at the file's holes where that is asked, then group by zero / not
         // zero.
@@ -47,7 +47,7 @@ impl<S: Storage + 'static> Image<S> {
             match p.src {
                 Source::Zero | Source::Compressed { .. } => classified.push(p),
                 Source::Data { host } => {
-                    let layer = &inner.layers[p.layer];
+                    let layer = &inner.chain.layers[p.layer];
                     let ask = layer.qcow2().is_none()
                         || (p.layer == 0 && inner.metadata_preallocated(0).await);
                     if !ask {

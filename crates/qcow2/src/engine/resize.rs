@@ -5,9 +5,9 @@
 //! table is freed last. A crash at any point leaves the old or the new table in use (each
 //! large enough for the size on disk), with at worst leaked clusters.
 
+use super::alloc::overlap::MetaKind;
 use super::error::{EngineError, Result};
-use super::overlap::MetaKind;
-use super::{Image, Inner};
+use super::image::{Image, Inner};
 use crate::format::{limits, Geometry};
 use storage::Storage;
 
@@ -27,7 +27,7 @@ impl<S: Storage + 'static> Image<S> {
 impl<S: Storage + 'static> Inner<S> {
     async fn resize(&self, new_size: u64) -> Result<()> {
         self.check_writable()?;
-        let top = &self.layers[0];
+        let top = self.chain.top();
         let unsupported = |what: &str| EngineError::Unsupported {
             image: top.name.clone(),
             what: what.into(),
@@ -63,14 +63,14 @@ impl<S: Storage + 'static> Inner<S> {
                 detail: "the L1 table would exceed QEMU's 32 MiB limit".into(),
             });
         }
-        let w = self.writer()?;
+        let w = self.alloc()?;
         let _g = w.meta_lock.lock().await;
         if needed > meta.l1.borrow().len() as u64 {
             self.grow_l1(needed).await?;
         }
-        self.write_meta("updating the header", SIZE_OFFSET, &new_size.to_be_bytes())
+        w.write_meta("updating the header", SIZE_OFFSET, &new_size.to_be_bytes())
             .await?;
-        self.sync().await?;
+        w.sync().await?;
         meta.header.borrow_mut().size = new_size;
         top.size.set(new_size);
         Ok(())
@@ -78,9 +78,9 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Replaces the L1 table with one of at least `entries` entries. Holds the meta lock.
     async fn grow_l1(&self, entries: u64) -> Result<()> {
-        let top = &self.layers[0];
+        let top = self.chain.top();
         let meta = top.qcow2().expect("qcow2");
-        let w = self.writer()?;
+        let w = self.alloc()?;
         let cs = meta.geom.cluster_size();
         let old: Vec<u64> = meta.l1.borrow().clone();
         // Grow by half again, as QEMU does, so that small steps do not copy every time.
@@ -88,7 +88,7 @@ impl<S: Storage + 'static> Inner<S> {
             .max(old.len() as u64 + old.len() as u64 / 2)
             .min(limits::MAX_L1_SIZE_BYTES / 8);
         let clusters = (len * 8).div_ceil(cs);
-        let new_off = self.alloc_clusters(clusters).await?;
+        let new_off = w.alloc_clusters(clusters).await?;
         // Its refcounts must be durable before the header points to it.
         w.refcounts
             .flush()
@@ -101,15 +101,15 @@ impl<S: Storage + 'static> Inner<S> {
         for (i, e) in old.iter().enumerate() {
             table[i * 8..i * 8 + 8].copy_from_slice(&e.to_be_bytes());
         }
-        self.write_meta("writing the L1 table", new_off, &table)
+        w.write_meta("writing the L1 table", new_off, &table)
             .await?;
-        self.sync().await?;
+        w.sync().await?;
         let mut fields = [0u8; 12];
         fields[..4].copy_from_slice(&(len as u32).to_be_bytes());
         fields[4..].copy_from_slice(&new_off.to_be_bytes());
-        self.write_meta("updating the header", L1_FIELDS_OFFSET, &fields)
+        w.write_meta("updating the header", L1_FIELDS_OFFSET, &fields)
             .await?;
-        self.sync().await?;
+        w.sync().await?;
         let old_off = meta.l1_offset.replace(new_off);
         let old_clusters = (old.len() as u64 * 8).div_ceil(cs);
         {
@@ -127,7 +127,7 @@ impl<S: Storage + 'static> Inner<S> {
             m.insert(new_off, clusters * cs, MetaKind::L1Table);
         }
         if old_clusters > 0 {
-            self.free_clusters(old_off, old_clusters, false).await?;
+            w.free_clusters(old_off, old_clusters, false).await?;
         }
         Ok(())
     }

@@ -8,11 +8,11 @@
 //! that move or fill clusters hold an exclusive one, so two copy-on-writes of one subcluster
 //! never overwrite each other's data, and a read never sees a cluster being reused.
 
+use super::alloc::l2_entry::RawEntry;
+use super::chain::{Piece, Source};
 use super::error::{EngineError, Result};
-use super::l2_entry::RawEntry;
+use super::image::{Image, Inner};
 use super::range_lock::LockMode;
-use super::resolve::{Piece, Source};
-use super::{Image, Inner};
 use crate::format::l2::{L2_COPIED, L2_OFFSET_MASK};
 use crate::format::{ExtendedL2Entry, GuestOffset, HostOffset, L2Entry, SubclusterState};
 use storage::{IoBuf, Storage};
@@ -87,7 +87,7 @@ impl<S: Storage + 'static> Inner<S> {
         if len == 0 {
             return (Ok(()), buf);
         }
-        let top = &self.layers[0];
+        let top = self.chain.top();
         if top.qcow2().is_none() {
             let (res, slice) = top.file.write_at(buf.into(), offset).await;
             return (
@@ -125,13 +125,13 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Decides, cluster by cluster, how `[offset, offset + len)` is written.
     async fn plan(&self, offset: u64, len: u64) -> Result<Vec<ClusterPlan>> {
-        let top = &self.layers[0];
+        let top = self.chain.top();
         let meta = top.qcow2().expect("qcow2");
         let g = &meta.geom;
         let cs = g.cluster_size();
         let size = top.size.get();
         let end = offset + len;
-        let entries = self.l2_entries(offset, len).await?;
+        let entries = self.alloc()?.l2_entries(offset, len).await?;
         let mut plans = Vec::with_capacity(entries.len());
         for e in entries {
             let ws = offset.max(e.cluster);
@@ -149,7 +149,7 @@ impl<S: Storage + 'static> Inner<S> {
 
     fn decode_err(&self, source: crate::format::FormatError) -> EngineError {
         EngineError::Format {
-            image: self.layers[0].name.clone(),
+            image: self.chain.top().name.clone(),
             source,
         }
     }
@@ -161,7 +161,7 @@ impl<S: Storage + 'static> Inner<S> {
         we: u64,
         cluster_end: u64,
     ) -> Result<ClusterPlan> {
-        let meta = self.layers[0].qcow2().expect("qcow2");
+        let meta = self.chain.top().qcow2().expect("qcow2");
         let g = &meta.geom;
         let index = g.l2_index(GuestOffset(e.cluster)) as u64;
         let entry = L2Entry::decode(e.word, g, index, HostOffset(e.table))
@@ -219,7 +219,7 @@ impl<S: Storage + 'static> Inner<S> {
         we: u64,
         cluster_end: u64,
     ) -> Result<ClusterPlan> {
-        let meta = self.layers[0].qcow2().expect("qcow2");
+        let meta = self.chain.top().qcow2().expect("qcow2");
         let g = &meta.geom;
         let scs = g.subcluster_size();
         let index = g.l2_index(GuestOffset(e.cluster)) as u64;
@@ -327,16 +327,16 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// A data cluster we are about to write must be where the entry's table says it can be.
     fn check_host(&self, e: &RawEntry, host: u64) -> Result<()> {
-        let meta = self.layers[0].qcow2().expect("qcow2");
+        let meta = self.chain.top().qcow2().expect("qcow2");
         if meta.data_file.is_some() {
             if host != e.cluster {
-                return Err(self.layers[0].corrupt(format!(
+                return Err(self.chain.top().corrupt(format!(
                     "L2 table at {:#x}: guest cluster {:#x} maps to {host:#x} in the data file",
                     e.table, e.cluster
                 )));
             }
         } else if host == 0 || host >= meta.file_end.get() {
-            return Err(self.layers[0].corrupt(format!(
+            return Err(self.chain.top().corrupt(format!(
                 "L2 table at {:#x}: guest cluster {:#x} points to {host:#x}, past the end of the file",
                 e.table, e.cluster
             )));
@@ -351,7 +351,7 @@ impl<S: Storage + 'static> Inner<S> {
         mut buf: IoBuf,
         plans: &[ClusterPlan],
     ) -> (Result<()>, IoBuf) {
-        let cs = self.layers[0].qcow2().expect("qcow2").geom.cluster_size();
+        let cs = self.chain.top().qcow2().expect("qcow2").geom.cluster_size();
         let mut i = 0;
         while i < plans.len() {
             let mut j = i + 1;
@@ -404,10 +404,14 @@ impl<S: Storage + 'static> Inner<S> {
         to: u64,
         host: u64,
     ) -> (Result<()>, IoBuf) {
-        if let Err(e) = self.check_overlap(host, to - from).await {
+        let checked = match self.alloc() {
+            Ok(a) => a.check_overlap(host, to - from).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = checked {
             return (Err(e), buf);
         }
-        let top = &self.layers[0];
+        let top = self.chain.top();
         let range = (from - offset) as usize..(to - offset) as usize;
         let (res, slice) = top.data_storage().write_at(buf.slice(range), host).await;
         self.note_written(host + (to - from));
@@ -419,11 +423,11 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Remembers how far the image file may hold data.
     fn note_written(&self, end: u64) {
-        let top = &self.layers[0];
+        let top = self.chain.top();
         if top.qcow2().is_some_and(|m| m.data_file.is_some()) {
             return;
         }
-        if let Some(w) = &self.writer {
+        if let Some(w) = &self.alloc {
             if end > w.physical_len.get() {
                 w.physical_len.set(end);
             }
@@ -437,7 +441,7 @@ impl<S: Storage + 'static> Inner<S> {
         buf: IoBuf,
         plans: &[ClusterPlan],
     ) -> (Result<()>, IoBuf) {
-        let cs = self.layers[0].qcow2().expect("qcow2").geom.cluster_size();
+        let cs = self.chain.top().qcow2().expect("qcow2").geom.cluster_size();
         let end = offset + buf.len() as u64;
         let first = &plans[0];
         let Action::InPlace { host, .. } = first.action else {
@@ -469,6 +473,7 @@ impl<S: Storage + 'static> Inner<S> {
     async fn mark_subclusters(&self, cluster: u64, host: u64, bits: u32) -> Result<()> {
         self.before_l2_update(false).await?;
         let (word, _) = self
+            .alloc()?
             .update_l2_entry(cluster, |word, bitmap| {
                 if word & L2_OFFSET_MASK != host {
                     return None;
@@ -492,19 +497,20 @@ impl<S: Storage + 'static> Inner<S> {
     /// Sets the cache obligations that must precede an L2 update: the dirty bit (lazy
     /// refcounts) or refcounts first (when clusters were allocated), and data first.
     async fn before_l2_update(&self, allocated: bool) -> Result<()> {
-        let w = self.writer()?;
+        let w = self.alloc()?;
         if w.lazy_refcounts {
-            self.mark_dirty().await?;
+            w.mark_dirty().await?;
         } else if allocated {
-            self.l2
-                .set_dependency(self.refcounts_flush())
+            self.chain
+                .l2
+                .set_dependency(w.refcounts_flush())
                 .await
                 .map_err(|source| EngineError::Cache {
-                    image: self.layers[0].name.clone(),
+                    image: self.chain.top().name.clone(),
                     source,
                 })?;
         }
-        self.l2.set_flush_before_writeback();
+        self.chain.l2.set_flush_before_writeback();
         Ok(())
     }
 
@@ -517,11 +523,11 @@ impl<S: Storage + 'static> Inner<S> {
         buf: IoBuf,
         plans: &[ClusterPlan],
     ) -> (Result<()>, IoBuf) {
-        let top = &self.layers[0];
+        let top = self.chain.top();
         let meta = top.qcow2().expect("qcow2");
         let g = &meta.geom;
         let cs = g.cluster_size();
-        let w = match self.writer() {
+        let w = match self.alloc() {
             Ok(w) => w,
             Err(e) => return (Err(e), buf),
         };
@@ -538,7 +544,7 @@ impl<S: Storage + 'static> Inner<S> {
             for p in plans {
                 let l1i = g.l1_index(GuestOffset(p.start));
                 if last_l1 != Some(l1i) {
-                    self.l2_for_write(l1i).await?;
+                    w.l2_for_write(l1i).await?;
                     last_l1 = Some(l1i);
                 }
             }
@@ -547,7 +553,7 @@ impl<S: Storage + 'static> Inner<S> {
                 Some(h) => (h, false, false),
                 None if meta.data_file.is_some() => (first, false, false),
                 None => {
-                    let h = self.alloc_clusters(n).await?;
+                    let h = w.alloc_clusters(n).await?;
                     (h, true, h >= fresh_from)
                 }
             })
@@ -560,7 +566,7 @@ impl<S: Storage + 'static> Inner<S> {
         if let Err(e) = res {
             if allocated {
                 let _g = w.meta_lock.lock().await;
-                if let Err(e2) = self.free_clusters(host, n, false).await {
+                if let Err(e2) = w.free_clusters(host, n, false).await {
                     tracing::warn!("could not release clusters after a failed write: {e2}");
                 }
             }
@@ -579,7 +585,7 @@ impl<S: Storage + 'static> Inner<S> {
                 } else {
                     0
                 };
-                self.set_l2_entry(p.start, h | L2_COPIED, bitmap).await?;
+                w.set_l2_entry(p.start, h | L2_COPIED, bitmap).await?;
             }
             // 3. Release what the entries no longer use.
             let _g = w.meta_lock.lock().await;
@@ -588,11 +594,11 @@ impl<S: Storage + 'static> Inner<S> {
                     Action::Fill {
                         old: Old::Shared { host },
                         ..
-                    } => self.free_clusters(host, 1, false).await?,
+                    } => w.free_clusters(host, 1, false).await?,
                     Action::Fill {
                         old: Old::Compressed { raw },
                         ..
-                    } => self.free_compressed(raw).await?,
+                    } => w.free_compressed(raw).await?,
                     _ => {}
                 }
             }
@@ -611,7 +617,7 @@ impl<S: Storage + 'static> Inner<S> {
         host: u64,
         fresh: bool,
     ) -> (Result<()>, IoBuf) {
-        let cs = self.layers[0].qcow2().expect("qcow2").geom.cluster_size();
+        let cs = self.chain.top().qcow2().expect("qcow2").geom.cluster_size();
         let first = plans[0].start;
         let end = offset + buf.len() as u64;
         let data_from = offset.max(first);
@@ -624,7 +630,7 @@ impl<S: Storage + 'static> Inner<S> {
                     continue;
                 }
                 let mut pieces = Vec::new();
-                if let Err(e) = self.resolve(s, t - s, 0, &mut pieces).await {
+                if let Err(e) = self.chain.resolve(s, t - s, 0, &mut pieces).await {
                     return (Err(e), buf);
                 }
                 if fresh && pieces.iter().all(|q| q.src == Source::Zero) {

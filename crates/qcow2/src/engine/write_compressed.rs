@@ -4,8 +4,8 @@
 
 use super::compress;
 use super::error::{EngineError, Result};
+use super::image::{Image, Inner};
 use super::range_lock::LockMode;
-use super::{Image, Inner};
 use crate::format::l2::L2_COMPRESSED;
 use crate::format::{CompressedDescriptor, GuestOffset};
 use storage::{IoBuf, Storage};
@@ -23,7 +23,7 @@ impl<S: Storage + 'static> Inner<S> {
         self.check_writable()?;
         let len = data.len() as u64;
         self.check_range(offset, len)?;
-        let top = &self.layers[0];
+        let top = self.chain.top();
         let unsupported = |what: &str| EngineError::Unsupported {
             image: top.name.clone(),
             what: what.into(),
@@ -59,24 +59,24 @@ impl<S: Storage + 'static> Inner<S> {
             return res;
         };
         let _guard = self.lock_range(offset, len, LockMode::Exclusive).await;
-        let e = self.l2_entries(offset, 1).await?[0];
+        let e = self.alloc()?.l2_entries(offset, 1).await?[0];
         if e.word != 0 || e.bitmap as u32 != 0 {
             return Err(unsupported("a compressed write over an allocated cluster"));
         }
-        let w = self.writer()?;
+        let w = self.alloc()?;
         let host = {
             let _g = w.meta_lock.lock().await;
-            self.l2_for_write(g.l1_index(GuestOffset(offset))).await?;
-            self.alloc_bytes(packed.len() as u64).await?
+            w.l2_for_write(g.l1_index(GuestOffset(offset))).await?;
+            w.alloc_bytes(packed.len() as u64).await?
         };
         let plen = packed.len() as u64;
-        self.check_overlap(host, plen).await?;
+        w.check_overlap(host, plen).await?;
         let (res, _) = top
             .file
             .write_at(IoBuf::from_slice(&packed).into(), host)
             .await;
         res.map_err(|e| top.io_error("writing a compressed cluster", host, e))?;
-        if let Some(wr) = &self.writer {
+        if let Some(wr) = &self.alloc {
             wr.physical_len.set(wr.physical_len.get().max(host + plen));
         }
         let desc = CompressedDescriptor {
@@ -90,17 +90,18 @@ impl<S: Storage + 'static> Inner<S> {
                 source,
             })?
             | L2_COMPRESSED;
-        self.l2
-            .set_dependency(self.refcounts_flush())
+        self.chain
+            .l2
+            .set_dependency(w.refcounts_flush())
             .await
             .map_err(|source| EngineError::Cache {
                 image: top.name.clone(),
                 source,
             })?;
-        self.l2.set_flush_before_writeback();
+        self.chain.l2.set_flush_before_writeback();
         if w.lazy_refcounts {
-            self.mark_dirty().await?;
+            w.mark_dirty().await?;
         }
-        self.set_l2_entry(offset, word, 0).await
+        w.set_l2_entry(offset, word, 0).await
     }
 }

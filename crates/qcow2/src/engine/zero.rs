@@ -4,11 +4,11 @@
 //! and are otherwise written as zero data. A fast-zero request fails with `ZeroNotFast`
 //! before changing anything if any part would need data written.
 
+use super::chain::Source;
 use super::discard::ALL_ZERO_BITMAP;
 use super::error::{EngineError, Result};
+use super::image::{Image, Inner};
 use super::range_lock::LockMode;
-use super::resolve::Source;
-use super::{Image, Inner};
 use crate::format::l2::{L2_COMPRESSED, L2_OFFSET_MASK, L2_ZERO};
 use crate::format::GuestOffset;
 use storage::{IoBuf, Storage};
@@ -43,7 +43,7 @@ impl<S: Storage + 'static> Inner<S> {
         if len == 0 {
             return Ok(());
         }
-        let top = &self.layers[0];
+        let top = self.chain.top();
         let end = offset + len;
         let Some(meta) = top.qcow2() else {
             if fast && !top.file.zeroes_are_cheap() {
@@ -65,7 +65,7 @@ impl<S: Storage + 'static> Inner<S> {
         }
         let g = &meta.geom;
         let size = top.size.get();
-        let has_backing = self.layers.len() > 1;
+        let has_backing = self.chain.layers.len() > 1;
         let v3 = meta.header.borrow().version >= 3;
         let ext = g.extended_l2();
         let unit = if ext {
@@ -112,7 +112,7 @@ impl<S: Storage + 'static> Inner<S> {
         };
         // Partial clusters of a compressed cluster cannot take zero bits.
         let entries = if ms < me {
-            self.l2_entries(ms, me - ms).await?
+            self.alloc()?.l2_entries(ms, me - ms).await?
         } else {
             Vec::new()
         };
@@ -139,11 +139,11 @@ impl<S: Storage + 'static> Inner<S> {
                 pos += n;
             }
         }
-        let w = self.writer()?;
+        let w = self.alloc()?;
         for (e, a, b, whole) in meta_ranges {
             // The edges written as data above may have changed this very entry: use it as it
             // is now (the exclusive lock keeps it stable from here on).
-            let e = self.l2_entries(e.cluster, 1).await?[0];
+            let e = w.l2_entries(e.cluster, 1).await?[0];
             let has_host = e.word & L2_OFFSET_MASK != 0;
             let compressed = e.word & L2_COMPRESSED != 0;
             let unmap = whole && (compressed || (may_unmap && has_host));
@@ -173,13 +173,12 @@ impl<S: Storage + 'static> Inner<S> {
             }
             {
                 let _g = w.meta_lock.lock().await;
-                self.l2_for_write(g.l1_index(GuestOffset(e.cluster)))
-                    .await?;
+                w.l2_for_write(g.l1_index(GuestOffset(e.cluster))).await?;
             }
             if w.lazy_refcounts {
-                self.mark_dirty().await?;
+                w.mark_dirty().await?;
             }
-            self.set_l2_entry(e.cluster, word, bitmap).await?;
+            w.set_l2_entry(e.cluster, word, bitmap).await?;
             let released = if !v3 || unmap { e.word } else { 0 };
             if released != 0 {
                 self.release(released, may_unmap && self.discard_passthrough)
@@ -196,7 +195,7 @@ impl<S: Storage + 'static> Inner<S> {
             return Ok(true);
         }
         let mut pieces = Vec::new();
-        self.resolve(offset, len, 0, &mut pieces).await?;
+        self.chain.resolve(offset, len, 0, &mut pieces).await?;
         Ok(pieces.iter().all(|p| p.src == Source::Zero))
     }
 }

@@ -10,12 +10,11 @@
 //!   L2 entries that stopped using them by the refcount cache's dependency on the L2 cache
 //!   (set here).
 //!
-//! Callers hold `Writer::meta_lock` around allocation and freeing.
+//! Callers hold `Allocator::meta_lock` around allocation and freeing.
 
-use super::error::{EngineError, Result};
 use super::overlap::MetaKind;
-use super::writer::Writer;
-use super::Inner;
+use super::Allocator;
+use crate::engine::error::{EngineError, Result};
 use crate::format::{limits, refcount};
 use std::future::Future;
 use std::pin::Pin;
@@ -25,15 +24,9 @@ use storage::{IoBuf, Storage};
 /// Byte offset of `refcount_table_offset` (followed by `refcount_table_clusters`) in the header.
 const REFTABLE_FIELDS_OFFSET: u64 = 48;
 
-impl<S: Storage + 'static> Inner<S> {
-    fn w(&self) -> &Writer<S> {
-        self.writer
-            .as_ref()
-            .expect("refcount operations need a writable image")
-    }
-
+impl<S: Storage + 'static> Allocator<S> {
     fn rc_geometry(&self) -> (u64, u32, u64) {
-        let g = &self.layers[0].qcow2().expect("qcow2").geom;
+        let g = self.meta().geom;
         (
             g.cluster_size(),
             g.refcount_order(),
@@ -43,14 +36,14 @@ impl<S: Storage + 'static> Inner<S> {
 
     fn cache_err(&self, source: cache::CacheError) -> EngineError {
         EngineError::Cache {
-            image: self.layers[0].name.clone(),
+            image: self.top().name.clone(),
             source,
         }
     }
 
     fn fmt_err(&self, source: crate::format::FormatError) -> EngineError {
         EngineError::Format {
-            image: self.layers[0].name.clone(),
+            image: self.top().name.clone(),
             source,
         }
     }
@@ -59,12 +52,7 @@ impl<S: Storage + 'static> Inner<S> {
     fn block_of(&self, cluster: u64) -> Option<u64> {
         let (_, _, epb) = self.rc_geometry();
         let ti = usize::try_from(cluster / epb).ok()?;
-        self.w()
-            .reftable
-            .borrow()
-            .get(ti)
-            .copied()
-            .filter(|&b| b != 0)
+        self.reftable.borrow().get(ti).copied().filter(|&b| b != 0)
     }
 
     /// Refcount of cluster index `cluster` (0 where no refcount block exists).
@@ -74,8 +62,7 @@ impl<S: Storage + 'static> Inner<S> {
             return Ok(0);
         };
         let idx = (cluster % epb) as usize;
-        self.w()
-            .refcounts
+        self.refcounts
             .read(block, |b| refcount::get(b, order, idx))
             .await
             .map_err(|e| self.cache_err(e))?
@@ -87,7 +74,6 @@ impl<S: Storage + 'static> Inner<S> {
     /// corrupt. Returns the new refcount.
     pub(crate) async fn update_refcount(&self, cluster: u64, delta: i64) -> Result<u64> {
         let (cs, order, epb) = self.rc_geometry();
-        let w = self.w();
         let Some(block) = self.block_of(cluster) else {
             return Err(self
                 .mark_corrupt(format!(
@@ -99,14 +85,14 @@ impl<S: Storage + 'static> Inner<S> {
         if delta < 0 {
             // The L2 (or other) entry that stopped using the cluster must reach the disk before
             // the lower refcount does.
-            w.refcounts
+            self.refcounts
                 .set_dependency(self.l2.clone())
                 .await
                 .map_err(|e| self.cache_err(e))?;
         }
         let idx = (cluster % epb) as usize;
         let max = refcount::max_value(order).unwrap_or(u64::MAX);
-        let res = w
+        let res = self
             .refcounts
             .modify(block, |b| -> std::result::Result<u64, String> {
                 let old = refcount::get(b, order, idx).map_err(|e| e.to_string())?;
@@ -128,8 +114,8 @@ impl<S: Storage + 'static> Inner<S> {
             .map_err(|e| self.cache_err(e))?;
         match res {
             Ok(new) => {
-                if new == 0 && cluster < w.free_hint.get() {
-                    w.free_hint.set(cluster);
+                if new == 0 && cluster < self.free_hint.get() {
+                    self.free_hint.set(cluster);
                 }
                 Ok(new)
             }
@@ -142,15 +128,14 @@ impl<S: Storage + 'static> Inner<S> {
     /// when they are used).
     async fn find_free(&self, n: u64) -> Result<u64> {
         let (cs, order, epb) = self.rc_geometry();
-        let w = self.w();
         let max_clusters = limits::MAX_HOST_OFFSET / cs;
-        let mut c = w.free_hint.get();
+        let mut c = self.free_hint.get();
         let mut start = c;
         let mut run = 0u64;
         loop {
             if start + n > max_clusters {
                 return Err(EngineError::NoSpace {
-                    image: self.layers[0].name.clone(),
+                    image: self.top().name.clone(),
                     detail: "host offsets would exceed 2^56 bytes".into(),
                 });
             }
@@ -168,7 +153,7 @@ impl<S: Storage + 'static> Inner<S> {
                 }
                 Some(block) => {
                     let from = (c % epb) as usize;
-                    let (found, new_start, new_run) = w
+                    let (found, new_start, new_run) = self
                         .refcounts
                         .read(block, |b| {
                             let (mut s, mut r) = (start, run);
@@ -207,7 +192,6 @@ impl<S: Storage + 'static> Inner<S> {
     /// cache before pointing an L2 entry at them.
     pub(crate) async fn alloc_clusters(&self, n: u64) -> Result<u64> {
         let (cs, _, epb) = self.rc_geometry();
-        let w = self.w();
         'retry: loop {
             let start = self.find_free(n).await?;
             for ti in start / epb..=(start + n - 1) / epb {
@@ -220,7 +204,7 @@ impl<S: Storage + 'static> Inner<S> {
             for c in start..start + n {
                 self.update_refcount(c, 1).await?;
             }
-            w.free_hint.set(start + n);
+            self.free_hint.set(start + n);
             self.note_allocated_end((start + n) * cs);
             return Ok(start * cs);
         }
@@ -236,10 +220,10 @@ impl<S: Storage + 'static> Inner<S> {
             if left == 0 {
                 let off = c * cs;
                 self.l2.forget(|k| k.layer == 0 && k.table == off);
-                self.w().refcounts.forget(|&k| k == off);
-                self.w().meta.borrow_mut().remove(off);
+                self.refcounts.forget(|&k| k == off);
+                self.meta.borrow_mut().remove(off);
                 if punch {
-                    let top = &self.layers[0];
+                    let top = self.top();
                     // Best effort: a file system without hole punching just keeps the bytes.
                     let _ = top.file.discard_at(off, cs).await;
                 }
@@ -250,7 +234,7 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Frees the host clusters a compressed cluster's data touches (one reference each).
     pub(crate) async fn free_compressed(&self, raw: u64) -> Result<()> {
-        let meta = self.layers[0].qcow2().expect("qcow2");
+        let meta = self.meta();
         let (cs, _, _) = self.rc_geometry();
         let desc = crate::format::CompressedDescriptor::decode(
             raw,
@@ -270,13 +254,13 @@ impl<S: Storage + 'static> Inner<S> {
     fn has_block(&self, ti: u64) -> bool {
         usize::try_from(ti)
             .ok()
-            .and_then(|i| self.w().reftable.borrow().get(i).copied())
+            .and_then(|i| self.reftable.borrow().get(i).copied())
             .is_some_and(|b| b != 0)
     }
 
     /// Tracks the end of everything allocated, for pointer checks.
     pub(crate) fn note_allocated_end(&self, end: u64) {
-        let meta = self.layers[0].qcow2().expect("qcow2");
+        let meta = self.meta();
         if end > meta.file_end.get() {
             meta.file_end.set(end);
         }
@@ -287,8 +271,7 @@ impl<S: Storage + 'static> Inner<S> {
     fn alloc_refblock(&self, ti: u64) -> Pin<Box<dyn Future<Output = Result<()>> + '_>> {
         Box::pin(async move {
             let (cs, order, epb) = self.rc_geometry();
-            let w = self.w();
-            if ti >= w.reftable.borrow().len() as u64 {
+            if ti >= self.reftable.borrow().len() as u64 {
                 return self.grow_reftable(ti + 1).await;
             }
             let b = self.find_free(1).await?;
@@ -296,7 +279,7 @@ impl<S: Storage + 'static> Inner<S> {
             let block_off = b * cs;
             // Nothing cached may describe the old contents of this cluster.
             self.l2.forget(|k| k.layer == 0 && k.table == block_off);
-            w.refcounts.forget(|&k| k == block_off);
+            self.refcounts.forget(|&k| k == block_off);
             let mut block = IoBuf::zeroed(cs as usize);
             if bti == ti {
                 // The block describes itself.
@@ -305,7 +288,10 @@ impl<S: Storage + 'static> Inner<S> {
             } else if self.has_block(bti) {
                 self.update_refcount(b, 1).await?;
                 // Its refcount must be durable before the table points to it.
-                w.refcounts.flush().await.map_err(|e| self.cache_err(e))?;
+                self.refcounts
+                    .flush()
+                    .await
+                    .map_err(|e| self.cache_err(e))?;
             } else {
                 // The block's own cluster needs a block first; the caller retries.
                 return self.alloc_refblock(bti).await;
@@ -316,13 +302,13 @@ impl<S: Storage + 'static> Inner<S> {
             self.note_allocated_end(block_off + cs);
             self.write_meta(
                 "updating the refcount table",
-                w.reftable_offset.get() + ti * 8,
+                self.reftable_offset.get() + ti * 8,
                 &block_off.to_be_bytes(),
             )
             .await?;
             self.sync().await?;
-            w.reftable.borrow_mut()[ti as usize] = block_off;
-            w.meta
+            self.reftable.borrow_mut()[ti as usize] = block_off;
+            self.meta
                 .borrow_mut()
                 .insert(block_off, cs, MetaKind::RefcountBlock);
             Ok(())
@@ -333,10 +319,9 @@ impl<S: Storage + 'static> Inner<S> {
     /// the refcount blocks that describe it after everything allocated so far.
     async fn grow_reftable(&self, min_entries: u64) -> Result<()> {
         let (cs, order, epb) = self.rc_geometry();
-        let w = self.w();
-        let old_len = w.reftable.borrow().len() as u64;
+        let old_len = self.reftable.borrow().len() as u64;
         let per_cluster = cs / 8;
-        let meta = self.layers[0].qcow2().expect("qcow2");
+        let meta = self.meta();
         // New metadata goes past the old table's reach and past the end of the file.
         let area = (old_len * epb).max(meta.file_end.get().div_ceil(cs));
         let mut new_len = min_entries.max(old_len + old_len / 2).max(1);
@@ -361,7 +346,7 @@ impl<S: Storage + 'static> Inner<S> {
         }
         if new_len * 8 > limits::MAX_REFCOUNT_TABLE_BYTES {
             return Err(EngineError::NoSpace {
-                image: self.layers[0].name.clone(),
+                image: self.top().name.clone(),
                 detail: "the refcount table would exceed QEMU's 8 MiB limit".into(),
             });
         }
@@ -377,11 +362,11 @@ impl<S: Storage + 'static> Inner<S> {
             }
             let off = (area + j) * cs;
             self.l2.forget(|k| k.layer == 0 && k.table == off);
-            w.refcounts.forget(|&k| k == off);
+            self.refcounts.forget(|&k| k == off);
             self.write_meta("writing a refcount block", off, &block)
                 .await?;
         }
-        let mut table = w.reftable.borrow().clone();
+        let mut table = self.reftable.borrow().clone();
         table.resize(new_len as usize, 0);
         for j in 0..blocks {
             table[(first_index + j) as usize] = (area + j) * cs;
@@ -402,16 +387,16 @@ impl<S: Storage + 'static> Inner<S> {
         self.write_meta("updating the header", REFTABLE_FIELDS_OFFSET, &fields)
             .await?;
         self.sync().await?;
-        let old_off = w.reftable_offset.replace(table_off);
-        let old_clusters = w.reftable_clusters.replace(table_clusters);
+        let old_off = self.reftable_offset.replace(table_off);
+        let old_clusters = self.reftable_clusters.replace(table_clusters);
         {
             let mut h = meta.header.borrow_mut();
             h.refcount_table_offset = table_off;
             h.refcount_table_clusters = table_clusters as u32;
         }
-        *w.reftable.borrow_mut() = table;
+        *self.reftable.borrow_mut() = table;
         {
-            let mut m = w.meta.borrow_mut();
+            let mut m = self.meta.borrow_mut();
             m.remove(old_off);
             m.insert(table_off, table_clusters * cs, MetaKind::RefcountTable);
             for j in 0..blocks {
@@ -426,9 +411,8 @@ impl<S: Storage + 'static> Inner<S> {
     /// gets one reference per compressed cluster. Returns the byte offset.
     pub(crate) async fn alloc_bytes(&self, len: u64) -> Result<u64> {
         let (cs, order, _) = self.rc_geometry();
-        let w = self.w();
         let max = refcount::max_value(order).unwrap_or(u64::MAX);
-        let cur = w.free_byte_offset.get();
+        let cur = self.free_byte_offset.get();
         let usable = cur != 0 && self.refcount(cur / cs).await? < max;
         let off = if usable && cs - cur % cs >= len {
             self.update_refcount(cur / cs, 1).await?;
@@ -444,13 +428,13 @@ impl<S: Storage + 'static> Inner<S> {
             }
         };
         let next = off + len;
-        w.free_byte_offset
+        self.free_byte_offset
             .set(if next % cs == 0 { 0 } else { next });
         Ok(off)
     }
 
     /// The writer's refcount cache as a dependency target.
     pub(crate) fn refcounts_flush(&self) -> Rc<dyn cache::Flush> {
-        self.w().refcounts.clone()
+        self.refcounts.clone()
     }
 }

@@ -1,7 +1,7 @@
 //! Walking one window of the disk through many read-only layers, with the L2 slices of the
 //! next layers read concurrently in waves.
 //!
-//! [`walk`](super::resolve::walk) asks each layer in turn and loads an L2 slice only when it
+//! [`walk`](super::walk::walk) asks each layer in turn and loads an L2 slice only when it
 //! gets there, so a window that falls through a chain of depth 300 costs 300 dependent reads
 //! (and, with one small L2 cache for the whole chain, it costs them again for the next
 //! window). The backing map builds each window once, so here the layers are visited level by
@@ -16,13 +16,13 @@
 //! slices in the cache and always goes through it. Prefetched slices bypass the L2 cache, so
 //! building the map does not evict the slices that requests to the top layer use.
 
-use super::error::Result;
-use super::join_all::join_all;
-use super::layer::Layer;
-use super::map::Prefetched;
-use super::metacache::L2Key;
-use super::resolve::{absent, step, Piece};
-use super::L2Cache;
+use super::layer_map::Prefetched;
+use super::piece::{absent, Piece};
+use super::walk::step;
+use crate::engine::error::Result;
+use crate::engine::join_all::join_all;
+use crate::engine::layer::Layer;
+use crate::engine::metacache::{L2Cache, L2Key};
 use crate::format::GuestOffset;
 use storage::Storage;
 

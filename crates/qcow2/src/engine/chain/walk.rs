@@ -1,78 +1,12 @@
-//! Resolving a guest range through the whole chain: which layer provides each byte, and how.
+//! Walking the chain one layer at a time: each layer answers what it holds and hands the rest
+//! down to the next layer.
 
-use super::error::Result;
-use super::layer::{Layer, LayerFormat};
-use super::map::{map_layer, Prefetched, Run, RunKind};
-use super::Inner;
-use super::L2Cache;
+use super::layer_map::{map_layer, Prefetched, Run, RunKind};
+use super::piece::{absent, Piece, Source};
+use crate::engine::error::Result;
+use crate::engine::layer::{Layer, LayerFormat};
+use crate::engine::metacache::L2Cache;
 use storage::Storage;
-
-/// Where the bytes of a piece come from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Source {
-    /// Zeros (a zero cluster or subcluster, or nothing allocated anywhere).
-    Zero,
-    /// Bytes at `host` of the layer's data storage.
-    Data { host: u64 },
-    /// Part of a compressed cluster (raw L2 word, guest offset of the cluster's start).
-    Compressed { raw: u64, cluster: u64 },
-}
-
-/// A run of guest bytes and where they come from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Piece {
-    /// First guest byte.
-    pub start: u64,
-    /// Length.
-    pub len: u64,
-    /// Where the bytes come from.
-    pub src: Source,
-    /// The layer that decided: the one holding the data or zero flag when `present`,
-    /// otherwise the deepest layer whose size covers the range (qemu-img map's `depth`).
-    pub layer: usize,
-    /// Allocated (as data or zeros) in some layer.
-    pub present: bool,
-}
-
-impl Piece {
-    /// True when `next` is data that continues this data piece in the same file, in guest
-    /// and host order alike, so one I/O can read both.
-    pub(crate) fn continues_data(&self, next: &Piece) -> bool {
-        match (self.src, next.src) {
-            (Source::Data { host: a }, Source::Data { host: b }) => {
-                next.layer == self.layer && b == a + self.len && next.start == self.start + self.len
-            }
-            _ => false,
-        }
-    }
-}
-
-impl<S: Storage + 'static> Inner<S> {
-    /// Appends the pieces of `[start, start + len)` as seen from layer `from` downwards, in
-    /// guest order. The range must lie within layer `from`'s size. Ranges that fall through
-    /// to the backing chain are answered by the merged backing map when there is one.
-    pub(crate) async fn resolve(
-        &self,
-        start: u64,
-        len: u64,
-        from: usize,
-        out: &mut Vec<Piece>,
-    ) -> Result<()> {
-        match &self.backing_map {
-            Some(map) if from == 0 => {
-                let first = out.len();
-                let mut below = Vec::new();
-                walk(&self.layers, &self.l2, start, len, 0, Some(&mut below), out).await?;
-                for (s, l) in below {
-                    map.resolve(s, l, out).await?;
-                }
-                out[first..].sort_unstable_by_key(|p| p.start);
-                Ok(())
-            }
-            _ => walk(&self.layers, &self.l2, start, len, from, None, out).await,
-        }
-    }
-}
 
 /// Walks the chain from layer `from` for `[start, start + len)`, appending pieces in guest
 /// order. With `stop_below`, ranges unallocated in layer `from` are handed back there instead
@@ -167,15 +101,4 @@ pub(crate) async fn step<S: Storage + 'static>(
         }
     }
     Ok(())
-}
-
-/// Zeros nobody allocated; `deepest` is the last layer that covers them.
-pub(crate) fn absent(start: u64, len: u64, deepest: usize) -> Piece {
-    Piece {
-        start,
-        len,
-        src: Source::Zero,
-        layer: deepest,
-        present: false,
-    }
 }

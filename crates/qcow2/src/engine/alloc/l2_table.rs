@@ -4,20 +4,20 @@
 //! Order: the new table's refcount is made durable, the whole table is written and flushed,
 //! and only then does the L1 entry point to it; a shared table loses its reference last.
 
-use super::error::Result;
-use super::metacache::L2Key;
 use super::overlap::MetaKind;
-use super::Inner;
+use super::Allocator;
+use crate::engine::error::Result;
+use crate::engine::metacache::L2Key;
 use crate::format::l1::{L1_COPIED, L1_OFFSET_MASK};
 use storage::{IoBuf, Storage};
 
-impl<S: Storage + 'static> Inner<S> {
+impl<S: Storage + 'static> Allocator<S> {
     /// The offset of a writable (COPIED) L2 table for L1 index `l1i`, creating one if needed.
     /// The caller holds the meta lock.
     pub(crate) async fn l2_for_write(&self, l1i: u64) -> Result<u64> {
-        let top = &self.layers[0];
-        let meta = top.qcow2().expect("writes go to qcow2 layers");
-        let w = self.writer()?;
+        let top = self.top();
+        let meta = self.meta();
+        self.ensure_usable()?;
         let word = meta
             .l1
             .borrow()
@@ -31,7 +31,7 @@ impl<S: Storage + 'static> Inner<S> {
         let cs = meta.geom.cluster_size();
         let new = self.alloc_clusters(1).await?;
         // The table's refcount must be on disk before anything points to it.
-        w.refcounts
+        self.refcounts
             .flush()
             .await
             .map_err(|source| super::EngineError::Cache {
@@ -62,7 +62,7 @@ impl<S: Storage + 'static> Inner<S> {
         self.write_meta("writing a new L2 table", new, &table)
             .await?;
         self.sync().await?;
-        w.meta.borrow_mut().insert(new, cs, MetaKind::L2Table);
+        self.meta.borrow_mut().insert(new, cs, MetaKind::L2Table);
         let entry = new | L1_COPIED;
         meta.l1.borrow_mut()[l1i as usize] = entry;
         self.write_meta(

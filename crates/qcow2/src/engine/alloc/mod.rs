@@ -1,27 +1,41 @@
-//! State that only a writable image has: the refcount table and cache, the allocator's hints,
-//! the metadata index for overlap checks, and the header bits (dirty, corrupt) it maintains.
+//! The allocator: everything a writable image keeps beyond what reading needs, and every
+//! change to where guest clusters live goes through it.
+//!
+//! - this file: the state (refcount table and cache, allocation hints, the metadata index),
+//!   loading it on open, and the header bits it maintains (dirty, corrupt, autoclear);
+//! - [`refcount`]: refcounts, finding and freeing clusters, refcount blocks and table growth;
+//! - [`l2_table`]: giving a guest range a writable L2 table;
+//! - [`l2_entry`]: reading and atomically updating L2 entries through the cache;
+//! - [`overlap`]: the metadata index that data writes must never touch.
+//!
+//! Write, zero, discard, compressed write and resize plan what to change and call these.
 
-use super::error::{EngineError, Result};
-use super::layer::{read_exact, Layer};
-use super::metacache::RefcountBackend;
-use super::overlap::{MetaIndex, MetaKind};
-use super::Inner;
+pub(crate) mod l2_entry;
+mod l2_table;
+pub(crate) mod overlap;
+mod refcount;
+
+use crate::engine::error::{EngineError, Result};
+use crate::engine::layer::{read_exact, Layer};
+use crate::engine::metacache::L2Cache;
+use crate::engine::metacache::{RefcountBackend, RefcountCache};
 use crate::format::features::{INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
 use crate::format::{bitmap, l1, HostOffset, RefcountTableEntry};
+use overlap::{MetaIndex, MetaKind};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use storage::{IoBuf, Storage};
 
-/// The refcount-block cache of the writable layer.
-pub(crate) type RefcountCache<S> = cache::Cache<u64, RefcountBackend<S>>;
-
-/// Byte offset of `incompatible_features` in a version 3 header.
 use crate::format::header::{
     AUTOCLEAR_FEATURES_OFFSET, INCOMPATIBLE_FEATURES_OFFSET as INCOMPAT_OFFSET,
 };
 
-/// Everything a writable image keeps beyond what reading needs.
-pub(crate) struct Writer<S: Storage + 'static> {
+/// The allocator of a writable image.
+pub(crate) struct Allocator<S: Storage + 'static> {
+    /// The chain's layers; the allocator changes layer 0 only.
+    layers: Rc<Vec<Layer<S>>>,
+    /// The chain's L2 cache (the allocator updates layer 0's entries through it).
+    l2: Rc<L2Cache<S>>,
     /// Refcount blocks by file offset.
     pub refcounts: Rc<RefcountCache<S>>,
     /// The refcount table: block offset per entry (0 = no block).
@@ -49,9 +63,13 @@ pub(crate) struct Writer<S: Storage + 'static> {
     pub free_byte_offset: Cell<u64>,
 }
 
-impl<S: Storage + 'static> Writer<S> {
-    /// Builds the writer for layer 0 of `layers`, reading and validating the refcount table.
-    pub async fn open(layers: &Rc<Vec<Layer<S>>>, refcount_cache_bytes: u64) -> Result<Writer<S>> {
+impl<S: Storage + 'static> Allocator<S> {
+    /// Builds the allocator for layer 0 of `layers`, reading and validating the refcount table.
+    pub async fn open(
+        layers: &Rc<Vec<Layer<S>>>,
+        l2: &Rc<L2Cache<S>>,
+        refcount_cache_bytes: u64,
+    ) -> Result<Allocator<S>> {
         let layer = &layers[0];
         let meta = layer
             .qcow2()
@@ -162,7 +180,8 @@ impl<S: Storage + 'static> Writer<S> {
             // The table's length and the snapshots' L1 tables were validated on open; record
             // them by reading the table again (cheap: it is small and rarely present).
             let snaps =
-                super::open::snapshot_table(&layer.file, &layer.name, &h, g, file_len).await?;
+                crate::engine::load::snapshot_table(&layer.file, &layer.name, &h, g, file_len)
+                    .await?;
             let len: u64 = snaps.iter().map(|s| s.1).sum();
             index.insert(
                 snapshots_offset,
@@ -189,7 +208,9 @@ impl<S: Storage + 'static> Writer<S> {
             image: layer.name.clone(),
             source,
         })?;
-        Ok(Writer {
+        Ok(Allocator {
+            layers: layers.clone(),
+            l2: l2.clone(),
             refcounts: Rc::new(refcounts),
             reftable: RefCell::new(reftable),
             reftable_offset: Cell::new(reftable_offset),
@@ -204,35 +225,29 @@ impl<S: Storage + 'static> Writer<S> {
             free_byte_offset: Cell::new(0),
         })
     }
-}
 
-impl<S: Storage + 'static> Inner<S> {
-    /// The writer, or the error a write to this image gets.
-    pub(crate) fn writer(&self) -> Result<&Writer<S>> {
-        let top = &self.layers[0];
-        match &self.writer {
-            None => Err(EngineError::ReadOnly {
-                image: top.name.clone(),
-            }),
-            Some(w) if w.corrupt.get() => Err(EngineError::MarkedCorrupt {
-                image: top.name.clone(),
-            }),
-            Some(w) => Ok(w),
-        }
-    }
-
-    /// Refuses writes to a read-only image or one found corrupt.
-    pub(crate) fn check_writable(&self) -> Result<()> {
-        if self.read_only {
-            return Err(EngineError::ReadOnly {
-                image: self.layers[0].name.clone(),
+    /// Refuses to change an image found corrupt by an earlier request.
+    fn ensure_usable(&self) -> Result<()> {
+        if self.corrupt.get() {
+            return Err(EngineError::MarkedCorrupt {
+                image: self.top().name.clone(),
             });
         }
-        match &self.writer {
-            Some(w) if w.corrupt.get() => Err(EngineError::MarkedCorrupt {
-                image: self.layers[0].name.clone(),
-            }),
-            _ => Ok(()),
+        Ok(())
+    }
+
+    /// The writable layer (layer 0).
+    pub fn top(&self) -> &Layer<S> {
+        &self.layers[0]
+    }
+
+    /// Layer 0's qcow2 metadata: an allocator exists only for a qcow2 layer 0.
+    fn meta(&self) -> &crate::engine::layer::Qcow2Meta<S> {
+        match &self.layers[0].format {
+            crate::engine::layer::LayerFormat::Qcow2(m) => m,
+            crate::engine::layer::LayerFormat::Raw => {
+                unreachable!("an allocator is only built for a qcow2 layer")
+            }
         }
     }
 
@@ -243,17 +258,15 @@ impl<S: Storage + 'static> Inner<S> {
         offset: u64,
         bytes: &[u8],
     ) -> Result<()> {
-        let top = &self.layers[0];
+        let top = self.top();
         let (res, _) = top
             .file
             .write_at(IoBuf::from_slice(bytes).into(), offset)
             .await;
         res.map_err(|e| top.io_error(what, offset, e))?;
-        if let Some(w) = &self.writer {
-            let end = offset + bytes.len() as u64;
-            if end > w.physical_len.get() {
-                w.physical_len.set(end);
-            }
+        let end = offset + bytes.len() as u64;
+        if end > self.physical_len.get() {
+            self.physical_len.set(end);
         }
         Ok(())
     }
@@ -263,9 +276,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// set it must learn that the structure may be stale. Runs once every check of a
     /// read-write open has passed.
     pub(crate) async fn clear_unknown_autoclear(&self) -> Result<()> {
-        let Some(meta) = self.layers[0].qcow2() else {
-            return Ok(());
-        };
+        let meta = self.meta();
         let (version, bits) = {
             let h = meta.header.borrow();
             (h.version, h.autoclear_features)
@@ -275,7 +286,7 @@ impl<S: Storage + 'static> Inner<S> {
             return Ok(());
         }
         tracing::info!(
-            image = %self.layers[0].name,
+            image = %self.top().name,
             cleared = format_args!("{:#x}", bits & !known),
             "clearing unknown autoclear feature bits"
         );
@@ -291,7 +302,7 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// fdatasync of layer 0's files (data file first).
     pub(crate) async fn sync(&self) -> Result<()> {
-        let top = &self.layers[0];
+        let top = self.top();
         super::metacache::flush_layer(top)
             .await
             .map_err(|e| top.io_error("flushing", 0, e))
@@ -299,7 +310,7 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Rewrites the header's incompatible-feature bits and makes them durable.
     async fn write_incompatible(&self, bits: u64) -> Result<()> {
-        let meta = self.layers[0].qcow2().expect("writable images are qcow2");
+        let meta = self.meta();
         meta.header.borrow_mut().incompatible_features = bits;
         self.write_meta("updating the header", INCOMPAT_OFFSET, &bits.to_be_bytes())
             .await?;
@@ -309,58 +320,44 @@ impl<S: Storage + 'static> Inner<S> {
     /// Sets the dirty bit (lazy refcounts) before the first L2 update that may outrun its
     /// refcounts; refcounts are then rebuilt on the next open unless we close cleanly.
     pub(crate) async fn mark_dirty(&self) -> Result<()> {
-        let w = self.writer()?;
-        if !w.lazy_refcounts || w.dirty_on_disk.get() {
+        self.ensure_usable()?;
+        if !self.lazy_refcounts || self.dirty_on_disk.get() {
             return Ok(());
         }
-        let _g = w.meta_lock.lock().await;
-        if w.dirty_on_disk.get() {
+        let _g = self.meta_lock.lock().await;
+        if self.dirty_on_disk.get() {
             return Ok(());
         }
-        let bits = self.layers[0]
-            .qcow2()
-            .expect("qcow2")
-            .header
-            .borrow()
-            .incompatible_features;
+        let bits = self.meta().header.borrow().incompatible_features;
         self.write_incompatible(bits | INCOMPAT_DIRTY).await?;
-        w.dirty_on_disk.set(true);
+        self.dirty_on_disk.set(true);
         Ok(())
     }
 
     /// Clears the dirty bit once every refcount is on disk (a clean close).
     pub(crate) async fn mark_clean(&self) -> Result<()> {
-        let Some(w) = &self.writer else { return Ok(()) };
-        if !w.dirty_on_disk.get() || w.corrupt.get() || self.layers[0].sync_failed.get() {
+        if !self.dirty_on_disk.get() || self.corrupt.get() || self.top().sync_failed.get() {
             return Ok(());
         }
-        let bits = self.layers[0]
-            .qcow2()
-            .expect("qcow2")
-            .header
-            .borrow()
-            .incompatible_features;
+        let bits = self.meta().header.borrow().incompatible_features;
         self.write_incompatible(bits & !INCOMPAT_DIRTY).await?;
-        w.dirty_on_disk.set(false);
+        self.dirty_on_disk.set(false);
         Ok(())
     }
 
     /// Records an inconsistency found while writing: the image is marked corrupt on disk (as
     /// QEMU does) and every later write fails. Returns the error to report.
     pub(crate) async fn mark_corrupt(&self, detail: String) -> EngineError {
-        let top = &self.layers[0];
+        let top = self.top();
         tracing::error!(image = %top.name, "marking the image corrupt: {detail}");
-        if let Some(w) = &self.writer {
-            if !w.corrupt.replace(true) {
-                let meta = top.qcow2().expect("qcow2");
-                let (version, bits) = {
-                    let h = meta.header.borrow();
-                    (h.version, h.incompatible_features)
-                };
-                if version >= 3 {
-                    if let Err(e) = self.write_incompatible(bits | INCOMPAT_CORRUPT).await {
-                        tracing::error!(image = %top.name, "could not set the corrupt bit: {e}");
-                    }
+        if !self.corrupt.replace(true) {
+            let (version, bits) = {
+                let h = self.meta().header.borrow();
+                (h.version, h.incompatible_features)
+            };
+            if version >= 3 {
+                if let Err(e) = self.write_incompatible(bits | INCOMPAT_CORRUPT).await {
+                    tracing::error!(image = %top.name, "could not set the corrupt bit: {e}");
                 }
             }
         }
@@ -370,14 +367,11 @@ impl<S: Storage + 'static> Inner<S> {
     /// Refuses a data write over metadata (and marks the image corrupt), as QEMU's overlap
     /// check does. Data in an external data file cannot overlap qcow2 metadata.
     pub(crate) async fn check_overlap(&self, host: u64, len: u64) -> Result<()> {
-        let w = self.writer()?;
-        if self.layers[0]
-            .qcow2()
-            .is_some_and(|m| m.data_file.is_some())
-        {
+        self.ensure_usable()?;
+        if self.meta().data_file.is_some() {
             return Ok(());
         }
-        let hit = w.meta.borrow().overlap(host, len);
+        let hit = self.meta.borrow().overlap(host, len);
         if let Some((start, kind)) = hit {
             return Err(self
                 .mark_corrupt(format!(

@@ -3,10 +3,9 @@
 //! contiguous stretch of equal kind (so a read becomes one I/O per contiguous host run, not
 //! one per cluster or subcluster).
 
-use super::error::{EngineError, Result};
-use super::layer::{Layer, Qcow2Meta};
-use super::metacache::L2Key;
-use super::L2Cache;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::layer::{Layer, Qcow2Meta};
+use crate::engine::metacache::{L2Cache, L2Key};
 use crate::format::{l2, ExtendedL2Entry, GuestOffset, HostOffset, L2Entry, SubclusterState};
 use std::collections::HashMap;
 use storage::{IoBuf, Storage};

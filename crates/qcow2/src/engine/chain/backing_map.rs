@@ -13,11 +13,12 @@
 //! resolve to one thing (compressed clusters, a layer ending inside the granule) are marked
 //! "descend" and walked on each request, which is correct, only slower.
 
-use super::chain_walk::walk_window;
-use super::error::{EngineError, Result};
-use super::layer::Layer;
-use super::resolve::{walk, Piece, Source};
-use super::L2Cache;
+use super::piece::{Piece, Source};
+use super::walk::walk;
+use super::window::walk_window;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::layer::Layer;
+use crate::engine::metacache::L2Cache;
 use std::io;
 use std::rc::Rc;
 use storage::Storage;

@@ -1,9 +1,9 @@
 //! Reading and writing raw L2 entries of the writable layer through the cache (the write
 //! side's view; reads use `map`).
 
-use super::error::{EngineError, Result};
-use super::metacache::L2Key;
-use super::Inner;
+use super::Allocator;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::metacache::L2Key;
 use crate::format::{l2, GuestOffset};
 use storage::Storage;
 
@@ -20,9 +20,9 @@ pub(crate) struct RawEntry {
     pub table: u64,
 }
 
-impl<S: Storage + 'static> Inner<S> {
+impl<S: Storage + 'static> Allocator<S> {
     fn l2_key(&self, table: u64, cluster: u64) -> (L2Key, usize) {
-        let g = &self.layers[0].qcow2().expect("qcow2").geom;
+        let g = self.meta().geom;
         let per_slice = self.l2.entry_size() as u64 / g.l2_entry_size();
         let index = g.l2_index(GuestOffset(cluster)) as u64;
         (
@@ -37,14 +37,14 @@ impl<S: Storage + 'static> Inner<S> {
 
     fn l2_cache_err(&self, source: cache::CacheError) -> EngineError {
         EngineError::Cache {
-            image: self.layers[0].name.clone(),
+            image: self.top().name.clone(),
             source,
         }
     }
 
     /// The raw L2 entries of layer 0 for every cluster touching `[offset, offset + len)`.
     pub(crate) async fn l2_entries(&self, offset: u64, len: u64) -> Result<Vec<RawEntry>> {
-        let meta = self.layers[0].qcow2().expect("qcow2");
+        let meta = self.meta();
         let g = &meta.geom;
         let cs = g.cluster_size();
         let ext = g.extended_l2();
@@ -112,13 +112,13 @@ impl<S: Storage + 'static> Inner<S> {
         cluster: u64,
         f: impl FnOnce(u64, u64) -> Option<(u64, u64)>,
     ) -> Result<(u64, u64)> {
-        let meta = self.layers[0].qcow2().expect("qcow2");
+        let meta = self.meta();
         let g = &meta.geom;
         let ext = g.extended_l2();
         let table = meta
             .l2_table(g.l1_index(GuestOffset(cluster)))
             .ok_or_else(|| {
-                self.layers[0].corrupt(format!(
+                self.top().corrupt(format!(
                     "no L2 table for guest cluster {cluster:#x} after allocating one"
                 ))
             })?;
@@ -135,7 +135,7 @@ impl<S: Storage + 'static> Inner<S> {
             .await
             .map_err(|e| self.l2_cache_err(e))?;
         seen.ok_or_else(|| {
-            self.layers[0].corrupt(format!(
+            self.top().corrupt(format!(
                 "L2 entry for guest cluster {cluster:#x} is outside its slice"
             ))
         })

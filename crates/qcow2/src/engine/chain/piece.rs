@@ -1,0 +1,53 @@
+//! What resolving a guest range through the chain produces: pieces of guest bytes, each with
+//! where its bytes come from and which layer decided.
+
+/// Where the bytes of a piece come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// Zeros (a zero cluster or subcluster, or nothing allocated anywhere).
+    Zero,
+    /// Bytes at `host` of the layer's data storage.
+    Data { host: u64 },
+    /// Part of a compressed cluster (raw L2 word, guest offset of the cluster's start).
+    Compressed { raw: u64, cluster: u64 },
+}
+
+/// A run of guest bytes and where they come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Piece {
+    /// First guest byte.
+    pub start: u64,
+    /// Length.
+    pub len: u64,
+    /// Where the bytes come from.
+    pub src: Source,
+    /// The layer that decided: the one holding the data or zero flag when `present`,
+    /// otherwise the deepest layer whose size covers the range (qemu-img map's `depth`).
+    pub layer: usize,
+    /// Allocated (as data or zeros) in some layer.
+    pub present: bool,
+}
+
+impl Piece {
+    /// True when `next` is data that continues this data piece in the same file, in guest
+    /// and host order alike, so one I/O can read both.
+    pub(crate) fn continues_data(&self, next: &Piece) -> bool {
+        match (self.src, next.src) {
+            (Source::Data { host: a }, Source::Data { host: b }) => {
+                next.layer == self.layer && b == a + self.len && next.start == self.start + self.len
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Zeros nobody allocated; `deepest` is the last layer that covers them.
+pub(crate) fn absent(start: u64, len: u64, deepest: usize) -> Piece {
+    Piece {
+        start,
+        len,
+        src: Source::Zero,
+        layer: deepest,
+        present: false,
+    }
+}

@@ -1,0 +1,456 @@
+//! Loading one file of a chain: probing its format, then reading and validating a qcow2
+//! header and the tables every request needs (L1, snapshot table), each checked against the
+//! file and against each other before anything uses it.
+
+use super::backing_name;
+use super::compress::Codec;
+use super::error::{EngineError, Result};
+use super::layer::{read_exact, Layer, LayerFormat, Qcow2Meta};
+use crate::format::{limits, snapshot, Geometry, Header, SnapshotTableEntry};
+use std::cell::{Cell, RefCell};
+use std::path::Path;
+use storage::{IoBuf, Opener, Storage};
+
+/// The four bytes every qcow2 image starts with.
+const QCOW2_MAGIC: [u8; 4] = *b"QFI\xfb";
+
+/// Image formats the engine reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// qcow2 (versions 2 and 3).
+    Qcow2,
+    /// A raw disk image.
+    Raw,
+}
+
+impl Format {
+    /// Parses a format name as written in a backing-format extension or given on the
+    /// command line.
+    pub fn from_name(name: &str) -> Option<Format> {
+        match name {
+            "qcow2" => Some(Format::Qcow2),
+            "raw" => Some(Format::Raw),
+            _ => None,
+        }
+    }
+}
+
+/// Opens one file of the chain.
+pub(crate) async fn open_layer<O>(
+    opener: &O,
+    path: &Path,
+    format: Option<Format>,
+    access: storage::OpenOptions,
+    snapshot: Option<&str>,
+    top: bool,
+) -> Result<Layer<O::Storage>>
+where
+    O: Opener,
+    O::Storage: 'static,
+{
+    let name = path.display().to_string();
+    let file = opener
+        .open(path, access)
+        .await
+        .map_err(|source| EngineError::Open {
+            path: name.clone(),
+            source,
+        })?;
+    let file_len = file.len().await.map_err(|source| EngineError::Io {
+        image: name.clone(),
+        what: "getting the file size",
+        offset: 0,
+        source,
+    })?;
+    let magic = read_exact(&file, &name, "reading the header", 0, 4).await?;
+    let is_qcow2 = file_len >= 4 && magic[..4] == QCOW2_MAGIC;
+    let format = match format {
+        Some(f) => f,
+        None if is_qcow2 => Format::Qcow2,
+        None if top => {
+            return Err(EngineError::Unsupported {
+                image: name,
+                what: "opening a file that is not qcow2 without an explicit format (use raw)"
+                    .into(),
+            })
+        }
+        None => Format::Raw,
+    };
+    if format == Format::Raw {
+        if snapshot.is_some() {
+            return Err(EngineError::Unsupported {
+                image: name,
+                what: "internal snapshots of a raw file".into(),
+            });
+        }
+        return Ok(Layer {
+            name,
+            file,
+            size: Cell::new(file_len),
+            format: LayerFormat::Raw,
+            sync_failed: Cell::new(false),
+        });
+    }
+    let at = LayerFile {
+        file: &file,
+        name: &name,
+        len: file_len,
+    };
+    let (meta, size) = open_qcow2(opener, &at, path, access, snapshot).await?;
+    Ok(Layer {
+        name,
+        file,
+        size: Cell::new(size),
+        format: LayerFormat::Qcow2(meta),
+        sync_failed: Cell::new(false),
+    })
+}
+
+/// The file a layer is being loaded from, with what every error about it needs.
+struct LayerFile<'a, S> {
+    file: &'a S,
+    name: &'a str,
+    len: u64,
+}
+
+impl<S: Storage + 'static> LayerFile<'_, S> {
+    fn format_error(&self, source: crate::format::FormatError) -> EngineError {
+        EngineError::Format {
+            image: self.name.to_string(),
+            source,
+        }
+    }
+
+    fn corrupt(&self, detail: String) -> EngineError {
+        EngineError::Corrupt {
+            image: self.name.to_string(),
+            detail,
+        }
+    }
+
+    fn unsupported(&self, what: String) -> EngineError {
+        EngineError::Unsupported {
+            image: self.name.to_string(),
+            what,
+        }
+    }
+
+    async fn read(&self, what: &'static str, offset: u64, len: u64) -> Result<IoBuf> {
+        let len = usize::try_from(len).map_err(|_| {
+            self.corrupt(format!("{what}: {len} bytes at {offset:#x} is too large"))
+        })?;
+        read_exact(self.file, self.name, what, offset, len).await
+    }
+}
+
+/// A metadata structure's place in the file, for the checks that structures stay inside the
+/// file and apart from each other.
+type Region = (u64, u64, &'static str);
+
+/// Reads and validates a qcow2 layer's header and tables; returns them with the guest size
+/// (the snapshot's, when a snapshot is opened).
+async fn open_qcow2<O>(
+    opener: &O,
+    at: &LayerFile<'_, O::Storage>,
+    path: &Path,
+    access: storage::OpenOptions,
+    snapshot: Option<&str>,
+) -> Result<(Qcow2Meta<O::Storage>, u64)>
+where
+    O: Opener,
+    O::Storage: 'static,
+{
+    let header = read_header(at).await?;
+    if header.is_corrupt() && !access.read_only {
+        return Err(EngineError::MarkedCorrupt {
+            image: at.name.to_string(),
+        });
+    }
+    let codec = codec_of(at, &header)?;
+    let geom = header.geometry().map_err(|e| at.format_error(e))?;
+    let (regions, snapshots) = metadata_regions(at, &header, &geom).await?;
+    let (l1_offset, l1_entries, size) = l1_in_use(at, &header, &snapshots, snapshot, &geom)?;
+    let l1 = read_l1(at, &geom, l1_offset, l1_entries, size, &regions).await?;
+    let data_file = open_data_file(opener, at, &header, path, access).await?;
+    let data_raw = header.data_file_is_raw();
+    Ok((
+        Qcow2Meta {
+            geom: geom.with_data_file(data_file.is_some()),
+            header: RefCell::new(header),
+            l1: RefCell::new(l1),
+            l1_offset: Cell::new(l1_offset),
+            data_file,
+            data_raw,
+            codec,
+            file_end: Cell::new(at.len),
+            metadata_prealloc: Cell::new(None),
+        },
+        size,
+    ))
+}
+
+/// The header, which fits in the first cluster: the cluster size comes from the first
+/// sector, then just that cluster is read (or the whole file, if it is shorter).
+async fn read_header<S: Storage + 'static>(at: &LayerFile<'_, S>) -> Result<Header> {
+    let probe = at.read("reading the header", 0, 512).await?;
+    let bits = u32::from_be_bytes([probe[20], probe[21], probe[22], probe[23]])
+        .clamp(limits::MIN_CLUSTER_BITS, limits::MAX_CLUSTER_BITS);
+    let first_len = at.len.min(1 << bits).max(512);
+    let first = at.read("reading the header", 0, first_len).await?;
+    let header = Header::decode(&first).map_err(|e| at.format_error(e))?;
+    if header.crypt_method != 0 {
+        return Err(at.unsupported("an encrypted image".into()));
+    }
+    Ok(header)
+}
+
+fn codec_of<S: Storage + 'static>(at: &LayerFile<'_, S>, header: &Header) -> Result<Codec> {
+    match header.compression_type {
+        0 => Ok(Codec::Zlib),
+        1 => Ok(Codec::Zstd),
+        other => Err(at.unsupported(format!("compression type {other}"))),
+    }
+}
+
+/// The regions of the header cluster, L1 table, refcount table, snapshot table, bitmap
+/// directory and encryption header, checked to lie inside the file and apart; the first three
+/// come first. Returns them with the snapshot table, which was read to learn its length.
+async fn metadata_regions<S: Storage + 'static>(
+    at: &LayerFile<'_, S>,
+    header: &Header,
+    geom: &Geometry,
+) -> Result<(Vec<Region>, Vec<(SnapshotTableEntry, u64)>)> {
+    let cs = geom.cluster_size();
+    let mut regions: Vec<Region> = vec![(0, cs, "the header cluster")];
+    let l1_bytes = u64::from(header.l1_size) * 8;
+    regions.push((header.l1_table_offset, l1_bytes, "the L1 table"));
+    regions.push((
+        header.refcount_table_offset,
+        u64::from(header.refcount_table_clusters) * cs,
+        "the refcount table",
+    ));
+    let snapshots = snapshot_table(at.file, at.name, header, geom, at.len).await?;
+    if header.nb_snapshots > 0 {
+        // QEMU does not write the padding after the last entry when the table ends the file.
+        let padding = snapshots.last().map_or(0, |(e, used)| {
+            used - (40 + e.extra_data.len() + e.id.len() + e.name.len()) as u64
+        });
+        let len = snapshots.iter().map(|s| s.1).sum::<u64>() - padding;
+        regions.push((header.snapshots_offset, len, "the snapshot table"));
+    }
+    if let Some(b) = header.bitmaps() {
+        regions.push((b.directory_offset, b.directory_size, "the bitmap directory"));
+    }
+    if let Some(fde) = header.fde_pointer() {
+        regions.push((fde.offset, fde.length, "the encryption header"));
+    }
+    check_regions(&mut regions, at.len, cs).map_err(|d| at.corrupt(d))?;
+    Ok((regions, snapshots))
+}
+
+/// The L1 table to read through (the active one, or the wanted snapshot's): its offset,
+/// entry count, and the guest size it serves.
+fn l1_in_use<S: Storage + 'static>(
+    at: &LayerFile<'_, S>,
+    header: &Header,
+    snapshots: &[(SnapshotTableEntry, u64)],
+    snapshot: Option<&str>,
+    geom: &Geometry,
+) -> Result<(u64, u32, u64)> {
+    let Some(wanted) = snapshot else {
+        return Ok((header.l1_table_offset, header.l1_size, header.size));
+    };
+    let by = |pick: fn(&SnapshotTableEntry) -> &[u8]| {
+        snapshots
+            .iter()
+            .map(|s| &s.0)
+            .find(|s| pick(s) == wanted.as_bytes())
+    };
+    let snap =
+        by(|s| &s.id)
+            .or_else(|| by(|s| &s.name))
+            .ok_or_else(|| EngineError::NoSuchSnapshot {
+                image: at.name.to_string(),
+                wanted: wanted.to_string(),
+            })?;
+    let l1_bytes = u64::from(snap.l1_size) * 8;
+    let mut r = vec![(snap.l1_table_offset, l1_bytes, "the snapshot's L1 table")];
+    check_regions(&mut r, at.len, geom.cluster_size()).map_err(|d| at.corrupt(d))?;
+    Ok((
+        snap.l1_table_offset,
+        snap.l1_size,
+        snap.disk_size().unwrap_or(header.size),
+    ))
+}
+
+/// Reads the L1 table, which must be large enough for `size` and may not point an L2 table
+/// at the header, the L1 table or the refcount table (the first three `regions`).
+async fn read_l1<S: Storage + 'static>(
+    at: &LayerFile<'_, S>,
+    geom: &Geometry,
+    l1_offset: u64,
+    l1_entries: u32,
+    size: u64,
+    regions: &[Region],
+) -> Result<Vec<u64>> {
+    let geom_for_size = Geometry::new(
+        geom.cluster_bits(),
+        geom.extended_l2(),
+        geom.refcount_order(),
+        size,
+    )
+    .map_err(|e| at.format_error(e))?;
+    let needed = geom
+        .l1_entries_needed()
+        .max(geom_for_size.l1_entries_needed());
+    if u64::from(l1_entries) < geom_for_size.l1_entries_needed() {
+        return Err(at.corrupt(format!(
+            "L1 table at {l1_offset:#x} has {l1_entries} entries, too few for a virtual size of {size} bytes (needs {needed})"
+        )));
+    }
+    let raw = at
+        .read("reading the L1 table", l1_offset, u64::from(l1_entries) * 8)
+        .await?;
+    let l1 =
+        Qcow2Meta::<S>::decode_l1(&raw, l1_entries as usize, geom, l1_offset, at.len, at.name)?;
+    let cs = geom.cluster_size();
+    for (i, &word) in l1.iter().enumerate() {
+        let off = word & crate::format::l1::L1_OFFSET_MASK;
+        if off == 0 {
+            continue;
+        }
+        for &(start, len, what) in regions.iter().take(3) {
+            if off < start.saturating_add(len) && start < off + cs {
+                return Err(at.corrupt(format!(
+                    "L1 table at {l1_offset:#x}: entry {i} points to an L2 table at {off:#x} that overlaps {what}"
+                )));
+            }
+        }
+    }
+    Ok(l1)
+}
+
+/// Opens the external data file the header names, if any, with the image's own access: it
+/// holds the guest's bytes, so it is locked as the image is.
+async fn open_data_file<O>(
+    opener: &O,
+    at: &LayerFile<'_, O::Storage>,
+    header: &Header,
+    path: &Path,
+    access: storage::OpenOptions,
+) -> Result<Option<O::Storage>>
+where
+    O: Opener,
+    O::Storage: 'static,
+{
+    if !header.has_data_file() {
+        return Ok(None);
+    }
+    let Some(dname) = header.data_file_name() else {
+        return Err(at.unsupported("an external data file without a name in the image".into()));
+    };
+    let dname = String::from_utf8(dname.to_vec())
+        .map_err(|_| at.corrupt("external data file name is not UTF-8".into()))?;
+    let dpath = backing_name::resolve(path, &dname)?;
+    let file = opener
+        .open(&dpath, access)
+        .await
+        .map_err(|source| EngineError::Open {
+            path: dpath.display().to_string(),
+            source,
+        })?;
+    Ok(Some(file))
+}
+
+/// Reads the snapshot table one entry at a time (entries with their encoded lengths), so an
+/// image with a few snapshots does not cost a 64 MiB read.
+pub(crate) async fn snapshot_table<S: Storage + 'static>(
+    file: &S,
+    name: &str,
+    header: &Header,
+    geom: &Geometry,
+    file_len: u64,
+) -> Result<Vec<(SnapshotTableEntry, u64)>> {
+    let fmt_err = |source| EngineError::Format {
+        image: name.to_string(),
+        source,
+    };
+    let mut cursor = snapshot::SnapshotTableCursor::new(header.snapshots_offset);
+    let mut out = Vec::new();
+    let mut total = 0u64;
+    for index in 0..u64::from(header.nb_snapshots) {
+        let offset = cursor.next_offset().map_err(fmt_err)?;
+        let at = crate::format::Location::entry(
+            crate::format::Structure::SnapshotTable,
+            header.snapshots_offset,
+            index,
+        );
+        let fixed = limits::SNAPSHOT_ENTRY_FIXED_SIZE;
+        if offset.checked_add(fixed).is_none_or(|e| e > file_len) {
+            return Err(EngineError::Corrupt {
+                image: name.to_string(),
+                detail: format!("snapshot table at {:#x}: entry {index} at {offset:#x} is past the end of the file", header.snapshots_offset),
+            });
+        }
+        let head = read_exact(
+            file,
+            name,
+            "reading the snapshot table",
+            offset,
+            fixed as usize,
+        )
+        .await?;
+        let len = SnapshotTableEntry::entry_len(&head, at).map_err(fmt_err)?;
+        total += len as u64;
+        if total > limits::MAX_SNAPSHOT_TABLE_BYTES || offset + len as u64 > file_len {
+            return Err(EngineError::Corrupt {
+                image: name.to_string(),
+                detail: format!("snapshot table at {:#x}: entry {index} at {offset:#x} is past the end of the file or the 64 MiB limit", header.snapshots_offset),
+            });
+        }
+        let whole = read_exact(file, name, "reading the snapshot table", offset, len).await?;
+        let (entry, used) =
+            SnapshotTableEntry::decode(&whole, offset, index, geom).map_err(fmt_err)?;
+        cursor.advance(used).map_err(fmt_err)?;
+        out.push((entry, used as u64));
+    }
+    Ok(out)
+}
+
+/// Every region must be inside the file, and no two may overlap.
+fn check_regions(
+    regions: &mut [(u64, u64, &'static str)],
+    file_len: u64,
+    cluster_size: u64,
+) -> std::result::Result<(), String> {
+    for &(start, len, what) in regions.iter() {
+        if len == 0 {
+            continue;
+        }
+        if start % cluster_size != 0 {
+            return Err(format!("{what} at {start:#x} is not aligned to a cluster"));
+        }
+        match start.checked_add(len) {
+            Some(end) if end <= file_len => {}
+            _ => {
+                return Err(format!(
+                    "{what} at {start:#x} ({len} bytes) extends past the end of the file ({file_len:#x} bytes)"
+                ))
+            }
+        }
+    }
+    let mut sorted: Vec<_> = regions.iter().filter(|r| r.1 > 0).collect();
+    sorted.sort_by_key(|r| r.0);
+    for w in sorted.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        // Tables are cluster-granular: round the first one up to whole clusters.
+        let a_end = a.0 + a.1.div_ceil(cluster_size) * cluster_size;
+        if b.0 < a_end {
+            return Err(format!(
+                "{} at {:#x} overlaps {} at {:#x}",
+                b.2, b.0, a.2, a.0
+            ));
+        }
+    }
+    Ok(())
+}
