@@ -1,6 +1,6 @@
 //! Chains: a full sequential read of the same guest data through a chain of depth 1 (one image
-//! holding everything) and depth 300 (every layer holds every 300th cluster), as in the seed's
-//! long-chain study where QEMU reads 60% slower at depth 300. Throughput is guest bytes.
+//! holding everything) and depth 300 (every layer holds every 300th cluster): the shape of the
+//! published long-backing-chain study of QEMU. Throughput is guest bytes.
 //!
 //! In-process, 1 MiB requests at queue depth 1, io_uring with O_DIRECT. Each iteration opens
 //! the chain afresh (not timed), so every read starts with cold caches, as after a VM start.

@@ -1,6 +1,6 @@
 //! L2 cache: 4 KiB random reads over a fully allocated image whose L2 tables need about 5 MiB
 //! (40 GiB with 64 KiB clusters, `preallocation=metadata`), with 1, 3 and 5 MiB caches and
-//! 4, 16 and 64 KiB slices: the shape of the seed's table, where small slices win when the cache
+//! 4, 16 and 64 KiB slices: the shape of QEMU's measurements in qcow2-cache.txt, where small slices win when the cache
 //! cannot hold every table (a miss then reads 4 KiB, not 64 KiB). Throughput is IOPS.
 //!
 //! In-process, queue depth 1, io_uring with O_DIRECT, files under Cargo's target tmp dir.

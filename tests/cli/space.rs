@@ -1,4 +1,4 @@
-//! The seed's space test (issue 5, test 4): random 4 KiB writes into an empty 1 TiB image
+//! Space efficiency against QEMU: random 4 KiB writes into an empty 1 TiB image
 //! without a backing file, for 64 KiB clusters, 2 MiB clusters and 128 KiB clusters with
 //! extended L2 entries, once through our engine and once through `qemu-io` (same offsets,
 //! same data). Our image must be no larger than QEMU's, in file size and in disk usage (give or

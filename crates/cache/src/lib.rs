@@ -92,30 +92,11 @@
 //!
 //! # Choosing the eviction policy
 //!
-//! The `cache` bench (`cargo bench -p cache`) replays slice accesses of a 64 GiB disk with
-//! 64 KiB clusters (2048 L2 slices of 4 KiB) through a 1 MiB cache (256 slices), 1M requests:
-//! random 4 KiB reads, uniform or skewed, with a sequential scan (1 MiB steps) taking 20% of
-//! the requests. Hit ratios (deterministic):
-//!
-//! | trace | LRU | CLOCK | 2Q |
-//! |---|---|---|---|
-//! | uniform + scan | 29.43% | 29.42% | 28.94% |
-//! | hot spot (90% in 6 GiB) | 89.00% | 86.26% | 90.04% |
-//! | hot spot + scan | 90.14% | 87.85% | 91.33% |
-//! | zipf(0.9) + scan | 63.04% | 62.02% | 67.73% |
-//!
-//! Cost per operation without I/O (in-memory backend; measured on a shared 2-core machine
-//! with a load average of 8, so only the order of magnitude is meaningful; ranges are
-//! criterion's over two runs): hit in a full 32 MiB cache LRU 0.30–0.39 µs, CLOCK 0.47–0.62
-//! µs, 2Q 0.24–0.66 µs; miss with eviction LRU 0.38–0.47 µs, CLOCK 0.42–0.56 µs, 2Q
-//! 0.56–1.0 µs.
-//!
-//! 2Q is the default: it misses up to 13% less often than LRU when accesses are skewed and a
-//! scan runs (37.0% → 32.3% misses on zipf + scan), loses 0.5 points only when accesses are
-//! uniform (where no policy helps), and its extra bookkeeping on a miss (remembering the
-//! evicted key) costs a fraction of a microsecond against the microseconds to milliseconds
-//! of the read that a miss costs. CLOCK's cheaper hits did not show above the noise and its
-//! hit ratio is the worst. LRU and CLOCK remain available through [`EvictionPolicy`].
+//! 2Q is the default: on replayed L2-slice traces (`cargo bench -p cache`) it misses less
+//! often than LRU when accesses are skewed and a sequential scan runs beside them, and gives up
+//! almost nothing when accesses are uniform, where no policy helps. Its extra bookkeeping on a
+//! miss costs a fraction of the read that the miss costs. LRU and CLOCK remain available
+//! through [`EvictionPolicy`]. The measured hit ratios and costs are in `benches/RESULTS.md`.
 
 mod arena;
 mod cache;

@@ -1,5 +1,5 @@
 //! The NBD protocol: wire types, handshake, transmission loop, server and the [`Export`]
-//! trait (issue 6).
+//! trait.
 //!
 //! - [`wire`]: pure encode/decode of every protocol structure, safe on untrusted bytes.
 //! - [`negotiate`]: the handshake (fixed and non-fixed newstyle, `OPT_GO`/`INFO`/`LIST`/

@@ -23,25 +23,10 @@
 //! go straight through, unaligned ones use a bounce buffer (reads) or a serialized
 //! read-modify-write of the covering blocks (writes).
 //!
-//! # Measurements (and the io_uring decision)
-//! 4 KiB random I/O with `O_DIRECT` on a 1 GiB file on ext4 (virtio disk, 2 cores, Linux 6.18),
-//! IOPS, min–max over four 3-second rounds of a throwaway harness (same workload for all four,
-//! tasks on one current-thread runtime, rounds interleaved). Other engineers' builds loaded the
-//! machine throughout (load average 8–15 on 2 cores), so differences under ~25% are noise:
+//! # Why our own io_uring reactor
 //!
-//! | workload       | our reactor, batched | our reactor, unbatched | tokio-uring 0.5 | threads     |
-//! |----------------|---------------------:|-----------------------:|----------------:|------------:|
-//! | randread QD1   | 10.8k–14.5k          | 12.2k–14.8k            | 12.2k–14.4k     | 6.2k–11.2k  |
-//! | randread QD32  | 43.7k–69.2k          | 43.5k–53.1k            | 52.3k–56.4k     | 27.8k–37.3k |
-//! | randwrite QD1  | 2.0k–7.6k            | 2.3k–7.6k              | 2.1k–7.2k       | 4.5k–8.1k   |
-//! | randwrite QD32 | 11.1k–15.3k          | 11.5k–18.4k            | 15.5k–18.3k     | 15.1k–21.1k |
-//!
-//! `cargo bench -p storage --bench randio` (criterion, same workload, ours only, one run on
-//! the same loaded machine), QD1 / QD32: batched reads 6.3k / 59k, writes 3.2k / 10.4k;
-//! unbatched reads 9.9k / 71k, writes 6.5k / 14.1k; threads reads 14.9k / 47k, writes
-//! 7.6k / 27.7k.
-//!
-//! Decision: our reactor over the `io-uring` crate, not tokio-uring. The two are equal within
+//! Measured against tokio-uring and the thread pool (figures in `benches/RESULTS.md`), we
+//! drive the ring from our own reactor over the `io-uring` crate. The two are equal within
 //! the noise, and tokio-uring is unmaintained, pins an old io-uring and needs its own runtime,
 //! so the simpler-to-own one wins. io_uring clearly beats the thread pool on random reads at
 //! depth; on writes, which this disk bounds, neither wins reliably, so `threads` stays a
