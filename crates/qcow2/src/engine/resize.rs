@@ -8,13 +8,8 @@
 use super::alloc::overlap::MetaKind;
 use super::error::{EngineError, Result};
 use super::image::{Image, Inner};
-use crate::format::{limits, Geometry};
+use crate::format::{header, limits, Geometry};
 use storage::Storage;
-
-/// Byte offset of `size` in the header.
-const SIZE_OFFSET: u64 = 24;
-/// Byte offset of `l1_size`, followed by `l1_table_offset`.
-const L1_FIELDS_OFFSET: u64 = 36;
 
 impl<S: Storage + 'static> Image<S> {
     /// Grows the virtual disk to `new_size` bytes (rounded up to 512); the new space reads as
@@ -68,8 +63,7 @@ impl<S: Storage + 'static> Inner<S> {
         if needed > meta.l1.borrow().len() as u64 {
             self.grow_l1(needed).await?;
         }
-        w.write_meta("updating the header", SIZE_OFFSET, &new_size.to_be_bytes())
-            .await?;
+        w.update_header(header::size_update(new_size)).await?;
         w.sync().await?;
         meta.header.borrow_mut().size = new_size;
         top.size.set(new_size);
@@ -104,10 +98,7 @@ impl<S: Storage + 'static> Inner<S> {
         w.write_meta("writing the L1 table", new_off, &table)
             .await?;
         w.sync().await?;
-        let mut fields = [0u8; 12];
-        fields[..4].copy_from_slice(&(len as u32).to_be_bytes());
-        fields[4..].copy_from_slice(&new_off.to_be_bytes());
-        w.write_meta("updating the header", L1_FIELDS_OFFSET, &fields)
+        w.update_header(header::l1_update(len as u32, new_off))
             .await?;
         w.sync().await?;
         let old_off = meta.l1_offset.replace(new_off);

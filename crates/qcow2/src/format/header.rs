@@ -13,12 +13,130 @@ use super::limits;
 
 /// "QFI\xfb".
 pub const QCOW2_MAGIC: u32 = 0x5146_49fb;
-/// Offset of `incompatible_features` (version 3).
-pub const INCOMPATIBLE_FEATURES_OFFSET: u64 = 72;
-/// Offset of `autoclear_features` (version 3).
-pub const AUTOCLEAR_FEATURES_OFFSET: u64 = 88;
-/// Offset of `compression_type`, the first additional field.
-pub const COMPRESSION_TYPE_OFFSET: u32 = 104;
+
+/// Byte offsets of the header's fields (the layout in qcow2.txt). This is the one place they
+/// are written down: the decoder, the encoder and every in-place update of a field use them.
+pub mod field {
+    /// `magic` (u32).
+    pub const MAGIC: usize = 0;
+    /// `version` (u32).
+    pub const VERSION: usize = 4;
+    /// `backing_file_offset` (u64).
+    pub const BACKING_FILE_OFFSET: usize = 8;
+    /// `backing_file_size` (u32).
+    pub const BACKING_FILE_SIZE: usize = 16;
+    /// `cluster_bits` (u32).
+    pub const CLUSTER_BITS: usize = 20;
+    /// `size` (u64), the guest size.
+    pub const SIZE: usize = 24;
+    /// `crypt_method` (u32).
+    pub const CRYPT_METHOD: usize = 32;
+    /// `l1_size` (u32), followed by `l1_table_offset`.
+    pub const L1_SIZE: usize = 36;
+    /// `l1_table_offset` (u64).
+    pub const L1_TABLE_OFFSET: usize = 40;
+    /// `refcount_table_offset` (u64), followed by `refcount_table_clusters`.
+    pub const REFCOUNT_TABLE_OFFSET: usize = 48;
+    /// `refcount_table_clusters` (u32).
+    pub const REFCOUNT_TABLE_CLUSTERS: usize = 56;
+    /// `nb_snapshots` (u32), followed by `snapshots_offset`.
+    pub const NB_SNAPSHOTS: usize = 60;
+    /// `snapshots_offset` (u64).
+    pub const SNAPSHOTS_OFFSET: usize = 64;
+    /// `incompatible_features` (u64, version 3).
+    pub const INCOMPATIBLE_FEATURES: usize = 72;
+    /// `compatible_features` (u64, version 3).
+    pub const COMPATIBLE_FEATURES: usize = 80;
+    /// `autoclear_features` (u64, version 3).
+    pub const AUTOCLEAR_FEATURES: usize = 88;
+    /// `refcount_order` (u32, version 3).
+    pub const REFCOUNT_ORDER: usize = 96;
+    /// `header_length` (u32, version 3).
+    pub const HEADER_LENGTH: usize = 100;
+    /// `compression_type` (u8), the first additional field.
+    pub const COMPRESSION_TYPE: usize = 104;
+}
+
+/// Bytes that change header fields in place: write `bytes` at file offset `offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FieldUpdate<const N: usize> {
+    /// File offset of the first field.
+    pub offset: u64,
+    /// The fields, encoded.
+    pub bytes: [u8; N],
+}
+
+impl<const N: usize> FieldUpdate<N> {
+    fn new(field: usize, bytes: [u8; N]) -> Self {
+        FieldUpdate {
+            offset: field as u64,
+            bytes,
+        }
+    }
+}
+
+fn concat<const N: usize>(a: &[u8], b: &[u8]) -> [u8; N] {
+    let mut out = [0; N];
+    out[..a.len()].copy_from_slice(a);
+    out[a.len()..].copy_from_slice(b);
+    out
+}
+
+/// The update that sets the guest size.
+pub fn size_update(size: u64) -> FieldUpdate<8> {
+    FieldUpdate::new(field::SIZE, size.to_be_bytes())
+}
+
+/// The update that points the header at another L1 table (`l1_size` and `l1_table_offset`
+/// together, in one write).
+pub fn l1_update(l1_size: u32, l1_table_offset: u64) -> FieldUpdate<12> {
+    FieldUpdate::new(
+        field::L1_SIZE,
+        concat(&l1_size.to_be_bytes(), &l1_table_offset.to_be_bytes()),
+    )
+}
+
+/// The update that points the header at another refcount table (offset and cluster count
+/// together, in one write).
+pub fn reftable_update(offset: u64, clusters: u32) -> FieldUpdate<12> {
+    FieldUpdate::new(
+        field::REFCOUNT_TABLE_OFFSET,
+        concat(&offset.to_be_bytes(), &clusters.to_be_bytes()),
+    )
+}
+
+/// The update that sets `nb_snapshots` and `snapshots_offset` together.
+pub fn snapshots_update(nb_snapshots: u32, snapshots_offset: u64) -> FieldUpdate<12> {
+    FieldUpdate::new(
+        field::NB_SNAPSHOTS,
+        concat(&nb_snapshots.to_be_bytes(), &snapshots_offset.to_be_bytes()),
+    )
+}
+
+/// The update that sets `nb_snapshots` alone.
+pub fn nb_snapshots_update(nb_snapshots: u32) -> FieldUpdate<4> {
+    FieldUpdate::new(field::NB_SNAPSHOTS, nb_snapshots.to_be_bytes())
+}
+
+/// The update that sets the incompatible feature bits (version 3).
+pub fn incompatible_update(bits: u64) -> FieldUpdate<8> {
+    FieldUpdate::new(field::INCOMPATIBLE_FEATURES, bits.to_be_bytes())
+}
+
+/// The update that sets the autoclear feature bits (version 3).
+pub fn autoclear_update(bits: u64) -> FieldUpdate<8> {
+    FieldUpdate::new(field::AUTOCLEAR_FEATURES, bits.to_be_bytes())
+}
+
+/// How much of the header a decode insists on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strictness {
+    /// Everything QEMU checks before it opens an image.
+    Open,
+    /// What `qemu-img check` needs to look at an image: the refcount table may be empty and
+    /// the snapshot table's placement is left to the checker, which reports and repairs it.
+    Check,
+}
 /// compression_type: zlib (deflate).
 pub const COMPRESSION_ZLIB: u8 = 0;
 /// compression_type: zstd.
@@ -115,36 +233,42 @@ impl Header {
     /// if it is shorter), applying every check QEMU applies when opening an image that can be
     /// made from the first cluster alone.
     pub fn decode(buf: &[u8]) -> Result<Header, FormatError> {
-        let magic = be::u32_at(buf, 0, at(0), "header")?;
+        Header::decode_with(buf, Strictness::Open)
+    }
+
+    /// [`Header::decode`] at the given strictness.
+    pub fn decode_with(buf: &[u8], strictness: Strictness) -> Result<Header, FormatError> {
+        let u32_field = |f: usize, what| be::u32_at(buf, f, at(f as u64), what);
+        let u64_field = |f: usize, what| be::u64_at(buf, f, at(f as u64), what);
+        let magic = u32_field(field::MAGIC, "header")?;
         if magic != QCOW2_MAGIC {
             return Err(FormatError::BadMagic { found: magic });
         }
-        let version = be::u32_at(buf, 4, at(4), "header")?;
+        let version = u32_field(field::VERSION, "header")?;
         if !(2..=3).contains(&version) {
             return Err(FormatError::InvalidValue {
-                at: at(4),
+                at: at(field::VERSION as u64),
                 field: "version",
                 value: version.into(),
                 reason: "only versions 2 and 3 are supported",
             });
         }
         let mut h = Header::new(version, 0, 0);
-        let field = |pos: usize| at(pos as u64);
-        h.backing_file_offset = be::u64_at(buf, 8, field(8), "header")?;
-        h.backing_file_size = be::u32_at(buf, 16, field(16), "header")?;
-        h.cluster_bits = be::u32_at(buf, 20, field(20), "header")?;
-        h.size = be::u64_at(buf, 24, field(24), "header")?;
-        h.crypt_method = be::u32_at(buf, 32, field(32), "header")?;
-        h.l1_size = be::u32_at(buf, 36, field(36), "header")?;
-        h.l1_table_offset = be::u64_at(buf, 40, field(40), "header")?;
-        h.refcount_table_offset = be::u64_at(buf, 48, field(48), "header")?;
-        h.refcount_table_clusters = be::u32_at(buf, 56, field(56), "header")?;
-        h.nb_snapshots = be::u32_at(buf, 60, field(60), "header")?;
-        h.snapshots_offset = be::u64_at(buf, 64, field(64), "header")?;
+        h.backing_file_offset = u64_field(field::BACKING_FILE_OFFSET, "header")?;
+        h.backing_file_size = u32_field(field::BACKING_FILE_SIZE, "header")?;
+        h.cluster_bits = u32_field(field::CLUSTER_BITS, "header")?;
+        h.size = u64_field(field::SIZE, "header")?;
+        h.crypt_method = u32_field(field::CRYPT_METHOD, "header")?;
+        h.l1_size = u32_field(field::L1_SIZE, "header")?;
+        h.l1_table_offset = u64_field(field::L1_TABLE_OFFSET, "header")?;
+        h.refcount_table_offset = u64_field(field::REFCOUNT_TABLE_OFFSET, "header")?;
+        h.refcount_table_clusters = u32_field(field::REFCOUNT_TABLE_CLUSTERS, "header")?;
+        h.nb_snapshots = u32_field(field::NB_SNAPSHOTS, "header")?;
+        h.snapshots_offset = u64_field(field::SNAPSHOTS_OFFSET, "header")?;
 
         if !(limits::MIN_CLUSTER_BITS..=limits::MAX_CLUSTER_BITS).contains(&h.cluster_bits) {
             return Err(FormatError::InvalidValue {
-                at: at(20),
+                at: at(field::CLUSTER_BITS as u64),
                 field: "cluster_bits",
                 value: h.cluster_bits.into(),
                 reason: "must be 9..=21 (512 B to 2 MiB clusters)",
@@ -153,16 +277,16 @@ impl Header {
         let cluster_size = 1u64 << h.cluster_bits;
 
         if version >= 3 {
-            let off = INCOMPATIBLE_FEATURES_OFFSET as usize;
-            h.incompatible_features = be::u64_at(buf, off, field(off), "version 3 header")?;
-            h.compatible_features = be::u64_at(buf, 80, field(80), "version 3 header")?;
-            let off = AUTOCLEAR_FEATURES_OFFSET as usize;
-            h.autoclear_features = be::u64_at(buf, off, field(off), "version 3 header")?;
-            h.refcount_order = be::u32_at(buf, 96, field(96), "version 3 header")?;
-            h.header_length = be::u32_at(buf, 100, field(100), "version 3 header")?;
+            let off = field::INCOMPATIBLE_FEATURES;
+            h.incompatible_features = u64_field(off, "version 3 header")?;
+            h.compatible_features = u64_field(field::COMPATIBLE_FEATURES, "version 3 header")?;
+            let off = field::AUTOCLEAR_FEATURES;
+            h.autoclear_features = u64_field(off, "version 3 header")?;
+            h.refcount_order = u32_field(field::REFCOUNT_ORDER, "version 3 header")?;
+            h.header_length = u32_field(field::HEADER_LENGTH, "version 3 header")?;
             if h.header_length < limits::MIN_V3_HEADER_LENGTH {
                 return Err(FormatError::InvalidValue {
-                    at: at(100),
+                    at: at(field::HEADER_LENGTH as u64),
                     field: "header_length",
                     value: h.header_length.into(),
                     reason: "a version 3 header is at least 104 bytes",
@@ -170,7 +294,7 @@ impl Header {
             }
             if u64::from(h.header_length) > cluster_size {
                 return Err(FormatError::InvalidValue {
-                    at: at(100),
+                    at: at(field::HEADER_LENGTH as u64),
                     field: "header_length",
                     value: h.header_length.into(),
                     reason: "the header must fit in the first cluster",
@@ -179,12 +303,12 @@ impl Header {
             let header_len = h.header_length as usize; // ≤ 2 MiB, checked above
             h.compression_type = 0;
             h.unknown_header_tail = Vec::new();
-            if h.header_length > COMPRESSION_TYPE_OFFSET {
+            if h.header_length as usize > field::COMPRESSION_TYPE {
                 let tail = be::bytes_at(
                     buf,
                     104,
                     header_len - 104,
-                    at(104),
+                    at(field::COMPRESSION_TYPE as u64),
                     "additional header fields",
                 )?;
                 h.compression_type = tail[0];
@@ -194,7 +318,7 @@ impl Header {
 
         if h.backing_file_offset > cluster_size {
             return Err(FormatError::InvalidValue {
-                at: at(8),
+                at: at(field::BACKING_FILE_OFFSET as u64),
                 field: "backing_file_offset",
                 value: h.backing_file_offset,
                 reason: "the backing file name must be in the first cluster",
@@ -243,19 +367,19 @@ impl Header {
 
         if h.crypt_method > CRYPT_LUKS {
             return Err(FormatError::InvalidValue {
-                at: at(32),
+                at: at(field::CRYPT_METHOD as u64),
                 field: "crypt_method",
                 value: h.crypt_method.into(),
                 reason: "unsupported encryption method (0 none, 1 AES, 2 LUKS)",
             });
         }
-        h.validate_tables(&geometry)?;
+        h.validate_tables(&geometry, strictness)?;
 
         h.extensions = extensions::decode_all(buf, ext_start, ext_end, &ctx, false)?;
 
         if h.autoclear_features & features::AUTOCLEAR_DATA_FILE_RAW != 0 && !h.has_data_file() {
             return Err(FormatError::Inconsistent {
-                at: at(88),
+                at: at(field::AUTOCLEAR_FEATURES as u64),
                 problem: "raw external data bit set without the external data file bit",
             });
         }
@@ -266,7 +390,7 @@ impl Header {
                 (cluster_size - h.backing_file_offset).min(limits::MAX_BACKING_FILE_NAME.into());
             if u64::from(h.backing_file_size) > room {
                 return Err(FormatError::LimitExceeded {
-                    at: at(16),
+                    at: at(field::BACKING_FILE_SIZE as u64),
                     field: "backing_file_size",
                     value: h.backing_file_size.into(),
                     limit: room,
@@ -292,17 +416,17 @@ impl Header {
         let bit = self.incompatible_features & features::INCOMPAT_COMPRESSION != 0;
         match self.compression_type {
             COMPRESSION_ZLIB if bit => Err(FormatError::Inconsistent {
-                at: at(104),
+                at: at(field::COMPRESSION_TYPE as u64),
                 problem: "compression type bit is set but compression_type is zlib (0)",
             }),
             COMPRESSION_ZLIB => Ok(()),
             COMPRESSION_ZSTD if !bit => Err(FormatError::Inconsistent {
-                at: at(104),
+                at: at(field::COMPRESSION_TYPE as u64),
                 problem: "compression_type is non-zero but the compression type bit is clear",
             }),
             COMPRESSION_ZSTD => Ok(()),
             other => Err(FormatError::InvalidValue {
-                at: at(104),
+                at: at(field::COMPRESSION_TYPE as u64),
                 field: "compression_type",
                 value: other.into(),
                 reason: "unknown compression type (0 zlib, 1 zstd)",
@@ -311,37 +435,45 @@ impl Header {
     }
 
     /// QEMU's placement and size checks for the refcount table, snapshot table and L1 table.
-    fn validate_tables(&self, geometry: &Geometry) -> Result<(), FormatError> {
-        if self.refcount_table_clusters == 0 {
+    fn validate_tables(
+        &self,
+        geometry: &Geometry,
+        strictness: Strictness,
+    ) -> Result<(), FormatError> {
+        let check = strictness == Strictness::Check;
+        if self.refcount_table_clusters == 0 && !check {
             return Err(FormatError::InvalidValue {
-                at: at(56),
+                at: at(field::REFCOUNT_TABLE_CLUSTERS as u64),
                 field: "refcount_table_clusters",
                 value: 0,
                 reason: "the image has no refcount table",
             });
         }
         geometry.validate_table(&TableBounds {
-            at: at(48),
+            at: at(field::REFCOUNT_TABLE_OFFSET as u64),
             offset_field: "refcount_table_offset",
             offset: self.refcount_table_offset,
             size_field: "refcount_table_clusters",
-            entries: self.refcount_table_clusters.into(),
+            // A check still wants the table's offset to be sane when the count is zero.
+            entries: u64::from(self.refcount_table_clusters.max(u32::from(check))),
             entry_size: geometry.cluster_size(),
             max_bytes: limits::MAX_REFCOUNT_TABLE_BYTES,
             why: "QEMU keeps the refcount table in memory, at most 8 MiB",
         })?;
+        if !check {
+            geometry.validate_table(&TableBounds {
+                at: at(field::SNAPSHOTS_OFFSET as u64),
+                offset_field: "snapshots_offset",
+                offset: self.snapshots_offset,
+                size_field: "nb_snapshots",
+                entries: self.nb_snapshots.into(),
+                entry_size: limits::SNAPSHOT_ENTRY_FIXED_SIZE,
+                max_bytes: limits::SNAPSHOT_ENTRY_FIXED_SIZE * u64::from(limits::MAX_SNAPSHOTS),
+                why: "QEMU supports at most 65536 snapshots",
+            })?;
+        }
         geometry.validate_table(&TableBounds {
-            at: at(64),
-            offset_field: "snapshots_offset",
-            offset: self.snapshots_offset,
-            size_field: "nb_snapshots",
-            entries: self.nb_snapshots.into(),
-            entry_size: limits::SNAPSHOT_ENTRY_FIXED_SIZE,
-            max_bytes: limits::SNAPSHOT_ENTRY_FIXED_SIZE * u64::from(limits::MAX_SNAPSHOTS),
-            why: "QEMU supports at most 65536 snapshots",
-        })?;
-        geometry.validate_table(&TableBounds {
-            at: at(40),
+            at: at(field::L1_TABLE_OFFSET as u64),
             offset_field: "l1_table_offset",
             offset: self.l1_table_offset,
             size_field: "l1_size",
@@ -352,7 +484,7 @@ impl Header {
         })?;
         if geometry.l1_entries_needed() > limits::MAX_L1_ENTRIES_NEEDED {
             return Err(FormatError::LimitExceeded {
-                at: at(24),
+                at: at(field::SIZE as u64),
                 field: "size",
                 value: self.size,
                 limit: limits::MAX_L1_ENTRIES_NEEDED,
@@ -361,7 +493,7 @@ impl Header {
         }
         if u64::from(self.l1_size) < geometry.l1_entries_needed() {
             return Err(FormatError::InvalidValue {
-                at: at(36),
+                at: at(field::L1_SIZE as u64),
                 field: "l1_size",
                 value: self.l1_size.into(),
                 reason: "the L1 table is too small for the virtual disk size",
@@ -377,7 +509,7 @@ impl Header {
         let v3 = self.version >= 3;
         if !(2..=3).contains(&self.version) {
             return Err(FormatError::InvalidValue {
-                at: at(4),
+                at: at(field::VERSION as u64),
                 field: "version",
                 value: self.version.into(),
                 reason: "only 2 and 3 can be written",
@@ -393,7 +525,7 @@ impl Header {
                 || self.compression_type != 0
             {
                 return Err(FormatError::Inconsistent {
-                    at: at(72),
+                    at: at(field::INCOMPATIBLE_FEATURES as u64),
                     problem: "version 2 headers have no feature bits, refcount order 4, length 72 and zlib",
                 });
             }
@@ -408,7 +540,7 @@ impl Header {
             };
             if !ok {
                 return Err(FormatError::Inconsistent {
-                    at: at(100),
+                    at: at(field::HEADER_LENGTH as u64),
                     problem: "header_length does not match compression_type and the unknown header fields",
                 });
             }
@@ -441,7 +573,7 @@ impl Header {
         if let Some(name) = &self.backing_file {
             if name.len() > limits::MAX_BACKING_FILE_NAME as usize {
                 return Err(FormatError::LimitExceeded {
-                    at: at(16),
+                    at: at(field::BACKING_FILE_SIZE as u64),
                     field: "backing_file_size",
                     value: name.len() as u64,
                     limit: limits::MAX_BACKING_FILE_NAME.into(),
@@ -568,5 +700,66 @@ impl Header {
             HeaderExtension::FullDiskEncryption(p) => Some(p),
             _ => None,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A valid 64 KiB-cluster version 3 header, encoded into its first cluster.
+    fn image() -> (Header, Vec<u8>) {
+        let mut h = Header::new(3, 16, 1 << 30);
+        h.l1_size = 16;
+        h.l1_table_offset = 3 << 16;
+        h.refcount_table_offset = 1 << 16;
+        h.refcount_table_clusters = 1;
+        let mut buf = h.encode(1 << 16).expect("encodes");
+        buf.resize(1 << 16, 0);
+        (Header::decode(&buf).expect("decodes"), buf)
+    }
+
+    fn apply<const N: usize>(buf: &mut [u8], u: FieldUpdate<N>) {
+        let at = usize::try_from(u.offset).expect("small");
+        buf[at..at + N].copy_from_slice(&u.bytes);
+    }
+
+    #[test]
+    fn field_updates_change_exactly_their_fields() {
+        let (before, mut buf) = image();
+        apply(&mut buf, size_update(2 << 30));
+        apply(&mut buf, l1_update(32, 5 << 16));
+        apply(&mut buf, reftable_update(7 << 16, 2));
+        apply(&mut buf, snapshots_update(0, 9 << 16));
+        apply(&mut buf, incompatible_update(features::INCOMPAT_DIRTY));
+        apply(&mut buf, autoclear_update(0));
+        let after = Header::decode(&buf).expect("still valid");
+        let mut expected = before.clone();
+        expected.size = 2 << 30;
+        expected.l1_size = 32;
+        expected.l1_table_offset = 5 << 16;
+        expected.refcount_table_offset = 7 << 16;
+        expected.refcount_table_clusters = 2;
+        expected.snapshots_offset = 9 << 16;
+        expected.incompatible_features = features::INCOMPAT_DIRTY;
+        assert_eq!(after, expected);
+        apply(&mut buf, nb_snapshots_update(3));
+        let h = Header::decode_with(&buf, Strictness::Check).expect("check strictness");
+        assert_eq!(h.nb_snapshots, 3);
+    }
+
+    #[test]
+    fn check_strictness_accepts_what_only_the_checker_can_fix() {
+        let (_, mut buf) = image();
+        // No refcount table, and a snapshot table that is not cluster aligned.
+        apply(&mut buf, reftable_update(1 << 16, 0));
+        apply(&mut buf, snapshots_update(1, 12345));
+        assert!(Header::decode(&buf).is_err());
+        let h = Header::decode_with(&buf, Strictness::Check).expect("a check can look at it");
+        assert_eq!(h.refcount_table_clusters, 0);
+        assert_eq!((h.nb_snapshots, h.snapshots_offset), (1, 12345));
+        // A refcount table offset that is not aligned is refused even by a check.
+        apply(&mut buf, reftable_update(12345, 0));
+        assert!(Header::decode_with(&buf, Strictness::Check).is_err());
     }
 }

@@ -26,9 +26,7 @@ use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use storage::{IoBuf, Storage};
 
-use crate::format::header::{
-    AUTOCLEAR_FEATURES_OFFSET, INCOMPATIBLE_FEATURES_OFFSET as INCOMPAT_OFFSET,
-};
+use crate::format::header::{self, FieldUpdate};
 
 /// The allocator of a writable image.
 pub(crate) struct Allocator<S: Storage + 'static> {
@@ -251,6 +249,12 @@ impl<S: Storage + 'static> Allocator<S> {
         }
     }
 
+    /// Writes header fields in place (not yet durable: callers sync when the order needs it).
+    pub(crate) async fn update_header<const N: usize>(&self, u: FieldUpdate<N>) -> Result<()> {
+        self.write_meta("updating the header", u.offset, &u.bytes)
+            .await
+    }
+
     /// Writes `bytes` at `offset` of layer 0's file (header fields, table entries).
     pub(crate) async fn write_meta(
         &self,
@@ -291,12 +295,7 @@ impl<S: Storage + 'static> Allocator<S> {
             "clearing unknown autoclear feature bits"
         );
         meta.header.borrow_mut().autoclear_features = known;
-        self.write_meta(
-            "clearing unknown autoclear features",
-            AUTOCLEAR_FEATURES_OFFSET,
-            &known.to_be_bytes(),
-        )
-        .await?;
+        self.update_header(header::autoclear_update(known)).await?;
         self.sync().await
     }
 
@@ -312,7 +311,7 @@ impl<S: Storage + 'static> Allocator<S> {
     async fn write_incompatible(&self, bits: u64) -> Result<()> {
         let meta = self.meta();
         meta.header.borrow_mut().incompatible_features = bits;
-        self.write_meta("updating the header", INCOMPAT_OFFSET, &bits.to_be_bytes())
+        self.update_header(header::incompatible_update(bits))
             .await?;
         self.sync().await
     }

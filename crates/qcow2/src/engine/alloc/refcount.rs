@@ -15,14 +15,11 @@
 use super::overlap::MetaKind;
 use super::Allocator;
 use crate::engine::error::{EngineError, Result};
-use crate::format::{limits, refcount};
+use crate::format::{header, limits, refcount};
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
 use storage::{IoBuf, Storage};
-
-/// Byte offset of `refcount_table_offset` (followed by `refcount_table_clusters`) in the header.
-const REFTABLE_FIELDS_OFFSET: u64 = 48;
 
 impl<S: Storage + 'static> Allocator<S> {
     fn rc_geometry(&self) -> (u64, u32, u64) {
@@ -381,10 +378,7 @@ impl<S: Storage + 'static> Allocator<S> {
         self.sync().await?;
         self.note_allocated_end(used_end * cs);
         // Switch the header over in one sector-sized write.
-        let mut fields = [0u8; 12];
-        fields[..8].copy_from_slice(&table_off.to_be_bytes());
-        fields[8..].copy_from_slice(&(table_clusters as u32).to_be_bytes());
-        self.write_meta("updating the header", REFTABLE_FIELDS_OFFSET, &fields)
+        self.update_header(header::reftable_update(table_off, table_clusters as u32))
             .await?;
         self.sync().await?;
         let old_off = self.reftable_offset.replace(table_off);

@@ -7,15 +7,9 @@ use super::error::CheckError;
 use super::io::read;
 use crate::format::be::words;
 use crate::format::features::INCOMPAT_CORRUPT;
+use crate::format::header::Strictness;
 use crate::format::{limits, BitmapDirectoryEntry, BitmapsExtension, Header};
 use storage::Storage;
-
-/// Byte offset of `refcount_table_clusters` in the header.
-const REFTABLE_CLUSTERS_FIELD: usize = 56;
-/// Byte offset of `nb_snapshots` in the header.
-const NB_SNAPSHOTS_FIELD: usize = 60;
-/// Byte offset of `snapshots_offset` in the header.
-const SNAPSHOTS_OFFSET_FIELD: usize = 64;
 
 /// One internal snapshot, as far as a check needs it.
 #[derive(Debug, Clone)]
@@ -133,12 +127,6 @@ fn be32(buf: &[u8], pos: usize) -> u32 {
         .map_or(0, u32::from_be_bytes)
 }
 
-fn be64(buf: &[u8], pos: usize) -> u64 {
-    buf.get(pos..pos + 8)
-        .and_then(|b| b.try_into().ok())
-        .map_or(0, u64::from_be_bytes)
-}
-
 /// Loads the header, the active L1 table and the refcount table of the image in `file`.
 pub(crate) async fn load<S: Storage>(file: &S, file_len: u64) -> Result<Meta, CheckError> {
     let first_len = file_len.min(1 << limits::MAX_CLUSTER_BITS);
@@ -148,23 +136,9 @@ pub(crate) async fn load<S: Storage>(file: &S, file_len: u64) -> Result<Meta, Ch
     if first.len() < 4 || magic != crate::format::header::QCOW2_MAGIC {
         return Err(CheckError::NotQcow2 { found: magic });
     }
-    // A check opens what a normal open refuses for these two fields: neutralise them for the
-    // strict decoder, then put the real values back.
-    let reftable_clusters = be32(&first, REFTABLE_CLUSTERS_FIELD);
-    let nb_snapshots = be32(&first, NB_SNAPSHOTS_FIELD);
-    let snapshots_offset = be64(&first, SNAPSHOTS_OFFSET_FIELD);
-    let mut lenient = first.to_vec();
-    if lenient.len() >= SNAPSHOTS_OFFSET_FIELD + 8 {
-        lenient[NB_SNAPSHOTS_FIELD..SNAPSHOTS_OFFSET_FIELD + 8].fill(0);
-        if reftable_clusters == 0 {
-            lenient[REFTABLE_CLUSTERS_FIELD..REFTABLE_CLUSTERS_FIELD + 4]
-                .copy_from_slice(&1u32.to_be_bytes());
-        }
-    }
-    let mut header = Header::decode(&lenient).map_err(|source| CheckError::Open { source })?;
-    header.refcount_table_clusters = reftable_clusters;
-    header.nb_snapshots = nb_snapshots;
-    header.snapshots_offset = snapshots_offset;
+    // A check looks at images a normal open refuses for their refcount or snapshot table.
+    let header = Header::decode_with(&first, Strictness::Check)
+        .map_err(|source| CheckError::Open { source })?;
 
     let geom = header
         .geometry()
@@ -180,7 +154,7 @@ pub(crate) async fn load<S: Storage>(file: &S, file_len: u64) -> Result<Meta, Ch
         l1_bytes as usize,
     )
     .await?;
-    let reftable_bytes = u64::from(reftable_clusters) * cs;
+    let reftable_bytes = u64::from(header.refcount_table_clusters) * cs;
     let reftable_raw = read(
         file,
         "reading the refcount table",
@@ -214,8 +188,8 @@ pub(crate) async fn load<S: Storage>(file: &S, file_len: u64) -> Result<Meta, Ch
         l1: words(&l1_raw),
         reftable_offset: header.refcount_table_offset,
         reftable: words(&reftable_raw),
-        snapshots_offset,
-        nb_snapshots,
+        snapshots_offset: header.snapshots_offset,
+        nb_snapshots: header.nb_snapshots,
         snapshots: Vec::new(),
         snapshots_size: 0,
         crypto: header.fde_pointer().map(|p| (p.offset, p.length)),

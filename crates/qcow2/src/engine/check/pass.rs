@@ -9,6 +9,7 @@ use super::meta::Meta;
 use super::overlap::Section;
 use super::report::{CheckReport, Finding, FindingKind};
 use crate::format::features::INCOMPAT_CORRUPT;
+use crate::format::header;
 use storage::Storage;
 
 /// What a pass may repair (QEMU's `BdrvCheckMode`).
@@ -35,9 +36,6 @@ impl Fix {
         self.leaks || self.errors
     }
 }
-
-/// Byte offset of `incompatible_features` in a version 3 header.
-pub(crate) const INCOMPAT_FIELD: u64 = 72;
 
 /// The state of one pass.
 pub(crate) struct Pass<'a, S: Storage> {
@@ -179,8 +177,8 @@ impl<'a, S: Storage> Pass<'a, S> {
                 let done = io::write(
                     self.file,
                     "marking the image corrupt",
-                    INCOMPAT_FIELD,
-                    &bits.to_be_bytes(),
+                    header::incompatible_update(bits).offset,
+                    &header::incompatible_update(bits).bytes,
                 )
                 .await
                 .is_ok()
@@ -206,8 +204,8 @@ impl<'a, S: Storage> Pass<'a, S> {
         io::write(
             self.file,
             "updating the header",
-            INCOMPAT_FIELD,
-            &bits.to_be_bytes(),
+            header::incompatible_update(bits).offset,
+            &header::incompatible_update(bits).bytes,
         )
         .await?;
         io::flush(self.file).await?;

@@ -7,11 +7,9 @@ use super::io;
 use super::meta::Snapshot;
 use super::pass::Pass;
 use super::report::FindingKind;
-use crate::format::limits;
+use crate::format::{header, limits};
 use storage::Storage;
 
-/// Byte offset of `nb_snapshots` in the header.
-const NB_SNAPSHOTS_FIELD: u64 = 60;
 /// Extra data every version 3 snapshot entry must have (VM state size and disk size).
 const V3_MIN_EXTRA_DATA: u32 = 16;
 /// Extra data fields QEMU knows (VM state size, disk size, instruction count).
@@ -214,8 +212,8 @@ impl<S: Storage> Pass<'_, S> {
             let written = match io::write(
                 self.file,
                 "updating the snapshot count",
-                NB_SNAPSHOTS_FIELD,
-                &nb.to_be_bytes(),
+                header::nb_snapshots_update(nb).offset,
+                &header::nb_snapshots_update(nb).bytes,
             )
             .await
             {
