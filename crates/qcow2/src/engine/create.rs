@@ -328,7 +328,7 @@ impl<S: Storage + 'static> Image<S> {
     /// extended L2 entries the clusters are reserved but their subclusters stay unallocated,
     /// as QEMU leaves them.
     pub async fn preallocate(&self, mode: Preallocation) -> Result<()> {
-        use crate::format::l2::L2_COPIED;
+        use crate::format::l2;
         use crate::format::GuestOffset;
         let inner = &self.inner;
         if mode == Preallocation::Off {
@@ -400,7 +400,7 @@ impl<S: Storage + 'static> Image<S> {
             for i in 0..n {
                 inner
                     .alloc()?
-                    .set_l2_entry(pos + i * cs, (host + i * cs) | L2_COPIED, 0)
+                    .set_l2_entry(pos + i * cs, l2::owned_word(host + i * cs), 0)
                     .await?;
             }
             pos += chunk;

@@ -5,11 +5,9 @@
 use super::error::Result;
 use super::image::{Image, Inner};
 use super::range_lock::LockMode;
-use crate::format::l2::{L2_COMPRESSED, L2_OFFSET_MASK, L2_ZERO};
+use crate::format::l2;
+use crate::format::l2_extended::ALL_ZERO_BITMAP;
 use storage::Storage;
-
-/// Every subcluster reads as zeros: the 32 zero bits set, no allocation bits.
-pub(crate) const ALL_ZERO_BITMAP: u64 = 0xffff_ffff << 32;
 
 impl<S: Storage + 'static> Image<S> {
     /// Discards `[offset, offset + len)`: advisory, so unaligned edges are simply kept.
@@ -68,14 +66,14 @@ impl<S: Storage + 'static> Inner<S> {
             if e.table == 0 {
                 continue;
             }
-            let allocated = e.word & (L2_OFFSET_MASK | L2_COMPRESSED) != 0;
+            let allocated = l2::holds_cluster(e.word);
             if !has_backing && !allocated {
                 continue;
             }
             let (word, bitmap) = if g.extended_l2() {
                 (0, ALL_ZERO_BITMAP)
             } else if v3 {
-                (L2_ZERO, 0)
+                (l2::zeroed_word(0), 0)
             } else {
                 (0, 0)
             };
@@ -101,10 +99,10 @@ impl<S: Storage + 'static> Inner<S> {
         }
         let w = self.alloc()?;
         let _g = w.meta_lock.lock().await;
-        if old_word & L2_COMPRESSED != 0 {
+        if l2::is_compressed(old_word) {
             w.free_compressed(old_word).await
-        } else if old_word & L2_OFFSET_MASK != 0 {
-            w.free_clusters(old_word & L2_OFFSET_MASK, 1, punch).await
+        } else if l2::host_of(old_word) != 0 {
+            w.free_clusters(l2::host_of(old_word), 1, punch).await
         } else {
             Ok(())
         }

@@ -13,7 +13,8 @@ use super::chain::{Piece, Source};
 use super::error::{EngineError, Result};
 use super::image::{Image, Inner};
 use super::range_lock::LockMode;
-use crate::format::l2::{L2_COPIED, L2_OFFSET_MASK};
+use crate::format::l2;
+use crate::format::l2_extended::{pack_bitmap, subcluster_mask, unpack_bitmap};
 use crate::format::{ExtendedL2Entry, GuestOffset, HostOffset, L2Entry, SubclusterState};
 use storage::{IoBuf, Storage};
 
@@ -63,16 +64,6 @@ impl<S: Storage + 'static> Image<S> {
         }
         (res, buf)
     }
-}
-
-/// Bitmask of subclusters `first..=last`.
-fn mask(first: u32, last: u32) -> u32 {
-    let hi = if last >= 31 {
-        u32::MAX
-    } else {
-        (1u32 << (last + 1)) - 1
-    };
-    hi & !((1u32 << first) - 1)
 }
 
 impl<S: Storage + 'static> Inner<S> {
@@ -227,7 +218,7 @@ impl<S: Storage + 'static> Inner<S> {
             .map_err(|s| self.decode_err(s))?;
         let first = g.subcluster_index(GuestOffset(ws));
         let last = g.subcluster_index(GuestOffset(we - 1));
-        let touched = mask(first, last);
+        let touched = subcluster_mask(first, last);
         let head_start = ws - (ws - e.cluster) % scs;
         let tail_end = (e.cluster + (u64::from(last) + 1) * scs).min(cluster_end);
         // The parts of the first and last touched subclusters the write does not cover.
@@ -475,19 +466,19 @@ impl<S: Storage + 'static> Inner<S> {
         let (word, _) = self
             .alloc()?
             .update_l2_entry(cluster, |word, bitmap| {
-                if word & L2_OFFSET_MASK != host {
+                if l2::host_of(word) != host {
                     return None;
                 }
-                let alloc = (bitmap as u32) | bits;
-                let zero = ((bitmap >> 32) as u32) & !alloc;
-                Some((word, u64::from(alloc) | (u64::from(zero) << 32)))
+                let (alloc, zero) = unpack_bitmap(bitmap);
+                let alloc = alloc | bits;
+                Some((word, pack_bitmap(alloc, zero & !alloc)))
             })
             .await?;
-        if word & L2_OFFSET_MASK != host {
+        if l2::host_of(word) != host {
             return Err(self
                 .mark_corrupt(format!(
                     "L2 entry of guest cluster {cluster:#x} changed under a write ({:#x} != {host:#x})",
-                    word & L2_OFFSET_MASK
+                    l2::host_of(word)
                 ))
                 .await);
         }
@@ -581,11 +572,11 @@ impl<S: Storage + 'static> Inner<S> {
                 };
                 let h = host + k as u64 * cs;
                 let bitmap = if g.extended_l2() {
-                    u64::from(alloc) | (u64::from(zero & !alloc) << 32)
+                    pack_bitmap(alloc, zero & !alloc)
                 } else {
                     0
                 };
-                w.set_l2_entry(p.start, h | L2_COPIED, bitmap).await?;
+                w.set_l2_entry(p.start, l2::owned_word(h), bitmap).await?;
             }
             // 3. Release what the entries no longer use.
             let _g = w.meta_lock.lock().await;
@@ -677,18 +668,5 @@ impl<S: Storage + 'static> Inner<S> {
             )
             .await;
         (res, buf)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::mask;
-
-    #[test]
-    fn subcluster_masks() {
-        assert_eq!(mask(0, 0), 1);
-        assert_eq!(mask(0, 31), u32::MAX);
-        assert_eq!(mask(3, 5), 0b111000);
-        assert_eq!(mask(31, 31), 1 << 31);
     }
 }

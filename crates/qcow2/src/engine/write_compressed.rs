@@ -6,7 +6,8 @@ use super::compress;
 use super::error::{EngineError, Result};
 use super::image::{Image, Inner};
 use super::range_lock::LockMode;
-use crate::format::l2::L2_COMPRESSED;
+use crate::format::l2;
+use crate::format::l2_extended::unpack_bitmap;
 use crate::format::{CompressedDescriptor, GuestOffset};
 use storage::{IoBuf, Storage};
 
@@ -60,7 +61,7 @@ impl<S: Storage + 'static> Inner<S> {
         };
         let _guard = self.lock_range(offset, len, LockMode::Exclusive).await;
         let e = self.alloc()?.l2_entries(offset, 1).await?[0];
-        if e.word != 0 || e.bitmap as u32 != 0 {
+        if e.word != 0 || unpack_bitmap(e.bitmap).0 != 0 {
             return Err(unsupported("a compressed write over an allocated cluster"));
         }
         let w = self.alloc()?;
@@ -83,13 +84,12 @@ impl<S: Storage + 'static> Inner<S> {
             host_offset: host,
             additional_sectors: (host + plen - 1) / 512 - host / 512,
         };
-        let word = desc
-            .encode(g.cluster_bits())
-            .map_err(|source| EngineError::Format {
+        let word = l2::compressed_word(desc.encode(g.cluster_bits()).map_err(|source| {
+            EngineError::Format {
                 image: top.name.clone(),
                 source,
-            })?
-            | L2_COMPRESSED;
+            }
+        })?);
         self.chain
             .l2
             .set_dependency(w.refcounts_flush())

@@ -5,11 +5,11 @@
 //! before changing anything if any part would need data written.
 
 use super::chain::Source;
-use super::discard::ALL_ZERO_BITMAP;
 use super::error::{EngineError, Result};
 use super::image::{Image, Inner};
 use super::range_lock::LockMode;
-use crate::format::l2::{L2_COMPRESSED, L2_OFFSET_MASK, L2_ZERO};
+use crate::format::l2;
+use crate::format::l2_extended::{pack_bitmap, subcluster_mask, unpack_bitmap, ALL_ZERO_BITMAP};
 use crate::format::GuestOffset;
 use storage::{IoBuf, Storage};
 
@@ -121,7 +121,7 @@ impl<S: Storage + 'static> Inner<S> {
         for e in &entries {
             let (a, b) = (ms.max(e.cluster), me.min(e.cluster + cs));
             let whole = a == e.cluster && (b == e.cluster + cs || b == size);
-            if !whole && e.word & L2_COMPRESSED != 0 {
+            if !whole && l2::is_compressed(e.word) {
                 explicit.push((a, b));
             } else {
                 meta_ranges.push((*e, a, b, whole));
@@ -144,8 +144,8 @@ impl<S: Storage + 'static> Inner<S> {
             // The edges written as data above may have changed this very entry: use it as it
             // is now (the exclusive lock keeps it stable from here on).
             let e = w.l2_entries(e.cluster, 1).await?[0];
-            let has_host = e.word & L2_OFFSET_MASK != 0;
-            let compressed = e.word & L2_COMPRESSED != 0;
+            let has_host = l2::host_of(e.word) != 0;
+            let compressed = l2::is_compressed(e.word);
             let unmap = whole && (compressed || (may_unmap && has_host));
             let (word, bitmap) = if !v3 {
                 (0, 0)
@@ -155,19 +155,17 @@ impl<S: Storage + 'static> Inner<S> {
                 } else {
                     let first = g.subcluster_index(GuestOffset(a));
                     let last = g.subcluster_index(GuestOffset(b - 1));
-                    let m = (u64::from(u32::MAX >> (31 - last)) >> first) << first;
-                    (
-                        e.word,
-                        ((e.bitmap as u32 as u64) & !m) | ((e.bitmap >> 32 | m) << 32),
-                    )
+                    let m = subcluster_mask(first, last);
+                    let (alloc, zero) = unpack_bitmap(e.bitmap);
+                    (e.word, pack_bitmap(alloc & !m, zero | m))
                 }
             } else {
-                (if unmap { L2_ZERO } else { e.word | L2_ZERO }, 0)
+                (l2::zeroed_word(if unmap { 0 } else { e.word }), 0)
             };
             // What nobody allocated and no backing file shows already reads as zeros: leave
             // it (QEMU would write a zero flag, creating L2 tables for nothing).
             let reads_zero_already =
-                !has_backing && !has_host && !compressed && (e.bitmap as u32) == 0;
+                !has_backing && !has_host && !compressed && unpack_bitmap(e.bitmap).0 == 0;
             if (word, bitmap) == (e.word, e.bitmap) || reads_zero_already {
                 continue;
             }

@@ -15,6 +15,38 @@ pub const L2_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 /// Bits 1-8 and 56-61 of a standard descriptor must be zero.
 pub const L2_STANDARD_RESERVED_MASK: u64 = 0x3f00_0000_0000_01fe;
 
+/// The host cluster a raw entry word points to (0: none). Compressed words hold a descriptor
+/// instead; test [`is_compressed`] first.
+pub fn host_of(word: u64) -> u64 {
+    word & L2_OFFSET_MASK
+}
+
+/// True when a raw entry word describes a compressed cluster.
+pub fn is_compressed(word: u64) -> bool {
+    word & L2_COMPRESSED != 0
+}
+
+/// True when a raw entry word holds a cluster (a host cluster or compressed data).
+pub fn holds_cluster(word: u64) -> bool {
+    word & (L2_OFFSET_MASK | L2_COMPRESSED) != 0
+}
+
+/// The word of a cluster at `host` that only this entry uses (refcount one).
+pub fn owned_word(host: u64) -> u64 {
+    host | L2_COPIED
+}
+
+/// The word of a compressed cluster with descriptor bits `descriptor`.
+pub fn compressed_word(descriptor: u64) -> u64 {
+    descriptor | L2_COMPRESSED
+}
+
+/// `word` with the zero flag set (standard entries of version 3 images): reads as zeros,
+/// keeping any preallocated host cluster.
+pub fn zeroed_word(word: u64) -> u64 {
+    word | L2_ZERO
+}
+
 /// One decoded L2 entry (the first 64 bits of an extended entry decode the same way).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum L2Entry {

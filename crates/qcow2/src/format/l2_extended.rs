@@ -16,6 +16,30 @@ pub enum SubclusterState {
     Allocated,
 }
 
+/// The bitmap word of an extended entry: allocation bits low, zero bits high.
+pub fn pack_bitmap(alloc: u32, zero: u32) -> u64 {
+    u64::from(alloc) | (u64::from(zero) << 32)
+}
+
+/// The allocation and zero bits of a bitmap word.
+pub fn unpack_bitmap(bitmap: u64) -> (u32, u32) {
+    // Splitting the word into its halves: truncation is the intent.
+    (bitmap as u32, (bitmap >> 32) as u32)
+}
+
+/// A bitmap word in which every subcluster reads as zeros.
+pub const ALL_ZERO_BITMAP: u64 = 0xffff_ffff << 32;
+
+/// Bits of subclusters `first..=last` (both below 32).
+pub fn subcluster_mask(first: u32, last: u32) -> u32 {
+    let hi = if last >= 31 {
+        u32::MAX
+    } else {
+        (1u32 << (last + 1)) - 1
+    };
+    hi & !((1u32 << first) - 1)
+}
+
 /// A decoded extended L2 entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExtendedL2Entry {
@@ -39,9 +63,7 @@ impl ExtendedL2Entry {
     ) -> Result<ExtendedL2Entry, FormatError> {
         let at = Location::entry(Structure::L2Table, table_offset.0, index);
         let entry = L2Entry::decode(raw, geometry, index, table_offset)?;
-        // Split the 64-bit bitmap into its two 32-bit halves; truncation is the intent.
-        let alloc = bitmap as u32;
-        let zero = (bitmap >> 32) as u32;
+        let (alloc, zero) = unpack_bitmap(bitmap);
         match entry {
             L2Entry::Compressed(_) => {
                 if bitmap != 0 {
@@ -171,6 +193,18 @@ impl ExtendedL2Entry {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn subcluster_masks_and_bitmap_halves() {
+        assert_eq!(super::subcluster_mask(0, 0), 1);
+        assert_eq!(super::subcluster_mask(0, 31), u32::MAX);
+        assert_eq!(super::subcluster_mask(3, 5), 0b111000);
+        assert_eq!(super::subcluster_mask(31, 31), 1 << 31);
+        let word = super::pack_bitmap(0x0000_00f0, 0x0f00_0000);
+        assert_eq!(word, 0x0f00_0000_0000_00f0);
+        assert_eq!(super::unpack_bitmap(word), (0x0000_00f0, 0x0f00_0000));
+        assert_eq!(super::unpack_bitmap(super::ALL_ZERO_BITMAP), (0, u32::MAX));
+    }
+
     use super::*;
 
     fn geom() -> Geometry {

@@ -13,12 +13,11 @@ use crate::format::l1::{L1_OFFSET_MASK, L1_RESERVED_MASK};
 use crate::format::l2::{
     L2_COMPRESSED, L2_COPIED, L2_OFFSET_MASK, L2_STANDARD_RESERVED_MASK, L2_ZERO,
 };
+use crate::format::l2_extended::ALL_ZERO_BITMAP;
 use storage::Storage;
 
 /// Allocation bits of an extended L2 bitmap (the low 32).
 pub(crate) const BITMAP_ALL_ALLOC: u64 = 0xffff_ffff;
-/// Zero bits of an extended L2 bitmap (the high 32).
-pub(crate) const BITMAP_ALL_ZEROES: u64 = 0xffff_ffff << 32;
 
 /// How QEMU classifies an L2 entry (`qcow2_get_cluster_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -279,7 +278,7 @@ impl<S: Storage> Pass<'_, S> {
         };
         if self.meta.extended {
             let bitmap = u64::from_be_bytes(bytes[8..16].try_into().unwrap_or([0; 8]));
-            let zeroes = (bitmap | (bitmap << 32)) & BITMAP_ALL_ZEROES;
+            let zeroes = (bitmap | (bitmap << 32)) & ALL_ZERO_BITMAP;
             bytes[..8].copy_from_slice(&0u64.to_be_bytes());
             bytes[8..16].copy_from_slice(&zeroes.to_be_bytes());
         } else {
