@@ -86,8 +86,12 @@ impl<S: Storage + 'static> Inner<S> {
                 slice.into_inner(),
             );
         }
+        let generation = match self.alloc() {
+            Ok(a) => a.mapping_generation(),
+            Err(e) => return (Err(e), buf),
+        };
         // Most writes land in clusters we own: try that under a shared lock first.
-        {
+        let plans = {
             let _shared = self.lock_range(offset, len, LockMode::Shared).await;
             match self.plan(offset, len).await {
                 Err(e) => return (Err(e), buf),
@@ -98,12 +102,19 @@ impl<S: Storage + 'static> Inner<S> {
                 {
                     return self.execute(offset, buf, &plans).await;
                 }
-                Ok(_) => {}
+                Ok(plans) => plans,
             }
-        }
+        };
         let _exclusive = self.lock_range(offset, len, LockMode::Exclusive).await;
-        // Plan again: the clusters may have changed while we waited for the lock.
-        self.write_unlocked(offset, buf).await
+        // The plan holds unless some mapping changed while we waited for the lock; only then
+        // is it made again.
+        match self.alloc() {
+            Ok(a) if a.mapping_generation() == generation => {
+                self.execute(offset, buf, &plans).await
+            }
+            Ok(_) => self.write_unlocked(offset, buf).await,
+            Err(e) => (Err(e), buf),
+        }
     }
 
     /// Writes with the caller holding an exclusive lock on the range (qcow2 layer 0 only).

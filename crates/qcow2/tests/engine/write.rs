@@ -371,3 +371,39 @@ fn copy_on_write_reads_head_and_tail_in_one_request_around_small_writes() {
         assert_same(&qemu_raw(&path, None), &expected, &what);
     }
 }
+
+/// An allocating write plans its clusters once: when nothing changed where clusters live
+/// while it waited for its exclusive lock, it executes the plan it made under the shared one.
+#[test]
+fn an_allocating_write_plans_its_clusters_once() {
+    let d = Dir::new();
+    let path = d.path("plan-once.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", path.to_str().unwrap(), "4M"]);
+    run(async {
+        let img = Image::open(&opener(Aio::Threads), &path, &OpenOptions::default())
+            .await
+            .unwrap();
+        let cs = img.facts().cluster_size as usize;
+        let filled = |byte: u8| {
+            let mut buf = IoBuf::zeroed(cs);
+            buf.fill(byte);
+            buf
+        };
+        // The first write creates the L2 table; the second only allocates a cluster in it.
+        img.write(0, filled(1), false).await.0.unwrap();
+        let before = img.l2_cache_stats();
+        img.write(cs as u64, filled(2), false).await.0.unwrap();
+        let after = img.l2_cache_stats();
+        let lookups = (after.hits + after.misses) - (before.hits + before.misses);
+        assert_eq!(
+            lookups, 2,
+            "one L2 lookup to plan the write and one to point the entry at the new cluster"
+        );
+        img.close().await.unwrap();
+    });
+    qemu_check_clean(&path);
+    // qemu-img's default cluster size: 64 KiB.
+    let data = qemu_raw(&path, None);
+    assert!(data[..65536].iter().all(|&b| b == 1));
+    assert!(data[65536..131072].iter().all(|&b| b == 2));
+}

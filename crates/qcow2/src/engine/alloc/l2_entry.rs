@@ -129,6 +129,7 @@ impl<S: Storage + 'static> Allocator<S> {
                 let old = l2::entry_at(b, idx, ext)?;
                 if let Some((word, bitmap)) = f(old.0, old.1) {
                     l2::set_entry_at(b, idx, ext, word, bitmap);
+                    self.mapping_changed();
                 }
                 Some(old)
             })

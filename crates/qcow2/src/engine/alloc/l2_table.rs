@@ -65,6 +65,7 @@ impl<S: Storage + 'static> Allocator<S> {
         self.meta.borrow_mut().insert(new, cs, MetaKind::L2Table);
         let entry = new | L1_COPIED;
         meta.l1.borrow_mut()[l1i as usize] = entry;
+        self.mapping_changed();
         self.write_meta(
             "updating the L1 table",
             meta.l1_offset.get() + l1i * 8,

@@ -59,6 +59,10 @@ pub(crate) struct Allocator<S: Storage + 'static> {
     pub meta: RefCell<MetaIndex>,
     /// Where the next compressed cluster may start (0 = start a new cluster).
     pub free_byte_offset: Cell<u64>,
+    /// Bumped whenever a layer-0 L2 entry, L2 table or header field changes, so a write that
+    /// planned under a shared lock can tell whether its plan still holds once it has the
+    /// exclusive one.
+    mapping_generation: Cell<u64>,
 }
 
 impl<S: Storage + 'static> Allocator<S> {
@@ -221,6 +225,7 @@ impl<S: Storage + 'static> Allocator<S> {
             dirty_on_disk: Cell::new(false),
             meta: RefCell::new(index),
             free_byte_offset: Cell::new(0),
+            mapping_generation: Cell::new(0),
         })
     }
 
@@ -249,8 +254,20 @@ impl<S: Storage + 'static> Allocator<S> {
         }
     }
 
+    /// The current mapping generation (see [`Allocator::mapping_changed`]).
+    pub(crate) fn mapping_generation(&self) -> u64 {
+        self.mapping_generation.get()
+    }
+
+    /// Records that where guest clusters live may have changed: plans made before are stale.
+    pub(crate) fn mapping_changed(&self) {
+        self.mapping_generation
+            .set(self.mapping_generation.get().wrapping_add(1));
+    }
+
     /// Writes header fields in place (not yet durable: callers sync when the order needs it).
     pub(crate) async fn update_header<const N: usize>(&self, u: FieldUpdate<N>) -> Result<()> {
+        self.mapping_changed();
         self.write_meta("updating the header", u.offset, &u.bytes)
             .await
     }
