@@ -350,7 +350,7 @@ impl<S: Storage + 'static> Image<S> {
             let host = {
                 let _g = w.meta_lock.lock().await;
                 w.l2_for_write(g.l1_index(GuestOffset(pos))).await?;
-                w.alloc_clusters(n).await?
+                w.alloc_clusters(n).await?.0
             };
             let end = host + n * cs;
             match mode {

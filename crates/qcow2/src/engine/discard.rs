@@ -7,6 +7,7 @@ use super::image::{Image, Inner};
 use super::range_lock::LockMode;
 use crate::format::l2;
 use crate::format::l2_extended::ALL_ZERO_BITMAP;
+use crate::format::HostOffset;
 use storage::Storage;
 
 impl<S: Storage + 'static> Image<S> {
@@ -102,7 +103,8 @@ impl<S: Storage + 'static> Inner<S> {
         if l2::is_compressed(old_word) {
             w.free_compressed(old_word).await
         } else if l2::host_of(old_word) != 0 {
-            w.free_clusters(l2::host_of(old_word), 1, punch).await
+            w.free_clusters(HostOffset(l2::host_of(old_word)), 1, punch)
+                .await
         } else {
             Ok(())
         }

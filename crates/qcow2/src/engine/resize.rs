@@ -8,7 +8,7 @@
 use super::alloc::overlap::MetaKind;
 use super::error::{EngineError, Result};
 use super::image::{Image, Inner};
-use crate::format::{header, limits, Geometry};
+use crate::format::{header, limits, Geometry, HostOffset};
 use storage::Storage;
 
 impl<S: Storage + 'static> Image<S> {
@@ -82,7 +82,7 @@ impl<S: Storage + 'static> Inner<S> {
             .max(old.len() as u64 + old.len() as u64 / 2)
             .min(limits::MAX_L1_SIZE_BYTES / 8);
         let clusters = (len * 8).div_ceil(cs);
-        let new_off = w.alloc_clusters(clusters).await?;
+        let new_off = w.alloc_clusters(clusters).await?.0;
         // Its refcounts must be durable before the header points to it.
         w.refcounts
             .flush()
@@ -118,7 +118,8 @@ impl<S: Storage + 'static> Inner<S> {
             m.insert(new_off, clusters * cs, MetaKind::L1Table);
         }
         if old_clusters > 0 {
-            w.free_clusters(old_off, old_clusters, false).await?;
+            w.free_clusters(HostOffset(old_off), old_clusters, false)
+                .await?;
         }
         Ok(())
     }

@@ -555,7 +555,7 @@ impl<S: Storage + 'static> Inner<S> {
                 Some(h) => (h, false, false),
                 None if meta.data_file.is_some() => (first, false, false),
                 None => {
-                    let h = w.alloc_clusters(n).await?;
+                    let h = w.alloc_clusters(n).await?.0;
                     (h, true, h >= fresh_from)
                 }
             })
@@ -568,7 +568,7 @@ impl<S: Storage + 'static> Inner<S> {
         if let Err(e) = res {
             if allocated {
                 let _g = w.meta_lock.lock().await;
-                if let Err(e2) = w.free_clusters(host, n, false).await {
+                if let Err(e2) = w.free_clusters(HostOffset(host), n, false).await {
                     tracing::warn!("could not release clusters after a failed write: {e2}");
                 }
             }
@@ -596,7 +596,7 @@ impl<S: Storage + 'static> Inner<S> {
                     Action::Fill {
                         old: Old::Shared { host },
                         ..
-                    } => w.free_clusters(host, 1, false).await?,
+                    } => w.free_clusters(HostOffset(host), 1, false).await?,
                     Action::Fill {
                         old: Old::Compressed { raw },
                         ..

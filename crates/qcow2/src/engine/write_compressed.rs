@@ -68,7 +68,7 @@ impl<S: Storage + 'static> Inner<S> {
         let host = {
             let _g = w.meta_lock.lock().await;
             w.l2_for_write(g.l1_index(GuestOffset(offset))).await?;
-            w.alloc_bytes(packed.len() as u64).await?
+            w.alloc_bytes(packed.len() as u64).await?.0
         };
         let plen = packed.len() as u64;
         w.check_overlap(host, plen).await?;

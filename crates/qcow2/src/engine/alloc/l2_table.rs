@@ -9,6 +9,7 @@ use super::Allocator;
 use crate::engine::error::Result;
 use crate::engine::metacache::L2Key;
 use crate::format::l1::{L1_COPIED, L1_OFFSET_MASK};
+use crate::format::HostOffset;
 use storage::{IoBuf, Storage};
 
 impl<S: Storage + 'static> Allocator<S> {
@@ -29,7 +30,7 @@ impl<S: Storage + 'static> Allocator<S> {
             return Ok(old);
         }
         let cs = meta.geom.cluster_size();
-        let new = self.alloc_clusters(1).await?;
+        let new = self.alloc_clusters(1).await?.0;
         // The table's refcount must be on disk before anything points to it.
         self.refcounts
             .flush()
@@ -76,7 +77,7 @@ impl<S: Storage + 'static> Allocator<S> {
             // The snapshot keeps the old table; it loses the active L1's reference only once
             // the L1 entry no longer names it on disk.
             self.sync().await?;
-            self.free_clusters(old, 1, false).await?;
+            self.free_clusters(HostOffset(old), 1, false).await?;
         }
         Ok(new)
     }

@@ -20,7 +20,7 @@ use crate::engine::layer::{read_exact, Layer};
 use crate::engine::metacache::L2Cache;
 use crate::engine::metacache::{RefcountBackend, RefcountCache};
 use crate::format::features::{INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
-use crate::format::{bitmap, l1, HostOffset, RefcountTableEntry};
+use crate::format::{bitmap, l1, HostCluster, HostOffset, RefcountTableEntry};
 use overlap::{MetaIndex, MetaKind};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -42,7 +42,7 @@ pub(crate) struct Allocator<S: Storage + 'static> {
     pub reftable_offset: Cell<u64>,
     pub reftable_clusters: Cell<u64>,
     /// First cluster index worth looking at for a free cluster.
-    pub free_hint: Cell<u64>,
+    pub free_hint: Cell<HostCluster>,
     /// Bytes of the file that may hold non-zero data; clusters allocated past it read as
     /// zeros without being written.
     pub physical_len: Cell<u64>,
@@ -217,7 +217,7 @@ impl<S: Storage + 'static> Allocator<S> {
             reftable: RefCell::new(reftable),
             reftable_offset: Cell::new(reftable_offset),
             reftable_clusters: Cell::new(reftable_clusters),
-            free_hint: Cell::new(0),
+            free_hint: Cell::new(HostCluster(0)),
             physical_len: Cell::new(file_len),
             meta_lock: tokio::sync::Mutex::new(()),
             corrupt: Cell::new(false),

@@ -15,7 +15,7 @@
 use super::overlap::MetaKind;
 use super::Allocator;
 use crate::engine::error::{EngineError, Result};
-use crate::format::{header, limits, refcount};
+use crate::format::{header, limits, refcount, HostCluster, HostOffset};
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
@@ -29,6 +29,17 @@ impl<S: Storage + 'static> Allocator<S> {
             g.refcount_order(),
             g.refcount_block_entries(),
         )
+    }
+
+    /// The host cluster holding byte `offset`.
+    fn cluster_of(&self, offset: HostOffset) -> HostCluster {
+        self.meta().geom.host_cluster(offset)
+    }
+
+    /// The first byte of host cluster `cluster`. Clusters the allocator hands out lie below
+    /// 2^56 bytes, so the product never overflows.
+    fn offset_of(&self, cluster: HostCluster) -> HostOffset {
+        HostOffset(cluster.0 << self.meta().geom.cluster_bits())
     }
 
     fn cache_err(&self, source: cache::CacheError) -> EngineError {
@@ -45,20 +56,20 @@ impl<S: Storage + 'static> Allocator<S> {
         }
     }
 
-    /// The refcount block covering cluster index `cluster`, if one exists.
-    fn block_of(&self, cluster: u64) -> Option<u64> {
+    /// The file offset of the refcount block covering `cluster`, if one exists.
+    fn block_of(&self, cluster: HostCluster) -> Option<u64> {
         let (_, _, epb) = self.rc_geometry();
-        let ti = usize::try_from(cluster / epb).ok()?;
+        let ti = usize::try_from(cluster.0 / epb).ok()?;
         self.reftable.borrow().get(ti).copied().filter(|&b| b != 0)
     }
 
-    /// Refcount of cluster index `cluster` (0 where no refcount block exists).
-    pub(crate) async fn refcount(&self, cluster: u64) -> Result<u64> {
+    /// Refcount of `cluster` (0 where no refcount block exists).
+    pub(crate) async fn refcount(&self, cluster: HostCluster) -> Result<u64> {
         let (_, order, epb) = self.rc_geometry();
         let Some(block) = self.block_of(cluster) else {
             return Ok(0);
         };
-        let idx = (cluster % epb) as usize;
+        let idx = (cluster.0 % epb) as usize;
         self.refcounts
             .read(block, |b| refcount::get(b, order, idx))
             .await
@@ -66,16 +77,16 @@ impl<S: Storage + 'static> Allocator<S> {
             .map_err(|e| self.fmt_err(e))
     }
 
-    /// Adds `delta` to the refcount of cluster index `cluster`, whose refcount block must
-    /// exist. Underflow or overflow means the metadata is inconsistent: the image is marked
-    /// corrupt. Returns the new refcount.
-    pub(crate) async fn update_refcount(&self, cluster: u64, delta: i64) -> Result<u64> {
-        let (cs, order, epb) = self.rc_geometry();
+    /// Adds `delta` to the refcount of `cluster`, whose refcount block must exist. Underflow
+    /// or overflow means the metadata is inconsistent: the image is marked corrupt. Returns
+    /// the new refcount.
+    pub(crate) async fn update_refcount(&self, cluster: HostCluster, delta: i64) -> Result<u64> {
+        let (_, order, epb) = self.rc_geometry();
+        let at = self.offset_of(cluster).0;
         let Some(block) = self.block_of(cluster) else {
             return Err(self
                 .mark_corrupt(format!(
-                    "cluster {:#x} has no refcount block but its refcount must change",
-                    cluster * cs
+                    "cluster {at:#x} has no refcount block but its refcount must change"
                 ))
                 .await);
         };
@@ -87,7 +98,7 @@ impl<S: Storage + 'static> Allocator<S> {
                 .await
                 .map_err(|e| self.cache_err(e))?;
         }
-        let idx = (cluster % epb) as usize;
+        let idx = (cluster.0 % epb) as usize;
         let max = refcount::max_value(order).unwrap_or(u64::MAX);
         let res = self
             .refcounts
@@ -99,10 +110,7 @@ impl<S: Storage + 'static> Allocator<S> {
                     old.checked_add(delta as u64).filter(|&n| n <= max)
                 }
                 .ok_or_else(|| {
-                    format!(
-                        "refcount of cluster {:#x} is {old}; cannot add {delta}",
-                        cluster * cs
-                    )
+                    format!("refcount of cluster {at:#x} is {old}; cannot add {delta}")
                 })?;
                 refcount::set(b, order, idx, new).map_err(|e| e.to_string())?;
                 Ok(new)
@@ -123,10 +131,10 @@ impl<S: Storage + 'static> Allocator<S> {
     /// Finds `n` contiguous clusters with refcount 0, starting at the allocation hint.
     /// Clusters beyond the refcount table's reach count as free (their block is created
     /// when they are used).
-    async fn find_free(&self, n: u64) -> Result<u64> {
+    async fn find_free(&self, n: u64) -> Result<HostCluster> {
         let (cs, order, epb) = self.rc_geometry();
         let max_clusters = limits::MAX_HOST_OFFSET / cs;
-        let mut c = self.free_hint.get();
+        let mut c = self.free_hint.get().0;
         let mut start = c;
         let mut run = 0u64;
         loop {
@@ -137,14 +145,14 @@ impl<S: Storage + 'static> Allocator<S> {
                 });
             }
             let block_end = (c / epb + 1) * epb;
-            match self.block_of(c) {
+            match self.block_of(HostCluster(c)) {
                 None => {
                     if run == 0 {
                         start = c;
                     }
                     run += block_end - c;
                     if run >= n {
-                        return Ok(start);
+                        return Ok(HostCluster(start));
                     }
                     c = block_end;
                 }
@@ -176,7 +184,7 @@ impl<S: Storage + 'static> Allocator<S> {
                     start = new_start;
                     run = new_run;
                     if found {
-                        return Ok(start);
+                        return Ok(HostCluster(start));
                     }
                     c = block_end;
                 }
@@ -187,10 +195,10 @@ impl<S: Storage + 'static> Allocator<S> {
     /// Allocates `n` contiguous clusters (refcount 0 → 1) and returns the byte offset of the
     /// first. The caller holds the meta lock and makes the L2 cache depend on the refcount
     /// cache before pointing an L2 entry at them.
-    pub(crate) async fn alloc_clusters(&self, n: u64) -> Result<u64> {
-        let (cs, _, epb) = self.rc_geometry();
+    pub(crate) async fn alloc_clusters(&self, n: u64) -> Result<HostOffset> {
+        let (_, _, epb) = self.rc_geometry();
         'retry: loop {
-            let start = self.find_free(n).await?;
+            let HostCluster(start) = self.find_free(n).await?;
             for ti in start / epb..=(start + n - 1) / epb {
                 if !self.has_block(ti) {
                     self.alloc_refblock(ti).await?;
@@ -199,23 +207,25 @@ impl<S: Storage + 'static> Allocator<S> {
                 }
             }
             for c in start..start + n {
-                self.update_refcount(c, 1).await?;
+                self.update_refcount(HostCluster(c), 1).await?;
             }
-            self.free_hint.set(start + n);
-            self.note_allocated_end((start + n) * cs);
-            return Ok(start * cs);
+            let end = HostCluster(start + n);
+            self.free_hint.set(end);
+            self.note_allocated_end(self.offset_of(end).0);
+            return Ok(self.offset_of(HostCluster(start)));
         }
     }
 
     /// Frees `n` clusters starting at byte offset `host` (refcount - 1 each), and forgets any
     /// cached table that lived there. With `punch`, clusters reaching 0 are deallocated in the
     /// file too.
-    pub(crate) async fn free_clusters(&self, host: u64, n: u64, punch: bool) -> Result<()> {
+    pub(crate) async fn free_clusters(&self, host: HostOffset, n: u64, punch: bool) -> Result<()> {
         let (cs, _, _) = self.rc_geometry();
-        for c in host / cs..host / cs + n {
-            let left = self.update_refcount(c, -1).await?;
+        let first = self.cluster_of(host).0;
+        for c in first..first + n {
+            let left = self.update_refcount(HostCluster(c), -1).await?;
             if left == 0 {
-                let off = c * cs;
+                let off = self.offset_of(HostCluster(c)).0;
                 self.l2.forget(|k| k.layer == 0 && k.table == off);
                 self.refcounts.forget(|&k| k == off);
                 self.meta.borrow_mut().remove(off);
@@ -232,7 +242,6 @@ impl<S: Storage + 'static> Allocator<S> {
     /// Frees the host clusters a compressed cluster's data touches (one reference each).
     pub(crate) async fn free_compressed(&self, raw: u64) -> Result<()> {
         let meta = self.meta();
-        let (cs, _, _) = self.rc_geometry();
         let desc = crate::format::CompressedDescriptor::decode(
             raw,
             meta.geom.cluster_bits(),
@@ -240,10 +249,10 @@ impl<S: Storage + 'static> Allocator<S> {
         )
         .map_err(|e| self.fmt_err(e))?;
         let (off, len) = desc.byte_range();
-        let first = off / cs;
-        let last = (off + len - 1) / cs;
+        let first = self.cluster_of(HostOffset(off)).0;
+        let last = self.cluster_of(HostOffset(off + len - 1)).0;
         for c in first..=last {
-            self.update_refcount(c, -1).await?;
+            self.update_refcount(HostCluster(c), -1).await?;
         }
         Ok(())
     }
@@ -272,15 +281,15 @@ impl<S: Storage + 'static> Allocator<S> {
                 return self.grow_reftable(ti + 1).await;
             }
             let b = self.find_free(1).await?;
-            let bti = b / epb;
-            let block_off = b * cs;
+            let bti = b.0 / epb;
+            let block_off = self.offset_of(b).0;
             // Nothing cached may describe the old contents of this cluster.
             self.l2.forget(|k| k.layer == 0 && k.table == block_off);
             self.refcounts.forget(|&k| k == block_off);
             let mut block = IoBuf::zeroed(cs as usize);
             if bti == ti {
                 // The block describes itself.
-                refcount::set(&mut block, order, (b % epb) as usize, 1)
+                refcount::set(&mut block, order, (b.0 % epb) as usize, 1)
                     .map_err(|e| self.fmt_err(e))?;
             } else if self.has_block(bti) {
                 self.update_refcount(b, 1).await?;
@@ -397,25 +406,27 @@ impl<S: Storage + 'static> Allocator<S> {
                 m.insert((area + j) * cs, cs, MetaKind::RefcountBlock);
             }
         }
-        self.free_clusters(old_off, old_clusters, false).await
+        self.free_clusters(HostOffset(old_off), old_clusters, false)
+            .await
     }
 
     /// Allocates `len` (< cluster size) bytes for compressed data, packing compressed
     /// clusters into shared host clusters as QEMU does: every host cluster the data touches
     /// gets one reference per compressed cluster. Returns the byte offset.
-    pub(crate) async fn alloc_bytes(&self, len: u64) -> Result<u64> {
+    pub(crate) async fn alloc_bytes(&self, len: u64) -> Result<HostOffset> {
         let (cs, order, _) = self.rc_geometry();
         let max = refcount::max_value(order).unwrap_or(u64::MAX);
         let cur = self.free_byte_offset.get();
-        let usable = cur != 0 && self.refcount(cur / cs).await? < max;
+        let current = self.cluster_of(HostOffset(cur));
+        let usable = cur != 0 && self.refcount(current).await? < max;
         let off = if usable && cs - cur % cs >= len {
-            self.update_refcount(cur / cs, 1).await?;
+            self.update_refcount(current, 1).await?;
             cur
         } else {
-            let new = self.alloc_clusters(1).await?;
+            let new = self.alloc_clusters(1).await?.0;
             if usable && new == cur.div_ceil(cs) * cs {
                 // The next cluster was free: the data spills over from the current one.
-                self.update_refcount(cur / cs, 1).await?;
+                self.update_refcount(current, 1).await?;
                 cur
             } else {
                 new
@@ -424,7 +435,7 @@ impl<S: Storage + 'static> Allocator<S> {
         let next = off + len;
         self.free_byte_offset
             .set(if next % cs == 0 { 0 } else { next });
-        Ok(off)
+        Ok(HostOffset(off))
     }
 
     /// The writer's refcount cache as a dependency target.
