@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Side by side with qemu-nbd (issue 7): builds the release binary, makes images with qemu-img,
+# Side by side with qemu-nbd: builds the release binary, makes images with qemu-img,
 # serves identical copies with `qemu-nbd` and `qcow2-nbd serve` under equivalent settings
 # (O_DIRECT, io_uring, the same cache sizes), drives both with `fio --ioengine=nbd` in
 # alternating rounds (A B, B A, ...; medians), measures a raw file exported by our own server as
