@@ -16,7 +16,7 @@ pub(crate) mod overlap;
 mod refcount;
 
 use crate::engine::error::{EngineError, Result};
-use crate::engine::layer::{read_exact, Layer};
+use crate::engine::layer::{read_exact, Layer, Qcow2Meta};
 use crate::engine::metacache::L2Cache;
 use crate::engine::metacache::{RefcountBackend, RefcountCache};
 use crate::format::features::{INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
@@ -26,6 +26,7 @@ use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use storage::{IoBuf, Storage};
 
+use crate::format::be::words;
 use crate::format::header::{self, FieldUpdate};
 
 /// The allocator of a writable image.
@@ -76,128 +77,15 @@ impl<S: Storage + 'static> Allocator<S> {
         let meta = layer
             .qcow2()
             .expect("only qcow2 images are opened with a writer");
-        let (reftable_offset, reftable_clusters, lazy, version) = {
-            let h = meta.header.borrow();
-            (
-                h.refcount_table_offset,
-                u64::from(h.refcount_table_clusters),
-                h.has_lazy_refcounts(),
-                h.version,
-            )
-        };
-        let g = &meta.geom;
-        let cs = g.cluster_size();
-        let file_len = meta.file_end.get();
-        let raw = read_exact(
-            &layer.file,
-            &layer.name,
-            "reading the refcount table",
-            reftable_offset,
-            (reftable_clusters * cs) as usize,
-        )
-        .await?;
-        let mut reftable = Vec::with_capacity(raw.len() / 8);
-        let mut index = MetaIndex::default();
-        for (i, w) in raw.chunks_exact(8).enumerate() {
-            let word = u64::from_be_bytes(w.try_into().expect("8 bytes"));
-            let e = RefcountTableEntry::decode(word, g, i as u64, HostOffset(reftable_offset))
-                .map_err(|source| EngineError::Format {
-                    image: layer.name.clone(),
-                    source,
-                })?;
-            let off = e.block_offset.map_or(0, |o| o.0);
-            if off != 0 {
-                if off.checked_add(cs).is_none_or(|e| e > file_len) {
-                    return Err(layer.corrupt(format!(
-                        "refcount table at {reftable_offset:#x}: entry {i} points to a refcount block at {off:#x} past the end of the file ({file_len:#x} bytes)"
-                    )));
-                }
-                index.insert(off, cs, MetaKind::RefcountBlock);
-            }
-            reftable.push(off);
-        }
-        index.insert(0, cs, MetaKind::Header);
-        index.insert(
-            reftable_offset,
-            reftable_clusters * cs,
-            MetaKind::RefcountTable,
-        );
-        let l1_offset = meta.l1_offset.get();
-        let l1_len = meta.l1.borrow().len() as u64 * 8;
-        index.insert(l1_offset, l1_len.div_ceil(cs) * cs, MetaKind::L1Table);
-        for &w in meta.l1.borrow().iter() {
-            let off = w & l1::L1_OFFSET_MASK;
-            if off != 0 {
-                index.insert(off, cs, MetaKind::L2Table);
-            }
-        }
         // A copy: the header must not stay borrowed across the reads below.
         let h = meta.header.borrow().clone();
-        if let Some(fde) = h.fde_pointer() {
-            index.insert(
-                fde.offset,
-                fde.length.div_ceil(cs) * cs,
-                MetaKind::EncryptionHeader,
-            );
-        }
-        if let Some(ext) = h.bitmaps() {
-            let dir = read_exact(
-                &layer.file,
-                &layer.name,
-                "reading the bitmap directory",
-                ext.directory_offset,
-                ext.directory_size as usize,
-            )
-            .await?;
-            let entries =
-                bitmap::decode_directory(&dir, ext, g).map_err(|source| EngineError::Format {
-                    image: layer.name.clone(),
-                    source,
-                })?;
-            if let Some(b) = entries.iter().find(|b| b.auto()) {
-                return Err(EngineError::Unsupported {
-                    image: layer.name.clone(),
-                    what: format!(
-                        "writing to an image with an enabled persistent dirty bitmap ({:?}); open it read-only",
-                        b.name_lossy()
-                    ),
-                });
-            }
-            index.insert(
-                ext.directory_offset,
-                ext.directory_size.div_ceil(cs) * cs,
-                MetaKind::BitmapDirectory,
-            );
-            for b in &entries {
-                index.insert(
-                    b.table_offset,
-                    (u64::from(b.table_size) * 8).div_ceil(cs) * cs,
-                    MetaKind::BitmapTable,
-                );
-            }
-        }
-        let snapshots_offset = h.snapshots_offset;
-        let nb_snapshots = h.nb_snapshots;
-        if nb_snapshots > 0 {
-            // The table's length and the snapshots' L1 tables were validated on open; record
-            // them by reading the table again (cheap: it is small and rarely present).
-            let snaps =
-                crate::engine::load::snapshot_table(&layer.file, &layer.name, &h, g, file_len)
-                    .await?;
-            let len: u64 = snaps.iter().map(|s| s.1).sum();
-            index.insert(
-                snapshots_offset,
-                len.div_ceil(cs) * cs,
-                MetaKind::SnapshotTable,
-            );
-            for (s, _) in &snaps {
-                index.insert(
-                    s.l1_table_offset,
-                    (u64::from(s.l1_size) * 8).div_ceil(cs) * cs,
-                    MetaKind::SnapshotL1Table,
-                );
-            }
-        }
+        let cs = meta.geom.cluster_size();
+        let reftable_clusters = u64::from(h.refcount_table_clusters);
+        let mut index = MetaIndex::default();
+        let reftable = read_reftable(layer, meta, &h, &mut index).await?;
+        index_tables(meta, &h, &mut index);
+        index_bitmaps(layer, meta, &h, &mut index).await?;
+        index_snapshots(layer, meta, &h, &mut index).await?;
         let block_bytes = cs as usize;
         let refcounts = cache::Cache::new(
             cache::CacheConfig::new("refcount", block_bytes, refcount_cache_bytes.max(2 * cs)),
@@ -215,13 +103,13 @@ impl<S: Storage + 'static> Allocator<S> {
             l2: l2.clone(),
             refcounts: Rc::new(refcounts),
             reftable: RefCell::new(reftable),
-            reftable_offset: Cell::new(reftable_offset),
+            reftable_offset: Cell::new(h.refcount_table_offset),
             reftable_clusters: Cell::new(reftable_clusters),
             free_hint: Cell::new(HostCluster(0)),
-            physical_len: Cell::new(file_len),
+            physical_len: Cell::new(meta.file_end.get()),
             meta_lock: tokio::sync::Mutex::new(()),
             corrupt: Cell::new(false),
-            lazy_refcounts: lazy && version >= 3,
+            lazy_refcounts: h.has_lazy_refcounts() && h.version >= 3,
             dirty_on_disk: Cell::new(false),
             meta: RefCell::new(index),
             free_byte_offset: Cell::new(0),
@@ -398,4 +286,154 @@ impl<S: Storage + 'static> Allocator<S> {
         }
         Ok(())
     }
+}
+
+/// Reads the refcount table, checking that every block it points to lies inside the file,
+/// and records the blocks in the metadata index.
+async fn read_reftable<S: Storage + 'static>(
+    layer: &Layer<S>,
+    meta: &Qcow2Meta<S>,
+    h: &crate::format::Header,
+    index: &mut MetaIndex,
+) -> Result<Vec<u64>> {
+    let g = &meta.geom;
+    let cs = g.cluster_size();
+    let file_len = meta.file_end.get();
+    let offset = h.refcount_table_offset;
+    let clusters = u64::from(h.refcount_table_clusters);
+    let raw = read_exact(
+        &layer.file,
+        &layer.name,
+        "reading the refcount table",
+        offset,
+        (clusters * cs) as usize,
+    )
+    .await?;
+    let mut reftable = Vec::with_capacity(raw.len() / 8);
+    for (i, word) in words(&raw).into_iter().enumerate() {
+        let e = RefcountTableEntry::decode(word, g, i as u64, HostOffset(offset)).map_err(
+            |source| EngineError::Format {
+                image: layer.name.clone(),
+                source,
+            },
+        )?;
+        let off = e.block_offset.map_or(0, |o| o.0);
+        if off != 0 {
+            if off.checked_add(cs).is_none_or(|e| e > file_len) {
+                return Err(layer.corrupt(format!(
+                    "refcount table at {offset:#x}: entry {i} points to a refcount block at {off:#x} past the end of the file ({file_len:#x} bytes)"
+                )));
+            }
+            index.insert(off, cs, MetaKind::RefcountBlock);
+        }
+        reftable.push(off);
+    }
+    index.insert(offset, clusters * cs, MetaKind::RefcountTable);
+    Ok(reftable)
+}
+
+/// Records the header cluster, the L1 table, every L2 table and the encryption header.
+fn index_tables<S>(meta: &Qcow2Meta<S>, h: &crate::format::Header, index: &mut MetaIndex) {
+    let cs = meta.geom.cluster_size();
+    index.insert(0, cs, MetaKind::Header);
+    let l1_len = meta.l1.borrow().len() as u64 * 8;
+    index.insert(
+        meta.l1_offset.get(),
+        l1_len.div_ceil(cs) * cs,
+        MetaKind::L1Table,
+    );
+    for &w in meta.l1.borrow().iter() {
+        let off = w & l1::L1_OFFSET_MASK;
+        if off != 0 {
+            index.insert(off, cs, MetaKind::L2Table);
+        }
+    }
+    if let Some(fde) = h.fde_pointer() {
+        index.insert(
+            fde.offset,
+            fde.length.div_ceil(cs) * cs,
+            MetaKind::EncryptionHeader,
+        );
+    }
+}
+
+/// Records the bitmap directory and tables, refusing a read-write open while a bitmap is
+/// enabled: its bits would have to follow every write, which we do not do.
+async fn index_bitmaps<S: Storage + 'static>(
+    layer: &Layer<S>,
+    meta: &Qcow2Meta<S>,
+    h: &crate::format::Header,
+    index: &mut MetaIndex,
+) -> Result<()> {
+    let Some(ext) = h.bitmaps() else {
+        return Ok(());
+    };
+    let g = &meta.geom;
+    let cs = g.cluster_size();
+    let dir = read_exact(
+        &layer.file,
+        &layer.name,
+        "reading the bitmap directory",
+        ext.directory_offset,
+        ext.directory_size as usize,
+    )
+    .await?;
+    let entries = bitmap::decode_directory(&dir, ext, g).map_err(|source| EngineError::Format {
+        image: layer.name.clone(),
+        source,
+    })?;
+    if let Some(b) = entries.iter().find(|b| b.auto()) {
+        return Err(EngineError::Unsupported {
+            image: layer.name.clone(),
+            what: format!(
+                "writing to an image with an enabled persistent dirty bitmap ({:?}); open it read-only",
+                b.name_lossy()
+            ),
+        });
+    }
+    index.insert(
+        ext.directory_offset,
+        ext.directory_size.div_ceil(cs) * cs,
+        MetaKind::BitmapDirectory,
+    );
+    for b in &entries {
+        index.insert(
+            b.table_offset,
+            (u64::from(b.table_size) * 8).div_ceil(cs) * cs,
+            MetaKind::BitmapTable,
+        );
+    }
+    Ok(())
+}
+
+/// Records the snapshot table and the snapshots' L1 tables. Their placement was validated on
+/// open; the table is read again here, which is cheap: it is small and rarely present.
+async fn index_snapshots<S: Storage + 'static>(
+    layer: &Layer<S>,
+    meta: &Qcow2Meta<S>,
+    h: &crate::format::Header,
+    index: &mut MetaIndex,
+) -> Result<()> {
+    if h.nb_snapshots == 0 {
+        return Ok(());
+    }
+    let g = &meta.geom;
+    let cs = g.cluster_size();
+    let snaps =
+        crate::engine::load::snapshot_table(&layer.file, &layer.name, h, g, meta.file_end.get())
+            .await?;
+    let len: u64 = snaps.iter().map(|s| s.1).sum();
+    index.insert(
+        h.snapshots_offset,
+        len.div_ceil(cs) * cs,
+        MetaKind::SnapshotTable,
+    );
+    for (s, _) in &snaps {
+        index.insert(
+            s.l1_table_offset,
+            (u64::from(s.l1_size) * 8).div_ceil(cs) * cs,
+            MetaKind::SnapshotL1Table,
+        );
+    }
+    Ok(())
 }

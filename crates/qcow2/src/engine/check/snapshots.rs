@@ -33,18 +33,71 @@ fn be64(b: &[u8], pos: usize) -> u64 {
         .map_or(0, u64::from_be_bytes)
 }
 
+/// What reading one snapshot table entry gave.
+enum EntryRead {
+    /// The entry, where the next one starts, the table's length so far, and whether its
+    /// extra data was cut to QEMU's limit.
+    Entry {
+        snapshot: Snapshot,
+        end: u64,
+        len: u64,
+        extra_truncated: bool,
+    },
+    /// The table would pass 64 MiB with this entry: it ends before it (with `-r all`). The
+    /// entry's extra data may have been found too large first, which still counts.
+    TableTooBig { extra_truncated: bool },
+}
+
 impl<S: Storage> Pass<'_, S> {
     /// Reads the snapshot table into `self.meta`, counting what is wrong with it into
     /// `self.res` (the caller keeps this apart from the refcount results, as QEMU does).
     pub async fn read_snapshots(&mut self) -> Result<(), CheckError> {
-        let repair = self.fix.errors;
+        let offset = self.meta.snapshots_offset;
+        let (nb, mut reduced) = self.snapshot_table_placement()?;
+        let mut pos = offset;
+        let mut table_len = 0u64;
+        let mut snapshots = Vec::new();
+        let mut kept = nb;
+        let mut extra_dropped = 0u32;
+        for i in 0..nb {
+            match self.read_snapshot_entry(i, nb, pos, table_len).await? {
+                EntryRead::Entry {
+                    snapshot,
+                    end,
+                    len,
+                    extra_truncated,
+                } => {
+                    snapshots.push(snapshot);
+                    pos = end;
+                    table_len = len;
+                    extra_dropped += u32::from(extra_truncated);
+                }
+                EntryRead::TableTooBig { extra_truncated } => {
+                    extra_dropped += u32::from(extra_truncated);
+                    reduced += nb - i;
+                    kept = i;
+                    break;
+                }
+            }
+        }
+        self.meta.snapshots = snapshots;
+        self.meta.nb_snapshots = kept;
+        self.meta.snapshots_size = pos - offset;
+        self.res.corruptions += u64::from(reduced) + u64::from(extra_dropped);
+        if reduced > 0 {
+            self.write_snapshot_count(kept, reduced).await?;
+        }
+        self.flag_incomplete_snapshots();
+        Ok(())
+    }
+
+    /// Checks the table's size and placement; with `-r all`, snapshots beyond QEMU's limit
+    /// are dropped. Returns the entries to read and how many were dropped.
+    fn snapshot_table_placement(&mut self) -> Result<(u32, u32), CheckError> {
         let offset = self.meta.snapshots_offset;
         let mut nb = self.meta.nb_snapshots;
-        let mut reduced = 0u32;
-        let mut extra_dropped = 0u32;
-        let fail = |detail: String| CheckError::SnapshotTable { offset, detail };
-
-        if nb > limits::MAX_SNAPSHOTS && repair {
+        let mut reduced = 0;
+        if nb > limits::MAX_SNAPSHOTS && self.fix.errors {
             self.log(
                 FindingKind::Repair,
                 format!(
@@ -55,203 +108,230 @@ impl<S: Storage> Pass<'_, S> {
             reduced += nb - limits::MAX_SNAPSHOTS;
             nb = limits::MAX_SNAPSHOTS;
         }
-        let fixed = limits::SNAPSHOT_ENTRY_FIXED_SIZE;
         let fits = offset
-            .checked_add(u64::from(nb) * fixed)
+            .checked_add(u64::from(nb) * limits::SNAPSHOT_ENTRY_FIXED_SIZE)
             .is_some_and(|e| e <= limits::MAX_FILE_OFFSET);
         let problem = if nb > limits::MAX_SNAPSHOTS {
-            Some("Snapshot table too large".to_string())
+            "Snapshot table too large"
         } else if self.meta.in_cluster(offset) != 0 || !fits {
-            Some("Snapshot table offset invalid".to_string())
+            "Snapshot table offset invalid"
         } else {
-            None
+            return Ok((nb, reduced));
         };
-        if let Some(p) = problem {
-            self.res.check_errors += 1;
-            self.log(FindingKind::Error, format!("ERROR {p}"));
-            if nb > limits::MAX_SNAPSHOTS {
-                self.log(
-                    FindingKind::Error,
-                    format!("You can force-remove all {} overhanging snapshots with qemu-img check -r all", nb - limits::MAX_SNAPSHOTS),
-                );
-            }
-            self.meta.snapshots_offset = 0;
-            self.meta.nb_snapshots = 0;
-            return Err(fail(p));
+        self.res.check_errors += 1;
+        self.log(FindingKind::Error, format!("ERROR {problem}"));
+        if nb > limits::MAX_SNAPSHOTS {
+            self.log(
+                FindingKind::Error,
+                format!(
+                    "You can force-remove all {} overhanging snapshots with qemu-img check -r all",
+                    nb - limits::MAX_SNAPSHOTS
+                ),
+            );
         }
+        Err(self.give_up_on_snapshots(problem.to_string()))
+    }
 
-        let mut pos = offset;
-        let mut table_len = 0u64;
-        let mut snapshots = Vec::new();
-        let mut kept = nb;
-        for i in 0..nb {
-            let before = pos;
-            table_len = table_len.next_multiple_of(8);
-            pos = pos.next_multiple_of(8);
-            let head = self.read_snapshot_bytes(pos, fixed).await?;
-            pos += fixed;
-            let l1_offset = be64(&head, 0);
-            let l1_size = be32(&head, 8);
-            let id_len = u64::from(be16(&head, 12));
-            let name_len = u64::from(be16(&head, 14));
-            let mut extra = be32(&head, 36);
-            let mut truncate = false;
-            if extra > limits::MAX_SNAPSHOT_EXTRA_DATA {
-                if !repair {
-                    self.res.check_errors += 1;
-                    self.log(
-                        FindingKind::Error,
-                        format!("ERROR failed to read the snapshot table: Too much extra metadata in snapshot table entry {i}"),
-                    );
-                    self.log(
-                        FindingKind::Error,
-                        "You can force-remove this extra metadata with qemu-img check -r all"
-                            .into(),
-                    );
-                    self.meta.snapshots_offset = 0;
-                    self.meta.nb_snapshots = 0;
-                    return Err(fail(format!(
-                        "too much extra metadata in entry {i}: File too large"
-                    )));
-                }
-                self.log(
-                    FindingKind::Repair,
-                    format!(
-                        "Discarding too much extra metadata in snapshot table entry {i} ({extra} > {})",
-                        limits::MAX_SNAPSHOT_EXTRA_DATA
-                    ),
-                );
-                extra_dropped += 1;
-                truncate = true;
-            }
-            let known = self
-                .read_snapshot_bytes(pos, u64::from(extra.min(KNOWN_EXTRA_DATA)))
-                .await?;
-            pos += u64::from(extra.min(KNOWN_EXTRA_DATA));
-            let mut unknown_extra = Vec::new();
-            if extra > KNOWN_EXTRA_DATA {
-                let extra_end = pos + u64::from(extra - KNOWN_EXTRA_DATA);
-                if truncate {
-                    extra = limits::MAX_SNAPSHOT_EXTRA_DATA;
-                }
-                unknown_extra = self
-                    .read_snapshot_bytes(pos, u64::from(extra - KNOWN_EXTRA_DATA))
-                    .await?;
-                pos = extra_end;
-            }
-            let id = self.read_snapshot_bytes(pos, id_len).await?;
-            pos += id_len;
-            let name = self.read_snapshot_bytes(pos, name_len).await?;
-            pos += name_len;
-            table_len += fixed + u64::from(extra) + id_len + name_len;
-            if table_len > limits::MAX_SNAPSHOT_TABLE_BYTES || pos - offset > i32::MAX as u64 {
-                if !repair {
-                    self.res.check_errors += 1;
-                    self.log(
-                        FindingKind::Error,
-                        "ERROR failed to read the snapshot table: Snapshot table is too big".into(),
-                    );
-                    self.log(
-                        FindingKind::Error,
-                        format!("You can force-remove all {} overhanging snapshots with qemu-img check -r all", nb - i),
-                    );
-                    self.meta.snapshots_offset = 0;
-                    self.meta.nb_snapshots = 0;
-                    return Err(fail(
-                        "the table is bigger than 64 MiB: File too large".into(),
-                    ));
-                }
-                self.log(
-                    FindingKind::Repair,
-                    format!(
-                        "Discarding {} overhanging snapshots (snapshot table is too big)",
-                        nb - i
-                    ),
-                );
-                reduced += nb - i;
-                kept = i;
-                pos = before;
-                break;
-            }
-            snapshots.push(Snapshot {
-                l1_offset,
-                l1_size,
-                id,
-                name,
-                extra_data_size: extra,
-                date_sec: be32(&head, 16),
-                date_nsec: be32(&head, 20),
-                vm_clock_nsec: be64(&head, 24),
-                vm_state_size: if known.len() >= 8 {
-                    be64(&known, 0)
-                } else {
-                    u64::from(be32(&head, 32))
-                },
-                disk_size: if known.len() >= 16 {
-                    be64(&known, 8)
-                } else {
-                    self.meta.virtual_size
-                },
-                icount: if known.len() >= 24 {
-                    be64(&known, 16)
-                } else {
-                    u64::MAX
-                },
-                unknown_extra,
-            });
-        }
-        let nb = kept;
-        self.meta.snapshots = snapshots;
-        self.meta.nb_snapshots = nb;
-        self.meta.snapshots_size = pos - offset;
-        self.res.corruptions += u64::from(reduced) + u64::from(extra_dropped);
+    /// Forgets the snapshot table (the rest of the check runs without it) and returns the
+    /// error that ends reading it.
+    fn give_up_on_snapshots(&mut self, detail: String) -> CheckError {
+        let offset = self.meta.snapshots_offset;
+        self.meta.snapshots_offset = 0;
+        self.meta.nb_snapshots = 0;
+        CheckError::SnapshotTable { offset, detail }
+    }
 
-        if reduced > 0 {
-            // The header must agree with what the rest of the check looks at; the dropped
-            // entries' clusters become leaks, which the check frees.
-            let written = match io::write(
-                self.file,
-                "updating the snapshot count",
-                header::nb_snapshots_update(nb).offset,
-                &header::nb_snapshots_update(nb).bytes,
-            )
-            .await
-            {
-                Ok(()) => io::flush(self.file).await,
-                Err(e) => Err(e),
-            };
-            if let Err(e) = written {
+    /// Reads entry `i` of `nb` at `pos`, the table so far being `table_len` bytes long. An
+    /// entry with too much extra data is an error, or with `-r all` keeps only what QEMU
+    /// keeps; a table past 64 MiB is an error, or with `-r all` ends before this entry.
+    async fn read_snapshot_entry(
+        &mut self,
+        i: u32,
+        nb: u32,
+        pos: u64,
+        table_len: u64,
+    ) -> Result<EntryRead, CheckError> {
+        let repair = self.fix.errors;
+        let fixed = limits::SNAPSHOT_ENTRY_FIXED_SIZE;
+        let mut table_len = table_len.next_multiple_of(8);
+        let mut pos = pos.next_multiple_of(8);
+        let head = self.read_snapshot_bytes(pos, fixed).await?;
+        pos += fixed;
+        let id_len = u64::from(be16(&head, 12));
+        let name_len = u64::from(be16(&head, 14));
+        let mut extra = be32(&head, 36);
+        let truncate = extra > limits::MAX_SNAPSHOT_EXTRA_DATA;
+        if truncate {
+            if !repair {
                 self.res.check_errors += 1;
                 self.log(
                     FindingKind::Error,
-                    format!("ERROR failed to update the snapshot count in the image header: {e}"),
+                    format!("ERROR failed to read the snapshot table: Too much extra metadata in snapshot table entry {i}"),
                 );
-                return Err(e);
+                self.log(
+                    FindingKind::Error,
+                    "You can force-remove this extra metadata with qemu-img check -r all".into(),
+                );
+                return Err(self.give_up_on_snapshots(format!(
+                    "too much extra metadata in entry {i}: File too large"
+                )));
             }
-            self.meta.header.nb_snapshots = nb;
-            self.res.corruptions_fixed += u64::from(reduced);
-            self.res.corruptions -= u64::from(reduced);
+            self.log(
+                FindingKind::Repair,
+                format!(
+                    "Discarding too much extra metadata in snapshot table entry {i} ({extra} > {})",
+                    limits::MAX_SNAPSHOT_EXTRA_DATA
+                ),
+            );
         }
+        let known = self
+            .read_snapshot_bytes(pos, u64::from(extra.min(KNOWN_EXTRA_DATA)))
+            .await?;
+        pos += u64::from(extra.min(KNOWN_EXTRA_DATA));
+        let mut unknown_extra = Vec::new();
+        if extra > KNOWN_EXTRA_DATA {
+            let extra_end = pos + u64::from(extra - KNOWN_EXTRA_DATA);
+            if truncate {
+                extra = limits::MAX_SNAPSHOT_EXTRA_DATA;
+            }
+            unknown_extra = self
+                .read_snapshot_bytes(pos, u64::from(extra - KNOWN_EXTRA_DATA))
+                .await?;
+            pos = extra_end;
+        }
+        let id = self.read_snapshot_bytes(pos, id_len).await?;
+        pos += id_len;
+        let name = self.read_snapshot_bytes(pos, name_len).await?;
+        pos += name_len;
+        table_len += fixed + u64::from(extra) + id_len + name_len;
+        let offset = self.meta.snapshots_offset;
+        if table_len > limits::MAX_SNAPSHOT_TABLE_BYTES || pos - offset > i32::MAX as u64 {
+            if !repair {
+                self.res.check_errors += 1;
+                self.log(
+                    FindingKind::Error,
+                    "ERROR failed to read the snapshot table: Snapshot table is too big".into(),
+                );
+                self.log(
+                    FindingKind::Error,
+                    format!("You can force-remove all {} overhanging snapshots with qemu-img check -r all", nb - i),
+                );
+                return Err(self.give_up_on_snapshots(
+                    "the table is bigger than 64 MiB: File too large".into(),
+                ));
+            }
+            self.log(
+                FindingKind::Repair,
+                format!(
+                    "Discarding {} overhanging snapshots (snapshot table is too big)",
+                    nb - i
+                ),
+            );
+            return Ok(EntryRead::TableTooBig {
+                extra_truncated: truncate,
+            });
+        }
+        let snapshot = self.decode_snapshot(&head, &known, id, name, extra, unknown_extra);
+        Ok(EntryRead::Entry {
+            snapshot,
+            end: pos,
+            len: table_len,
+            extra_truncated: truncate,
+        })
+    }
 
-        if self.meta.header.version >= 3 {
-            for i in 0..self.meta.snapshots.len() {
-                if self.meta.snapshots[i].extra_data_size < V3_MIN_EXTRA_DATA {
-                    self.res.corruptions += 1;
-                    self.log(
-                        if repair {
-                            FindingKind::Repair
-                        } else {
-                            FindingKind::Error
-                        },
-                        format!(
-                            "{} snapshot table entry {i} is incomplete",
-                            Self::verb(repair)
-                        ),
-                    );
-                }
+    /// A snapshot from its fixed part, the extra data QEMU knows, and the rest. Missing extra
+    /// fields take QEMU's defaults.
+    fn decode_snapshot(
+        &self,
+        head: &[u8],
+        known: &[u8],
+        id: Vec<u8>,
+        name: Vec<u8>,
+        extra: u32,
+        unknown_extra: Vec<u8>,
+    ) -> Snapshot {
+        Snapshot {
+            l1_offset: be64(head, 0),
+            l1_size: be32(head, 8),
+            id,
+            name,
+            extra_data_size: extra,
+            date_sec: be32(head, 16),
+            date_nsec: be32(head, 20),
+            vm_clock_nsec: be64(head, 24),
+            vm_state_size: if known.len() >= 8 {
+                be64(known, 0)
+            } else {
+                u64::from(be32(head, 32))
+            },
+            disk_size: if known.len() >= 16 {
+                be64(known, 8)
+            } else {
+                self.meta.virtual_size
+            },
+            icount: if known.len() >= 24 {
+                be64(known, 16)
+            } else {
+                u64::MAX
+            },
+            unknown_extra,
+        }
+    }
+
+    /// Writes the reduced snapshot count to the header, so that it agrees with what the rest
+    /// of the check looks at; the dropped entries' clusters become leaks, which the check
+    /// frees.
+    async fn write_snapshot_count(&mut self, nb: u32, reduced: u32) -> Result<(), CheckError> {
+        let update = header::nb_snapshots_update(nb);
+        let written = match io::write(
+            self.file,
+            "updating the snapshot count",
+            update.offset,
+            &update.bytes,
+        )
+        .await
+        {
+            Ok(()) => io::flush(self.file).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = written {
+            self.res.check_errors += 1;
+            self.log(
+                FindingKind::Error,
+                format!("ERROR failed to update the snapshot count in the image header: {e}"),
+            );
+            return Err(e);
+        }
+        self.meta.header.nb_snapshots = nb;
+        self.res.corruptions_fixed += u64::from(reduced);
+        self.res.corruptions -= u64::from(reduced);
+        Ok(())
+    }
+
+    /// Version 3 entries must carry the VM state and disk sizes: an entry without them is a
+    /// corruption (which `-r all` repairs by rewriting the table).
+    fn flag_incomplete_snapshots(&mut self) {
+        if self.meta.header.version < 3 {
+            return;
+        }
+        let repair = self.fix.errors;
+        for i in 0..self.meta.snapshots.len() {
+            if self.meta.snapshots[i].extra_data_size < V3_MIN_EXTRA_DATA {
+                self.res.corruptions += 1;
+                self.log(
+                    if repair {
+                        FindingKind::Repair
+                    } else {
+                        FindingKind::Error
+                    },
+                    format!(
+                        "{} snapshot table entry {i} is incomplete",
+                        Self::verb(repair)
+                    ),
+                );
             }
         }
-        Ok(())
     }
 
     /// Reads `len` bytes of the snapshot table (at most 64 KiB: names, IDs, fixed parts).
