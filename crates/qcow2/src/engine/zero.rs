@@ -10,7 +10,7 @@ use super::image::{Image, Inner};
 use super::range_lock::LockMode;
 use crate::format::l2;
 use crate::format::l2_extended::{pack_bitmap, subcluster_mask, unpack_bitmap, ALL_ZERO_BITMAP};
-use crate::format::GuestOffset;
+use crate::format::{Geometry, GuestOffset};
 use storage::{IoBuf, Storage};
 
 /// Largest zero buffer written at once when zeros must be written as data.
@@ -44,7 +44,6 @@ impl<S: Storage + 'static> Inner<S> {
             return Ok(());
         }
         let top = self.chain.top();
-        let end = offset + len;
         let Some(meta) = top.qcow2() else {
             if fast && !top.file.zeroes_are_cheap() {
                 return Err(EngineError::ZeroNotFast { offset, len });
@@ -63,125 +62,143 @@ impl<S: Storage + 'static> Inner<S> {
                     .map_err(|e| top.io_error("zeroing the raw data file", offset, e))?;
             }
         }
-        let g = &meta.geom;
-        let size = top.size.get();
-        let has_backing = self.chain.layers.len() > 1;
-        let v3 = meta.header.borrow().version >= 3;
-        let ext = g.extended_l2();
-        let unit = if ext {
-            g.subcluster_size()
-        } else {
-            g.cluster_size()
+        let z = Zeroing {
+            geom: meta.geom,
+            size: top.size.get(),
+            has_backing: self.chain.layers.len() > 1,
+            v3: meta.header.borrow().version >= 3,
+            may_unmap,
         };
+        let unit = z.unit();
+        let end = offset + len;
         let lock_from = offset - offset % unit;
-        let lock_to = end.div_ceil(unit).saturating_mul(unit).min(size);
+        let lock_to = end.div_ceil(unit).saturating_mul(unit).min(z.size);
         let _guard = self
             .lock_range(lock_from, lock_to - lock_from, LockMode::Exclusive)
             .await;
-
-        // Without zero flags (version 2) only an image without backing file can zero by
-        // dropping clusters; otherwise everything is written as data.
-        let mut explicit: Vec<(u64, u64)> = Vec::new();
-        let (ms, me) = if !v3 && has_backing {
-            explicit.push((offset, end));
-            (end, end)
-        } else {
-            let unit = if v3 { unit } else { g.cluster_size() };
-            let unit_end = |u: u64| (u + unit).min(size);
-            let first_u = offset - offset % unit;
-            let last_u = (end - 1) - (end - 1) % unit;
-            let (mut ms, mut me) = (first_u, unit_end(last_u));
-            // Only the first and the last unit can be partial. A partial unit is zeroed whole
-            // when the rest of it already reads as zeros, else its part is written as data.
-            let (a, b) = (offset, end.min(unit_end(first_u)));
-            if (a, b) != (first_u, unit_end(first_u))
-                && !(self.reads_zero(first_u, a - first_u).await?
-                    && self.reads_zero(b, unit_end(first_u) - b).await?)
-            {
-                explicit.push((a, b));
-                ms = unit_end(first_u);
-            }
-            if last_u != first_u
-                && end != unit_end(last_u)
-                && !self.reads_zero(end, unit_end(last_u) - end).await?
-            {
-                explicit.push((last_u, end));
-                me = last_u;
-            }
-            (ms, me.max(ms))
-        };
+        let (mut explicit, ms, me) = self.split_zero_range(&z, offset, end).await?;
         // Partial clusters of a compressed cluster cannot take zero bits.
         let entries = if ms < me {
             self.alloc()?.l2_entries(ms, me - ms).await?
         } else {
             Vec::new()
         };
-        let cs = g.cluster_size();
+        let cs = z.geom.cluster_size();
         let mut meta_ranges = Vec::new();
         for e in &entries {
             let (a, b) = (ms.max(e.cluster), me.min(e.cluster + cs));
-            let whole = a == e.cluster && (b == e.cluster + cs || b == size);
+            let whole = a == e.cluster && (b == e.cluster + cs || b == z.size);
             if !whole && l2::is_compressed(e.word) {
                 explicit.push((a, b));
             } else {
-                meta_ranges.push((*e, a, b, whole));
+                meta_ranges.push((e.cluster, a, b, whole));
             }
         }
         if fast && !explicit.is_empty() {
             return Err(EngineError::ZeroNotFast { offset, len });
         }
         for &(a, b) in &explicit {
-            let mut pos = a;
-            while pos < b {
-                let n = (b - pos).min(ZERO_CHUNK);
-                let (res, _) = self.write_unlocked(pos, IoBuf::zeroed(n as usize)).await;
-                res?;
-                pos += n;
-            }
+            self.write_zero_data(a, b).await?;
         }
+        for (cluster, a, b, whole) in meta_ranges {
+            self.zero_in_metadata(&z, cluster, a, b, whole).await?;
+        }
+        Ok(())
+    }
+
+    /// Splits `[offset, end)` into what is written as zero data (returned as ranges) and the
+    /// range `[ms, me)` zeroed in the L2 entries. Without zero flags (version 2) only an image
+    /// without a backing file can zero by dropping clusters; otherwise everything is data.
+    /// Only the first and the last unit can be partial: a partial unit is zeroed whole when
+    /// the rest of it already reads as zeros, else its part is written as data.
+    async fn split_zero_range(
+        &self,
+        z: &Zeroing,
+        offset: u64,
+        end: u64,
+    ) -> Result<(Vec<(u64, u64)>, u64, u64)> {
+        let mut explicit: Vec<(u64, u64)> = Vec::new();
+        if !z.v3 && z.has_backing {
+            explicit.push((offset, end));
+            return Ok((explicit, end, end));
+        }
+        let unit = if z.v3 {
+            z.unit()
+        } else {
+            z.geom.cluster_size()
+        };
+        let unit_end = |u: u64| (u + unit).min(z.size);
+        let first_u = offset - offset % unit;
+        let last_u = (end - 1) - (end - 1) % unit;
+        let (mut ms, mut me) = (first_u, unit_end(last_u));
+        let (a, b) = (offset, end.min(unit_end(first_u)));
+        if (a, b) != (first_u, unit_end(first_u))
+            && !(self.reads_zero(first_u, a - first_u).await?
+                && self.reads_zero(b, unit_end(first_u) - b).await?)
+        {
+            explicit.push((a, b));
+            ms = unit_end(first_u);
+        }
+        if last_u != first_u
+            && end != unit_end(last_u)
+            && !self.reads_zero(end, unit_end(last_u) - end).await?
+        {
+            explicit.push((last_u, end));
+            me = last_u;
+        }
+        Ok((explicit, ms, me.max(ms)))
+    }
+
+    /// Writes zero bytes over `[a, b)` as guest data, a bounded chunk at a time.
+    async fn write_zero_data(&self, a: u64, b: u64) -> Result<()> {
+        let mut pos = a;
+        while pos < b {
+            let n = (b - pos).min(ZERO_CHUNK);
+            let (res, _) = self.write_unlocked(pos, IoBuf::zeroed(n as usize)).await;
+            res?;
+            pos += n;
+        }
+        Ok(())
+    }
+
+    /// Zeroes `[a, b)` of the guest cluster at `cluster` in its L2 entry (`whole`: the whole
+    /// cluster), releasing the host cluster when the entry stops using it.
+    async fn zero_in_metadata(
+        &self,
+        z: &Zeroing,
+        cluster: u64,
+        a: u64,
+        b: u64,
+        whole: bool,
+    ) -> Result<()> {
         let w = self.alloc()?;
-        for (e, a, b, whole) in meta_ranges {
-            // The edges written as data above may have changed this very entry: use it as it
-            // is now (the exclusive lock keeps it stable from here on).
-            let e = w.l2_entries(e.cluster, 1).await?[0];
-            let has_host = l2::host_of(e.word) != 0;
-            let compressed = l2::is_compressed(e.word);
-            let unmap = whole && (compressed || (may_unmap && has_host));
-            let (word, bitmap) = if !v3 {
-                (0, 0)
-            } else if ext {
-                if whole {
-                    (if unmap { 0 } else { e.word }, ALL_ZERO_BITMAP)
-                } else {
-                    let first = g.subcluster_index(GuestOffset(a));
-                    let last = g.subcluster_index(GuestOffset(b - 1));
-                    let m = subcluster_mask(first, last);
-                    let (alloc, zero) = unpack_bitmap(e.bitmap);
-                    (e.word, pack_bitmap(alloc & !m, zero | m))
-                }
-            } else {
-                (l2::zeroed_word(if unmap { 0 } else { e.word }), 0)
-            };
-            // What nobody allocated and no backing file shows already reads as zeros: leave
-            // it (QEMU would write a zero flag, creating L2 tables for nothing).
-            let reads_zero_already =
-                !has_backing && !has_host && !compressed && unpack_bitmap(e.bitmap).0 == 0;
-            if (word, bitmap) == (e.word, e.bitmap) || reads_zero_already {
-                continue;
-            }
-            {
-                let _g = w.meta_lock.lock().await;
-                w.l2_for_write(g.l1_index(GuestOffset(e.cluster))).await?;
-            }
-            if w.lazy_refcounts {
-                w.mark_dirty().await?;
-            }
-            w.set_l2_entry(e.cluster, word, bitmap).await?;
-            let released = if !v3 || unmap { e.word } else { 0 };
-            if released != 0 {
-                self.release(released, may_unmap && self.discard_passthrough)
-                    .await?;
-            }
+        // Data written for the edges may have changed this very entry: use it as it is now
+        // (the exclusive lock keeps it stable from here on).
+        let e = w.l2_entries(cluster, 1).await?[0];
+        let has_host = l2::host_of(e.word) != 0;
+        let compressed = l2::is_compressed(e.word);
+        let unmap = whole && (compressed || (z.may_unmap && has_host));
+        let (word, bitmap) = z.zeroed_entry(e.word, e.bitmap, a, b, whole, unmap);
+        // What nobody allocated and no backing file shows already reads as zeros: leave
+        // it (QEMU would write a zero flag, creating L2 tables for nothing).
+        let reads_zero_already =
+            !z.has_backing && !has_host && !compressed && unpack_bitmap(e.bitmap).0 == 0;
+        if (word, bitmap) == (e.word, e.bitmap) || reads_zero_already {
+            return Ok(());
+        }
+        {
+            let _g = w.meta_lock.lock().await;
+            w.l2_for_write(z.geom.l1_index(GuestOffset(e.cluster)))
+                .await?;
+        }
+        if w.lazy_refcounts {
+            w.mark_dirty().await?;
+        }
+        w.set_l2_entry(e.cluster, word, bitmap).await?;
+        let released = if !z.v3 || unmap { e.word } else { 0 };
+        if released != 0 {
+            self.release(released, z.may_unmap && self.discard_passthrough)
+                .await?;
         }
         Ok(())
     }
@@ -195,5 +212,54 @@ impl<S: Storage + 'static> Inner<S> {
         let mut pieces = Vec::new();
         self.chain.resolve(offset, len, 0, &mut pieces).await?;
         Ok(pieces.iter().all(|p| p.src == Source::Zero))
+    }
+}
+
+/// What zeroing needs to know about the image.
+struct Zeroing {
+    geom: Geometry,
+    size: u64,
+    has_backing: bool,
+    /// Version 3: zero flags exist.
+    v3: bool,
+    may_unmap: bool,
+}
+
+impl Zeroing {
+    /// The smallest range one L2 entry can zero: a subcluster with extended entries.
+    fn unit(&self) -> u64 {
+        if self.geom.extended_l2() {
+            self.geom.subcluster_size()
+        } else {
+            self.geom.cluster_size()
+        }
+    }
+
+    /// The entry words that make `[a, b)` of an entry read as zeros (`whole`: the whole
+    /// cluster; `unmap`: drop the host cluster).
+    fn zeroed_entry(
+        &self,
+        word: u64,
+        bitmap: u64,
+        a: u64,
+        b: u64,
+        whole: bool,
+        unmap: bool,
+    ) -> (u64, u64) {
+        if !self.v3 {
+            (0, 0)
+        } else if self.geom.extended_l2() {
+            if whole {
+                (if unmap { 0 } else { word }, ALL_ZERO_BITMAP)
+            } else {
+                let first = self.geom.subcluster_index(GuestOffset(a));
+                let last = self.geom.subcluster_index(GuestOffset(b - 1));
+                let m = subcluster_mask(first, last);
+                let (alloc, zero) = unpack_bitmap(bitmap);
+                (word, pack_bitmap(alloc & !m, zero | m))
+            }
+        } else {
+            (l2::zeroed_word(if unmap { 0 } else { word }), 0)
+        }
     }
 }
