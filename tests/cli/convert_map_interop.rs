@@ -14,7 +14,8 @@
 //! raw layer); the engine's block status does not look for host holes yet, so those bytes
 //! are reported as data. Everywhere else such a difference fails the test.
 
-use crate::common::{assert_same_bytes, compare_maps, parse_human_map, parse_map, Dir, Rng};
+use crate::common::{compare_maps, parse_human_map, parse_map, BIN};
+use test_support::{assert_same_bytes, Dir, Rng};
 
 /// Whether QEMU may see host holes that our block status reports as data.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -40,7 +41,7 @@ fn check_with_raw_tail(
 ) {
     // map --output=json, byte for byte.
     let qemu_json = d.qemu_img(&["map", "--output=json", "-f", fmt, image]);
-    let ours_json = d.ours_ok(&["map", "--output=json", "-f", fmt, image]);
+    let ours_json = d.ok(BIN, &["map", "--output=json", "-f", fmt, image]);
     let (ours, qemu) = (parse_map(&ours_json), parse_map(&qemu_json));
     let size = d.info(image)["virtual-size"]
         .as_u64()
@@ -74,7 +75,7 @@ fn check_with_raw_tail(
     // Human map: the same data mappings, or the same refusal for compressed clusters.
     let compressed = qemu.iter().any(|r| r.compressed);
     let q = d.run("qemu-img", &["map", "-f", fmt, image]);
-    let o = d.ours(&["map", "-f", fmt, image]);
+    let o = d.run(BIN, &["map", "-f", fmt, image]);
     if compressed {
         assert!(
             !q.status.success() && !o.status.success(),
@@ -103,7 +104,7 @@ fn check_with_raw_tail(
 
     // convert -O raw: identical bytes, and sparse.
     let (ours_raw, qemu_raw) = (format!("{image}.ours.raw"), format!("{image}.qemu.raw"));
-    d.ours_ok(&["convert", "-f", fmt, "-O", "raw", image, &ours_raw]);
+    d.ok(BIN, &["convert", "-f", fmt, "-O", "raw", image, &ours_raw]);
     d.qemu_img(&["convert", "-f", fmt, "-O", "raw", image, &qemu_raw]);
     assert_same_bytes(&d.read(&ours_raw), &d.read(&qemu_raw), image);
     let (du_ours, du_qemu) = (d.disk_usage(&ours_raw), d.disk_usage(&qemu_raw));
@@ -538,7 +539,10 @@ fn internal_snapshots_with_l() {
         ("snapshot.id=1", 1),
     ] {
         let (ours, qemu) = (format!("s{n}-{param}.ours"), format!("s{n}-{param}.qemu"));
-        d.ours_ok(&["convert", "-l", param, "-O", "raw", "img.qcow2", &ours]);
+        d.ok(
+            BIN,
+            &["convert", "-l", param, "-O", "raw", "img.qcow2", &ours],
+        );
         d.qemu_img(&["convert", "-l", param, "-O", "raw", "img.qcow2", &qemu]);
         let (a, b) = (d.read(&ours), d.read(&qemu));
         // qemu-img keeps the active size (6M) even for the 4M snapshot, with zeros past 4M.
@@ -555,7 +559,10 @@ fn internal_snapshots_with_l() {
         }
         assert_same_bytes(&a, &b, &format!("convert -l {param}"));
     }
-    let out = d.ours(&["convert", "-l", "nosuch", "-O", "raw", "img.qcow2", "x.raw"]);
+    let out = d.run(
+        BIN,
+        &["convert", "-l", "nosuch", "-O", "raw", "img.qcow2", "x.raw"],
+    );
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no snapshot with id or name \"nosuch\""));
     // The active layer is unaffected by the snapshots.

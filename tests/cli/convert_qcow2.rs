@@ -4,7 +4,8 @@
 //! (never more than qemu-img allocates for the same conversion), and `-c` compresses.
 //! Also: the progress bar, odd-sized raw sources and the error cases.
 
-use crate::common::{assert_same_bytes, Dir, Rng};
+use crate::common::BIN;
+use test_support::{assert_same_bytes, Dir, Rng};
 
 /// A raw disk with random, zero, compressible and sparse-island regions (24 MiB + 512).
 fn raw_source(d: &Dir, name: &str) -> Vec<u8> {
@@ -100,12 +101,12 @@ fn convert_and_check(
     }
     let mut ours_args = args.clone();
     ours_args.extend([src, ours.as_str()]);
-    d.ours_ok(&ours_args);
+    d.ok(BIN, &ours_args);
     args.extend([src, qemu.as_str()]);
     d.qemu_img(&args);
 
     d.assert_check_clean(&ours);
-    d.assert_identical(src, src_fmt, &ours, "qcow2");
+    d.assert_same_contents(src, src_fmt, &ours, "qcow2");
 
     let list = opts.join(",");
     let opt = |k: &str| {
@@ -179,7 +180,7 @@ fn convert_and_check(
     }
     // And we read our own output back as QEMU does.
     let back = format!("{ours}.raw");
-    d.ours_ok(&["convert", "-O", "raw", &ours, &back]);
+    d.ok(BIN, &["convert", "-O", "raw", &ours, &back]);
     assert_same_bytes(&d.read(&back)[..data.len()], data, &ours);
 }
 
@@ -223,7 +224,7 @@ fn odd_sized_raw_source() {
     std::fs::write(d.path("odd.raw"), &data).expect("write");
     for fmt in ["raw", "qcow2"] {
         let (o, q) = (format!("o.{fmt}"), format!("q.{fmt}"));
-        d.ours_ok(&["convert", "-f", "raw", "-O", fmt, "odd.raw", &o]);
+        d.ok(BIN, &["convert", "-f", "raw", "-O", fmt, "odd.raw", &o]);
         d.qemu_img(&["convert", "-f", "raw", "-O", fmt, "odd.raw", &q]);
         let (a, b) = (format!("{o}.check.raw"), format!("{q}.check.raw"));
         d.qemu_img(&["convert", "-f", fmt, "-O", "raw", &o, &a]);
@@ -232,11 +233,14 @@ fn odd_sized_raw_source() {
         assert_eq!(ours.len(), 1024, "{fmt}: QEMU rounds the size up to 512");
         assert_same_bytes(&ours, &d.read(&b), fmt);
     }
-    d.ours_ok(&[
-        "convert", "-f", "raw", "-O", "qcow2", "-c", "odd.raw", "c.qcow2",
-    ]);
+    d.ok(
+        BIN,
+        &[
+            "convert", "-f", "raw", "-O", "qcow2", "-c", "odd.raw", "c.qcow2",
+        ],
+    );
     d.assert_check_clean("c.qcow2");
-    d.assert_identical("odd.raw", "raw", "c.qcow2", "qcow2");
+    d.assert_same_contents("odd.raw", "raw", "c.qcow2", "qcow2");
 }
 
 #[test]
@@ -244,7 +248,7 @@ fn progress_bar_only_when_asked_or_on_a_terminal() {
     let d = Dir::new();
     raw_source(&d, "src.raw");
     // -p: frames separated by carriage returns, ending at 100% and a newline.
-    let out = d.ours(&["convert", "-p", "-O", "qcow2", "src.raw", "p.qcow2"]);
+    let out = d.run(BIN, &["convert", "-p", "-O", "qcow2", "src.raw", "p.qcow2"]);
     assert!(out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     let frames: Vec<&str> = err.split('\r').filter(|f| !f.is_empty()).collect();
@@ -270,7 +274,7 @@ fn progress_bar_only_when_asked_or_on_a_terminal() {
         &["convert", "-O", "qcow2", "src.raw", "n.qcow2"][..],
         &["convert", "-p", "-q", "src.raw", "n.raw"],
     ] {
-        let out = d.ours(args);
+        let out = d.run(BIN, args);
         assert!(out.status.success());
         assert!(
             out.stderr.is_empty(),
@@ -285,7 +289,7 @@ fn errors_say_what_is_wrong() {
     let d = Dir::new();
     raw_source(&d, "src.raw");
     let fail = |args: &[&str], want: &str| {
-        let out = d.ours(args);
+        let out = d.run(BIN, args);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?} succeeded");
         assert!(err.contains(want), "{args:?}: {err}");
@@ -339,7 +343,10 @@ fn errors_say_what_is_wrong() {
         "snapshots of a raw file",
     );
     // -o help lists the target's options, as qemu-img does, and creates nothing.
-    let help = d.ours_ok(&["convert", "-O", "qcow2", "-o", "help", "src.raw", "h.qcow2"]);
+    let help = d.ok(
+        BIN,
+        &["convert", "-O", "qcow2", "-o", "help", "src.raw", "h.qcow2"],
+    );
     assert!(help.starts_with("Supported options:\n") && help.contains("compression_type=<str>"));
     assert!(!d.path("h.qcow2").exists());
 }

@@ -3,8 +3,9 @@
 //! without preallocation, the files are byte-identical), the "Formatting" line, `-o help`
 //! and the error messages match qemu-img's in substance, raw images are sparse.
 
-use crate::common::Dir;
+use crate::common::BIN;
 use serde_json::Value;
+use test_support::Dir;
 
 /// The `qemu-img info` fields that describe how an image was created.
 fn created_as(d: &Dir, image: &str) -> Value {
@@ -39,7 +40,7 @@ fn both(d: &Dir, args: &[&str], name: &str, size: Option<&str>, identical_bytes:
     }
     ours.extend(size);
     theirs.extend(size);
-    let out_ours = d.ours_ok(&ours);
+    let out_ours = d.ok(BIN, &ours);
     let out_qemu = d.qemu_img(&theirs);
     assert_eq!(
         out_ours,
@@ -179,7 +180,7 @@ fn backing_files() {
         None,
         false,
     );
-    d.assert_identical("t5.qcow2", "qcow2", "base.qcow2", "qcow2");
+    d.assert_same_contents("t5.qcow2", "qcow2", "base.qcow2", "qcow2");
     // A relative name is relative to the new image's directory.
     std::fs::create_dir(d.path("sub")).expect("mkdir");
     d.qemu_img(&["create", "-q", "-f", "qcow2", "sub/inner.qcow2", "2M"]);
@@ -232,7 +233,7 @@ fn raw_images_are_sparse() {
 fn option_help_is_qemu_img_s() {
     let d = Dir::new();
     for fmt in ["qcow2", "raw"] {
-        let ours = d.ours_ok(&["create", "-f", fmt, "-o", "help"]);
+        let ours = d.ok(BIN, &["create", "-f", fmt, "-o", "help"]);
         // With a file name, qemu-img also lists the file protocol's options (preallocation).
         let qemu = d.qemu_img(&["create", "-f", fmt, "-o", "help", "x"]);
         assert!(ours.starts_with("Supported options:\n"), "{ours}");
@@ -244,7 +245,7 @@ fn option_help_is_qemu_img_s() {
             );
         }
         // `?` asks for the same thing, anywhere in the list.
-        assert_eq!(d.ours_ok(&["create", "-f", fmt, "-o", "size=1M,?"]), ours);
+        assert_eq!(d.ok(BIN, &["create", "-f", fmt, "-o", "size=1M,?"]), ours);
     }
 }
 
@@ -302,7 +303,7 @@ fn errors_match_qemu_img() {
         }
         full.extend(*args);
         let q = d.run("qemu-img", &full);
-        let o = d.ours(&full);
+        let o = d.run(BIN, &full);
         let qerr = String::from_utf8_lossy(&q.stderr);
         let oerr = String::from_utf8_lossy(&o.stderr);
         assert!(!q.status.success(), "{args:?}: qemu-img accepted it");

@@ -7,9 +7,10 @@
 
 use std::path::Path;
 
-use crate::common::{assert_same_bytes, Dir, Rng};
+use crate::common::BIN;
 use qcow2::engine::{Format, Image, OpenOptions};
 use storage::{Aio, FileOpener, IoBuf};
+use test_support::{assert_same_bytes, Dir, Rng};
 
 /// One guest operation.
 #[derive(Clone, Copy, Debug)]
@@ -325,9 +326,9 @@ fn create_args<'a>(s: &'a Setup, image: &'a str, size: &'a str) -> Vec<&'a str> 
 fn verify(d: &Dir, image: &str, expected: &[u8], what: &str) {
     d.assert_check_clean(image);
     std::fs::write(d.path("model.raw"), expected).expect("write model");
-    d.assert_identical("model.raw", "raw", image, "qcow2");
+    d.assert_same_contents("model.raw", "raw", image, "qcow2");
     let ours = format!("{image}.ours.raw");
-    d.ours_ok(&["convert", "-O", "raw", image, &ours]);
+    d.ok(BIN, &["convert", "-O", "raw", image, &ours]);
     assert_same_bytes(&d.read(&ours), expected, what);
 }
 
@@ -339,7 +340,7 @@ fn qemu_writes_into_images_we_create() {
         let size = s.size.to_string();
         let mut args = vec!["create", "-q"];
         args.extend(create_args(s, "img.qcow2", &size));
-        d.ours_ok(&args);
+        d.ok(BIN, &args);
         let ops = operations(1000 + k as u64, s);
         d.qemu_io_script("qcow2", "img.qcow2", &script(&ops, s.cluster_size));
         verify(
@@ -381,7 +382,7 @@ fn both_tools_write_one_image_in_turns() {
         let size = s.size.to_string();
         let mut args = vec!["create", "-q"];
         args.extend(create_args(s, "img.qcow2", &size));
-        d.ours_ok(&args);
+        d.ok(BIN, &args);
         let all = operations(3000 + k as u64, s);
         // Compressed writes need untouched clusters: they all go first, from QEMU.
         let (first, rest) = all.split_at(all.len() - 64 + 20);

@@ -13,9 +13,10 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use crate::common::{Dir, Rng};
+use crate::common::BIN;
 use qcow2::engine::{Format, Image, OpenOptions};
 use storage::{Aio, FileOpener, IoBuf};
+use test_support::{Dir, Rng};
 use tokio::task::JoinSet;
 
 const TIB: u64 = 1 << 40;
@@ -94,7 +95,7 @@ fn mib(b: u64) -> String {
 fn measure(label: &str, opts: &str, cluster: u64, count: usize, seed: u64) -> String {
     let d = Dir::new();
     let w = writes(seed, count);
-    d.ours_ok(&["create", "-q", "-o", opts, "ours.qcow2", "1T"]);
+    d.ok(BIN, &["create", "-q", "-o", opts, "ours.qcow2", "1T"]);
     d.qemu_img(&[
         "create",
         "-q",
@@ -114,7 +115,7 @@ fn measure(label: &str, opts: &str, cluster: u64, count: usize, seed: u64) -> St
     d.assert_check_clean("ours.qcow2");
     d.assert_check_clean("qemu.qcow2");
     // Same writes, same contents.
-    d.assert_identical("ours.qcow2", "qcow2", "qemu.qcow2", "qcow2");
+    d.assert_same_contents("ours.qcow2", "qcow2", "qemu.qcow2", "qcow2");
     let (ours_len, ours_du) = sizes(&d.path("ours.qcow2"));
     let (qemu_len, qemu_du) = sizes(&d.path("qemu.qcow2"));
     let row = format!(

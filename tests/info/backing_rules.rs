@@ -3,27 +3,17 @@
 //!
 //! Needs qemu-img (Debian: qemu-utils); fails with a clear message without it.
 
-use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
-fn qemu_img(dir: &Path, args: &[&str]) {
-    let status = Command::new("qemu-img")
-        .args(args)
-        .current_dir(dir)
-        .status()
-        .unwrap_or_else(|e| {
-            panic!("cannot run qemu-img ({e}); install qemu-utils to run this test")
-        });
-    assert!(status.success(), "qemu-img {args:?} failed");
-}
+use test_support::{qemu, run_ok, Dir};
 
-fn info(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_qcow2-nbd"))
-        .arg("info")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap()
+const BIN: &str = env!("CARGO_BIN_EXE_qcow2-nbd");
+
+/// Our `info ARGS` in `d`.
+fn info(d: &Dir, args: &[&str]) -> Output {
+    let mut full = vec!["info"];
+    full.extend_from_slice(args);
+    d.run(BIN, &full)
 }
 
 fn error_of(out: &Output) -> String {
@@ -38,37 +28,25 @@ fn error_of(out: &Output) -> String {
 
 #[test]
 fn loops_are_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    qemu_img(
-        dir.path(),
-        &["create", "-q", "-f", "qcow2", "a.qcow2", "1M"],
-    );
-    qemu_img(
-        dir.path(),
-        &[
-            "create", "-q", "-f", "qcow2", "-b", "a.qcow2", "-F", "qcow2", "b.qcow2",
-        ],
-    );
+    let dir = Dir::new();
+    dir.qemu_img(&["create", "-q", "-f", "qcow2", "a.qcow2", "1M"]);
+    dir.qemu_img(&[
+        "create", "-q", "-f", "qcow2", "-b", "a.qcow2", "-F", "qcow2", "b.qcow2",
+    ]);
     // Unsafe rebase: point a at b without checking, closing the loop.
-    qemu_img(
-        dir.path(),
-        &[
-            "rebase", "-u", "-f", "qcow2", "-b", "b.qcow2", "-F", "qcow2", "a.qcow2",
-        ],
-    );
-    let err = error_of(&info(dir.path(), &["--backing-chain", "b.qcow2"]));
+    dir.qemu_img(&[
+        "rebase", "-u", "-f", "qcow2", "-b", "b.qcow2", "-F", "qcow2", "a.qcow2",
+    ]);
+    let err = error_of(&info(&dir, &["--backing-chain", "b.qcow2"]));
     assert!(err.contains("backing chain loops back to"), "{err}");
     // Without --backing-chain nothing is followed, so the image itself is fine.
-    assert!(info(dir.path(), &["b.qcow2"]).status.success());
+    assert!(info(&dir, &["b.qcow2"]).status.success());
 }
 
 #[test]
 fn json_and_protocol_names_are_shown_but_never_followed() {
-    let dir = tempfile::tempdir().unwrap();
-    qemu_img(
-        dir.path(),
-        &["create", "-q", "-f", "qcow2", "base.qcow2", "1M"],
-    );
+    let dir = Dir::new();
+    dir.qemu_img(&["create", "-q", "-f", "qcow2", "base.qcow2", "1M"]);
     for (image, name, expected) in [
         (
             "j.qcow2",
@@ -86,14 +64,11 @@ fn json_and_protocol_names_are_shown_but_never_followed() {
             "protocol \"http\" is not a local file",
         ),
     ] {
-        qemu_img(dir.path(), &["create", "-q", "-f", "qcow2", image, "1M"]);
-        qemu_img(
-            dir.path(),
-            &[
-                "rebase", "-u", "-f", "qcow2", "-b", name, "-F", "qcow2", image,
-            ],
-        );
-        let out = info(dir.path(), &["--output=json", image]);
+        dir.qemu_img(&["create", "-q", "-f", "qcow2", image, "1M"]);
+        dir.qemu_img(&[
+            "rebase", "-u", "-f", "qcow2", "-b", name, "-F", "qcow2", image,
+        ]);
+        let out = info(&dir, &["--output=json", image]);
         assert!(
             out.status.success(),
             "{image}: {}",
@@ -101,35 +76,34 @@ fn json_and_protocol_names_are_shown_but_never_followed() {
         );
         let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(json["backing-filename"], name);
-        let err = error_of(&info(dir.path(), &["--backing-chain", image]));
+        let err = error_of(&info(&dir, &["--backing-chain", image]));
         assert!(err.contains(expected), "{image}: {err}");
     }
 }
 
 #[test]
 fn relative_names_resolve_against_the_image_directory_not_the_cwd() {
-    let dir = tempfile::tempdir().unwrap();
-    let sub = dir.path().join("images");
+    let dir = Dir::new();
+    let sub = dir.path("images");
     std::fs::create_dir(&sub).unwrap();
-    qemu_img(&sub, &["create", "-q", "-f", "qcow2", "base.qcow2", "1M"]);
-    qemu_img(
-        &sub,
-        &[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-b",
-            "base.qcow2",
-            "-F",
-            "qcow2",
-            "top.qcow2",
-        ],
-    );
+    // qemu-img runs inside images/, so the backing name it records is the bare file name.
+    let sub_qemu_img = |args: &[&str]| run_ok(qemu("qemu-img").current_dir(&sub).args(args));
+    sub_qemu_img(&["create", "-q", "-f", "qcow2", "base.qcow2", "1M"]);
+    sub_qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "base.qcow2",
+        "-F",
+        "qcow2",
+        "top.qcow2",
+    ]);
     // A decoy with the same name in the working directory must not be picked up.
-    std::fs::write(dir.path().join("base.qcow2"), b"not an image").unwrap();
+    std::fs::write(dir.path("base.qcow2"), b"not an image").unwrap();
     let out = info(
-        dir.path(),
+        &dir,
         &["--backing-chain", "--output=json", "images/top.qcow2"],
     );
     assert!(
@@ -144,51 +118,39 @@ fn relative_names_resolve_against_the_image_directory_not_the_cwd() {
 
 #[test]
 fn missing_and_unsupported_backing_files_are_clear_errors() {
-    let dir = tempfile::tempdir().unwrap();
-    qemu_img(
-        dir.path(),
-        &["create", "-q", "-f", "qcow2", "base.qcow2", "1M"],
-    );
-    qemu_img(
-        dir.path(),
-        &[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-b",
-            "base.qcow2",
-            "-F",
-            "qcow2",
-            "top.qcow2",
-        ],
-    );
-    std::fs::remove_file(dir.path().join("base.qcow2")).unwrap();
-    let err = error_of(&info(dir.path(), &["--backing-chain", "top.qcow2"]));
+    let dir = Dir::new();
+    dir.qemu_img(&["create", "-q", "-f", "qcow2", "base.qcow2", "1M"]);
+    dir.qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "base.qcow2",
+        "-F",
+        "qcow2",
+        "top.qcow2",
+    ]);
+    std::fs::remove_file(dir.path("base.qcow2")).unwrap();
+    let err = error_of(&info(&dir, &["--backing-chain", "top.qcow2"]));
     assert!(
         err.starts_with("qcow2-nbd: base.qcow2: No such file"),
         "{err}"
     );
 
-    qemu_img(
-        dir.path(),
-        &["create", "-q", "-f", "vmdk", "disk.vmdk", "1M"],
-    );
-    qemu_img(
-        dir.path(),
-        &[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-b",
-            "disk.vmdk",
-            "-F",
-            "vmdk",
-            "over.qcow2",
-        ],
-    );
-    let err = error_of(&info(dir.path(), &["--backing-chain", "over.qcow2"]));
+    dir.qemu_img(&["create", "-q", "-f", "vmdk", "disk.vmdk", "1M"]);
+    dir.qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "disk.vmdk",
+        "-F",
+        "vmdk",
+        "over.qcow2",
+    ]);
+    let err = error_of(&info(&dir, &["--backing-chain", "over.qcow2"]));
     assert!(
         err.contains("backing file format \"vmdk\" is not supported"),
         "{err}"

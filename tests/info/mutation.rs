@@ -4,69 +4,45 @@
 //!
 //! Needs qemu-img (Debian: qemu-utils); fails with a clear message without it.
 
-use std::process::Command;
-
-/// xorshift64*, so a failing mutant is reproducible from its seed.
-fn next(state: &mut u64) -> u64 {
-    *state ^= *state >> 12;
-    *state ^= *state << 25;
-    *state ^= *state >> 27;
-    state.wrapping_mul(0x2545_f491_4f6c_dd1d)
-}
+use test_support::{Dir, Rng};
 
 #[test]
 fn mutated_images_give_a_report_or_a_clean_error() {
-    let dir = tempfile::tempdir().unwrap();
-    let status = Command::new("qemu-img")
-        .args([
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-o",
-            "cluster_size=512",
-            "orig.qcow2",
-            "1M",
-        ])
-        .current_dir(dir.path())
-        .status()
-        .unwrap_or_else(|e| {
-            panic!("cannot run qemu-img ({e}); install qemu-utils to run this test")
-        });
-    assert!(status.success());
-    for args in [
-        &["snapshot", "-c", "s", "orig.qcow2"][..],
-        &["bitmap", "--add", "orig.qcow2", "b"][..],
-    ] {
-        assert!(Command::new("qemu-img")
-            .args(args)
-            .current_dir(dir.path())
-            .status()
-            .unwrap()
-            .success());
-    }
-    let original = std::fs::read(dir.path().join("orig.qcow2")).unwrap();
-    let path = dir.path().join("mutant.qcow2");
+    let dir = Dir::new();
+    dir.qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "cluster_size=512",
+        "orig.qcow2",
+        "1M",
+    ]);
+    dir.qemu_img(&["snapshot", "-c", "s", "orig.qcow2"]);
+    dir.qemu_img(&["bitmap", "--add", "orig.qcow2", "b"]);
+    let original = dir.read("orig.qcow2");
+    let path = dir.path("mutant.qcow2");
     let (mut ok, mut refused) = (0, 0);
     for seed in 1..=300u64 {
-        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut rng = Rng(seed);
         let mut image = original.clone();
         for _ in 0..3 {
             // Mostly the header cluster; sometimes anywhere in the (small) file.
-            let limit = if next(&mut state) % 4 == 0 {
-                image.len()
-            } else {
-                512
-            };
-            let at = (next(&mut state) % limit as u64) as usize;
-            image[at] ^= 1 << (next(&mut state) % 8);
+            let limit = if rng.below(4) == 0 { image.len() } else { 512 };
+            let at = rng.index(limit);
+            image[at] ^= 1 << rng.below(8);
         }
         std::fs::write(&path, &image).unwrap();
-        let out = Command::new(env!("CARGO_BIN_EXE_qcow2-nbd"))
-            .args(["info", "--output=json", "--backing-chain"])
-            .arg(&path)
-            .output()
-            .unwrap();
+        let out = dir.run(
+            env!("CARGO_BIN_EXE_qcow2-nbd"),
+            &[
+                "info",
+                "--output=json",
+                "--backing-chain",
+                &dir.s("mutant.qcow2"),
+            ],
+        );
         let stderr = String::from_utf8_lossy(&out.stderr);
         match out.status.code() {
             Some(0) => {

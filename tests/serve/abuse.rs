@@ -6,9 +6,8 @@
 use std::process::Command;
 
 use crate::support::kernel_client::{KernelClient, CMD_READ, CMD_WRITE, EINVAL, EPERM};
-use crate::support::{
-    assert_check_clean, python_with_libnbd, qemu_io, run_ok, stdout, Images, Server,
-};
+use crate::support::Server;
+use test_support::{assert_check_clean, python_with_libnbd, qemu_io, run_ok, stdout, Dir};
 
 const SCRIPT: &str = r#"
 import errno, sys
@@ -89,7 +88,7 @@ print(f"checked {checked}")
 
 #[test]
 fn every_bad_request_gets_the_spec_error_and_the_connection_goes_on() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "extended_l2=on", None, "128M");
     let server = Server::unix(&["-t", "--discard=unmap", img.to_str().unwrap()]);
     let out = stdout(&run_ok(Command::new(python_with_libnbd()).args([
@@ -113,9 +112,9 @@ fn every_bad_request_gets_the_spec_error_and_the_connection_goes_on() {
 
 #[test]
 fn writes_to_a_read_only_export_fail_with_eperm() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "1M");
-    images.io("disk.qcow2", "qcow2", &["write -P 0x21 0 64k"]);
+    images.qemu_io("qcow2", "disk.qcow2", &["write -P 0x21 0 64k"]);
     let server = Server::unix(&["-t", "-r", img.to_str().unwrap()]);
     let mut c = KernelClient::connect(&server.socket, "");
     assert_eq!(c.call(CMD_WRITE, 0, 0, 4, b"nope").error, EPERM);
@@ -131,9 +130,9 @@ fn writes_to_a_read_only_export_fail_with_eperm() {
 
 #[test]
 fn broken_clients_are_dropped_and_others_keep_being_served() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "16M");
-    images.io("disk.qcow2", "qcow2", &["write -P 0x11 0 1M"]);
+    images.qemu_io("qcow2", "disk.qcow2", &["write -P 0x11 0 1M"]);
     let server = Server::unix(&["-t", "-e", "0", img.to_str().unwrap()]);
     let socket = server.socket.clone();
 

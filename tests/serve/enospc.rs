@@ -5,7 +5,8 @@
 
 use std::process::Command;
 
-use crate::support::{python_with_libnbd, require, BIN};
+use crate::support::BIN;
+use test_support::{python_with_libnbd, require};
 
 /// Runs inside the namespace: mount, serve, write until full, stop, check.
 const SCRIPT: &str = r#"

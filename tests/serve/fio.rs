@@ -4,13 +4,14 @@
 
 use std::process::Command;
 
-use crate::support::{assert_check_clean, require, run_ok, Images, Server};
+use crate::support::Server;
+use test_support::{assert_check_clean, require, run_ok, Dir};
 
 #[test]
 fn fio_four_jobs_queue_depth_32_verifies_every_byte() {
-    let images = Images::new();
+    let images = Dir::new();
     images.create("base.qcow2", "qcow2", "", None, "64M");
-    images.io("base.qcow2", "qcow2", &["write -P 0x5a 0 64M"]);
+    images.qemu_io("qcow2", "base.qcow2", &["write -P 0x5a 0 64M"]);
     let top = images.create(
         "top.qcow2",
         "qcow2",
@@ -23,7 +24,7 @@ fn fio_four_jobs_queue_depth_32_verifies_every_byte() {
     // fio leaves its verify state files in the working directory.
     run_ok(
         Command::new(require("fio", "fio"))
-            .current_dir(images.path(""))
+            .current_dir(images.root())
             .args([
                 "--name=serve",
                 "--ioengine=nbd",

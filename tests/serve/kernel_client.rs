@@ -9,7 +9,8 @@ use crate::support::kernel_client::{
     KernelClient, CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES, FLAG_FUA,
     TFLAG_CAN_MULTI_CONN, TFLAG_READ_ONLY, TFLAG_SEND_FLUSH, TFLAG_SEND_FUA, TFLAG_SEND_TRIM,
 };
-use crate::support::{assert_check_clean, assert_same_as_model, qemu_contents, Images, Server};
+use crate::support::Server;
+use test_support::{assert_check_clean, assert_same_contents, qemu_contents, Dir};
 
 const MIB: usize = 1 << 20;
 
@@ -21,9 +22,9 @@ fn pattern(seed: u8, len: usize) -> Vec<u8> {
 
 #[test]
 fn a_simple_reply_client_reads_writes_trims_zeroes_and_flushes() {
-    let images = Images::new();
+    let images = Dir::new();
     images.create("base.qcow2", "qcow2", "", None, "8M");
-    images.io("base.qcow2", "qcow2", &["write -P 0x3c 0 4M"]);
+    images.qemu_io("qcow2", "base.qcow2", &["write -P 0x3c 0 4M"]);
     let top = images.create(
         "top.qcow2",
         "qcow2",
@@ -31,7 +32,7 @@ fn a_simple_reply_client_reads_writes_trims_zeroes_and_flushes() {
         Some(("base.qcow2", "qcow2")),
         "8M",
     );
-    let mut model = qemu_contents(&top, "qcow2");
+    let mut model = qemu_contents(&top, &["-f", "qcow2"]);
     let server = Server::unix(&["-t", "--discard=unmap", top.to_str().unwrap()]);
     let mut c = KernelClient::connect(&server.socket, "");
     assert_eq!(c.size, 8 << 20);
@@ -97,5 +98,5 @@ fn a_simple_reply_client_reads_writes_trims_zeroes_and_flushes() {
     let model_path = images.path("model.raw");
     std::fs::write(&model_path, &model).unwrap();
     assert_check_clean(&top);
-    assert_same_as_model(&top, &model_path);
+    assert_same_contents(&top, "qcow2", &model_path, "raw");
 }

@@ -9,15 +9,14 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::support::kernel_client::{KernelClient, CMD_READ, CMD_WRITE};
-use crate::support::{
-    assert_check_clean, qemu_io, require, run_ok, serve_fails, stdout, Images, Server, BIN,
-};
+use crate::support::{serve_fails, Server, BIN};
+use test_support::{assert_check_clean, nbdinfo, qemu_io, require, run_ok, stdout, Dir};
 
 const MIB: u32 = 1 << 20;
 
 #[test]
 fn sigterm_with_writes_in_flight_exits_0_and_keeps_every_acknowledged_write() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "128M");
     let server = Server::unix(&["-t", img.to_str().unwrap()]);
     let mut client = KernelClient::connect(&server.socket, "");
@@ -72,7 +71,7 @@ fn sigterm_with_writes_in_flight_exits_0_and_keeps_every_acknowledged_write() {
 
 #[test]
 fn sigint_shuts_down_cleanly_too() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "lazy_refcounts=on", None, "8M");
     let server = Server::unix(&["-t", img.to_str().unwrap()]);
     qemu_io("raw", &server.uri(), &["write -P 0x61 0 1M"]);
@@ -86,7 +85,7 @@ fn sigint_shuts_down_cleanly_too() {
 
 #[test]
 fn the_pid_file_means_listening_and_goes_away_on_exit() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "1M");
     for _ in 0..5 {
         // The harness returns as soon as the pid file exists: connecting must work at once.
@@ -104,12 +103,10 @@ fn the_pid_file_means_listening_and_goes_away_on_exit() {
 
 #[test]
 fn without_persistent_the_server_exits_after_its_client() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "2M");
     let mut server = Server::unix(&[img.to_str().unwrap()]);
-    let size = stdout(&run_ok(
-        Command::new(require("nbdinfo", "libnbd-bin")).args(["--size", &server.uri()]),
-    ));
+    let size = nbdinfo(&["--size", &server.uri()]);
     assert_eq!(size.trim(), (2u64 << 20).to_string());
     let (status, err) = server.wait();
     assert!(status.success(), "{status}: {err}");
@@ -117,9 +114,9 @@ fn without_persistent_the_server_exits_after_its_client() {
 
 #[test]
 fn socket_activation_through_nbdinfo() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "5M");
-    images.io("disk.qcow2", "qcow2", &["write -P 1 0 64k"]);
+    images.qemu_io("qcow2", "disk.qcow2", &["write -P 1 0 64k"]);
     let out = run_ok(
         Command::new(require("nbdinfo", "libnbd-bin"))
             .args(["--json", "--", "[", BIN, "serve", "-A"])
@@ -169,7 +166,7 @@ fn wait_exited(pid: i32) {
 
 #[test]
 fn fork_returns_once_listening_and_the_daemon_serves_until_sigterm() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "4M");
     let pid_file = images.path("serve.pid");
     let socket = images.path("nbd.sock");
@@ -205,7 +202,7 @@ fn fork_returns_once_listening_and_the_daemon_serves_until_sigterm() {
 
 #[test]
 fn fork_passes_a_startup_failure_on() {
-    let images = Images::new();
+    let images = Dir::new();
     let missing = images.path("missing.qcow2");
     let err = serve_fails(&["--fork", "-k", &images.s("s"), missing.to_str().unwrap()]);
     assert!(err.contains("missing.qcow2"), "{err}");
@@ -219,7 +216,7 @@ fn assert_fails_with(args: &[&str], needle: &str) {
 
 #[test]
 fn startup_failures_say_what_is_wrong_and_exit_1() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "1M");
     let raw = images.create("disk.raw", "raw", "", None, "1M");
     let sock = images.s("s");
@@ -270,7 +267,7 @@ fn raw_client(server: &Server, what: &[u8], linger: Duration) {
 
 #[test]
 fn without_persistent_only_a_client_that_reached_transmission_ends_the_server() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "2M");
     let mut abort = 3u32.to_be_bytes().to_vec(); // fixed newstyle, no zeroes
     abort.extend_from_slice(b"IHAVEOPT");
@@ -285,7 +282,7 @@ fn without_persistent_only_a_client_that_reached_transmission_ends_the_server() 
         (
             "nbdinfo --list",
             Box::new(|s: &Server| {
-                run_ok(Command::new(require("nbdinfo", "libnbd-bin")).args(["--list", &s.uri()]));
+                nbdinfo(&["--list", &s.uri()]);
             }),
         ),
         (
@@ -307,9 +304,7 @@ fn without_persistent_only_a_client_that_reached_transmission_ends_the_server() 
         std::thread::sleep(Duration::from_millis(200));
         let pid = i32::try_from(server.pid()).unwrap();
         assert!(!exited(pid), "{what} ended the server");
-        let size = stdout(&run_ok(
-            Command::new(require("nbdinfo", "libnbd-bin")).args(["--size", &server.uri()]),
-        ));
+        let size = nbdinfo(&["--size", &server.uri()]);
         assert_eq!(size.trim(), (2u64 << 20).to_string(), "after {what}");
         let (status, err) = server.wait();
         assert!(status.success(), "after {what}: {status}: {err}");
@@ -326,11 +321,11 @@ fn shutdown_with_a_stuck_client(
 ) -> (
     f64,
     std::process::ExitStatus,
-    Images,
+    Dir,
     std::path::PathBuf,
     String,
 ) {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "64M");
     let mut server = Server::unix(&[
         "-t",

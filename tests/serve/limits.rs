@@ -13,7 +13,8 @@ use crate::support::raw::{
     finish_option, go, negotiating, option, peak_rss_mib, OPT_LIST, OPT_LIST_META_CONTEXT,
     OPT_SET_META_CONTEXT, OPT_STRUCTURED_REPLY, REP_ACK,
 };
-use crate::support::{qemu_img, require, Images, Server};
+use crate::support::Server;
+use test_support::{qemu_img, require, Dir};
 
 /// `nbdinfo --size URI`, killed after `limit`: whether it succeeded and how long it took.
 fn nbdinfo_size_within(uri: &str, limit: Duration) -> (bool, Duration) {
@@ -46,7 +47,7 @@ fn alive(server: &Server) -> bool {
 
 #[test]
 fn a_thousand_idle_handshakes_never_keep_a_real_client_out() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "1M");
     // With qemu-nbd's defaults (-e 1, each idle client allowed its full handshake limit) the
     // real client would wait behind every one of them.
@@ -69,7 +70,7 @@ fn a_thousand_idle_handshakes_never_keep_a_real_client_out() {
 
 #[test]
 fn an_option_flood_is_cut_off_and_the_server_goes_on() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "1M");
     let server = Server::unix(&["-t", img.to_str().unwrap()]);
     let mut s = negotiating(&server.socket);
@@ -103,7 +104,7 @@ fn an_option_flood_is_cut_off_and_the_server_goes_on() {
 
 #[test]
 fn too_many_meta_context_queries_are_refused_as_too_big() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "1M");
     let server = Server::unix(&["-t", img.to_str().unwrap()]);
     let mut s = negotiating(&server.socket);
@@ -123,7 +124,7 @@ fn too_many_meta_context_queries_are_refused_as_too_big() {
 
 /// A 1 TiB image with 4 KiB clusters whose first 256 MiB alternate data and holes, so one
 /// block status request over them is answered with the most extents a reply holds.
-fn fragmented(images: &Images) -> std::path::PathBuf {
+fn fragmented(images: &Dir) -> std::path::PathBuf {
     let raw = images.path("frag.raw");
     let f = std::fs::File::create(&raw).unwrap();
     let block = [1u8; 4096];
@@ -147,7 +148,7 @@ fn fragmented(images: &Images) -> std::path::PathBuf {
 
 #[test]
 fn pipelined_block_status_nobody_reads_stays_within_the_memory_bound() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = fragmented(&images);
     let server = Server::unix(&["-t", "--l2-cache-size", "1M", img.to_str().unwrap()]);
     let before = peak_rss_mib(server.pid());
@@ -185,7 +186,7 @@ fn pipelined_block_status_nobody_reads_stays_within_the_memory_bound() {
 
 #[test]
 fn an_idle_client_is_closed_after_the_idle_timeout() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "1M");
     let server = Server::unix(&["-t", "--idle-timeout", "1", img.to_str().unwrap()]);
     let mut idle = KernelClient::connect(&server.socket, "");
@@ -206,7 +207,7 @@ fn an_idle_client_is_closed_after_the_idle_timeout() {
 
 #[test]
 fn tcp_clients_get_keepalive_probes() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "1M");
     let server = Server::tcp(&["-t", "--tcp-keepalive", "30", img.to_str().unwrap()]);
     let port = server.port.unwrap();

@@ -6,21 +6,15 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use crate::support::qemu_nbd::QemuNbd;
-use crate::support::{require, serve_fails, Images, Server, BIN};
+use crate::support::{serve_fails, Server, BIN};
+use test_support::{text, Dir};
 
 fn qemu(tool: &str, args: &[&str]) -> Output {
-    Command::new(require(tool, "qemu-utils"))
-        .args(args)
-        .output()
-        .unwrap()
+    test_support::qemu(tool).args(args).output().unwrap()
 }
 
 fn ours(args: &[&str]) -> Output {
     Command::new(BIN).args(args).output().unwrap()
-}
-
-fn text(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
 }
 
 /// The command failed, saying which lock it could not get.
@@ -42,7 +36,7 @@ fn s(p: &Path) -> &str {
 }
 
 /// A qcow2 image over a qcow2 base.
-fn chain(images: &Images) -> (std::path::PathBuf, std::path::PathBuf) {
+fn chain(images: &Dir) -> (std::path::PathBuf, std::path::PathBuf) {
     let base = images.create("base.qcow2", "qcow2", "", None, "4M");
     let top = images.create(
         "top.qcow2",
@@ -56,7 +50,7 @@ fn chain(images: &Images) -> (std::path::PathBuf, std::path::PathBuf) {
 
 #[test]
 fn qemu_cannot_write_or_open_an_image_we_serve_read_write() {
-    let images = Images::new();
+    let images = Dir::new();
     let (top, base) = chain(&images);
     let server = Server::unix(&["-t", s(&top)]);
     refused(
@@ -98,7 +92,7 @@ fn qemu_cannot_write_or_open_an_image_we_serve_read_write() {
 
 #[test]
 fn we_refuse_an_image_qemu_nbd_serves_read_write() {
-    let images = Images::new();
+    let images = Dir::new();
     let (top, _base) = chain(&images);
     let _qemu = QemuNbd::unix(&[], &top);
     let err = serve_fails(&["-k", s(&images.path("a.sock")), s(&top)]);
@@ -144,7 +138,7 @@ fn we_refuse_an_image_qemu_nbd_serves_read_write() {
 
 #[test]
 fn a_target_held_by_qemu_is_not_overwritten() {
-    let images = Images::new();
+    let images = Dir::new();
     let held = images.create("held.qcow2", "qcow2", "", None, "4M");
     let before = std::fs::read(&held).unwrap();
     let _qemu = QemuNbd::unix(&[], &held);
@@ -168,7 +162,7 @@ fn a_target_held_by_qemu_is_not_overwritten() {
 
 #[test]
 fn two_writers_exclude_each_other_and_readers_coexist_as_in_qemu() {
-    let images = Images::new();
+    let images = Dir::new();
     let (top, _base) = chain(&images);
     let first = Server::unix(&["-t", s(&top)]);
     let err = serve_fails(&["-k", s(&images.path("2.sock")), s(&top)]);
@@ -192,7 +186,7 @@ fn two_writers_exclude_each_other_and_readers_coexist_as_in_qemu() {
 
 #[test]
 fn the_snapshot_overlay_holds_its_image_read_only() {
-    let images = Images::new();
+    let images = Dir::new();
     let (top, _base) = chain(&images);
     let server = Server::unix(&["-t", "-s", s(&top)]);
     allowed(
@@ -209,7 +203,7 @@ fn the_snapshot_overlay_holds_its_image_read_only() {
 
 #[test]
 fn locking_off_takes_no_locks() {
-    let images = Images::new();
+    let images = Dir::new();
     let (top, _base) = chain(&images);
     let server = Server::unix(&["-t", "--locking", "off", s(&top)]);
     allowed(&qemu("qemu-img", &["info", s(&top)]), "qemu-img info");

@@ -4,9 +4,10 @@
 
 use std::process::Command;
 
-use crate::support::{require, run_ok, stdout, Images, Server};
+use crate::support::Server;
+use test_support::{require, run_ok, stdout, Dir};
 
-fn server(images: &Images) -> Server {
+fn server(images: &Dir) -> Server {
     let img = images.create("disk.qcow2", "qcow2", "", None, "3M");
     Server::tcp(&[
         "-t",
@@ -20,7 +21,7 @@ fn server(images: &Images) -> Server {
 
 #[test]
 fn nbd_client_lists_the_export_with_its_description() {
-    let images = Images::new();
+    let images = Dir::new();
     let server = server(&images);
     let port = server.port.unwrap().to_string();
     let out = stdout(&run_ok(
@@ -36,7 +37,7 @@ fn nbd_client_lists_the_export_with_its_description() {
 
 #[test]
 fn nbd_client_negotiates_the_named_export_up_to_its_size() {
-    let images = Images::new();
+    let images = Dir::new();
     let server = server(&images);
     let port = server.port.unwrap().to_string();
     // The device path does not exist, so the client stops right after negotiation even on

@@ -4,33 +4,30 @@
 
 use std::process::Command;
 
-use crate::support::{
-    assert_check_clean, assert_same_as_model, qemu_contents, require, run_ok, Images, Server,
+use crate::support::Server;
+use test_support::{
+    assert_check_clean, assert_same_contents, qemu_contents, require, run_ok, Dir, Rng,
 };
 
 /// Deterministic bytes with runs of zeroes, so nbdcopy both writes and zeroes.
 fn source_bytes(len: usize) -> Vec<u8> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut out = Vec::with_capacity(len);
-    while out.len() < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        // Every fourth 256 KiB block is zeroes.
-        let block = out.len() / (256 << 10);
-        let byte = if block % 4 == 3 { 0 } else { state as u8 };
-        out.push(byte);
+    let mut out = Rng(0x9e37_79b9_7f4a_7c15).bytes(len);
+    // Every fourth 256 KiB block is zeroes.
+    for (i, block) in out.chunks_mut(256 << 10).enumerate() {
+        if i % 4 == 3 {
+            block.fill(0);
+        }
     }
     out
 }
 
 #[test]
 fn nbdcopy_out_with_four_connections_matches_qemu() {
-    let images = Images::new();
+    let images = Dir::new();
     images.create("base.qcow2", "qcow2", "", None, "24M");
-    images.io(
-        "base.qcow2",
+    images.qemu_io(
         "qcow2",
+        "base.qcow2",
         &["write -P 0x31 0 8M", "write -P 0x32 20M 1M"],
     );
     let top = images.create(
@@ -40,9 +37,9 @@ fn nbdcopy_out_with_four_connections_matches_qemu() {
         Some(("base.qcow2", "qcow2")),
         "24M",
     );
-    images.io(
-        "top.qcow2",
+    images.qemu_io(
         "qcow2",
+        "top.qcow2",
         &[
             "write -P 0x41 4M 6M",
             "write -z 1M 1M",
@@ -58,7 +55,7 @@ fn nbdcopy_out_with_four_connections_matches_qemu() {
     );
     server.stop_ok();
     let ours = std::fs::read(&out).unwrap();
-    let theirs = qemu_contents(&top, "qcow2");
+    let theirs = qemu_contents(&top, &["-f", "qcow2"]);
     assert_eq!(ours.len(), theirs.len());
     let first = ours.iter().zip(&theirs).position(|(a, b)| a != b);
     assert_eq!(first, None, "first difference at byte {first:?}");
@@ -66,11 +63,11 @@ fn nbdcopy_out_with_four_connections_matches_qemu() {
 
 #[test]
 fn nbdcopy_in_with_four_connections_writes_every_byte() {
-    let images = Images::new();
+    let images = Dir::new();
     let source = images.path("source.raw");
     std::fs::write(&source, source_bytes(32 << 20)).unwrap();
     images.create("base.qcow2", "qcow2", "", None, "32M");
-    images.io("base.qcow2", "qcow2", &["write -P 0x99 0 32M"]);
+    images.qemu_io("qcow2", "base.qcow2", &["write -P 0x99 0 32M"]);
     let top = images.create(
         "top.qcow2",
         "qcow2",
@@ -87,5 +84,5 @@ fn nbdcopy_in_with_four_connections_writes_every_byte() {
     );
     server.stop_ok();
     assert_check_clean(&top);
-    assert_same_as_model(&top, &source);
+    assert_same_contents(&top, "qcow2", &source, "raw");
 }

@@ -6,14 +6,9 @@
 use std::process::Command;
 
 use crate::support::qemu_nbd::QemuNbd;
-use crate::support::{qemu_img, require, run_ok, stdout, Images, Server};
+use crate::support::Server;
 use serde_json::Value;
-
-fn nbdinfo(args: &[&str]) -> String {
-    stdout(&run_ok(
-        Command::new(require("nbdinfo", "libnbd-bin")).args(args),
-    ))
-}
+use test_support::{nbdinfo, qemu_img, require, Dir};
 
 fn export_json(server: &Server) -> Value {
     export_json_of(server, "")
@@ -44,7 +39,7 @@ fn contexts(e: &Value) -> Vec<String> {
 
 #[test]
 fn json_shows_every_feature_of_a_writable_shared_export() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "3M");
     let server = Server::unix(&[
         "-t",
@@ -92,7 +87,7 @@ fn json_shows_every_feature_of_a_writable_shared_export() {
 
 #[test]
 fn json_of_a_read_only_export() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "cluster_size=4096", None, "1M");
     let server = Server::unix(&["-r", img.to_str().unwrap()]);
     let e = export_json(&server);
@@ -116,7 +111,7 @@ fn json_of_a_read_only_export() {
 
 #[test]
 fn a_writable_export_for_one_client_does_not_advertise_multi_conn() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "1M");
     let server = Server::unix(&[img.to_str().unwrap()]);
     let e = export_json(&server);
@@ -126,7 +121,7 @@ fn a_writable_export_for_one_client_does_not_advertise_multi_conn() {
 
 #[test]
 fn preferred_block_size_is_the_subcluster_within_4k_and_2m() {
-    let images = Images::new();
+    let images = Dir::new();
     for (opts, fmt, want) in [
         ("cluster_size=65536,extended_l2=on", "qcow2", 4096),
         ("cluster_size=2M,extended_l2=on", "qcow2", 65536),
@@ -216,14 +211,14 @@ fn assert_maps_agree(image: &str) {
 
 #[test]
 fn maps_agree_with_qemu_img_on_a_raw_qcow2_extended_chain() {
-    let images = Images::new();
+    let images = Dir::new();
     // A fully written raw base (a sparse one would show its holes as zeroes in QEMU).
     images.create("base.raw", "raw", "", None, "4M");
-    images.io("base.raw", "raw", &["write -P 0x55 0 4M"]);
+    images.qemu_io("raw", "base.raw", &["write -P 0x55 0 4M"]);
     images.create("mid.qcow2", "qcow2", "", Some(("base.raw", "raw")), "4M");
-    images.io(
-        "mid.qcow2",
+    images.qemu_io(
         "qcow2",
+        "mid.qcow2",
         &[
             "write -P 0x66 64k 192k",
             "write -z 512k 128k",
@@ -237,9 +232,9 @@ fn maps_agree_with_qemu_img_on_a_raw_qcow2_extended_chain() {
         Some(("mid.qcow2", "qcow2")),
         "4M",
     );
-    images.io(
-        "top.qcow2",
+    images.qemu_io(
         "qcow2",
+        "top.qcow2",
         &[
             "write -P 0x77 0 2k",
             "write -P 0x78 6k 4k",
@@ -254,11 +249,11 @@ fn maps_agree_with_qemu_img_on_a_raw_qcow2_extended_chain() {
 
 #[test]
 fn maps_agree_with_qemu_img_on_a_qcow2_chain_with_absent_ranges() {
-    let images = Images::new();
+    let images = Dir::new();
     images.create("base.qcow2", "qcow2", "cluster_size=4096", None, "8M");
-    images.io(
-        "base.qcow2",
+    images.qemu_io(
         "qcow2",
+        "base.qcow2",
         &["write -P 1 0 1M", "write -z 2M 1M", "write -P 2 5M 12k"],
     );
     images.create(
@@ -268,9 +263,9 @@ fn maps_agree_with_qemu_img_on_a_qcow2_chain_with_absent_ranges() {
         Some(("base.qcow2", "qcow2")),
         "8M",
     );
-    images.io(
-        "top.qcow2",
+    images.qemu_io(
         "qcow2",
+        "top.qcow2",
         &["write -P 3 512k 1M", "write -z 4M 256k", "write -P 4 7M 4k"],
     );
     assert_maps_agree(&images.s("top.qcow2"));
@@ -293,7 +288,7 @@ fn names_served(uri_of: impl Fn(&str) -> String, asked: &[&str]) -> Vec<(String,
 
 #[test]
 fn export_names_are_matched_as_qemu_nbd_matches_them() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "1M");
     let asked = ["", "disk", "DISK", "disk%20", "dis", "other"];
     for export in ["", "disk"] {

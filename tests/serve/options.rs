@@ -3,18 +3,15 @@
 //! `--aio` backends, `--detect-zeroes`, and the qcow2 cache flags.
 
 use std::path::Path;
-use std::process::Command;
 
-use crate::support::{
-    assert_check_clean, assert_same_as_model_fmt, qemu_img, qemu_io, qemu_io_read_only, require,
-    run_ok, stdout, Images, Server,
-};
+use crate::support::Server;
 use serde_json::Value;
+use test_support::{
+    assert_check_clean, assert_same_contents, nbdinfo, qemu_img, qemu_io, qemu_io_read_only, Dir,
+};
 
 fn nbdinfo_json(uri: &str) -> Value {
-    let out = stdout(&run_ok(
-        Command::new(require("nbdinfo", "libnbd-bin")).args(["--json", uri]),
-    ));
+    let out = nbdinfo(&["--json", uri]);
     serde_json::from_str::<Value>(&out).unwrap()["exports"][0].clone()
 }
 
@@ -29,11 +26,11 @@ fn entries(dir: &Path) -> Vec<String> {
 
 #[test]
 fn snapshot_mode_sends_writes_to_a_temporary_overlay() {
-    let images = Images::new();
+    let images = Dir::new();
     let tmp = tempfile::tempdir().unwrap();
     for (name, fmt) in [("disk.qcow2", "qcow2"), ("disk.raw", "raw")] {
         let img = images.create(name, fmt, "", None, "4M");
-        images.io(name, fmt, &["write -P 0x33 0 1M"]);
+        images.qemu_io(fmt, name, &["write -P 0x33 0 1M"]);
         let before = std::fs::read(&img).unwrap();
         let server = Server::unix_with_env(
             &["-t", "-s", "-f", fmt, img.to_str().unwrap()],
@@ -75,14 +72,14 @@ fn snapshot_mode_sends_writes_to_a_temporary_overlay() {
 
 #[test]
 fn load_snapshot_exports_an_internal_snapshot_read_only() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "", None, "4M");
     let i = img.to_str().unwrap();
-    images.io("disk.qcow2", "qcow2", &["write -P 0x01 0 1M"]);
+    images.qemu_io("qcow2", "disk.qcow2", &["write -P 0x01 0 1M"]);
     qemu_img(&["snapshot", "-c", "first", i]);
-    images.io("disk.qcow2", "qcow2", &["write -P 0x02 0 512k"]);
+    images.qemu_io("qcow2", "disk.qcow2", &["write -P 0x02 0 512k"]);
     qemu_img(&["snapshot", "-c", "second", i]);
-    images.io("disk.qcow2", "qcow2", &["write -P 0x03 0 256k"]);
+    images.qemu_io("qcow2", "disk.qcow2", &["write -P 0x03 0 256k"]);
     for (param, head) in [
         ("first", 0x01),
         ("snapshot.name=second", 0x02),
@@ -105,9 +102,9 @@ fn load_snapshot_exports_an_internal_snapshot_read_only() {
 
 #[test]
 fn raw_export_with_unmap() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.raw", "raw", "", None, "4M");
-    images.io("disk.raw", "raw", &["write -P 0x5e 0 4M"]);
+    images.qemu_io("raw", "disk.raw", &["write -P 0x5e 0 4M"]);
     std::fs::copy(&img, images.path("model.raw")).unwrap();
     let server = Server::unix(&["-t", "-f", "raw", "--discard=unmap", img.to_str().unwrap()]);
     let e = nbdinfo_json(&server.uri());
@@ -123,16 +120,16 @@ fn raw_export_with_unmap() {
     qemu_io("raw", &server.uri(), &session);
     qemu_io("raw", &server.uri(), &["discard 2M 1M", "read -P 0 2M 1M"]);
     server.stop_ok();
-    images.io("model.raw", "raw", &session);
-    images.io("model.raw", "raw", &["write -z 2M 1M"]);
-    assert_same_as_model_fmt(&img, "raw", &images.path("model.raw"));
+    images.qemu_io("raw", "model.raw", &session);
+    images.qemu_io("raw", "model.raw", &["write -z 2M 1M"]);
+    assert_same_contents(&img, "raw", &images.path("model.raw"), "raw");
 }
 
 #[test]
 fn every_cache_mode_with_both_aio_backends() {
-    let images = Images::new();
+    let images = Dir::new();
     images.create("base.qcow2", "qcow2", "", None, "4M");
-    images.io("base.qcow2", "qcow2", &["write -P 0x10 0 4M"]);
+    images.qemu_io("qcow2", "base.qcow2", &["write -P 0x10 0 4M"]);
     for cache in ["none", "writeback", "writethrough", "directsync", "unsafe"] {
         for aio in ["io_uring", "threads"] {
             let name = format!("top-{cache}-{aio}.qcow2");
@@ -196,7 +193,7 @@ fn state_at_zero(img: &Path) -> ((bool, bool), u64) {
 
 #[test]
 fn detect_zeroes_turns_zero_writes_into_zeroing() {
-    let images = Images::new();
+    let images = Dir::new();
     for (flags, want_data, frees) in [
         (&["--detect-zeroes=off"][..], true, false),
         (&["--detect-zeroes=on"], false, false),
@@ -204,7 +201,7 @@ fn detect_zeroes_turns_zero_writes_into_zeroing() {
     ] {
         let name = format!("disk{}.qcow2", flags.len() + usize::from(want_data));
         let img = images.create(&name, "qcow2", "", None, "2M");
-        images.io(&name, "qcow2", &["write -P 0x11 0 1M"]);
+        images.qemu_io("qcow2", &name, &["write -P 0x11 0 1M"]);
         let (_, allocated_before) = state_at_zero(&img);
         let mut args = vec!["-t"];
         args.extend_from_slice(flags);
@@ -238,7 +235,7 @@ fn detect_zeroes_turns_zero_writes_into_zeroing() {
 
 #[test]
 fn cache_flags_reach_the_engine() {
-    let images = Images::new();
+    let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "cluster_size=4096", None, "64M");
     let server = Server::unix(&[
         "-t",

@@ -4,7 +4,8 @@
 //! file must pass `qemu-img check` and equal a raw model that got the same writes from
 //! qemu-io directly.
 
-use crate::support::{assert_check_clean, assert_same_as_model, qemu_img, qemu_io, Images, Server};
+use crate::support::Server;
+use test_support::{assert_check_clean, assert_same_contents, qemu_img, qemu_io, Dir};
 
 /// The requests sent over NBD: cluster-aligned and unaligned writes over backing data,
 /// zeroing (with and without `-u`), a discard, a flush and a FUA write.
@@ -28,9 +29,9 @@ const SESSION: &[&str] = &[
 
 /// base.qcow2 (data in the first 2 MiB) under top.qcow2 (`top_opts`, some data of its own),
 /// and model.raw with the same guest contents.
-fn chain(images: &Images, top_opts: &str) {
+fn chain(images: &Dir, top_opts: &str) {
     images.create("base.qcow2", "qcow2", "", None, "4M");
-    images.io("base.qcow2", "qcow2", &["write -P 0x11 0 2M"]);
+    images.qemu_io("qcow2", "base.qcow2", &["write -P 0x11 0 2M"]);
     images.create(
         "top.qcow2",
         "qcow2",
@@ -38,7 +39,7 @@ fn chain(images: &Images, top_opts: &str) {
         Some(("base.qcow2", "qcow2")),
         "4M",
     );
-    images.io("top.qcow2", "qcow2", &["write -P 0x22 1M 1M"]);
+    images.qemu_io("qcow2", "top.qcow2", &["write -P 0x22 1M 1M"]);
     qemu_img(&[
         "convert",
         "-O",
@@ -51,7 +52,7 @@ fn chain(images: &Images, top_opts: &str) {
 /// Applies the session to the raw model as a server with `discard` behaves: with unmap, a
 /// discarded cluster of an image with a backing file reads as zeroes; with ignore, it is
 /// left alone.
-fn apply_to_model(images: &Images, discard_unmaps: bool) {
+fn apply_to_model(images: &Dir, discard_unmaps: bool) {
     let cmds: Vec<String> = SESSION
         .iter()
         .filter_map(|c| match c.strip_prefix("discard ") {
@@ -61,21 +62,21 @@ fn apply_to_model(images: &Images, discard_unmaps: bool) {
         })
         .collect();
     let cmds: Vec<&str> = cmds.iter().map(String::as_str).collect();
-    images.io("model.raw", "raw", &cmds);
+    images.qemu_io("raw", "model.raw", &cmds);
 }
 
-fn run_session(server: Server, images: &Images, discard_unmaps: bool) {
+fn run_session(server: Server, images: &Dir, discard_unmaps: bool) {
     qemu_io("raw", &server.uri(), SESSION);
     server.stop_ok();
     apply_to_model(images, discard_unmaps);
     let top = images.path("top.qcow2");
     assert_check_clean(&top);
-    assert_same_as_model(&top, &images.path("model.raw"));
+    assert_same_contents(&top, "qcow2", &images.path("model.raw"), "raw");
 }
 
 #[test]
 fn qemu_io_over_a_unix_socket_on_a_backed_image() {
-    let images = Images::new();
+    let images = Dir::new();
     chain(&images, "cluster_size=65536");
     let server = Server::unix(&["-t", "--discard=unmap", &images.s("top.qcow2")]);
     run_session(server, &images, true);
@@ -83,7 +84,7 @@ fn qemu_io_over_a_unix_socket_on_a_backed_image() {
 
 #[test]
 fn qemu_io_over_tcp_on_a_backed_extended_l2_image() {
-    let images = Images::new();
+    let images = Dir::new();
     chain(&images, "cluster_size=65536,extended_l2=on");
     let server = Server::tcp(&["-t", "--discard=unmap", &images.s("top.qcow2")]);
     run_session(server, &images, true);
@@ -91,7 +92,7 @@ fn qemu_io_over_tcp_on_a_backed_extended_l2_image() {
 
 #[test]
 fn discard_is_ignored_by_default_like_qemu_nbd() {
-    let images = Images::new();
+    let images = Dir::new();
     chain(&images, "cluster_size=65536,extended_l2=on");
     let server = Server::tcp(&["-t", &images.s("top.qcow2")]);
     run_session(server, &images, false);
@@ -99,7 +100,7 @@ fn discard_is_ignored_by_default_like_qemu_nbd() {
 
 #[test]
 fn a_lazy_refcounts_image_is_left_clean_after_shutdown() {
-    let images = Images::new();
+    let images = Dir::new();
     chain(&images, "lazy_refcounts=on,cluster_size=4096");
     let server = Server::unix(&["-t", "--discard=unmap", &images.s("top.qcow2")]);
     run_session(server, &images, true);

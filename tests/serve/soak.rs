@@ -21,7 +21,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::support::raw::{go, negotiating, peak_rss_mib};
-use crate::support::{assert_check_clean, qemu_contents, Images, Server};
+use crate::support::Server;
+use test_support::{assert_check_clean, qemu_contents, Dir, Rng};
 
 const LANES: usize = 16;
 const QUEUE_DEPTH: usize = 32;
@@ -39,21 +40,6 @@ const CMD_TRIM: u16 = 4;
 const CMD_WRITE_ZEROES: u16 = 6;
 const REQUEST_MAGIC: u32 = 0x2560_9513;
 const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
-
-/// A small deterministic generator (xorshift64*), so a failure can be replayed by seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
 
 /// What a block may contain: tag 0 is zeros, any other tag is the block filled with it.
 #[derive(Clone, Debug)]
@@ -136,8 +122,8 @@ impl Lane {
 
     /// A run of free blocks, or None when the random spot is taken.
     fn pick(&self, rng: &mut Rng, now: Instant) -> Option<(usize, usize)> {
-        let first = rng.below(BLOCKS_PER_LANE);
-        let want = 1 + rng.below(MAX_BLOCKS_PER_REQUEST);
+        let first = rng.index(BLOCKS_PER_LANE);
+        let want = 1 + rng.index(MAX_BLOCKS_PER_REQUEST);
         let free = |b: &Block| !b.busy && b.rest_until.is_none_or(|t| t <= now);
         let count = self.blocks[first..]
             .iter()
@@ -265,7 +251,7 @@ fn read_replies(mut s: UnixStream, lane: Arc<(Mutex<Lane>, Condvar)>, totals: Ar
 }
 
 fn random_op(rng: &mut Rng) -> Op {
-    match rng.below(100) {
+    match rng.index(100) {
         0..40 => Op::Read,
         40..75 => Op::Write,
         75..83 => Op::Trim,
@@ -353,7 +339,7 @@ fn run_client(
     };
     if killed {
         // Half the kills happen in the middle of a write's payload.
-        if rng.below(2) == 0 {
+        if rng.index(2) == 0 {
             cookie += 1;
             let msg = prepare(&mut lock.lock().unwrap(), rng, Op::Write, cookie);
             if let Some(msg) = msg {
@@ -387,7 +373,7 @@ fn soak_mixed_requests_with_clients_killed_every_second() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(60);
-    let images = Images::new();
+    let images = Dir::new();
     let size = (LANES * BLOCKS_PER_LANE * BLOCK).to_string();
     let img = images.create(
         "soak.qcow2",
@@ -431,7 +417,7 @@ fn soak_mixed_requests_with_clients_killed_every_second() {
     let mut rng = Rng(42);
     while Instant::now() + Duration::from_secs(1) < end {
         std::thread::sleep(Duration::from_secs(1));
-        kills[rng.below(LANES)].store(true, Ordering::Relaxed);
+        kills[rng.index(LANES)].store(true, Ordering::Relaxed);
     }
     for w in workers {
         w.join().expect("a client thread panicked");
@@ -450,7 +436,7 @@ fn soak_mixed_requests_with_clients_killed_every_second() {
     server.stop_ok();
 
     assert_check_clean(&img);
-    let contents = qemu_contents(&img, "qcow2");
+    let contents = qemu_contents(&img, &["-f", "qcow2"]);
     for (i, lane) in lanes.iter().enumerate() {
         let l = lane.0.lock().unwrap();
         let at = i * BLOCKS_PER_LANE * BLOCK;

@@ -2,9 +2,8 @@
 //! bytes QEMU read from STRING (or says why it rejected it), for a fixed list of tricky
 //! strings and a few hundred generated ones.
 
-use std::process::Command;
-
 use cache::{parse_size, SizeError};
+use test_support::{qemu, text};
 
 #[derive(Debug, PartialEq, Eq)]
 enum Verdict {
@@ -13,16 +12,16 @@ enum Verdict {
     OutOfRange,
 }
 
-fn qemu(dir: &std::path::Path, s: &str) -> Verdict {
+fn qemu_verdict(dir: &std::path::Path, s: &str) -> Verdict {
     let path = dir.join("x.raw");
-    let out = Command::new("qemu-img")
+    let out = qemu("qemu-img")
         .args(["create", "-f", "raw", "-o"])
         .arg(format!("size={}", s.replace(',', ",,")))
         .arg(&path)
         .output()
-        .expect("this test needs qemu-img (Debian: apt-get install qemu-utils)");
+        .expect("run qemu-img");
     let _ = std::fs::remove_file(&path);
-    let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+    let text = text(&out);
     if text.contains("is out of range for parameter") {
         return Verdict::OutOfRange;
     }
@@ -131,7 +130,7 @@ fn parse_size_agrees_with_qemu_img() {
         if mine == Verdict::Bytes(u64::MAX) {
             continue;
         }
-        let theirs = qemu(dir.path(), s);
+        let theirs = qemu_verdict(dir.path(), s);
         assert_eq!(mine, theirs, "parse_size({s:?}) disagrees with qemu-img");
         compared += 1;
     }

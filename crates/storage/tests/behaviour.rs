@@ -5,8 +5,9 @@ mod common;
 
 use std::rc::Rc;
 
-use common::{open, read, run, write, Backend, Rng, TestStorage};
+use common::{open, read, run, write, Backend, TestStorage};
 use storage::{IoBuf, Storage};
+use test_support::Rng;
 
 async fn basic_read_write_len(s: &TestStorage) {
     assert_eq!(s.len().await.unwrap(), 0);

@@ -6,11 +6,12 @@ mod common;
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use common::{read, run, write, Rng};
+use common::{read, run, write};
 use storage::{
     BufResult, CrashPlan, FaultStorage, InjectedError, IoBuf, MemStorage, OpKind, Slice, Storage,
     Survival,
 };
+use test_support::Rng;
 
 /// An independent model of one logged modification, applied to a Vec.
 #[derive(Clone, Debug)]

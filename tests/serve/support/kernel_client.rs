@@ -48,8 +48,6 @@ pub const FLAG_FUA: u16 = 1;
 pub const EPERM: u32 = 1;
 /// `NBD_EINVAL`.
 pub const EINVAL: u32 = 22;
-/// `NBD_ENOSPC`.
-pub const ENOSPC: u32 = 28;
 
 /// A connected client in transmission phase.
 pub struct KernelClient {

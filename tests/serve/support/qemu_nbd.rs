@@ -1,10 +1,10 @@
 //! `qemu-nbd` run side by side with our server, as the oracle for protocol behaviour.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use super::require;
+use test_support::qemu;
 
 /// A running `qemu-nbd -t -k SOCKET ARGS... IMAGE`, killed when dropped.
 pub struct QemuNbd {
@@ -20,7 +20,7 @@ impl QemuNbd {
     pub fn unix(args: &[&str], image: &Path) -> QemuNbd {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("qemu-nbd.sock");
-        let mut child = Command::new(require("qemu-nbd", "qemu-utils"))
+        let mut child = qemu("qemu-nbd")
             .arg("-t")
             .arg("-k")
             .arg(&socket)

@@ -10,6 +10,7 @@ use std::io;
 use std::rc::{Rc, Weak};
 
 use cache::{Backend, Cache};
+use test_support::Rng;
 
 /// Bytes per entry in these tests.
 pub const ENTRY: usize = 512;
@@ -108,7 +109,7 @@ pub struct Disk {
     pub data: RefCell<HashMap<(u8, u32), Vec<u8>>>,
     pub log: RefCell<Vec<Io>>,
     pub violations: RefCell<Vec<String>>,
-    rng: Cell<u64>,
+    rng: RefCell<Rng>,
     /// Up to this many yields before each I/O completes.
     pub max_yields: Cell<u32>,
     /// While set, every I/O waits (yielding) before completing.
@@ -130,19 +131,9 @@ pub const INJECTED: &str = "injected failure";
 impl Disk {
     pub fn new(seed: u64, max_yields: u32) -> Rc<Self> {
         let disk = Self::default();
-        disk.rng.set(seed | 1);
+        disk.rng.replace(Rng(seed));
         disk.max_yields.set(max_yields);
         Rc::new(disk)
-    }
-
-    fn next_random(&self) -> u64 {
-        // xorshift64
-        let mut x = self.rng.get();
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.rng.set(x);
-        x
     }
 
     fn violation(&self, text: String) {
@@ -180,7 +171,7 @@ impl Disk {
         let n = if max == 0 {
             0
         } else {
-            self.next_random() % (max + 1)
+            self.rng.borrow_mut().below(max + 1)
         };
         for _ in 0..n {
             tokio::task::yield_now().await;

@@ -3,8 +3,9 @@
 
 use std::process::Command;
 
-use crate::common::{mem_server, require, run_ok, Opts};
+use crate::common::{mem_server, Opts};
 use nbd::MemExport;
+use test_support::{require, run_ok};
 
 #[test]
 fn fio_with_four_connections_and_queue_depth_32_verifies() {

@@ -4,8 +4,9 @@
 use std::process::Command;
 use std::rc::Rc;
 
-use crate::common::{require, run_ok, snapshots, stdout, Opts, TestServer};
+use crate::common::{snapshots, Opts, TestServer};
 use nbd::{ExportEntry, MemExport};
+use test_support::{require, run_ok, stdout};
 
 fn two_exports() -> TestServer<Vec<crate::common::Snapshot>> {
     TestServer::start_with(

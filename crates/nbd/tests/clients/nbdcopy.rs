@@ -4,8 +4,9 @@
 
 use std::process::Command;
 
-use crate::common::{mem_server, require, run_ok, Opts};
+use crate::common::{mem_server, Opts};
 use nbd::MemExport;
+use test_support::{require, run_ok};
 
 const SIZE: usize = 8 << 20;
 

@@ -3,8 +3,9 @@
 
 use std::process::Command;
 
-use crate::common::{mem_server, python_with_libnbd, require, run_ok, stdout, Opts};
+use crate::common::{mem_server, Opts};
 use nbd::MemExport;
+use test_support::{python_with_libnbd, require, run_ok, stdout};
 
 const SCRIPT: &str = r#"
 import errno, sys

@@ -1,9 +1,10 @@
 //! QEMU's NBD client (qemu-io, which negotiates extended headers) against the server, over
 //! a Unix socket and over TCP; the server's contents and allocation are then checked.
 
-use crate::common::{mem_server, require, run_ok, stdout, Opts};
+use crate::common::{mem_server, Opts};
 use nbd::{Extent, MemExport};
 use std::process::Command;
+use test_support::{require, run_ok, stdout};
 
 const K: usize = 1024;
 const SIZE: u64 = 1 << 20;

@@ -6,8 +6,8 @@
 use std::process::Command;
 use std::rc::Rc;
 
-use crate::common::{require, run_ok, stdout};
 use nbd::{systemd, ExportEntry, Listener, MemExport, Server, ServerConfig};
+use test_support::{require, run_ok, stdout};
 
 /// The server side: serves a 5 MiB export on the activated sockets until SIGTERM.
 #[test]

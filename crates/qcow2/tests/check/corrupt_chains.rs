@@ -9,11 +9,12 @@
 //!
 //! Needs qemu-img (Debian: qemu-utils).
 
-use crate::common::{ok, our_check, Dir, Patch};
+use crate::common::{our_check, Patch};
 use qcow2::engine::check::Repair;
 use qcow2::engine::{Image, OpenOptions};
 use std::path::Path;
 use storage::{Aio, AnyStorage, FileOpener};
+use test_support::{qemu_img, Dir};
 
 /// Opens `path` with its backing chain and reads it all; the error text if that fails.
 fn open_chain(path: &Path) -> Result<(), String> {
@@ -44,24 +45,21 @@ fn open_chain(path: &Path) -> Result<(), String> {
 
 /// `qemu-img create` with a backing file that need not exist yet.
 fn create_over(dir: &Dir, name: &str, backing: &str) {
-    ok(
-        "qemu-img",
-        &[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-u",
-            "-b",
-            backing,
-            "-F",
-            "qcow2",
-            "-o",
-            "cluster_size=512",
-            &dir.s(name),
-            "1M",
-        ],
-    );
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-u",
+        "-b",
+        backing,
+        "-F",
+        "qcow2",
+        "-o",
+        "cluster_size=512",
+        &dir.s(name),
+        "1M",
+    ]);
 }
 
 /// The top image itself is consistent: our check finds nothing, in every mode.
@@ -117,10 +115,7 @@ fn a_chain_ten_thousand_images_deep() {
         bytes[name_at..name_at + name_len].copy_from_slice(name(i + 1).as_bytes());
         std::fs::write(dir.path(&name(i)), bytes).unwrap();
     }
-    ok(
-        "qemu-img",
-        &["create", "-q", "-f", "qcow2", &dir.s(&name(DEPTH)), "1M"],
-    );
+    qemu_img(&["create", "-q", "-f", "qcow2", &dir.s(&name(DEPTH)), "1M"]);
     let e = open_chain(&dir.path(&name(0))).expect_err("the chain is too deep to open");
     assert!(e.contains("deeper than"), "{e}");
     // The engine refuses deep chains but reads any image of this one on its own.

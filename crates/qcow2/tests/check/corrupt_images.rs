@@ -11,11 +11,12 @@
 //! Backing-chain loops and a 10,000-deep chain are in `corrupt_chains.rs`.
 //! Needs qemu-img and qemu-io (Debian: qemu-utils).
 
-use crate::common::{assert_agree, create, io, ok, Dir, Patch};
+use crate::common::{assert_agree, Patch};
 use qcow2::engine::check::Repair;
 use qcow2::engine::{Image, OpenOptions};
 use std::path::Path;
 use storage::{Aio, AnyStorage, FileOpener};
+use test_support::{create_image, qemu, qemu_img, qemu_io, Dir};
 
 const COPIED: u64 = 1 << 63;
 const COMPRESSED: u64 = 1 << 62;
@@ -58,68 +59,71 @@ fn engine_outcome(path: &Path) -> Result<(), String> {
 /// The base images the cases break.
 fn bases(dir: &Dir) {
     let std = dir.path("std");
-    create(&std, "cluster_size=4096", "1M");
-    io(&std, &["write -P 1 0 128k", "write -P 2 512k 64k"]);
+    create_image(&std, "qcow2", "cluster_size=4096", None, "1M");
+    qemu_io("qcow2", &std, &["write -P 1 0 128k", "write -P 2 512k 64k"]);
 
     let ext = dir.path("ext");
-    create(&ext, "cluster_size=65536,extended_l2=on", "4M");
-    io(
+    create_image(
+        &ext,
+        "qcow2",
+        "cluster_size=65536,extended_l2=on",
+        None,
+        "4M",
+    );
+    qemu_io(
+        "qcow2",
         &ext,
         &["write -P 3 0 66k", "write -z 128k 4k", "write -P 4 1M 64k"],
     );
 
-    create(&dir.path("plain"), "cluster_size=4096", "1M");
-    io(&dir.path("plain"), &["write -P 5 0 64k"]);
+    create_image(&dir.path("plain"), "qcow2", "cluster_size=4096", None, "1M");
+    qemu_io("qcow2", &dir.path("plain"), &["write -P 5 0 64k"]);
     for (name, opts) in [
         ("comp", "cluster_size=4096"),
         ("comp-ext", "cluster_size=16384,extended_l2=on"),
     ] {
-        ok(
-            "qemu-img",
-            &[
-                "convert",
-                "-c",
-                "-O",
-                "qcow2",
-                "-o",
-                opts,
-                &dir.s("plain"),
-                &dir.s(name),
-            ],
-        );
+        qemu_img(&[
+            "convert",
+            "-c",
+            "-O",
+            "qcow2",
+            "-o",
+            opts,
+            &dir.s("plain"),
+            &dir.s(name),
+        ]);
     }
 
     let snap = dir.path("snap");
-    create(&snap, "cluster_size=4096", "1M");
-    io(&snap, &["write -P 6 0 64k"]);
-    ok(
-        "qemu-img",
-        &["snapshot", "-c", "s1", snap.to_str().unwrap()],
-    );
-    io(&snap, &["write -P 7 0 8k"]);
+    create_image(&snap, "qcow2", "cluster_size=4096", None, "1M");
+    qemu_io("qcow2", &snap, &["write -P 6 0 64k"]);
+    qemu_img(&["snapshot", "-c", "s1", snap.to_str().unwrap()]);
+    qemu_io("qcow2", &snap, &["write -P 7 0 8k"]);
 
     let bmp = dir.path("bmp");
-    create(&bmp, "cluster_size=4096", "8M");
-    ok(
-        "qemu-img",
-        &[
-            "bitmap",
-            "--add",
-            "-g",
-            "65536",
-            bmp.to_str().unwrap(),
-            "b0",
-        ],
-    );
-    io(&bmp, &["write -P 8 0 1M"]);
+    create_image(&bmp, "qcow2", "cluster_size=4096", None, "8M");
+    qemu_img(&[
+        "bitmap",
+        "--add",
+        "-g",
+        "65536",
+        bmp.to_str().unwrap(),
+        "b0",
+    ]);
+    qemu_io("qcow2", &bmp, &["write -P 8 0 1M"]);
 
     let lazy = dir.path("lazy");
-    create(&lazy, "cluster_size=4096,lazy_refcounts=on", "1M");
+    create_image(
+        &lazy,
+        "qcow2",
+        "cluster_size=4096,lazy_refcounts=on",
+        None,
+        "1M",
+    );
     // qemu-io's `abort` kills it mid-way: the dirty bit stays set and the refcounts of the
     // clusters just written never reach the disk.
-    let out = crate::common::run(
-        "qemu-io",
-        &[
+    let out = qemu("qemu-io")
+        .args([
             "-f",
             "qcow2",
             "-c",
@@ -127,8 +131,9 @@ fn bases(dir: &Dir) {
             "-c",
             "abort",
             lazy.to_str().unwrap(),
-        ],
-    );
+        ])
+        .output()
+        .expect("run qemu-io");
     assert!(!out.status.success(), "qemu-io abort should have aborted");
 }
 

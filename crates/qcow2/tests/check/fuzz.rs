@@ -6,26 +6,9 @@
 //!
 //! Needs qemu-img and qemu-io (Debian: qemu-utils) to make the base images.
 
-use crate::common::{create, io, ok, Dir};
 use qcow2::engine::check::{self, Repair};
 use storage::MemStorage;
-
-/// SplitMix64: small, deterministic, good enough to choose mutations.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
+use test_support::{create_image, qemu_img, qemu_io, Dir, Rng};
 
 /// Small images covering every structure the checker reads.
 fn bases(dir: &Dir) -> Vec<Vec<u8>> {
@@ -44,39 +27,34 @@ fn bases(dir: &Dir) -> Vec<Vec<u8>> {
     let mut out = Vec::new();
     for (name, opts) in specs {
         let p = dir.path(name);
-        create(&p, opts, "256k");
-        io(
+        create_image(&p, "qcow2", opts, None, "256k");
+        qemu_io(
+            "qcow2",
             &p,
             &["write -P 1 0 20k", "write -z 40k 8k", "write -P 2 100k 3k"],
         );
         if name != "rc1" {
-            ok("qemu-img", &["snapshot", "-c", "s", p.to_str().unwrap()]);
-            io(&p, &["write -P 3 2k 4k"]);
+            qemu_img(&["snapshot", "-c", "s", p.to_str().unwrap()]);
+            qemu_io("qcow2", &p, &["write -P 3 2k 4k"]);
         }
         out.push(std::fs::read(&p).unwrap());
     }
     // Compressed clusters and a bitmap.
-    ok(
-        "qemu-img",
-        &[
-            "convert",
-            "-c",
-            "-O",
-            "qcow2",
-            "-o",
-            "cluster_size=1024",
-            &dir.s("c512"),
-            &dir.s("comp"),
-        ],
-    );
+    qemu_img(&[
+        "convert",
+        "-c",
+        "-O",
+        "qcow2",
+        "-o",
+        "cluster_size=1024",
+        &dir.s("c512"),
+        &dir.s("comp"),
+    ]);
     out.push(std::fs::read(dir.path("comp")).unwrap());
     let b = dir.path("bmp");
-    create(&b, "cluster_size=1024", "256k");
-    ok(
-        "qemu-img",
-        &["bitmap", "--add", "-g", "4096", b.to_str().unwrap(), "b"],
-    );
-    io(&b, &["write -P 4 0 64k"]);
+    create_image(&b, "qcow2", "cluster_size=1024", None, "256k");
+    qemu_img(&["bitmap", "--add", "-g", "4096", b.to_str().unwrap(), "b"]);
+    qemu_io("qcow2", &b, &["write -P 4 0 64k"]);
     out.push(std::fs::read(&b).unwrap());
     out
 }
@@ -94,13 +72,13 @@ fn mutate(image: &[u8], rng: &mut Rng) -> Vec<u8> {
         } as usize;
         match rng.below(4) {
             0 => m[at] ^= 1 << rng.below(8),
-            1 => m[at] = rng.next() as u8,
+            1 => m[at] = rng.next_u64() as u8,
             2 => m[at] = 0,
             _ => {
                 // A whole big-endian word, as a table entry or header field.
                 let start = at & !7;
                 let v = match rng.below(3) {
-                    0 => rng.next(),
+                    0 => rng.next_u64(),
                     1 => rng.below(m.len() as u64 * 2) & !0x1ff,
                     _ => 1 << rng.below(64),
                 };

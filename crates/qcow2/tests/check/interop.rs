@@ -4,12 +4,14 @@
 //!
 //! Needs qemu-img and qemu-io (Debian: qemu-utils).
 
-use crate::common::{assert_agree, create, io, ok, our_check, qemu_check, Dir};
+use crate::common::{assert_agree, our_check, qemu_check};
 use qcow2::engine::check::Repair;
+use test_support::{create_image, qemu_img, qemu_io, Dir};
 
 /// Writes a pattern of data, zeros and discards over the first MiBs of an image.
 fn scribble(path: &std::path::Path) {
-    io(
+    qemu_io(
+        "qcow2",
         path,
         &[
             "write -P 0x11 0 300k",
@@ -67,19 +69,19 @@ fn clean_images_of_every_refcount_width_and_cluster_size() {
         ("prealloc-full", "cluster_size=65536,preallocation=full"),
     ];
     for (name, opts) in specs {
-        create(&dir.path(name), opts, "8M");
+        create_image(&dir.path(name), "qcow2", opts, None, "8M");
         scribble(&dir.path(name));
         agree_everywhere(&dir, name);
     }
     // An empty image too (no L2 table at all).
-    create(&dir.path("empty"), "", "1G");
+    create_image(&dir.path("empty"), "qcow2", "", None, "1G");
     agree_everywhere(&dir, "empty");
 }
 
 #[test]
 fn compressed_images_zlib_and_zstd() {
     let dir = Dir::new();
-    create(&dir.path("src"), "cluster_size=4096", "8M");
+    create_image(&dir.path("src"), "qcow2", "cluster_size=4096", None, "8M");
     scribble(&dir.path("src"));
     for (name, opts) in [
         ("zlib", "cluster_size=4096"),
@@ -87,21 +89,18 @@ fn compressed_images_zlib_and_zstd() {
         ("zlib-512", "cluster_size=512"),
         ("zlib-ext", "cluster_size=16k,extended_l2=on"),
     ] {
-        ok(
-            "qemu-img",
-            &[
-                "convert",
-                "-c",
-                "-O",
-                "qcow2",
-                "-o",
-                opts,
-                &dir.s("src"),
-                &dir.s(name),
-            ],
-        );
+        qemu_img(&[
+            "convert",
+            "-c",
+            "-O",
+            "qcow2",
+            "-o",
+            opts,
+            &dir.s("src"),
+            &dir.s(name),
+        ]);
         // A partial overwrite leaves compressed and normal clusters side by side.
-        io(&dir.path(name), &["write -P 0x55 8k 4k"]);
+        qemu_io("qcow2", &dir.path(name), &["write -P 0x55 8k 4k"]);
         agree_everywhere(&dir, name);
     }
 }
@@ -109,25 +108,23 @@ fn compressed_images_zlib_and_zstd() {
 #[test]
 fn extended_l2_subclusters_over_a_backing_file() {
     let dir = Dir::new();
-    create(&dir.path("base"), "cluster_size=65536", "4M");
-    io(&dir.path("base"), &["write -P 0xaa 0 4M"]);
-    ok(
-        "qemu-img",
-        &[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-b",
-            "base",
-            "-F",
-            "qcow2",
-            "-o",
-            "cluster_size=65536,extended_l2=on",
-            &dir.s("top"),
-        ],
-    );
-    io(
+    create_image(&dir.path("base"), "qcow2", "cluster_size=65536", None, "4M");
+    qemu_io("qcow2", &dir.path("base"), &["write -P 0xaa 0 4M"]);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "base",
+        "-F",
+        "qcow2",
+        "-o",
+        "cluster_size=65536,extended_l2=on",
+        &dir.s("top"),
+    ]);
+    qemu_io(
+        "qcow2",
         &dir.path("top"),
         &[
             "write -P 1 2k 2k",
@@ -145,13 +142,13 @@ fn extended_l2_subclusters_over_a_backing_file() {
 fn internal_snapshots_shared_clusters_and_copied_flags() {
     let dir = Dir::new();
     let p = dir.path("snap");
-    create(&p, "cluster_size=4096", "4M");
-    io(&p, &["write -P 1 0 256k"]);
-    ok("qemu-img", &["snapshot", "-c", "one", p.to_str().unwrap()]);
-    io(&p, &["write -P 2 64k 64k", "write -P 3 1M 64k"]);
-    ok("qemu-img", &["snapshot", "-c", "two", p.to_str().unwrap()]);
-    io(&p, &["write -P 4 0 8k", "discard 128k 64k"]);
-    ok("qemu-img", &["snapshot", "-d", "one", p.to_str().unwrap()]);
+    create_image(&p, "qcow2", "cluster_size=4096", None, "4M");
+    qemu_io("qcow2", &p, &["write -P 1 0 256k"]);
+    qemu_img(&["snapshot", "-c", "one", p.to_str().unwrap()]);
+    qemu_io("qcow2", &p, &["write -P 2 64k 64k", "write -P 3 1M 64k"]);
+    qemu_img(&["snapshot", "-c", "two", p.to_str().unwrap()]);
+    qemu_io("qcow2", &p, &["write -P 4 0 8k", "discard 128k 64k"]);
+    qemu_img(&["snapshot", "-d", "one", p.to_str().unwrap()]);
     agree_everywhere(&dir, "snap");
 }
 
@@ -159,22 +156,21 @@ fn internal_snapshots_shared_clusters_and_copied_flags() {
 fn persistent_bitmaps_and_external_data_files() {
     let dir = Dir::new();
     let p = dir.path("bitmaps");
-    create(&p, "cluster_size=4096", "16M");
-    io(&p, &["write -P 1 0 1M"]);
+    create_image(&p, "qcow2", "cluster_size=4096", None, "16M");
+    qemu_io("qcow2", &p, &["write -P 1 0 1M"]);
     for name in ["b0", "b1"] {
-        ok(
-            "qemu-img",
-            &["bitmap", "--add", "-g", "65536", p.to_str().unwrap(), name],
-        );
+        qemu_img(&["bitmap", "--add", "-g", "65536", p.to_str().unwrap(), name]);
     }
     // Writing through QEMU dirties the enabled bitmaps, which gives them data clusters.
-    io(&p, &["write -P 2 4M 2M"]);
+    qemu_io("qcow2", &p, &["write -P 2 4M 2M"]);
     agree_everywhere(&dir, "bitmaps");
 
     let d = dir.path("data.qcow2");
-    create(
+    create_image(
         &d,
+        "qcow2",
         &format!("data_file={},cluster_size=4096", dir.s("data.raw")),
+        None,
         "8M",
     );
     scribble(&d);
@@ -185,32 +181,26 @@ fn persistent_bitmaps_and_external_data_files() {
 fn encrypted_images_are_checked_without_the_key() {
     let dir = Dir::new();
     let p = dir.s("luks");
-    ok(
-        "qemu-img",
-        &[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "--object",
-            "secret,id=sec0,data=password",
-            "-o",
-            "encrypt.format=luks,encrypt.key-secret=sec0,cluster_size=4096",
-            &p,
-            "1M",
-        ],
-    );
-    let out = ok(
-        "qemu-img",
-        &[
-            "check",
-            "--output=json",
-            "--object",
-            "secret,id=sec0,data=password",
-            "--image-opts",
-            &format!("driver=qcow2,file.filename={p},encrypt.key-secret=sec0"),
-        ],
-    );
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "--object",
+        "secret,id=sec0,data=password",
+        "-o",
+        "encrypt.format=luks,encrypt.key-secret=sec0,cluster_size=4096",
+        &p,
+        "1M",
+    ]);
+    let out = qemu_img(&[
+        "check",
+        "--output=json",
+        "--object",
+        "secret,id=sec0,data=password",
+        "--image-opts",
+        &format!("driver=qcow2,file.filename={p},encrypt.key-secret=sec0"),
+    ]);
     let theirs = crate::common::parse_report(&out).expect("qemu-img check JSON");
     let (r, _) = our_check(&dir.path("luks"), Repair::None);
     assert_eq!(r.expect("our check").report, theirs);

@@ -6,13 +6,14 @@
 //!
 //! Needs qemu-img and qemu-io (Debian: qemu-utils).
 
-use crate::common::{assert_agree, create, guest_bytes, io, ok, our_check, qemu_check, Dir, Patch};
+use crate::common::{assert_agree, our_check, qemu_check, Patch};
 use qcow2::engine::check::{self, Repair};
 use qcow2::engine::{Image, OpenOptions};
 use std::path::{Path, PathBuf};
 use storage::{
     Aio, AnyStorage, CrashPlan, FaultStorage, FileOpener, InjectedError, MemFs, MemStorage,
 };
+use test_support::{create_image, qemu, qemu_contents, qemu_img, qemu_io, run_ok, Dir};
 
 const COPIED: u64 = 1 << 63;
 const INCOMPAT_DIRTY: u64 = 1;
@@ -38,8 +39,9 @@ fn bases(dir: &Dir) -> Vec<&'static str> {
     ];
     for (name, opts, size) in specs {
         let p = dir.path(name);
-        create(&p, opts, size);
-        io(
+        create_image(&p, "qcow2", opts, None, size);
+        qemu_io(
+            "qcow2",
             &p,
             &[
                 "write -P 1 0 200k",
@@ -49,8 +51,8 @@ fn bases(dir: &Dir) -> Vec<&'static str> {
         );
     }
     let snap = dir.path("snap");
-    ok("qemu-img", &["snapshot", "-c", "s", snap.to_str().unwrap()]);
-    io(&snap, &["write -P 3 0 16k"]);
+    qemu_img(&["snapshot", "-c", "s", snap.to_str().unwrap()]);
+    qemu_io("qcow2", &snap, &["write -P 3 0 16k"]);
     specs.iter().map(|s| s.0).collect()
 }
 
@@ -111,7 +113,7 @@ fn repair_all_leaves_qemu_clean_and_guest_data_unchanged() {
     let dir = Dir::new();
     let mut repaired = 0;
     for base in bases(&dir) {
-        let before = guest_bytes(&dir, &dir.path(base));
+        let before = qemu_contents(&dir.path(base), &[]);
         for (fault, patch) in faults() {
             let name = format!("{base}-{fault}");
             let path = dir.copy(base, &name);
@@ -135,7 +137,7 @@ fn repair_all_leaves_qemu_clean_and_guest_data_unchanged() {
                 "{name}"
             );
             assert!(
-                guest_bytes(&dir, &path) == before,
+                qemu_contents(&path, &[]) == before,
                 "{name}: the repair changed guest data"
             );
             repaired += 1;
@@ -148,8 +150,8 @@ fn repair_all_leaves_qemu_clean_and_guest_data_unchanged() {
 fn repair_keeps_the_corrupt_bit_while_corruption_remains() {
     let dir = Dir::new();
     let p = dir.path("img");
-    create(&p, "cluster_size=4096", "1M");
-    io(&p, &["write -P 1 0 64k"]);
+    create_image(&p, "qcow2", "cluster_size=4096", None, "1M");
+    qemu_io("qcow2", &p, &["write -P 1 0 64k"]);
     let patch = Patch::open(&p);
     // A data cluster offset that is not cluster-aligned cannot be repaired.
     let at = patch.l2_entry_at(0);
@@ -164,11 +166,16 @@ fn repair_keeps_the_corrupt_bit_while_corruption_remains() {
 /// refcount reached the disk.
 fn dirty_image(dir: &Dir, name: &str) -> PathBuf {
     let p = dir.path(name);
-    create(&p, "cluster_size=4096,lazy_refcounts=on", "4M");
-    io(&p, &["write -P 1 0 1M"]);
-    let out = crate::common::run(
-        "qemu-io",
-        &[
+    create_image(
+        &p,
+        "qcow2",
+        "cluster_size=4096,lazy_refcounts=on",
+        None,
+        "4M",
+    );
+    qemu_io("qcow2", &p, &["write -P 1 0 1M"]);
+    let out = qemu("qemu-io")
+        .args([
             "-f",
             "qcow2",
             "-c",
@@ -178,8 +185,9 @@ fn dirty_image(dir: &Dir, name: &str) -> PathBuf {
             "-c",
             "abort",
             p.to_str().unwrap(),
-        ],
-    );
+        ])
+        .output()
+        .expect("run qemu-io");
     assert!(!out.status.success(), "qemu-io abort should have aborted");
     assert_ne!(
         incompatible(&p) & INCOMPAT_DIRTY,
@@ -199,7 +207,7 @@ fn dirty_image(dir: &Dir, name: &str) -> PathBuf {
 fn opening_a_dirty_image_for_writing_repairs_it() {
     let dir = Dir::new();
     let p = dirty_image(&dir, "dirty");
-    let before = guest_bytes(&dir, &p);
+    let before = qemu_contents(&p, &[]);
     block_on(async {
         let opener = FileOpener {
             aio: Aio::Threads,
@@ -222,7 +230,7 @@ fn opening_a_dirty_image_for_writing_repairs_it() {
     assert_eq!(incompatible(&p) & INCOMPAT_DIRTY, 0);
     let q = qemu_check(&p, Repair::None, true);
     assert_eq!(q.code, 0, "{}{}", q.stdout, q.stderr);
-    let after = guest_bytes(&dir, &p);
+    let after = qemu_contents(&p, &[]);
     assert!(after[..2 << 20] == before[..2 << 20]);
     assert!(after[2 << 20..(2 << 20) + 65536].iter().all(|&b| b == 7));
 }
@@ -241,7 +249,7 @@ fn repair_dirty_rebuilds_refcounts_and_clears_the_bit() {
     assert_eq!(incompatible(&p) & INCOMPAT_DIRTY, 0);
     assert_eq!(qemu_check(&p, Repair::None, true).code, 0);
     // QEMU repairs the same image the same way when it opens it for writing.
-    ok("qemu-io", &["-c", "flush", theirs.to_str().unwrap()]);
+    run_ok(qemu("qemu-io").args(["-c", "flush", theirs.to_str().unwrap()]));
     assert_eq!(
         qemu_check(&p, Repair::None, true).report,
         qemu_check(&theirs, Repair::None, true).report
@@ -315,8 +323,8 @@ fn a_repair_interrupted_by_a_crash_loses_nothing() {
         ("in-place", "cluster_size=4096", "refcount_too_high"),
     ] {
         let p = dir.path(base);
-        create(&p, opts, "2M");
-        io(&p, &["write -P 1 0 300k", "write -P 2 1M 64k"]);
+        create_image(&p, "qcow2", opts, None, "2M");
+        qemu_io("qcow2", &p, &["write -P 1 0 300k", "write -P 2 1M 64k"]);
         let patch = Patch::open(&p);
         match fault {
             "used_cluster_refcount_zero" => {

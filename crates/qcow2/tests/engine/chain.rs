@@ -7,6 +7,7 @@ use qcow2::engine::ReadPart;
 use qcow2::engine::{create_file, CreateOptions, Format, Image, OpenOptions};
 use std::path::PathBuf;
 use storage::{Aio, FaultStorage, InjectedError, IoBuf, MemStorage, OpKind};
+use test_support::{assert_same_bytes, qemu_contents, qemu_img, qemu_io, Dir};
 
 const SIZE: u64 = 32 << 20;
 
@@ -91,7 +92,7 @@ fn build_chain(d: &Dir, depth: usize, qemu: bool) -> PathBuf {
                 })
                 .collect();
             let cmds: Vec<&str> = cmds.iter().map(String::as_str).collect();
-            qemu_io(&p, "qcow2", &cmds);
+            qemu_io("qcow2", &p, &cmds);
         } else {
             let opts = CreateOptions {
                 size: SIZE,
@@ -131,22 +132,22 @@ fn build_chain(d: &Dir, depth: usize, qemu: bool) -> PathBuf {
 fn check_chain(depth: usize, qemu: bool) {
     let d = Dir::new();
     let top = build_chain(&d, depth, qemu);
-    let expected = qemu_raw(&top, None);
+    let expected = qemu_contents(&top, &[]);
     run(async {
         let img = open_ro(&top, Aio::IoUring).await;
         assert_eq!(img.chain_len(), depth + 1);
-        assert_same(
+        assert_same_bytes(
             &read_all(&img, 1 << 20).await,
             &expected,
             &format!("depth {depth}, 1 MiB reads"),
         );
-        assert_same(
+        assert_same_bytes(
             &read_all(&img, 4096 + 512).await,
             &expected,
             &format!("depth {depth}, small reads"),
         );
         let (sparse, holes) = read_all_sparse(&img, 1 << 20).await;
-        assert_same(
+        assert_same_bytes(
             &sparse,
             &expected,
             &format!("depth {depth}, sparse 1 MiB reads"),
@@ -227,15 +228,15 @@ fn check_chain(depth: usize, qemu: bool) {
                 .await;
             r.unwrap();
         }
-        assert_same(
+        assert_same_bytes(
             &img.read(0, SIZE as usize).await.unwrap(),
             &model,
             "after writes",
         );
         img.close().await.unwrap();
     });
-    assert_same(
-        &qemu_raw(&overlay, None),
+    assert_same_bytes(
+        &qemu_contents(&overlay, &[]),
         &model,
         &format!("depth {depth}: QEMU reading the overlay"),
     );
@@ -267,7 +268,7 @@ fn sparse_reads_through_a_chain_fail_cleanly_on_read_errors() {
     const DEPTH: usize = 5;
     let d = Dir::new();
     let top = build_chain(&d, DEPTH, false);
-    let expected = qemu_raw(&top, None);
+    let expected = qemu_contents(&top, &[]);
     let mut names = vec!["base.raw".to_string()];
     names.extend((0..DEPTH).map(|k| format!("l{k}.qcow2")));
     let files: Vec<Vec<u8>> = names
@@ -311,7 +312,7 @@ fn sparse_reads_through_a_chain_fail_cleanly_on_read_errors() {
             match outcome {
                 Ok(bytes) => {
                     let what = format!("{}: read {n} failed", names[victim]);
-                    assert_same(&bytes, &expected, &what);
+                    assert_same_bytes(&bytes, &expected, &what);
                     clean += 1;
                 }
                 Err(e) => {

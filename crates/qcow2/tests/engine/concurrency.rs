@@ -7,19 +7,7 @@ use crate::support::*;
 use qcow2::engine::{create_file, CreateOptions, Format, Image, OpenOptions};
 use std::rc::Rc;
 use storage::{Aio, IoBuf};
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
+use test_support::{assert_same_bytes, qemu_contents, Dir, Rng};
 
 #[derive(Clone, Copy, Debug)]
 enum Req {
@@ -143,7 +131,7 @@ fn campaign(name: &str, cs: u64, ext: bool, backing: bool, batches: usize) {
                 img.flush().await.unwrap();
             }
             let all = img.read(0, size as usize).await.unwrap();
-            assert_same(&all, &model, &format!("{name}: after batch {b}"));
+            assert_same_bytes(&all, &model, &format!("{name}: after batch {b}"));
         }
         img.close().await.unwrap();
     });
@@ -156,8 +144,8 @@ fn campaign(name: &str, cs: u64, ext: bool, backing: bool, batches: usize) {
         "{name}: qemu-img check: {}",
         String::from_utf8_lossy(&out.stdout)
     );
-    assert_same(
-        &qemu_raw(&path, None),
+    assert_same_bytes(
+        &qemu_contents(&path, &[]),
         &model,
         &format!("{name}: QEMU's view"),
     );

@@ -9,19 +9,7 @@ use crate::support::{run, FaultFs};
 use qcow2::engine::{create, CreateOptions, Format, Image, OpenOptions};
 use std::path::Path;
 use storage::{CrashPlan, FaultStorage, InjectedError, IoBuf, MemFs, MemStorage};
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
+use test_support::Rng;
 
 #[derive(Clone, Copy, Debug)]
 enum Op {
@@ -374,7 +362,7 @@ fn crash_campaign(c: Config, points: usize, plans_per_point: usize) -> usize {
                     0 => CrashPlan::mask(&[]),
                     1 => CrashPlan::mask(&vec![true; handle.unflushed_ops()]),
                     _ => CrashPlan::Random {
-                        seed: rng.next(),
+                        seed: rng.next_u64(),
                         tear: true,
                     },
                 };

@@ -6,7 +6,8 @@ use std::path::Path;
 use qcow2::engine::{libc_errno, Image, OpenOptions};
 use storage::{FaultStorage, InjectedError, IoBuf, MemStorage, OpKind};
 
-use crate::support::{qemu_img, run, Dir, FaultFs};
+use crate::support::{run, FaultFs};
+use test_support::{qemu_contents, qemu_img, Dir};
 
 const MIB: usize = 1 << 20;
 
@@ -115,7 +116,7 @@ fn a_full_disk_is_enospc_and_the_image_goes_on_serving() {
         String::from_utf8_lossy(&check.stdout),
         String::from_utf8_lossy(&check.stderr)
     );
-    let contents = crate::support::qemu_raw(&out, None);
+    let contents = qemu_contents(&out, &[]);
     assert!(contents[..4096].iter().all(|&b| b == 9));
     assert!(contents[4096..65536].iter().all(|&b| b == 7));
     assert!(contents[4 * MIB..5 * MIB].iter().all(|&b| b == 0));

@@ -4,22 +4,23 @@
 use crate::support::*;
 use std::path::Path;
 use storage::Aio;
+use test_support::{assert_same_bytes, qemu_contents, qemu_img, qemu_io, Dir};
 
 /// Reads `img` with both backends and two request sizes and compares with QEMU.
 fn check_image(img: &Path, what: &str) {
-    let expected = qemu_raw(img, None);
+    let expected = qemu_contents(img, &[]);
     for aio in [Aio::IoUring, Aio::Threads] {
         run(async {
             let image = open_ro(img, aio).await;
             for chunk in [1 << 20, 12_345] {
                 let ours = read_all(&image, chunk).await;
-                assert_same(
+                assert_same_bytes(
                     &ours,
                     &expected,
                     &format!("{what} ({aio:?}, {chunk}-byte reads)"),
                 );
                 let (sparse, _) = read_all_sparse(&image, chunk).await;
-                assert_same(
+                assert_same_bytes(
                     &sparse,
                     &expected,
                     &format!("{what} ({aio:?}, {chunk}-byte sparse reads)"),
@@ -43,7 +44,7 @@ fn scribble(img: &Path, cluster: u64) {
         format!("write -P 0x55 {} 512", c * 12 + c / 2 + 512),
     ];
     let cmds: Vec<&str> = cmds.iter().map(String::as_str).collect();
-    qemu_io(img, "qcow2", &cmds);
+    qemu_io("qcow2", img, &cmds);
 }
 
 /// A raw file's holes come back as holes from a sparse read, its data as data; a qcow2 layer's
@@ -56,8 +57,8 @@ fn sparse_reads_report_raw_holes() {
     f.set_len(8 << 20).unwrap();
     drop(f);
     qemu_io(
-        &raw,
         "raw",
+        &raw,
         &["write -P 0x5a 1M 64k", "write -P 0x5b 5M 4k"],
     );
     run(async {
@@ -70,7 +71,7 @@ fn sparse_reads_report_raw_holes() {
             .await
             .unwrap();
         let (bytes, holes) = read_all_sparse(&image, 8 << 20).await;
-        assert_same(&bytes, &qemu_raw(&raw, None), "sparse raw in one read");
+        assert_same_bytes(&bytes, &qemu_contents(&raw, &[]), "sparse raw in one read");
         // Filesystems allocate in blocks of up to 64 KiB around the written bytes.
         assert!(
             holes >= (8 << 20) - (256 << 10),
@@ -137,8 +138,8 @@ fn compressed_zlib_and_zstd() {
     qemu_img(&["create", "-q", "-f", "qcow2", src.to_str().unwrap(), "6M"]);
     // Compressible patterns, a random-ish incompressible stretch and holes.
     qemu_io(
-        &src,
         "qcow2",
+        &src,
         &[
             "write -P 0xaa 0 1M",
             "write -P 0x5c 1536k 300k",
@@ -188,8 +189,8 @@ fn backing_chain_raw_and_qcow2_with_short_backing() {
         "2M",
     ]);
     qemu_io(
-        &d.path("mid.qcow2"),
         "qcow2",
+        &d.path("mid.qcow2"),
         &["write -P 0x88 64k 64k", "write -z 256k 64k"],
     );
     qemu_img(&[
@@ -208,8 +209,8 @@ fn backing_chain_raw_and_qcow2_with_short_backing() {
     ]);
     // Mixed subclusters over the backing file: partial, whole, zero.
     qemu_io(
-        &d.path("top.qcow2"),
         "qcow2",
+        &d.path("top.qcow2"),
         &[
             "write -P 0x99 70k 3k",
             "write -P 0x9a 128k 2k",
@@ -226,10 +227,10 @@ fn internal_snapshot_reads_as_qemu_reads_it() {
     let d = Dir::new();
     let img = d.path("snap.qcow2");
     qemu_img(&["create", "-q", "-f", "qcow2", img.to_str().unwrap(), "2M"]);
-    qemu_io(&img, "qcow2", &["write -P 0x10 0 1M"]);
+    qemu_io("qcow2", &img, &["write -P 0x10 0 1M"]);
     qemu_img(&["snapshot", "-c", "first", img.to_str().unwrap()]);
-    qemu_io(&img, "qcow2", &["write -P 0x20 512k 1M"]);
-    let expected = qemu_raw(&img, Some("first"));
+    qemu_io("qcow2", &img, &["write -P 0x20 512k 1M"]);
+    let expected = qemu_contents(&img, &["-l", "first"]);
     run(async {
         for wanted in ["first", "1"] {
             let opts = qcow2::engine::OpenOptions {
@@ -240,7 +241,7 @@ fn internal_snapshot_reads_as_qemu_reads_it() {
                 .await
                 .unwrap();
             assert!(image.is_read_only());
-            assert_same(&read_all(&image, 65536).await, &expected, wanted);
+            assert_same_bytes(&read_all(&image, 65536).await, &expected, wanted);
         }
     });
     check_image(&img, "active layer with a snapshot");
@@ -319,8 +320,8 @@ fn block_status_agrees_with_qemu_img_map() {
     // A hole in the middle of the raw file.
     qemu_img(&["create", "-q", "-f", "raw", &d.s("sparse.raw"), "1M"]);
     qemu_io(
-        &d.path("sparse.raw"),
         "raw",
+        &d.path("sparse.raw"),
         &["write -P 1 0 64k", "write -P 2 512k 64k"],
     );
     qemu_img(&[
@@ -336,8 +337,8 @@ fn block_status_agrees_with_qemu_img_map() {
         "2M",
     ]);
     qemu_io(
-        &d.path("mid.qcow2"),
         "qcow2",
+        &d.path("mid.qcow2"),
         &["write -P 0x88 64k 64k", "write -z 256k 64k"],
     );
     qemu_img(&[
@@ -355,8 +356,8 @@ fn block_status_agrees_with_qemu_img_map() {
         "4M",
     ]);
     qemu_io(
-        &d.path("top.qcow2"),
         "qcow2",
+        &d.path("top.qcow2"),
         &[
             "write -P 0x99 70k 4k",
             "write -z 130k 4k",

@@ -7,6 +7,7 @@ use qcow2::engine::{Image, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use storage::{Aio, FileOpener, MemFs, MemStorage};
+use test_support::{assert_same_bytes, qemu_contents, qemu_img, qemu_io, Dir};
 
 const SIZE: u64 = 6 << 20;
 
@@ -35,8 +36,8 @@ fn fixture() -> &'static Fixture {
             "5M",
         ]);
         qemu_io(
-            &base,
             "qcow2",
+            &base,
             &[
                 "write -P 0x11 0 2M",
                 "write -c -P 0x22 2M 64k",
@@ -59,8 +60,8 @@ fn fixture() -> &'static Fixture {
             &SIZE.to_string(),
         ]);
         qemu_io(
-            &top,
             "qcow2",
+            &top,
             &[
                 "write -P 0x33 5000 7000",
                 "write -z 70k 6k",
@@ -69,7 +70,7 @@ fn fixture() -> &'static Fixture {
                 "write -z -u 4200k 64k",
             ],
         );
-        let expected = qemu_raw(&top, None);
+        let expected = qemu_contents(&top, &[]);
         Fixture {
             _dir: d,
             top,
@@ -82,7 +83,7 @@ fn fixture() -> &'static Fixture {
 fn check(img_read: impl std::future::Future<Output = Vec<u8>>, off: u64, len: u64, what: &str) {
     let f = fixture();
     let got = run(img_read);
-    assert_same(
+    assert_same_bytes(
         &got,
         &f.expected[off as usize..(off + len) as usize],
         &format!("{what} at {off:#x}+{len:#x}"),

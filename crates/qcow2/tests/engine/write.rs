@@ -5,20 +5,9 @@ use crate::support::*;
 use qcow2::engine::{create_file, CreateOptions, Format, Image, OpenOptions, Preallocation};
 use std::path::Path;
 use storage::{Aio, FaultStorage, IoBuf, MemStorage};
-
-/// A small deterministic generator (xorshift), so failures replay exactly.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+use test_support::{
+    assert_check_clean, assert_same_bytes, qemu_contents, qemu_img, qemu_io, Dir, Rng,
+};
 
 /// Runs `ops` random operations on `path` (opened read-write) and on `model`, checking reads
 /// against the model along the way.
@@ -47,7 +36,7 @@ async fn exercise(path: &Path, model: &mut [u8], seed: u64, ops: usize, unit: u6
         }
         match what {
             0..=5 => {
-                let byte = (rng.next() % 255 + 1) as u8;
+                let byte = (rng.next_u64() % 255 + 1) as u8;
                 let mut buf = IoBuf::zeroed(len as usize);
                 for (i, b) in buf.iter_mut().enumerate() {
                     *b = byte.wrapping_add((i / 512) as u8);
@@ -89,28 +78,12 @@ async fn exercise(path: &Path, model: &mut [u8], seed: u64, ops: usize, unit: u6
         }
         if step % 16 == 0 {
             let all = img.read(0, size as usize).await.unwrap();
-            assert_same(&all, model, &ctx);
+            assert_same_bytes(&all, model, &ctx);
         }
     }
     let all = img.read(0, size as usize).await.unwrap();
-    assert_same(&all, model, "end of run");
+    assert_same_bytes(&all, model, "end of run");
     img.close().await.unwrap();
-}
-
-/// `qemu-img check` must report no errors and no leaks.
-fn qemu_check_clean(path: &Path) {
-    let out = std::process::Command::new("qemu-img")
-        .args(["check", "--output=json", path.to_str().unwrap()])
-        .output()
-        .expect("run qemu-img (install qemu-utils)");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "qemu-img check {} exited {:?}: {text}{}",
-        path.display(),
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 #[test]
@@ -141,7 +114,7 @@ fn random_ops_without_backing_match_model_and_pass_qemu_check() {
                 .await
                 .unwrap()
         });
-        qemu_check_clean(&path);
+        assert_check_clean(&path);
         let mut model = vec![0u8; size as usize];
         let unit = if ext { cs / 32 } else { cs };
         run(exercise(
@@ -151,9 +124,9 @@ fn random_ops_without_backing_match_model_and_pass_qemu_check() {
             300,
             unit,
         ));
-        qemu_check_clean(&path);
-        assert_same(
-            &qemu_raw(&path, None),
+        assert_check_clean(&path);
+        assert_same_bytes(
+            &qemu_contents(&path, &[]),
             &model,
             &format!("QEMU reading {}", path.display()),
         );
@@ -174,11 +147,11 @@ fn random_ops_over_backing_file() {
         &size.to_string(),
     ]);
     qemu_io(
-        &base,
         "qcow2",
+        &base,
         &["write -P 0x61 0 3M", "write -P 0x62 3584k 512k"],
     );
-    let base_bytes = qemu_raw(&base, None);
+    let base_bytes = qemu_contents(&base, &[]);
     for (i, (cs, ext)) in [
         (65536u64, false),
         (65536, true),
@@ -204,9 +177,9 @@ fn random_ops_over_backing_file() {
         let mut model = base_bytes.clone();
         let unit = if ext { cs / 32 } else { cs };
         run(exercise(&path, &mut model, 77 + i as u64, 300, unit));
-        qemu_check_clean(&path);
-        assert_same(
-            &qemu_raw(&path, None),
+        assert_check_clean(&path);
+        assert_same_bytes(
+            &qemu_contents(&path, &[]),
             &model,
             &format!("QEMU reading {}", path.display()),
         );
@@ -234,9 +207,9 @@ fn preallocation_modes_pass_qemu_check() {
                     .await
                     .unwrap()
             });
-            qemu_check_clean(&path);
-            assert_same(
-                &qemu_raw(&path, None),
+            assert_check_clean(&path);
+            assert_same_bytes(
+                &qemu_contents(&path, &[]),
                 &vec![0u8; 3 << 20],
                 &format!("{mode:?} ext={ext}"),
             );
@@ -248,7 +221,7 @@ fn preallocation_modes_pass_qemu_check() {
                 60,
                 if ext { 2048 } else { 65536 },
             ));
-            qemu_check_clean(&path);
+            assert_check_clean(&path);
         }
     }
 }
@@ -269,13 +242,13 @@ fn writes_into_images_with_internal_snapshots_copy_shared_clusters() {
             p,
             "4M",
         ]);
-        qemu_io(&path, "qcow2", &["write -P 0x31 0 3M", "write -z 3M 256k"]);
+        qemu_io("qcow2", &path, &["write -P 0x31 0 3M", "write -z 3M 256k"]);
         qemu_img(&["snapshot", "-c", "one", p]);
-        qemu_io(&path, "qcow2", &["write -P 0x32 1M 1M"]);
+        qemu_io("qcow2", &path, &["write -P 0x32 1M 1M"]);
         qemu_img(&["snapshot", "-c", "two", p]);
-        let one = qemu_raw(&path, Some("one"));
-        let two = qemu_raw(&path, Some("two"));
-        let mut model = qemu_raw(&path, None);
+        let one = qemu_contents(&path, &["-l", "one"]);
+        let two = qemu_contents(&path, &["-l", "two"]);
+        let mut model = qemu_contents(&path, &[]);
         run(exercise(
             &path,
             &mut model,
@@ -283,19 +256,19 @@ fn writes_into_images_with_internal_snapshots_copy_shared_clusters() {
             200,
             if ext == "on" { 2048 } else { 65536 },
         ));
-        qemu_check_clean(&path);
-        assert_same(
-            &qemu_raw(&path, None),
+        assert_check_clean(&path);
+        assert_same_bytes(
+            &qemu_contents(&path, &[]),
             &model,
             "active layer after our writes",
         );
-        assert_same(
-            &qemu_raw(&path, Some("one")),
+        assert_same_bytes(
+            &qemu_contents(&path, &["-l", "one"]),
             &one,
             "snapshot one is untouched",
         );
-        assert_same(
-            &qemu_raw(&path, Some("two")),
+        assert_same_bytes(
+            &qemu_contents(&path, &["-l", "two"]),
             &two,
             "snapshot two is untouched",
         );
@@ -365,10 +338,10 @@ fn copy_on_write_reads_head_and_tail_in_one_request_around_small_writes() {
         assert_eq!(got, reads, "{what}: backing reads");
         let image = fs.0.borrow()[&path].inner().to_vec();
         std::fs::write(&path, image).unwrap();
-        qemu_check_clean(&path);
+        assert_check_clean(&path);
         let mut expected = base.clone();
         expected[offset as usize..offset as usize + len].fill(0xA5);
-        assert_same(&qemu_raw(&path, None), &expected, &what);
+        assert_same_bytes(&qemu_contents(&path, &[]), &expected, &what);
     }
 }
 

@@ -9,6 +9,7 @@ use proptest::prelude::*;
 use qcow2::engine::{create, CreateOptions, Format, Image, OpenOptions};
 use std::path::Path;
 use storage::{IoBuf, MemFs, MemStorage};
+use test_support::Dir;
 
 const SIZE: u64 = 2 << 20;
 

@@ -6,30 +6,14 @@
 //! Needs qemu-img and qemu-io (Debian: qemu-utils); fails with a clear message without them.
 
 use std::panic::{self, AssertUnwindSafe};
-use std::path::Path;
-use std::process::Command;
 
 use qcow2::format::{l2, refcount, ExtendedL2Entry, L2Entry};
 use qcow2::inspect::{self, ImageInfo};
-
-fn run(dir: &Path, program: &str, args: &[&str]) {
-    let out = Command::new(program)
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!("cannot run {program} ({e}); install qemu-utils to run this test")
-        });
-    assert!(
-        out.status.success(),
-        "{program} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
+use test_support::{Dir, Rng};
 
 /// Small real images covering every structure: extended L2, sub-byte refcounts, snapshots,
 /// bitmaps, compressed clusters, a backing file, version 2.
-fn make_images(dir: &Path) -> Vec<(String, Vec<u8>)> {
+fn make_images(dir: &Dir) -> Vec<(String, Vec<u8>)> {
     let specs: &[(&str, &str)] = &[
         ("c512", "cluster_size=512"),
         ("rc1", "cluster_size=1024,refcount_bits=1"),
@@ -42,114 +26,68 @@ fn make_images(dir: &Path) -> Vec<(String, Vec<u8>)> {
         ("v2", "compat=0.10,cluster_size=512"),
         ("lazy", "cluster_size=1024,lazy_refcounts=on"),
     ];
-    run(
-        dir,
-        "qemu-img",
-        &[
+    dir.qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "cluster_size=512",
+        "base.qcow2",
+        "1M",
+    ]);
+    let mut names = Vec::new();
+    for (name, opts) in specs {
+        let file = format!("{name}.qcow2");
+        dir.qemu_img(&[
             "create",
             "-q",
             "-f",
             "qcow2",
             "-o",
-            "cluster_size=512",
+            opts,
+            "-b",
             "base.qcow2",
+            "-F",
+            "qcow2",
+            &file,
             "1M",
-        ],
-    );
-    let mut names = Vec::new();
-    for (name, opts) in specs {
-        let file = format!("{name}.qcow2");
-        run(
-            dir,
-            "qemu-img",
-            &[
-                "create",
-                "-q",
-                "-f",
-                "qcow2",
-                "-o",
-                opts,
-                "-b",
-                "base.qcow2",
-                "-F",
-                "qcow2",
-                &file,
-                "1M",
-            ],
-        );
-        run(
-            dir,
-            "qemu-io",
-            &[
-                "-f",
-                "qcow2",
-                "-c",
-                "write -P 1 0 20k",
-                "-c",
-                "write -z 24k 4k",
-                "-c",
-                "write -P 2 33k 1k",
-                &file,
-            ],
+        ]);
+        dir.qemu_io(
+            "qcow2",
+            &file,
+            &["write -P 1 0 20k", "write -z 24k 4k", "write -P 2 33k 1k"],
         );
         // 1-bit refcounts cannot count the second reference a snapshot needs.
         if *name != "rc1" {
-            run(dir, "qemu-img", &["snapshot", "-c", "one", &file]);
-            run(
-                dir,
-                "qemu-io",
-                &["-f", "qcow2", "-c", "write -P 3 0 2k", &file],
-            );
-            run(dir, "qemu-img", &["snapshot", "-c", "two", &file]);
+            dir.qemu_img(&["snapshot", "-c", "one", &file]);
+            dir.qemu_io("qcow2", &file, &["write -P 3 0 2k"]);
+            dir.qemu_img(&["snapshot", "-c", "two", &file]);
         }
         if *name != "v2" {
-            run(dir, "qemu-img", &["bitmap", "--add", &file, "b0"]);
-            run(
-                dir,
-                "qemu-img",
-                &["bitmap", "--add", "-g", "64k", "--disable", &file, "b1"],
-            );
+            dir.qemu_img(&["bitmap", "--add", &file, "b0"]);
+            dir.qemu_img(&["bitmap", "--add", "-g", "64k", "--disable", &file, "b1"]);
         }
         names.push(file);
     }
-    run(
-        dir,
-        "qemu-img",
-        &[
-            "convert",
-            "-c",
-            "-O",
-            "qcow2",
-            "-o",
-            "cluster_size=4096",
-            "rc64.qcow2",
-            "compressed.qcow2",
-        ],
-    );
+    dir.qemu_img(&[
+        "convert",
+        "-c",
+        "-O",
+        "qcow2",
+        "-o",
+        "cluster_size=4096",
+        "rc64.qcow2",
+        "compressed.qcow2",
+    ]);
     names.push("compressed.qcow2".into());
     names
         .into_iter()
         .map(|n| {
-            let bytes = std::fs::read(dir.join(&n)).unwrap();
+            let bytes = dir.read(&n);
             (n, bytes)
         })
         .collect()
-}
-
-/// xorshift64*: deterministic, so a failure names a reproducible (image, seed).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
 }
 
 /// Byte ranges holding metadata, found by decoding the unmutated image.
@@ -189,12 +127,12 @@ fn metadata_regions(image: &[u8]) -> Vec<(usize, usize)> {
 
 /// Flips bits, writes boundary values or random bytes at a random metadata offset.
 fn mutate(image: &mut [u8], regions: &[(usize, usize)], rng: &mut Rng) {
-    for _ in 0..1 + rng.below(3) {
-        let (start, end) = regions[rng.below(regions.len())];
-        let at = start + rng.below(end - start);
-        match rng.below(6) {
-            0 => image[at] ^= 1 << rng.below(8),
-            1 => image[at] = rng.next() as u8,
+    for _ in 0..1 + rng.index(3) {
+        let (start, end) = regions[rng.index(regions.len())];
+        let at = start + rng.index(end - start);
+        match rng.index(6) {
+            0 => image[at] ^= 1 << rng.index(8),
+            1 => image[at] = rng.next_u64() as u8,
             2 | 3 => {
                 let values = [
                     0u64,
@@ -209,18 +147,18 @@ fn mutate(image: &mut [u8], regions: &[(usize, usize)], rng: &mut Rng) {
                     512,
                     65536,
                 ];
-                let v = values[rng.below(values.len())].to_be_bytes();
-                let width = [1usize, 2, 4, 8][rng.below(4)];
+                let v = values[rng.index(values.len())].to_be_bytes();
+                let width = [1usize, 2, 4, 8][rng.index(4)];
                 let at = at.min(image.len().saturating_sub(width));
                 image[at..at + width].copy_from_slice(&v[8 - width..]);
             }
             4 => {
-                let v = rng.next().to_be_bytes();
+                let v = rng.next_u64().to_be_bytes();
                 let at = at.min(image.len().saturating_sub(8));
                 image[at..at + 8].copy_from_slice(&v);
             }
             _ => {
-                let len = rng.below(64);
+                let len = rng.index(64);
                 let at = at.min(image.len().saturating_sub(len));
                 for b in &mut image[at..at + len] {
                     *b = 0;
@@ -279,8 +217,8 @@ fn exercise(image: &[u8]) -> bool {
 #[test]
 fn ten_thousand_mutated_images_never_panic() {
     const PER_IMAGE: usize = 1300;
-    let dir = tempfile::tempdir().unwrap();
-    let images = make_images(dir.path());
+    let dir = Dir::new();
+    let images = make_images(&dir);
     let (mut total, mut accepted) = (0usize, 0usize);
     for (name, original) in &images {
         assert!(
@@ -289,7 +227,7 @@ fn ten_thousand_mutated_images_never_panic() {
         );
         let regions = metadata_regions(original);
         for seed in 0..PER_IMAGE as u64 {
-            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+            let mut rng = Rng(seed);
             let mut image = original.clone();
             mutate(&mut image, &regions, &mut rng);
             match panic::catch_unwind(AssertUnwindSafe(|| exercise(&image))) {

@@ -1,5 +1,5 @@
 //! Shared helpers for the storage integration tests: a single-threaded runtime like the
-//! engine's, every backend behind one constructor, and a tiny deterministic RNG.
+//! engine's, and every backend behind one constructor.
 #![allow(dead_code)] // each test binary uses a different subset
 
 use std::future::Future;
@@ -150,25 +150,4 @@ pub async fn read<S: Storage>(s: &S, offset: u64, len: usize) -> Vec<u8> {
     let (res, buf) = s.read_at(storage::IoBuf::zeroed(len).into(), offset).await;
     res.unwrap_or_else(|e| panic!("read of {len} bytes at {offset}: {e}"));
     buf.to_vec()
-}
-
-/// SplitMix64, so tests are reproducible without a rand dependency.
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
 }

@@ -1,12 +1,11 @@
 //! Shared harness of the integration tests: an in-process server on its own thread
-//! (current-thread runtime, as the product runs it), external-tool lookup, and a raw client.
+//! (current-thread runtime, as the product runs it) and a raw client.
 #![allow(dead_code)] // each test binary uses a different subset
 
 pub mod client;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 use std::rc::Rc;
 use std::thread::JoinHandle;
 
@@ -192,53 +191,4 @@ where
         move || vec![ExportEntry::new("", Rc::new(make()))],
         snapshots,
     )
-}
-
-/// Path of an external tool, or a panic naming the Debian package that provides it.
-pub fn require(tool: &str, package: &str) -> PathBuf {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    for dir in
-        std::env::split_paths(&path).chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
-    {
-        let candidate = dir.join(tool);
-        if candidate.is_file() {
-            return candidate;
-        }
-    }
-    panic!("`{tool}` is required by this test but not installed: install the Debian package `{package}` (apt-get install {package})");
-}
-
-/// A Python interpreter that can `import nbd` (libnbd's bindings, which nbdsh uses).
-pub fn python_with_libnbd() -> PathBuf {
-    for python in ["python3", "/usr/bin/python3"] {
-        let ok = Command::new(python)
-            .args(["-c", "import nbd"])
-            .output()
-            .map(|o| o.status.success())
-            .unwrap_or(false);
-        if ok {
-            return PathBuf::from(python);
-        }
-    }
-    panic!("no python3 can `import nbd`: install the Debian package `python3-libnbd` (it provides nbdsh's bindings)");
-}
-
-/// Runs a command, panicking with its output if it fails.
-pub fn run_ok(cmd: &mut Command) -> Output {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed with {}\n--- stdout\n{}\n--- stderr\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-/// Stdout as text.
-pub fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }

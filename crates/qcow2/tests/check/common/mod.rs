@@ -1,99 +1,16 @@
-//! Helpers shared by the `check_*` and `corrupt_*` tests: real images from qemu-img, byte
-//! patches that break them in one precise way, and `qemu-img check` as the oracle our checker
-//! must agree with.
+//! Helpers of the `check` tests: byte patches that break real images in one precise way, and
+//! `qemu-img check` as the oracle our checker must agree with (the images themselves come
+//! from test_support's QEMU helpers).
 //!
 //! Needs qemu-img and qemu-io (Debian: qemu-utils); a missing tool fails the test with a
 //! message saying so.
-#![allow(dead_code)] // each test binary uses a different subset
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
 
 use qcow2::engine::check::{self, CheckError, CheckOutcome, CheckReport, Finding, Repair};
-
-/// A temporary directory for one test's images.
-pub struct Dir {
-    pub dir: tempfile::TempDir,
-}
-
-impl Dir {
-    /// A new temporary directory.
-    pub fn new() -> Dir {
-        Dir {
-            dir: tempfile::tempdir().expect("create a temporary directory"),
-        }
-    }
-
-    /// `name` inside the directory.
-    pub fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    /// `name` inside the directory, as a string.
-    pub fn s(&self, name: &str) -> String {
-        self.path(name)
-            .to_str()
-            .expect("UTF-8 temp path")
-            .to_string()
-    }
-
-    /// Copies image `from` to `to` in the directory; returns the new path.
-    pub fn copy(&self, from: &str, to: &str) -> PathBuf {
-        std::fs::copy(self.path(from), self.path(to)).expect("copy an image");
-        self.path(to)
-    }
-}
-
-/// Runs a program, failing the test if it cannot be started.
-pub fn run(program: &str, args: &[&str]) -> Output {
-    Command::new(program)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "cannot run {program} ({e}); install Debian's qemu-utils package to run this test"
-            )
-        })
-}
-
-/// Runs a program that must succeed; returns its stdout.
-pub fn ok(program: &str, args: &[&str]) -> String {
-    let out = run(program, args);
-    assert!(
-        out.status.success(),
-        "{program} {args:?} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// `qemu-img create -f qcow2 -o OPTS PATH SIZE`.
-pub fn create(path: &Path, opts: &str, size: &str) {
-    let p = path.to_str().unwrap();
-    let mut args = vec!["create", "-q", "-f", "qcow2"];
-    if !opts.is_empty() {
-        args.extend(["-o", opts]);
-    }
-    args.extend([p, size]);
-    ok("qemu-img", &args);
-}
-
-/// `qemu-io -f qcow2 -c CMD... PATH`, failing on any error output.
-pub fn io(path: &Path, cmds: &[&str]) {
-    let mut args = vec!["-f", "qcow2"];
-    for c in cmds {
-        args.extend(["-c", c]);
-    }
-    args.push(path.to_str().unwrap());
-    let out = ok("qemu-io", &args);
-    assert!(
-        !out.contains("error") && !out.contains("failed"),
-        "qemu-io {cmds:?}: {out}"
-    );
-}
+use test_support::{qemu, Dir};
 
 /// What `qemu-img check` said: its exit code, stdout and stderr, and the report parsed from
 /// its JSON when it printed one.
@@ -143,7 +60,10 @@ pub fn qemu_check(path: &Path, repair: Repair, json: bool) -> QemuCheck {
         "--output=human"
     });
     args.push(path.to_str().unwrap());
-    let out = run("qemu-img", &args);
+    let out = qemu("qemu-img")
+        .args(&args)
+        .output()
+        .expect("run qemu-img check");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     QemuCheck {
         code: out.status.code().unwrap_or(-1),
@@ -219,24 +139,6 @@ pub fn assert_agree(dir: &Dir, name: &str, repair: Repair) -> QemuCheck {
     q
 }
 
-/// The image's guest bytes according to QEMU (`qemu-img convert -O raw`).
-pub fn guest_bytes(dir: &Dir, path: &Path) -> Vec<u8> {
-    let out = dir.path("guest.raw");
-    ok(
-        "qemu-img",
-        &[
-            "convert",
-            "-O",
-            "raw",
-            path.to_str().unwrap(),
-            out.to_str().unwrap(),
-        ],
-    );
-    let bytes = std::fs::read(&out).expect("read converted image");
-    std::fs::remove_file(&out).ok();
-    bytes
-}
-
 /// Reads and patches an image file in place.
 pub struct Patch {
     file: File,
@@ -276,10 +178,6 @@ impl Patch {
     /// Writes `b` at `off`.
     pub fn put(&self, off: u64, b: &[u8]) {
         self.file.write_all_at(b, off).expect("patch image");
-    }
-
-    pub fn put_u16(&self, off: u64, v: u16) {
-        self.put(off, &v.to_be_bytes());
     }
 
     pub fn put_u32(&self, off: u64, v: u32) {

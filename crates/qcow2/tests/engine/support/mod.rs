@@ -1,65 +1,14 @@
-//! Helpers shared by the engine's integration tests: QEMU's tools as oracles, and a
-//! single-threaded runtime like the one the server uses.
-#![allow(dead_code)] // each test binary uses a different subset
+//! Helpers of the engine's integration tests: a single-threaded runtime like the one the
+//! server uses, and ways to open and read images through the engine (QEMU's tools come from
+//! test_support).
 
 use qcow2::engine::{Image, OpenOptions, ReadPart};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::rc::Rc;
 use storage::{Aio, AnyStorage, FaultStorage, FileOpener, MemStorage, Opener};
-
-/// Runs a QEMU tool, failing the test with its output if it fails or is missing.
-pub fn tool(program: &str, args: &[&str]) -> String {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!("cannot run {program} ({e}); install Debian's qemu-utils package")
-        });
-    assert!(
-        out.status.success(),
-        "{program} {args:?} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// `qemu-img ARGS`.
-pub fn qemu_img(args: &[&str]) -> String {
-    tool("qemu-img", args)
-}
-
-/// `qemu-io -f FMT -c CMD... IMG`.
-pub fn qemu_io(img: &Path, fmt: &str, cmds: &[&str]) {
-    let mut args = vec!["-f", fmt];
-    for c in cmds {
-        args.push("-c");
-        args.push(c);
-    }
-    let p = img.to_str().unwrap();
-    args.push(p);
-    let out = tool("qemu-io", &args);
-    assert!(
-        !out.contains("error") && !out.contains("failed"),
-        "qemu-io {cmds:?} on {p}: {out}"
-    );
-}
-
-/// The guest-visible bytes of `img` according to QEMU.
-pub fn qemu_raw(img: &Path, snapshot: Option<&str>) -> Vec<u8> {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("out.raw");
-    let (i, o) = (img.to_str().unwrap(), out.to_str().unwrap());
-    match snapshot {
-        Some(s) => qemu_img(&["convert", "-l", s, "-O", "raw", i, o]),
-        None => qemu_img(&["convert", "-O", "raw", i, o]),
-    };
-    std::fs::read(&out).unwrap()
-}
 
 /// Runs `f` on a current-thread runtime inside a LocalSet, as the server does.
 pub fn run<F: std::future::Future>(f: F) -> F::Output {
@@ -165,38 +114,5 @@ impl Opener for FaultFs {
             .get(path)
             .cloned()
             .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
-    }
-}
-
-/// A fresh temporary directory and a path builder inside it.
-pub struct Dir {
-    pub dir: tempfile::TempDir,
-}
-
-impl Dir {
-    /// A new temporary directory.
-    pub fn new() -> Dir {
-        Dir {
-            dir: tempfile::tempdir().unwrap(),
-        }
-    }
-    /// `name` inside the directory.
-    pub fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-    /// `name` inside the directory, as a string.
-    pub fn s(&self, name: &str) -> String {
-        self.path(name).to_str().unwrap().to_string()
-    }
-}
-
-/// Asserts two disks are equal, reporting the first difference compactly.
-pub fn assert_same(ours: &[u8], theirs: &[u8], what: &str) {
-    assert_eq!(ours.len(), theirs.len(), "{what}: sizes differ");
-    if let Some(i) = ours.iter().zip(theirs).position(|(a, b)| a != b) {
-        panic!(
-            "{what}: first difference at byte {i:#x}: ours {:#04x}, QEMU {:#04x}",
-            ours[i], theirs[i]
-        );
     }
 }
