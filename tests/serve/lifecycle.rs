@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use crate::support::kernel_client::{KernelClient, CMD_READ, CMD_WRITE};
 use crate::support::{serve_fails, Server, BIN};
-use test_support::{assert_check_clean, nbdinfo, qemu_io, require, run_ok, stdout, Dir};
+use test_support::{
+    assert_check_clean, nbdinfo, process_exited, qemu_io, require, run_ok, stdout, wait_until, Dir,
+};
 
 const MIB: u32 = 1 << 20;
 
@@ -145,25 +147,6 @@ fn socket_activation_through_nbdinfo() {
     qemu_io("qcow2", img.to_str().unwrap(), &["read -P 0x42 0 5M"]);
 }
 
-/// True once process `pid` is gone (or a zombie nobody reaps, as in some containers).
-fn exited(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        Ok(stat) => stat
-            .rsplit(')')
-            .next()
-            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
-    }
-}
-
-fn wait_exited(pid: i32) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !exited(pid) {
-        assert!(Instant::now() < deadline, "daemon {pid} did not exit");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[test]
 fn fork_returns_once_listening_and_the_daemon_serves_until_sigterm() {
     let images = Dir::new();
@@ -181,17 +164,22 @@ fn fork_returns_once_listening_and_the_daemon_serves_until_sigterm() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
-    let pid: i32 = std::fs::read_to_string(&pid_file)
+    let pid: u32 = std::fs::read_to_string(&pid_file)
         .expect("pid file written before the parent returned")
         .trim()
         .parse()
         .unwrap();
-    assert!(!exited(pid), "the daemon runs");
+    assert!(!process_exited(pid), "the daemon runs");
     let uri = format!("nbd+unix:///?socket={}", socket.display());
     qemu_io("raw", &uri, &["write -P 0x17 0 64k", "read -P 0x17 0 64k"]);
+    let daemon = libc::pid_t::try_from(pid).unwrap();
     // SAFETY: kill only sends a signal to the daemon we started.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
-    wait_exited(pid);
+    assert_eq!(unsafe { libc::kill(daemon, libc::SIGTERM) }, 0);
+    wait_until(
+        Duration::from_secs(60),
+        format!("daemon {pid} exits"),
+        || process_exited(pid),
+    );
     assert!(
         !socket.exists() && !pid_file.exists(),
         "clean exit removes both"
@@ -302,8 +290,7 @@ fn without_persistent_only_a_client_that_reached_transmission_ends_the_server() 
         let mut server = Server::unix(&["--handshake-limit", "1", img.to_str().unwrap()]);
         client(&server);
         std::thread::sleep(Duration::from_millis(200));
-        let pid = i32::try_from(server.pid()).unwrap();
-        assert!(!exited(pid), "{what} ended the server");
+        assert!(!process_exited(server.pid()), "{what} ended the server");
         let size = nbdinfo(&["--size", &server.uri()]);
         assert_eq!(size.trim(), (2u64 << 20).to_string(), "after {what}");
         let (status, err) = server.wait();

@@ -4,17 +4,16 @@
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::support::kernel_client::KernelClient;
 use crate::support::raw::{
-    finish_option, go, negotiating, option, peak_rss_mib, OPT_LIST, OPT_LIST_META_CONTEXT,
-    OPT_SET_META_CONTEXT, OPT_STRUCTURED_REPLY, REP_ACK,
+    finish_option, go, negotiating, option, OPT_LIST, OPT_LIST_META_CONTEXT, OPT_SET_META_CONTEXT,
+    OPT_STRUCTURED_REPLY, REP_ACK,
 };
 use crate::support::Server;
-use test_support::{qemu_img, require, Dir};
+use test_support::{exit_within, peak_rss_mib, process_exited, qemu_img, require, Dir};
 
 /// `nbdinfo --size URI`, killed after `limit`: whether it succeeded and how long it took.
 fn nbdinfo_size_within(uri: &str, limit: Duration) -> (bool, Duration) {
@@ -25,24 +24,14 @@ fn nbdinfo_size_within(uri: &str, limit: Duration) -> (bool, Duration) {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return (status.success(), start.elapsed());
-        }
-        if start.elapsed() > limit {
+    match exit_within(&mut child, limit) {
+        Some(status) => (status.success(), start.elapsed()),
+        None => {
             let _ = child.kill();
             let _ = child.wait();
-            return (false, start.elapsed());
+            (false, start.elapsed())
         }
-        std::thread::sleep(Duration::from_millis(10));
     }
-}
-
-fn alive(server: &Server) -> bool {
-    Path::new(&format!("/proc/{}", server.pid())).exists()
-        && !std::fs::read_to_string(format!("/proc/{}/stat", server.pid()))
-            .unwrap_or_default()
-            .contains(") Z ")
 }
 
 #[test]
@@ -63,7 +52,7 @@ fn a_thousand_idle_handshakes_never_keep_a_real_client_out() {
     );
     assert!(ok, "the real client was not served ({took:?})");
     assert!(peak < 2.0 + 128.0, "peak RSS {peak:.1} MiB");
-    assert!(alive(&server));
+    assert!(!process_exited(server.pid()));
     drop(idle);
     server.stop_ok();
 }

@@ -20,9 +20,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::support::raw::{go, negotiating, peak_rss_mib};
+use crate::support::raw::{go, negotiating};
 use crate::support::Server;
-use test_support::{assert_check_clean, qemu_contents, Dir, Rng};
+use test_support::{assert_check_clean, peak_rss_mib, qemu_contents, Dir, Rng};
 
 const LANES: usize = 16;
 const QUEUE_DEPTH: usize = 32;

@@ -3,12 +3,12 @@
 
 mod common;
 
-use std::future::Future;
 use std::rc::Rc;
 use std::time::Duration;
 
 use cache::{Cache, CacheConfig, CacheError, Flush};
 use common::{decode, encode, write_entry, Disk, Io, OrderChecker, TestBackend, ENTRY};
+use test_support::run;
 
 fn cache(disk: &Rc<Disk>, id: u8, slots: u64) -> Rc<Cache<u32, TestBackend>> {
     let config = CacheConfig::new(format!("cache{id}"), ENTRY, slots * ENTRY as u64);
@@ -21,14 +21,6 @@ fn cache(disk: &Rc<Disk>, id: u8, slots: u64) -> Rc<Cache<u32, TestBackend>> {
         .borrow_mut()
         .push((Rc::downgrade(&cache), slots));
     cache
-}
-
-fn local<F: Future>(f: F) -> F::Output {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .expect("runtime");
-    tokio::task::LocalSet::new().block_on(&rt, f)
 }
 
 async fn settle() {
@@ -52,7 +44,7 @@ fn assert_clean_log(disk: &Disk) {
 
 #[test]
 fn two_misses_of_one_key_share_one_load() {
-    local(async {
+    run(async {
         let disk = Disk::new(1, 0);
         let c = cache(&disk, 0, 4);
         disk.hold.set(true);
@@ -77,7 +69,7 @@ fn two_misses_of_one_key_share_one_load() {
 
 #[test]
 fn an_entry_modified_during_its_write_back_stays_dirty() {
-    local(async {
+    run(async {
         let disk = Disk::new(1, 0);
         let c = cache(&disk, 0, 4);
         c.modify(1, |b| write_entry(b, 1, 10))
@@ -107,7 +99,7 @@ fn an_entry_modified_during_its_write_back_stays_dirty() {
 
 #[test]
 fn a_failed_write_back_is_reported_and_stays_dirty() {
-    local(async {
+    run(async {
         let disk = Disk::new(1, 0);
         let c = cache(&disk, 0, 4);
         c.modify(3, |b| write_entry(b, 3, 5)).await.expect("modify");
@@ -133,7 +125,7 @@ fn a_failed_write_back_is_reported_and_stays_dirty() {
 
 #[test]
 fn the_budget_holds_while_loads_are_in_flight() {
-    local(async {
+    run(async {
         let disk = Disk::new(1, 0);
         let c = cache(&disk, 0, 2);
         disk.hold.set(true);
@@ -159,7 +151,7 @@ fn the_budget_holds_while_loads_are_in_flight() {
 
 #[test]
 fn forgetting_an_entry_being_written_keeps_its_key_busy() {
-    local(async {
+    run(async {
         let disk = Disk::new(1, 0);
         let c = cache(&disk, 0, 4);
         c.modify(2, |b| write_entry(b, 2, 20))
@@ -191,7 +183,7 @@ fn forgetting_an_entry_being_written_keeps_its_key_busy() {
 
 #[test]
 fn forgotten_dirty_entries_are_not_written() {
-    local(async {
+    run(async {
         let disk = Disk::new(1, 0);
         let c = cache(&disk, 0, 4);
         c.create(4, |b| write_entry(b, 4, 40))
@@ -222,7 +214,7 @@ fn forgotten_dirty_entries_are_not_written() {
 
 #[test]
 fn abandoned_loads_and_write_backs_leave_a_consistent_cache() {
-    local(async {
+    run(async {
         let disk = Disk::new(1, 0);
         let c = cache(&disk, 0, 2);
         disk.hold.set(true);
@@ -261,7 +253,7 @@ fn abandoned_loads_and_write_backs_leave_a_consistent_cache() {
 
 #[test]
 fn a_failed_load_frees_its_slot_and_waiters_retry() {
-    local(async {
+    run(async {
         let disk = Disk::new(1, 0);
         let c = cache(&disk, 0, 2);
         disk.fail_loads.borrow_mut().insert(0, 1);
@@ -293,7 +285,7 @@ fn a_failed_load_frees_its_slot_and_waiters_retry() {
 
 #[test]
 fn evicting_a_dirty_entry_writes_it_back_first() {
-    local(async {
+    run(async {
         let disk = Disk::new(1, 0);
         let c = cache(&disk, 0, 2);
         c.modify(1, |b| write_entry(b, 1, 100))
@@ -315,7 +307,7 @@ fn evicting_a_dirty_entry_writes_it_back_first() {
 
 #[test]
 fn a_dependency_flushes_the_other_cache_first() {
-    local(async {
+    run(async {
         let disk = Disk::new(1, 0);
         let l2 = cache(&disk, 0, 4);
         let refcounts = cache(&disk, 1, 4);
@@ -357,7 +349,7 @@ fn a_dependency_flushes_the_other_cache_first() {
 
 #[test]
 fn opposite_dependencies_are_honoured_in_turn_without_a_cycle() {
-    local(async {
+    run(async {
         let disk = Disk::new(1, 0);
         let l2 = cache(&disk, 0, 4);
         let refcounts = cache(&disk, 1, 4);
@@ -407,7 +399,7 @@ fn opposite_dependencies_are_honoured_in_turn_without_a_cycle() {
 
 #[test]
 fn clean_idle_drops_only_unused_entries_and_writes_dirty_ones_first() {
-    local(async {
+    run(async {
         let disk = Disk::new(1, 0);
         let c = cache(&disk, 0, 4);
         c.modify(1, |b| write_entry(b, 1, 11))

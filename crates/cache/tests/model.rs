@@ -303,10 +303,7 @@ fn run_case(
     max_yields: u32,
     policy: EvictionPolicy,
 ) -> Result<(), String> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .expect("runtime");
-    tokio::task::LocalSet::new().block_on(&rt, async move {
+    test_support::run(async move {
         let h = Harness::new(seed, max_yields, policy);
         let mut order = OrderChecker::default();
         for (step, op) in ops.into_iter().enumerate() {

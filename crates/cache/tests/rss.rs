@@ -5,6 +5,7 @@ use std::cell::Cell;
 use std::io;
 
 use cache::{Backend, Cache, CacheConfig};
+use test_support::{rss_bytes, run};
 
 const MIB: u64 = 1 << 20;
 
@@ -28,30 +29,13 @@ impl Backend<u64> for Sink {
     }
 }
 
-/// Resident set size of this process in bytes, from /proc/self/statm.
-fn rss() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm")
-        .expect("this test needs Linux's /proc/self/statm to measure memory");
-    let pages: u64 = statm
-        .split_whitespace()
-        .nth(1)
-        .and_then(|f| f.parse().ok())
-        .expect("statm: resident pages");
-    // SAFETY: sysconf only reads a system constant.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    pages * u64::try_from(page).expect("page size")
-}
-
 #[test]
 fn idle_cleaning_gives_memory_back() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .expect("runtime");
-    tokio::task::LocalSet::new().block_on(&rt, async {
+    run(async {
         let capacity = 64 * MIB;
         let entries = capacity / 4096;
         let c = Cache::new(CacheConfig::new("l2", 4096, capacity), Sink::default()).expect("cache");
-        let empty = rss();
+        let empty = rss_bytes();
         // Half the entries dirty (created), half clean (loaded).
         for key in 0..entries {
             if key % 2 == 0 {
@@ -60,7 +44,7 @@ fn idle_cleaning_gives_memory_back() {
                 c.read(key, |b| assert_eq!(b[0], 0xa5)).await.expect("read");
             }
         }
-        let full = rss();
+        let full = rss_bytes();
         assert_eq!(c.stats().bytes_in_use, capacity);
         assert!(
             full >= empty + capacity * 9 / 10,
@@ -79,7 +63,7 @@ fn idle_cleaning_gives_memory_back() {
             entries / 2,
             "dirty ones written first"
         );
-        let cleaned = rss();
+        let cleaned = rss_bytes();
         assert!(
             cleaned + capacity * 9 / 10 <= full,
             "cleaning should give back about {capacity} bytes: {full} -> {cleaned}"

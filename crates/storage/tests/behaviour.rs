@@ -5,9 +5,9 @@ mod common;
 
 use std::rc::Rc;
 
-use common::{open, read, run, write, Backend, TestStorage};
+use common::{open, read, write, Backend, TestStorage};
 use storage::{IoBuf, Storage};
-use test_support::Rng;
+use test_support::{run, Rng};
 
 async fn basic_read_write_len(s: &TestStorage) {
     assert_eq!(s.len().await.unwrap(), 0);

@@ -10,8 +10,9 @@ use std::pin::pin;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::task::{Context, Waker};
 
-use common::{read, run, write, Backend};
+use common::{read, write, Backend};
 use storage::{IoBuf, Storage};
+use test_support::run;
 
 struct Counting;
 

@@ -6,12 +6,12 @@ mod common;
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use common::{read, run, write};
+use common::{read, write};
 use storage::{
     BufResult, CrashPlan, FaultStorage, InjectedError, IoBuf, MemStorage, OpKind, Slice, Storage,
     Survival,
 };
-use test_support::Rng;
+use test_support::{rss_bytes, run, Rng};
 
 /// An independent model of one logged modification, applied to a Vec.
 #[derive(Clone, Debug)]
@@ -334,11 +334,4 @@ fn crash_images_of_a_large_image_share_memory() {
         let image = fs.crash_image(&CrashPlan::mask(&[true; 64]));
         assert_eq!(image.to_vec(), fs.inner().to_vec());
     });
-}
-
-/// Resident set size of this process, from /proc.
-fn rss_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").expect("reading /proc/self/statm");
-    let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
-    pages * 4096
 }

@@ -2,9 +2,10 @@
 
 mod common;
 
-use common::{open, read, run, write, Backend};
+use common::{open, read, write, Backend};
 use proptest::prelude::*;
 use storage::Storage;
+use test_support::run;
 
 #[derive(Debug, Clone)]
 enum Op {

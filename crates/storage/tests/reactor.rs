@@ -5,9 +5,9 @@ mod common;
 
 use std::rc::Rc;
 
-use common::{run, scratch_dir};
+use common::scratch_dir;
 use storage::{IoBuf, OpenOptions, Reactor, Storage, UringStorage};
-use test_support::Rng;
+use test_support::{run, Rng};
 
 async fn open_file(reactor: &Reactor, dir: &tempfile::TempDir, direct: bool) -> Rc<UringStorage> {
     let path = dir.path().join("r.img");

@@ -1,16 +1,21 @@
 //! Helpers the workspace's integration tests share, so each test tree stops carrying its own
 //! copy: the external tools the tests use as oracles (QEMU's qemu-img and qemu-io, libnbd's
-//! nbdinfo), a temporary directory to make images in, and a deterministic random source.
+//! nbdinfo), a temporary directory to make images in, a deterministic random source, the
+//! runtime the server's code runs on, and waiting for something with a deadline.
 //!
 //! A missing tool fails the test with the Debian package to install rather than skipping it:
 //! a skipped interop test looks like a passing one.
 
 mod dir;
+mod process;
 mod rng;
+mod runtime;
 mod tools;
 
 pub use dir::Dir;
+pub use process::{exit_within, peak_rss_mib, process_exited, rss_bytes, wait_until};
 pub use rng::Rng;
+pub use runtime::run;
 pub use tools::{
     assert_check_clean, assert_same_bytes, assert_same_contents, create_image, nbdinfo,
     python_with_libnbd, qemu, qemu_contents, qemu_img, qemu_io, qemu_io_read_only, require, run_ok,

@@ -9,7 +9,9 @@ use std::io::Read;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use test_support::{exit_within, wait_until};
 
 /// The binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_qcow2-nbd");
@@ -99,22 +101,25 @@ impl Server {
     /// Waits for the pid file, which the server writes only once it listens. The deadline
     /// is a safety net against a hung server, not a speed requirement.
     fn wait_listening(&mut self, args: &[String]) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !self.pid_file.exists() {
-            let child = self.child.as_mut().unwrap();
-            if let Some(status) = child.try_wait().unwrap() {
-                let out = self.child.take().unwrap().wait_with_output().unwrap();
-                panic!(
-                    "serve {args:?} exited with {status} before listening:\n{}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "serve {args:?} did not start listening"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let pid_file = self.pid_file.clone();
+        wait_until(
+            Duration::from_secs(60),
+            format!("serve {args:?} starts listening"),
+            || {
+                if pid_file.exists() {
+                    return true;
+                }
+                let child = self.child.as_mut().unwrap();
+                if let Some(status) = child.try_wait().unwrap() {
+                    let out = self.child.take().unwrap().wait_with_output().unwrap();
+                    panic!(
+                        "serve {args:?} exited with {status} before listening:\n{}",
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                }
+                false
+            },
+        );
         let pid: u32 = std::fs::read_to_string(&self.pid_file)
             .unwrap()
             .trim()
@@ -173,19 +178,13 @@ impl Server {
     /// Waits at most `limit` for the server to exit by itself; a server still running then
     /// is killed and the test fails, rather than hanging.
     pub fn wait_within(&mut self, limit: Duration) -> (ExitStatus, String) {
-        let deadline = Instant::now() + limit;
-        loop {
-            let child = self.child.as_mut().expect("running");
-            if child.try_wait().unwrap().is_some() {
-                return self.wait();
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let (_, err) = self.wait();
-                panic!("serve did not exit within {limit:?}:\n{err}");
-            }
-            std::thread::sleep(Duration::from_millis(10));
+        let child = self.child.as_mut().expect("running");
+        if exit_within(child, limit).is_none() {
+            let _ = child.kill();
+            let (_, err) = self.wait();
+            panic!("serve did not exit within {limit:?}:\n{err}");
         }
+        self.wait()
     }
 
     /// SIGTERM and an assertion that the server shut down cleanly (exit 0).
@@ -222,17 +221,10 @@ pub fn serve_fails(args: &[&str]) -> String {
         let _ = stderr.read_to_string(&mut err);
         err
     });
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("serve {args:?} was expected to fail but kept running");
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    let Some(status) = exit_within(&mut child, Duration::from_secs(60)) else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("serve {args:?} was expected to fail but kept running");
     };
     let err = reader.join().unwrap();
     assert!(!status.success(), "serve {args:?} succeeded:\n{err}");

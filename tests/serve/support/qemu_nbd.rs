@@ -1,10 +1,11 @@
 //! `qemu-nbd` run side by side with our server, as the oracle for protocol behaviour.
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use test_support::qemu;
+use test_support::{qemu, wait_until};
 
 /// A running `qemu-nbd -t -k SOCKET ARGS... IMAGE`, killed when dropped.
 pub struct QemuNbd {
@@ -31,21 +32,21 @@ impl QemuNbd {
             .stderr(Stdio::piped())
             .spawn()
             .expect("start qemu-nbd");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            if let Some(status) = child.try_wait().unwrap() {
-                let out = child.wait_with_output().unwrap();
-                panic!(
-                    "qemu-nbd {args:?} exited with {status}:\n{}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "qemu-nbd {args:?} did not listen"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_until(
+            Duration::from_secs(30),
+            format!("qemu-nbd {args:?} listens"),
+            || {
+                if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+                    return true;
+                }
+                if let Some(status) = child.try_wait().unwrap() {
+                    let mut err = String::new();
+                    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+                    panic!("qemu-nbd {args:?} exited with {status}:\n{err}");
+                }
+                false
+            },
+        );
         QemuNbd {
             child,
             _dir: dir,

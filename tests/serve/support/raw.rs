@@ -1,5 +1,5 @@
 //! A raw NBD client's handshake steps, for tests that must send what real clients never do
-//! (floods, stalls, replies left unread), and the server's peak memory.
+//! (floods, stalls, replies left unread).
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -63,15 +63,4 @@ pub fn go(s: &mut UnixStream) {
     data.extend_from_slice(&0u16.to_be_bytes());
     s.write_all(&option(OPT_GO, &data)).unwrap();
     assert_eq!(finish_option(s), REP_ACK, "NBD_OPT_GO refused");
-}
-
-/// The peak resident memory (VmHWM) of process `pid`, in MiB.
-pub fn peak_rss_mib(pid: u32) -> f64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap();
-    kib / 1024.0
 }

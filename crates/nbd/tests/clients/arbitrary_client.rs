@@ -54,12 +54,7 @@ fn handshake(mode: u8) -> Vec<u8> {
 /// server sends; returns when the connection ends, with the export's call counters and
 /// what the server sent.
 fn run_connection(input: Vec<u8>) -> (nbd::MemStats, Vec<u8>) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let local = tokio::task::LocalSet::new();
-    local.block_on(&rt, async move {
+    test_support::run(async move {
         let export = Rc::new(MemExport::new(1 << 20));
         let stats_of = Rc::clone(&export);
         export.fill(0, &[0x5a; 8192]);

@@ -16,6 +16,7 @@ use nbd::{
     Errno, Export, ExportEntry, ExportFeatures, Extent, MemExport, MemStats, ReadChunk,
     ServerConfig, WriteZeroesFlags,
 };
+use test_support::wait_until;
 use tokio::sync::Notify;
 
 const GATE: u64 = 65536;
@@ -138,12 +139,11 @@ fn shutdown_stops_accepting_finishes_in_flight_requests_then_flushes() {
     g.server.signal_shutdown();
     // The listener goes away (and its socket file with it) while the read is in flight.
     let socket = g.server.socket.clone();
-    let mut tries = 0;
-    while socket.exists() {
-        tries += 1;
-        assert!(tries < 1000, "the server never stopped listening");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until(
+        Duration::from_secs(10),
+        "the server stops listening",
+        || !socket.exists(),
+    );
     assert!(std::os::unix::net::UnixStream::connect(&socket).is_err());
 
     g.gate.notify_one();

@@ -18,11 +18,7 @@ fn socket_activated_child() {
         !sockets.is_empty(),
         "started without LISTEN_PID/LISTEN_FDS for this process"
     );
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async move {
+    test_support::run(async move {
         let listeners: Vec<Listener> = sockets
             .into_iter()
             .map(|s| Listener::from_activated(s).expect("register socket"))

@@ -2,12 +2,12 @@
 //! extended L2 and compressed clusters, data at every depth): reads, block status and writes
 //! on top agree with QEMU; the merged backing map answers deep chains without walking them.
 
-use crate::support::*;
+use crate::support::{open_ro, opener, read_all, read_all_sparse, FaultFs};
 use qcow2::engine::ReadPart;
 use qcow2::engine::{create_file, CreateOptions, Format, Image, OpenOptions};
 use std::path::PathBuf;
 use storage::{Aio, FaultStorage, InjectedError, IoBuf, MemStorage, OpKind};
-use test_support::{assert_same_bytes, qemu_contents, qemu_img, qemu_io, Dir};
+use test_support::{assert_same_bytes, qemu_contents, qemu_img, qemu_io, run, Dir};
 
 const SIZE: u64 = 32 << 20;
 

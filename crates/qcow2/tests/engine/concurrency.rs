@@ -3,11 +3,11 @@
 //! updates race), with readers of untouched bytes running alongside. After every batch the
 //! disk must equal the model; at the end QEMU must read the same and find no error.
 
-use crate::support::*;
+use crate::support::opener;
 use qcow2::engine::{create_file, CreateOptions, Format, Image, OpenOptions};
 use std::rc::Rc;
 use storage::{Aio, IoBuf};
-use test_support::{assert_same_bytes, qemu_contents, Dir, Rng};
+use test_support::{assert_same_bytes, qemu_contents, run, Dir, Rng};
 
 #[derive(Clone, Copy, Debug)]
 enum Req {

@@ -5,11 +5,11 @@
 //! Every crash image must open, every byte acknowledged by a completed FLUSH or FUA write must
 //! read back, and `qemu-img check` must find no corruption (leaks are allowed).
 
-use crate::support::{run, FaultFs};
+use crate::support::FaultFs;
 use qcow2::engine::{create, CreateOptions, Format, Image, OpenOptions};
 use std::path::Path;
 use storage::{CrashPlan, FaultStorage, InjectedError, IoBuf, MemFs, MemStorage};
-use test_support::Rng;
+use test_support::{run, Rng};
 
 #[derive(Clone, Copy, Debug)]
 enum Op {

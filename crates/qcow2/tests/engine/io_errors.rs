@@ -6,8 +6,8 @@ use std::path::Path;
 use qcow2::engine::{libc_errno, Image, OpenOptions};
 use storage::{FaultStorage, InjectedError, IoBuf, MemStorage, OpKind};
 
-use crate::support::{run, FaultFs};
-use test_support::{qemu_contents, qemu_img, Dir};
+use crate::support::FaultFs;
+use test_support::{qemu_contents, qemu_img, run, Dir};
 
 const MIB: usize = 1 << 20;
 

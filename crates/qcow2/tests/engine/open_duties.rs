@@ -5,8 +5,8 @@ use storage::Aio;
 
 use qcow2::engine::{Image, OpenOptions};
 
-use crate::support::{opener, run};
-use test_support::{qemu_img, Dir};
+use crate::support::opener;
+use test_support::{qemu_img, run, Dir};
 
 const AUTOCLEAR_AT: usize = 88;
 const INCOMPATIBLE_AT: usize = 72;

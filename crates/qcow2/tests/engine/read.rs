@@ -1,10 +1,10 @@
 //! Read side against QEMU: every image qemu-img/qemu-io can make reads back through the engine
 //! exactly as `qemu-img convert -O raw` reads it.
 
-use crate::support::*;
+use crate::support::{open_ro, opener, read_all, read_all_sparse};
 use std::path::Path;
 use storage::Aio;
-use test_support::{assert_same_bytes, qemu_contents, qemu_img, qemu_io, Dir};
+use test_support::{assert_same_bytes, qemu_contents, qemu_img, qemu_io, run, Dir};
 
 /// Reads `img` with both backends and two request sizes and compares with QEMU.
 fn check_image(img: &Path, what: &str) {

@@ -1,13 +1,12 @@
 //! Random reads (offsets and lengths across cluster and subcluster edges) through every
 //! storage backend, compared with QEMU's raw view of the same chain.
 
-use crate::support::*;
 use proptest::prelude::*;
 use qcow2::engine::{Image, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use storage::{Aio, FileOpener, MemFs, MemStorage};
-use test_support::{assert_same_bytes, qemu_contents, qemu_img, qemu_io, Dir};
+use test_support::{assert_same_bytes, qemu_contents, qemu_img, qemu_io, run, Dir};
 
 const SIZE: u64 = 6 << 20;
 

@@ -1,12 +1,12 @@
 //! Write side against QEMU: images we create and write pass `qemu-img check` and read back
 //! in QEMU exactly as our model says.
 
-use crate::support::*;
+use crate::support::{opener, FaultFs};
 use qcow2::engine::{create_file, CreateOptions, Format, Image, OpenOptions, Preallocation};
 use std::path::Path;
 use storage::{Aio, FaultStorage, IoBuf, MemStorage};
 use test_support::{
-    assert_check_clean, assert_same_bytes, qemu_contents, qemu_img, qemu_io, Dir, Rng,
+    assert_check_clean, assert_same_bytes, qemu_contents, qemu_img, qemu_io, run, Dir, Rng,
 };
 
 /// Runs `ops` random operations on `path` (opened read-write) and on `model`, checking reads

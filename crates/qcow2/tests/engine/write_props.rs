@@ -4,12 +4,11 @@
 //! equals a byte model; at the end `qemu-img check` finds no error and `qemu-img compare`
 //! finds no difference from the model.
 
-use crate::support::*;
 use proptest::prelude::*;
 use qcow2::engine::{create, CreateOptions, Format, Image, OpenOptions};
 use std::path::Path;
 use storage::{IoBuf, MemFs, MemStorage};
-use test_support::Dir;
+use test_support::{run, Dir};
 
 const SIZE: u64 = 2 << 20;
 

@@ -1,23 +1,12 @@
-//! Shared helpers for the storage integration tests: a single-threaded runtime like the
-//! engine's, and every backend behind one constructor.
+//! Shared helpers for the storage integration tests: every backend behind one constructor
+//! (the runtime comes from test_support).
 #![allow(dead_code)] // each test binary uses a different subset
 
-use std::future::Future;
 use std::path::PathBuf;
 
 use storage::{
     FaultStorage, MemStorage, OpenOptions, Reactor, Storage, ThreadsStorage, UringStorage,
 };
-
-/// Run `f` the way the engine runs: current-thread runtime, I/O enabled, inside a LocalSet.
-pub fn run<F: Future>(f: F) -> F::Output {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("building the test runtime");
-    let local = tokio::task::LocalSet::new();
-    local.block_on(&rt, f)
-}
 
 /// A scratch directory on a real disk (O_DIRECT does not work on tmpfs).
 pub fn scratch_dir() -> tempfile::TempDir {

@@ -73,11 +73,7 @@ impl<T: Send + 'static> TestServer<T> {
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let path = socket.clone();
         let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
+            test_support::run(async move {
                 let entries = make();
                 let mut listeners = vec![Listener::bind_unix(&path).expect("bind unix socket")];
                 let mut tcp = None;

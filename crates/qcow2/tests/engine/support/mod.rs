@@ -1,6 +1,5 @@
-//! Helpers of the engine's integration tests: a single-threaded runtime like the one the
-//! server uses, and ways to open and read images through the engine (QEMU's tools come from
-//! test_support).
+//! Helpers of the engine's integration tests: ways to open and read images through the
+//! engine (QEMU's tools and the runtime come from test_support).
 
 use qcow2::engine::{Image, OpenOptions, ReadPart};
 use std::cell::RefCell;
@@ -9,15 +8,6 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use storage::{Aio, AnyStorage, FaultStorage, FileOpener, MemStorage, Opener};
-
-/// Runs `f` on a current-thread runtime inside a LocalSet, as the server does.
-pub fn run<F: std::future::Future>(f: F) -> F::Output {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    tokio::task::LocalSet::new().block_on(&rt, f)
-}
 
 /// A file opener with the given backend.
 pub fn opener(aio: Aio) -> FileOpener {
