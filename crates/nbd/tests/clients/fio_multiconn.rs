@@ -3,8 +3,8 @@
 
 use std::process::Command;
 
-use crate::common::{mem_server, Opts};
 use nbd::MemExport;
+use test_support::nbd_server::{mem_server, Opts};
 use test_support::{require, run_ok};
 
 #[test]

@@ -2,7 +2,7 @@
 //! nbdsh, fio, nbd-client) and by raw and arbitrary byte streams; one test binary so the
 //! suite links once.
 
-mod common;
+mod client;
 
 mod arbitrary_client;
 mod fio_multiconn;

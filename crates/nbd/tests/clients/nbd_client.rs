@@ -4,11 +4,11 @@
 use std::process::Command;
 use std::rc::Rc;
 
-use crate::common::{snapshots, Opts, TestServer};
 use nbd::{ExportEntry, MemExport};
+use test_support::nbd_server::{snapshots, Opts, Snapshot, TestServer};
 use test_support::{require, run_ok, stdout};
 
-fn two_exports() -> TestServer<Vec<crate::common::Snapshot>> {
+fn two_exports() -> TestServer<Vec<Snapshot>> {
     TestServer::start_with(
         Opts {
             tcp: true,

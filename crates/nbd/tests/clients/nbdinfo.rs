@@ -4,9 +4,9 @@
 use std::process::Command;
 use std::rc::Rc;
 
-use crate::common::{mem_server, snapshots, Opts, TestServer};
 use nbd::{ExportEntry, ExportFeatures, MemExport};
 use serde_json::Value;
+use test_support::nbd_server::{mem_server, snapshots, Opts, TestServer};
 use test_support::{require, run_ok, stdout};
 
 fn nbdinfo(args: &[&str]) -> String {

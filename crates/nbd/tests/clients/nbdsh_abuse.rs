@@ -3,8 +3,8 @@
 
 use std::process::Command;
 
-use crate::common::{mem_server, Opts};
 use nbd::MemExport;
+use test_support::nbd_server::{mem_server, Opts};
 use test_support::{python_with_libnbd, require, run_ok, stdout};
 
 const SCRIPT: &str = r#"

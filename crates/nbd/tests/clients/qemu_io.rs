@@ -1,9 +1,9 @@
 //! QEMU's NBD client (qemu-io, which negotiates extended headers) against the server, over
 //! a Unix socket and over TCP; the server's contents and allocation are then checked.
 
-use crate::common::{mem_server, Opts};
 use nbd::{Extent, MemExport};
 use std::process::Command;
+use test_support::nbd_server::{mem_server, Opts, Snapshot};
 use test_support::{require, run_ok, stdout};
 
 const K: usize = 1024;
@@ -56,7 +56,7 @@ fn expected() -> Vec<Option<u8>> {
     m
 }
 
-fn check(snap: &crate::common::Snapshot) {
+fn check(snap: &Snapshot) {
     for (i, want) in expected().iter().enumerate() {
         if let Some(w) = want {
             assert_eq!(snap.contents[i], *w, "byte {i}");

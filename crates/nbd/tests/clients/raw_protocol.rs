@@ -1,14 +1,14 @@
 //! The protocol over a raw socket: a kernel-like client (simple replies), structured and
 //! extended clients, and everything the spec says about their replies.
 
-use crate::common::client::{closed, RawClient, Reply, Style};
-use crate::common::{mem_server, Opts};
+use crate::client::{closed, RawClient, Reply, Style};
 use nbd::wire::consts::*;
 use nbd::wire::handshake::{ClientFlags, ExportNameReply, OptionHeader};
 use nbd::wire::reply::{BlockStatusChunk, ChunkHeader, ErrorChunk};
 use nbd::wire::request::Command;
 use nbd::{Errno, MemExport};
 use std::io::{Read, Write};
+use test_support::nbd_server::{mem_server, Opts};
 
 const SIZE: u64 = 1 << 20;
 

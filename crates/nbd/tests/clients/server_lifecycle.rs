@@ -9,13 +9,13 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::common::client::{closed, RawClient, Style};
-use crate::common::{mem_server, Opts, TestServer};
+use crate::client::{closed, RawClient, Style};
 use nbd::wire::request::Command;
 use nbd::{
     Errno, Export, ExportEntry, ExportFeatures, Extent, MemExport, MemStats, ReadChunk,
     ServerConfig, WriteZeroesFlags,
 };
+use test_support::nbd_server::{mem_server, Opts, TestServer};
 use test_support::wait_until;
 use tokio::sync::Notify;
 

@@ -1,8 +1,7 @@
-//! Shared harness of the integration tests: an in-process server on its own thread
-//! (current-thread runtime, as the product runs it) and a raw client.
-#![allow(dead_code)] // each test binary uses a different subset
-
-pub mod client;
+//! The nbd crate's server in-process, on a thread of its own with the runtime the product
+//! uses, serving exports the test builds: for tests that must see what reached the export
+//! (a [`MemExport`]'s contents, allocation and call counts) or that need exports the
+//! `qcow2-nbd` binary cannot make (several at once, any feature flags).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -73,7 +72,7 @@ impl<T: Send + 'static> TestServer<T> {
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let path = socket.clone();
         let thread = std::thread::spawn(move || {
-            test_support::run(async move {
+            crate::run(async move {
                 let entries = make();
                 let mut listeners = vec![Listener::bind_unix(&path).expect("bind unix socket")];
                 let mut tcp = None;

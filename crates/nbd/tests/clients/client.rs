@@ -304,17 +304,6 @@ impl RawClient {
     pub fn any_reply(&mut self) -> Reply {
         self.reply(0)
     }
-
-    /// True if the server closed the connection (EOF or reset) without sending more.
-    pub fn is_closed(&mut self) -> bool {
-        let mut b = [0u8; 1];
-        match self.stream.read(&mut b) {
-            Ok(0) => true,
-            Err(e) if e.kind() == ErrorKind::ConnectionReset => true,
-            Ok(_) => false,
-            Err(e) => panic!("unexpected error waiting for close: {e}"),
-        }
-    }
 }
 
 /// True if the server closed `stream` (EOF or reset).
