@@ -7,7 +7,9 @@ use std::process::Command;
 
 use crate::support::kernel_client::{KernelClient, CMD_READ, CMD_WRITE, EINVAL, EPERM};
 use crate::support::Server;
-use test_support::{assert_check_clean, python_with_libnbd, qemu_io, run_ok, stdout, Dir};
+use test_support::{
+    assert_check_clean, python_with_libnbd, qemu_contents, qemu_io, run_ok, stdout, Dir,
+};
 
 const SCRIPT: &str = r#"
 import errno, sys
@@ -63,13 +65,14 @@ h.cache(0, 0)
 expect(errno.EINVAL, "status of nothing", lambda: status(0, 0))
 
 # Huge lengths: above the 32 MiB maximum payload for reads and writes; effect lengths of
-# zeroing and trimming are fine up to the end of the disk.
+# zeroing and trimming are fine up to the end of the disk, and refused past it.
 expect(errno.EINVAL, "64 MiB read", lambda: h.pread(64 * MiB, 0))
 expect(errno.EINVAL, "64 MiB write", lambda: h.pwrite(bytearray(64 * MiB), 0))
 h.pwrite(b"\x5a" * 65536, 0)
 h.zero(size, 0)
 assert h.pread(65536, 0) == bytes(65536)
 h.trim(size, 0)
+expect(errno.EINVAL, "4 GiB trim", lambda: h.trim((4 << 30) - 1, 0))
 h.cache(size, 0)
 status(size, 0)
 
@@ -90,13 +93,13 @@ print(f"checked {checked}")
 fn every_bad_request_gets_the_spec_error_and_the_connection_goes_on() {
     let images = Dir::new();
     let img = images.create("disk.qcow2", "qcow2", "extended_l2=on", None, "128M");
-    let server = Server::unix(&["-t", "--discard=unmap", img.to_str().unwrap()]);
+    let server = Server::unix_reporting(&["-t", "--discard=unmap", img.to_str().unwrap()]);
     let out = stdout(&run_ok(Command::new(python_with_libnbd()).args([
         "-c",
         SCRIPT,
         &server.uri(),
     ])));
-    assert_eq!(out.trim(), "checked 17");
+    assert_eq!(out.trim(), "checked 18");
     // Another client is served as usual and sees the surviving write.
     let survivors = [
         "read -P 0x5a 0 4096",
@@ -105,9 +108,16 @@ fn every_bad_request_gets_the_spec_error_and_the_connection_goes_on() {
         "read -P 0 65536 1M",
     ];
     qemu_io("raw", &server.uri(), &survivors);
-    server.stop_ok();
+    let report = server.stop_report();
+    assert_eq!(
+        (report.connections, report.failed_connections),
+        (2, 0),
+        "bad requests never end a connection"
+    );
     assert_check_clean(&img);
     qemu_io("qcow2", img.to_str().unwrap(), &survivors);
+    let contents = qemu_contents(&img, &["-f", "qcow2"]);
+    assert_eq!(&contents[4096..4107], b"still alive");
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! fio's libnbd engine against `qcow2-nbd serve`: four jobs, each its own connection, queue
 //! depth 32, random writes of mixed sizes over a backed extended-L2 image, every byte read
-//! back and verified with crc32c; the image then passes `qemu-img check`.
+//! back and verified with crc32c, and no connection failed; the image then passes
+//! `qemu-img check`.
 
 use std::process::Command;
 
@@ -19,7 +20,7 @@ fn fio_four_jobs_queue_depth_32_verifies_every_byte() {
         Some(("base.qcow2", "qcow2")),
         "64M",
     );
-    let server = Server::unix(&["-t", "-e", "0", top.to_str().unwrap()]);
+    let server = Server::unix_reporting(&["-t", "-e", "0", top.to_str().unwrap()]);
     let report = images.path("fio.json");
     // fio leaves its verify state files in the working directory.
     run_ok(
@@ -43,7 +44,10 @@ fn fio_four_jobs_queue_depth_32_verifies_every_byte() {
                 &format!("--output={}", report.display()),
             ]),
     );
-    server.stop_ok();
+    let counts = server.stop_report();
+    // fio also opens a short connection per job to learn the size.
+    assert!(counts.connections >= 4, "{counts:?}");
+    assert_eq!(counts.failed_connections, 0, "{counts:?}");
     let text = std::fs::read_to_string(&report).unwrap();
     let json: serde_json::Value = serde_json::from_str(&text[text.find('{').unwrap_or(0)..])
         .unwrap_or_else(|e| panic!("fio JSON output: {e}\n{text}"));

@@ -91,6 +91,7 @@ fn json_of_a_read_only_export() {
     let img = images.create("disk.qcow2", "qcow2", "cluster_size=4096", None, "1M");
     let server = Server::unix(&["-r", img.to_str().unwrap()]);
     let e = export_json(&server);
+    assert_eq!(e["export-name"], "", "the default export");
     assert_flags(
         &e,
         &[

@@ -34,7 +34,7 @@ fn snapshot_mode_sends_writes_to_a_temporary_overlay() {
         let before = std::fs::read(&img).unwrap();
         let server = Server::unix_with_env(
             &["-t", "-s", "-f", fmt, img.to_str().unwrap()],
-            &[("TMPDIR", tmp.path())],
+            &[("TMPDIR", tmp.path().as_os_str())],
         );
         let e = nbdinfo_json(&server.uri());
         assert_eq!(e["is_read_only"], false);

@@ -5,9 +5,10 @@ pub mod kernel_client;
 pub mod qemu_nbd;
 pub mod raw;
 
+use std::ffi::OsStr;
 use std::io::Read;
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
@@ -25,6 +26,16 @@ pub fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// The connection counts `serve` logs at info level when it stops (the nbd crate's
+/// `ServeReport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Report {
+    /// Clients accepted.
+    pub connections: u64,
+    /// Clients whose connection ended with an error (a protocol violation, an I/O failure).
+    pub failed_connections: u64,
 }
 
 /// A running `qcow2-nbd serve`, started with a pid file so the test knows when it listens.
@@ -46,8 +57,14 @@ impl Server {
         Self::unix_with_env(args, &[])
     }
 
+    /// [`Server::unix`] logging at info level, so that [`Server::stop_report`] can read the
+    /// connection counts the server logs when it stops.
+    pub fn unix_reporting(args: &[&str]) -> Server {
+        Self::unix_with_env(args, &[("RUST_LOG", OsStr::new("info"))])
+    }
+
     /// [`Server::unix`] with extra environment variables.
-    pub fn unix_with_env(args: &[&str], env: &[(&str, &Path)]) -> Server {
+    pub fn unix_with_env(args: &[&str], env: &[(&str, &OsStr)]) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("nbd.sock");
         let mut full = vec!["-k".to_owned(), socket.to_str().unwrap().to_owned()];
@@ -73,7 +90,7 @@ impl Server {
         socket: PathBuf,
         port: Option<u16>,
         args: &[String],
-        env: &[(&str, &Path)],
+        env: &[(&str, &OsStr)],
     ) -> Server {
         let pid_file = dir.path().join("serve.pid");
         let child = Command::new(BIN)
@@ -192,6 +209,33 @@ impl Server {
         let (status, err) = self.stop();
         assert!(status.success(), "serve exited with {status}:\n{err}");
         err
+    }
+
+    /// [`Server::stop_ok`] for a server started with [`Server::unix_reporting`]: the
+    /// connection counts it logged as it stopped.
+    pub fn stop_report(self) -> Report {
+        let err = self.stop_ok();
+        let line = err
+            .lines()
+            .find(|l| l.contains("server stopped"))
+            .unwrap_or_else(|| panic!("no \"server stopped\" line in the log:\n{err}"));
+        let count = |key: &str| -> u64 {
+            let at = line
+                .find(key)
+                .unwrap_or_else(|| panic!("no {key:?} in {line:?}"))
+                + key.len();
+            let digits: String = line[at..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            digits
+                .parse()
+                .unwrap_or_else(|e| panic!("{key:?} in {line:?}: {e}"))
+        };
+        Report {
+            connections: count("{ connections: "),
+            failed_connections: count("failed_connections: "),
+        }
     }
 }
 
