@@ -374,9 +374,9 @@ fn an_allocating_write_plans_its_clusters_once() {
         );
         img.close().await.unwrap();
     });
-    qemu_check_clean(&path);
+    assert_check_clean(&path);
     // qemu-img's default cluster size: 64 KiB.
-    let data = qemu_raw(&path, None);
+    let data = qemu_contents(&path, &[]);
     assert!(data[..65536].iter().all(|&b| b == 1));
     assert!(data[65536..131072].iter().all(|&b| b == 2));
 }
