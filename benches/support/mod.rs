@@ -99,29 +99,5 @@ pub fn block_4k(byte: u8) -> IoBuf {
     IoBuf::from_slice(&[byte; 4096])
 }
 
-/// SplitMix64: a tiny, seeded, good-enough PRNG, so runs are repeatable without a dependency.
-pub struct SplitMix64(pub u64);
-
-impl SplitMix64 {
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// A uniform value in `0..n` (n > 0); the modulo bias is irrelevant at these sizes.
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-
-    /// Fisher–Yates shuffle of `items`.
-    pub fn shuffle<T>(&mut self, items: &mut [T]) {
-        for i in (1..items.len()).rev() {
-            let j = usize::try_from(self.below(i as u64 + 1)).expect("index fits usize");
-            items.swap(i, j);
-        }
-    }
-}
+/// The tests' seeded random source, so bench runs are repeatable.
+pub use test_support::Rng as SplitMix64;

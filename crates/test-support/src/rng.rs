@@ -24,6 +24,13 @@ impl Rng {
         usize::try_from(self.below(len)).expect("below a usize")
     }
 
+    /// Fisher–Yates shuffle of `items`.
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            items.swap(i, self.index(i + 1));
+        }
+    }
+
     /// `n` random bytes.
     pub fn bytes(&mut self, n: usize) -> Vec<u8> {
         let mut v = Vec::with_capacity(n + 8);
