@@ -172,15 +172,11 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// The allocator, or the error a write to this image gets.
     pub(crate) fn alloc(&self) -> Result<&Allocator<S>> {
-        let top = self.chain.top();
         match &self.alloc {
             None => Err(EngineError::ReadOnly {
-                image: top.name.clone(),
+                image: self.chain.top().name.clone(),
             }),
-            Some(a) if a.corrupt.get() => Err(EngineError::MarkedCorrupt {
-                image: top.name.clone(),
-            }),
-            Some(a) => Ok(a),
+            Some(a) => a.ensure_usable().map(|()| a),
         }
     }
 
@@ -192,10 +188,8 @@ impl<S: Storage + 'static> Inner<S> {
             });
         }
         match &self.alloc {
-            Some(a) if a.corrupt.get() => Err(EngineError::MarkedCorrupt {
-                image: self.chain.top().name.clone(),
-            }),
-            _ => Ok(()),
+            Some(a) => a.ensure_usable(),
+            None => Ok(()),
         }
     }
 

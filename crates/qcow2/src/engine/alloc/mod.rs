@@ -118,7 +118,7 @@ impl<S: Storage + 'static> Allocator<S> {
     }
 
     /// Refuses to change an image found corrupt by an earlier request.
-    fn ensure_usable(&self) -> Result<()> {
+    pub(crate) fn ensure_usable(&self) -> Result<()> {
         if self.corrupt.get() {
             return Err(EngineError::MarkedCorrupt {
                 image: self.top().name.clone(),
@@ -133,13 +133,10 @@ impl<S: Storage + 'static> Allocator<S> {
     }
 
     /// Layer 0's qcow2 metadata: an allocator exists only for a qcow2 layer 0.
-    fn meta(&self) -> &crate::engine::layer::Qcow2Meta<S> {
-        match &self.layers[0].format {
-            crate::engine::layer::LayerFormat::Qcow2(m) => m,
-            crate::engine::layer::LayerFormat::Raw => {
-                unreachable!("an allocator is only built for a qcow2 layer")
-            }
-        }
+    fn meta(&self) -> &Qcow2Meta<S> {
+        self.top()
+            .qcow2()
+            .expect("an allocator is only built for a qcow2 layer")
     }
 
     /// The current mapping generation (see [`Allocator::mapping_changed`]).

@@ -2,6 +2,7 @@
 //! zeros, as QEMU reads them), writes and flushes, with errors that say what was being done.
 
 use super::error::CheckError;
+use crate::format::header::FieldUpdate;
 use storage::{IoBuf, Storage};
 
 /// Reads `len` bytes at `offset`.
@@ -28,6 +29,15 @@ pub(crate) async fn write<S: Storage>(
 }
 
 /// Makes everything written so far durable.
+/// Writes header fields in place, as `format` encoded them.
+pub(crate) async fn write_header<S: Storage, const N: usize>(
+    file: &S,
+    what: &'static str,
+    update: FieldUpdate<N>,
+) -> Result<(), CheckError> {
+    write(file, what, update.offset, &update.bytes).await
+}
+
 pub(crate) async fn flush<S: Storage>(file: &S) -> Result<(), CheckError> {
     file.flush()
         .await

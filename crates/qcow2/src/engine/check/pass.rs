@@ -174,11 +174,10 @@ impl<'a, S: Storage> Pass<'a, S> {
             );
             if self.meta.header.version >= 3 && !self.meta.is_corrupt() {
                 let bits = self.meta.incompatible | INCOMPAT_CORRUPT;
-                let done = io::write(
+                let done = io::write_header(
                     self.file,
                     "marking the image corrupt",
-                    header::incompatible_update(bits).offset,
-                    &header::incompatible_update(bits).bytes,
+                    header::incompatible_update(bits),
                 )
                 .await
                 .is_ok()
@@ -201,11 +200,10 @@ impl<'a, S: Storage> Pass<'a, S> {
             return Ok(());
         }
         io::flush(self.file).await?;
-        io::write(
+        io::write_header(
             self.file,
             "updating the header",
-            header::incompatible_update(bits).offset,
-            &header::incompatible_update(bits).bytes,
+            header::incompatible_update(bits),
         )
         .await?;
         io::flush(self.file).await?;

@@ -283,12 +283,10 @@ impl<S: Storage> Pass<'_, S> {
     /// of the check looks at; the dropped entries' clusters become leaks, which the check
     /// frees.
     async fn write_snapshot_count(&mut self, nb: u32, reduced: u32) -> Result<(), CheckError> {
-        let update = header::nb_snapshots_update(nb);
-        let written = match io::write(
+        let written = match io::write_header(
             self.file,
             "updating the snapshot count",
-            update.offset,
-            &update.bytes,
+            header::nb_snapshots_update(nb),
         )
         .await
         {
