@@ -7,23 +7,13 @@ use qcow2::engine::{libc_errno, Image, OpenOptions};
 use storage::{FaultStorage, InjectedError, IoBuf, MemStorage, OpKind};
 
 use crate::support::FaultFs;
-use test_support::{qemu_contents, qemu_img, run, Dir};
+use test_support::{qemu_contents, run, Dir};
 
 const MIB: usize = 1 << 20;
 
 /// An image made by qemu-img, held in fault-injecting memory storage at `path`.
 fn image(d: &Dir, opts: &str) -> (FaultFs, FaultStorage<MemStorage>, std::path::PathBuf) {
-    let path = d.path("img.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-o",
-        opts,
-        &d.s("img.qcow2"),
-        "16M",
-    ]);
+    let path = d.create("img.qcow2", "qcow2", opts, None, "16M");
     let st = FaultStorage::from_mem(MemStorage::from_bytes(&std::fs::read(&path).unwrap()));
     let fs = FaultFs::default();
     fs.0.borrow_mut().insert(path.clone(), st.clone());

@@ -39,8 +39,7 @@ fn open(path: &std::path::Path, read_only: bool) -> Result<(), String> {
 #[test]
 fn unknown_autoclear_bits_are_cleared_by_a_read_write_open_only() {
     let d = Dir::new();
-    let path = d.path("img.qcow2");
-    qemu_img(&["create", "-q", "-f", "qcow2", &d.s("img.qcow2"), "16M"]);
+    let path = d.create("img.qcow2", "qcow2", "", None, "16M");
     qemu_img(&["bitmap", "--add", "--disable", &d.s("img.qcow2"), "kept"]);
     set_bits(&path, AUTOCLEAR_AT, UNKNOWN_AUTOCLEAR);
     let before = std::fs::read(&path).unwrap();
@@ -69,17 +68,7 @@ fn unknown_autoclear_bits_are_cleared_by_a_read_write_open_only() {
 #[test]
 fn a_refused_read_write_open_writes_nothing() {
     let d = Dir::new();
-    let path = d.path("img.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-o",
-        "lazy_refcounts=on",
-        &d.s("img.qcow2"),
-        "16M",
-    ]);
+    let path = d.create("img.qcow2", "qcow2", "lazy_refcounts=on", None, "16M");
     // An enabled persistent bitmap makes us refuse writes, late in the open; the dirty bit
     // would ask for a refcount repair and the unknown autoclear bit for a header write.
     qemu_img(&["bitmap", "--add", &d.s("img.qcow2"), "tracking"]);
