@@ -95,14 +95,19 @@ fn read<S: ByteSource + ?Sized>(
     Ok(buf)
 }
 
-/// Decodes the header from the first cluster of `src`.
-pub fn read_header<S: ByteSource + ?Sized>(src: &S) -> Result<(Header, u64), InspectError> {
-    let file_len = src.byte_len().map_err(|source| InspectError::Io {
+/// The source's length in bytes.
+fn file_len<S: ByteSource + ?Sized>(src: &S) -> Result<u64, InspectError> {
+    src.byte_len().map_err(|source| InspectError::Io {
         what: "file length",
         offset: 0,
         len: 0,
         source,
-    })?;
+    })
+}
+
+/// Decodes the header from the first cluster of `src`.
+pub fn read_header<S: ByteSource + ?Sized>(src: &S) -> Result<(Header, u64), InspectError> {
+    let file_len = file_len(src)?;
     let at = Location::at(Structure::Header, 0);
     // Read enough for cluster_bits first, then the whole first cluster (or file).
     let probe = read(src, file_len, at, "header", 0, file_len.min(512))?;
@@ -211,12 +216,7 @@ pub fn read_l1_table<S: ByteSource + ?Sized>(
     header: &Header,
 ) -> Result<Vec<L1Entry>, InspectError> {
     let geometry = header.geometry()?;
-    let file_len = src.byte_len().map_err(|source| InspectError::Io {
-        what: "file length",
-        offset: 0,
-        len: 0,
-        source,
-    })?;
+    let file_len = file_len(src)?;
     let at = Location::at(Structure::L1Table, header.l1_table_offset);
     // l1_size * 8 ≤ 32 MiB was checked by Header::decode.
     let len = u64::from(header.l1_size) * 8;
@@ -245,12 +245,7 @@ pub fn read_refcount_table<S: ByteSource + ?Sized>(
     header: &Header,
 ) -> Result<Vec<RefcountTableEntry>, InspectError> {
     let geometry = header.geometry()?;
-    let file_len = src.byte_len().map_err(|source| InspectError::Io {
-        what: "file length",
-        offset: 0,
-        len: 0,
-        source,
-    })?;
+    let file_len = file_len(src)?;
     let at = Location::at(Structure::RefcountTable, header.refcount_table_offset);
     // ≤ 8 MiB, checked by Header::decode.
     let len = u64::from(header.refcount_table_clusters) * geometry.cluster_size();
