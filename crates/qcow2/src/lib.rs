@@ -5,3 +5,4 @@
 pub mod engine;
 pub mod format;
 pub mod inspect;
+pub mod metadata;

@@ -3,6 +3,7 @@
 use super::backing_name::BackingError;
 use super::compress::CompressError;
 use crate::format::FormatError;
+use crate::metadata::MetadataError;
 use std::io;
 use thiserror::Error;
 
@@ -141,6 +142,30 @@ pub enum EngineError {
 }
 
 impl EngineError {
+    /// A failure to load `image`'s metadata, in the engine's terms: a structure past the
+    /// end of the file contradicts the rest of the image, so it is corruption.
+    pub(crate) fn from_metadata(image: &str, e: MetadataError) -> EngineError {
+        let image = image.to_string();
+        match e {
+            MetadataError::Io {
+                what,
+                offset,
+                source,
+                ..
+            } => EngineError::Io {
+                image,
+                what,
+                offset,
+                source,
+            },
+            MetadataError::Format(source) => EngineError::Format { image, source },
+            past_end @ MetadataError::PastEnd { .. } => EngineError::Corrupt {
+                image,
+                detail: past_end.to_string(),
+            },
+        }
+    }
+
     /// The errno an NBD server (or any POSIX-style caller) should report for this error.
     pub fn errno(&self) -> i32 {
         match self {

@@ -152,22 +152,16 @@ impl<S> Qcow2Meta<S> {
         }
     }
 
-    /// Decodes and validates a whole L1 table read from the file: reserved bits, alignment,
-    /// and every L2 table inside the file.
-    pub fn decode_l1(
-        raw: &[u8],
-        entries: usize,
+    /// Validates a whole L1 table as loaded from the file: reserved bits, alignment, and
+    /// every L2 table inside the file.
+    pub fn validate_l1(
+        words: Vec<u64>,
         geom: &Geometry,
         table_offset: u64,
         file_len: u64,
         image: &str,
     ) -> Result<Vec<u64>> {
-        let mut out = Vec::with_capacity(entries);
-        for i in 0..entries {
-            let word = l1::entry_at(raw, i).ok_or_else(|| EngineError::Corrupt {
-                image: image.to_string(),
-                detail: format!("L1 table at {table_offset:#x} is truncated at entry {i}"),
-            })?;
+        for (i, &word) in words.iter().enumerate() {
             let entry = L1Entry::decode(word, geom, i as u64, HostOffset(table_offset)).map_err(
                 |source| EngineError::Format {
                     image: image.to_string(),
@@ -186,8 +180,7 @@ impl<S> Qcow2Meta<S> {
                     });
                 }
             }
-            out.push(word);
         }
-        Ok(out)
+        Ok(words)
     }
 }

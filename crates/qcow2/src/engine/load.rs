@@ -6,10 +6,11 @@ use super::backing_name;
 use super::compress::Codec;
 use super::error::{EngineError, Result};
 use super::layer::{read_exact, Layer, LayerFormat, Qcow2Meta};
-use crate::format::{limits, snapshot, Geometry, Header, SnapshotTableEntry};
+use crate::format::{Geometry, Header, SnapshotTableEntry, Structure};
+use crate::metadata::{Loader, MetadataError, StorageSource, Strictness, L1_TABLE};
 use std::cell::{Cell, RefCell};
 use std::path::Path;
-use storage::{IoBuf, Opener, Storage};
+use storage::{Opener, Storage};
 
 /// The four bytes every qcow2 image starts with.
 const QCOW2_MAGIC: [u8; 4] = *b"QFI\xfb";
@@ -92,9 +93,9 @@ where
         });
     }
     let at = LayerFile {
-        file: &file,
         name: &name,
         len: file_len,
+        src: StorageSource::new(&file, file_len),
     };
     let (meta, size) = open_qcow2(opener, &at, path, access, snapshot).await?;
     Ok(Layer {
@@ -108,12 +109,21 @@ where
 
 /// The file a layer is being loaded from, with what every error about it needs.
 struct LayerFile<'a, S> {
-    file: &'a S,
     name: &'a str,
     len: u64,
+    src: StorageSource<'a, S>,
 }
 
-impl<S: Storage + 'static> LayerFile<'_, S> {
+impl<'a, S: Storage + 'static> LayerFile<'a, S> {
+    /// Opening for I/O loads at open strictness: whatever QEMU would refuse, we refuse.
+    fn loader(&self) -> Loader<'_, StorageSource<'a, S>> {
+        Loader::new(&self.src, Strictness::Open)
+    }
+
+    fn load_error(&self, e: MetadataError) -> EngineError {
+        EngineError::from_metadata(self.name, e)
+    }
+
     fn format_error(&self, source: crate::format::FormatError) -> EngineError {
         EngineError::Format {
             image: self.name.to_string(),
@@ -133,13 +143,6 @@ impl<S: Storage + 'static> LayerFile<'_, S> {
             image: self.name.to_string(),
             what,
         }
-    }
-
-    async fn read(&self, what: &'static str, offset: u64, len: u64) -> Result<IoBuf> {
-        let len = usize::try_from(len).map_err(|_| {
-            self.corrupt(format!("{what}: {len} bytes at {offset:#x} is too large"))
-        })?;
-        read_exact(self.file, self.name, what, offset, len).await
     }
 }
 
@@ -189,15 +192,9 @@ where
     ))
 }
 
-/// The header, which fits in the first cluster: the cluster size comes from the first
-/// sector, then just that cluster is read (or the whole file, if it is shorter).
+/// The header, refusing what the engine cannot serve.
 async fn read_header<S: Storage + 'static>(at: &LayerFile<'_, S>) -> Result<Header> {
-    let probe = at.read("reading the header", 0, 512).await?;
-    let bits = u32::from_be_bytes([probe[20], probe[21], probe[22], probe[23]])
-        .clamp(limits::MIN_CLUSTER_BITS, limits::MAX_CLUSTER_BITS);
-    let first_len = at.len.min(1 << bits).max(512);
-    let first = at.read("reading the header", 0, first_len).await?;
-    let header = Header::decode(&first).map_err(|e| at.format_error(e))?;
+    let header = at.loader().header().await.map_err(|e| at.load_error(e))?;
     if header.crypt_method != 0 {
         return Err(at.unsupported("an encrypted image".into()));
     }
@@ -229,7 +226,11 @@ async fn metadata_regions<S: Storage + 'static>(
         u64::from(header.refcount_table_clusters) * cs,
         "the refcount table",
     ));
-    let snapshots = snapshot_table(at.file, at.name, header, geom, at.len).await?;
+    let snapshots = at
+        .loader()
+        .snapshot_table(header, geom)
+        .await
+        .map_err(|e| at.load_error(e))?;
     if header.nb_snapshots > 0 {
         // QEMU does not write the padding after the last entry when the table ends the file.
         let padding = snapshots.last().map_or(0, |(e, used)| {
@@ -308,11 +309,13 @@ async fn read_l1<S: Storage + 'static>(
             "L1 table at {l1_offset:#x} has {l1_entries} entries, too few for a virtual size of {size} bytes (needs {needed})"
         )));
     }
-    let raw = at
-        .read("reading the L1 table", l1_offset, u64::from(l1_entries) * 8)
-        .await?;
-    let l1 =
-        Qcow2Meta::<S>::decode_l1(&raw, l1_entries as usize, geom, l1_offset, at.len, at.name)?;
+    let len = u64::from(l1_entries) * 8;
+    let words = at
+        .loader()
+        .table(Structure::L1Table, L1_TABLE, l1_offset, len)
+        .await
+        .map_err(|e| at.load_error(e))?;
+    let l1 = Qcow2Meta::<S>::validate_l1(words, geom, l1_offset, at.len, at.name)?;
     let cs = geom.cluster_size();
     for (i, &word) in l1.iter().enumerate() {
         let off = word & crate::format::l1::L1_OFFSET_MASK;
@@ -362,8 +365,7 @@ where
     Ok(Some(file))
 }
 
-/// Reads the snapshot table one entry at a time (entries with their encoded lengths), so an
-/// image with a few snapshots does not cost a 64 MiB read.
+/// The snapshot table of a layer opened for I/O, each entry with the bytes it occupies.
 pub(crate) async fn snapshot_table<S: Storage + 'static>(
     file: &S,
     name: &str,
@@ -371,50 +373,11 @@ pub(crate) async fn snapshot_table<S: Storage + 'static>(
     geom: &Geometry,
     file_len: u64,
 ) -> Result<Vec<(SnapshotTableEntry, u64)>> {
-    let fmt_err = |source| EngineError::Format {
-        image: name.to_string(),
-        source,
-    };
-    let mut cursor = snapshot::SnapshotTableCursor::new(header.snapshots_offset);
-    let mut out = Vec::new();
-    let mut total = 0u64;
-    for index in 0..u64::from(header.nb_snapshots) {
-        let offset = cursor.next_offset().map_err(fmt_err)?;
-        let at = crate::format::Location::entry(
-            crate::format::Structure::SnapshotTable,
-            header.snapshots_offset,
-            index,
-        );
-        let fixed = limits::SNAPSHOT_ENTRY_FIXED_SIZE;
-        if offset.checked_add(fixed).is_none_or(|e| e > file_len) {
-            return Err(EngineError::Corrupt {
-                image: name.to_string(),
-                detail: format!("snapshot table at {:#x}: entry {index} at {offset:#x} is past the end of the file", header.snapshots_offset),
-            });
-        }
-        let head = read_exact(
-            file,
-            name,
-            "reading the snapshot table",
-            offset,
-            fixed as usize,
-        )
-        .await?;
-        let len = SnapshotTableEntry::entry_len(&head, at).map_err(fmt_err)?;
-        total += len as u64;
-        if total > limits::MAX_SNAPSHOT_TABLE_BYTES || offset + len as u64 > file_len {
-            return Err(EngineError::Corrupt {
-                image: name.to_string(),
-                detail: format!("snapshot table at {:#x}: entry {index} at {offset:#x} is past the end of the file or the 64 MiB limit", header.snapshots_offset),
-            });
-        }
-        let whole = read_exact(file, name, "reading the snapshot table", offset, len).await?;
-        let (entry, used) =
-            SnapshotTableEntry::decode(&whole, offset, index, geom).map_err(fmt_err)?;
-        cursor.advance(used).map_err(fmt_err)?;
-        out.push((entry, used as u64));
-    }
-    Ok(out)
+    let src = StorageSource::new(file, file_len);
+    Loader::new(&src, Strictness::Open)
+        .snapshot_table(header, geom)
+        .await
+        .map_err(|e| EngineError::from_metadata(name, e))
 }
 
 /// Every region must be inside the file, and no two may overlap.

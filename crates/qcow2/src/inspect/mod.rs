@@ -5,8 +5,8 @@
 mod human;
 mod read;
 mod report;
-mod source;
 
+pub use crate::metadata::ByteSource;
 pub use human::human_size;
 pub use read::{
     inspect, read_header, read_l1_table, read_refcount_table, ImageMetadata, InspectError,
@@ -15,4 +15,3 @@ pub use report::{
     BitmapInfo, ChildInfo, EmptyData, EncryptInfo, FileNodeInfo, FileSpecific, FormatSpecific,
     ImageInfo, Qcow2Specific, SnapshotInfo,
 };
-pub use source::ByteSource;

@@ -16,17 +16,17 @@ pub(crate) mod overlap;
 mod refcount;
 
 use crate::engine::error::{EngineError, Result};
-use crate::engine::layer::{read_exact, Layer, Qcow2Meta};
+use crate::engine::layer::{Layer, Qcow2Meta};
 use crate::engine::metacache::L2Cache;
 use crate::engine::metacache::{RefcountBackend, RefcountCache};
 use crate::format::features::{INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
-use crate::format::{bitmap, l1, HostCluster, HostOffset, RefcountTableEntry};
+use crate::format::{l1, HostCluster, HostOffset, RefcountTableEntry, Structure};
+use crate::metadata::{Loader, StorageSource, Strictness, REFCOUNT_TABLE};
 use overlap::{MetaIndex, MetaKind};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use storage::{IoBuf, Storage};
 
-use crate::format::be::words;
 use crate::format::header::{self, FieldUpdate};
 
 /// The allocator of a writable image.
@@ -298,16 +298,18 @@ async fn read_reftable<S: Storage + 'static>(
     let file_len = meta.file_end.get();
     let offset = h.refcount_table_offset;
     let clusters = u64::from(h.refcount_table_clusters);
-    let raw = read_exact(
-        &layer.file,
-        &layer.name,
-        "reading the refcount table",
-        offset,
-        (clusters * cs) as usize,
-    )
-    .await?;
-    let mut reftable = Vec::with_capacity(raw.len() / 8);
-    for (i, word) in words(&raw).into_iter().enumerate() {
+    let src = StorageSource::new(&layer.file, file_len);
+    let words = Loader::new(&src, Strictness::Open)
+        .table(
+            Structure::RefcountTable,
+            REFCOUNT_TABLE,
+            offset,
+            clusters * cs,
+        )
+        .await
+        .map_err(|e| EngineError::from_metadata(&layer.name, e))?;
+    let mut reftable = Vec::with_capacity(words.len());
+    for (i, word) in words.into_iter().enumerate() {
         let e = RefcountTableEntry::decode(word, g, i as u64, HostOffset(offset)).map_err(
             |source| EngineError::Format {
                 image: layer.name.clone(),
@@ -367,18 +369,11 @@ async fn index_bitmaps<S: Storage + 'static>(
     };
     let g = &meta.geom;
     let cs = g.cluster_size();
-    let dir = read_exact(
-        &layer.file,
-        &layer.name,
-        "reading the bitmap directory",
-        ext.directory_offset,
-        ext.directory_size as usize,
-    )
-    .await?;
-    let entries = bitmap::decode_directory(&dir, ext, g).map_err(|source| EngineError::Format {
-        image: layer.name.clone(),
-        source,
-    })?;
+    let src = StorageSource::new(&layer.file, meta.file_end.get());
+    let entries = Loader::new(&src, Strictness::Open)
+        .bitmap_directory(h, g)
+        .await
+        .map_err(|e| EngineError::from_metadata(&layer.name, e))?;
     if let Some(b) = entries.iter().find(|b| b.auto()) {
         return Err(EngineError::Unsupported {
             image: layer.name.clone(),

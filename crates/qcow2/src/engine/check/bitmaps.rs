@@ -6,9 +6,10 @@ use super::error::CheckError;
 use super::io;
 use crate::format::be::words;
 use crate::format::bitmap::{
-    self, BitmapDirectoryEntry, BITMAP_TABLE_OFFSET_MASK, BITMAP_TABLE_RESERVED_MASK,
+    BitmapDirectoryEntry, BITMAP_TABLE_OFFSET_MASK, BITMAP_TABLE_RESERVED_MASK,
 };
-use crate::format::{BitmapsExtension, Geometry};
+use crate::format::{Geometry, Header};
+use crate::metadata::{Loader, MetaSource, MetadataError};
 use storage::Storage;
 
 /// Bit 0 of a bitmap table entry without a cluster: the bitmap data reads as all ones.
@@ -52,25 +53,25 @@ pub(super) async fn for_each_entry<S: Storage>(
 /// Loads the bitmap directory and validates what QEMU validates when it opens the image
 /// (`bitmap_list_load`, and `bitmap_table_load` for every bitmap not marked in use). QEMU
 /// refuses to open an image failing these, so a check cannot look at it either.
-pub(crate) async fn load_directory<S: Storage>(
+pub(crate) async fn load_directory<R: MetaSource, S: Storage>(
+    loader: &Loader<'_, R>,
     file: &S,
-    ext: &BitmapsExtension,
+    header: &Header,
     geom: &Geometry,
-    file_len: u64,
 ) -> Result<Vec<BitmapDirectoryEntry>, CheckError> {
+    let directory_offset = header.bitmaps().map_or(0, |ext| ext.directory_offset);
     let broken = |detail: String| CheckError::Bitmaps {
-        offset: ext.directory_offset,
+        offset: directory_offset,
         detail,
     };
-    // The extension was validated with the header: the directory is at most 64 MiB.
-    let dir = io::read(
-        file,
-        "reading the bitmap directory",
-        ext.directory_offset,
-        ext.directory_size as usize,
-    )
-    .await?;
-    let entries = bitmap::decode_directory(&dir, ext, geom).map_err(|e| broken(e.to_string()))?;
+    let entries = loader
+        .bitmap_directory(header, geom)
+        .await
+        .map_err(|e| match e {
+            MetadataError::Format(e) => broken(e.to_string()),
+            other => CheckError::from_metadata(other),
+        })?;
+    let file_len = loader.file_len();
     let cs = geom.cluster_size();
     for e in &entries {
         if !e.extra_data.is_empty() {

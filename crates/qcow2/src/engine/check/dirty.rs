@@ -7,8 +7,9 @@ use super::io;
 use super::report::{CheckReport, FindingKind};
 use super::run::{check_pass, Repair};
 use crate::engine::error::EngineError;
-use crate::engine::layer::{read_exact, Layer, Qcow2Meta};
-use crate::format::{limits, Header};
+use crate::engine::layer::{Layer, Qcow2Meta};
+use crate::format::Structure;
+use crate::metadata::{Loader, StorageSource, Strictness, L1_TABLE};
 use storage::Storage;
 
 /// Repairs the refcounts of the dirty image in `file` and clears its dirty bit. The external
@@ -73,27 +74,19 @@ pub(crate) async fn repair_dirty_layer<S: Storage + 'static>(
         .len()
         .await
         .map_err(|e| layer.io_error("getting the file size", 0, e))?;
-    let first_len = file_len.min(1 << limits::MAX_CLUSTER_BITS) as usize;
-    let first = read_exact(&layer.file, name, "reading the header", 0, first_len).await?;
-    let header = Header::decode(&first).map_err(|source| EngineError::Format {
-        image: name.clone(),
-        source,
-    })?;
+    let src = StorageSource::new(&layer.file, file_len);
+    let loader = Loader::new(&src, Strictness::Open);
+    let loaded = |e| EngineError::from_metadata(name, e);
+    let header = loader.header().await.map_err(loaded)?;
     if header.is_dirty() {
         return Err(layer.corrupt("the dirty bit is still set after repairing the image".into()));
     }
-    let entries = header.l1_size as usize;
-    let raw = layer
-        .read_file("reading the L1 table", header.l1_table_offset, entries * 8)
-        .await?;
-    let l1 = Qcow2Meta::<S>::decode_l1(
-        &raw,
-        entries,
-        &meta.geom,
-        header.l1_table_offset,
-        file_len,
-        name,
-    )?;
+    let (offset, len) = (header.l1_table_offset, u64::from(header.l1_size) * 8);
+    let words = loader
+        .table(Structure::L1Table, L1_TABLE, offset, len)
+        .await
+        .map_err(loaded)?;
+    let l1 = Qcow2Meta::<S>::validate_l1(words, &meta.geom, offset, file_len, name)?;
     *meta.header.borrow_mut() = header;
     *meta.l1.borrow_mut() = l1;
     meta.file_end.set(meta.file_end.get().max(file_len));

@@ -2,6 +2,7 @@
 //! counts in a [`super::CheckReport`].
 
 use crate::format::FormatError;
+use crate::metadata::MetadataError;
 use thiserror::Error;
 
 /// A check that stopped before it could report (qemu-img exits 1, or 63 for a non-qcow2 file).
@@ -20,6 +21,13 @@ pub enum CheckError {
         /// What is wrong in the header.
         #[source]
         source: FormatError,
+    },
+    /// A structure the check needs could not be loaded.
+    #[error("could not open the image: {source}")]
+    Load {
+        /// What the loader found.
+        #[source]
+        source: MetadataError,
     },
     /// Reading or writing the file failed.
     #[error("{what} at {offset:#x}: {source}")]
@@ -86,6 +94,25 @@ pub enum CheckError {
 }
 
 impl CheckError {
+    /// A failure of the metadata loader, in the checker's terms: a header QEMU would not
+    /// open is a failed open, an I/O error stays one.
+    pub(crate) fn from_metadata(e: MetadataError) -> CheckError {
+        match e {
+            MetadataError::Io {
+                what,
+                offset,
+                source,
+                ..
+            } => CheckError::Io {
+                what,
+                offset,
+                source,
+            },
+            MetadataError::Format(source) => CheckError::Open { source },
+            other => CheckError::Load { source: other },
+        }
+    }
+
     /// An I/O error while doing `what` at `offset`.
     pub(crate) fn io(what: &'static str, offset: u64, source: std::io::Error) -> CheckError {
         CheckError::Io {

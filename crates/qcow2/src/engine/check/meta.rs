@@ -4,11 +4,11 @@
 //! allowed.
 
 use super::error::CheckError;
-use super::io::read;
-use crate::format::be::words;
 use crate::format::features::INCOMPAT_CORRUPT;
-use crate::format::header::Strictness;
-use crate::format::{limits, BitmapDirectoryEntry, BitmapsExtension, Header};
+use crate::format::{
+    BitmapDirectoryEntry, BitmapsExtension, FormatError, Geometry, Header, Structure,
+};
+use crate::metadata::{Loader, MetadataError, StorageSource, Strictness, L1_TABLE, REFCOUNT_TABLE};
 use storage::Storage;
 
 /// One internal snapshot, as far as a check needs it.
@@ -121,82 +121,89 @@ impl Meta {
     }
 }
 
-fn be32(buf: &[u8], pos: usize) -> u32 {
-    buf.get(pos..pos + 4)
-        .and_then(|b| b.try_into().ok())
-        .map_or(0, u32::from_be_bytes)
-}
-
-/// Loads the header, the active L1 table and the refcount table of the image in `file`.
+/// Loads the header, the active L1 table, the refcount table and the bitmap directory of the
+/// image in `file`, at the checker's strictness.
 pub(crate) async fn load<S: Storage>(file: &S, file_len: u64) -> Result<Meta, CheckError> {
-    let first_len = file_len.min(1 << limits::MAX_CLUSTER_BITS);
-    // ≤ 2 MiB, so it fits.
-    let first = read(file, "reading the header", 0, first_len as usize).await?;
-    let magic = be32(&first, 0);
-    if first.len() < 4 || magic != crate::format::header::QCOW2_MAGIC {
-        return Err(CheckError::NotQcow2 { found: magic });
-    }
-    // A check looks at images a normal open refuses for their refcount or snapshot table.
-    let header = Header::decode_with(&first, Strictness::Check)
-        .map_err(|source| CheckError::Open { source })?;
-
+    let src = StorageSource::new(file, file_len);
+    let loader = Loader::new(&src, Strictness::Check);
+    let header = loader.header().await.map_err(|e| match e {
+        MetadataError::Format(FormatError::BadMagic { found }) => CheckError::NotQcow2 { found },
+        other => CheckError::from_metadata(other),
+    })?;
     let geom = header
         .geometry()
         .map_err(|source| CheckError::Open { source })?;
-    let cluster_bits = geom.cluster_bits();
     let cs = geom.cluster_size();
-    // Validated by the decoder: the L1 table is at most 32 MiB, the refcount table 8 MiB.
+    // Validated with the header: the L1 table is at most 32 MiB, the refcount table 8 MiB.
     let l1_bytes = u64::from(header.l1_size) * 8;
-    let l1_raw = read(
-        file,
-        "reading the L1 table",
-        header.l1_table_offset,
-        l1_bytes as usize,
-    )
-    .await?;
+    let l1 = loader
+        .table(
+            Structure::L1Table,
+            L1_TABLE,
+            header.l1_table_offset,
+            l1_bytes,
+        )
+        .await
+        .map_err(CheckError::from_metadata)?;
     let reftable_bytes = u64::from(header.refcount_table_clusters) * cs;
-    let reftable_raw = read(
-        file,
-        "reading the refcount table",
-        header.refcount_table_offset,
-        reftable_bytes as usize,
-    )
-    .await?;
+    let reftable = loader
+        .table(
+            Structure::RefcountTable,
+            REFCOUNT_TABLE,
+            header.refcount_table_offset,
+            reftable_bytes,
+        )
+        .await
+        .map_err(CheckError::from_metadata)?;
     let bitmaps = header.bitmaps().copied();
     let bitmap_dir = match &bitmaps {
         Some(ext) if ext.nb_bitmaps > 0 => {
-            super::bitmaps::load_directory(file, ext, &geom, file_len).await?
+            super::bitmaps::load_directory(&loader, file, &header, &geom).await?
         }
         _ => Vec::new(),
     };
-    let csize_shift = 62 - (cluster_bits - 8);
-    let refcount_order = header.refcount_order;
-    Ok(Meta {
-        cluster_bits,
-        cluster_size: cs,
-        extended: geom.extended_l2(),
-        l2_entry_size: geom.l2_entry_size(),
-        l2_entries: geom.l2_entries(),
-        refcount_order,
-        refblock_bits: geom.refcount_block_bits(),
-        refcount_max: crate::format::refcount::max_value(refcount_order).unwrap_or(u64::MAX),
-        data_file: header.has_data_file(),
-        csize_shift,
-        csize_mask: (1u64 << (cluster_bits - 8)) - 1,
-        coffset_mask: (1u64 << csize_shift) - 1,
-        l1_offset: header.l1_table_offset,
-        l1: words(&l1_raw),
-        reftable_offset: header.refcount_table_offset,
-        reftable: words(&reftable_raw),
-        snapshots_offset: header.snapshots_offset,
-        nb_snapshots: header.nb_snapshots,
-        snapshots: Vec::new(),
-        snapshots_size: 0,
-        crypto: header.fde_pointer().map(|p| (p.offset, p.length)),
-        bitmaps,
-        bitmap_dir,
-        incompatible: header.incompatible_features,
-        virtual_size: header.size / 512 * 512,
-        header,
-    })
+    Ok(Meta::new(header, &geom, l1, reftable, bitmaps, bitmap_dir))
+}
+
+impl Meta {
+    fn new(
+        header: Header,
+        geom: &Geometry,
+        l1: Vec<u64>,
+        reftable: Vec<u64>,
+        bitmaps: Option<BitmapsExtension>,
+        bitmap_dir: Vec<BitmapDirectoryEntry>,
+    ) -> Meta {
+        let cluster_bits = geom.cluster_bits();
+        let csize_shift = 62 - (cluster_bits - 8);
+        let refcount_order = header.refcount_order;
+        Meta {
+            cluster_bits,
+            cluster_size: geom.cluster_size(),
+            extended: geom.extended_l2(),
+            l2_entry_size: geom.l2_entry_size(),
+            l2_entries: geom.l2_entries(),
+            refcount_order,
+            refblock_bits: geom.refcount_block_bits(),
+            refcount_max: crate::format::refcount::max_value(refcount_order).unwrap_or(u64::MAX),
+            data_file: header.has_data_file(),
+            csize_shift,
+            csize_mask: (1u64 << (cluster_bits - 8)) - 1,
+            coffset_mask: (1u64 << csize_shift) - 1,
+            l1_offset: header.l1_table_offset,
+            l1,
+            reftable_offset: header.refcount_table_offset,
+            reftable,
+            snapshots_offset: header.snapshots_offset,
+            nb_snapshots: header.nb_snapshots,
+            snapshots: Vec::new(),
+            snapshots_size: 0,
+            crypto: header.fde_pointer().map(|p| (p.offset, p.length)),
+            bitmaps,
+            bitmap_dir,
+            incompatible: header.incompatible_features,
+            virtual_size: header.size / 512 * 512,
+            header,
+        }
+    }
 }
