@@ -400,7 +400,7 @@ impl<S: Storage + 'static> Image<S> {
             for i in 0..n {
                 inner
                     .alloc()?
-                    .set_l2_entry(pos + i * cs, l2::owned_word(host + i * cs), 0)
+                    .set_l2_entry(GuestOffset(pos + i * cs), l2::owned_word(host + i * cs), 0)
                     .await?;
             }
             pos += chunk;

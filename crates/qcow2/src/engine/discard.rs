@@ -7,7 +7,7 @@ use super::image::{Image, Inner};
 use super::range_lock::LockMode;
 use crate::format::l2;
 use crate::format::l2_extended::ALL_ZERO_BITMAP;
-use crate::format::HostOffset;
+use crate::format::{GuestOffset, HostOffset};
 use storage::Storage;
 
 impl<S: Storage + 'static> Image<S> {
@@ -62,9 +62,9 @@ impl<S: Storage + 'static> Inner<S> {
                     .map_err(|e| top.io_error("zeroing the raw data file", start, e))?;
             }
         }
-        let entries = w.l2_entries(start, end - start).await?;
+        let entries = w.l2_entries(GuestOffset(start), end - start).await?;
         for e in entries {
-            if e.table == 0 {
+            if e.table.is_none() {
                 continue;
             }
             let allocated = l2::holds_cluster(e.word);

@@ -26,32 +26,61 @@ enum Old {
     /// A compressed cluster: its space loses a reference.
     Compressed { raw: u64 },
     /// A cluster shared with a snapshot (or a shared preallocation): one reference released.
-    Shared { host: u64 },
+    Shared { host: HostOffset },
 }
 
 /// What a write does to one cluster.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Action {
     /// The cluster is ours: write at `host`, then mark `set_alloc` subclusters allocated.
-    InPlace { host: u64, set_alloc: u32 },
+    InPlace { host: HostOffset, set_alloc: u32 },
     /// Fill what the write does not cover, at `host` (or a new cluster when `None`), then
     /// point the entry at it with `alloc`/`zero` subcluster bits.
     Fill {
-        host: Option<u64>,
+        host: Option<HostOffset>,
         old: Old,
         alloc: u32,
         zero: u32,
     },
 }
 
+/// A guest byte range `[start, end)`.
+type GuestRange = (GuestOffset, GuestOffset);
+
 /// One cluster of a write.
 #[derive(Clone, Debug)]
 struct ClusterPlan {
     /// Guest offset of the cluster.
-    start: u64,
+    start: GuestOffset,
     /// Guest ranges of the cluster to copy into the (new) host cluster.
-    fills: Vec<(u64, u64)>,
+    fills: Vec<GuestRange>,
     action: Action,
+}
+
+/// Where one write meets one cluster: the entry, the part written and the cluster's end
+/// (cut at the disk's end).
+struct Touch<'a> {
+    e: &'a RawEntry,
+    /// First byte written.
+    ws: GuestOffset,
+    /// One past the last byte written.
+    we: GuestOffset,
+    cluster_end: GuestOffset,
+}
+
+impl Touch<'_> {
+    fn plan(&self, fills: Vec<GuestRange>, action: Action) -> ClusterPlan {
+        ClusterPlan {
+            start: self.e.cluster,
+            fills,
+            action,
+        }
+    }
+
+    /// Everything of the cluster the write does not cover.
+    fn around(&self) -> Vec<GuestRange> {
+        vec![(self.e.cluster, self.ws), (self.we, self.cluster_end)]
+    }
 }
 
 impl<S: Storage + 'static> Image<S> {
@@ -90,9 +119,10 @@ impl<S: Storage + 'static> Inner<S> {
             Ok(a) => a.mapping_generation(),
             Err(e) => return (Err(e), buf),
         };
+        let offset = GuestOffset(offset);
         // Most writes land in clusters we own: try that under a shared lock first.
         let plans = {
-            let _shared = self.lock_range(offset, len, LockMode::Shared).await;
+            let _shared = self.lock_range(offset.0, len, LockMode::Shared).await;
             match self.plan(offset, len).await {
                 Err(e) => return (Err(e), buf),
                 Ok(plans)
@@ -105,20 +135,21 @@ impl<S: Storage + 'static> Inner<S> {
                 Ok(plans) => plans,
             }
         };
-        let _exclusive = self.lock_range(offset, len, LockMode::Exclusive).await;
+        let _exclusive = self.lock_range(offset.0, len, LockMode::Exclusive).await;
         // The plan holds unless some mapping changed while we waited for the lock; only then
         // is it made again.
         match self.alloc() {
             Ok(a) if a.mapping_generation() == generation => {
                 self.execute(offset, buf, &plans).await
             }
-            Ok(_) => self.write_unlocked(offset, buf).await,
+            Ok(_) => self.write_unlocked(offset.0, buf).await,
             Err(e) => (Err(e), buf),
         }
     }
 
     /// Writes with the caller holding an exclusive lock on the range (qcow2 layer 0 only).
     pub(crate) async fn write_unlocked(&self, offset: u64, buf: IoBuf) -> (Result<()>, IoBuf) {
+        let offset = GuestOffset(offset);
         match self.plan(offset, buf.len() as u64).await {
             Err(e) => (Err(e), buf),
             Ok(plans) => self.execute(offset, buf, &plans).await,
@@ -126,23 +157,26 @@ impl<S: Storage + 'static> Inner<S> {
     }
 
     /// Decides, cluster by cluster, how `[offset, offset + len)` is written.
-    async fn plan(&self, offset: u64, len: u64) -> Result<Vec<ClusterPlan>> {
+    async fn plan(&self, offset: GuestOffset, len: u64) -> Result<Vec<ClusterPlan>> {
         let top = self.chain.top();
         let meta = top.qcow2().expect("qcow2");
         let g = &meta.geom;
         let cs = g.cluster_size();
-        let size = top.size.get();
+        let disk_end = GuestOffset(top.size.get());
         let end = offset + len;
         let entries = self.alloc()?.l2_entries(offset, len).await?;
         let mut plans = Vec::with_capacity(entries.len());
-        for e in entries {
-            let ws = offset.max(e.cluster);
-            let we = end.min(e.cluster + cs);
-            let cluster_end = (e.cluster + cs).min(size);
+        for e in &entries {
+            let touch = Touch {
+                e,
+                ws: offset.max(e.cluster),
+                we: end.min(e.cluster + cs),
+                cluster_end: (e.cluster + cs).min(disk_end),
+            };
             let plan = if g.extended_l2() {
-                self.plan_extended(&e, ws, we, cluster_end)?
+                self.plan_extended(&touch)?
             } else {
-                self.plan_standard(&e, ws, we, cluster_end)?
+                self.plan_standard(&touch)?
             };
             plans.push(plan);
         }
@@ -156,158 +190,74 @@ impl<S: Storage + 'static> Inner<S> {
         }
     }
 
-    fn plan_standard(
-        &self,
-        e: &RawEntry,
-        ws: u64,
-        we: u64,
-        cluster_end: u64,
-    ) -> Result<ClusterPlan> {
+    fn plan_standard(&self, t: &Touch) -> Result<ClusterPlan> {
         let meta = self.chain.top().qcow2().expect("qcow2");
         let g = &meta.geom;
-        let index = g.l2_index(GuestOffset(e.cluster)) as u64;
-        let entry = L2Entry::decode(e.word, g, index, HostOffset(e.table))
-            .map_err(|s| self.decode_err(s))?;
-        let fills = vec![(e.cluster, ws), (we, cluster_end)];
-        let fill = |host, old| ClusterPlan {
-            start: e.cluster,
-            fills: fills.clone(),
-            action: Action::Fill {
-                host,
-                old,
-                alloc: 0,
-                zero: 0,
-            },
+        let e = t.e;
+        let index = g.l2_index(e.cluster) as u64;
+        let entry =
+            L2Entry::decode(e.word, g, index, e.table_offset()).map_err(|s| self.decode_err(s))?;
+        let fill = |host, old| {
+            t.plan(
+                t.around(),
+                Action::Fill {
+                    host,
+                    old,
+                    alloc: 0,
+                    zero: 0,
+                },
+            )
         };
         Ok(match entry {
             L2Entry::Normal { host, copied: true } => {
-                self.check_host(e, host.0)?;
-                ClusterPlan {
-                    start: e.cluster,
-                    fills: Vec::new(),
-                    action: Action::InPlace {
-                        host: host.0,
-                        set_alloc: 0,
-                    },
-                }
+                self.check_host(e, host)?;
+                t.plan(Vec::new(), Action::InPlace { host, set_alloc: 0 })
             }
             L2Entry::Normal {
                 host,
                 copied: false,
             } => {
-                self.check_host(e, host.0)?;
-                fill(None, Old::Shared { host: host.0 })
+                self.check_host(e, host)?;
+                fill(None, Old::Shared { host })
             }
             L2Entry::Zero {
                 preallocated: Some(h),
                 copied: true,
             } if meta.data_file.is_none() => {
-                self.check_host(e, h.0)?;
-                fill(Some(h.0), Old::Keep)
+                self.check_host(e, h)?;
+                fill(Some(h), Old::Keep)
             }
             L2Entry::Zero {
                 preallocated: Some(h),
                 copied: false,
-            } if meta.data_file.is_none() => fill(None, Old::Shared { host: h.0 }),
+            } if meta.data_file.is_none() => fill(None, Old::Shared { host: h }),
             L2Entry::Zero { .. } | L2Entry::Unallocated => fill(None, Old::Keep),
             L2Entry::Compressed(_) => fill(None, Old::Compressed { raw: e.word }),
         })
     }
 
-    fn plan_extended(
-        &self,
-        e: &RawEntry,
-        ws: u64,
-        we: u64,
-        cluster_end: u64,
-    ) -> Result<ClusterPlan> {
+    fn plan_extended(&self, t: &Touch) -> Result<ClusterPlan> {
         let meta = self.chain.top().qcow2().expect("qcow2");
         let g = &meta.geom;
-        let scs = g.subcluster_size();
-        let index = g.l2_index(GuestOffset(e.cluster)) as u64;
-        let x = ExtendedL2Entry::decode(e.word, e.bitmap, g, index, HostOffset(e.table))
+        let e = t.e;
+        let index = g.l2_index(e.cluster) as u64;
+        let x = ExtendedL2Entry::decode(e.word, e.bitmap, g, index, e.table_offset())
             .map_err(|s| self.decode_err(s))?;
-        let first = g.subcluster_index(GuestOffset(ws));
-        let last = g.subcluster_index(GuestOffset(we - 1));
-        let touched = subcluster_mask(first, last);
-        let head_start = ws - (ws - e.cluster) % scs;
-        let tail_end = (e.cluster + (u64::from(last) + 1) * scs).min(cluster_end);
-        // The parts of the first and last touched subclusters the write does not cover.
-        let partial = |need_head: bool, need_tail: bool| {
-            let mut v = Vec::new();
-            if need_head && head_start < ws {
-                v.push((head_start, ws));
-            }
-            if need_tail && we < tail_end {
-                v.push((we, tail_end));
-            }
-            v
-        };
-        let plan = |fills, action| ClusterPlan {
-            start: e.cluster,
-            fills,
-            action,
-        };
+        let sub = Subclusters::of(g, t);
         Ok(match x.entry {
             L2Entry::Normal { host, copied: true } => {
-                self.check_host(e, host.0)?;
-                let head_alloc = x.state(first) == SubclusterState::Allocated;
-                let tail_alloc = x.state(last) == SubclusterState::Allocated;
-                let fills = partial(!head_alloc, !tail_alloc);
-                if fills.is_empty() {
-                    plan(
-                        fills,
-                        Action::InPlace {
-                            host: host.0,
-                            set_alloc: touched & !x.alloc,
-                        },
-                    )
-                } else {
-                    plan(
-                        fills,
-                        Action::Fill {
-                            host: Some(host.0),
-                            old: Old::Keep,
-                            alloc: x.alloc | touched,
-                            zero: x.zero & !touched,
-                        },
-                    )
-                }
+                self.check_host(e, host)?;
+                sub.owned(t, &x, host)
             }
             L2Entry::Normal {
                 host,
                 copied: false,
             } => {
-                self.check_host(e, host.0)?;
-                // The copy keeps every subcluster the shared cluster had allocated.
-                let mut fills = partial(true, true);
-                let keep = x.alloc & !touched;
-                let mut sc = 0u32;
-                while sc < 32 {
-                    if keep & (1 << sc) != 0 {
-                        let run = (keep >> sc).trailing_ones();
-                        let s = e.cluster + u64::from(sc) * scs;
-                        let t = (e.cluster + u64::from(sc + run) * scs).min(cluster_end);
-                        if s < t {
-                            fills.push((s, t));
-                        }
-                        sc += run;
-                    } else {
-                        sc += 1;
-                    }
-                }
-                plan(
-                    fills,
-                    Action::Fill {
-                        host: None,
-                        old: Old::Shared { host: host.0 },
-                        alloc: x.alloc | touched,
-                        zero: x.zero & !touched,
-                    },
-                )
+                self.check_host(e, host)?;
+                sub.shared(t, &x, host)
             }
-            L2Entry::Compressed(_) => plan(
-                vec![(e.cluster, ws), (we, cluster_end)],
+            L2Entry::Compressed(_) => t.plan(
+                t.around(),
                 Action::Fill {
                     host: None,
                     old: Old::Compressed { raw: e.word },
@@ -315,32 +265,31 @@ impl<S: Storage + 'static> Inner<S> {
                     zero: 0,
                 },
             ),
-            L2Entry::Unallocated | L2Entry::Zero { .. } => plan(
-                partial(true, true),
+            L2Entry::Unallocated | L2Entry::Zero { .. } => t.plan(
+                sub.partial(t, true, true),
                 Action::Fill {
                     host: None,
                     old: Old::Keep,
-                    alloc: touched,
-                    zero: x.zero & !touched,
+                    alloc: sub.touched,
+                    zero: x.zero & !sub.touched,
                 },
             ),
         })
     }
 
     /// A data cluster we are about to write must be where the entry's table says it can be.
-    fn check_host(&self, e: &RawEntry, host: u64) -> Result<()> {
+    fn check_host(&self, e: &RawEntry, host: HostOffset) -> Result<()> {
         let meta = self.chain.top().qcow2().expect("qcow2");
+        let (table, cluster, host) = (e.table_offset().0, e.cluster.0, host.0);
         if meta.data_file.is_some() {
-            if host != e.cluster {
+            if host != cluster {
                 return Err(self.chain.top().corrupt(format!(
-                    "L2 table at {:#x}: guest cluster {:#x} maps to {host:#x} in the data file",
-                    e.table, e.cluster
+                    "L2 table at {table:#x}: guest cluster {cluster:#x} maps to {host:#x} in the data file"
                 )));
             }
         } else if host == 0 || host >= meta.file_end.get() {
             return Err(self.chain.top().corrupt(format!(
-                "L2 table at {:#x}: guest cluster {:#x} points to {host:#x}, past the end of the file",
-                e.table, e.cluster
+                "L2 table at {table:#x}: guest cluster {cluster:#x} points to {host:#x}, past the end of the file"
             )));
         }
         Ok(())
@@ -349,7 +298,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// Carries out a plan: one group of clusters at a time, data first, then the L2 entries.
     async fn execute(
         &self,
-        offset: u64,
+        offset: GuestOffset,
         mut buf: IoBuf,
         plans: &[ClusterPlan],
     ) -> (Result<()>, IoBuf) {
@@ -400,14 +349,13 @@ impl<S: Storage + 'static> Inner<S> {
     /// Writes the request bytes that fall in `[from, to)` of the guest to `host`.
     async fn write_data(
         &self,
-        offset: u64,
+        offset: GuestOffset,
         buf: IoBuf,
-        from: u64,
-        to: u64,
-        host: u64,
+        (from, to): GuestRange,
+        host: HostOffset,
     ) -> (Result<()>, IoBuf) {
         let checked = match self.alloc() {
-            Ok(a) => a.check_overlap(host, to - from).await,
+            Ok(a) => a.check_overlap(host.0, to - from).await,
             Err(e) => Err(e),
         };
         if let Err(e) = checked {
@@ -415,23 +363,23 @@ impl<S: Storage + 'static> Inner<S> {
         }
         let top = self.chain.top();
         let range = (from - offset) as usize..(to - offset) as usize;
-        let (res, slice) = top.data_storage().write_at(buf.slice(range), host).await;
+        let (res, slice) = top.data_storage().write_at(buf.slice(range), host.0).await;
         self.note_written(host + (to - from));
         (
-            res.map_err(|e| top.io_error("writing data", host, e)),
+            res.map_err(|e| top.io_error("writing data", host.0, e)),
             slice.into_inner(),
         )
     }
 
     /// Remembers how far the image file may hold data.
-    fn note_written(&self, end: u64) {
+    fn note_written(&self, end: HostOffset) {
         let top = self.chain.top();
         if top.qcow2().is_some_and(|m| m.data_file.is_some()) {
             return;
         }
         if let Some(w) = &self.alloc {
-            if end > w.physical_len.get() {
-                w.physical_len.set(end);
+            if end.0 > w.physical_len.get() {
+                w.physical_len.set(end.0);
             }
         }
     }
@@ -439,7 +387,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// Writes clusters we own in place, then marks newly written subclusters allocated.
     async fn in_place(
         &self,
-        offset: u64,
+        offset: GuestOffset,
         buf: IoBuf,
         plans: &[ClusterPlan],
     ) -> (Result<()>, IoBuf) {
@@ -452,7 +400,7 @@ impl<S: Storage + 'static> Inner<S> {
         let from = offset.max(first.start);
         let to = end.min(plans[plans.len() - 1].start + cs);
         let (res, buf) = self
-            .write_data(offset, buf, from, to, host + (from - first.start))
+            .write_data(offset, buf, (from, to), host + (from - first.start))
             .await;
         if let Err(e) = res {
             return (Err(e), buf);
@@ -472,12 +420,17 @@ impl<S: Storage + 'static> Inner<S> {
     }
 
     /// Sets allocation bits (clearing zero bits) of an entry we own, after its data landed.
-    async fn mark_subclusters(&self, cluster: u64, host: u64, bits: u32) -> Result<()> {
+    async fn mark_subclusters(
+        &self,
+        cluster: GuestOffset,
+        host: HostOffset,
+        bits: u32,
+    ) -> Result<()> {
         self.before_l2_update(false).await?;
         let (word, _) = self
             .alloc()?
             .update_l2_entry(cluster, |word, bitmap| {
-                if l2::host_of(word) != host {
+                if l2::host_of(word) != host.0 {
                     return None;
                 }
                 let (alloc, zero) = unpack_bitmap(bitmap);
@@ -485,11 +438,13 @@ impl<S: Storage + 'static> Inner<S> {
                 Some((word, pack_bitmap(alloc, zero & !alloc)))
             })
             .await?;
-        if l2::host_of(word) != host {
+        if l2::host_of(word) != host.0 {
             return Err(self
                 .mark_corrupt(format!(
-                    "L2 entry of guest cluster {cluster:#x} changed under a write ({:#x} != {host:#x})",
-                    l2::host_of(word)
+                    "L2 entry of guest cluster {:#x} changed under a write ({:#x} != {:#x})",
+                    cluster.0,
+                    l2::host_of(word),
+                    host.0
                 ))
                 .await);
         }
@@ -521,7 +476,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// clusters' references are released.
     async fn fill_run(
         &self,
-        offset: u64,
+        offset: GuestOffset,
         buf: IoBuf,
         plans: &[ClusterPlan],
     ) -> (Result<()>, IoBuf) {
@@ -544,7 +499,7 @@ impl<S: Storage + 'static> Inner<S> {
             let _g = w.meta_lock.lock().await;
             let mut last_l1 = None;
             for p in plans {
-                let l1i = g.l1_index(GuestOffset(p.start));
+                let l1i = g.l1_index(p.start);
                 if last_l1 != Some(l1i) {
                     w.l2_for_write(l1i).await?;
                     last_l1 = Some(l1i);
@@ -553,10 +508,11 @@ impl<S: Storage + 'static> Inner<S> {
             let fresh_from = w.physical_len.get();
             Ok::<_, EngineError>(match preset {
                 Some(h) => (h, false, false),
-                None if meta.data_file.is_some() => (first, false, false),
+                // The data file mirrors the guest's layout.
+                None if meta.data_file.is_some() => (HostOffset(first.0), false, false),
                 None => {
-                    let h = w.alloc_clusters(n).await?.0;
-                    (h, true, h >= fresh_from)
+                    let h = w.alloc_clusters(n).await?;
+                    (h, true, h.0 >= fresh_from)
                 }
             })
         };
@@ -568,7 +524,7 @@ impl<S: Storage + 'static> Inner<S> {
         if let Err(e) = res {
             if allocated {
                 let _g = w.meta_lock.lock().await;
-                if let Err(e2) = w.free_clusters(HostOffset(host), n, false).await {
+                if let Err(e2) = w.free_clusters(host, n, false).await {
                     tracing::warn!("could not release clusters after a failed write: {e2}");
                 }
             }
@@ -587,7 +543,7 @@ impl<S: Storage + 'static> Inner<S> {
                 } else {
                     0
                 };
-                w.set_l2_entry(p.start, l2::owned_word(h), bitmap).await?;
+                w.set_l2_entry(p.start, l2::owned_word(h.0), bitmap).await?;
             }
             // 3. Release what the entries no longer use.
             let _g = w.meta_lock.lock().await;
@@ -596,7 +552,7 @@ impl<S: Storage + 'static> Inner<S> {
                     Action::Fill {
                         old: Old::Shared { host },
                         ..
-                    } => w.free_clusters(HostOffset(host), 1, false).await?,
+                    } => w.free_clusters(host, 1, false).await?,
                     Action::Fill {
                         old: Old::Compressed { raw },
                         ..
@@ -613,10 +569,10 @@ impl<S: Storage + 'static> Inner<S> {
     /// Builds the bytes of a filling run (copies plus guest data) and writes them.
     async fn fill_and_write(
         &self,
-        offset: u64,
+        offset: GuestOffset,
         buf: IoBuf,
         plans: &[ClusterPlan],
-        host: u64,
+        host: HostOffset,
         fresh: bool,
     ) -> (Result<()>, IoBuf) {
         let cs = self.chain.top().qcow2().expect("qcow2").geom.cluster_size();
@@ -625,14 +581,14 @@ impl<S: Storage + 'static> Inner<S> {
         let data_from = offset.max(first);
         let data_to = end.min(plans[plans.len() - 1].start + cs);
         // What each fill reads as now; zeros need no copy into a fresh cluster.
-        let mut fills: Vec<(u64, u64, Vec<Piece>)> = Vec::new();
+        let mut fills: Vec<(GuestOffset, GuestOffset, Vec<Piece>)> = Vec::new();
         for p in plans {
             for &(s, t) in &p.fills {
                 if s >= t {
                     continue;
                 }
                 let mut pieces = Vec::new();
-                if let Err(e) = self.chain.resolve(s, t - s, 0, &mut pieces).await {
+                if let Err(e) = self.chain.resolve(s.0, t - s, 0, &mut pieces).await {
                     return (Err(e), buf);
                 }
                 if fresh && pieces.iter().all(|q| q.src == Source::Zero) {
@@ -643,7 +599,12 @@ impl<S: Storage + 'static> Inner<S> {
         }
         if fills.is_empty() {
             return self
-                .write_data(offset, buf, data_from, data_to, host + (data_from - first))
+                .write_data(
+                    offset,
+                    buf,
+                    (data_from, data_to),
+                    host + (data_from - first),
+                )
                 .await;
         }
         let span_from = fills
@@ -663,7 +624,7 @@ impl<S: Storage + 'static> Inner<S> {
         // concurrently, or as one request when little lies between them.
         fills.sort_by_key(|f| f.0);
         let pieces: Vec<Piece> = fills.iter().flat_map(|f| f.2.iter().copied()).collect();
-        if let Err(e) = self.fill(span_from, &pieces, &mut span).await {
+        if let Err(e) = self.fill(span_from.0, &pieces, &mut span).await {
             return (Err(e), buf);
         }
         span[(data_from - span_from) as usize..(data_to - span_from) as usize]
@@ -673,11 +634,105 @@ impl<S: Storage + 'static> Inner<S> {
             .write_data(
                 span_from,
                 span,
-                span_from,
-                span_from + len,
+                (span_from, span_from + len),
                 host + (span_from - first),
             )
             .await;
         (res, buf)
+    }
+}
+
+/// The subclusters one write touches in one cluster with extended L2 entries.
+struct Subclusters {
+    first: u32,
+    last: u32,
+    /// Bits of the touched subclusters.
+    touched: u32,
+    size: u64,
+    /// Start of the first touched subcluster.
+    head_start: GuestOffset,
+    /// End of the last touched subcluster (cut at the cluster's end).
+    tail_end: GuestOffset,
+}
+
+impl Subclusters {
+    fn of(g: &crate::format::Geometry, t: &Touch) -> Subclusters {
+        let size = g.subcluster_size();
+        let first = g.subcluster_index(t.ws);
+        let last = g.subcluster_index(GuestOffset(t.we.0 - 1));
+        Subclusters {
+            first,
+            last,
+            touched: subcluster_mask(first, last),
+            size,
+            head_start: GuestOffset(t.ws.0 - (t.ws - t.e.cluster) % size),
+            tail_end: (t.e.cluster + (u64::from(last) + 1) * size).min(t.cluster_end),
+        }
+    }
+
+    /// The parts of the first and last touched subclusters the write does not cover.
+    fn partial(&self, t: &Touch, need_head: bool, need_tail: bool) -> Vec<GuestRange> {
+        let mut v = Vec::new();
+        if need_head && self.head_start < t.ws {
+            v.push((self.head_start, t.ws));
+        }
+        if need_tail && t.we < self.tail_end {
+            v.push((t.we, self.tail_end));
+        }
+        v
+    }
+
+    /// A cluster we own: in place when the touched subclusters need no filling.
+    fn owned(&self, t: &Touch, x: &ExtendedL2Entry, host: HostOffset) -> ClusterPlan {
+        let head_alloc = x.state(self.first) == SubclusterState::Allocated;
+        let tail_alloc = x.state(self.last) == SubclusterState::Allocated;
+        let fills = self.partial(t, !head_alloc, !tail_alloc);
+        if fills.is_empty() {
+            return t.plan(
+                fills,
+                Action::InPlace {
+                    host,
+                    set_alloc: self.touched & !x.alloc,
+                },
+            );
+        }
+        t.plan(
+            fills,
+            Action::Fill {
+                host: Some(host),
+                old: Old::Keep,
+                alloc: x.alloc | self.touched,
+                zero: x.zero & !self.touched,
+            },
+        )
+    }
+
+    /// A cluster shared with a snapshot: the copy keeps every subcluster it had allocated.
+    fn shared(&self, t: &Touch, x: &ExtendedL2Entry, host: HostOffset) -> ClusterPlan {
+        let mut fills = self.partial(t, true, true);
+        let keep = x.alloc & !self.touched;
+        let mut sc = 0u32;
+        while sc < 32 {
+            if keep & (1 << sc) == 0 {
+                sc += 1;
+                continue;
+            }
+            let run = (keep >> sc).trailing_ones();
+            let s = t.e.cluster + u64::from(sc) * self.size;
+            let end = (t.e.cluster + u64::from(sc + run) * self.size).min(t.cluster_end);
+            if s < end {
+                fills.push((s, end));
+            }
+            sc += run;
+        }
+        t.plan(
+            fills,
+            Action::Fill {
+                host: None,
+                old: Old::Shared { host },
+                alloc: x.alloc | self.touched,
+                zero: x.zero & !self.touched,
+            },
+        )
     }
 }

@@ -60,14 +60,15 @@ impl<S: Storage + 'static> Inner<S> {
             return res;
         };
         let _guard = self.lock_range(offset, len, LockMode::Exclusive).await;
-        let e = self.alloc()?.l2_entries(offset, 1).await?[0];
+        let cluster = GuestOffset(offset);
+        let e = self.alloc()?.l2_entries(cluster, 1).await?[0];
         if e.word != 0 || unpack_bitmap(e.bitmap).0 != 0 {
             return Err(unsupported("a compressed write over an allocated cluster"));
         }
         let w = self.alloc()?;
         let host = {
             let _g = w.meta_lock.lock().await;
-            w.l2_for_write(g.l1_index(GuestOffset(offset))).await?;
+            w.l2_for_write(g.l1_index(cluster)).await?;
             w.alloc_bytes(packed.len() as u64).await?.0
         };
         let plen = packed.len() as u64;
@@ -102,6 +103,6 @@ impl<S: Storage + 'static> Inner<S> {
         if w.lazy_refcounts {
             w.mark_dirty().await?;
         }
-        w.set_l2_entry(offset, word, 0).await
+        w.set_l2_entry(cluster, word, 0).await
     }
 }

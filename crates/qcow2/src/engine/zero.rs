@@ -78,6 +78,7 @@ impl<S: Storage + 'static> Inner<S> {
             .await;
         let (mut explicit, ms, me) = self.split_zero_range(&z, offset, end).await?;
         // Partial clusters of a compressed cluster cannot take zero bits.
+        let (ms, me) = (GuestOffset(ms), GuestOffset(me));
         let entries = if ms < me {
             self.alloc()?.l2_entries(ms, me - ms).await?
         } else {
@@ -87,9 +88,9 @@ impl<S: Storage + 'static> Inner<S> {
         let mut meta_ranges = Vec::new();
         for e in &entries {
             let (a, b) = (ms.max(e.cluster), me.min(e.cluster + cs));
-            let whole = a == e.cluster && (b == e.cluster + cs || b == z.size);
+            let whole = a == e.cluster && (b == e.cluster + cs || b.0 == z.size);
             if !whole && l2::is_compressed(e.word) {
-                explicit.push((a, b));
+                explicit.push((a.0, b.0));
             } else {
                 meta_ranges.push((e.cluster, a, b, whole));
             }
@@ -166,9 +167,9 @@ impl<S: Storage + 'static> Inner<S> {
     async fn zero_in_metadata(
         &self,
         z: &Zeroing,
-        cluster: u64,
-        a: u64,
-        b: u64,
+        cluster: GuestOffset,
+        a: GuestOffset,
+        b: GuestOffset,
         whole: bool,
     ) -> Result<()> {
         let w = self.alloc()?;
@@ -178,7 +179,7 @@ impl<S: Storage + 'static> Inner<S> {
         let has_host = l2::host_of(e.word) != 0;
         let compressed = l2::is_compressed(e.word);
         let unmap = whole && (compressed || (z.may_unmap && has_host));
-        let (word, bitmap) = z.zeroed_entry(e.word, e.bitmap, a, b, whole, unmap);
+        let (word, bitmap) = z.zeroed_entry(e.word, e.bitmap, a.0, b.0, whole, unmap);
         // What nobody allocated and no backing file shows already reads as zeros: leave
         // it (QEMU would write a zero flag, creating L2 tables for nothing).
         let reads_zero_already =
@@ -188,8 +189,7 @@ impl<S: Storage + 'static> Inner<S> {
         }
         {
             let _g = w.meta_lock.lock().await;
-            w.l2_for_write(z.geom.l1_index(GuestOffset(e.cluster)))
-                .await?;
+            w.l2_for_write(z.geom.l1_index(e.cluster)).await?;
         }
         if w.lazy_refcounts {
             w.mark_dirty().await?;

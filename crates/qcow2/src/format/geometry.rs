@@ -20,6 +20,29 @@ pub struct GuestCluster(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct HostCluster(pub u64);
 
+/// Byte arithmetic on offsets: an offset plus a length is an offset of the same space, and
+/// the distance between two offsets of one space is a length. Offsets of different spaces
+/// (guest and host) cannot be subtracted from each other.
+macro_rules! offset_arithmetic {
+    ($t:ident) => {
+        impl std::ops::Add<u64> for $t {
+            type Output = $t;
+            fn add(self, bytes: u64) -> $t {
+                $t(self.0 + bytes)
+            }
+        }
+
+        impl std::ops::Sub for $t {
+            type Output = u64;
+            fn sub(self, earlier: $t) -> u64 {
+                self.0 - earlier.0
+            }
+        }
+    };
+}
+offset_arithmetic!(GuestOffset);
+offset_arithmetic!(HostOffset);
+
 /// The shape of an image: cluster and subcluster sizes, L2 and refcount block layouts. Built
 /// once from validated header fields; every method is then total (no overflow possible).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

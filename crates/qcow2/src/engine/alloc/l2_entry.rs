@@ -4,27 +4,34 @@
 use super::Allocator;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::metacache::L2Key;
-use crate::format::{l2, GuestOffset};
+use crate::format::{l2, GuestOffset, HostOffset};
 use storage::Storage;
 
 /// One L2 entry of layer 0: the guest cluster it maps and its raw words.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct RawEntry {
     /// Guest offset of the cluster's first byte.
-    pub cluster: u64,
+    pub cluster: GuestOffset,
     /// First word (descriptor and flags).
     pub word: u64,
     /// Subcluster bitmap (0 without extended L2 entries).
     pub bitmap: u64,
-    /// The L2 table holding it (0 when the L1 entry is empty).
-    pub table: u64,
+    /// The L2 table holding it (`None` when the L1 entry is empty).
+    pub table: Option<HostOffset>,
+}
+
+impl RawEntry {
+    /// Where the entry lives, for messages and decode errors (0 when it has no table).
+    pub fn table_offset(&self) -> HostOffset {
+        self.table.unwrap_or_default()
+    }
 }
 
 impl<S: Storage + 'static> Allocator<S> {
-    fn l2_key(&self, table: u64, cluster: u64) -> (L2Key, usize) {
+    fn l2_key(&self, table: u64, cluster: GuestOffset) -> (L2Key, usize) {
         let g = self.meta().geom;
         let per_slice = self.l2.entry_size() as u64 / g.l2_entry_size();
-        let index = g.l2_index(GuestOffset(cluster)) as u64;
+        let index = g.l2_index(cluster) as u64;
         (
             L2Key {
                 layer: 0,
@@ -43,7 +50,7 @@ impl<S: Storage + 'static> Allocator<S> {
     }
 
     /// The raw L2 entries of layer 0 for every cluster touching `[offset, offset + len)`.
-    pub(crate) async fn l2_entries(&self, offset: u64, len: u64) -> Result<Vec<RawEntry>> {
+    pub(crate) async fn l2_entries(&self, offset: GuestOffset, len: u64) -> Result<Vec<RawEntry>> {
         let meta = self.meta();
         let g = &meta.geom;
         let cs = g.cluster_size();
@@ -52,20 +59,19 @@ impl<S: Storage + 'static> Allocator<S> {
         if len == 0 {
             return Ok(out);
         }
-        let mut c = offset - offset % cs;
+        let mut c = GuestOffset(g.align_down(offset.0));
         let end = offset + len;
         while c < end {
-            let table = meta.l2_table(g.l1_index(GuestOffset(c))).unwrap_or(0);
-            if table == 0 {
+            let Some(table) = meta.l2_table(g.l1_index(c)) else {
                 out.push(RawEntry {
                     cluster: c,
                     word: 0,
                     bitmap: 0,
-                    table: 0,
+                    table: None,
                 });
-                c += cs;
+                c = c + cs;
                 continue;
-            }
+            };
             // Every entry of this slice that the range needs, in one cache access.
             let (key, first) = self.l2_key(table, c);
             let per_slice = self.l2.entry_size() as u64 / g.l2_entry_size();
@@ -83,7 +89,7 @@ impl<S: Storage + 'static> Allocator<S> {
                                 cluster: base + i * cs,
                                 word,
                                 bitmap,
-                                table,
+                                table: Some(HostOffset(table)),
                             }
                         })
                         .collect::<Vec<_>>()
@@ -91,14 +97,19 @@ impl<S: Storage + 'static> Allocator<S> {
                 .await
                 .map_err(|e| self.l2_cache_err(e))?;
             out.extend(got);
-            c += n * cs;
+            c = c + n * cs;
         }
         Ok(out)
     }
 
     /// Stores an L2 entry of layer 0; its table must already be writable (COPIED). The caller
     /// has set the cache dependencies that order this entry after what it points to.
-    pub(crate) async fn set_l2_entry(&self, cluster: u64, word: u64, bitmap: u64) -> Result<()> {
+    pub(crate) async fn set_l2_entry(
+        &self,
+        cluster: GuestOffset,
+        word: u64,
+        bitmap: u64,
+    ) -> Result<()> {
         self.update_l2_entry(cluster, |_, _| Some((word, bitmap)))
             .await
             .map(|_| ())
@@ -109,19 +120,18 @@ impl<S: Storage + 'static> Allocator<S> {
     /// words and returns the new ones (`None`: leave it). Returns the words `f` saw.
     pub(crate) async fn update_l2_entry(
         &self,
-        cluster: u64,
+        cluster: GuestOffset,
         f: impl FnOnce(u64, u64) -> Option<(u64, u64)>,
     ) -> Result<(u64, u64)> {
         let meta = self.meta();
         let g = &meta.geom;
         let ext = g.extended_l2();
-        let table = meta
-            .l2_table(g.l1_index(GuestOffset(cluster)))
-            .ok_or_else(|| {
-                self.top().corrupt(format!(
-                    "no L2 table for guest cluster {cluster:#x} after allocating one"
-                ))
-            })?;
+        let table = meta.l2_table(g.l1_index(cluster)).ok_or_else(|| {
+            self.top().corrupt(format!(
+                "no L2 table for guest cluster {:#x} after allocating one",
+                cluster.0
+            ))
+        })?;
         let (key, idx) = self.l2_key(table, cluster);
         let seen = self
             .l2
@@ -137,7 +147,8 @@ impl<S: Storage + 'static> Allocator<S> {
             .map_err(|e| self.l2_cache_err(e))?;
         seen.ok_or_else(|| {
             self.top().corrupt(format!(
-                "L2 entry for guest cluster {cluster:#x} is outside its slice"
+                "L2 entry for guest cluster {:#x} is outside its slice",
+                cluster.0
             ))
         })
     }
