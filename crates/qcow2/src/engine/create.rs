@@ -163,49 +163,85 @@ fn feature_table() -> FeatureNameTable {
     }
 }
 
-/// Writes a new, empty image into `file` (which should be empty).
-pub async fn create<S: Storage + 'static>(file: &S, opts: &CreateOptions) -> Result<()> {
-    let (cluster_bits, refcount_order) = opts.validate()?;
-    let size = opts.size.div_ceil(512) * 512;
-    let cs = opts.cluster_size;
-    let geom =
-        Geometry::new(cluster_bits, opts.extended_l2, refcount_order, size).map_err(|source| {
-            EngineError::Format {
-                image: "new image".into(),
-                source,
-            }
-        })?;
-    let l1_entries = geom.l1_entries_needed();
-    if l1_entries * 8 > limits::MAX_L1_SIZE_BYTES {
-        return Err(invalid(format!(
-            "a virtual size of {size} bytes with {cs}-byte clusters (the L1 table would exceed 32 MiB)"
-        )));
-    }
-    let l1_clusters = (l1_entries * 8).div_ceil(cs).max(1);
-    let epb = geom.refcount_block_entries();
-    // Header, refcount table, refcount blocks and L1 table, with enough blocks for all of them.
-    let (mut rt, mut rb) = (1u64, 1u64);
-    loop {
-        let total = 1 + rt + rb + l1_clusters;
-        let need_rb = total.div_ceil(epb);
-        let need_rt = (need_rb * 8).div_ceil(cs);
-        if need_rb <= rb && need_rt <= rt {
-            break;
-        }
-        rb = rb.max(need_rb);
-        rt = rt.max(need_rt);
-    }
-    let total = 1 + rt + rb + l1_clusters;
-    let reftable_off = cs;
-    let refblock_off = (1 + rt) * cs;
-    let l1_off = (1 + rt + rb) * cs;
+/// Where a new image's first clusters go: the header, the refcount table, the refcount
+/// blocks covering all of them, then the L1 table.
+struct Layout {
+    cluster_size: u64,
+    l1_entries: u64,
+    /// Refcount table clusters.
+    rt: u64,
+    /// Refcount blocks.
+    rb: u64,
+    /// Clusters of all the metadata (the L1 table included).
+    total: u64,
+}
 
-    let mut h = Header::new(opts.version, cluster_bits, size);
+impl Layout {
+    fn plan(geom: &Geometry) -> Result<Layout> {
+        let cs = geom.cluster_size();
+        let l1_entries = geom.l1_entries_needed();
+        if l1_entries * 8 > limits::MAX_L1_SIZE_BYTES {
+            return Err(invalid(format!(
+                "a virtual size of {} bytes with {cs}-byte clusters (the L1 table would exceed 32 MiB)",
+                geom.virtual_size()
+            )));
+        }
+        let l1_clusters = (l1_entries * 8).div_ceil(cs).max(1);
+        let epb = geom.refcount_block_entries();
+        // Enough blocks to count the blocks themselves and the table that points to them.
+        let (mut rt, mut rb) = (1u64, 1u64);
+        loop {
+            let total = 1 + rt + rb + l1_clusters;
+            let need_rb = total.div_ceil(epb);
+            let need_rt = (need_rb * 8).div_ceil(cs);
+            if need_rb <= rb && need_rt <= rt {
+                break;
+            }
+            rb = rb.max(need_rb);
+            rt = rt.max(need_rt);
+        }
+        Ok(Layout {
+            cluster_size: cs,
+            l1_entries,
+            rt,
+            rb,
+            total: 1 + rt + rb + l1_clusters,
+        })
+    }
+
+    fn reftable_offset(&self) -> u64 {
+        self.cluster_size
+    }
+
+    fn refblock_offset(&self) -> u64 {
+        (1 + self.rt) * self.cluster_size
+    }
+
+    fn l1_offset(&self) -> u64 {
+        (1 + self.rt + self.rb) * self.cluster_size
+    }
+}
+
+fn new_image_format_error(source: crate::format::FormatError) -> EngineError {
+    EngineError::Format {
+        image: "new image".into(),
+        source,
+    }
+}
+
+/// The header of a new image laid out as `layout` says.
+fn new_header(
+    opts: &CreateOptions,
+    geom: &Geometry,
+    refcount_order: u32,
+    layout: &Layout,
+) -> Result<Header> {
+    let mut h = Header::new(opts.version, geom.cluster_bits(), geom.virtual_size());
     h.refcount_order = refcount_order;
-    h.l1_size = u32::try_from(l1_entries).map_err(|_| invalid("an L1 table that large"))?;
-    h.l1_table_offset = l1_off;
-    h.refcount_table_offset = reftable_off;
-    h.refcount_table_clusters = rt as u32;
+    h.l1_size = u32::try_from(layout.l1_entries).map_err(|_| invalid("an L1 table that large"))?;
+    h.l1_table_offset = layout.l1_offset();
+    h.refcount_table_offset = layout.reftable_offset();
+    h.refcount_table_clusters = layout.rt as u32;
     if opts.version >= 3 {
         if opts.extended_l2 {
             h.incompatible_features |= INCOMPAT_EXTENDED_L2;
@@ -231,32 +267,41 @@ pub async fn create<S: Storage + 'static>(file: &S, opts: &CreateOptions) -> Res
         h.extensions
             .push(HeaderExtension::FeatureNameTable(feature_table()));
     }
-    let fmt_err = |source| EngineError::Format {
-        image: "new image".into(),
-        source,
-    };
-    // Like QEMU, leave the (optional) feature name table out when it does not fit.
-    let header = match h.encode(cs) {
-        Ok(bytes) => bytes,
-        Err(_)
-            if h.extensions
-                .iter()
-                .any(|e| matches!(e, HeaderExtension::FeatureNameTable(_))) =>
-        {
-            h.extensions
-                .retain(|e| !matches!(e, HeaderExtension::FeatureNameTable(_)));
-            h.encode(cs).map_err(fmt_err)?
-        }
-        Err(e) => return Err(fmt_err(e)),
-    };
+    Ok(h)
+}
 
-    let mut meta = vec![0u8; ((1 + rt + rb) * cs) as usize];
-    meta[..header.len()].copy_from_slice(&header);
-    for j in 0..rb {
+/// Encodes the header; like QEMU, leaves the (optional) feature name table out when it does
+/// not fit in the first cluster.
+fn encode_header(mut h: Header, cs: u64) -> Result<Vec<u8>> {
+    let is_names = |e: &HeaderExtension| matches!(e, HeaderExtension::FeatureNameTable(_));
+    match h.encode(cs) {
+        Ok(bytes) => Ok(bytes),
+        Err(_) if h.extensions.iter().any(is_names) => {
+            h.extensions.retain(|e| !is_names(e));
+            h.encode(cs).map_err(new_image_format_error)
+        }
+        Err(e) => Err(new_image_format_error(e)),
+    }
+}
+
+/// The header cluster, the refcount table and the refcount blocks, every metadata cluster
+/// counted once.
+fn first_clusters(
+    header: &[u8],
+    layout: &Layout,
+    geom: &Geometry,
+    refcount_order: u32,
+) -> Result<Vec<u8>> {
+    let cs = layout.cluster_size;
+    let epb = geom.refcount_block_entries();
+    let (reftable_off, refblock_off) = (layout.reftable_offset(), layout.refblock_offset());
+    let mut meta = vec![0u8; ((1 + layout.rt + layout.rb) * cs) as usize];
+    meta[..header.len()].copy_from_slice(header);
+    for j in 0..layout.rb {
         let entry = (reftable_off + j * 8) as usize;
         meta[entry..entry + 8].copy_from_slice(&(refblock_off + j * cs).to_be_bytes());
     }
-    for c in 0..total {
+    for c in 0..layout.total {
         let block = (refblock_off + (c / epb) * cs) as usize;
         refcount::set(
             &mut meta[block..block + cs as usize],
@@ -264,8 +309,21 @@ pub async fn create<S: Storage + 'static>(file: &S, opts: &CreateOptions) -> Res
             (c % epb) as usize,
             1,
         )
-        .map_err(fmt_err)?;
+        .map_err(new_image_format_error)?;
     }
+    Ok(meta)
+}
+
+/// Writes a new, empty image into `file` (which should be empty).
+pub async fn create<S: Storage + 'static>(file: &S, opts: &CreateOptions) -> Result<()> {
+    let (cluster_bits, refcount_order) = opts.validate()?;
+    let size = opts.size.div_ceil(512) * 512;
+    let geom = Geometry::new(cluster_bits, opts.extended_l2, refcount_order, size)
+        .map_err(new_image_format_error)?;
+    let layout = Layout::plan(&geom)?;
+    let header = new_header(opts, &geom, refcount_order, &layout)?;
+    let header = encode_header(header, layout.cluster_size)?;
+    let meta = first_clusters(&header, &layout, &geom, refcount_order)?;
     let io = |what: &'static str, offset: u64| {
         move |source| EngineError::Io {
             image: "new image".into(),
@@ -278,7 +336,8 @@ pub async fn create<S: Storage + 'static>(file: &S, opts: &CreateOptions) -> Res
     let (res, _) = file.write_at(IoBuf::from_slice(&meta).into(), 0).await;
     res.map_err(io("writing the metadata", 0))?;
     // The L1 table is all zeros: the file just has to reach its end, as QEMU leaves it.
-    file.set_len(l1_off + l1_entries * 8)
+    let l1_off = layout.l1_offset();
+    file.set_len(l1_off + layout.l1_entries * 8)
         .await
         .map_err(io("sizing the file", l1_off))?;
     file.flush().await.map_err(io("flushing", 0))?;
