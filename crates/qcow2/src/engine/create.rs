@@ -12,7 +12,7 @@ use crate::format::features::{
     known_feature_name, FeatureKind, COMPAT_LAZY_REFCOUNTS, INCOMPAT_COMPRESSION,
     INCOMPAT_EXTENDED_L2,
 };
-use crate::format::{limits, refcount, Geometry, Header, HeaderExtension};
+use crate::format::{be, limits, refcount, Geometry, Header, HeaderExtension};
 use storage::{IoBuf, Opener, Storage};
 
 /// How much of the disk to allocate up front (`preallocation=`).
@@ -299,7 +299,7 @@ fn first_clusters(
     meta[..header.len()].copy_from_slice(header);
     for j in 0..layout.rb {
         let entry = (reftable_off + j * 8) as usize;
-        meta[entry..entry + 8].copy_from_slice(&(refblock_off + j * cs).to_be_bytes());
+        meta[entry..entry + 8].copy_from_slice(&be::word_bytes(refblock_off + j * cs));
     }
     for c in 0..layout.total {
         let block = (refblock_off + (c / epb) * cs) as usize;

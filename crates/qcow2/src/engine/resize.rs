@@ -8,7 +8,7 @@
 use super::alloc::overlap::MetaKind;
 use super::error::{EngineError, Result};
 use super::image::{Image, Inner};
-use crate::format::{header, limits, Geometry, HostOffset};
+use crate::format::{be, header, limits, Geometry, HostOffset};
 use storage::Storage;
 
 impl<S: Storage + 'static> Image<S> {
@@ -91,10 +91,7 @@ impl<S: Storage + 'static> Inner<S> {
                 image: top.name.clone(),
                 source,
             })?;
-        let mut table = vec![0u8; (clusters * cs) as usize];
-        for (i, e) in old.iter().enumerate() {
-            table[i * 8..i * 8 + 8].copy_from_slice(&e.to_be_bytes());
-        }
+        let table = be::table_bytes(&old, (clusters * cs) as usize);
         w.write_meta("writing the L1 table", new_off, &table)
             .await?;
         w.sync().await?;

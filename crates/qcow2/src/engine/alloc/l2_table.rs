@@ -9,7 +9,7 @@ use super::Allocator;
 use crate::engine::error::Result;
 use crate::engine::metacache::L2Key;
 use crate::format::l1::{L1_COPIED, L1_OFFSET_MASK};
-use crate::format::HostOffset;
+use crate::format::{be, HostOffset};
 use storage::{IoBuf, Storage};
 
 impl<S: Storage + 'static> Allocator<S> {
@@ -70,7 +70,7 @@ impl<S: Storage + 'static> Allocator<S> {
         self.write_meta(
             "updating the L1 table",
             meta.l1_offset.get() + l1i * 8,
-            &entry.to_be_bytes(),
+            &be::word_bytes(entry),
         )
         .await?;
         if old != 0 {

@@ -39,9 +39,6 @@ pub(crate) struct Allocator<S: Storage + 'static> {
     pub refcounts: Rc<RefcountCache<S>>,
     /// The refcount table: block offset per entry (0 = no block).
     pub reftable: RefCell<Vec<u64>>,
-    /// Where the refcount table lives and how many clusters it has.
-    pub reftable_offset: Cell<u64>,
-    pub reftable_clusters: Cell<u64>,
     /// First cluster index worth looking at for a free cluster.
     pub free_hint: Cell<HostCluster>,
     /// Bytes of the file that may hold non-zero data; clusters allocated past it read as
@@ -80,7 +77,6 @@ impl<S: Storage + 'static> Allocator<S> {
         // A copy: the header must not stay borrowed across the reads below.
         let h = meta.header.borrow().clone();
         let cs = meta.geom.cluster_size();
-        let reftable_clusters = u64::from(h.refcount_table_clusters);
         let mut index = MetaIndex::default();
         let reftable = read_reftable(layer, meta, &h, &mut index).await?;
         index_tables(meta, &h, &mut index);
@@ -103,8 +99,6 @@ impl<S: Storage + 'static> Allocator<S> {
             l2: l2.clone(),
             refcounts: Rc::new(refcounts),
             reftable: RefCell::new(reftable),
-            reftable_offset: Cell::new(h.refcount_table_offset),
-            reftable_clusters: Cell::new(reftable_clusters),
             free_hint: Cell::new(HostCluster(0)),
             physical_len: Cell::new(meta.file_end.get()),
             meta_lock: tokio::sync::Mutex::new(()),

@@ -15,7 +15,7 @@
 use super::overlap::MetaKind;
 use super::Allocator;
 use crate::engine::error::{EngineError, Result};
-use crate::format::{header, limits, refcount, HostCluster, HostOffset};
+use crate::format::{be, header, limits, refcount, HostCluster, HostOffset};
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
@@ -306,10 +306,11 @@ impl<S: Storage + 'static> Allocator<S> {
                 .await?;
             self.sync().await?;
             self.note_allocated_end(block_off + cs);
+            let table_offset = self.meta().header.borrow().refcount_table_offset;
             self.write_meta(
                 "updating the refcount table",
-                self.reftable_offset.get() + ti * 8,
-                &block_off.to_be_bytes(),
+                table_offset + ti * 8,
+                &be::word_bytes(block_off),
             )
             .await?;
             self.sync().await?;
@@ -377,10 +378,7 @@ impl<S: Storage + 'static> Allocator<S> {
         for j in 0..blocks {
             table[(first_index + j) as usize] = (area + j) * cs;
         }
-        let mut bytes = Vec::with_capacity((table_clusters * cs) as usize);
-        for &e in &table {
-            bytes.extend_from_slice(&e.to_be_bytes());
-        }
+        let bytes = be::table_bytes(&table, (table_clusters * cs) as usize);
         let table_off = (area + blocks) * cs;
         self.write_meta("writing the refcount table", table_off, &bytes)
             .await?;
@@ -390,13 +388,14 @@ impl<S: Storage + 'static> Allocator<S> {
         self.update_header(header::reftable_update(table_off, table_clusters as u32))
             .await?;
         self.sync().await?;
-        let old_off = self.reftable_offset.replace(table_off);
-        let old_clusters = self.reftable_clusters.replace(table_clusters);
-        {
+        // The header in memory is the one record of where the table lives.
+        let (old_off, old_clusters) = {
             let mut h = meta.header.borrow_mut();
+            let old = (h.refcount_table_offset, h.refcount_table_clusters);
             h.refcount_table_offset = table_off;
             h.refcount_table_clusters = table_clusters as u32;
-        }
+            old
+        };
         *self.reftable.borrow_mut() = table;
         {
             let mut m = self.meta.borrow_mut();
@@ -406,7 +405,7 @@ impl<S: Storage + 'static> Allocator<S> {
                 m.insert((area + j) * cs, cs, MetaKind::RefcountBlock);
             }
         }
-        self.free_clusters(HostOffset(old_off), old_clusters, false)
+        self.free_clusters(HostOffset(old_off), u64::from(old_clusters), false)
             .await
     }
 

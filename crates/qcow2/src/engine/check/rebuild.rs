@@ -12,11 +12,8 @@ use super::error::CheckError;
 use super::imrt::Imrt;
 use super::io;
 use super::pass::Pass;
-use crate::format::{limits, refcount};
+use crate::format::{be, header, limits, refcount};
 use storage::Storage;
-
-/// Byte offset of `refcount_table_offset` (followed by `refcount_table_clusters`).
-const REFTABLE_FIELDS: u64 = 48;
 
 impl<S: Storage> Pass<'_, S> {
     /// Writes a new refcount structure describing `imrt` (which gains the clusters it uses)
@@ -37,7 +34,7 @@ impl<S: Storage> Pass<'_, S> {
                 break (start * cs, clusters);
             }
         };
-        let bytes: Vec<u8> = table.iter().flat_map(|e| e.to_be_bytes()).collect();
+        let bytes = be::table_bytes(&table, table.len() * 8);
         self.guarded_write("writing the refcount table", table_offset, &bytes, &[])
             .await?;
         // Everything the new table describes must be on disk before the header uses it.
@@ -46,14 +43,10 @@ impl<S: Storage> Pass<'_, S> {
             u32::try_from(table_clusters).map_err(|_| CheckError::RebuildTooLarge {
                 entries: table.len() as u64,
             })?;
-        let mut fields = [0u8; 12];
-        fields[..8].copy_from_slice(&table_offset.to_be_bytes());
-        fields[8..].copy_from_slice(&clusters32.to_be_bytes());
-        io::write(
+        io::write_header(
             self.file,
             "switching the header to the new refcount table",
-            REFTABLE_FIELDS,
-            &fields,
+            header::reftable_update(table_offset, clusters32),
         )
         .await?;
         io::flush(self.file).await?;
