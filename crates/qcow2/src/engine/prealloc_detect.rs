@@ -8,7 +8,8 @@
 
 use super::image::Inner;
 use super::layer::Layer;
-use crate::format::refcount;
+use crate::format::{refcount, Structure};
+use crate::metadata::{Loader, StorageSource, Strictness, REFCOUNT_TABLE};
 use storage::Storage;
 
 impl<S: Storage + 'static> Inner<S> {
@@ -45,17 +46,15 @@ impl<S: Storage + 'static> Inner<S> {
             Some(w) => w.reftable.borrow().clone(),
             None => {
                 let h = meta.header.borrow().clone();
-                let len = usize::try_from(u64::from(h.refcount_table_clusters) * cs).ok()?;
-                let bytes = layer
-                    .read_file("reading the refcount table", h.refcount_table_offset, len)
+                let len = u64::from(h.refcount_table_clusters) * cs;
+                let src = StorageSource::new(&layer.file, meta.file_end.get());
+                let offset = h.refcount_table_offset;
+                Loader::new(&src, Strictness::Open)
+                    .table(Structure::RefcountTable, REFCOUNT_TABLE, offset, len)
                     .await
-                    .ok()?;
-                bytes
-                    .chunks_exact(8)
-                    .map(|c| {
-                        u64::from_be_bytes(c.try_into().expect("8 bytes"))
-                            & !refcount::REFTABLE_RESERVED_MASK
-                    })
+                    .ok()?
+                    .into_iter()
+                    .map(|w| w & !refcount::REFTABLE_RESERVED_MASK)
                     .collect()
             }
         };

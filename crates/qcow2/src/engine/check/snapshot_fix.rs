@@ -14,11 +14,9 @@ use super::imrt::Imrt;
 use super::io;
 use super::ondisk::Refblocks;
 use super::pass::{Fix, Pass};
-use crate::format::limits;
+use crate::format::{header, limits};
 use storage::Storage;
 
-/// Byte offset of `nb_snapshots` (followed by `snapshots_offset`).
-const SNAPSHOT_FIELDS: u64 = 60;
 /// Extra data QEMU writes for every snapshot at least: VM state size, disk size, icount.
 const KNOWN_EXTRA_DATA: usize = 24;
 
@@ -156,14 +154,12 @@ impl<S: Storage> Pass<'_, S> {
         offset: u64,
         size: u64,
     ) -> Result<(), CheckError> {
-        let mut fields = [0u8; 12];
-        fields[..4].copy_from_slice(&(self.meta.snapshots.len() as u32).to_be_bytes());
-        fields[4..].copy_from_slice(&offset.to_be_bytes());
-        io::write(
+        // At most 65536 snapshots were read.
+        let count = self.meta.snapshots.len() as u32;
+        io::write_header(
             self.file,
             "switching the header to the new snapshot table",
-            SNAPSHOT_FIELDS,
-            &fields,
+            header::snapshots_update(count, offset),
         )
         .await?;
         io::flush(self.file).await?;
