@@ -220,3 +220,40 @@ pub fn nbdinfo(args: &[&str]) -> String {
         Command::new(require("nbdinfo", "libnbd-bin")).args(args),
     ))
 }
+
+/// The extents of `nbdinfo --map=CONTEXT ...` output: `(offset, length, value)` in order.
+pub fn parse_nbdinfo_map(map: &str) -> Vec<(u64, u64, u32)> {
+    map.lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (o, n, v) = (f.next()?, f.next()?, f.next()?);
+            Some((o.parse().ok()?, n.parse().ok()?, v.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The dirty ranges of persistent bitmap `bitmap` of `image`, as QEMU sees them: qemu-nbd
+/// exports it read-only with `-B` and nbdinfo maps its `qemu:dirty-bitmap:` context.
+pub fn qemu_dirty_ranges(image: &Path, bitmap: &str) -> Vec<(u64, u64)> {
+    let context = format!("--map=qemu:dirty-bitmap:{bitmap}");
+    let qemu_nbd = require("qemu-nbd", "qemu-utils");
+    let image = image.to_str().expect("UTF-8 path");
+    let map = nbdinfo(&[
+        &context,
+        "--",
+        "[",
+        qemu_nbd.to_str().expect("UTF-8 path"),
+        "-r",
+        "-B",
+        bitmap,
+        "-f",
+        "qcow2",
+        image,
+        "]",
+    ]);
+    parse_nbdinfo_map(&map)
+        .into_iter()
+        .filter(|e| e.2 & 1 != 0)
+        .map(|(o, n, _)| (o, n))
+        .collect()
+}

@@ -21,6 +21,8 @@ impl<S: Storage + 'static> Inner<S> {
     pub(crate) async fn discard(&self, offset: u64, len: u64) -> Result<()> {
         self.check_writable()?;
         self.check_range(offset, len)?;
+        // The whole request, as QEMU marks it, even the parts that stay as they were.
+        self.track(offset, len);
         let top = self.chain.top();
         let Some(meta) = top.qcow2() else {
             let punch = self.discard_passthrough;

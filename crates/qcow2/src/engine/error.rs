@@ -1,6 +1,7 @@
 //! The engine's error type: what went wrong and where, convertible to an errno at the edges.
 
 use super::backing_name::BackingError;
+use super::bitmaps::BitmapError;
 use super::compress::CompressError;
 use crate::format::FormatError;
 use crate::metadata::MetadataError;
@@ -74,6 +75,15 @@ pub enum EngineError {
         len: u64,
         /// Virtual disk size.
         size: u64,
+    },
+    /// A persistent bitmap operation was refused.
+    #[error("{image}: {source}")]
+    Bitmap {
+        /// The image.
+        image: String,
+        /// Why.
+        #[source]
+        source: BitmapError,
     },
     /// A feature or combination we do not implement (refused, never half-done).
     #[error("{image}: {what} is not supported")]
@@ -170,7 +180,7 @@ impl EngineError {
     pub fn errno(&self) -> i32 {
         match self {
             EngineError::ReadOnly { .. } => libc_errno::EPERM,
-            EngineError::OutOfRange { .. } => libc_errno::EINVAL,
+            EngineError::OutOfRange { .. } | EngineError::Bitmap { .. } => libc_errno::EINVAL,
             EngineError::Unsupported { .. } | EngineError::ZeroNotFast { .. } => {
                 libc_errno::ENOTSUP
             }

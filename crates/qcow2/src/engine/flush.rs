@@ -11,8 +11,14 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.flush().await
     }
 
-    /// Flushes and, for lazy-refcount images, clears the dirty bit: the image is left clean.
+    /// Stores the persistent bitmaps, flushes and, for lazy-refcount images, clears the
+    /// dirty bit: the image is left clean.
     pub async fn close(&self) -> Result<()> {
+        if let Some(a) = &self.inner.alloc {
+            if !a.top().sync_failed.get() {
+                a.store_bitmaps().await?;
+            }
+        }
         self.inner.flush().await?;
         match &self.inner.alloc {
             Some(a) => a.mark_clean().await,

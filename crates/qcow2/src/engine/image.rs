@@ -193,6 +193,15 @@ impl<S: Storage + 'static> Inner<S> {
         }
     }
 
+    /// Marks a guest-visible change of `[offset, offset + len)` in every enabled persistent
+    /// bitmap, before the change is made: a failed or torn request may still have changed
+    /// data, so it is marked too, as QEMU marks it.
+    pub(crate) fn track(&self, offset: u64, len: u64) {
+        if let Some(a) = &self.alloc {
+            a.bitmaps.borrow_mut().mark(offset, len);
+        }
+    }
+
     /// Records an inconsistency found while writing (see [`Allocator::mark_corrupt`]); an
     /// image without an allocator only reports it.
     pub(crate) async fn mark_corrupt(&self, detail: String) -> EngineError {

@@ -8,16 +8,13 @@
 //! same guest clusters while one of them changes where those clusters live
 //! ([`range_lock`]).
 //!
-//! Files: `open` (opening and validating a chain), `layer` (one file of the chain), `map`
-//! (guest range → runs through one layer's L2 entries), `resolve` (through the whole chain),
-//! `read`, `block_status`, `metacache` (cache keys and backends), `compress` (codecs),
-//! `range_lock`, `backing_name` (which backing names we follow); the write side: `writer`
-//! (refcount table, header bits), `refcount` (refcounts and the allocator), `l2_table`
-//! (writable L2 tables), `l2_entry` (entry updates), `write` (allocation and copy-on-write),
-//! `zero`, `discard`, `flush`, `overlap` (metadata that data must never overwrite).
+//! docs/ARCHITECTURE.md says which module answers which question and walks one read and
+//! one allocating write through them.
 
 mod alloc;
 pub mod backing_name;
+mod bitmap_ops;
+mod bitmaps;
 mod block_status;
 mod chain;
 pub mod check;
@@ -41,6 +38,7 @@ mod write;
 mod write_compressed;
 mod zero;
 
+pub use bitmaps::{BitmapError, BitmapInfo};
 pub use block_status::Extent;
 pub use create::{create, create_file, CreateOptions, Preallocation};
 pub use error::{libc_errno, EngineError, Result};

@@ -206,6 +206,7 @@ async fn build<S: Storage + 'static>(
     };
     if let Some(a) = &image.inner.alloc {
         a.clear_unknown_autoclear().await?;
+        a.claim_bitmaps().await?;
     }
     Ok(image)
 }

@@ -40,6 +40,12 @@ impl<S: Storage + 'static> Inner<S> {
         if new_size == old_size {
             return Ok(());
         }
+        if !self.alloc()?.bitmaps.borrow().list.is_empty() {
+            // Their data covers the old size; storing them for the new one is not done yet.
+            return Err(unsupported(
+                "resizing an image with persistent bitmaps (remove them first)",
+            ));
+        }
         let g = &meta.geom;
         let geom = Geometry::new(
             g.cluster_bits(),

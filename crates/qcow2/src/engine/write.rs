@@ -107,6 +107,7 @@ impl<S: Storage + 'static> Inner<S> {
         if len == 0 {
             return (Ok(()), buf);
         }
+        self.track(offset, len);
         let top = self.chain.top();
         if top.qcow2().is_none() {
             let (res, slice) = top.file.write_at(buf.into(), offset).await;

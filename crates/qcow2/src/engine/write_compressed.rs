@@ -24,6 +24,7 @@ impl<S: Storage + 'static> Inner<S> {
         self.check_writable()?;
         let len = data.len() as u64;
         self.check_range(offset, len)?;
+        self.track(offset, len);
         let top = self.chain.top();
         let unsupported = |what: &str| EngineError::Unsupported {
             image: top.name.clone(),

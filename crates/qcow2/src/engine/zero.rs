@@ -43,6 +43,7 @@ impl<S: Storage + 'static> Inner<S> {
         if len == 0 {
             return Ok(());
         }
+        self.track(offset, len);
         let top = self.chain.top();
         let Some(meta) = top.qcow2() else {
             if fast && !top.file.zeroes_are_cheap() {

@@ -716,6 +716,20 @@ impl Header {
         })
     }
 
+    /// Records `ext` as the bitmaps extension and sets the autoclear bit that vouches for
+    /// it; `None` drops the extension and clears the bit.
+    pub fn set_bitmaps(&mut self, ext: Option<BitmapsExtension>) {
+        self.extensions
+            .retain(|e| !matches!(e, HeaderExtension::Bitmaps(_)));
+        match ext {
+            Some(ext) => {
+                self.extensions.push(HeaderExtension::Bitmaps(ext));
+                self.autoclear_features |= features::AUTOCLEAR_BITMAPS;
+            }
+            None => self.autoclear_features &= !features::AUTOCLEAR_BITMAPS,
+        }
+    }
+
     /// The full disk encryption header pointer, if present.
     pub fn fde_pointer(&self) -> Option<&FdeHeaderPointer> {
         self.extensions.iter().rev().find_map(|e| match e {

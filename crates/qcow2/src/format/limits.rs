@@ -47,6 +47,8 @@ pub const MAX_BITMAP_GRANULARITY_BITS: u8 = 31;
 pub const MAX_BITMAP_NAME: u16 = 1023;
 /// Entries in one bitmap table (QEMU's BME_MAX_TABLE_SIZE).
 pub const MAX_BITMAP_TABLE_ENTRIES: u32 = 0x0800_0000;
+/// Bytes of one bitmap's data (QEMU's BME_MAX_PHYS_SIZE: the bitmap is held in memory).
+pub const MAX_BITMAP_DATA_BYTES: u64 = 0x2000_0000;
 
 /// Host offsets in L1/L2 entries have 47 usable bits (9-55): every host cluster must lie below
 /// 64 PiB.

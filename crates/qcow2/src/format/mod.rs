@@ -1,10 +1,11 @@
 //! The qcow2 on-disk format as pure types: no I/O, no async. Every decoder takes untrusted bytes
 //! and returns a [`FormatError`] naming the structure, field and file offset; every encoder
 //! round-trips. One structure per file: `header`, `extensions`, `features`, `l1`, `l2`,
-//! `l2_extended`, `compressed`, `refcount`, `snapshot`, `bitmap`, `geometry`, `limits`.
+//! `l2_extended`, `compressed`, `refcount`, `snapshot`, `bitmap`, `bitmap_data`, `geometry`, `limits`.
 
 pub(crate) mod be;
 pub mod bitmap;
+pub mod bitmap_data;
 pub mod compressed;
 pub mod error;
 pub mod extensions;
@@ -19,6 +20,7 @@ pub mod refcount;
 pub mod snapshot;
 
 pub use bitmap::{BitmapDirectoryEntry, BitmapTableEntry, BitmapsExtension};
+pub use bitmap_data::BitmapData;
 pub use compressed::CompressedDescriptor;
 pub use error::{FormatError, Location, Structure};
 pub use extensions::{FdeHeaderPointer, FeatureNameEntry, FeatureNameTable, HeaderExtension};

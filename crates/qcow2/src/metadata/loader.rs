@@ -42,6 +42,11 @@ pub(crate) const L1_TABLE: Piece = Piece {
     name: "L1 table",
     reading: "reading the L1 table",
 };
+/// A bitmap's table.
+pub(crate) const BITMAP_TABLE: Piece = Piece {
+    name: "bitmap table",
+    reading: "reading a bitmap table",
+};
 pub(crate) const REFCOUNT_TABLE: Piece = Piece {
     name: "refcount table",
     reading: "reading the refcount table",

@@ -14,6 +14,6 @@ mod source;
 
 pub use crate::format::header::Strictness;
 pub use error::MetadataError;
-pub(crate) use loader::{Loader, L1_TABLE, REFCOUNT_TABLE};
+pub(crate) use loader::{Loader, BITMAP_TABLE, L1_TABLE, REFCOUNT_TABLE};
 pub use source::ByteSource;
 pub(crate) use source::{run_ready, MetaSource, StorageSource, SyncSource};

@@ -2,6 +2,7 @@
 
 mod support;
 
+mod bitmaps;
 mod chain;
 mod concurrency;
 mod crash;

@@ -69,14 +69,21 @@ fn unknown_autoclear_bits_are_cleared_by_a_read_write_open_only() {
 fn a_refused_read_write_open_writes_nothing() {
     let d = Dir::new();
     let path = d.create("img.qcow2", "qcow2", "lazy_refcounts=on", None, "16M");
-    // An enabled persistent bitmap makes us refuse writes, late in the open; the dirty bit
-    // would ask for a refcount repair and the unknown autoclear bit for a header write.
+    // A bitmap whose table has a reserved bit set cannot be loaded, which refuses the open
+    // late; the dirty bit would ask for a refcount repair, the unknown autoclear bit for a
+    // header write and the bitmap for its in-use mark.
     qemu_img(&["bitmap", "--add", &d.s("img.qcow2"), "tracking"]);
+    let table = {
+        let bytes = std::fs::read(&path).unwrap();
+        let meta = qcow2::inspect::inspect(bytes.as_slice()).unwrap();
+        meta.bitmaps[0].table_offset as usize
+    };
+    set_bits(&path, table, 1 << 1);
     set_bits(&path, INCOMPATIBLE_AT, 1);
     set_bits(&path, AUTOCLEAR_AT, UNKNOWN_AUTOCLEAR);
     let before = std::fs::read(&path).unwrap();
-    let err = open(&path, false).expect_err("writes to an enabled bitmap's image are refused");
-    assert!(err.contains("enabled persistent dirty bitmap"), "{err}");
+    let err = open(&path, false).expect_err("a bitmap that cannot be loaded refuses the open");
+    assert!(err.contains("bitmap table"), "{err}");
     assert_eq!(
         std::fs::read(&path).unwrap(),
         before,

@@ -10,17 +10,21 @@
 //!
 //! Write, zero, discard, compressed write and resize plan what to change and call these.
 
+mod bitmaps;
 pub(crate) mod l2_entry;
 mod l2_table;
 pub(crate) mod overlap;
 mod refcount;
 
+use crate::engine::bitmaps::Bitmaps;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::layer::{Layer, Qcow2Meta};
 use crate::engine::metacache::L2Cache;
 use crate::engine::metacache::{RefcountBackend, RefcountCache};
 use crate::format::features::{INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
-use crate::format::{l1, HostCluster, HostOffset, RefcountTableEntry, Structure};
+use crate::format::{
+    l1, BitmapDirectoryEntry, HostCluster, HostOffset, RefcountTableEntry, Structure,
+};
 use crate::metadata::{Loader, StorageSource, Strictness, REFCOUNT_TABLE};
 use overlap::{MetaIndex, MetaKind};
 use std::cell::{Cell, RefCell};
@@ -55,6 +59,8 @@ pub(crate) struct Allocator<S: Storage + 'static> {
     pub dirty_on_disk: Cell<bool>,
     /// Metadata ranges that data writes must never touch.
     pub meta: RefCell<MetaIndex>,
+    /// The persistent dirty bitmaps, loaded on open and stored on close.
+    pub bitmaps: RefCell<Bitmaps>,
     /// Where the next compressed cluster may start (0 = start a new cluster).
     pub free_byte_offset: Cell<u64>,
     /// Bumped whenever a layer-0 L2 entry, L2 table or header field changes, so a write that
@@ -80,7 +86,8 @@ impl<S: Storage + 'static> Allocator<S> {
         let mut index = MetaIndex::default();
         let reftable = read_reftable(layer, meta, &h, &mut index).await?;
         index_tables(meta, &h, &mut index);
-        index_bitmaps(layer, meta, &h, &mut index).await?;
+        let bitmap_entries = index_bitmaps(layer, meta, &h, &mut index).await?;
+        let bitmaps = crate::engine::bitmaps::load(layer, meta, bitmap_entries).await?;
         index_snapshots(layer, meta, &h, &mut index).await?;
         let block_bytes = cs as usize;
         let refcounts = cache::Cache::new(
@@ -106,6 +113,7 @@ impl<S: Storage + 'static> Allocator<S> {
             lazy_refcounts: h.has_lazy_refcounts() && h.version >= 3,
             dirty_on_disk: Cell::new(false),
             meta: RefCell::new(index),
+            bitmaps: RefCell::new(bitmaps),
             free_byte_offset: Cell::new(0),
             mapping_generation: Cell::new(0),
         })
@@ -350,16 +358,15 @@ fn index_tables<S>(meta: &Qcow2Meta<S>, h: &crate::format::Header, index: &mut M
     }
 }
 
-/// Records the bitmap directory and tables, refusing a read-write open while a bitmap is
-/// enabled: its bits would have to follow every write, which we do not do.
+/// Records the bitmap directory and tables; returns the directory's entries.
 async fn index_bitmaps<S: Storage + 'static>(
     layer: &Layer<S>,
     meta: &Qcow2Meta<S>,
     h: &crate::format::Header,
     index: &mut MetaIndex,
-) -> Result<()> {
+) -> Result<Vec<BitmapDirectoryEntry>> {
     let Some(ext) = h.bitmaps() else {
-        return Ok(());
+        return Ok(Vec::new());
     };
     let g = &meta.geom;
     let cs = g.cluster_size();
@@ -368,15 +375,6 @@ async fn index_bitmaps<S: Storage + 'static>(
         .bitmap_directory(h, g)
         .await
         .map_err(|e| EngineError::from_metadata(&layer.name, e))?;
-    if let Some(b) = entries.iter().find(|b| b.auto()) {
-        return Err(EngineError::Unsupported {
-            image: layer.name.clone(),
-            what: format!(
-                "writing to an image with an enabled persistent dirty bitmap ({:?}); open it read-only",
-                b.name_lossy()
-            ),
-        });
-    }
     index.insert(
         ext.directory_offset,
         ext.directory_size.div_ceil(cs) * cs,
@@ -389,7 +387,7 @@ async fn index_bitmaps<S: Storage + 'static>(
             MetaKind::BitmapTable,
         );
     }
-    Ok(())
+    Ok(entries)
 }
 
 /// Records the snapshot table and the snapshots' L1 tables. Their placement was validated on

@@ -42,7 +42,7 @@ impl<S: Storage + 'static> Allocator<S> {
         HostOffset(cluster.0 << self.meta().geom.cluster_bits())
     }
 
-    fn cache_err(&self, source: cache::CacheError) -> EngineError {
+    pub(super) fn cache_err(&self, source: cache::CacheError) -> EngineError {
         EngineError::Cache {
             image: self.top().name.clone(),
             source,
