@@ -3,7 +3,10 @@
 //! allocation, refcount table growth, L1 growth, L2 allocation), then crash images keep a
 //! random subset of the writes that were not yet flushed (some torn at sector granularity).
 //! Every crash image must open, every byte acknowledged by a completed FLUSH or FUA write must
-//! read back, and `qemu-img check` must find no corruption (leaks are allowed).
+//! read back, and `qemu-img check` must find no corruption (leaks are allowed). With
+//! persistent bitmaps the workload closes and reopens the image, so crashes fall inside
+//! storing them too: a bitmap a crash image shows as clean must hold every change made
+//! before the close that stored it.
 
 use crate::support::FaultFs;
 use qcow2::engine::{create, CreateOptions, Format, Image, OpenOptions};
@@ -32,6 +35,8 @@ enum Op {
     Resize {
         size: u64,
     },
+    /// Close (storing the bitmaps) and open again (marking them in use).
+    CloseReopen,
 }
 
 #[derive(Clone, Debug)]
@@ -48,7 +53,13 @@ struct Config {
     ops: usize,
     /// Lazy refcounts: crash images are dirty and get their refcounts rebuilt on open.
     lazy: bool,
+    /// Two persistent bitmaps (one enabled), closed and reopened during the workload.
+    bitmaps: bool,
 }
+
+/// The enabled bitmap of the bitmap configurations, and its granularity.
+const TRACKING: &str = "tracking";
+const TRACKING_GRANULARITY: u64 = 65536;
 
 fn workload(c: &Config, seed: u64) -> Vec<Op> {
     let mut rng = Rng(seed);
@@ -60,6 +71,10 @@ fn workload(c: &Config, seed: u64) -> Vec<Op> {
     let mut size = c.size;
     let mut ops = Vec::new();
     for i in 0..c.ops {
+        if c.bitmaps && i > 0 && i % (c.ops / 3) == 0 {
+            ops.push(Op::CloseReopen);
+            continue;
+        }
         if i == c.ops / 2 {
             if let Some(s) = c.grow_to {
                 ops.push(Op::Resize { size: s });
@@ -100,6 +115,9 @@ struct Expect {
     durable: Vec<u8>,
     /// Bytes changed since then, which may read as anything they held since.
     dirty: Vec<bool>,
+    /// Every range the workload touched before the last close began: what a bitmap stored
+    /// clean by that close must hold.
+    tracked: Vec<(u64, u64)>,
 }
 
 const TOP: &str = "/img/top.qcow2";
@@ -127,6 +145,9 @@ async fn fresh(c: &Config) -> FaultFs {
     )
     .await
     .unwrap();
+    if c.bitmaps {
+        add_bitmaps(&top).await;
+    }
     let fs = FaultFs::default();
     fs.0.borrow_mut()
         .insert(TOP.into(), FaultStorage::from_mem(top));
@@ -140,14 +161,28 @@ async fn fresh(c: &Config) -> FaultFs {
     fs
 }
 
+/// Adds the bitmaps of the bitmap configurations, stored by a clean close.
+async fn add_bitmaps(top: &MemStorage) {
+    let memfs = MemFs::new();
+    memfs.insert(TOP, top.clone());
+    let img = Image::open(&memfs, Path::new(TOP), &OpenOptions::default())
+        .await
+        .unwrap();
+    img.add_bitmap(TRACKING, Some(TRACKING_GRANULARITY), true)
+        .unwrap();
+    img.add_bitmap("frozen", Some(1 << 20), false).unwrap();
+    img.close().await.unwrap();
+}
+
 /// Runs the workload until the storage dies after `fail_after` operations (or to the end),
 /// and returns what a crash now may show.
 async fn run_workload(c: &Config, ops: &[Op], fail_after: Option<u64>) -> (FaultFs, Expect, u64) {
     let fs = fresh(c).await;
-    let img = Image::open(&fs, Path::new(TOP), &OpenOptions::default())
+    let mut img = Image::open(&fs, Path::new(TOP), &OpenOptions::default())
         .await
         .unwrap();
     let handle = fs.0.borrow()[Path::new(TOP)].clone();
+    let mut touched_so_far: Vec<(u64, u64)> = Vec::new();
     let mut model = if c.backing {
         base_bytes(c.grow_to.unwrap_or(c.size))
     } else {
@@ -157,6 +192,7 @@ async fn run_workload(c: &Config, ops: &[Op], fail_after: Option<u64>) -> (Fault
     let mut expect = Expect {
         durable: model.clone(),
         dirty: vec![false; model.len()],
+        tracked: Vec::new(),
     };
     if let Some(n) = fail_after {
         handle.fail_after(n, InjectedError::Eio);
@@ -171,6 +207,7 @@ async fn run_workload(c: &Config, ops: &[Op], fail_after: Option<u64>) -> (Fault
         // Anything the failing operation touched may or may not have landed.
         if let Some((off, len)) = touched {
             expect.dirty[off as usize..(off + len) as usize].fill(true);
+            touched_so_far.push((off, len));
         }
         let res = match *op {
             Op::Write {
@@ -209,6 +246,20 @@ async fn run_workload(c: &Config, ops: &[Op], fail_after: Option<u64>) -> (Fault
             }
             Op::Flush => {
                 let r = img.flush().await;
+                if r.is_ok() {
+                    expect.durable.copy_from_slice(&model);
+                    expect.dirty.fill(false);
+                }
+                r
+            }
+            Op::CloseReopen => {
+                expect.tracked.clone_from(&touched_so_far);
+                let r = match img.close().await {
+                    Ok(()) => Image::open(&fs, Path::new(TOP), &OpenOptions::default())
+                        .await
+                        .map(|reopened| img = reopened),
+                    Err(e) => Err(e),
+                };
                 if r.is_ok() {
                     expect.durable.copy_from_slice(&model);
                     expect.dirty.fill(false);
@@ -285,6 +336,9 @@ async fn verify(c: &Config, crash: MemStorage, expect: &Expect, what: &str, qemu
             );
         }
     }
+    if c.bitmaps {
+        verify_bitmaps(&img, expect, what).await;
+    }
     if qemu {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("top.qcow2");
@@ -347,6 +401,45 @@ async fn verify(c: &Config, crash: MemStorage, expect: &Expect, what: &str, qemu
     }
 }
 
+/// The bitmaps survive a crash whole: both, or (a crash while the open marked them in use
+/// drops the extension, as in QEMU) none; a bitmap shown clean holds every change made before
+/// the close that stored it.
+async fn verify_bitmaps<S: storage::Storage + 'static>(
+    img: &Image<S>,
+    expect: &Expect,
+    what: &str,
+) {
+    let list = img
+        .bitmaps()
+        .await
+        .unwrap_or_else(|e| panic!("{what}: the bitmaps do not load: {e}"));
+    let names: Vec<&str> = list.iter().map(|b| b.name.as_str()).collect();
+    assert!(
+        names.is_empty() || names == [TRACKING, "frozen"],
+        "{what}: bitmaps {names:?}"
+    );
+    let Some(tracking) = list.iter().find(|b| b.name == TRACKING && !b.inconsistent) else {
+        return;
+    };
+    assert!(tracking.enabled, "{what}: {tracking:?}");
+    let data = img
+        .bitmap_data(TRACKING)
+        .await
+        .unwrap_or_else(|e| panic!("{what}: a clean bitmap's data does not load: {e}"));
+    for &(off, len) in &expect.tracked {
+        let (first, last) = (
+            off / TRACKING_GRANULARITY,
+            (off + len - 1) / TRACKING_GRANULARITY,
+        );
+        for chunk in first..=last {
+            assert!(
+                data.get(chunk),
+                "{what}: {off:#x}+{len:#x} was changed before the bitmap was stored, but chunk {chunk} is clean"
+            );
+        }
+    }
+}
+
 fn crash_campaign(c: Config, points: usize, plans_per_point: usize) -> usize {
     let ops = workload(&c, 0xC0FFEE ^ c.cluster);
     let total = run(async { run_workload(&c, &ops, None).await.2 });
@@ -391,6 +484,7 @@ fn base_config(name: &'static str) -> Config {
         grow_to: None,
         ops: 120,
         lazy: false,
+        bitmaps: false,
     }
 }
 
@@ -445,4 +539,13 @@ fn crash_lazy_refcounts() {
         ..base_config("64k extended, lazy refcounts")
     };
     assert_eq!(crash_campaign(c, 80, 4), 320);
+}
+
+#[test]
+fn crash_while_bitmaps_are_tracked_and_stored() {
+    let c = Config {
+        bitmaps: true,
+        ..base_config("64k standard, persistent bitmaps")
+    };
+    assert_eq!(crash_campaign(c, 120, 4), 480);
 }
