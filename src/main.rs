@@ -1,5 +1,6 @@
 //! `qcow2-nbd`: qemu-img-like tools for qcow2 images and an NBD server that exports them.
 
+mod bitmap;
 mod check;
 mod convert;
 mod create;
@@ -14,7 +15,7 @@ mod serve;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// Command-line interface.
 #[derive(Parser, Debug)]
@@ -49,11 +50,16 @@ enum Command {
     Convert(convert::ConvertArgs),
     /// Export an image over NBD, like `qemu-nbd`.
     Serve(serve::ServeArgs),
+    /// Change an image's persistent dirty bitmaps, like `qemu-img bitmap`.
+    Bitmap(bitmap::BitmapArgs),
 }
 
 fn main() -> ExitCode {
     malloc_tuning::tune_for_io_buffers();
-    let cli = Cli::parse();
+    // The matches are kept: `bitmap` runs its operations in command-line order, which only
+    // they record.
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     engine_run::set_locking(cli.locking);
     let result = match &cli.command {
         Command::Info(args) => info::run(args),
@@ -62,6 +68,10 @@ fn main() -> ExitCode {
         Command::Map(args) => return map::main(args),
         Command::Convert(args) => return convert::main(args),
         Command::Serve(args) => return serve::run(args),
+        Command::Bitmap(args) => {
+            let sub = matches.subcommand_matches("bitmap").cloned();
+            return bitmap::main(args, &sub.unwrap_or_default());
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,222 @@
+//! `qcow2-nbd bitmap` side by side with `qemu-img bitmap`: the same command lines on two
+//! copies of an image QEMU made (with bitmaps, some of them dirty) must leave the same
+//! bitmaps (names, flags, granularity, dirty extents as qemu-nbd exports them), exit the
+//! same way and say the same reason; what we leave passes `qemu-img check`.
+
+use std::path::Path;
+
+use serde_json::Value;
+use test_support::{assert_check_clean, qemu_dirty_ranges, qemu_img, qemu_io, text, Dir};
+
+use crate::common::BIN;
+
+/// A 64 MiB image with `on` (enabled, dirty at 1 MiB and 5 MiB), `off` (disabled, dirty at
+/// 1 MiB) and `coarse` (enabled, 1 MiB granularity, dirty at 5 MiB).
+fn image(d: &Dir, name: &str) {
+    let p = d.s(name);
+    d.create(name, "qcow2", "", None, "64M");
+    qemu_img(&["bitmap", "--add", &p, "on"]);
+    qemu_img(&["bitmap", "--add", &p, "off"]);
+    qemu_io("qcow2", &p, &["write 1M 4k"]);
+    qemu_img(&["bitmap", "--disable", &p, "off"]);
+    qemu_img(&["bitmap", "--add", "-g", "1M", &p, "coarse"]);
+    qemu_io("qcow2", &p, &["write 5M 4k"]);
+}
+
+/// A bitmap as `qemu-img info` lists it, with its dirty ranges as qemu-nbd exports them.
+#[derive(Debug, PartialEq, Eq)]
+struct Listed {
+    name: String,
+    flags: Vec<String>,
+    granularity: u64,
+    dirty: Vec<(u64, u64)>,
+}
+
+/// Every bitmap of the image, in directory order.
+fn bitmaps(path: &Path) -> Vec<Listed> {
+    let info: Value = serde_json::from_str(&qemu_img(&[
+        "info",
+        "--output=json",
+        path.to_str().unwrap(),
+    ]))
+    .unwrap();
+    let Some(list) = info["format-specific"]["data"]["bitmaps"].as_array() else {
+        return Vec::new();
+    };
+    list.iter()
+        .map(|b| {
+            let name = b["name"].as_str().unwrap().to_string();
+            let flags: Vec<String> = b["flags"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|f| f.as_str().unwrap().into())
+                .collect();
+            let dirty = if flags.iter().any(|f| f == "in-use") {
+                Vec::new()
+            } else {
+                qemu_dirty_ranges(path, &name)
+            };
+            Listed {
+                name,
+                flags,
+                granularity: b["granularity"].as_u64().unwrap(),
+                dirty,
+            }
+        })
+        .collect()
+}
+
+/// The reason after qemu-img's "Operation X on bitmap Y failed: ", or the whole message.
+fn reason(stderr: &str) -> String {
+    let line = stderr.lines().next().unwrap_or("");
+    match line.find("failed: ") {
+        Some(i) => line[i + 8..].to_string(),
+        None => line.split_once(": ").map_or(line, |(_, r)| r).to_string(),
+    }
+}
+
+/// Runs `bitmap ARGS` (with `{}` standing for the image) through both tools on two copies.
+fn side_by_side(d: &Dir, case: &str, args: &[&str]) {
+    let (ours, theirs) = (format!("{case}-ours.qcow2"), format!("{case}-qemu.qcow2"));
+    image(d, &theirs);
+    d.copy(&theirs, &ours);
+    let with = |img: &str| -> Vec<String> {
+        args.iter()
+            .map(|a| if *a == "{}" { d.s(img) } else { a.to_string() })
+            .collect()
+    };
+    let q_args = with(&theirs);
+    let o_args = with(&ours);
+    let q: Vec<&str> = ["bitmap"]
+        .into_iter()
+        .chain(q_args.iter().map(String::as_str))
+        .collect();
+    let o: Vec<&str> = ["bitmap"]
+        .into_iter()
+        .chain(o_args.iter().map(String::as_str))
+        .collect();
+    let qemu = d.run("qemu-img", &q);
+    let us = d.run(BIN, &o);
+    assert_eq!(
+        us.status.code(),
+        qemu.status.code(),
+        "{case}: exit status\nqemu: {}\nours: {}",
+        text(&qemu),
+        text(&us)
+    );
+    if !qemu.status.success() {
+        let (qr, ur) = (
+            reason(&String::from_utf8_lossy(&qemu.stderr)),
+            reason(&String::from_utf8_lossy(&us.stderr)),
+        );
+        assert!(
+            ur.starts_with(qr.lines().next().unwrap_or("")) || qr.contains("Can't make bitmap"),
+            "{case}: qemu says {qr:?}, we say {ur:?}"
+        );
+    }
+    assert_check_clean(&d.path(&ours));
+    assert_eq!(
+        bitmaps(&d.path(&ours)),
+        bitmaps(&d.path(&theirs)),
+        "{case}: the bitmaps differ (left ours, right QEMU's)"
+    );
+}
+
+#[test]
+fn bitmap_operations_leave_what_qemu_img_leaves() {
+    let d = Dir::new();
+    let cases: &[(&str, &[&str])] = &[
+        ("add", &["--add", "{}", "new"]),
+        ("add-granularity", &["--add", "-g", "512", "{}", "new"]),
+        ("add-disabled", &["--add", "--disable", "{}", "new"]),
+        ("add-existing", &["--add", "{}", "on"]),
+        ("add-bad-granularity", &["--add", "-g", "1000", "{}", "new"]),
+        ("remove", &["--remove", "{}", "on"]),
+        ("remove-missing", &["--remove", "{}", "nope"]),
+        ("clear", &["--clear", "{}", "on"]),
+        ("enable", &["--enable", "{}", "off"]),
+        ("disable", &["--disable", "{}", "coarse"]),
+        ("merge", &["--merge", "on", "{}", "off"]),
+        ("merge-coarse", &["--merge", "on", "{}", "coarse"]),
+        ("merge-fine", &["--merge", "coarse", "{}", "on"]),
+        ("merge-missing", &["--merge", "nope", "{}", "on"]),
+        (
+            "in-order",
+            &["--add", "--merge", "on", "--disable", "{}", "copy"],
+        ),
+        (
+            "stops-at-failure",
+            &["--clear", "--add", "--remove", "{}", "on"],
+        ),
+        ("twice", &["--add", "--add", "{}", "twice"]),
+        ("no-op", &["{}", "on"]),
+        (
+            "granularity-without-add",
+            &["-g", "1M", "--remove", "{}", "on"],
+        ),
+        (
+            "remove-then-add",
+            &["--remove", "--add", "-g", "4k", "{}", "on"],
+        ),
+    ];
+    for (case, args) in cases {
+        side_by_side(&d, case, args);
+    }
+}
+
+#[test]
+fn merging_from_another_image_matches_qemu_img() {
+    let d = Dir::new();
+    d.create("src.qcow2", "qcow2", "", None, "64M");
+    qemu_img(&["bitmap", "--add", &d.s("src.qcow2"), "s"]);
+    qemu_io("qcow2", &d.s("src.qcow2"), &["write 7M 64k"]);
+    let src = d.s("src.qcow2");
+    side_by_side(
+        &d,
+        "merge-file",
+        &["--merge", "s", "-b", &src, "-F", "qcow2", "{}", "off"],
+    );
+    side_by_side(
+        &d,
+        "merge-file-probed",
+        &["--merge", "s", "-b", &src, "{}", "on"],
+    );
+    side_by_side(
+        &d,
+        "source-without-merge",
+        &["--add", "-b", &src, "{}", "x"],
+    );
+}
+
+#[test]
+fn an_in_use_bitmap_can_only_be_removed() {
+    let d = Dir::new();
+    let path = d.create("img.qcow2", "qcow2", "", None, "16M");
+    qemu_img(&["bitmap", "--add", &d.s("img.qcow2"), "crashed"]);
+    // What a crash leaves: the in-use flag of the bitmap's directory entry set.
+    let meta = qcow2::inspect::inspect(std::fs::read(&path).unwrap().as_slice()).unwrap();
+    let dir = meta.header.bitmaps().unwrap().directory_offset as usize;
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[dir + 15] |= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    for op in ["--clear", "--enable", "--disable"] {
+        let args = ["bitmap", op, &d.s("img.qcow2"), "crashed"];
+        let (ours, qemu) = (d.run(BIN, &args), d.run("qemu-img", &args));
+        assert!(!ours.status.success() && !qemu.status.success(), "{op}");
+        assert_eq!(
+            reason(&String::from_utf8_lossy(&ours.stderr))
+                .split(';')
+                .next(),
+            reason(&String::from_utf8_lossy(&qemu.stderr))
+                .lines()
+                .next(),
+            "{op}"
+        );
+    }
+    assert_eq!(bitmaps(&path)[0].flags, ["in-use", "auto"], "still in use");
+    let out = d.run(BIN, &["bitmap", "--remove", &d.s("img.qcow2"), "crashed"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(bitmaps(&path), vec![]);
+    assert_check_clean(&path);
+}
