@@ -30,7 +30,7 @@
 #   CARGO_TARGET_DIR     where cargo builds (default: target/ in the repository)
 #   SKIP_BUILD=1         use the existing release binary
 #   QCOW2_NBD_BIN        the server binary to measure (default: the release build)
-#   ONLY="alloc io l2 chain rss"   run a subset of the scenario groups
+#   ONLY="alloc io bitmap l2 chain rss"   run a subset of the scenario groups
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -56,7 +56,7 @@ CLEAN_INTERVAL=${CLEAN_INTERVAL:-2}
 RSS_L2_CACHE=${RSS_L2_CACHE:-4M}
 BENCH_DIR=${BENCH_DIR:-/var/tmp}
 QEMU_AIO=${QEMU_AIO:-io_uring}
-ONLY=${ONLY:-"alloc io l2 chain rss"}
+ONLY=${ONLY:-"alloc io bitmap l2 chain rss"}
 
 log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -307,13 +307,20 @@ IO_SCENARIOS="randread-4k-qd1:read:randread:4k:1 randread-4k-qd32:read:randread:
 randwrite-4k-qd1:write:randwrite:4k:1 randwrite-4k-qd32:write:randwrite:4k:32
 seqread-1m-qd1:read:read:1M:1 seqwrite-1m-qd1:write:write:1M:1"
 
-io_scenarios() {
+# make_data_image: $WORK/data.raw (DATA_MIB of random data) and the same data as a fully
+# allocated qcow2 image per server, $WORK/data-qemu.qcow2 and $WORK/data-ours.qcow2.
+make_data_image() {
     local size=$((DATA_MIB << 20))
-    log "random/sequential I/O: making a ${DATA_MIB} MiB allocated image"
     fio --name=fill --filename="$WORK/data.raw" --rw=write --bs=1M --size="$size" --direct=1 \
         --refill_buffers --output-format=terse >/dev/null
     qemu-img convert -f raw -O qcow2 "$WORK/data.raw" "$WORK/data-qemu.qcow2"
     cp "$WORK/data-qemu.qcow2" "$WORK/data-ours.qcow2"
+}
+
+io_scenarios() {
+    local size=$((DATA_MIB << 20))
+    log "random/sequential I/O: making a ${DATA_MIB} MiB allocated image"
+    make_data_image
     local sc label dirn rw bs qd r kind iops bw image cpu disk
     for sc in $IO_SCENARIOS; do
         IFS=: read -r label dirn rw bs qd <<<"$sc"
@@ -337,6 +344,42 @@ io_scenarios() {
     done
     qemu-img check -q "$WORK/data-ours.qcow2" || die "our server left a corrupt image"
     rm -f "$WORK/data.raw" "$WORK/data-qemu.qcow2" "$WORK/data-ours.qcow2"
+}
+
+# ---------------------------------------------------------------------------------------------
+# 2b. Dirty-bitmap tracking: 4 KiB random writes (QD32) on the allocated image with no bitmap
+# and with one enabled persistent bitmap, each server on its own copies; the cost of tracking
+# is each server's ratio between the two.
+bitmap_scenarios() {
+    local size=$((DATA_MIB << 20))
+    log "bitmap tracking: making a ${DATA_MIB} MiB allocated image with and without a bitmap"
+    make_data_image
+    local k
+    for k in qemu ours; do
+        cp "$WORK/data-$k.qcow2" "$WORK/bm-$k.qcow2"
+        qemu-img bitmap --add "$WORK/bm-$k.qcow2" tracking
+    done
+    local r kind bm image iops cpu disk
+    for r in $(seq 1 "$ROUNDS"); do
+        for bm in none one; do
+            for kind in $(order "$r"); do
+                if [ "$bm" = one ]; then image=$WORK/bm-$kind.qcow2; else image=$WORK/data-$kind.qcow2; fi
+                start_server "$kind" "$image"
+                stats=$(run_fio write --rw=randwrite --bs=4k --iodepth=32 \
+                    --size="$size" --runtime="$RUNTIME" --time_based --ramp_time=1)
+                read -r iops _ _ cpu disk <<<"$stats"
+                stop_server
+                record "bitmap $bm" "$kind" "$iops"
+                record_usage "bitmap $bm" "$kind" "$cpu" "$disk"
+                log "bitmap $bm round $r $kind: $iops IOPS"
+            done
+        done
+    done
+    for k in qemu ours; do
+        qemu-img check -q "$WORK/bm-$k.qcow2" || die "$k left a corrupt image"
+        qemu-img info "$WORK/bm-$k.qcow2" | grep -q tracking || die "$k lost the bitmap"
+    done
+    rm -f "$WORK/data.raw" "$WORK"/data-*.qcow2 "$WORK"/bm-*.qcow2
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -451,9 +494,9 @@ rss_scenarios() {
 START=$(date +%s)
 for group in $ONLY; do
     case $group in
-    alloc) alloc_scenarios ;; io) io_scenarios ;; l2) l2_scenarios ;;
-    chain) chain_scenarios ;; rss) rss_scenarios ;;
-    *) die "unknown scenario group $group (alloc io l2 chain rss)" ;;
+    alloc) alloc_scenarios ;; io) io_scenarios ;; bitmap) bitmap_scenarios ;;
+    l2) l2_scenarios ;; chain) chain_scenarios ;; rss) rss_scenarios ;;
+    *) die "unknown scenario group $group (alloc io bitmap l2 chain rss)" ;;
     esac
 done
 ELAPSED=$(($(date +%s) - START))
@@ -500,6 +543,8 @@ usage() { # SCENARIO: the servers' median CPU and disk cost per request, "qemu /
         if [ "$bs" = 1M ]; then row "$label" "$label" MiB/s higher; else
             row "$label" "$label" IOPS higher; fi
     done
+    row "bitmap none" "randwrite-4k-qd32, no bitmap" IOPS higher
+    row "bitmap one" "randwrite-4k-qd32, one enabled bitmap" IOPS higher
     for cache in 1M 3M 5M; do
         for slice in 4k 16k 64k; do
             row "l2 cache $cache slice $slice" "L2 ${L2_GIB}G: cache $cache, slice $slice" IOPS higher
@@ -519,6 +564,12 @@ usage() { # SCENARIO: the servers' median CPU and disk cost per request, "qemu /
     echo "ratio: ours/qemu-nbd for rates, qemu-nbd/ours for times and memory (above 1 = ours better)."
     echo "CPU µs/req and disk KiB/req: the server's CPU time (all threads) and storage bytes read"
     echo "plus written per request, medians, qemu-nbd / ours (the disk's speed does not move them)."
+    # Tracking cost: each server with one enabled bitmap against itself without.
+    for k in ours qemu; do
+        n=$(median "bitmap none" "$k")
+        b=$(median "bitmap one" "$k")
+        [ "$n" = - ] || echo "$k: randwrite 4k QD32 IOPS with one enabled bitmap / without = $(ratio "$b" "$n")"
+    done
     # Chain targets are about our server against itself.
     c1=$(median "chain 1 read ms" ours)
     cn=$(median "chain $CHAIN_DEPTH read ms" ours)
