@@ -15,6 +15,7 @@
 
 use nbd::{BlockSize, Errno, Export, ExportFeatures, Extent, ReadChunk, WriteZeroesFlags};
 use qcow2::engine::{libc_errno, EngineError, Image, ReadPart};
+use qcow2::format::BitmapData;
 use storage::{AnyStorage, IoBuf};
 
 /// Largest block size we advertise as preferred: a write of this many bytes never needs a
@@ -100,6 +101,71 @@ pub struct ImageExport {
     features: ExportFeatures,
     /// Block-status answers are capped at this many bytes.
     status_limit: u64,
+    /// The persistent bitmaps offered as `qemu:dirty-bitmap:` contexts (`-B`).
+    bitmaps: Vec<ExportedBitmap>,
+}
+
+/// A persistent bitmap an export offers.
+pub struct ExportedBitmap {
+    name: String,
+    /// Bytes of disk per bit.
+    granularity: u64,
+    /// What it is read from.
+    source: BitmapSource,
+}
+
+enum BitmapSource {
+    /// A writable image's bitmap, as writes keep changing it.
+    Live,
+    /// A read-only image's bitmap, loaded once.
+    Stored(BitmapData),
+}
+
+/// Dirty bitmap bits one BLOCK_STATUS answer looks at, at most: a bound on the work of one
+/// request (a client asks again for the rest).
+const DIRTY_STATUS_BITS: u64 = 1 << 20;
+
+/// The `-B` bitmaps of `image`, refused with qemu-nbd's words when one cannot be exported:
+/// it must exist, be consistent (not left in use by a crash) and be named once.
+pub async fn exported_bitmaps(
+    image: &Image<AnyStorage>,
+    names: &[String],
+) -> Result<Vec<ExportedBitmap>, String> {
+    if names.len() > nbd::MAX_DIRTY_BITMAPS {
+        return Err(format!(
+            "{} bitmaps given; one export offers at most {}",
+            names.len(),
+            nbd::MAX_DIRTY_BITMAPS
+        ));
+    }
+    let listed = image.bitmaps().await.map_err(|e| e.to_string())?;
+    let mut out: Vec<ExportedBitmap> = Vec::with_capacity(names.len());
+    for name in names {
+        if out.iter().any(|b| &b.name == name) {
+            return Err(format!("Bitmap '{name}' is given twice"));
+        }
+        let info = listed
+            .iter()
+            .find(|b| &b.name == name)
+            .ok_or_else(|| format!("Bitmap '{name}' is not found"))?;
+        if info.inconsistent {
+            return Err(format!(
+                "Bitmap '{name}' is inconsistent and cannot be used"
+            ));
+        }
+        let source = if image.is_read_only() {
+            let data = image.bitmap_data(name).await.map_err(|e| e.to_string())?;
+            BitmapSource::Stored(data)
+        } else {
+            BitmapSource::Live
+        };
+        out.push(ExportedBitmap {
+            name: name.clone(),
+            granularity: info.granularity,
+            source,
+        });
+    }
+    Ok(out)
 }
 
 impl ImageExport {
@@ -140,7 +206,13 @@ impl ImageExport {
             policy,
             features,
             status_limit,
+            bitmaps: Vec::new(),
         }
+    }
+
+    /// Offers `bitmaps` as `qemu:dirty-bitmap:` contexts.
+    pub fn with_bitmaps(self, bitmaps: Vec<ExportedBitmap>) -> Self {
+        Self { bitmaps, ..self }
     }
 
     /// Persists after a request that asked for FUA (or under writethrough).
@@ -315,6 +387,31 @@ impl Export for ImageExport {
         self.extents(offset, len)
             .await
             .map_err(|e| errno("block status", &e))
+    }
+
+    fn dirty_bitmaps(&self) -> Vec<String> {
+        self.bitmaps.iter().map(|b| b.name.clone()).collect()
+    }
+
+    async fn dirty_status(
+        &self,
+        index: usize,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<(u64, bool)>, Errno> {
+        let b = self.bitmaps.get(index).ok_or(Errno::Inval)?;
+        let len = len.min(b.granularity.saturating_mul(DIRTY_STATUS_BITS));
+        match &b.source {
+            BitmapSource::Live => self
+                .image
+                .live_bitmap_runs(&b.name, offset, len)
+                .map_err(|e| errno("block status", &e)),
+            BitmapSource::Stored(data) => Ok(data
+                .extents(offset, len)
+                .into_iter()
+                .map(|(_, n, dirty)| (n, dirty))
+                .collect()),
+        }
     }
 }
 

@@ -71,6 +71,9 @@ pub enum ServeError {
     /// The server failed (invalid export, or the final flush).
     #[error(transparent)]
     Server(#[from] nbd::ServerError),
+    /// A `-B` bitmap cannot be exported.
+    #[error("{0}")]
+    Bitmap(String),
     /// Closing the image failed: writes may not have reached the disk.
     #[error("closing the image failed: {0}")]
     Close(EngineError),
@@ -245,7 +248,44 @@ async fn serve_on_runtime(
         cache = ?image.cache_sizes(),
         "image open"
     );
-    let export = Rc::new(ImageExport::new(image.clone(), plan.policy));
+    // Whatever happens from here on, the image is closed: a writable image's bitmaps are
+    // marked in use until a clean close stores them.
+    let served = serve_image(args, plan, activated, readiness, &image, signals).await;
+    let closed = image.close().await;
+    let pid_file = match served {
+        Ok((report, pid_file)) => {
+            tracing::info!(?report, "server stopped");
+            pid_file
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "server failed");
+            if let Err(c) = &closed {
+                tracing::error!(error = %c, "closing the image failed too");
+            }
+            drop(overlay);
+            return Err(e);
+        }
+    };
+    drop(pid_file);
+    drop(overlay);
+    closed.map_err(ServeError::Close)
+}
+
+/// Serves the open image until a signal (or `-t`'s lifetime) ends it; returns the server's
+/// report and the pid file, which goes once the image is closed.
+async fn serve_image(
+    args: &ServeArgs,
+    plan: Plan,
+    activated: Vec<nbd::systemd::ActivatedSocket>,
+    readiness: Option<daemon::Readiness>,
+    image: &Image<AnyStorage>,
+    signals: signals::ShutdownSignals,
+) -> Result<(nbd::ServeReport, Option<daemon::PidFile>), ServeError> {
+    let facts = image.facts();
+    let bitmaps = crate::export::exported_bitmaps(image, &args.bitmaps)
+        .await
+        .map_err(ServeError::Bitmap)?;
+    let export = Rc::new(ImageExport::new(image.clone(), plan.policy).with_bitmaps(bitmaps));
     let entry = ExportEntry::new(args.export_name.clone(), export)
         .with_description(args.description.clone());
     let server = Server::new(vec![entry], plan.config)?;
@@ -286,13 +326,5 @@ async fn serve_on_runtime(
     if let Some(c) = cleaner {
         c.stop().await;
     }
-    let closed = image.close().await;
-    match &served {
-        Ok(report) => tracing::info!(?report, "server stopped"),
-        Err(e) => tracing::error!(error = %e, "server failed"),
-    }
-    drop(pid_file);
-    drop(overlay);
-    served?;
-    closed.map_err(ServeError::Close)
+    Ok((served?, pid_file))
 }

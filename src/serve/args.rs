@@ -115,6 +115,12 @@ pub struct ServeArgs {
     #[arg(short = 'A', long = "allocation-depth")]
     pub allocation_depth: bool,
 
+    /// Offer persistent dirty bitmap NAME as the qemu:dirty-bitmap:NAME metadata context
+    /// (repeatable). A writable export shows the bitmap as writes change it; a read-only one
+    /// needs a disabled bitmap unless the image itself is opened read-only (-r).
+    #[arg(short = 'B', long = "bitmap", value_name = "NAME")]
+    pub bitmaps: Vec<String>,
+
     /// Write the server's process id here once it is listening.
     #[arg(long = "pid-file", value_name = "PATH")]
     pub pid_file: Option<PathBuf>,

@@ -7,6 +7,7 @@
 mod support;
 
 mod abuse;
+mod bitmaps;
 mod enospc;
 mod fio;
 mod kernel_client;

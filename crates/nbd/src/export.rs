@@ -218,6 +218,24 @@ pub trait Export {
     /// Describes the range starting at `offset`; `len` is a hint, the extents may cover less
     /// (at least one byte) or more.
     async fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>, Errno>;
+
+    /// Names of the dirty bitmaps offered as `qemu:dirty-bitmap:NAME` contexts (the server
+    /// serves the first [`crate::negotiate::meta::MAX_DIRTY_BITMAPS`]).
+    fn dirty_bitmaps(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// The dirty and clean extents of dirty bitmap `index` over `[offset, offset + len)`:
+    /// `(length, dirty)` in order, covering the range exactly.
+    async fn dirty_status(
+        &self,
+        index: usize,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<(u64, bool)>, Errno> {
+        let _ = (index, offset, len);
+        Err(Errno::Inval)
+    }
 }
 
 #[cfg(test)]

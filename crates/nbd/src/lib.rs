@@ -32,7 +32,9 @@ pub use export::{
 };
 pub use exports::{ExportEntry, Exports, ExportsError};
 pub use mem_export::{MemExport, MemStats};
-pub use negotiate::meta::{ALLOCATION_DEPTH, BASE_ALLOCATION};
+pub use negotiate::meta::{
+    ALLOCATION_DEPTH, BASE_ALLOCATION, DIRTY_BITMAP_PREFIX, MAX_DIRTY_BITMAPS,
+};
 pub use server::{
     shutdown_signal, Listener, ServeReport, Server, ServerConfig, ServerError, DEFAULT_MAX_OPEN,
     DEFAULT_SHUTDOWN_GRACE, DEFAULT_TCP_KEEPALIVE,

@@ -334,16 +334,18 @@ impl OptionState {
                 ),
             )];
         }
+        let bitmaps = entry.export.dirty_bitmaps();
         let available = MetaSelection {
             base_allocation: true,
             allocation_depth: entry.export.features().allocation_depth,
+            dirty_bitmaps: MetaSelection::all_bitmaps(bitmaps.len()),
         };
         let mode = if setting {
             QueryMode::Set
         } else {
             QueryMode::List
         };
-        let selected = meta::select(&request.queries, mode, available);
+        let selected = meta::select(&request.queries, mode, available, &bitmaps);
         let mut replies: Vec<OptReply> = selected
             .contexts()
             .into_iter()
@@ -352,7 +354,7 @@ impl OptionState {
                 reply_type: REP_META_CONTEXT,
                 data: MetaContextEntry {
                     id: if setting { ctx.id() } else { 0 },
-                    name: ctx.name().as_bytes(),
+                    name: ctx.name(&bitmaps).as_bytes(),
                 }
                 .encode(),
             })

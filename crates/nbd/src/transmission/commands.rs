@@ -1,11 +1,11 @@
 //! Running one validated request against the export and shaping its outcome.
 
-use super::block_status::{descriptors, StatusQuery};
+use super::block_status::{descriptors, dirty_descriptors, Allocation, StatusQuery};
 use super::reply_writer::Outcome;
 use super::validate::Action;
 use crate::errno::Errno;
 use crate::export::{Export, ReadChunk};
-use crate::negotiate::meta::MetaSelection;
+use crate::negotiate::meta::{MetaContext, MetaSelection};
 use crate::negotiate::Mode;
 use crate::wire::reply::BlockStatusChunk;
 
@@ -96,9 +96,13 @@ async fn block_status<E: Export>(
     len: u64,
     req_one: bool,
 ) -> Outcome<E::Buf> {
-    let extents = match export.block_status(offset, len).await {
-        Ok(e) => e,
-        Err(e) => return Outcome::Error(e, "block status failed"),
+    let extents = if ctx.meta.wants_allocation() {
+        match export.block_status(offset, len).await {
+            Ok(e) => e,
+            Err(e) => return Outcome::Error(e, "block status failed"),
+        }
+    } else {
+        Vec::new()
     };
     let q = StatusQuery {
         offset,
@@ -109,7 +113,17 @@ async fn block_status<E: Export>(
     };
     let mut chunks = Vec::new();
     for meta in ctx.meta.contexts() {
-        let d = descriptors(&extents, meta, &q);
+        let d = match meta {
+            MetaContext::BaseAllocation => descriptors(&extents, Allocation::Base, &q),
+            MetaContext::AllocationDepth => descriptors(&extents, Allocation::Depth, &q),
+            MetaContext::DirtyBitmap(n) => {
+                let end = ctx.size.min(offset.saturating_add(len));
+                match export.dirty_status(n.into(), offset, end - offset).await {
+                    Ok(runs) => dirty_descriptors(&runs, &q),
+                    Err(e) => return Outcome::Error(e, "dirty bitmap status failed"),
+                }
+            }
+        };
         if d.is_empty() {
             tracing::error!(offset, len, "export returned no extent for block status");
             return Outcome::Error(Errno::Io, "export returned no extent");

@@ -100,4 +100,17 @@ impl<S: Storage + 'static> Image<S> {
         }
         bitmaps::load_data(top, meta, entry, top.size.get()).await
     }
+
+    /// The dirty and clean runs `(length, dirty)` of bitmap `name` of a writable image over
+    /// `[offset, offset + len)`, as tracked up to now (no copy of the bitmap is made).
+    pub fn live_bitmap_runs(&self, name: &str, offset: u64, len: u64) -> Result<Vec<(u64, bool)>> {
+        let a = self.inner.alloc()?;
+        let set = a.bitmaps.borrow();
+        let data = set.data(name).map_err(|e| self.bitmap_error(e))?;
+        Ok(data
+            .extents(offset, len)
+            .into_iter()
+            .map(|(_, n, dirty)| (n, dirty))
+            .collect())
+    }
 }

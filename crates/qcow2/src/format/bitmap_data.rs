@@ -180,20 +180,49 @@ impl BitmapData {
     /// The dirty and clean extents of `[offset, offset + len)` of the disk, in order, each
     /// whole chunks except where the range cuts them: `(start, length, dirty)`.
     pub fn extents(&self, offset: u64, len: u64) -> Vec<(u64, u64, bool)> {
-        let mut out: Vec<(u64, u64, bool)> = Vec::new();
+        let mut out = Vec::new();
         let end = offset.saturating_add(len);
         let mut pos = offset;
         while pos < end {
             let bit = pos >> self.granularity_bits;
-            let chunk_end = ((bit + 1) << self.granularity_bits).min(end);
-            let dirty = self.get(bit);
-            match out.last_mut() {
-                Some(last) if last.2 == dirty => last.1 += chunk_end - pos,
-                _ => out.push((pos, chunk_end - pos, dirty)),
+            if bit >= self.bits {
+                // Past the disk: nothing is dirty there.
+                out.push((pos, end - pos, false));
+                break;
             }
-            pos = chunk_end;
+            let dirty = self.get(bit);
+            let next = self
+                .run_end(bit, dirty)
+                .checked_shl(self.granularity_bits.into())
+                .map_or(end, |b| b.min(end));
+            out.push((pos, next - pos, dirty));
+            pos = next;
         }
-        out
+        // A clean run that ends the disk and the clean space past it are one extent.
+        let mut merged: Vec<(u64, u64, bool)> = Vec::with_capacity(out.len());
+        for e in out {
+            match merged.last_mut() {
+                Some(last) if last.2 == e.2 => last.1 += e.1,
+                _ => merged.push(e),
+            }
+        }
+        merged
+    }
+
+    /// The first bit after `bit` whose value differs from `value` (bits past the disk count
+    /// as differing), skipping whole words at a time.
+    fn run_end(&self, bit: u64, value: bool) -> u64 {
+        let same = if value { !0u64 } else { 0 };
+        let mut b = bit;
+        while b < self.bits {
+            let w = self.words[(b / 64) as usize] ^ same;
+            let masked = w >> (b % 64);
+            if masked != 0 {
+                return (b + u64::from(masked.trailing_zeros())).min(self.bits);
+            }
+            b = (b / 64 + 1) * 64;
+        }
+        self.bits
     }
 
     /// Sets every chunk that is dirty in `other` (which may have another granularity).
@@ -264,6 +293,24 @@ mod tests {
                 (2 << 16, 2 << 16, true),
                 (4 << 16, 65546, false)
             ]
+        );
+    }
+
+    #[test]
+    fn extents_skip_long_runs_and_stop_at_the_disk() {
+        let mut b = BitmapData::new(1000 << 9, 9);
+        b.mark(100 << 9, 500 << 9);
+        assert_eq!(
+            b.extents(0, 1000 << 9),
+            vec![
+                (0, 100 << 9, false),
+                (100 << 9, 500 << 9, true),
+                (600 << 9, 400 << 9, false)
+            ]
+        );
+        assert_eq!(
+            b.extents(999 << 9, 10 << 9),
+            vec![(999 << 9, 10 << 9, false)]
         );
     }
 

@@ -281,7 +281,8 @@ fn set_meta_context_selection_reaches_go_for_the_same_export_only() {
             n.meta,
             MetaSelection {
                 base_allocation: true,
-                allocation_depth: true
+                allocation_depth: true,
+                dirty_bitmaps: 0,
             }
         ),
         x => panic!("{x:?}"),

@@ -14,6 +14,7 @@ fn limits(mode: Mode, features: ExportFeatures) -> Limits {
         meta: MetaSelection {
             base_allocation: mode != Mode::Simple,
             allocation_depth: false,
+            dirty_bitmaps: 0,
         },
     }
 }
