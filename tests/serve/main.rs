@@ -7,6 +7,7 @@
 mod support;
 
 mod abuse;
+mod backup;
 mod bitmaps;
 mod enospc;
 mod fio;
