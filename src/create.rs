@@ -339,7 +339,7 @@ pub fn parse_image_size(s: &str) -> Result<u64, CreateError> {
     match cache::parse_size(s) {
         Ok(v) if v <= i64::MAX as u64 => Ok(v),
         Ok(_) => Err(CreateError::SizeOutOfRange),
-        Err(cache::SizeError::SizeOutOfRange { .. }) => Err(CreateError::SizeOutOfRange),
+        Err(cache::ParseSizeError::SizeOutOfRange { .. }) => Err(CreateError::SizeOutOfRange),
         Err(_) => Err(CreateError::InvalidSize(s.to_string())),
     }
 }

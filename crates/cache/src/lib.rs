@@ -116,7 +116,7 @@ pub use cache::{Backend, Cache};
 pub use config::{CacheConfig, CacheStats, EvictionPolicy};
 pub use error::CacheError;
 pub use flush::{Flush, FlushFuture};
-pub use size_string::parse_size;
+pub use size_string::{parse_size, ParseSizeError};
 pub use sizing::{
     resolve_sizes, CacheOptions, ImageParams, ResolvedCacheSizes, SizeError,
     DEFAULT_CACHE_CLEAN_INTERVAL, DEFAULT_L2_CACHE_MAX_SIZE, MAX_CACHE_ENTRIES, MAX_CLUSTER_SIZE,

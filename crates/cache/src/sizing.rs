@@ -125,7 +125,7 @@ impl ResolvedCacheSizes {
     }
 }
 
-/// Why cache options (or a size string) are unusable; messages follow QEMU's.
+/// Why cache options are unusable; messages follow QEMU's.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SizeError {
     /// `cache-size`, `l2-cache-size` and `refcount-cache-size` were all given.
@@ -175,21 +175,6 @@ pub enum SizeError {
         value: u64,
         /// What it should be.
         reason: &'static str,
-    },
-    /// A size string that is not a size.
-    #[error(
-        "invalid size '{value}': expects a non-negative number below 2^64; optional suffix \
-         k, M, G, T, P or E means kilo-, mega-, giga-, tera-, peta- and exabytes"
-    )]
-    InvalidSize {
-        /// The string given.
-        value: String,
-    },
-    /// A size string that is negative or 2^64 and above.
-    #[error("size '{value}' is out of range (a non-negative number below 2^64)")]
-    SizeOutOfRange {
-        /// The string given.
-        value: String,
     },
 }
 
