@@ -12,6 +12,7 @@ use storage::{IoBuf, Opener, Storage};
 
 use crate::engine_run::{self, format_name, OpenError};
 use crate::options::{self, Kind, OptionsError, Parsed, Spec};
+use crate::size_string::{self, ParseSizeError};
 
 /// Options of qcow2 images (`-o help` lists them).
 pub const QCOW2_OPTIONS: &[Spec] = &[
@@ -336,10 +337,10 @@ pub fn check_qcow2_size(opts: &CreateOptions) -> Result<(), String> {
 
 /// Reads the SIZE argument as qemu-img does.
 pub fn parse_image_size(s: &str) -> Result<u64, CreateError> {
-    match cache::parse_size(s) {
+    match size_string::parse_size(s) {
         Ok(v) if v <= i64::MAX as u64 => Ok(v),
         Ok(_) => Err(CreateError::SizeOutOfRange),
-        Err(cache::ParseSizeError::SizeOutOfRange { .. }) => Err(CreateError::SizeOutOfRange),
+        Err(ParseSizeError::SizeOutOfRange { .. }) => Err(CreateError::SizeOutOfRange),
         Err(_) => Err(CreateError::InvalidSize(s.to_string())),
     }
 }

@@ -256,6 +256,10 @@ fn parse_prefix(s: &[u8]) -> (usize, Result<u64, Failure>) {
     }
 }
 
+// Compares with qemu-img itself; in its own file because it needs the tool installed.
+#[cfg(test)]
+mod qemu_oracle;
+
 #[cfg(test)]
 mod tests {
     use super::*;

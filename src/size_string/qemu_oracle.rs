@@ -2,7 +2,7 @@
 //! bytes QEMU read from STRING (or says why it rejected it), for a fixed list of tricky
 //! strings and a few hundred generated ones.
 
-use cache::{parse_size, ParseSizeError};
+use super::{parse_size, ParseSizeError};
 use test_support::{qemu, text};
 
 #[derive(Debug, PartialEq, Eq)]
