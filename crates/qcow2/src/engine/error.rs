@@ -1,6 +1,7 @@
 //! The engine's error type: what went wrong and where, convertible to an errno at the edges.
 
 use super::backing_name::BackingError;
+use super::cache_sizing::CacheSizeError;
 use super::compress::CompressError;
 use crate::format::FormatError;
 use std::io;
@@ -128,7 +129,7 @@ pub enum EngineError {
         image: String,
         /// The sizing error.
         #[source]
-        source: cache::SizeError,
+        source: CacheSizeError,
     },
     /// An internal snapshot that does not exist.
     #[error("{image}: no snapshot with id or name {wanted:?}")]

@@ -8,7 +8,8 @@
 //! same guest clusters while one of them changes where those clusters live
 //! ([`range_lock`]).
 //!
-//! Files: `open` (opening and validating a chain), `layer` (one file of the chain), `map`
+//! Files: `open` (opening and validating a chain), `cache_sizing` (how big the metadata
+//! caches are, by QEMU's rules), `layer` (one file of the chain), `map`
 //! (guest range → runs through one layer's L2 entries), `resolve` (through the whole chain),
 //! `read`, `block_status`, `metacache` (cache keys and backends), `compress` (codecs),
 //! `range_lock`, `backing_name` (which backing names we follow); the write side: `writer`
@@ -19,6 +20,7 @@
 mod alloc;
 pub mod backing_name;
 mod block_status;
+mod cache_sizing;
 mod chain;
 pub mod check;
 pub mod compress;
@@ -42,6 +44,11 @@ mod write_compressed;
 mod zero;
 
 pub use block_status::Extent;
+pub use cache_sizing::{
+    resolve_sizes, CacheOptions, CacheSizeError, ImageParams, ResolvedCacheSizes,
+    DEFAULT_CACHE_CLEAN_INTERVAL, DEFAULT_L2_CACHE_MAX_SIZE, MAX_CACHE_ENTRIES, MAX_CLUSTER_SIZE,
+    MIN_CLUSTER_SIZE, MIN_L2_CACHE_ENTRIES, MIN_REFCOUNT_CACHE_CLUSTERS, SMALL_L2_ENTRY_SIZE,
+};
 pub use create::{create, create_file, CreateOptions, Preallocation};
 pub use error::{libc_errno, EngineError, Result};
 pub use image::{Image, ImageFacts};
