@@ -9,7 +9,7 @@
 mod support;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use qcow2::engine::{create_file, CreateOptions, Format, Image};
+use qcow2::engine::{create_file, CacheOptions, CreateOptions, Format, Image};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use storage::AnyStorage;
@@ -68,7 +68,7 @@ impl Filler<'_> {
         create_file(&direct_opener(), &path, &opts)
             .await
             .expect("create overlay");
-        let image = open_direct(&path, false, cache::CacheOptions::default()).await;
+        let image = open_direct(&path, false, CacheOptions::default()).await;
         let mut units: Vec<u64> = (0..self.size / self.unit).collect();
         self.rng.shuffle(&mut units);
         Overlay {

@@ -8,7 +8,7 @@
 mod support;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use qcow2::engine::{create_file, CreateOptions, Format};
+use qcow2::engine::{create_file, CacheOptions, CreateOptions, Format};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use storage::IoBuf;
@@ -90,7 +90,7 @@ fn chains(c: &mut Criterion) {
                 runner.run(async {
                     let mut total = Duration::ZERO;
                     for _ in 0..iters {
-                        let image = open_direct(&top, true, cache::CacheOptions::default()).await;
+                        let image = open_direct(&top, true, CacheOptions::default()).await;
                         let mut buf = IoBuf::zeroed(REQUEST);
                         let start = Instant::now();
                         let mut pos = 0;

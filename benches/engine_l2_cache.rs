@@ -8,7 +8,7 @@
 mod support;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use qcow2::engine::{create_file, CreateOptions, Preallocation};
+use qcow2::engine::{create_file, CacheOptions, CreateOptions, Preallocation};
 use std::time::{Duration, Instant};
 use storage::IoBuf;
 use support::{direct_opener, open_direct, scratch_dir, Runner, SplitMix64};
@@ -48,10 +48,10 @@ fn l2_cache(c: &mut Criterion) {
             let image = runner.run(open_direct(
                 &path,
                 true,
-                cache::CacheOptions {
+                CacheOptions {
                     l2_cache_size: Some(cache_mib << 20),
                     l2_cache_entry_size: Some(slice_kib << 10),
-                    ..cache::CacheOptions::default()
+                    ..CacheOptions::default()
                 },
             ));
             let mut rng = SplitMix64(cache_mib << 8 | slice_kib);

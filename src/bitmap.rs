@@ -61,7 +61,7 @@ pub struct BitmapArgs {
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
-    cache::parse_size(s).map_err(|e| e.to_string())
+    crate::size_string::parse_size(s).map_err(|e| e.to_string())
 }
 
 /// One operation, in command-line order.

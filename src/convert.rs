@@ -330,7 +330,7 @@ fn same_file(a: &Path, b: &Path) -> bool {
 
 async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
     let target_format = engine_run::parse_format(&args.target_format)?;
-    let (specs, unsupported) = option_table(target_format);
+    let (specs, _) = option_table(target_format);
     let list = options::join_lists(&args.options)?;
     if list.as_deref().is_some_and(options::wants_help) {
         print!("{}", options::help_text(specs));
@@ -339,7 +339,35 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
     if args.compress && target_format == Format::Raw {
         return Err(ConvertError::CompressRaw);
     }
-    let parsed = match &list {
+    let parsed = target_options(target_format, list.as_deref())?;
+    let (src, size) = open_source(args).await?;
+    let copy_len = src.size().min(size);
+    let (dst, grain) = create_target(args, target_format, &parsed, size).await?;
+    let progress = Rc::new(Progress::stderr(
+        copy_len,
+        progress::wanted(args.progress, args.quiet),
+    ));
+    let job = Rc::new(Job {
+        src,
+        dst: dst.clone(),
+        grain,
+        compress: args.compress,
+        ordered: target_format == Format::Qcow2,
+        turn: Cell::new(0),
+        turn_changed: Notify::new(),
+        buffers: RefCell::new(Vec::new()),
+        progress: progress.clone(),
+    });
+    copy_all(job, copy_len, usize::from(args.parallel)).await?;
+    dst.close().await?;
+    progress.finish();
+    Ok(())
+}
+
+/// Parses the target's `-o` list, refusing the options a complete copy decides itself.
+fn target_options(format: Format, list: Option<&str>) -> Result<Parsed, ConvertError> {
+    let (specs, unsupported) = option_table(format);
+    let parsed = match list {
         Some(l) => Parsed::parse(l, specs, unsupported)?,
         None => Parsed::default(),
     };
@@ -352,6 +380,12 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
             return Err(ConvertError::TargetOption(spec));
         }
     }
+    Ok(parsed)
+}
+
+/// Opens the source (at the snapshot `-l` names, if any) and returns it with the size of
+/// the target.
+async fn open_source(args: &ConvertArgs) -> Result<(Image<AnyStorage>, u64), ConvertError> {
     let snapshot = args.snapshot.as_deref().map(snapshot_param).transpose()?;
     let source_format = args
         .source_format
@@ -379,14 +413,20 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
         }
         None => src.size(),
     };
-    let copy_len = src.size().min(size);
-    let target = args.target.display().to_string();
-    let invalid = |detail: String| CreateError::Invalid {
-        image: target.clone(),
-        detail,
-    };
+    Ok((src, size))
+}
 
-    let grain = match target_format {
+/// Creates the target image of `size` bytes and opens it for the copy; returns it with its
+/// zero-detection grain (the cluster size of a qcow2 target).
+async fn create_target(
+    args: &ConvertArgs,
+    format: Format,
+    parsed: &Parsed,
+    size: u64,
+) -> Result<(Image<AnyStorage>, u64), ConvertError> {
+    let target = args.target.display().to_string();
+    let invalid = CreateError::invalid(&target);
+    let grain = match format {
         Format::Raw => {
             let prealloc =
                 create::raw_preallocation(parsed.str("preallocation")).map_err(&invalid)?;
@@ -400,7 +440,7 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
             RAW_GRAIN
         }
         Format::Qcow2 => {
-            let mut plan = create::qcow2_plan(&parsed, false).map_err(&invalid)?;
+            let mut plan = create::qcow2_plan(parsed, false).map_err(&invalid)?;
             plan.opts.size = size;
             create::check_qcow2_size(&plan.opts).map_err(&invalid)?;
             create::create_qcow2(&args.target, &plan.opts)
@@ -416,7 +456,7 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
         &engine_run::opener(),
         &args.target,
         &OpenOptions {
-            format: Some(target_format),
+            format: Some(format),
             no_backing: true,
             ..OpenOptions::default()
         },
@@ -426,25 +466,7 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
         image: target.clone(),
         source: Box::new(source),
     })?;
-    let progress = Rc::new(Progress::stderr(
-        copy_len,
-        progress::wanted(args.progress, args.quiet),
-    ));
-    let job = Rc::new(Job {
-        src,
-        dst: dst.clone(),
-        grain,
-        compress: args.compress,
-        ordered: target_format == Format::Qcow2,
-        turn: Cell::new(0),
-        turn_changed: Notify::new(),
-        buffers: RefCell::new(Vec::new()),
-        progress: progress.clone(),
-    });
-    copy_all(job, copy_len, usize::from(args.parallel)).await?;
-    dst.close().await?;
-    progress.finish();
-    Ok(())
+    Ok((dst, grain))
 }
 
 /// Runs `convert` and returns the exit status.

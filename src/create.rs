@@ -12,6 +12,7 @@ use storage::{IoBuf, Opener, Storage};
 
 use crate::engine_run::{self, format_name, OpenError};
 use crate::options::{self, Kind, OptionsError, Parsed, Spec};
+use crate::size_string::{self, ParseSizeError};
 
 /// Options of qcow2 images (`-o help` lists them).
 pub const QCOW2_OPTIONS: &[Spec] = &[
@@ -196,6 +197,16 @@ pub enum CreateError {
     },
 }
 
+impl CreateError {
+    /// Builds [`CreateError::Invalid`] for `image` from qemu-img's message, for `map_err`.
+    pub fn invalid(image: &str) -> impl Fn(String) -> CreateError + '_ {
+        move |detail| CreateError::Invalid {
+            image: image.to_string(),
+            detail,
+        }
+    }
+}
+
 /// What a new qcow2 image will be, decided from the options.
 #[derive(Debug, Clone)]
 pub struct Qcow2Plan {
@@ -336,10 +347,10 @@ pub fn check_qcow2_size(opts: &CreateOptions) -> Result<(), String> {
 
 /// Reads the SIZE argument as qemu-img does.
 pub fn parse_image_size(s: &str) -> Result<u64, CreateError> {
-    match cache::parse_size(s) {
+    match size_string::parse_size(s) {
         Ok(v) if v <= i64::MAX as u64 => Ok(v),
         Ok(_) => Err(CreateError::SizeOutOfRange),
-        Err(cache::SizeError::SizeOutOfRange { .. }) => Err(CreateError::SizeOutOfRange),
+        Err(ParseSizeError::SizeOutOfRange { .. }) => Err(CreateError::SizeOutOfRange),
         Err(_) => Err(CreateError::InvalidSize(s.to_string())),
     }
 }
@@ -448,7 +459,7 @@ pub async fn create_raw(path: &Path, size: u64, prealloc: Preallocation) -> std:
 
 async fn create(args: &CreateArgs) -> Result<(), CreateError> {
     let format = engine_run::parse_format(&args.format)?;
-    let (specs, unsupported) = option_table(format);
+    let (specs, _) = option_table(format);
     let list = options::join_lists(&args.options).map_err(|source| CreateError::Options {
         image: args
             .image
@@ -462,18 +473,29 @@ async fn create(args: &CreateArgs) -> Result<(), CreateError> {
     }
     let image_path = args.image.as_ref().ok_or(CreateError::NoImage)?;
     let image = image_path.display().to_string();
-    let invalid = |detail: String| CreateError::Invalid {
-        image: image.clone(),
-        detail,
-    };
-    let mut parsed = match &list {
+    let parsed = parse_options(args, format, list.as_deref(), &image)?;
+    let size = requested_size(args, &parsed, &image)?;
+    match format {
+        Format::Raw => create_raw_image(args, image_path, &image, &parsed, size).await,
+        Format::Qcow2 => create_qcow2_image(args, image_path, &image, &parsed, size).await,
+    }
+}
+
+/// Parses the `-o` list and lets `-b` and `-F` override it, as qemu-img does.
+fn parse_options(
+    args: &CreateArgs,
+    format: Format,
+    list: Option<&str>,
+    image: &str,
+) -> Result<Parsed, CreateError> {
+    let (specs, unsupported) = option_table(format);
+    let mut parsed = match list {
         Some(l) => Parsed::parse(l, specs, unsupported).map_err(|source| CreateError::Options {
-            image: image.clone(),
+            image: image.to_string(),
             source,
         })?,
         None => Parsed::default(),
     };
-    // -b and -F become options, overriding -o as in qemu-img.
     if format == Format::Qcow2 {
         if let Some(b) = &args.backing {
             parsed.set_str(&QCOW2_OPTIONS[0], b);
@@ -482,90 +504,139 @@ async fn create(args: &CreateArgs) -> Result<(), CreateError> {
             parsed.set_str(&QCOW2_OPTIONS[1], f);
         }
     } else if args.backing.is_some() || args.backing_format.is_some() {
-        return Err(invalid(
-            "Backing file not supported for file format 'raw'".into(),
-        ));
+        return Err(CreateError::Invalid {
+            image: image.to_string(),
+            detail: "Backing file not supported for file format 'raw'".into(),
+        });
     }
-    let mut size = match &args.size {
+    Ok(parsed)
+}
+
+/// The size asked for, by the SIZE argument or `-o size` (not both); `None` leaves it to the
+/// backing file.
+fn requested_size(
+    args: &CreateArgs,
+    parsed: &Parsed,
+    image: &str,
+) -> Result<Option<u64>, CreateError> {
+    let size = match &args.size {
         Some(s) => Some(parse_image_size(s)?),
         None => None,
     };
-    if let Some(s) = parsed.num("size") {
-        if size.is_some() {
-            return Err(invalid("The image size must be specified only once".into()));
-        }
-        if s > i64::MAX as u64 {
-            return Err(CreateError::SizeOutOfRange);
-        }
-        size = Some(s);
+    let Some(s) = parsed.num("size") else {
+        return Ok(size);
+    };
+    if size.is_some() {
+        return Err(CreateError::Invalid {
+            image: image.to_string(),
+            detail: "The image size must be specified only once".into(),
+        });
     }
+    if s > i64::MAX as u64 {
+        return Err(CreateError::SizeOutOfRange);
+    }
+    Ok(Some(s))
+}
 
-    if format == Format::Raw {
-        let prealloc_text = parsed.str("preallocation");
-        let prealloc = raw_preallocation(prealloc_text).map_err(&invalid)?;
-        let size = size.ok_or_else(|| invalid("Image creation needs a size parameter".into()))?;
-        if !args.quiet {
-            println!("{}", formatting_line(&image, size, None, prealloc_text));
-        }
-        return create_raw(image_path, size, prealloc)
-            .await
-            .map_err(|source| CreateError::Io {
-                image: image.clone(),
-                what: "creating the raw image",
-                source,
-            });
+async fn create_raw_image(
+    args: &CreateArgs,
+    path: &Path,
+    image: &str,
+    parsed: &Parsed,
+    size: Option<u64>,
+) -> Result<(), CreateError> {
+    let invalid = CreateError::invalid(image);
+    let prealloc_text = parsed.str("preallocation");
+    let prealloc = raw_preallocation(prealloc_text).map_err(&invalid)?;
+    let size = size.ok_or_else(|| invalid("Image creation needs a size parameter".into()))?;
+    if !args.quiet {
+        println!("{}", formatting_line(image, size, None, prealloc_text));
     }
+    create_raw(path, size, prealloc)
+        .await
+        .map_err(|source| CreateError::Io {
+            image: image.to_string(),
+            what: "creating the raw image",
+            source,
+        })
+}
 
-    let backing_name = parsed.str("backing_file").map(str::to_string);
-    let backing_fmt = parsed.str("backing_fmt").map(str::to_string);
-    let mut plan = qcow2_plan(&parsed, backing_name.is_some()).map_err(&invalid)?;
-    if let Some(name) = &backing_name {
-        let Some(fmt_name) = &backing_fmt else {
-            return Err(invalid(
-                "Backing file specified without backing format".into(),
-            ));
-        };
-        let fmt = engine_run::parse_format(fmt_name)?;
-        plan.opts.backing = Some((name.clone(), fmt));
-        let resolved = engine::backing_name::resolve(image_path, name);
-        if let Ok(r) = &resolved {
-            if same_file(r, image_path) {
-                return Err(invalid(
-                    "Error: Trying to create an image with the same filename as the backing file"
-                        .into(),
-                ));
-            }
-        }
-        if !args.backing_unsafe {
-            let resolved = resolved.map_err(|e| CreateError::Backing {
-                image: image.clone(),
-                source: OpenError::from(EngineError::Backing(e)),
-            })?;
-            let backing = engine_run::open_read_only(&resolved, Some(fmt), None, false)
-                .await
-                .map_err(|source| CreateError::Backing {
-                    image: image.clone(),
-                    source,
-                })?;
-            size = size.or(Some(backing.size()));
-        }
-    } else if backing_fmt.is_some() {
-        return Err(invalid(
-            "Backing format cannot be used without backing file".into(),
-        ));
-    }
+async fn create_qcow2_image(
+    args: &CreateArgs,
+    path: &Path,
+    image: &str,
+    parsed: &Parsed,
+    size: Option<u64>,
+) -> Result<(), CreateError> {
+    let invalid = CreateError::invalid(image);
+    let mut plan = qcow2_plan(parsed, parsed.str("backing_file").is_some()).map_err(&invalid)?;
+    let size = set_backing(args, path, image, parsed, &mut plan.opts, size).await?;
     let size = size.ok_or_else(|| invalid("Image creation needs a size parameter".into()))?;
     plan.opts.size = size;
     if !args.quiet {
-        println!("{}", formatting_line(&image, size, Some(&plan), None));
+        println!("{}", formatting_line(image, size, Some(&plan), None));
     }
     check_qcow2_size(&plan.opts).map_err(&invalid)?;
-    create_qcow2(image_path, &plan.opts)
+    create_qcow2(path, &plan.opts)
         .await
         .map_err(|source| CreateError::Engine {
-            image: image.clone(),
+            image: image.to_string(),
             source: Box::new(source),
         })
+}
+
+/// Puts the backing file (`backing_file` and `backing_fmt`) into `opts`, with qemu-img's
+/// checks, and returns the size of the new image: `size` if given, else the backing file's.
+/// Unless `-u`, the backing file is opened even when the size is known, so that one that
+/// cannot be opened is refused as qemu-img refuses it.
+async fn set_backing(
+    args: &CreateArgs,
+    path: &Path,
+    image: &str,
+    parsed: &Parsed,
+    opts: &mut CreateOptions,
+    size: Option<u64>,
+) -> Result<Option<u64>, CreateError> {
+    let invalid = CreateError::invalid(image);
+    let backing_fmt = parsed.str("backing_fmt");
+    let Some(name) = parsed.str("backing_file") else {
+        if backing_fmt.is_some() {
+            return Err(invalid(
+                "Backing format cannot be used without backing file".into(),
+            ));
+        }
+        return Ok(size);
+    };
+    let Some(fmt_name) = backing_fmt else {
+        return Err(invalid(
+            "Backing file specified without backing format".into(),
+        ));
+    };
+    let fmt = engine_run::parse_format(fmt_name)?;
+    opts.backing = Some((name.to_string(), fmt));
+    let resolved = engine::backing_name::resolve(path, name);
+    if let Ok(r) = &resolved {
+        if same_file(r, path) {
+            return Err(invalid(
+                "Error: Trying to create an image with the same filename as the backing file"
+                    .into(),
+            ));
+        }
+    }
+    if args.backing_unsafe {
+        return Ok(size);
+    }
+    let resolved = resolved.map_err(|e| CreateError::Backing {
+        image: image.to_string(),
+        source: OpenError::from(EngineError::Backing(e)),
+    })?;
+    let backing = engine_run::open_read_only(&resolved, Some(fmt), None, false)
+        .await
+        .map_err(|source| CreateError::Backing {
+            image: image.to_string(),
+            source,
+        })?;
+    Ok(size.or(Some(backing.size())))
 }
 
 /// True when `a` and `b` name the same file: equal as written, or equal once canonicalized.

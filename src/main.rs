@@ -12,6 +12,7 @@ mod map;
 mod options;
 mod progress;
 mod serve;
+mod size_string;
 
 use std::process::ExitCode;
 

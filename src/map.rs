@@ -10,6 +10,7 @@ use qcow2::engine::{EngineError, Extent, Image};
 use storage::AnyStorage;
 
 use crate::engine_run::{self, OpenError};
+use crate::size_string;
 
 /// How much of the disk one block-status query covers: bounds memory on huge, fragmented
 /// images while keeping the number of queries small.
@@ -48,7 +49,7 @@ pub struct MapArgs {
 
 /// A size argument (`1M`, `4096`), read as QEMU reads it.
 fn parse_size_arg(s: &str) -> Result<u64, String> {
-    cache::parse_size(s).map_err(|e| e.to_string())
+    size_string::parse_size(s).map_err(|e| e.to_string())
 }
 
 /// Why `map` failed.

@@ -1,9 +1,11 @@
 //! qemu-img style option lists (`-o key=value,key=value`): `,,` stands for a literal comma in a
 //! value, a key without `=` means `key=on`, the last occurrence of a key wins, sizes take
-//! QEMU's suffixes (`cache::parse_size`), and `help` or `?` anywhere asks for the option list.
-//! Error messages follow qemu-img's wording, so scripts and people see what they know.
+//! QEMU's suffixes (`size_string::parse_size`), and `help` or `?` anywhere asks for the option
+//! list. Error messages follow qemu-img's wording, so scripts and people see what they know.
 
 use std::collections::BTreeMap;
+
+use crate::size_string;
 
 /// The type of an option's value, as qemu-img names it in `-o help`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,7 +175,8 @@ impl Parsed {
                     parse_bool(&text).ok_or_else(|| OptionsError::ExpectsBool(key.clone()))?,
                 ),
                 Kind::Size => Value::Num(
-                    cache::parse_size(&text).map_err(|_| OptionsError::ExpectsSize(key.clone()))?,
+                    size_string::parse_size(&text)
+                        .map_err(|_| OptionsError::ExpectsSize(key.clone()))?,
                 ),
                 Kind::Number => Value::Num(
                     parse_number(&text).ok_or_else(|| OptionsError::ExpectsNumber(key.clone()))?,

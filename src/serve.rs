@@ -26,7 +26,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use nbd::{ExportEntry, Server, ServerConfig};
-use qcow2::engine::{EngineError, Format, Image, OpenOptions};
+use qcow2::engine::{CacheOptions, EngineError, Format, Image, OpenOptions};
 use storage::{AnyStorage, FileOpener};
 
 pub use args::ServeArgs;
@@ -123,7 +123,7 @@ impl Plan {
             // An internal snapshot is exported read-only, as qemu-nbd does.
             read_only: args.read_only || snapshot.is_some(),
             format: args.format.map(Format::from),
-            cache: cache::CacheOptions {
+            cache: CacheOptions {
                 l2_cache_size: args.l2_cache_size,
                 l2_cache_entry_size: args.l2_cache_entry_size,
                 refcount_cache_size: args.refcount_cache_size,

@@ -3,7 +3,7 @@
 
 #![allow(dead_code)] // each bench uses a different part of this module
 
-use qcow2::engine::{Format, Image, OpenOptions};
+use qcow2::engine::{CacheOptions, Format, Image, OpenOptions};
 use std::future::Future;
 use std::path::Path;
 use storage::{Aio, AnyStorage, FileOpener, IoBuf};
@@ -53,11 +53,7 @@ pub fn scratch_dir(prefix: &str) -> tempfile::TempDir {
 }
 
 /// Opens a qcow2 image read-write (or read-only) with O_DIRECT and the given cache options.
-pub async fn open_direct(
-    path: &Path,
-    read_only: bool,
-    cache: cache::CacheOptions,
-) -> Image<AnyStorage> {
+pub async fn open_direct(path: &Path, read_only: bool, cache: CacheOptions) -> Image<AnyStorage> {
     Image::open(
         &direct_opener(),
         path,

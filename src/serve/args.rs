@@ -7,6 +7,7 @@ use clap::{Args, ValueEnum};
 use qcow2::engine::Format;
 
 use crate::export::{DetectZeroes, DiscardMode};
+use crate::size_string;
 
 /// Export an image over NBD, like `qemu-nbd`.
 #[derive(Args, Debug, Clone)]
@@ -166,7 +167,7 @@ pub struct ServeArgs {
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
-    cache::parse_size(s).map_err(|e| e.to_string())
+    size_string::parse_size(s).map_err(|e| e.to_string())
 }
 
 /// `-f`.

@@ -12,10 +12,10 @@
 //! modified while a copy of it is being written back, the byte budget holds while loads and
 //! write-backs are in flight, and no borrow is held across an `.await`.
 //!
-//! Sizes follow QEMU exactly: [`resolve_sizes`] turns `l2-cache-size`, `l2-cache-entry-size`,
-//! `refcount-cache-size`, `cache-size` and `cache-clean-interval` into cache sizes, and
-//! [`parse_size`] reads size strings as QEMU does. Idle entries can be dropped and their
-//! memory returned to the OS ([`Cache::clean_idle`], [`Cache::idle_cleaner`]).
+//! A cache is given its byte budget and entry size ([`CacheConfig`]); how big an image's
+//! caches should be (QEMU's `l2-cache-size`, `cache-size` and friends) is decided by the qcow2
+//! engine, which knows the image geometry those rules depend on. Idle entries can be dropped
+//! and their memory returned to the OS ([`Cache::clean_idle`], [`Cache::idle_cleaner`]).
 //!
 //! # Example
 //!
@@ -107,8 +107,6 @@ mod event;
 mod flush;
 mod idle;
 mod policy;
-mod size_string;
-mod sizing;
 mod state;
 mod write_back;
 
@@ -116,9 +114,3 @@ pub use cache::{Backend, Cache};
 pub use config::{CacheConfig, CacheStats, EvictionPolicy};
 pub use error::CacheError;
 pub use flush::{Flush, FlushFuture};
-pub use size_string::parse_size;
-pub use sizing::{
-    resolve_sizes, CacheOptions, ImageParams, ResolvedCacheSizes, SizeError,
-    DEFAULT_CACHE_CLEAN_INTERVAL, DEFAULT_L2_CACHE_MAX_SIZE, MAX_CACHE_ENTRIES, MAX_CLUSTER_SIZE,
-    MIN_CLUSTER_SIZE, MIN_L2_CACHE_ENTRIES, MIN_REFCOUNT_CACHE_CLUSTERS, SMALL_L2_ENTRY_SIZE,
-};

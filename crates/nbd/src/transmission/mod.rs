@@ -12,11 +12,14 @@ pub mod reply_writer;
 pub mod validate;
 
 use std::cell::Cell;
+use std::future::Future;
+use std::ops::ControlFlow;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{watch, Mutex, Notify, Semaphore};
+use tokio::sync::{watch, Mutex, Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::control::Control;
 use crate::errno::Errno;
@@ -88,6 +91,21 @@ struct Conn<E: Export, W> {
 }
 
 impl<E: Export, W: AsyncWrite + Unpin> Conn<E, W> {
+    fn new(export: Rc<E>, writer: W, negotiated: &Negotiated, control: &Control) -> Self {
+        Conn {
+            export,
+            writer: Mutex::new(writer),
+            exec: ExecContext {
+                mode: negotiated.mode,
+                size: negotiated.size,
+                meta: negotiated.meta,
+            },
+            write_failed: Cell::new(false),
+            stop: Notify::new(),
+            force: control.force.clone(),
+        }
+    }
+
     /// Sends a reply, unless the client stopped reading and the server gave up on it: a
     /// reply stuck on a full socket must not keep the request (and shutdown) waiting.
     async fn reply(&self, to: ReplyTo, outcome: Outcome<E::Buf>) {
@@ -123,6 +141,9 @@ async fn forced(force: &watch::Receiver<bool>) {
     }
 }
 
+/// How the request loop ends: the value `transmit` returns.
+type End = Result<TransmissionEnd, TransmissionError>;
+
 /// Serves requests until the client disconnects, the server shuts down, the client stays
 /// idle past `control.idle_timeout`, or an error. In-flight requests always finish (and are
 /// answered if possible) before this returns. Once `control.force` turns true, reading a
@@ -143,18 +164,7 @@ where
     E: Export + 'static,
 {
     let limits = Limits::from(negotiated);
-    let conn = Rc::new(Conn {
-        export,
-        writer: Mutex::new(writer),
-        exec: ExecContext {
-            mode: negotiated.mode,
-            size: negotiated.size,
-            meta: negotiated.meta,
-        },
-        write_failed: Cell::new(false),
-        stop: Notify::new(),
-        force: control.force.clone(),
-    });
+    let conn = Rc::new(Conn::new(export, writer, negotiated, control));
     let mut shutdown = control.shutdown.clone();
     let memory = control
         .memory
@@ -163,68 +173,21 @@ where
     let bytes = Arc::new(Semaphore::new(memory));
 
     let result = loop {
-        let idle = async {
-            let Some(limit) = control.idle_timeout else {
-                return std::future::pending().await;
-            };
-            loop {
-                tokio::time::sleep(limit).await;
-                // Idle: nothing in flight but the slot the pending header read holds.
-                if requests.available_permits() + 1 >= MAX_IN_FLIGHT {
-                    return TransmissionEnd::IdleTimeout;
-                }
-            }
-        };
-        let stop = async {
-            tokio::select! {
-                _ = shutdown.wait_for(|down| *down) => TransmissionEnd::Shutdown,
-                () = conn.stop.notified() => TransmissionEnd::WriteFailed,
-                end = idle => end,
-            }
-        };
-        let step = async {
-            let slot = requests.clone().acquire_owned().await;
-            let header = read_header(&mut reader, limits.mode).await;
-            (slot, header)
-        };
-        let (slot, header) = tokio::select! {
-            end = stop => break Ok(end),
-            got = step => got,
-        };
-        let Ok(slot) = slot else {
-            break Ok(TransmissionEnd::Shutdown);
-        };
-        let header = match header {
-            Ok(Some(h)) => h,
-            Ok(None) => break Ok(TransmissionEnd::ClientClosed),
-            Err(e) => break Err(e),
+        let next = next_header(&mut reader, &conn, control, &mut shutdown, &requests);
+        let (slot, header) = match next.await {
+            ControlFlow::Continue(got) => got,
+            ControlFlow::Break(end) => break end,
         };
         tracing::trace!(?header, "request");
 
         let payload = payload_of(&header, limits.mode, limits.max_payload);
-        let budget = match (payload, header.command) {
-            (Payload::Read(n), _) => n,
-            (_, Command::Read) => usize::try_from(header.length)
-                .unwrap_or(usize::MAX)
-                .min(limits.max_payload as usize),
-            (_, Command::BlockStatus) => BLOCK_STATUS_CHARGE,
-            (_, Command::Cache) => CACHE_CHARGE,
-            _ => 0,
-        };
-        let budget = u32::try_from(budget.min(memory)).unwrap_or(0);
-        let Ok(budget) = bytes.clone().acquire_many_owned(budget).await else {
+        let charge = memory_charge(&header, payload, limits.max_payload, memory);
+        let Ok(budget) = bytes.clone().acquire_many_owned(charge).await else {
             break Ok(TransmissionEnd::Shutdown);
         };
 
         let read = read_payload(&mut reader, &conn, &header, &limits, payload);
-        // Biased: a payload already in the buffer completes on the first poll, and the
-        // forced-close signal is only watched when the read has to wait.
-        let got = tokio::select! {
-            biased;
-            got = read => got,
-            () = forced(&control.force) => break Ok(TransmissionEnd::ForcedClose),
-        };
-        let data = match got {
+        let data = match unless_forced(read, &control.force).await {
             Ok(data) => data,
             Err(Skip::Request) => continue,
             Err(Skip::Connection(end)) => break end,
@@ -238,24 +201,113 @@ where
                 Err(refusal)
             }
         };
-        let conn = Rc::clone(&conn);
-        tokio::task::spawn_local(async move {
-            let to = reply_to(&header, conn.exec.mode);
-            let outcome = match action {
-                Ok(action) => execute(&*conn.export, &conn.exec, action, data).await,
-                Err(r) => Outcome::Error(r.errno, r.message),
-            };
-            conn.reply(to, outcome).await;
-            drop((slot, budget));
-        });
+        spawn_request(Rc::clone(&conn), header, action, data, (slot, budget));
     };
 
-    // Let in-flight requests finish and answer; then close our side.
+    close(&conn, &requests).await;
+    result
+}
+
+/// Waits for a free request slot and then the next request header, unless the loop is to
+/// end first: the server shuts down, a reply could not be written, the client stays idle,
+/// closes the connection or sends a malformed header.
+async fn next_header<R, W, E>(
+    reader: &mut R,
+    conn: &Conn<E, W>,
+    control: &Control,
+    shutdown: &mut watch::Receiver<bool>,
+    requests: &Arc<Semaphore>,
+) -> ControlFlow<End, (OwnedSemaphorePermit, RequestHeader)>
+where
+    R: AsyncRead + Unpin,
+    E: Export,
+{
+    let stop = async {
+        tokio::select! {
+            _ = shutdown.wait_for(|down| *down) => TransmissionEnd::Shutdown,
+            () = conn.stop.notified() => TransmissionEnd::WriteFailed,
+            end = idle_timeout(control.idle_timeout, requests) => end,
+        }
+    };
+    let step = async {
+        let slot = requests.clone().acquire_owned().await;
+        let header = read_header(reader, conn.exec.mode).await;
+        (slot, header)
+    };
+    let (slot, header) = tokio::select! {
+        end = stop => return ControlFlow::Break(Ok(end)),
+        got = step => got,
+    };
+    let Ok(slot) = slot else {
+        return ControlFlow::Break(Ok(TransmissionEnd::Shutdown));
+    };
+    match header {
+        Ok(Some(h)) => ControlFlow::Continue((slot, h)),
+        Ok(None) => ControlFlow::Break(Ok(TransmissionEnd::ClientClosed)),
+        Err(e) => ControlFlow::Break(Err(e)),
+    }
+}
+
+/// Completes once the connection has been idle for `limit`, checked every `limit`: idle
+/// means nothing in flight but the slot the pending header read holds. Never completes
+/// without a limit.
+async fn idle_timeout(limit: Option<Duration>, requests: &Semaphore) -> TransmissionEnd {
+    let Some(limit) = limit else {
+        return std::future::pending().await;
+    };
+    loop {
+        tokio::time::sleep(limit).await;
+        if requests.available_permits() + 1 >= MAX_IN_FLIGHT {
+            return TransmissionEnd::IdleTimeout;
+        }
+    }
+}
+
+/// What a request is charged against the connection's memory bound of `memory` bytes: its
+/// payload, the reply data of a read, or a fixed charge for commands whose export call
+/// allocates. Never more than the whole bound, so that every request can run eventually.
+fn memory_charge(header: &RequestHeader, payload: Payload, max_payload: u32, memory: usize) -> u32 {
+    let charge = match (payload, header.command) {
+        (Payload::Read(n), _) => n,
+        (_, Command::Read) => usize::try_from(header.length)
+            .unwrap_or(usize::MAX)
+            .min(max_payload as usize),
+        (_, Command::BlockStatus) => BLOCK_STATUS_CHARGE,
+        (_, Command::Cache) => CACHE_CHARGE,
+        _ => 0,
+    };
+    u32::try_from(charge.min(memory)).unwrap_or(0)
+}
+
+/// Runs one request (or answers its refusal) as its own task; `held` (its request slot and
+/// memory charge) is released once the reply has been written.
+fn spawn_request<E, W>(
+    conn: Rc<Conn<E, W>>,
+    header: RequestHeader,
+    action: Result<validate::Action, validate::Refusal>,
+    data: Option<E::Buf>,
+    held: (OwnedSemaphorePermit, OwnedSemaphorePermit),
+) where
+    E: Export + 'static,
+    W: AsyncWrite + Unpin + 'static,
+{
+    tokio::task::spawn_local(async move {
+        let to = reply_to(&header, conn.exec.mode);
+        let outcome = match action {
+            Ok(action) => execute(&*conn.export, &conn.exec, action, data).await,
+            Err(r) => Outcome::Error(r.errno, r.message),
+        };
+        conn.reply(to, outcome).await;
+        drop(held);
+    });
+}
+
+/// Lets in-flight requests finish and answer; then closes our side.
+async fn close<E: Export, W: AsyncWrite + Unpin>(conn: &Conn<E, W>, requests: &Semaphore) {
     let all = u32::try_from(MAX_IN_FLIGHT).unwrap_or(u32::MAX);
     let _ = requests.acquire_many(all).await;
     let mut w = conn.writer.lock().await;
     let _ = w.shutdown().await;
-    result
 }
 
 /// Why a request's payload did not become a request to execute.
@@ -263,7 +315,21 @@ enum Skip {
     /// The request was answered already; go on with the next one.
     Request,
     /// The connection ends.
-    Connection(Result<TransmissionEnd, TransmissionError>),
+    Connection(End),
+}
+
+/// Runs `read` (a [`read_payload`]) unless the server's grace period runs out first.
+async fn unless_forced<T>(
+    read: impl Future<Output = Result<T, Skip>>,
+    force: &watch::Receiver<bool>,
+) -> Result<T, Skip> {
+    // Biased: a payload already in the buffer completes on the first poll, and the
+    // forced-close signal is only watched when the read has to wait.
+    tokio::select! {
+        biased;
+        got = read => got,
+        () = forced(force) => Err(Skip::Connection(Ok(TransmissionEnd::ForcedClose))),
+    }
 }
 
 /// Reads (or drains) the payload that follows a request header: the write data to execute

@@ -148,7 +148,16 @@ fn refuse(errno: Errno, message: &'static str) -> Refusal {
     Refusal { errno, message }
 }
 
+impl Limits {
+    fn advertised(&self, bit: u16) -> bool {
+        self.flags & bit != 0
+    }
+}
+
 /// Checks a request whose payload (per [`payload_of`]) has been dealt with.
+///
+/// The first check that fails decides the error, so their order is part of the behaviour:
+/// flags, payload, read-only and support, range and alignment, then per-command limits.
 pub fn validate(h: &RequestHeader, limits: &Limits, payload: Payload) -> Result<Action, Refusal> {
     let cmd = h.command;
     if cmd == Command::Disc {
@@ -157,52 +166,71 @@ pub fn validate(h: &RequestHeader, limits: &Limits, payload: Payload) -> Result<
     if let Command::Unknown(_) = cmd {
         return Err(refuse(Errno::Inval, "unknown command"));
     }
-    let advertised = |bit: u16| limits.flags & bit != 0;
-    let extended = limits.mode == Mode::Extended;
+    check_flags(h, limits)?;
+    check_payload(cmd, payload)?;
+    check_supported(cmd, limits)?;
+    if cmd == Command::Flush {
+        return Ok(Action::Flush);
+    }
+    check_range(h, limits)?;
+    action(h, limits)
+}
 
+/// The command flags `cmd` may carry, given what was advertised and the reply mode.
+fn allowed_flags(cmd: Command, limits: &Limits) -> u16 {
     let mut allowed = 0u16;
-    if advertised(FLAG_SEND_FUA) {
+    if limits.advertised(FLAG_SEND_FUA) {
         allowed |= CMD_FLAG_FUA;
     }
     match cmd {
         Command::Read if limits.mode != Mode::Simple => allowed |= CMD_FLAG_DF,
-        Command::Write if extended => allowed |= CMD_FLAG_PAYLOAD_LEN,
+        Command::Write if limits.mode == Mode::Extended => allowed |= CMD_FLAG_PAYLOAD_LEN,
         Command::WriteZeroes => {
             allowed |= CMD_FLAG_NO_HOLE;
-            if advertised(FLAG_SEND_FAST_ZERO) {
+            if limits.advertised(FLAG_SEND_FAST_ZERO) {
                 allowed |= CMD_FLAG_FAST_ZERO;
             }
         }
         Command::BlockStatus => allowed |= CMD_FLAG_REQ_ONE,
         _ => {}
     }
-    if h.flags & !allowed != 0 {
+    allowed
+}
+
+fn check_flags(h: &RequestHeader, limits: &Limits) -> Result<(), Refusal> {
+    if h.flags & !allowed_flags(h.command, limits) != 0 {
         return Err(refuse(
             Errno::Inval,
             "command flag not valid for this command",
         ));
     }
-    match payload {
-        Payload::Drain(_) if cmd == Command::Write => {
-            return Err(refuse(
-                Errno::Inval,
-                "write payload larger than the maximum payload size",
-            ))
-        }
-        Payload::Drain(_) => return Err(refuse(Errno::Inval, "command does not take a payload")),
-        Payload::Disconnect => return Err(refuse(Errno::Inval, "payload too large")),
-        Payload::None | Payload::Read(_) => {}
-    }
+    Ok(())
+}
 
+/// Refuses a payload the request should not have had (it has been skipped already).
+fn check_payload(cmd: Command, payload: Payload) -> Result<(), Refusal> {
+    match payload {
+        Payload::Drain(_) if cmd == Command::Write => Err(refuse(
+            Errno::Inval,
+            "write payload larger than the maximum payload size",
+        )),
+        Payload::Drain(_) => Err(refuse(Errno::Inval, "command does not take a payload")),
+        Payload::Disconnect => Err(refuse(Errno::Inval, "payload too large")),
+        Payload::None | Payload::Read(_) => Ok(()),
+    }
+}
+
+/// Refuses writes to a read-only export and commands the export did not advertise.
+fn check_supported(cmd: Command, limits: &Limits) -> Result<(), Refusal> {
     let writes = matches!(cmd, Command::Write | Command::Trim | Command::WriteZeroes);
-    if writes && advertised(FLAG_READ_ONLY) {
+    if writes && limits.advertised(FLAG_READ_ONLY) {
         return Err(refuse(Errno::Perm, "export is read-only"));
     }
     let supported = match cmd {
-        Command::Flush => advertised(FLAG_SEND_FLUSH),
-        Command::Trim => advertised(FLAG_SEND_TRIM),
-        Command::WriteZeroes => advertised(FLAG_SEND_WRITE_ZEROES),
-        Command::Cache => advertised(FLAG_SEND_CACHE),
+        Command::Flush => limits.advertised(FLAG_SEND_FLUSH),
+        Command::Trim => limits.advertised(FLAG_SEND_TRIM),
+        Command::WriteZeroes => limits.advertised(FLAG_SEND_WRITE_ZEROES),
+        Command::Cache => limits.advertised(FLAG_SEND_CACHE),
         Command::BlockStatus => {
             if limits.mode == Mode::Simple || limits.meta.is_empty() {
                 return Err(refuse(Errno::Inval, "no metadata context was negotiated"));
@@ -214,15 +242,16 @@ pub fn validate(h: &RequestHeader, limits: &Limits, payload: Payload) -> Result<
     if !supported {
         return Err(refuse(Errno::Inval, "command not supported by this export"));
     }
-    let fua = h.flags & CMD_FLAG_FUA != 0;
-    if cmd == Command::Flush {
-        return Ok(Action::Flush);
-    }
+    Ok(())
+}
 
+/// Refuses a range that leaves the export or breaks the minimum block size (a range may end
+/// unaligned only at the export's end).
+fn check_range(h: &RequestHeader, limits: &Limits) -> Result<(), Refusal> {
     let (offset, len) = (h.offset, h.length);
     let in_range = offset <= limits.size && len <= limits.size - offset;
     if !in_range {
-        let errno = if matches!(cmd, Command::Write | Command::WriteZeroes) {
+        let errno = if matches!(h.command, Command::Write | Command::WriteZeroes) {
             Errno::NoSpc
         } else {
             Errno::Inval
@@ -239,22 +268,15 @@ pub fn validate(h: &RequestHeader, limits: &Limits, payload: Payload) -> Result<
             "request not aligned to the minimum block size",
         ));
     }
+    Ok(())
+}
 
-    match cmd {
-        Command::Read => {
-            if len > u64::from(limits.max_payload) {
-                return Err(refuse(
-                    Errno::Inval,
-                    "read larger than the maximum payload size",
-                ));
-            }
-            let len = usize::try_from(len).map_err(|_| refuse(Errno::Inval, "read too large"))?;
-            Ok(Action::Read {
-                offset,
-                len,
-                df: h.flags & CMD_FLAG_DF != 0,
-            })
-        }
+/// What to run for a request that passed every check but the per-command ones.
+fn action(h: &RequestHeader, limits: &Limits) -> Result<Action, Refusal> {
+    let (offset, len) = (h.offset, h.length);
+    let fua = h.flags & CMD_FLAG_FUA != 0;
+    match h.command {
+        Command::Read => read_action(h, limits),
         Command::Write if len == 0 => Ok(Action::Nothing),
         Command::Write => Ok(Action::Write { offset, fua }),
         Command::Trim | Command::WriteZeroes | Command::Cache if len == 0 => Ok(Action::Nothing),
@@ -281,6 +303,22 @@ pub fn validate(h: &RequestHeader, limits: &Limits, payload: Payload) -> Result<
             Err(refuse(Errno::Inval, "unexpected command"))
         }
     }
+}
+
+/// A read, which may not ask for more than the maximum payload size.
+fn read_action(h: &RequestHeader, limits: &Limits) -> Result<Action, Refusal> {
+    if h.length > u64::from(limits.max_payload) {
+        return Err(refuse(
+            Errno::Inval,
+            "read larger than the maximum payload size",
+        ));
+    }
+    let len = usize::try_from(h.length).map_err(|_| refuse(Errno::Inval, "read too large"))?;
+    Ok(Action::Read {
+        offset: h.offset,
+        len,
+        df: h.flags & CMD_FLAG_DF != 0,
+    })
 }
 
 #[cfg(test)]

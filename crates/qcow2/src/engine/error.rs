@@ -2,6 +2,7 @@
 
 use super::backing_name::BackingError;
 use super::bitmaps::BitmapError;
+use super::cache_sizing::CacheSizeError;
 use super::compress::CompressError;
 use crate::format::FormatError;
 use crate::metadata::MetadataError;
@@ -139,7 +140,7 @@ pub enum EngineError {
         image: String,
         /// The sizing error.
         #[source]
-        source: cache::SizeError,
+        source: CacheSizeError,
     },
     /// An internal snapshot that does not exist.
     #[error("{image}: no snapshot with id or name {wanted:?}")]

@@ -1,6 +1,7 @@
 //! An open image: the public handle [`Image`] and the state its operations share.
 
 use super::alloc::Allocator;
+use super::cache_sizing::ResolvedCacheSizes;
 use super::chain::Chain;
 use super::error::{EngineError, Result};
 use super::range_lock::{LockMode, RangeGuard, RangeLocks};
@@ -38,7 +39,7 @@ pub(crate) struct Inner<S: Storage + 'static> {
     pub locks: RangeLocks,
     pub decompressed: RefCell<Option<Decompressed>>,
     /// The cache sizes in use.
-    pub cache_sizes: cache::ResolvedCacheSizes,
+    pub cache_sizes: ResolvedCacheSizes,
     /// Refcounts and allocation (writable qcow2 images only).
     pub alloc: Option<Allocator<S>>,
     /// Punch holes in the file when a guest discard (or zeroing with unmap) frees clusters.
@@ -111,7 +112,7 @@ impl<S: Storage + 'static> Image<S> {
     }
 
     /// The cache sizes resolved from the options and the image.
-    pub fn cache_sizes(&self) -> cache::ResolvedCacheSizes {
+    pub fn cache_sizes(&self) -> ResolvedCacheSizes {
         self.inner.cache_sizes
     }
 

@@ -16,6 +16,7 @@ pub mod backing_name;
 mod bitmap_ops;
 mod bitmaps;
 mod block_status;
+mod cache_sizing;
 mod chain;
 pub mod check;
 pub mod compress;
@@ -40,6 +41,11 @@ mod zero;
 
 pub use bitmaps::{BitmapError, BitmapInfo};
 pub use block_status::Extent;
+pub use cache_sizing::{
+    resolve_sizes, CacheOptions, CacheSizeError, ImageParams, ResolvedCacheSizes,
+    DEFAULT_CACHE_CLEAN_INTERVAL, DEFAULT_L2_CACHE_MAX_SIZE, MAX_CACHE_ENTRIES, MAX_CLUSTER_SIZE,
+    MIN_CLUSTER_SIZE, MIN_L2_CACHE_ENTRIES, MIN_REFCOUNT_CACHE_CLUSTERS, SMALL_L2_ENTRY_SIZE,
+};
 pub use create::{create, create_file, CreateOptions, Preallocation};
 pub use error::{libc_errno, EngineError, Result};
 pub use image::{Image, ImageFacts};

@@ -3,6 +3,7 @@
 
 use super::alloc::Allocator;
 use super::backing_name::{self, ChainGuard};
+use super::cache_sizing::{self, CacheOptions, ImageParams, ResolvedCacheSizes};
 use super::chain::Chain;
 use super::error::{EngineError, Result};
 use super::image::{Image, Inner};
@@ -25,7 +26,7 @@ pub struct OpenOptions {
     /// so a guest cannot turn a raw disk into a qcow2 header pointing at host files).
     pub format: Option<Format>,
     /// Metadata cache options (`l2-cache-size` and friends).
-    pub cache: cache::CacheOptions,
+    pub cache: CacheOptions,
     /// Do not open backing files: unallocated clusters read as zeros.
     pub no_backing: bool,
     /// Open this internal snapshot (by id or name), read-only.
@@ -120,14 +121,14 @@ async fn build<S: Storage + 'static>(
     let (cache_sizes, slice_bytes) = match layers[0].qcow2() {
         Some(m) => {
             let h = m.header.borrow();
-            let params = cache::ImageParams {
+            let params = ImageParams {
                 cluster_size: m.geom.cluster_size(),
                 virtual_size: layers[0].size.get(),
                 extended_l2: m.geom.extended_l2(),
                 refcount_bits: m.geom.refcount_bits(),
             };
             drop(h);
-            let sizes = cache::resolve_sizes(cache_opts, &params).map_err(|source| {
+            let sizes = cache_sizing::resolve_sizes(cache_opts, &params).map_err(|source| {
                 EngineError::CacheSize {
                     image: top_name.clone(),
                     source,
@@ -143,7 +144,7 @@ async fn build<S: Storage + 'static>(
             // layer's tables: whole-table slices (QEMU's choice when one layer fits) would read
             // 16 times too much, so deep chains use QEMU's small-slice default.
             let slice = if Chain::<S>::wants_backing_map(layers.len()) {
-                sizes.l2_entry_size.min(cache::SMALL_L2_ENTRY_SIZE)
+                sizes.l2_entry_size.min(cache_sizing::SMALL_L2_ENTRY_SIZE)
             } else {
                 sizes.l2_entry_size
             };
@@ -151,7 +152,7 @@ async fn build<S: Storage + 'static>(
         }
         None => {
             // Raw top layer: no L2 tables; a token cache keeps the types simple.
-            let sizes = cache::ResolvedCacheSizes {
+            let sizes = ResolvedCacheSizes {
                 l2_cache_bytes: 2 * 512,
                 l2_entry_size: 512,
                 refcount_cache_bytes: 0,

@@ -13,9 +13,27 @@
 //!   not parse is "invalid". As in QEMU, trailing garbage turns an out-of-range number into an
 //!   invalid one (`-1x`).
 
-use crate::sizing::SizeError;
+/// Why a size string is not a size; messages follow QEMU's.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParseSizeError {
+    /// A size string that is not a size.
+    #[error(
+        "invalid size '{value}': expects a non-negative number below 2^64; optional suffix \
+     k, M, G, T, P or E means kilo-, mega-, giga-, tera-, peta- and exabytes"
+    )]
+    InvalidSize {
+        /// The string given.
+        value: String,
+    },
+    /// A size string that is negative or 2^64 and above.
+    #[error("size '{value}' is out of range (a non-negative number below 2^64)")]
+    SizeOutOfRange {
+        /// The string given.
+        value: String,
+    },
+}
 
-/// What went wrong, before it is turned into a [`SizeError`] naming the input.
+/// What went wrong, before it is turned into a [`ParseSizeError`] naming the input.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Failure {
     Invalid,
@@ -23,7 +41,7 @@ enum Failure {
 }
 
 /// Parse a QEMU size string (`8M`, `512K`, `1G`, `1.5M`, `4096`, `0x1000`) into bytes.
-pub fn parse_size(s: &str) -> Result<u64, SizeError> {
+pub fn parse_size(s: &str) -> Result<u64, ParseSizeError> {
     let bytes = s.as_bytes();
     let (end, result) = parse_prefix(bytes);
     // Like QEMU: anything left over makes the whole string invalid, whatever else was wrong.
@@ -33,10 +51,10 @@ pub fn parse_size(s: &str) -> Result<u64, SizeError> {
         result
     };
     result.map_err(|failure| match failure {
-        Failure::Invalid => SizeError::InvalidSize {
+        Failure::Invalid => ParseSizeError::InvalidSize {
             value: s.to_owned(),
         },
-        Failure::OutOfRange => SizeError::SizeOutOfRange {
+        Failure::OutOfRange => ParseSizeError::SizeOutOfRange {
             value: s.to_owned(),
         },
     })
@@ -238,6 +256,10 @@ fn parse_prefix(s: &[u8]) -> (usize, Result<u64, Failure>) {
     }
 }
 
+// Compares with qemu-img itself; in its own file because it needs the tool installed.
+#[cfg(test)]
+mod qemu_oracle;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -248,7 +270,7 @@ mod tests {
 
     fn invalid(s: &str) {
         assert!(
-            matches!(parse_size(s), Err(SizeError::InvalidSize { .. })),
+            matches!(parse_size(s), Err(ParseSizeError::InvalidSize { .. })),
             "{s:?} should be invalid, got {:?}",
             parse_size(s)
         );
@@ -256,7 +278,7 @@ mod tests {
 
     fn out_of_range(s: &str) {
         assert!(
-            matches!(parse_size(s), Err(SizeError::SizeOutOfRange { .. })),
+            matches!(parse_size(s), Err(ParseSizeError::SizeOutOfRange { .. })),
             "{s:?} should be out of range, got {:?}",
             parse_size(s)
         );

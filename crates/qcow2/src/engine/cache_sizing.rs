@@ -2,7 +2,7 @@
 //! (`read_cache_sizes` and `qcow2_update_options_prepare` in block/qcow2.c, documented in
 //! docs/qcow2-cache.txt): a pure function from the user's options and the image geometry.
 
-use crate::config::CacheConfig;
+use cache::CacheConfig;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -125,9 +125,9 @@ impl ResolvedCacheSizes {
     }
 }
 
-/// Why cache options (or a size string) are unusable; messages follow QEMU's.
+/// Why cache options are unusable; messages follow QEMU's.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum SizeError {
+pub enum CacheSizeError {
     /// `cache-size`, `l2-cache-size` and `refcount-cache-size` were all given.
     #[error("cache-size, l2-cache-size and refcount-cache-size may not be set at the same time")]
     AllThreeSet,
@@ -176,27 +176,12 @@ pub enum SizeError {
         /// What it should be.
         reason: &'static str,
     },
-    /// A size string that is not a size.
-    #[error(
-        "invalid size '{value}': expects a non-negative number below 2^64; optional suffix \
-         k, M, G, T, P or E means kilo-, mega-, giga-, tera-, peta- and exabytes"
-    )]
-    InvalidSize {
-        /// The string given.
-        value: String,
-    },
-    /// A size string that is negative or 2^64 and above.
-    #[error("size '{value}' is out of range (a non-negative number below 2^64)")]
-    SizeOutOfRange {
-        /// The string given.
-        value: String,
-    },
 }
 
-fn check_image(image: &ImageParams) -> Result<(), SizeError> {
+fn check_image(image: &ImageParams) -> Result<(), CacheSizeError> {
     let cluster = image.cluster_size;
     if !cluster.is_power_of_two() || !(MIN_CLUSTER_SIZE..=MAX_CLUSTER_SIZE).contains(&cluster) {
-        return Err(SizeError::InvalidImage {
+        return Err(CacheSizeError::InvalidImage {
             field: "cluster_size",
             value: cluster,
             reason: "must be a power of two between 512 and 2097152",
@@ -204,7 +189,7 @@ fn check_image(image: &ImageParams) -> Result<(), SizeError> {
     }
     let bits = image.refcount_bits;
     if !bits.is_power_of_two() || bits > 64 {
-        return Err(SizeError::InvalidImage {
+        return Err(CacheSizeError::InvalidImage {
             field: "refcount_bits",
             value: u64::from(bits),
             reason: "must be a power of two between 1 and 64",
@@ -231,7 +216,7 @@ fn check_image(image: &ImageParams) -> Result<(), SizeError> {
 pub fn resolve_sizes(
     opts: &CacheOptions,
     image: &ImageParams,
-) -> Result<ResolvedCacheSizes, SizeError> {
+) -> Result<ResolvedCacheSizes, CacheSizeError> {
     check_image(image)?;
     let cluster = image.cluster_size;
     // QEMU sizes from whole 512-byte sectors (bs->total_sectors).
@@ -253,11 +238,11 @@ pub fn resolve_sizes(
         let l2_set = opts.l2_cache_size.is_some();
         let refcount_set = opts.refcount_cache_size.is_some();
         if l2_set && refcount_set {
-            return Err(SizeError::AllThreeSet);
+            return Err(CacheSizeError::AllThreeSet);
         } else if l2_set && l2_setting > combined {
-            return Err(SizeError::L2ExceedsCombined);
+            return Err(CacheSizeError::L2ExceedsCombined);
         } else if refcount_bytes > combined {
-            return Err(SizeError::RefcountExceedsCombined);
+            return Err(CacheSizeError::RefcountExceedsCombined);
         }
         // The subtractions below cannot underflow: l2_bytes <= l2_setting <= combined and
         // refcount_bytes <= combined were just checked.
@@ -282,7 +267,7 @@ pub fn resolve_sizes(
         entry_size = cluster.min(SMALL_L2_ENTRY_SIZE);
     }
     if entry_size < MIN_CLUSTER_SIZE || entry_size > cluster || !entry_size.is_power_of_two() {
-        return Err(SizeError::BadL2EntrySize {
+        return Err(CacheSizeError::BadL2EntrySize {
             entry_size,
             cluster_size: cluster,
         });
@@ -290,13 +275,13 @@ pub fn resolve_sizes(
 
     let l2_entries = (l2_bytes / entry_size).max(MIN_L2_CACHE_ENTRIES);
     if l2_entries > MAX_CACHE_ENTRIES {
-        return Err(SizeError::L2CacheTooBig {
+        return Err(CacheSizeError::L2CacheTooBig {
             entries: l2_entries,
         });
     }
     let refcount_entries = (refcount_bytes / cluster).max(MIN_REFCOUNT_CACHE_CLUSTERS);
     if refcount_entries > MAX_CACHE_ENTRIES {
-        return Err(SizeError::RefcountCacheTooBig {
+        return Err(CacheSizeError::RefcountCacheTooBig {
             entries: refcount_entries,
         });
     }
@@ -304,7 +289,7 @@ pub fn resolve_sizes(
         .cache_clean_interval
         .unwrap_or(DEFAULT_CACHE_CLEAN_INTERVAL);
     if clean_interval_secs > u64::from(u32::MAX) {
-        return Err(SizeError::CleanIntervalTooBig {
+        return Err(CacheSizeError::CleanIntervalTooBig {
             secs: clean_interval_secs,
         });
     }
@@ -570,7 +555,7 @@ mod tests {
             ..Default::default()
         };
         let e = resolve_sizes(&opts, &image(64 * KIB, GIB)).unwrap_err();
-        assert_eq!(e, SizeError::AllThreeSet);
+        assert_eq!(e, CacheSizeError::AllThreeSet);
         assert_eq!(
             e.to_string(),
             "cache-size, l2-cache-size and refcount-cache-size may not be set at the same time"
@@ -587,7 +572,7 @@ mod tests {
         };
         assert_eq!(
             resolve_sizes(&opts, &img),
-            Err(SizeError::L2ExceedsCombined)
+            Err(CacheSizeError::L2ExceedsCombined)
         );
         // QEMU compares the setting, not the capped size.
         let opts = CacheOptions {
@@ -597,7 +582,7 @@ mod tests {
         };
         assert_eq!(
             resolve_sizes(&opts, &image(64 * KIB, 8 * GIB)),
-            Err(SizeError::L2ExceedsCombined)
+            Err(CacheSizeError::L2ExceedsCombined)
         );
         let opts = CacheOptions {
             cache_size: Some(MIB),
@@ -605,7 +590,7 @@ mod tests {
             ..Default::default()
         };
         let e = resolve_sizes(&opts, &img).unwrap_err();
-        assert_eq!(e, SizeError::RefcountExceedsCombined);
+        assert_eq!(e, CacheSizeError::RefcountExceedsCombined);
         assert_eq!(
             e.to_string(),
             "refcount-cache-size may not exceed cache-size"
@@ -640,7 +625,10 @@ mod tests {
                 ..Default::default()
             };
             let e = resolve_sizes(&opts, &img).unwrap_err();
-            assert!(matches!(e, SizeError::BadL2EntrySize { .. }), "{bad}: {e}");
+            assert!(
+                matches!(e, CacheSizeError::BadL2EntrySize { .. }),
+                "{bad}: {e}"
+            );
             assert!(e.to_string().starts_with(
                 "L2 cache entry size must be a power of two between 512 and the cluster size \
                  (65536)"
@@ -663,13 +651,16 @@ mod tests {
             ..Default::default()
         };
         let e = resolve_sizes(&opts, &img).unwrap_err();
-        assert!(matches!(e, SizeError::L2CacheTooBig { .. }), "{e}");
+        assert!(matches!(e, CacheSizeError::L2CacheTooBig { .. }), "{e}");
         let opts = CacheOptions {
             refcount_cache_size: Some(u64::MAX),
             ..Default::default()
         };
         let e = resolve_sizes(&opts, &image(64 * KIB, GIB)).unwrap_err();
-        assert!(matches!(e, SizeError::RefcountCacheTooBig { .. }), "{e}");
+        assert!(
+            matches!(e, CacheSizeError::RefcountCacheTooBig { .. }),
+            "{e}"
+        );
     }
 
     // "If unset, the default value for this parameter is 600"; "Setting this parameter to 0
@@ -689,7 +680,7 @@ mod tests {
         assert_eq!(resolve(opts(900), img).clean_interval_secs, 900);
         assert_eq!(
             resolve_sizes(&opts(1 << 32), &img),
-            Err(SizeError::CleanIntervalTooBig { secs: 1 << 32 })
+            Err(CacheSizeError::CleanIntervalTooBig { secs: 1 << 32 })
         );
     }
 
@@ -707,7 +698,7 @@ mod tests {
         for cluster in [0, 1, 256, 3 * 1024, 4 * MIB, u64::MAX] {
             let e = resolve_sizes(&CacheOptions::default(), &image(cluster, GIB)).unwrap_err();
             assert!(
-                matches!(e, SizeError::InvalidImage { .. }),
+                matches!(e, CacheSizeError::InvalidImage { .. }),
                 "{cluster}: {e}"
             );
         }
@@ -715,7 +706,10 @@ mod tests {
             let mut img = image(64 * KIB, GIB);
             img.refcount_bits = bits;
             let e = resolve_sizes(&CacheOptions::default(), &img).unwrap_err();
-            assert!(matches!(e, SizeError::InvalidImage { .. }), "{bits}: {e}");
+            assert!(
+                matches!(e, CacheSizeError::InvalidImage { .. }),
+                "{bits}: {e}"
+            );
         }
         // Largest disk, smallest clusters, extended entries: no overflow.
         let mut img = image(512, u64::MAX);
@@ -727,7 +721,7 @@ mod tests {
             ..Default::default()
         };
         let e = resolve_sizes(&opts, &img).unwrap_err();
-        assert!(matches!(e, SizeError::L2CacheTooBig { .. }), "{e}");
+        assert!(matches!(e, CacheSizeError::L2CacheTooBig { .. }), "{e}");
     }
 
     #[test]
