@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use std::rc::Rc;
 
 use clap::Args;
-use qcow2::engine::{EngineError, Format, Image, OpenOptions};
+use qcow2::engine::{BitmapInfo, EngineError, Format, Image, OpenOptions};
 use storage::{AnyStorage, IoBuf};
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
@@ -57,6 +57,14 @@ pub struct ConvertArgs {
     /// No progress output.
     #[arg(short = 'q', long = "quiet")]
     pub quiet: bool,
+    /// Also copy the source's persistent dirty bitmaps (names, granularity, enabled state
+    /// and bits) into the (qcow2) target.
+    #[arg(long)]
+    pub bitmaps: bool,
+    /// With --bitmaps, leave out bitmaps left in use by a crash (warned about) instead of
+    /// failing.
+    #[arg(long = "skip-broken-bitmaps")]
+    pub skip_broken_bitmaps: bool,
     /// Copy requests in flight at once.
     #[arg(short = 'm', long = "parallel", default_value_t = 8,
           value_parser = clap::value_parser!(u16).range(1..=64))]
@@ -94,6 +102,18 @@ pub enum ConvertError {
     /// Reading the source or writing the target failed.
     #[error("error while converting: {0}")]
     Copy(Box<EngineError>),
+    /// `--skip-broken-bitmaps` without `--bitmaps`.
+    #[error("Use of --skip-broken-bitmaps requires --bitmaps")]
+    SkipWithoutBitmaps,
+    /// `--bitmaps` from a source that has none to give.
+    #[error("Source lacks bitmap support")]
+    SourceWithoutBitmaps,
+    /// `--bitmaps` into a target that cannot store them.
+    #[error("Format driver '{0}' does not support bitmaps")]
+    TargetWithoutBitmaps(&'static str),
+    /// A source bitmap left in use by a crash.
+    #[error("Cannot copy inconsistent bitmap '{0}'\nTry --skip-broken-bitmaps, or use 'qcow2-nbd bitmap --remove' to delete it")]
+    InconsistentBitmap(String),
     /// A copy task died (a bug: tasks return their errors).
     #[error("internal error: a copy task failed: {0}")]
     Task(String),
@@ -341,6 +361,7 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
     }
     let parsed = target_options(target_format, list.as_deref())?;
     let (src, size) = open_source(args).await?;
+    let bitmaps = bitmaps_to_copy(args, &src, target_format, &parsed).await?;
     let copy_len = src.size().min(size);
     let (dst, grain) = create_target(args, target_format, &parsed, size).await?;
     let progress = Rc::new(Progress::stderr(
@@ -348,7 +369,7 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
         progress::wanted(args.progress, args.quiet),
     ));
     let job = Rc::new(Job {
-        src,
+        src: src.clone(),
         dst: dst.clone(),
         grain,
         compress: args.compress,
@@ -359,8 +380,65 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
         progress: progress.clone(),
     });
     copy_all(job, copy_len, usize::from(args.parallel)).await?;
+    // After the copy, whose writes would otherwise mark them.
+    copy_bitmaps(&src, &dst, &bitmaps, size).await?;
     dst.close().await?;
     progress.finish();
+    Ok(())
+}
+
+/// The source bitmaps `--bitmaps` copies, checked as qemu-img checks them before anything is
+/// created: both images must hold bitmaps, and one left in use by a crash fails the convert
+/// unless `--skip-broken-bitmaps` (then it is left out, with a warning).
+async fn bitmaps_to_copy(
+    args: &ConvertArgs,
+    src: &Image<AnyStorage>,
+    target: Format,
+    parsed: &Parsed,
+) -> Result<Vec<BitmapInfo>, ConvertError> {
+    if !args.bitmaps {
+        return match args.skip_broken_bitmaps {
+            true => Err(ConvertError::SkipWithoutBitmaps),
+            false => Ok(Vec::new()),
+        };
+    }
+    if !src.facts().qcow2 {
+        return Err(ConvertError::SourceWithoutBitmaps);
+    }
+    let all = src.bitmaps().await?;
+    // qemu-img goes through them newest first, before it looks at the target.
+    for b in all.iter().rev().filter(|b| b.inconsistent) {
+        if !args.skip_broken_bitmaps {
+            return Err(ConvertError::InconsistentBitmap(b.name.clone()));
+        }
+        eprintln!(
+            "qcow2-nbd: warning: Skipping inconsistent bitmap '{}'",
+            b.name
+        );
+    }
+    let v2 = parsed
+        .str("compat")
+        .is_some_and(|c| c == "0.10" || c == "v2");
+    if target == Format::Raw || v2 {
+        return Err(ConvertError::TargetWithoutBitmaps(engine_run::format_name(
+            target,
+        )));
+    }
+    Ok(all.into_iter().filter(|b| !b.inconsistent).collect())
+}
+
+/// Gives the target every bitmap in `list` with the source's bits.
+async fn copy_bitmaps(
+    src: &Image<AnyStorage>,
+    dst: &Image<AnyStorage>,
+    list: &[BitmapInfo],
+    size: u64,
+) -> Result<(), ConvertError> {
+    for b in list {
+        let data = src.bitmap_data(&b.name).await?;
+        dst.add_bitmap(&b.name, Some(b.granularity), b.enabled)?;
+        dst.merge_bitmap(&b.name, &data, size)?;
+    }
     Ok(())
 }
 
