@@ -3,9 +3,7 @@
 
 use super::meta::Meta;
 use crate::format::l1::L1_OFFSET_MASK;
-
-/// Refcount table entries keep the block offset in bits 9-63.
-pub(crate) const REFT_OFFSET_MASK: u64 = !0x1ff;
+use crate::format::refcount::REFTABLE_OFFSET_MASK;
 
 /// A kind of metadata a write may overlap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,7 +81,7 @@ impl Meta {
         }
         if check(Section::RefcountBlock)
             && m.reftable.iter().any(|&e| {
-                let off = e & REFT_OFFSET_MASK;
+                let off = e & REFTABLE_OFFSET_MASK;
                 off != 0 && hit(off, m.cluster_size)
             })
         {

@@ -15,6 +15,7 @@ use super::io;
 use super::ondisk::Refblocks;
 use super::pass::{Fix, Pass};
 use crate::format::limits;
+use crate::format::refcount::REFTABLE_OFFSET_MASK;
 use storage::Storage;
 
 /// Byte offset of `nb_snapshots` (followed by `snapshots_offset`).
@@ -118,7 +119,7 @@ impl<S: Storage> Pass<'_, S> {
             .ok()
             .and_then(|i| self.meta.reftable.get(i))
             .is_some_and(|&raw| {
-                let block = raw & super::overlap::REFT_OFFSET_MASK;
+                let block = raw & REFTABLE_OFFSET_MASK;
                 block != 0 && self.meta.in_cluster(block) == 0
             })
     }
