@@ -14,7 +14,8 @@
 //! `range_lock`, `backing_name` (which backing names we follow); the write side: `writer`
 //! (refcount table, header bits), `refcount` (refcounts and the allocator), `l2_table`
 //! (writable L2 tables), `l2_entry` (entry updates), `write` (allocation and copy-on-write),
-//! `zero`, `discard`, `flush`, `overlap` (metadata that data must never overwrite).
+//! `zero`, `discard`, `flush`, `overlap` (where metadata lives, which neither guest data nor
+//! the checker's repairs may overwrite).
 
 mod alloc;
 pub mod backing_name;
@@ -32,6 +33,7 @@ mod layer;
 mod load;
 mod metacache;
 mod open;
+mod overlap;
 mod prealloc_detect;
 pub mod range_lock;
 mod read;

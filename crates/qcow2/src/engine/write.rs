@@ -407,7 +407,7 @@ impl<S: Storage + 'static> Inner<S> {
         host: u64,
     ) -> (Result<()>, IoBuf) {
         let checked = match self.alloc() {
-            Ok(a) => a.check_overlap(host, to - from).await,
+            Ok(a) => a.check_overlap(HostOffset(host), to - from).await,
             Err(e) => Err(e),
         };
         if let Err(e) = checked {

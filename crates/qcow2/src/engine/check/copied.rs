@@ -5,10 +5,10 @@
 use super::error::CheckError;
 use super::io;
 use super::ondisk::Refblocks;
-use super::overlap::Section;
 use super::pass::{Fix, Pass};
 use super::report::FindingKind;
 use super::tables::{cluster_type, ClusterType};
+use crate::engine::overlap::MetaKind;
 use crate::format::l1::{L1_COPIED, L1_OFFSET_MASK};
 use crate::format::l2::{L2_COPIED, L2_OFFSET_MASK};
 use storage::Storage;
@@ -129,7 +129,7 @@ impl<S: Storage> Pass<'_, S> {
                         "writing an L2 table",
                         l2_offset,
                         &bytes,
-                        &[Section::ActiveL2],
+                        &[MetaKind::L2Table],
                     )
                     .await
                 {
@@ -166,7 +166,7 @@ impl<S: Storage> Pass<'_, S> {
             "updating the L1 table",
             offset,
             &bytes,
-            &[Section::ActiveL1],
+            &[MetaKind::L1Table],
         )
         .await?;
         io::flush(self.file).await

@@ -4,8 +4,8 @@
 
 use super::error::CheckError;
 use super::io;
-use super::overlap::Section;
 use super::pass::Pass;
+use crate::engine::overlap::MetaKind;
 use crate::format::refcount::{self, REFTABLE_OFFSET_MASK};
 use storage::{IoBuf, Storage};
 
@@ -139,7 +139,7 @@ impl<S: Storage> Pass<'_, S> {
                 "writing a refcount block",
                 block,
                 &buf,
-                &[Section::RefcountBlock],
+                &[MetaKind::RefcountBlock],
             )
             .await?;
             rb.block = Some((block, buf));

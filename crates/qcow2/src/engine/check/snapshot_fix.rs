@@ -174,6 +174,7 @@ impl<S: Storage> Pass<'_, S> {
         for sn in &mut self.meta.snapshots {
             sn.extra_data_size = (KNOWN_EXTRA_DATA + sn.unknown_extra.len()) as u32;
         }
+        self.layout_changed();
         Ok(())
     }
 

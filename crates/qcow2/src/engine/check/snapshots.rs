@@ -83,6 +83,7 @@ impl<S: Storage> Pass<'_, S> {
         self.meta.snapshots = snapshots;
         self.meta.nb_snapshots = kept;
         self.meta.snapshots_size = pos - offset;
+        self.layout_changed();
         self.res.corruptions += u64::from(reduced) + u64::from(extra_dropped);
         if reduced > 0 {
             self.write_snapshot_count(kept, reduced).await?;
@@ -138,6 +139,7 @@ impl<S: Storage> Pass<'_, S> {
         let offset = self.meta.snapshots_offset;
         self.meta.snapshots_offset = 0;
         self.meta.nb_snapshots = 0;
+        self.layout_changed();
         CheckError::SnapshotTable { offset, detail }
     }
 
@@ -344,6 +346,7 @@ impl<S: Storage> Pass<'_, S> {
                 );
                 self.meta.snapshots_offset = 0;
                 self.meta.nb_snapshots = 0;
+                self.layout_changed();
                 Err(e)
             }
         }

@@ -5,9 +5,9 @@
 use super::error::CheckError;
 use super::imrt::Imrt;
 use super::io;
-use super::overlap::Section;
 use super::pass::Pass;
 use super::report::FindingKind;
+use crate::engine::overlap::MetaKind;
 use crate::format::be::words;
 use crate::format::l1::{L1_OFFSET_MASK, L1_RESERVED_MASK};
 use crate::format::l2::{
@@ -287,8 +287,8 @@ impl<S: Storage> Pass<'_, S> {
         let entry = bytes.to_vec();
         // A snapshot's L2 tables are "inactive", a section the cached overlap set never
         // checks, so ignoring it changes nothing.
-        let ignore: &[Section] = match which {
-            Which::Active => &[Section::ActiveL2],
+        let ignore: &[MetaKind] = match which {
+            Which::Active => &[MetaKind::L2Table],
             Which::Snapshot => &[],
         };
         let entry_offset = l2_offset + at as u64;
