@@ -1,9 +1,11 @@
-//! Snapshot tables: decoding never panics and stays within QEMU's limits, and a decoded table
-//! re-encodes to one that decodes to the same entries.
+//! Snapshot tables: decoding never panics and stays within QEMU's limits, the checker's
+//! strictness reads every entry an open reads the same way, and a decoded table re-encodes to
+//! one that decodes to the same entries.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use qcow2::format::snapshot;
+use qcow2::format::header::Strictness;
+use qcow2::format::snapshot::{self, SnapshotTableEntry};
 use qcow2::format::Geometry;
 
 fuzz_target!(|data: &[u8]| {
@@ -16,10 +18,23 @@ fuzz_target!(|data: &[u8]| {
     let Ok(geometry) = Geometry::new(cluster_bits, false, 4, 1 << 30) else {
         return;
     };
+    let _ = SnapshotTableEntry::decode_with(table, 0x30000, 0, Strictness::Check);
     let Ok(entries) = snapshot::decode_table(table, 0x30000, nb, &geometry) else {
         return;
     };
     assert_eq!(entries.len() as u64, u64::from(nb));
+    let mut pos = 0;
+    for (index, e) in entries.iter().enumerate() {
+        let (lenient, len) = SnapshotTableEntry::decode_with(
+            &table[pos..],
+            0x30000 + pos as u64,
+            index as u64,
+            Strictness::Check,
+        )
+        .expect("the checker reads what an open reads");
+        assert_eq!(&lenient, e);
+        pos += len;
+    }
     for e in &entries {
         let _ = (
             e.vm_state_size(),

@@ -30,6 +30,7 @@ mod layer;
 mod load;
 mod metacache;
 mod open;
+mod overlap;
 mod prealloc_detect;
 pub mod range_lock;
 mod read;

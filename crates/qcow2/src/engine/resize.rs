@@ -5,9 +5,9 @@
 //! table is freed last. A crash at any point leaves the old or the new table in use (each
 //! large enough for the size on disk), with at worst leaked clusters.
 
-use super::alloc::overlap::MetaKind;
 use super::error::{EngineError, Result};
 use super::image::{Image, Inner};
+use super::overlap::MetaKind;
 use crate::format::{be, header, limits, Geometry, HostOffset};
 use storage::Storage;
 
@@ -117,8 +117,8 @@ impl<S: Storage + 'static> Inner<S> {
         }
         {
             let mut m = w.meta.borrow_mut();
-            m.remove(old_off);
-            m.insert(new_off, clusters * cs, MetaKind::L1Table);
+            m.remove(HostOffset(old_off));
+            m.insert(HostOffset(new_off), clusters * cs, MetaKind::L1Table);
         }
         if old_clusters > 0 {
             w.free_clusters(HostOffset(old_off), old_clusters, false)

@@ -356,7 +356,7 @@ impl<S: Storage + 'static> Inner<S> {
         host: HostOffset,
     ) -> (Result<()>, IoBuf) {
         let checked = match self.alloc() {
-            Ok(a) => a.check_overlap(host.0, to - from).await,
+            Ok(a) => a.check_overlap(host, to - from).await,
             Err(e) => Err(e),
         };
         if let Err(e) = checked {

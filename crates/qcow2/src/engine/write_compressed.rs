@@ -8,7 +8,7 @@ use super::image::{Image, Inner};
 use super::range_lock::LockMode;
 use crate::format::l2;
 use crate::format::l2_extended::unpack_bitmap;
-use crate::format::{CompressedDescriptor, GuestOffset};
+use crate::format::{CompressedDescriptor, GuestOffset, HostOffset};
 use storage::{IoBuf, Storage};
 
 impl<S: Storage + 'static> Image<S> {
@@ -73,7 +73,7 @@ impl<S: Storage + 'static> Inner<S> {
             w.alloc_bytes(packed.len() as u64).await?.0
         };
         let plen = packed.len() as u64;
-        w.check_overlap(host, plen).await?;
+        w.check_overlap(HostOffset(host), plen).await?;
         let (res, _) = top
             .file
             .write_at(IoBuf::from_slice(&packed).into(), host)

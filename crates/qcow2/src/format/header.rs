@@ -128,13 +128,14 @@ pub fn autoclear_update(bits: u64) -> FieldUpdate<8> {
     FieldUpdate::new(field::AUTOCLEAR_FEATURES, bits.to_be_bytes())
 }
 
-/// How much of the header a decode insists on.
+/// How much of the header (and of a snapshot table entry) a decode insists on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strictness {
     /// Everything QEMU checks before it opens an image.
     Open,
-    /// What `qemu-img check` needs to look at an image: the refcount table may be empty and
-    /// the snapshot table's placement is left to the checker, which reports and repairs it.
+    /// What `qemu-img check` needs to look at an image: the refcount table may be empty, and
+    /// the snapshot table's placement and a snapshot entry's extra data past QEMU's limit are
+    /// left to the checker, which reports and repairs them.
     Check,
 }
 /// compression_type: zlib (deflate).

@@ -8,6 +8,9 @@ use super::limits;
 
 /// Bits 0-8 of a refcount table entry must be zero.
 pub const REFTABLE_RESERVED_MASK: u64 = 0x1ff;
+/// Bits 9-63 of a refcount table entry hold the refcount block's offset. A checker reads the
+/// offset through this mask without refusing the entry's reserved bits, as QEMU does.
+pub const REFTABLE_OFFSET_MASK: u64 = !REFTABLE_RESERVED_MASK;
 
 /// Largest refcount representable with `order` (2^(2^order) - 1), or `None` if order > 6.
 pub fn max_value(order: u32) -> Option<u64> {

@@ -4,6 +4,7 @@
 use super::be;
 use super::error::{FormatError, Location, Structure};
 use super::geometry::Geometry;
+use super::header::Strictness;
 use super::limits;
 
 /// One snapshot table entry.
@@ -28,6 +29,62 @@ pub struct SnapshotTableEntry {
     /// Extra data, kept verbatim: bytes 0-7 the 64-bit VM state size, 8-15 the virtual disk
     /// size, 16-23 the instruction count; anything after is for future use.
     pub extra_data: Vec<u8>,
+}
+
+/// The lengths of an entry's variable parts, as its 40-byte fixed part gives them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SnapshotEntrySizes {
+    /// extra_data_size: bytes of extra data after the fixed part.
+    pub extra_data: u32,
+    /// id_str_size: bytes of the ID after the extra data.
+    pub id: u16,
+    /// name_size: bytes of the name after the ID.
+    pub name: u16,
+}
+
+impl SnapshotEntrySizes {
+    /// Reads the sizes from an entry's fixed part, whatever their values.
+    pub fn decode(fixed: &[u8], at: Location) -> Result<SnapshotEntrySizes, FormatError> {
+        Ok(SnapshotEntrySizes {
+            extra_data: be::u32_at(fixed, 36, at, "snapshot entry")?,
+            id: be::u16_at(fixed, 12, at, "snapshot entry")?,
+            name: be::u16_at(fixed, 14, at, "snapshot entry")?,
+        })
+    }
+
+    /// Whether the entry has more extra data than QEMU accepts.
+    pub fn extra_data_too_large(&self) -> bool {
+        self.extra_data > limits::MAX_SNAPSHOT_EXTRA_DATA
+    }
+
+    /// The extra data a reader keeps at `strictness`: all of it to open an image (which
+    /// refuses more than QEMU's limit), at most QEMU's limit for a check, whose repair drops
+    /// the rest as `qemu-img check -r all` does.
+    pub fn kept_extra_data(&self, strictness: Strictness) -> u32 {
+        match strictness {
+            Strictness::Open => self.extra_data,
+            Strictness::Check => self.extra_data.min(limits::MAX_SNAPSHOT_EXTRA_DATA),
+        }
+    }
+
+    /// Length of the entry's data without padding, with the extra data kept at `strictness`;
+    /// opening refuses more extra data than QEMU accepts.
+    fn kept_len(&self, at: Location, strictness: Strictness) -> Result<usize, FormatError> {
+        if strictness == Strictness::Open && self.extra_data_too_large() {
+            return Err(FormatError::LimitExceeded {
+                at,
+                field: "extra_data_size",
+                value: self.extra_data.into(),
+                limit: limits::MAX_SNAPSHOT_EXTRA_DATA.into(),
+                why: "QEMU allows at most 1 KiB of snapshot extra data",
+            });
+        }
+        // At most 40 + 1024 + 2 * 65535 bytes: no overflow possible.
+        Ok(limits::SNAPSHOT_ENTRY_FIXED_SIZE as usize
+            + self.kept_extra_data(strictness) as usize
+            + usize::from(self.id)
+            + usize::from(self.name))
+    }
 }
 
 fn extra_u64(extra: &[u8], pos: usize) -> Option<u64> {
@@ -67,23 +124,7 @@ impl SnapshotTableEntry {
     /// to 8 bytes) given its 40-byte fixed part, so a reader can fetch one entry at a time.
     /// The padding of the last entry need not be in the file: QEMU never reads it.
     pub fn entry_len(fixed: &[u8], at: Location) -> Result<usize, FormatError> {
-        let id_len = be::u16_at(fixed, 12, at, "snapshot entry")?;
-        let name_len = be::u16_at(fixed, 14, at, "snapshot entry")?;
-        let extra = be::u32_at(fixed, 36, at, "snapshot entry")?;
-        if extra > limits::MAX_SNAPSHOT_EXTRA_DATA {
-            return Err(FormatError::LimitExceeded {
-                at,
-                field: "extra_data_size",
-                value: extra.into(),
-                limit: limits::MAX_SNAPSHOT_EXTRA_DATA.into(),
-                why: "QEMU allows at most 1 KiB of snapshot extra data",
-            });
-        }
-        // At most 40 + 1024 + 2 * 65535 bytes: no overflow possible.
-        Ok(limits::SNAPSHOT_ENTRY_FIXED_SIZE as usize
-            + extra as usize
-            + usize::from(id_len)
-            + usize::from(name_len))
+        SnapshotEntrySizes::decode(fixed, at)?.kept_len(at, Strictness::Open)
     }
 
     /// Decodes entry `index` from `buf`, which starts at the entry; returns it and its length
@@ -94,13 +135,40 @@ impl SnapshotTableEntry {
         index: u64,
         geometry: &Geometry,
     ) -> Result<(SnapshotTableEntry, usize), FormatError> {
+        let (entry, len) = Self::decode_with(buf, entry_offset, index, Strictness::Open)?;
         let at = Location::entry(Structure::SnapshotTable, entry_offset, index);
-        let len = Self::entry_len(buf, at)?;
+        geometry.validate_table(&super::geometry::TableBounds {
+            at,
+            offset_field: "l1_table_offset",
+            offset: entry.l1_table_offset,
+            size_field: "l1_size",
+            entries: entry.l1_size.into(),
+            entry_size: 8,
+            max_bytes: limits::MAX_L1_SIZE_BYTES,
+            why: "QEMU keeps L1 tables in memory, at most 32 MiB",
+        })?;
+        Ok((entry, len))
+    }
+
+    /// Decodes the entry's bytes without judging where its L1 table is, which
+    /// [`SnapshotTableEntry::decode`] does for an open and a check reports on itself. At
+    /// [`Strictness::Check`], `buf` holds only the extra data
+    /// [`SnapshotEntrySizes::kept_extra_data`] keeps, followed by the ID and name, and the
+    /// length returned is that of the entry as laid out in `buf`.
+    pub fn decode_with(
+        buf: &[u8],
+        entry_offset: u64,
+        index: u64,
+        strictness: Strictness,
+    ) -> Result<(SnapshotTableEntry, usize), FormatError> {
+        let at = Location::entry(Structure::SnapshotTable, entry_offset, index);
+        let sizes = SnapshotEntrySizes::decode(buf, at)?;
+        let len = sizes.kept_len(at, strictness)?;
         let l1_table_offset = be::u64_at(buf, 0, at, "snapshot entry")?;
         let l1_size = be::u32_at(buf, 8, at, "snapshot entry")?;
-        let id_len = usize::from(be::u16_at(buf, 12, at, "snapshot entry")?);
-        let name_len = usize::from(be::u16_at(buf, 14, at, "snapshot entry")?);
-        let extra_len = be::u32_at(buf, 36, at, "snapshot entry")? as usize; // ≤ 1024, checked
+        let id_len = usize::from(sizes.id);
+        let name_len = usize::from(sizes.name);
+        let extra_len = sizes.kept_extra_data(strictness) as usize; // ≤ 1024, checked or capped
         let fixed = limits::SNAPSHOT_ENTRY_FIXED_SIZE as usize;
         let extra_data = be::bytes_at(buf, fixed, extra_len, at, "snapshot extra data")?.to_vec();
         let id = be::bytes_at(buf, fixed + extra_len, id_len, at, "snapshot ID")?.to_vec();
@@ -115,17 +183,6 @@ impl SnapshotTableEntry {
         let padded = be::pad8(len).ok_or(FormatError::Overflow {
             at,
             what: "snapshot entry length",
-        })?;
-
-        geometry.validate_table(&super::geometry::TableBounds {
-            at,
-            offset_field: "l1_table_offset",
-            offset: l1_table_offset,
-            size_field: "l1_size",
-            entries: l1_size.into(),
-            entry_size: 8,
-            max_bytes: limits::MAX_L1_SIZE_BYTES,
-            why: "QEMU keeps L1 tables in memory, at most 32 MiB",
         })?;
 
         let entry = SnapshotTableEntry {

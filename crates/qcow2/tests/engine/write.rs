@@ -380,3 +380,41 @@ fn an_allocating_write_plans_its_clusters_once() {
     assert!(data[..65536].iter().all(|&b| b == 1));
     assert!(data[65536..131072].iter().all(|&b| b == 2));
 }
+
+/// A guest write through an L2 entry that points at metadata is refused, and marks the image
+/// corrupt, instead of overwriting the metadata (QEMU's overlap check).
+#[test]
+fn a_data_write_over_metadata_marks_the_image_corrupt() {
+    let d = Dir::new();
+    let path = d.path("overlap.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", path.to_str().unwrap(), "4M"]);
+    qemu_io("qcow2", &path, &["write -P 1 0 64k"]);
+    let be64 = |b: &[u8], at: u64| {
+        let at = at as usize;
+        u64::from_be_bytes(b[at..at + 8].try_into().unwrap())
+    };
+    // Guest cluster 0 now lives where the L1 table is, writable in place (COPIED).
+    let mut image = std::fs::read(&path).unwrap();
+    let l1 = be64(&image, 40);
+    let l1_entry = be64(&image, l1);
+    let l2 = (l1_entry & 0x00ff_ffff_ffff_fe00) as usize;
+    image[l2..l2 + 8].copy_from_slice(&((1u64 << 63) | l1).to_be_bytes());
+    std::fs::write(&path, &image).unwrap();
+
+    let err = run(async {
+        let img = Image::open(&opener(Aio::Threads), &path, &OpenOptions::default())
+            .await
+            .unwrap();
+        let mut buf = IoBuf::zeroed(512);
+        buf.fill(7);
+        let (res, _) = img.write(0, buf, false).await;
+        res.expect_err("a write over the L1 table").to_string()
+    });
+    assert!(
+        err.contains(&format!("would overwrite the L1 table at {l1:#x}")),
+        "{err}"
+    );
+    let image = std::fs::read(&path).unwrap();
+    assert_eq!(be64(&image, l1), l1_entry, "the L1 table is intact");
+    assert_ne!(be64(&image, 72) & 2, 0, "the corrupt bit is set");
+}

@@ -4,7 +4,8 @@
 use qcow2::format::bitmap::{self, BitmapDirectoryEntry, BitmapTableEntry, BitmapsExtension};
 use qcow2::format::extensions::{FeatureNameEntry, FeatureNameTable, HeaderExtension};
 use qcow2::format::features::{self, FeatureKind};
-use qcow2::format::snapshot::{self, SnapshotTableCursor, SnapshotTableEntry};
+use qcow2::format::header::Strictness;
+use qcow2::format::snapshot::{self, SnapshotEntrySizes, SnapshotTableCursor, SnapshotTableEntry};
 use qcow2::format::{
     refcount, CompressedDescriptor, ExtendedL2Entry, FormatError, Geometry, Header, HostOffset,
     L1Entry, L2Entry, Location, RefcountTableEntry, Structure,
@@ -532,6 +533,45 @@ fn snapshot_table_limits() {
     let mut big = snapshot_entry();
     big.extra_data = vec![0; 1025];
     assert!(big.encode(&mut Vec::new()).is_err());
+}
+
+#[test]
+fn a_check_decodes_snapshot_entries_an_open_refuses() {
+    let geometry = g(16, false);
+    // An unaligned L1 table: an open refuses the entry; a check decodes it and reports the
+    // L1 table itself.
+    let mut entry = snapshot_entry();
+    entry.l1_table_offset = 5 * CS + 512;
+    let mut bytes = Vec::new();
+    entry.encode(&mut bytes).unwrap();
+    let err = SnapshotTableEntry::decode(&bytes, CS, 0, &geometry).unwrap_err();
+    assert_eq!(field_of(&err), "l1_table_offset");
+    let decoded = SnapshotTableEntry::decode_with(&bytes, CS, 0, Strictness::Check).unwrap();
+    assert_eq!(decoded, (entry, bytes.len()));
+
+    // 2000 bytes of extra data: an open refuses the entry; a check keeps QEMU's 1 KiB of it,
+    // which is all its buffer holds before the ID and name.
+    let mut fixed = bytes[..40].to_vec();
+    put32(&mut fixed, 36, 2000);
+    let at = Location::entry(Structure::SnapshotTable, CS, 0);
+    let sizes = SnapshotEntrySizes::decode(&fixed, at).unwrap();
+    assert_eq!((sizes.extra_data, sizes.id, sizes.name), (2000, 1, 4));
+    assert!(sizes.extra_data_too_large());
+    assert_eq!(sizes.kept_extra_data(Strictness::Open), 2000);
+    assert_eq!(sizes.kept_extra_data(Strictness::Check), 1024);
+    let kept: Vec<u8> = (0..1024).map(|i| i as u8).collect();
+    let buf = [&fixed[..], &kept, b"1", b"snap"].concat();
+    let err = SnapshotTableEntry::entry_len(&buf, at).unwrap_err();
+    assert_eq!(field_of(&err), "extra_data_size");
+    let err = SnapshotTableEntry::decode_with(&buf, CS, 0, Strictness::Open).unwrap_err();
+    assert_eq!(field_of(&err), "extra_data_size");
+    let (decoded, len) = SnapshotTableEntry::decode_with(&buf, CS, 0, Strictness::Check).unwrap();
+    assert_eq!(decoded.extra_data, kept);
+    assert_eq!(
+        (&decoded.id[..], &decoded.name[..]),
+        (&b"1"[..], &b"snap"[..])
+    );
+    assert_eq!(len, buf.len().next_multiple_of(8));
 }
 
 fn bitmap_entry(name: &str) -> BitmapDirectoryEntry {

@@ -8,10 +8,10 @@
 //! the header write leaves the old, in-use directory in charge (and leaks the new clusters);
 //! after it, the new one is complete.
 
-use super::overlap::MetaKind;
 use super::Allocator;
 use crate::engine::bitmaps::{in_use_entry, read_table, stored_entry, Bitmap, State};
 use crate::engine::error::{EngineError, Result};
+use crate::engine::overlap::MetaKind;
 use crate::format::bitmap::{encode_directory, BitmapDirectoryEntry, BitmapsExtension};
 use crate::format::bitmap_data::BitmapData;
 use crate::format::features::AUTOCLEAR_BITMAPS;
@@ -148,7 +148,7 @@ impl<S: Storage + 'static> Allocator<S> {
             .await?;
         self.meta
             .borrow_mut()
-            .insert(at.0, clusters * cs, MetaKind::BitmapTable);
+            .insert(at, clusters * cs, MetaKind::BitmapTable);
         // At most QEMU's table limit, checked when the bitmap was made or loaded.
         Ok((at, n as u32))
     }
@@ -169,7 +169,7 @@ impl<S: Storage + 'static> Allocator<S> {
             .await?;
         self.meta
             .borrow_mut()
-            .insert(at.0, clusters * cs, MetaKind::BitmapDirectory);
+            .insert(at, clusters * cs, MetaKind::BitmapDirectory);
         Ok(Some(BitmapsExtension {
             // At most 65535 bitmaps, checked when one was added.
             nb_bitmaps: entries.len() as u32,
@@ -207,7 +207,9 @@ impl<S: Storage + 'static> Allocator<S> {
     ) -> Result<()> {
         let cs = self.meta().geom.cluster_size();
         if let Some(ext) = old_ext {
-            self.meta.borrow_mut().remove(ext.directory_offset);
+            self.meta
+                .borrow_mut()
+                .remove(HostOffset(ext.directory_offset));
             let n = ext.directory_size.div_ceil(cs);
             self.free_clusters(HostOffset(ext.directory_offset), n, false)
                 .await?;
@@ -225,7 +227,9 @@ impl<S: Storage + 'static> Allocator<S> {
                     self.free_clusters(at, 1, false).await?;
                 }
             }
-            self.meta.borrow_mut().remove(entry.table_offset);
+            self.meta
+                .borrow_mut()
+                .remove(HostOffset(entry.table_offset));
             let n = (u64::from(entry.table_size) * 8).div_ceil(cs);
             self.free_clusters(HostOffset(entry.table_offset), n, false)
                 .await?;

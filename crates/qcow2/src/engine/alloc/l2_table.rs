@@ -4,10 +4,10 @@
 //! Order: the new table's refcount is made durable, the whole table is written and flushed,
 //! and only then does the L1 entry point to it; a shared table loses its reference last.
 
-use super::overlap::MetaKind;
 use super::Allocator;
 use crate::engine::error::Result;
 use crate::engine::metacache::L2Key;
+use crate::engine::overlap::MetaKind;
 use crate::format::l1::{L1_COPIED, L1_OFFSET_MASK};
 use crate::format::{be, HostOffset};
 use storage::{IoBuf, Storage};
@@ -63,7 +63,9 @@ impl<S: Storage + 'static> Allocator<S> {
         self.write_meta("writing a new L2 table", new, &table)
             .await?;
         self.sync().await?;
-        self.meta.borrow_mut().insert(new, cs, MetaKind::L2Table);
+        self.meta
+            .borrow_mut()
+            .insert(HostOffset(new), cs, MetaKind::L2Table);
         let entry = new | L1_COPIED;
         meta.l1.borrow_mut()[l1i as usize] = entry;
         self.mapping_changed();

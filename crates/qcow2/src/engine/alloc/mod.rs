@@ -1,19 +1,18 @@
 //! The allocator: everything a writable image keeps beyond what reading needs, and every
 //! change to where guest clusters live goes through it.
 //!
-//! - this file: the state (refcount table and cache, allocation hints, the metadata index),
+//! - this file: the state (refcount table and cache, allocation hints, the index of the
+//!   metadata that data writes must never touch, see [`crate::engine::overlap`]),
 //!   loading it on open, and the header bits it maintains (dirty, corrupt, autoclear);
 //! - [`refcount`]: refcounts, finding and freeing clusters, refcount blocks and table growth;
 //! - [`l2_table`]: giving a guest range a writable L2 table;
-//! - [`l2_entry`]: reading and atomically updating L2 entries through the cache;
-//! - [`overlap`]: the metadata index that data writes must never touch.
+//! - [`l2_entry`]: reading and atomically updating L2 entries through the cache.
 //!
 //! Write, zero, discard, compressed write and resize plan what to change and call these.
 
 mod bitmaps;
 pub(crate) mod l2_entry;
 mod l2_table;
-pub(crate) mod overlap;
 mod refcount;
 
 use crate::engine::bitmaps::Bitmaps;
@@ -21,12 +20,12 @@ use crate::engine::error::{EngineError, Result};
 use crate::engine::layer::{Layer, Qcow2Meta};
 use crate::engine::metacache::L2Cache;
 use crate::engine::metacache::{RefcountBackend, RefcountCache};
+use crate::engine::overlap::{MetaIndex, MetaKind};
 use crate::format::features::{INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
 use crate::format::{
     l1, BitmapDirectoryEntry, HostCluster, HostOffset, RefcountTableEntry, Structure,
 };
 use crate::metadata::{Loader, StorageSource, Strictness, REFCOUNT_TABLE};
-use overlap::{MetaIndex, MetaKind};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use storage::{IoBuf, Storage};
@@ -269,17 +268,20 @@ impl<S: Storage + 'static> Allocator<S> {
 
     /// Refuses a data write over metadata (and marks the image corrupt), as QEMU's overlap
     /// check does. Data in an external data file cannot overlap qcow2 metadata.
-    pub(crate) async fn check_overlap(&self, host: u64, len: u64) -> Result<()> {
+    pub(crate) async fn check_overlap(&self, host: HostOffset, len: u64) -> Result<()> {
         self.ensure_usable()?;
         if self.meta().data_file.is_some() {
             return Ok(());
         }
-        let hit = self.meta.borrow().overlap(host, len);
-        if let Some((start, kind)) = hit {
+        // Outside a corrupt image no two metadata ranges overlap, so any one hit will do.
+        let hit = self.meta.borrow().overlapping(host, len).next();
+        if let Some(hit) = hit {
             return Err(self
                 .mark_corrupt(format!(
-                    "a data write to {host:#x} + {len:#x} would overwrite {} at {start:#x}",
-                    kind.name()
+                    "a data write to {:#x} + {len:#x} would overwrite {} at {:#x}",
+                    host.0,
+                    hit.kind.name(),
+                    hit.start.0
                 ))
                 .await);
         }
@@ -325,33 +327,33 @@ async fn read_reftable<S: Storage + 'static>(
                     "refcount table at {offset:#x}: entry {i} points to a refcount block at {off:#x} past the end of the file ({file_len:#x} bytes)"
                 )));
             }
-            index.insert(off, cs, MetaKind::RefcountBlock);
+            index.insert(HostOffset(off), cs, MetaKind::RefcountBlock);
         }
         reftable.push(off);
     }
-    index.insert(offset, clusters * cs, MetaKind::RefcountTable);
+    index.insert(HostOffset(offset), clusters * cs, MetaKind::RefcountTable);
     Ok(reftable)
 }
 
 /// Records the header cluster, the L1 table, every L2 table and the encryption header.
 fn index_tables<S>(meta: &Qcow2Meta<S>, h: &crate::format::Header, index: &mut MetaIndex) {
     let cs = meta.geom.cluster_size();
-    index.insert(0, cs, MetaKind::Header);
+    index.insert(HostOffset(0), cs, MetaKind::Header);
     let l1_len = meta.l1.borrow().len() as u64 * 8;
     index.insert(
-        meta.l1_offset.get(),
+        HostOffset(meta.l1_offset.get()),
         l1_len.div_ceil(cs) * cs,
         MetaKind::L1Table,
     );
     for &w in meta.l1.borrow().iter() {
         let off = w & l1::L1_OFFSET_MASK;
         if off != 0 {
-            index.insert(off, cs, MetaKind::L2Table);
+            index.insert(HostOffset(off), cs, MetaKind::L2Table);
         }
     }
     if let Some(fde) = h.fde_pointer() {
         index.insert(
-            fde.offset,
+            HostOffset(fde.offset),
             fde.length.div_ceil(cs) * cs,
             MetaKind::EncryptionHeader,
         );
@@ -376,13 +378,13 @@ async fn index_bitmaps<S: Storage + 'static>(
         .await
         .map_err(|e| EngineError::from_metadata(&layer.name, e))?;
     index.insert(
-        ext.directory_offset,
+        HostOffset(ext.directory_offset),
         ext.directory_size.div_ceil(cs) * cs,
         MetaKind::BitmapDirectory,
     );
     for b in &entries {
         index.insert(
-            b.table_offset,
+            HostOffset(b.table_offset),
             (u64::from(b.table_size) * 8).div_ceil(cs) * cs,
             MetaKind::BitmapTable,
         );
@@ -408,13 +410,13 @@ async fn index_snapshots<S: Storage + 'static>(
             .await?;
     let len: u64 = snaps.iter().map(|s| s.1).sum();
     index.insert(
-        h.snapshots_offset,
+        HostOffset(h.snapshots_offset),
         len.div_ceil(cs) * cs,
         MetaKind::SnapshotTable,
     );
     for (s, _) in &snaps {
         index.insert(
-            s.l1_table_offset,
+            HostOffset(s.l1_table_offset),
             (u64::from(s.l1_size) * 8).div_ceil(cs) * cs,
             MetaKind::SnapshotL1Table,
         );

@@ -12,9 +12,9 @@
 //!
 //! Callers hold `Allocator::meta_lock` around allocation and freeing.
 
-use super::overlap::MetaKind;
 use super::Allocator;
 use crate::engine::error::{EngineError, Result};
+use crate::engine::overlap::MetaKind;
 use crate::format::{be, header, limits, refcount, HostCluster, HostOffset};
 use std::future::Future;
 use std::pin::Pin;
@@ -228,7 +228,7 @@ impl<S: Storage + 'static> Allocator<S> {
                 let off = self.offset_of(HostCluster(c)).0;
                 self.l2.forget(|k| k.layer == 0 && k.table == off);
                 self.refcounts.forget(|&k| k == off);
-                self.meta.borrow_mut().remove(off);
+                self.meta.borrow_mut().remove(HostOffset(off));
                 if punch {
                     let top = self.top();
                     // Best effort: a file system without hole punching just keeps the bytes.
@@ -317,7 +317,7 @@ impl<S: Storage + 'static> Allocator<S> {
             self.reftable.borrow_mut()[ti as usize] = block_off;
             self.meta
                 .borrow_mut()
-                .insert(block_off, cs, MetaKind::RefcountBlock);
+                .insert(HostOffset(block_off), cs, MetaKind::RefcountBlock);
             Ok(())
         })
     }
@@ -399,10 +399,14 @@ impl<S: Storage + 'static> Allocator<S> {
         *self.reftable.borrow_mut() = table;
         {
             let mut m = self.meta.borrow_mut();
-            m.remove(old_off);
-            m.insert(table_off, table_clusters * cs, MetaKind::RefcountTable);
+            m.remove(HostOffset(old_off));
+            m.insert(
+                HostOffset(table_off),
+                table_clusters * cs,
+                MetaKind::RefcountTable,
+            );
             for j in 0..blocks {
-                m.insert((area + j) * cs, cs, MetaKind::RefcountBlock);
+                m.insert(HostOffset((area + j) * cs), cs, MetaKind::RefcountBlock);
             }
         }
         self.free_clusters(HostOffset(old_off), u64::from(old_clusters), false)

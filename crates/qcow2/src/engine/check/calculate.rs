@@ -4,15 +4,12 @@
 
 use super::error::CheckError;
 use super::imrt::Imrt;
-use super::overlap::REFT_OFFSET_MASK;
 use super::pass::Pass;
 use super::report::FindingKind;
 use super::tables::Which;
 use crate::format::limits;
+use crate::format::refcount::{REFTABLE_OFFSET_MASK, REFTABLE_RESERVED_MASK};
 use storage::Storage;
-
-/// Refcount table entries keep bits 0-8 reserved.
-const REFT_RESERVED_MASK: u64 = 0x1ff;
 
 impl<S: Storage> Pass<'_, S> {
     /// Counts every reference into `imrt`; sets `rebuild` when the refcount structure itself
@@ -86,9 +83,9 @@ impl<S: Storage> Pass<'_, S> {
         let bits = self.meta.cluster_bits;
         for i in 0..self.meta.reftable.len() {
             let raw = self.meta.reftable[i];
-            let offset = raw & REFT_OFFSET_MASK;
+            let offset = raw & REFTABLE_OFFSET_MASK;
             let cluster = offset >> bits;
-            if raw & REFT_RESERVED_MASK != 0 {
+            if raw & REFTABLE_RESERVED_MASK != 0 {
                 self.log(
                     FindingKind::Error,
                     format!("ERROR refcount table entry {i} has reserved bits set"),

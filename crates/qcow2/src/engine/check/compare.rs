@@ -5,9 +5,9 @@
 use super::error::CheckError;
 use super::imrt::Imrt;
 use super::ondisk::Refblocks;
-use super::overlap::REFT_OFFSET_MASK;
 use super::pass::{Fix, Pass};
 use super::report::FindingKind;
+use crate::format::refcount::REFTABLE_OFFSET_MASK;
 use storage::Storage;
 
 impl<S: Storage> Pass<'_, S> {
@@ -94,7 +94,7 @@ impl<S: Storage> Pass<'_, S> {
             || usize::try_from(index)
                 .ok()
                 .and_then(|i| self.meta.reftable.get(i))
-                .is_some_and(|&raw| raw & REFT_OFFSET_MASK == 0);
+                .is_some_and(|&raw| raw & REFTABLE_OFFSET_MASK == 0);
         if !no_block {
             return None;
         }

@@ -5,13 +5,13 @@
 use super::error::CheckError;
 use super::io;
 use super::ondisk::Refblocks;
-use super::overlap::Section;
 use super::pass::{Fix, Pass};
 use super::report::FindingKind;
 use super::tables::{cluster_type, ClusterType};
+use crate::engine::overlap::MetaKind;
 use crate::format::l1::{L1_COPIED, L1_OFFSET_MASK};
-use crate::format::l2::{L2_COPIED, L2_OFFSET_MASK};
-use storage::Storage;
+use crate::format::l2::{self, L2_COPIED, L2_OFFSET_MASK};
+use storage::{IoBuf, Storage};
 
 /// QEMU writes one L1 entry as the 512-byte sector around it.
 const L1_WRITE_SECTOR: u64 = 512;
@@ -25,130 +25,165 @@ impl<S: Storage> Pass<'_, S> {
                 && self.res.corruptions == 0
                 && self.res.leaks == 0);
         let mut rb = Refblocks::default();
-        let bits = self.meta.cluster_bits;
-        let verb = Self::verb(repair);
+        for i in 0..self.meta.l1.len() {
+            let l2_offset = self.meta.l1[i] & L1_OFFSET_MASK;
+            if l2_offset == 0 {
+                continue;
+            }
+            if !self.check_l1_copied(&mut rb, i, repair).await? {
+                continue;
+            }
+            let mut table = self.read_l2_table(l2_offset).await?;
+            let fixed = self.check_l2_copied(&mut rb, &mut table, repair).await;
+            if fixed > 0 {
+                self.write_l2_table(l2_offset, &table, fixed).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reports a COPIED flag that disagrees with the refcount: one corruption, and the line
+    /// QEMU writes about it.
+    fn copied_mismatch(&mut self, repair: bool, what: String) {
+        self.res.corruptions += 1;
         let kind = if repair {
             FindingKind::Repair
         } else {
             FindingKind::Error
         };
-        for i in 0..self.meta.l1.len() {
-            let l1_entry = self.meta.l1[i];
-            let l2_offset = l1_entry & L1_OFFSET_MASK;
-            if l2_offset == 0 {
-                continue;
-            }
-            // A refcount that cannot be read was reported already.
-            let Ok(refcount) = self.stored_refcount(&mut rb, l2_offset >> bits).await else {
-                continue;
-            };
-            if (refcount == 1) != (l1_entry & L1_COPIED != 0) {
-                self.res.corruptions += 1;
-                self.log(
-                    kind,
-                    format!("{verb} OFLAG_COPIED L2 cluster: l1_index={i} l1_entry={l1_entry:x} refcount={refcount}"),
-                );
-                if repair {
-                    self.meta.l1[i] = if refcount == 1 {
-                        l1_entry | L1_COPIED
-                    } else {
-                        l1_entry & !L1_COPIED
-                    };
-                    if let Err(e) = self.write_l1_entry(i).await {
-                        self.res.check_errors += 1;
-                        return Err(e);
-                    }
-                    self.res.corruptions -= 1;
-                    self.res.corruptions_fixed += 1;
-                }
-            }
-            let mut table = match io::read(
-                self.file,
-                "reading an L2 table",
-                l2_offset,
-                // One cluster.
-                self.meta.l2_bytes() as usize,
-            )
+        self.log(kind, format!("{} OFLAG_COPIED {what}", Self::verb(repair)));
+    }
+
+    /// Checks the COPIED flag of active L1 entry `i` against its L2 table's refcount, and
+    /// with `repair` writes the corrected entry. Returns whether the L2 table is worth
+    /// checking: not when its refcount cannot be read, as QEMU skips it then.
+    async fn check_l1_copied(
+        &mut self,
+        rb: &mut Refblocks,
+        i: usize,
+        repair: bool,
+    ) -> Result<bool, CheckError> {
+        let l1_entry = self.meta.l1[i];
+        let l2_offset = l1_entry & L1_OFFSET_MASK;
+        // A refcount that cannot be read was reported already.
+        let Ok(refcount) = self
+            .stored_refcount(rb, l2_offset >> self.meta.cluster_bits)
             .await
-            {
-                Ok(t) => t,
-                Err(e) => {
-                    self.log(
-                        FindingKind::Error,
-                        format!("ERROR: Could not read L2 table: {e}"),
-                    );
-                    self.res.check_errors += 1;
-                    return Err(e);
-                }
+        else {
+            return Ok(false);
+        };
+        if (refcount == 1) == (l1_entry & L1_COPIED != 0) {
+            return Ok(true);
+        }
+        self.copied_mismatch(
+            repair,
+            format!("L2 cluster: l1_index={i} l1_entry={l1_entry:x} refcount={refcount}"),
+        );
+        if repair {
+            self.meta.l1[i] = if refcount == 1 {
+                l1_entry | L1_COPIED
+            } else {
+                l1_entry & !L1_COPIED
             };
-            let esize = self.meta.l2_entry_size as usize;
-            let mut dirty = 0u64;
-            for j in 0..self.meta.l2_entries as usize {
-                let at = j * esize;
-                let Some(word) = table.get(at..at + 8) else {
-                    break;
-                };
-                let entry = u64::from_be_bytes(word.try_into().unwrap_or([0; 8]));
-                let kind_of = cluster_type(entry, self.meta.extended, self.meta.data_file);
-                if !matches!(kind_of, ClusterType::Normal | ClusterType::ZeroAlloc) {
-                    continue;
-                }
-                let refcount = if self.meta.data_file {
-                    1
-                } else {
-                    match self
-                        .stored_refcount(&mut rb, (entry & L2_OFFSET_MASK) >> bits)
-                        .await
-                    {
-                        Ok(r) => r,
-                        Err(_) => continue,
-                    }
-                };
-                if (refcount == 1) != (entry & L2_COPIED != 0) {
-                    self.res.corruptions += 1;
-                    self.log(
-                        kind,
-                        format!("{verb} OFLAG_COPIED data cluster: l2_entry={entry:x} refcount={refcount}"),
-                    );
-                    if repair {
-                        let fixed = if refcount == 1 {
-                            entry | L2_COPIED
-                        } else {
-                            entry & !L2_COPIED
-                        };
-                        table[at..at + 8].copy_from_slice(&fixed.to_be_bytes());
-                        dirty += 1;
-                    }
-                }
+            if let Err(e) = self.write_l1_entry(i).await {
+                self.res.check_errors += 1;
+                return Err(e);
             }
-            if dirty > 0 {
-                let cs = self.meta.cluster_size as usize;
-                let bytes = table.get(..cs).unwrap_or(&table).to_vec();
-                match self
-                    .guarded_write(
-                        "writing an L2 table",
-                        l2_offset,
-                        &bytes,
-                        &[Section::ActiveL2],
-                    )
-                    .await
-                {
-                    Ok(()) => {}
-                    Err(e) => {
-                        let what = if matches!(e, CheckError::Overlap { .. }) {
-                            "ERROR: Could not write L2 table; metadata overlap check failed"
-                        } else {
-                            "ERROR: Could not write L2 table"
-                        };
-                        self.log(FindingKind::Error, format!("{what}: {e}"));
-                        self.res.check_errors += 1;
-                        return Err(e);
-                    }
-                }
-                self.res.corruptions -= dirty;
-                self.res.corruptions_fixed += dirty;
+            self.res.corruptions -= 1;
+            self.res.corruptions_fixed += 1;
+        }
+        Ok(true)
+    }
+
+    /// Reads the active L2 table at `l2_offset`; a table that cannot be read ends the check.
+    async fn read_l2_table(&mut self, l2_offset: u64) -> Result<IoBuf, CheckError> {
+        // One cluster.
+        let len = self.meta.l2_bytes() as usize;
+        match io::read(self.file, "reading an L2 table", l2_offset, len).await {
+            Ok(t) => Ok(t),
+            Err(e) => {
+                self.log(
+                    FindingKind::Error,
+                    format!("ERROR: Could not read L2 table: {e}"),
+                );
+                self.res.check_errors += 1;
+                Err(e)
             }
         }
+    }
+
+    /// Checks the COPIED flags of the data clusters in an active L2 table against their
+    /// refcounts; with `repair`, corrects them in `table`. Returns how many it corrected.
+    async fn check_l2_copied(&mut self, rb: &mut Refblocks, table: &mut [u8], repair: bool) -> u64 {
+        let (extended, data_file) = (self.meta.extended, self.meta.data_file);
+        let mut fixed = 0u64;
+        for j in 0..self.meta.l2_entries as usize {
+            let Some((entry, bitmap)) = l2::entry_at(table, j, extended) else {
+                break;
+            };
+            let kind = cluster_type(entry, extended, data_file);
+            if !matches!(kind, ClusterType::Normal | ClusterType::ZeroAlloc) {
+                continue;
+            }
+            // Clusters in an external data file have no refcount: QEMU takes them as used once.
+            let refcount = if data_file {
+                1
+            } else {
+                let cluster = (entry & L2_OFFSET_MASK) >> self.meta.cluster_bits;
+                match self.stored_refcount(rb, cluster).await {
+                    Ok(r) => r,
+                    Err(_) => continue,
+                }
+            };
+            if (refcount == 1) == (entry & L2_COPIED != 0) {
+                continue;
+            }
+            self.copied_mismatch(
+                repair,
+                format!("data cluster: l2_entry={entry:x} refcount={refcount}"),
+            );
+            if repair {
+                let entry = if refcount == 1 {
+                    entry | L2_COPIED
+                } else {
+                    entry & !L2_COPIED
+                };
+                l2::set_entry_at(table, j, extended, entry, bitmap);
+                fixed += 1;
+            }
+        }
+        fixed
+    }
+
+    /// Writes an active L2 table whose `fixed` COPIED flags were corrected.
+    async fn write_l2_table(
+        &mut self,
+        l2_offset: u64,
+        table: &[u8],
+        fixed: u64,
+    ) -> Result<(), CheckError> {
+        let cs = self.meta.cluster_size as usize;
+        let bytes = table.get(..cs).unwrap_or(table);
+        let written = self
+            .guarded_write(
+                "writing an L2 table",
+                l2_offset,
+                bytes,
+                &[MetaKind::L2Table],
+            )
+            .await;
+        if let Err(e) = written {
+            let what = if matches!(e, CheckError::Overlap { .. }) {
+                "ERROR: Could not write L2 table; metadata overlap check failed"
+            } else {
+                "ERROR: Could not write L2 table"
+            };
+            self.log(FindingKind::Error, format!("{what}: {e}"));
+            self.res.check_errors += 1;
+            return Err(e);
+        }
+        self.res.corruptions -= fixed;
+        self.res.corruptions_fixed += fixed;
         Ok(())
     }
 
@@ -166,7 +201,7 @@ impl<S: Storage> Pass<'_, S> {
             "updating the L1 table",
             offset,
             &bytes,
-            &[Section::ActiveL1],
+            &[MetaKind::L1Table],
         )
         .await?;
         io::flush(self.file).await

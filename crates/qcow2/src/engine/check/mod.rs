@@ -18,7 +18,8 @@
 //! Files: `meta` (what is loaded), `pass` (state and helpers), `imrt` (computed refcounts),
 //! `snapshots`, `tables` (L1/L2), `bitmaps`, `calculate` (all references), `ondisk` (stored
 //! refcounts), `compare`, `copied`, `rebuild`, `snapshot_fix`, `run` (the order of it all),
-//! `overlap`, `report`, `render` (qemu-img's output), `dirty`, `blocking` (for the CLI).
+//! `sections` (what the overlap check guards), `report`, `render` (qemu-img's output), `dirty`,
+//! `blocking` (for the CLI).
 
 mod bitmap_refs;
 mod bitmaps;
@@ -32,12 +33,12 @@ mod imrt;
 mod io;
 mod meta;
 mod ondisk;
-mod overlap;
 mod pass;
 mod rebuild;
 mod render;
 mod report;
 mod run;
+mod sections;
 mod snapshot_fix;
 mod snapshots;
 mod tables;

@@ -4,9 +4,9 @@
 
 use super::error::CheckError;
 use super::io;
-use super::overlap::{Section, REFT_OFFSET_MASK};
 use super::pass::Pass;
-use crate::format::refcount;
+use crate::engine::overlap::MetaKind;
+use crate::format::refcount::{self, REFTABLE_OFFSET_MASK};
 use storage::{IoBuf, Storage};
 
 /// Why a stored refcount could not be read.
@@ -49,7 +49,7 @@ impl<S: Storage> Pass<'_, S> {
         else {
             return Ok(0);
         };
-        let block = raw & REFT_OFFSET_MASK;
+        let block = raw & REFTABLE_OFFSET_MASK;
         if block == 0 {
             return Ok(0);
         }
@@ -81,7 +81,7 @@ impl<S: Storage> Pass<'_, S> {
         let block = usize::try_from(index)
             .ok()
             .and_then(|i| self.meta.reftable.get(i))
-            .map_or(0, |&raw| raw & REFT_OFFSET_MASK);
+            .map_or(0, |&raw| raw & REFTABLE_OFFSET_MASK);
         if block == 0 || self.meta.in_cluster(block) != 0 {
             return Err(CheckError::io(
                 "updating a refcount",
@@ -139,7 +139,7 @@ impl<S: Storage> Pass<'_, S> {
                 "writing a refcount block",
                 block,
                 &buf,
-                &[Section::RefcountBlock],
+                &[MetaKind::RefcountBlock],
             )
             .await?;
             rb.block = Some((block, buf));

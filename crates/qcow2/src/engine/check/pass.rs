@@ -6,10 +6,10 @@ use super::error::CheckError;
 use super::imrt::Imrt;
 use super::io;
 use super::meta::Meta;
-use super::overlap::Section;
 use super::report::{CheckReport, Finding, FindingKind};
+use crate::engine::overlap::{MetaIndex, MetaKind};
 use crate::format::features::INCOMPAT_CORRUPT;
-use crate::format::header;
+use crate::format::{header, HostOffset};
 use storage::Storage;
 
 /// What a pass may repair (QEMU's `BdrvCheckMode`).
@@ -51,6 +51,10 @@ pub(crate) struct Pass<'a, S: Storage> {
     signalled: bool,
     /// Housekeeping after a repair: findings are not reported.
     pub quiet: bool,
+    /// QEMU's overlap sections of `meta`, built at the first guarded write and dropped by
+    /// [`Pass::layout_changed`]: a repair may write one table after another, and the index is
+    /// only worth building when all of them use it.
+    sections: Option<MetaIndex>,
 }
 
 impl<'a, S: Storage> Pass<'a, S> {
@@ -71,6 +75,7 @@ impl<'a, S: Storage> Pass<'a, S> {
             log,
             signalled: false,
             quiet: false,
+            sections: None,
         }
     }
 
@@ -140,24 +145,38 @@ impl<'a, S: Storage> Pass<'a, S> {
         what: &'static str,
         offset: u64,
         bytes: &[u8],
-        ignore: &[Section],
+        ignore: &[MetaKind],
     ) -> Result<(), CheckError> {
         let len = bytes.len() as u64;
-        if let Some(hit) = self.meta.overlap(ignore, offset, len) {
+        let sections = self
+            .sections
+            .get_or_insert_with(|| self.meta.qemu_sections());
+        debug_assert!(
+            *sections == self.meta.qemu_sections(),
+            "the metadata moved without Pass::layout_changed"
+        );
+        let hit = sections.qemu_check(HostOffset(offset), len, self.meta.cluster_size, ignore);
+        if let Some(hit) = hit {
             let detail = format!(
                 "Preventing invalid write on metadata (overlaps with {})",
-                hit.name()
+                hit.qemu_name()
             );
             self.signal_corruption(detail).await;
             return Err(CheckError::Overlap {
                 offset,
                 len,
-                what: hit.name(),
+                what: hit.qemu_name(),
             });
         }
         io::write(self.file, what, offset, bytes).await?;
         self.file_len = self.file_len.max(offset.saturating_add(len));
         Ok(())
+    }
+
+    /// Says that `meta` now places the L1, refcount or snapshot tables elsewhere, so the next
+    /// guarded write looks at where they are now.
+    pub fn layout_changed(&mut self) {
+        self.sections = None;
     }
 
     /// Reports an inconsistency found while accessing metadata (QEMU's

@@ -52,6 +52,7 @@ impl<S: Storage> Pass<'_, S> {
         io::flush(self.file).await?;
         self.meta.reftable_offset = table_offset;
         self.meta.reftable = table;
+        self.layout_changed();
         self.meta.header.refcount_table_offset = table_offset;
         self.meta.header.refcount_table_clusters = clusters32;
         Ok(())

@@ -14,6 +14,7 @@ use super::imrt::Imrt;
 use super::io;
 use super::ondisk::Refblocks;
 use super::pass::{Fix, Pass};
+use crate::format::refcount::REFTABLE_OFFSET_MASK;
 use crate::format::{header, limits};
 use storage::Storage;
 
@@ -116,7 +117,7 @@ impl<S: Storage> Pass<'_, S> {
             .ok()
             .and_then(|i| self.meta.reftable.get(i))
             .is_some_and(|&raw| {
-                let block = raw & super::overlap::REFT_OFFSET_MASK;
+                let block = raw & REFTABLE_OFFSET_MASK;
                 block != 0 && self.meta.in_cluster(block) == 0
             })
     }
@@ -169,6 +170,7 @@ impl<S: Storage> Pass<'_, S> {
         for sn in &mut self.meta.snapshots {
             sn.extra_data_size = (KNOWN_EXTRA_DATA + sn.unknown_extra.len()) as u32;
         }
+        self.layout_changed();
         Ok(())
     }
 

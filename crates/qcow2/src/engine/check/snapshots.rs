@@ -7,31 +7,15 @@ use super::io;
 use super::meta::Snapshot;
 use super::pass::Pass;
 use super::report::FindingKind;
-use crate::format::{header, limits};
+use crate::format::header::{self, Strictness};
+use crate::format::snapshot::{SnapshotEntrySizes, SnapshotTableEntry};
+use crate::format::{limits, FormatError, Location, Structure};
 use storage::Storage;
 
 /// Extra data every version 3 snapshot entry must have (VM state size and disk size).
 const V3_MIN_EXTRA_DATA: u32 = 16;
 /// Extra data fields QEMU knows (VM state size, disk size, instruction count).
 const KNOWN_EXTRA_DATA: u32 = 24;
-
-fn be16(b: &[u8], pos: usize) -> u16 {
-    b.get(pos..pos + 2)
-        .and_then(|s| s.try_into().ok())
-        .map_or(0, u16::from_be_bytes)
-}
-
-fn be32(b: &[u8], pos: usize) -> u32 {
-    b.get(pos..pos + 4)
-        .and_then(|s| s.try_into().ok())
-        .map_or(0, u32::from_be_bytes)
-}
-
-fn be64(b: &[u8], pos: usize) -> u64 {
-    b.get(pos..pos + 8)
-        .and_then(|s| s.try_into().ok())
-        .map_or(0, u64::from_be_bytes)
-}
 
 /// What reading one snapshot table entry gave.
 enum EntryRead {
@@ -83,6 +67,7 @@ impl<S: Storage> Pass<'_, S> {
         self.meta.snapshots = snapshots;
         self.meta.nb_snapshots = kept;
         self.meta.snapshots_size = pos - offset;
+        self.layout_changed();
         self.res.corruptions += u64::from(reduced) + u64::from(extra_dropped);
         if reduced > 0 {
             self.write_snapshot_count(kept, reduced).await?;
@@ -138,6 +123,7 @@ impl<S: Storage> Pass<'_, S> {
         let offset = self.meta.snapshots_offset;
         self.meta.snapshots_offset = 0;
         self.meta.nb_snapshots = 0;
+        self.layout_changed();
         CheckError::SnapshotTable { offset, detail }
     }
 
@@ -151,132 +137,155 @@ impl<S: Storage> Pass<'_, S> {
         pos: u64,
         table_len: u64,
     ) -> Result<EntryRead, CheckError> {
-        let repair = self.fix.errors;
-        let fixed = limits::SNAPSHOT_ENTRY_FIXED_SIZE;
-        let mut table_len = table_len.next_multiple_of(8);
-        let mut pos = pos.next_multiple_of(8);
-        let head = self.read_snapshot_bytes(pos, fixed).await?;
-        pos += fixed;
-        let id_len = u64::from(be16(&head, 12));
-        let name_len = u64::from(be16(&head, 14));
-        let mut extra = be32(&head, 36);
-        let truncate = extra > limits::MAX_SNAPSHOT_EXTRA_DATA;
-        if truncate {
-            if !repair {
-                self.res.check_errors += 1;
-                self.log(
-                    FindingKind::Error,
-                    format!("ERROR failed to read the snapshot table: Too much extra metadata in snapshot table entry {i}"),
-                );
-                self.log(
-                    FindingKind::Error,
-                    "You can force-remove this extra metadata with qemu-img check -r all".into(),
-                );
-                return Err(self.give_up_on_snapshots(format!(
-                    "too much extra metadata in entry {i}: File too large"
-                )));
-            }
-            self.log(
-                FindingKind::Repair,
-                format!(
-                    "Discarding too much extra metadata in snapshot table entry {i} ({extra} > {})",
-                    limits::MAX_SNAPSHOT_EXTRA_DATA
-                ),
-            );
-        }
-        let known = self
-            .read_snapshot_bytes(pos, u64::from(extra.min(KNOWN_EXTRA_DATA)))
+        let entry_offset = pos.next_multiple_of(8);
+        let head = self
+            .read_snapshot_bytes(entry_offset, limits::SNAPSHOT_ENTRY_FIXED_SIZE)
             .await?;
-        pos += u64::from(extra.min(KNOWN_EXTRA_DATA));
-        let mut unknown_extra = Vec::new();
-        if extra > KNOWN_EXTRA_DATA {
-            let extra_end = pos + u64::from(extra - KNOWN_EXTRA_DATA);
-            if truncate {
-                extra = limits::MAX_SNAPSHOT_EXTRA_DATA;
-            }
-            unknown_extra = self
-                .read_snapshot_bytes(pos, u64::from(extra - KNOWN_EXTRA_DATA))
-                .await?;
-            pos = extra_end;
+        let at = Location::entry(Structure::SnapshotTable, entry_offset, u64::from(i));
+        let sizes = match SnapshotEntrySizes::decode(&head, at) {
+            Ok(sizes) => sizes,
+            Err(e) => return Err(self.undecodable_snapshot_table(e)),
+        };
+        let extra_truncated = sizes.extra_data_too_large();
+        if extra_truncated {
+            self.too_much_extra_data(i, sizes.extra_data)?;
         }
-        let id = self.read_snapshot_bytes(pos, id_len).await?;
-        pos += id_len;
-        let name = self.read_snapshot_bytes(pos, name_len).await?;
-        pos += name_len;
-        table_len += fixed + u64::from(extra) + id_len + name_len;
+        let (bytes, end) = self.read_entry_parts(entry_offset, head, sizes).await?;
+        // The table's length counts only the extra data kept, as QEMU's does.
+        let table_len = table_len.next_multiple_of(8) + bytes.len() as u64;
         let offset = self.meta.snapshots_offset;
-        if table_len > limits::MAX_SNAPSHOT_TABLE_BYTES || pos - offset > i32::MAX as u64 {
-            if !repair {
-                self.res.check_errors += 1;
-                self.log(
-                    FindingKind::Error,
-                    "ERROR failed to read the snapshot table: Snapshot table is too big".into(),
-                );
-                self.log(
-                    FindingKind::Error,
-                    format!("You can force-remove all {} overhanging snapshots with qemu-img check -r all", nb - i),
-                );
-                return Err(self.give_up_on_snapshots(
-                    "the table is bigger than 64 MiB: File too large".into(),
-                ));
-            }
-            self.log(
-                FindingKind::Repair,
-                format!(
-                    "Discarding {} overhanging snapshots (snapshot table is too big)",
-                    nb - i
-                ),
-            );
-            return Ok(EntryRead::TableTooBig {
-                extra_truncated: truncate,
-            });
+        if table_len > limits::MAX_SNAPSHOT_TABLE_BYTES || end - offset > i32::MAX as u64 {
+            self.snapshot_table_too_big(i, nb)?;
+            return Ok(EntryRead::TableTooBig { extra_truncated });
         }
-        let snapshot = self.decode_snapshot(&head, &known, id, name, extra, unknown_extra);
+        let entry =
+            SnapshotTableEntry::decode_with(&bytes, entry_offset, u64::from(i), Strictness::Check);
+        let snapshot = match entry {
+            Ok((entry, _)) => self.snapshot_of(entry),
+            Err(e) => return Err(self.undecodable_snapshot_table(e)),
+        };
         Ok(EntryRead::Entry {
             snapshot,
-            end: pos,
+            end,
             len: table_len,
-            extra_truncated: truncate,
+            extra_truncated,
         })
     }
 
-    /// A snapshot from its fixed part, the extra data QEMU knows, and the rest. Missing extra
-    /// fields take QEMU's defaults.
-    fn decode_snapshot(
-        &self,
-        head: &[u8],
-        known: &[u8],
-        id: Vec<u8>,
-        name: Vec<u8>,
-        extra: u32,
-        unknown_extra: Vec<u8>,
-    ) -> Snapshot {
-        Snapshot {
-            l1_offset: be64(head, 0),
-            l1_size: be32(head, 8),
-            id,
-            name,
-            extra_data_size: extra,
-            date_sec: be32(head, 16),
-            date_nsec: be32(head, 20),
-            vm_clock_nsec: be64(head, 24),
-            vm_state_size: if known.len() >= 8 {
-                be64(known, 0)
-            } else {
-                u64::from(be32(head, 32))
-            },
-            disk_size: if known.len() >= 16 {
-                be64(known, 8)
-            } else {
-                self.meta.virtual_size
-            },
-            icount: if known.len() >= 24 {
-                be64(known, 16)
-            } else {
-                u64::MAX
-            },
-            unknown_extra,
+    /// Reads the rest of the entry whose fixed part `head` starts at `entry_offset`, in the
+    /// pieces QEMU reads: the extra data it knows, the rest of the extra data as far as it is
+    /// kept, the ID and the name. Returns the entry with only the kept extra data, and where
+    /// the entry ends in the file.
+    async fn read_entry_parts(
+        &mut self,
+        entry_offset: u64,
+        head: Vec<u8>,
+        sizes: SnapshotEntrySizes,
+    ) -> Result<(Vec<u8>, u64), CheckError> {
+        let kept = sizes.kept_extra_data(Strictness::Check);
+        let mut pos = entry_offset + limits::SNAPSHOT_ENTRY_FIXED_SIZE;
+        let known = kept.min(KNOWN_EXTRA_DATA);
+        let mut parts = vec![head, self.read_snapshot_bytes(pos, u64::from(known)).await?];
+        if kept > known {
+            let rest = u64::from(kept - known);
+            parts.push(
+                self.read_snapshot_bytes(pos + u64::from(known), rest)
+                    .await?,
+            );
         }
+        pos += u64::from(sizes.extra_data);
+        for len in [sizes.id, sizes.name] {
+            parts.push(self.read_snapshot_bytes(pos, u64::from(len)).await?);
+            pos += u64::from(len);
+        }
+        Ok((parts.concat(), pos))
+    }
+
+    /// Reports extra data past QEMU's limit in entry `i`: the end of reading the table, or
+    /// with `-r all` a note that the excess is dropped.
+    fn too_much_extra_data(&mut self, i: u32, extra: u32) -> Result<(), CheckError> {
+        if !self.fix.errors {
+            self.res.check_errors += 1;
+            self.log(
+                FindingKind::Error,
+                format!("ERROR failed to read the snapshot table: Too much extra metadata in snapshot table entry {i}"),
+            );
+            self.log(
+                FindingKind::Error,
+                "You can force-remove this extra metadata with qemu-img check -r all".into(),
+            );
+            return Err(self.give_up_on_snapshots(format!(
+                "too much extra metadata in entry {i}: File too large"
+            )));
+        }
+        self.log(
+            FindingKind::Repair,
+            format!(
+                "Discarding too much extra metadata in snapshot table entry {i} ({extra} > {})",
+                limits::MAX_SNAPSHOT_EXTRA_DATA
+            ),
+        );
+        Ok(())
+    }
+
+    /// Reports a table that passes 64 MiB with entry `i` of `nb`: the end of reading it, or
+    /// with `-r all` a note that the entries from `i` on are dropped.
+    fn snapshot_table_too_big(&mut self, i: u32, nb: u32) -> Result<(), CheckError> {
+        if !self.fix.errors {
+            self.res.check_errors += 1;
+            self.log(
+                FindingKind::Error,
+                "ERROR failed to read the snapshot table: Snapshot table is too big".into(),
+            );
+            self.log(
+                FindingKind::Error,
+                format!(
+                    "You can force-remove all {} overhanging snapshots with qemu-img check -r all",
+                    nb - i
+                ),
+            );
+            return Err(
+                self.give_up_on_snapshots("the table is bigger than 64 MiB: File too large".into())
+            );
+        }
+        self.log(
+            FindingKind::Repair,
+            format!(
+                "Discarding {} overhanging snapshots (snapshot table is too big)",
+                nb - i
+            ),
+        );
+        Ok(())
+    }
+
+    /// A snapshot as the check keeps it. Missing extra fields take QEMU's defaults.
+    fn snapshot_of(&self, entry: SnapshotTableEntry) -> Snapshot {
+        let known = (KNOWN_EXTRA_DATA as usize).min(entry.extra_data.len());
+        Snapshot {
+            l1_offset: entry.l1_table_offset,
+            l1_size: entry.l1_size,
+            // At most QEMU's 1 KiB limit: the rest was not kept.
+            extra_data_size: entry.extra_data.len() as u32,
+            date_sec: entry.date_sec,
+            date_nsec: entry.date_nsec,
+            vm_clock_nsec: entry.vm_clock_nsec,
+            vm_state_size: entry.vm_state_size(),
+            disk_size: entry.disk_size().unwrap_or(self.meta.virtual_size),
+            icount: entry.icount().unwrap_or(u64::MAX),
+            unknown_extra: entry.extra_data[known..].to_vec(),
+            id: entry.id,
+            name: entry.name,
+        }
+    }
+
+    /// Gives up on a snapshot table whose bytes do not decode, as on one that cannot be read.
+    fn undecodable_snapshot_table(&mut self, e: FormatError) -> CheckError {
+        self.res.check_errors += 1;
+        self.log(
+            FindingKind::Error,
+            format!("ERROR failed to read the snapshot table: {e}"),
+        );
+        self.give_up_on_snapshots(e.to_string())
     }
 
     /// Writes the reduced snapshot count to the header, so that it agrees with what the rest
@@ -344,6 +353,7 @@ impl<S: Storage> Pass<'_, S> {
                 );
                 self.meta.snapshots_offset = 0;
                 self.meta.nb_snapshots = 0;
+                self.layout_changed();
                 Err(e)
             }
         }

@@ -5,16 +5,16 @@
 use super::error::CheckError;
 use super::imrt::Imrt;
 use super::io;
-use super::overlap::Section;
 use super::pass::Pass;
 use super::report::FindingKind;
+use crate::engine::overlap::MetaKind;
 use crate::format::be::words;
 use crate::format::l1::{L1_OFFSET_MASK, L1_RESERVED_MASK};
 use crate::format::l2::{
-    L2_COMPRESSED, L2_COPIED, L2_OFFSET_MASK, L2_STANDARD_RESERVED_MASK, L2_ZERO,
+    self, L2_COMPRESSED, L2_COPIED, L2_OFFSET_MASK, L2_STANDARD_RESERVED_MASK, L2_ZERO,
 };
 use crate::format::l2_extended::ALL_ZERO_BITMAP;
-use storage::Storage;
+use storage::{IoBuf, Storage};
 
 /// Allocation bits of an extended L2 bitmap (the low 32).
 pub(crate) const BITMAP_ALL_ALLOC: u64 = 0xffff_ffff;
@@ -49,6 +49,19 @@ pub(crate) fn cluster_type(entry: u64, extended: bool, data_file: bool) -> Clust
     } else {
         ClusterType::Normal
     }
+}
+
+/// One L2 table being counted.
+struct L2Walk {
+    /// Where the table is.
+    offset: u64,
+    /// Which L1 table it belongs to.
+    which: Which,
+    /// Its bytes, with the entries repaired so far.
+    table: IoBuf,
+    /// Where the next data cluster would be if the active table's were contiguous, for
+    /// counting fragmented clusters.
+    next_contiguous: u64,
 }
 
 /// Which L1 table a walk is over.
@@ -119,17 +132,9 @@ impl<S: Storage> Pass<'_, S> {
         l2_offset: u64,
         which: Which,
     ) -> Result<(), CheckError> {
-        let m = &self.meta;
-        let (extended, data_file, cs) = (m.extended, m.data_file, m.cluster_size);
-        let mut table = match io::read(
-            self.file,
-            "reading an L2 table",
-            l2_offset,
-            // One cluster, at most 2 MiB.
-            m.l2_bytes() as usize,
-        )
-        .await
-        {
+        // One cluster, at most 2 MiB.
+        let len = self.meta.l2_bytes() as usize;
+        let table = match io::read(self.file, "reading an L2 table", l2_offset, len).await {
             Ok(t) => t,
             Err(e) => {
                 self.log(
@@ -140,18 +145,15 @@ impl<S: Storage> Pass<'_, S> {
                 return Err(e);
             }
         };
-        let stats = which == Which::Active;
-        let esize = self.meta.l2_entry_size as usize;
-        let mut next_contiguous = 0u64;
+        let mut walk = L2Walk {
+            offset: l2_offset,
+            which,
+            table,
+            next_contiguous: 0,
+        };
+        let (extended, data_file) = (self.meta.extended, self.meta.data_file);
         for i in 0..self.meta.l2_entries as usize {
-            let at = i * esize;
-            let word = |t: &[u8], pos: usize| {
-                t.get(pos..pos + 8)
-                    .and_then(|b| b.try_into().ok())
-                    .map_or(0, u64::from_be_bytes)
-            };
-            let mut entry = word(&table, at);
-            let bitmap = if extended { word(&table, at + 8) } else { 0 };
+            let (entry, bitmap) = l2::entry_at(&walk.table, i, extended).unwrap_or((0, 0));
             let kind = cluster_type(entry, extended, data_file);
             if kind != ClusterType::Compressed && entry & L2_STANDARD_RESERVED_MASK != 0 {
                 self.log(
@@ -161,137 +163,174 @@ impl<S: Storage> Pass<'_, S> {
                 self.res.corruptions += 1;
             }
             match kind {
-                ClusterType::Compressed => {
-                    if entry & L2_COPIED != 0 {
-                        self.log(
-                            FindingKind::Error,
-                            format!("ERROR: coffset=0x{:x}: copied flag must never be set for compressed clusters", entry & self.meta.coffset_mask),
-                        );
-                        entry &= !L2_COPIED;
-                        self.res.corruptions += 1;
-                    }
-                    if data_file {
-                        self.log(
-                            FindingKind::Error,
-                            format!(
-                                "ERROR compressed cluster {i} with data file, entry=0x{entry:x}"
-                            ),
-                        );
-                        self.res.corruptions += 1;
-                        continue;
-                    }
-                    if bitmap != 0 {
-                        self.log(
-                            FindingKind::Error,
-                            format!("ERROR compressed cluster {i} with non-zero subcluster allocation bitmap, entry=0x{entry:x}"),
-                        );
-                        self.res.corruptions += 1;
-                        continue;
-                    }
-                    let m = &self.meta;
-                    let coffset = entry & m.coffset_mask;
-                    let sectors = ((entry >> m.csize_shift) & m.csize_mask) + 1;
-                    let csize = sectors * 512 - (coffset & 511);
-                    self.inc(imrt, coffset, csize)?;
-                    if stats {
-                        self.res.allocated_clusters += 1;
-                        self.res.compressed_clusters += 1;
-                        // Compressed clusters share sectors, so they always count as
-                        // fragmented, as in QEMU.
-                        self.res.fragmented_clusters += 1;
-                    }
-                }
+                ClusterType::Compressed => self.count_compressed(imrt, i, entry, bitmap, which)?,
                 ClusterType::ZeroAlloc | ClusterType::Normal => {
-                    let offset = entry & L2_OFFSET_MASK;
-                    if (bitmap >> 32) & bitmap != 0 {
-                        self.res.corruptions += 1;
-                        self.log(
-                            FindingKind::Error,
-                            format!("ERROR offset={offset:x}: Allocated cluster has corrupted subcluster allocation bitmap"),
-                        );
-                    }
-                    if self.meta.in_cluster(offset) != 0 {
-                        self.res.corruptions += 1;
-                        let has_data = if extended {
-                            bitmap & BITMAP_ALL_ALLOC != 0
-                        } else {
-                            entry & L2_ZERO == 0
-                        };
-                        if !has_data {
-                            let fixing = self.fix.errors;
-                            self.log(
-                                if fixing { FindingKind::Repair } else { FindingKind::Error },
-                                format!("{} offset={offset:x}: Preallocated cluster is not properly aligned; L2 entry corrupted.", Self::verb(fixing)),
-                            );
-                            if fixing && self.zero_entry(&mut table, l2_offset, i, which).await? {
-                                // The entry no longer points anywhere: nothing to count.
-                                continue;
-                            }
-                        } else {
-                            self.log(
-                                FindingKind::Error,
-                                format!("ERROR offset={offset:x}: Data cluster is not properly aligned; L2 entry corrupted."),
-                            );
-                        }
-                    }
-                    if stats {
-                        self.res.allocated_clusters += 1;
-                        if next_contiguous != 0 && offset != next_contiguous {
-                            self.res.fragmented_clusters += 1;
-                        }
-                        next_contiguous = offset.wrapping_add(cs);
-                    }
-                    if !data_file {
-                        self.inc(imrt, offset, cs)?;
-                    }
+                    self.count_allocated(imrt, &mut walk, i, entry, bitmap)
+                        .await?
                 }
                 ClusterType::ZeroPlain => {}
-                ClusterType::Unallocated => {
-                    if bitmap & BITMAP_ALL_ALLOC != 0 {
-                        self.res.corruptions += 1;
-                        self.log(
-                            FindingKind::Error,
-                            "ERROR: Unallocated cluster has non-zero subcluster allocation map"
-                                .into(),
-                        );
-                    }
-                }
+                ClusterType::Unallocated => self.check_unallocated(bitmap),
             }
         }
         Ok(())
     }
 
-    /// Turns entry `index` of the L2 table at `l2_offset` into a zero cluster (its present
-    /// subclusters into zero subclusters) on disk (QEMU's `fix_l2_entry_by_zero`). Returns
-    /// whether it was fixed; an overlap with metadata ends the check.
-    async fn zero_entry(
+    /// An unallocated cluster has no allocated subclusters.
+    fn check_unallocated(&mut self, bitmap: u64) {
+        if bitmap & BITMAP_ALL_ALLOC != 0 {
+            self.res.corruptions += 1;
+            self.log(
+                FindingKind::Error,
+                "ERROR: Unallocated cluster has non-zero subcluster allocation map".into(),
+            );
+        }
+    }
+
+    /// Counts the bytes compressed cluster `i` of an L2 table occupies, after checking its
+    /// flags: a compressed cluster is never COPIED, and needs the image's own file and no
+    /// subcluster bitmap.
+    fn count_compressed(
         &mut self,
-        table: &mut [u8],
-        l2_offset: u64,
-        index: usize,
+        imrt: &mut Imrt,
+        i: usize,
+        mut entry: u64,
+        bitmap: u64,
         which: Which,
+    ) -> Result<(), CheckError> {
+        if entry & L2_COPIED != 0 {
+            self.log(
+                FindingKind::Error,
+                format!(
+                    "ERROR: coffset=0x{:x}: copied flag must never be set for compressed clusters",
+                    entry & self.meta.coffset_mask
+                ),
+            );
+            entry &= !L2_COPIED;
+            self.res.corruptions += 1;
+        }
+        if self.meta.data_file {
+            self.log(
+                FindingKind::Error,
+                format!("ERROR compressed cluster {i} with data file, entry=0x{entry:x}"),
+            );
+            self.res.corruptions += 1;
+            return Ok(());
+        }
+        if bitmap != 0 {
+            self.log(
+                FindingKind::Error,
+                format!("ERROR compressed cluster {i} with non-zero subcluster allocation bitmap, entry=0x{entry:x}"),
+            );
+            self.res.corruptions += 1;
+            return Ok(());
+        }
+        let m = &self.meta;
+        let coffset = entry & m.coffset_mask;
+        let sectors = ((entry >> m.csize_shift) & m.csize_mask) + 1;
+        let csize = sectors * 512 - (coffset & 511);
+        self.inc(imrt, coffset, csize)?;
+        if which == Which::Active {
+            self.res.allocated_clusters += 1;
+            self.res.compressed_clusters += 1;
+            // Compressed clusters share sectors, so they always count as fragmented, as in
+            // QEMU.
+            self.res.fragmented_clusters += 1;
+        }
+        Ok(())
+    }
+
+    /// Counts the host cluster that entry `i` of the table in `walk` (a data or preallocated
+    /// zero cluster) points to, after checking its subcluster bitmap and alignment.
+    async fn count_allocated(
+        &mut self,
+        imrt: &mut Imrt,
+        walk: &mut L2Walk,
+        i: usize,
+        entry: u64,
+        bitmap: u64,
+    ) -> Result<(), CheckError> {
+        let offset = entry & L2_OFFSET_MASK;
+        if (bitmap >> 32) & bitmap != 0 {
+            self.res.corruptions += 1;
+            self.log(
+                FindingKind::Error,
+                format!("ERROR offset={offset:x}: Allocated cluster has corrupted subcluster allocation bitmap"),
+            );
+        }
+        if self.meta.in_cluster(offset) != 0 && self.misaligned(walk, i, entry, bitmap).await? {
+            // The entry no longer points anywhere: nothing to count.
+            return Ok(());
+        }
+        let cs = self.meta.cluster_size;
+        if walk.which == Which::Active {
+            self.res.allocated_clusters += 1;
+            if walk.next_contiguous != 0 && offset != walk.next_contiguous {
+                self.res.fragmented_clusters += 1;
+            }
+            walk.next_contiguous = offset.wrapping_add(cs);
+        }
+        if !self.meta.data_file {
+            self.inc(imrt, offset, cs)?;
+        }
+        Ok(())
+    }
+
+    /// Reports entry `i` of the table in `walk`, whose cluster is not aligned. A preallocated
+    /// cluster (no data in it) is turned into a zero cluster by `-r all`: returns whether it
+    /// was.
+    async fn misaligned(
+        &mut self,
+        walk: &mut L2Walk,
+        i: usize,
+        entry: u64,
+        bitmap: u64,
     ) -> Result<bool, CheckError> {
-        let esize = self.meta.l2_entry_size as usize;
-        let at = index * esize;
-        let Some(bytes) = table.get_mut(at..at + esize) else {
+        let offset = entry & L2_OFFSET_MASK;
+        self.res.corruptions += 1;
+        let has_data = if self.meta.extended {
+            bitmap & BITMAP_ALL_ALLOC != 0
+        } else {
+            entry & L2_ZERO == 0
+        };
+        if has_data {
+            self.log(
+                FindingKind::Error,
+                format!("ERROR offset={offset:x}: Data cluster is not properly aligned; L2 entry corrupted."),
+            );
+            return Ok(false);
+        }
+        let fixing = self.fix.errors;
+        self.log(
+            if fixing { FindingKind::Repair } else { FindingKind::Error },
+            format!("{} offset={offset:x}: Preallocated cluster is not properly aligned; L2 entry corrupted.", Self::verb(fixing)),
+        );
+        Ok(fixing && self.zero_entry(walk, i).await?)
+    }
+
+    /// Turns entry `index` of the table in `walk` into a zero cluster (its present subclusters
+    /// into zero subclusters) on disk (QEMU's `fix_l2_entry_by_zero`). Returns whether it was
+    /// fixed; an overlap with metadata ends the check.
+    async fn zero_entry(&mut self, walk: &mut L2Walk, index: usize) -> Result<bool, CheckError> {
+        let extended = self.meta.extended;
+        let Some((_, bitmap)) = l2::entry_at(&walk.table, index, extended) else {
             return Ok(false);
         };
-        if self.meta.extended {
-            let bitmap = u64::from_be_bytes(bytes[8..16].try_into().unwrap_or([0; 8]));
-            let zeroes = (bitmap | (bitmap << 32)) & ALL_ZERO_BITMAP;
-            bytes[..8].copy_from_slice(&0u64.to_be_bytes());
-            bytes[8..16].copy_from_slice(&zeroes.to_be_bytes());
+        let (word, bitmap) = if extended {
+            (0, (bitmap | (bitmap << 32)) & ALL_ZERO_BITMAP)
         } else {
-            bytes[..8].copy_from_slice(&L2_ZERO.to_be_bytes());
-        }
-        let entry = bytes.to_vec();
+            (L2_ZERO, 0)
+        };
+        l2::set_entry_at(&mut walk.table, index, extended, word, bitmap);
+        let esize = self.meta.l2_entry_size as usize;
+        let at = index * esize;
+        let entry = walk.table[at..at + esize].to_vec();
         // A snapshot's L2 tables are "inactive", a section the cached overlap set never
         // checks, so ignoring it changes nothing.
-        let ignore: &[Section] = match which {
-            Which::Active => &[Section::ActiveL2],
+        let ignore: &[MetaKind] = match walk.which {
+            Which::Active => &[MetaKind::L2Table],
             Which::Snapshot => &[],
         };
-        let entry_offset = l2_offset + at as u64;
+        let entry_offset = walk.offset + at as u64;
         match self
             .guarded_write("fixing an L2 entry", entry_offset, &entry, ignore)
             .await
