@@ -100,6 +100,31 @@ impl SnapshotTableEntry {
         extra_u64(&self.extra_data, 0).unwrap_or(self.vm_state_size_32.into())
     }
 
+    /// Extra data holding the three fields QEMU writes (64-bit VM state size, virtual disk
+    /// size, instruction count, all ones for "not recorded") followed by `rest`, kept
+    /// verbatim.
+    pub fn full_extra_data(
+        vm_state_size: u64,
+        disk_size: u64,
+        icount: u64,
+        rest: &[u8],
+    ) -> Vec<u8> {
+        let mut extra = Vec::with_capacity(24 + rest.len());
+        extra.extend_from_slice(&vm_state_size.to_be_bytes());
+        extra.extend_from_slice(&disk_size.to_be_bytes());
+        extra.extend_from_slice(&icount.to_be_bytes());
+        extra.extend_from_slice(rest);
+        extra
+    }
+
+    /// The unpadded length of the encoded entry (the table's last entry is not padded).
+    pub fn encoded_len(&self) -> usize {
+        limits::SNAPSHOT_ENTRY_FIXED_SIZE as usize
+            + self.extra_data.len()
+            + self.id.len()
+            + self.name.len()
+    }
+
     /// Virtual disk size at the snapshot, if the extra data records it.
     pub fn disk_size(&self) -> Option<u64> {
         extra_u64(&self.extra_data, 8)

@@ -12,10 +12,11 @@
 use super::error::CheckError;
 use super::imrt::Imrt;
 use super::io;
+use super::meta::Snapshot;
 use super::ondisk::Refblocks;
 use super::pass::{Fix, Pass};
 use crate::format::refcount::REFTABLE_OFFSET_MASK;
-use crate::format::{header, limits};
+use crate::format::{header, limits, SnapshotTableEntry};
 use storage::Storage;
 
 /// Extra data QEMU writes for every snapshot at least: VM state size, disk size, icount.
@@ -43,30 +44,20 @@ impl<S: Storage> Pass<'_, S> {
     }
 
     fn encode_snapshot_table(&self) -> Result<Vec<u8>, CheckError> {
+        let broken = |detail: String| CheckError::SnapshotTable {
+            offset: self.meta.snapshots_offset,
+            detail,
+        };
         let mut out = Vec::new();
+        // QEMU pads every entry but the last: the table ends where the last entry does.
+        let mut end = 0;
         for sn in &self.meta.snapshots {
-            out.resize(out.len().next_multiple_of(8), 0);
-            let extra_len = KNOWN_EXTRA_DATA + sn.unknown_extra.len();
-            // Both came from 16-bit fields, and extra data is at most 1 KiB.
-            let (id_len, name_len) = (sn.id.len() as u16, sn.name.len() as u16);
-            out.extend_from_slice(&sn.l1_offset.to_be_bytes());
-            out.extend_from_slice(&sn.l1_size.to_be_bytes());
-            out.extend_from_slice(&id_len.to_be_bytes());
-            out.extend_from_slice(&name_len.to_be_bytes());
-            out.extend_from_slice(&sn.date_sec.to_be_bytes());
-            out.extend_from_slice(&sn.date_nsec.to_be_bytes());
-            out.extend_from_slice(&sn.vm_clock_nsec.to_be_bytes());
-            // A VM state too large for the old field reads as a disk-only snapshot there.
-            let small = u32::try_from(sn.vm_state_size).unwrap_or(0);
-            out.extend_from_slice(&small.to_be_bytes());
-            out.extend_from_slice(&(extra_len as u32).to_be_bytes());
-            out.extend_from_slice(&sn.vm_state_size.to_be_bytes());
-            out.extend_from_slice(&sn.disk_size.to_be_bytes());
-            out.extend_from_slice(&sn.icount.to_be_bytes());
-            out.extend_from_slice(&sn.unknown_extra);
-            out.extend_from_slice(&sn.id);
-            out.extend_from_slice(&sn.name);
+            let entry = table_entry(sn);
+            let start = out.len();
+            entry.encode(&mut out).map_err(|e| broken(e.to_string()))?;
+            end = start + entry.encoded_len();
         }
+        out.truncate(end);
         if out.len() as u64 > limits::MAX_SNAPSHOT_TABLE_BYTES {
             return Err(CheckError::SnapshotTable {
                 offset: self.meta.snapshots_offset,
@@ -192,5 +183,28 @@ impl<S: Storage> Pass<'_, S> {
         self.calculate(&mut imrt, &mut rebuild).await?;
         self.compare(&imrt, Fix::LEAKS, &mut rebuild).await?;
         Ok(())
+    }
+}
+
+/// The entry QEMU writes for a snapshot: complete extra data (VM state size, disk size,
+/// icount, then what it kept of the rest), and a VM state too large for the old 32-bit
+/// field as 0 there (a disk-only snapshot for readers of that field alone).
+fn table_entry(sn: &Snapshot) -> SnapshotTableEntry {
+    let extra_data = SnapshotTableEntry::full_extra_data(
+        sn.vm_state_size,
+        sn.disk_size,
+        sn.icount,
+        &sn.unknown_extra,
+    );
+    SnapshotTableEntry {
+        l1_table_offset: sn.l1_offset,
+        l1_size: sn.l1_size,
+        id: sn.id.clone(),
+        name: sn.name.clone(),
+        date_sec: sn.date_sec,
+        date_nsec: sn.date_nsec,
+        vm_clock_nsec: sn.vm_clock_nsec,
+        vm_state_size_32: u32::try_from(sn.vm_state_size).unwrap_or(0),
+        extra_data,
     }
 }
