@@ -9,6 +9,7 @@ use super::pass::{Fix, Pass};
 use super::report::FindingKind;
 use super::tables::{cluster_type, ClusterType};
 use crate::engine::overlap::MetaKind;
+use crate::format::be;
 use crate::format::l1::{L1_COPIED, L1_OFFSET_MASK};
 use crate::format::l2::{self, L2_COPIED, L2_OFFSET_MASK};
 use storage::{IoBuf, Storage};
@@ -192,10 +193,8 @@ impl<S: Storage> Pass<'_, S> {
         let per_sector = (L1_WRITE_SECTOR / 8) as usize;
         let first = index / per_sector * per_sector;
         let last = (first + per_sector).min(self.meta.l1.len());
-        let mut bytes = Vec::with_capacity(L1_WRITE_SECTOR as usize);
-        for &e in &self.meta.l1[first..last] {
-            bytes.extend_from_slice(&e.to_be_bytes());
-        }
+        let words = &self.meta.l1[first..last];
+        let bytes = be::table_bytes(words, words.len() * 8);
         let offset = self.meta.l1_offset + first as u64 * 8;
         self.guarded_write(
             "updating the L1 table",
