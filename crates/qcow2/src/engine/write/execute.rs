@@ -1,0 +1,360 @@
+//! Carrying out a write's plan: clusters written in place in one I/O per contiguous run;
+//! clusters to fill allocated together, their copy-on-write data and the guest data written
+//! as one I/O, then their L2 entries pointed at them and the old clusters released.
+
+use super::plan::{Action, ClusterPlan, GuestRange, Old};
+use crate::engine::chain::{Piece, Source};
+use crate::engine::error::{EngineError, Result};
+use crate::engine::image::Inner;
+use crate::format::l2;
+use crate::format::l2_extended::{pack_bitmap, unpack_bitmap};
+use crate::format::{GuestOffset, HostOffset};
+use storage::{IoBuf, Storage};
+
+impl<S: Storage + 'static> Inner<S> {
+    /// Carries out a plan: one group of clusters at a time, data first, then the L2 entries.
+    pub(super) async fn execute(
+        &self,
+        offset: GuestOffset,
+        mut buf: IoBuf,
+        plans: &[ClusterPlan],
+    ) -> (Result<()>, IoBuf) {
+        let cs = self.chain.top().qcow2().expect("qcow2").geom.cluster_size();
+        let mut i = 0;
+        while i < plans.len() {
+            let mut j = i + 1;
+            let res = match plans[i].action {
+                Action::InPlace { host, .. } => {
+                    // Clusters whose hosts continue each other: one write.
+                    while let Some(Action::InPlace { host: h, .. }) = plans.get(j).map(|p| p.action)
+                    {
+                        if h != host + (j - i) as u64 * cs {
+                            break;
+                        }
+                        j += 1;
+                    }
+                    let (res, b) = self.in_place(offset, buf, &plans[i..j]).await;
+                    buf = b;
+                    res
+                }
+                Action::Fill { host: None, .. } => {
+                    // Clusters that all need a new host cluster: allocated together.
+                    while matches!(
+                        plans.get(j).map(|p| p.action),
+                        Some(Action::Fill { host: None, .. })
+                    ) {
+                        j += 1;
+                    }
+                    let (res, b) = self.fill_run(offset, buf, &plans[i..j]).await;
+                    buf = b;
+                    res
+                }
+                Action::Fill { host: Some(_), .. } => {
+                    let (res, b) = self.fill_run(offset, buf, &plans[i..j]).await;
+                    buf = b;
+                    res
+                }
+            };
+            if let Err(e) = res {
+                return (Err(e), buf);
+            }
+            i = j;
+        }
+        (Ok(()), buf)
+    }
+
+    /// Writes the request bytes that fall in `[from, to)` of the guest to `host`.
+    async fn write_data(
+        &self,
+        offset: GuestOffset,
+        buf: IoBuf,
+        (from, to): GuestRange,
+        host: HostOffset,
+    ) -> (Result<()>, IoBuf) {
+        let checked = match self.alloc() {
+            Ok(a) => a.check_overlap(host, to - from).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = checked {
+            return (Err(e), buf);
+        }
+        let top = self.chain.top();
+        let range = (from - offset) as usize..(to - offset) as usize;
+        let (res, slice) = top.data_storage().write_at(buf.slice(range), host.0).await;
+        self.note_written(host + (to - from));
+        (
+            res.map_err(|e| top.io_error("writing data", host.0, e)),
+            slice.into_inner(),
+        )
+    }
+
+    /// Remembers how far the image file may hold data.
+    fn note_written(&self, end: HostOffset) {
+        let top = self.chain.top();
+        if top.qcow2().is_some_and(|m| m.data_file.is_some()) {
+            return;
+        }
+        if let Some(w) = &self.alloc {
+            if end.0 > w.physical_len.get() {
+                w.physical_len.set(end.0);
+            }
+        }
+    }
+
+    /// Writes clusters we own in place, then marks newly written subclusters allocated.
+    async fn in_place(
+        &self,
+        offset: GuestOffset,
+        buf: IoBuf,
+        plans: &[ClusterPlan],
+    ) -> (Result<()>, IoBuf) {
+        let cs = self.chain.top().qcow2().expect("qcow2").geom.cluster_size();
+        let end = offset + buf.len() as u64;
+        let first = &plans[0];
+        let Action::InPlace { host, .. } = first.action else {
+            unreachable!("in_place is given in-place clusters")
+        };
+        let from = offset.max(first.start);
+        let to = end.min(plans[plans.len() - 1].start + cs);
+        let (res, buf) = self
+            .write_data(offset, buf, (from, to), host + (from - first.start))
+            .await;
+        if let Err(e) = res {
+            return (Err(e), buf);
+        }
+        let res = async {
+            for p in plans {
+                if let Action::InPlace { host, set_alloc } = p.action {
+                    if set_alloc != 0 {
+                        self.mark_subclusters(p.start, host, set_alloc).await?;
+                    }
+                }
+            }
+            Ok(())
+        }
+        .await;
+        (res, buf)
+    }
+
+    /// Sets allocation bits (clearing zero bits) of an entry we own, after its data landed.
+    async fn mark_subclusters(
+        &self,
+        cluster: GuestOffset,
+        host: HostOffset,
+        bits: u32,
+    ) -> Result<()> {
+        self.before_l2_update(false).await?;
+        let (word, _) = self
+            .alloc()?
+            .update_l2_entry(cluster, |word, bitmap| {
+                if l2::host_of(word) != host.0 {
+                    return None;
+                }
+                let (alloc, zero) = unpack_bitmap(bitmap);
+                let alloc = alloc | bits;
+                Some((word, pack_bitmap(alloc, zero & !alloc)))
+            })
+            .await?;
+        if l2::host_of(word) != host.0 {
+            return Err(self
+                .mark_corrupt(format!(
+                    "L2 entry of guest cluster {:#x} changed under a write ({:#x} != {:#x})",
+                    cluster.0,
+                    l2::host_of(word),
+                    host.0
+                ))
+                .await);
+        }
+        Ok(())
+    }
+
+    /// Sets the cache obligations that must precede an L2 update: the dirty bit (lazy
+    /// refcounts) or refcounts first (when clusters were allocated), and data first.
+    async fn before_l2_update(&self, allocated: bool) -> Result<()> {
+        let w = self.alloc()?;
+        if w.lazy_refcounts {
+            w.mark_dirty().await?;
+        } else if allocated {
+            self.chain
+                .l2
+                .set_dependency(w.refcounts_flush())
+                .await
+                .map_err(|source| EngineError::Cache {
+                    image: self.chain.top().name.clone(),
+                    source,
+                })?;
+        }
+        self.chain.l2.set_flush_before_writeback();
+        Ok(())
+    }
+
+    /// Writes a run of clusters that need filling (and, with `host: None`, new clusters):
+    /// copy-on-write data and guest data in one I/O, then the L2 entries, then the old
+    /// clusters' references are released.
+    async fn fill_run(
+        &self,
+        offset: GuestOffset,
+        buf: IoBuf,
+        plans: &[ClusterPlan],
+    ) -> (Result<()>, IoBuf) {
+        let top = self.chain.top();
+        let meta = top.qcow2().expect("qcow2");
+        let g = &meta.geom;
+        let cs = g.cluster_size();
+        let w = match self.alloc() {
+            Ok(w) => w,
+            Err(e) => return (Err(e), buf),
+        };
+        let n = plans.len() as u64;
+        let first = plans[0].start;
+        let preset = match plans[0].action {
+            Action::Fill { host, .. } => host,
+            Action::InPlace { .. } => unreachable!("fill_run is given filling clusters"),
+        };
+        // 1. Writable L2 tables and host clusters.
+        let alloc = async {
+            let _g = w.meta_lock.lock().await;
+            let mut last_l1 = None;
+            for p in plans {
+                let l1i = g.l1_index(p.start);
+                if last_l1 != Some(l1i) {
+                    w.l2_for_write(l1i).await?;
+                    last_l1 = Some(l1i);
+                }
+            }
+            let fresh_from = w.physical_len.get();
+            Ok::<_, EngineError>(match preset {
+                Some(h) => (h, false, false),
+                // The data file mirrors the guest's layout.
+                None if meta.data_file.is_some() => (HostOffset(first.0), false, false),
+                None => {
+                    let h = w.alloc_clusters(n).await?;
+                    (h, true, h.0 >= fresh_from)
+                }
+            })
+        };
+        let (host, allocated, fresh) = match alloc.await {
+            Ok(v) => v,
+            Err(e) => return (Err(e), buf),
+        };
+        let (res, buf) = self.fill_and_write(offset, buf, plans, host, fresh).await;
+        if let Err(e) = res {
+            if allocated {
+                let _g = w.meta_lock.lock().await;
+                if let Err(e2) = w.free_clusters(host, n, false).await {
+                    tracing::warn!("could not release clusters after a failed write: {e2}");
+                }
+            }
+            return (Err(e), buf);
+        }
+        // 2. Point the entries at the data.
+        let res = async {
+            self.before_l2_update(allocated).await?;
+            for (k, p) in plans.iter().enumerate() {
+                let Action::Fill { alloc, zero, .. } = p.action else {
+                    continue;
+                };
+                let h = host + k as u64 * cs;
+                let bitmap = if g.extended_l2() {
+                    pack_bitmap(alloc, zero & !alloc)
+                } else {
+                    0
+                };
+                w.set_l2_entry(p.start, l2::owned_word(h.0), bitmap).await?;
+            }
+            // 3. Release what the entries no longer use.
+            let _g = w.meta_lock.lock().await;
+            for p in plans {
+                match p.action {
+                    Action::Fill {
+                        old: Old::Shared { host },
+                        ..
+                    } => w.free_clusters(host, 1, false).await?,
+                    Action::Fill {
+                        old: Old::Compressed { raw },
+                        ..
+                    } => w.free_compressed(raw).await?,
+                    _ => {}
+                }
+            }
+            Ok(())
+        }
+        .await;
+        (res, buf)
+    }
+
+    /// Builds the bytes of a filling run (copies plus guest data) and writes them.
+    async fn fill_and_write(
+        &self,
+        offset: GuestOffset,
+        buf: IoBuf,
+        plans: &[ClusterPlan],
+        host: HostOffset,
+        fresh: bool,
+    ) -> (Result<()>, IoBuf) {
+        let cs = self.chain.top().qcow2().expect("qcow2").geom.cluster_size();
+        let first = plans[0].start;
+        let end = offset + buf.len() as u64;
+        let data_from = offset.max(first);
+        let data_to = end.min(plans[plans.len() - 1].start + cs);
+        // What each fill reads as now; zeros need no copy into a fresh cluster.
+        let mut fills: Vec<(GuestOffset, GuestOffset, Vec<Piece>)> = Vec::new();
+        for p in plans {
+            for &(s, t) in &p.fills {
+                if s >= t {
+                    continue;
+                }
+                let mut pieces = Vec::new();
+                if let Err(e) = self.chain.resolve(s.0, t - s, 0, &mut pieces).await {
+                    return (Err(e), buf);
+                }
+                if fresh && pieces.iter().all(|q| q.src == Source::Zero) {
+                    continue;
+                }
+                fills.push((s, t, pieces));
+            }
+        }
+        if fills.is_empty() {
+            return self
+                .write_data(
+                    offset,
+                    buf,
+                    (data_from, data_to),
+                    host + (data_from - first),
+                )
+                .await;
+        }
+        let span_from = fills
+            .iter()
+            .map(|f| f.0)
+            .min()
+            .unwrap_or(data_from)
+            .min(data_from);
+        let span_to = fills
+            .iter()
+            .map(|f| f.1)
+            .max()
+            .unwrap_or(data_to)
+            .max(data_to);
+        let mut span = IoBuf::zeroed((span_to - span_from) as usize);
+        // All fills in one call, in guest order, so that a head and a tail are read
+        // concurrently, or as one request when little lies between them.
+        fills.sort_by_key(|f| f.0);
+        let pieces: Vec<Piece> = fills.iter().flat_map(|f| f.2.iter().copied()).collect();
+        if let Err(e) = self.fill(span_from.0, &pieces, &mut span).await {
+            return (Err(e), buf);
+        }
+        span[(data_from - span_from) as usize..(data_to - span_from) as usize]
+            .copy_from_slice(&buf[(data_from - offset) as usize..(data_to - offset) as usize]);
+        let len = span.len() as u64;
+        let (res, _) = self
+            .write_data(
+                span_from,
+                span,
+                (span_from, span_from + len),
+                host + (span_from - first),
+            )
+            .await;
+        (res, buf)
+    }
+}

@@ -1,0 +1,96 @@
+//! Writing guest data: in place where the cluster is ours, otherwise allocate (only the
+//! subclusters a write touches, with extended L2 entries) and copy what the write does not
+//! cover from wherever the guest currently reads it (backing file, zeros, a compressed or
+//! shared cluster). Copy-on-write data and guest data go out as one I/O per run of
+//! clusters; copies of zeros into freshly allocated clusters are skipped.
+//!
+//! `plan` decides what happens to each cluster; `execute` carries the plan out.
+//!
+//! Concurrency: writes that keep every cluster where it is hold a shared range lock, those
+//! that move or fill clusters hold an exclusive one, so two copy-on-writes of one subcluster
+//! never overwrite each other's data, and a read never sees a cluster being reused.
+
+mod execute;
+mod plan;
+
+use super::error::Result;
+use super::image::{Image, Inner};
+use super::range_lock::LockMode;
+use crate::format::GuestOffset;
+use plan::Action;
+use storage::{IoBuf, Storage};
+
+impl<S: Storage + 'static> Image<S> {
+    /// Writes `buf` at guest `offset`; with `fua` the data (and the metadata that makes it
+    /// reachable) is durable before this returns. The buffer is handed back either way.
+    pub async fn write(&self, offset: u64, buf: IoBuf, fua: bool) -> (Result<()>, IoBuf) {
+        let (res, buf) = self.inner.write(offset, buf).await;
+        if res.is_ok() && fua {
+            return (self.flush().await, buf);
+        }
+        (res, buf)
+    }
+}
+
+impl<S: Storage + 'static> Inner<S> {
+    pub(crate) async fn write(&self, offset: u64, buf: IoBuf) -> (Result<()>, IoBuf) {
+        let len = buf.len() as u64;
+        if let Err(e) = self
+            .check_writable()
+            .and_then(|_| self.check_range(offset, len))
+        {
+            return (Err(e), buf);
+        }
+        if len == 0 {
+            return (Ok(()), buf);
+        }
+        self.track(offset, len);
+        let top = self.chain.top();
+        if top.qcow2().is_none() {
+            let (res, slice) = top.file.write_at(buf.into(), offset).await;
+            return (
+                res.map_err(|e| top.io_error("writing data", offset, e)),
+                slice.into_inner(),
+            );
+        }
+        let generation = match self.alloc() {
+            Ok(a) => a.mapping_generation(),
+            Err(e) => return (Err(e), buf),
+        };
+        let offset = GuestOffset(offset);
+        // Most writes land in clusters we own: try that under a shared lock first.
+        let plans = {
+            let _shared = self.lock_range(offset.0, len, LockMode::Shared).await;
+            match self.plan(offset, len).await {
+                Err(e) => return (Err(e), buf),
+                Ok(plans)
+                    if plans
+                        .iter()
+                        .all(|p| matches!(p.action, Action::InPlace { .. })) =>
+                {
+                    return self.execute(offset, buf, &plans).await;
+                }
+                Ok(plans) => plans,
+            }
+        };
+        let _exclusive = self.lock_range(offset.0, len, LockMode::Exclusive).await;
+        // The plan holds unless some mapping changed while we waited for the lock; only then
+        // is it made again.
+        match self.alloc() {
+            Ok(a) if a.mapping_generation() == generation => {
+                self.execute(offset, buf, &plans).await
+            }
+            Ok(_) => self.write_unlocked(offset.0, buf).await,
+            Err(e) => (Err(e), buf),
+        }
+    }
+
+    /// Writes with the caller holding an exclusive lock on the range (qcow2 layer 0 only).
+    pub(crate) async fn write_unlocked(&self, offset: u64, buf: IoBuf) -> (Result<()>, IoBuf) {
+        let offset = GuestOffset(offset);
+        match self.plan(offset, buf.len() as u64).await {
+            Err(e) => (Err(e), buf),
+            Ok(plans) => self.execute(offset, buf, &plans).await,
+        }
+    }
+}
