@@ -5,8 +5,9 @@
 
 use std::path::Path;
 
-use serde_json::Value;
-use test_support::{assert_check_clean, qemu_dirty_ranges, qemu_img, qemu_io, text, Dir};
+use test_support::{
+    assert_check_clean, qemu_bitmaps, qemu_dirty_ranges, qemu_img, qemu_io, text, Dir,
+};
 
 use crate::common::BIN;
 
@@ -34,33 +35,18 @@ struct Listed {
 
 /// Every bitmap of the image, in directory order.
 fn bitmaps(path: &Path) -> Vec<Listed> {
-    let info: Value = serde_json::from_str(&qemu_img(&[
-        "info",
-        "--output=json",
-        path.to_str().unwrap(),
-    ]))
-    .unwrap();
-    let Some(list) = info["format-specific"]["data"]["bitmaps"].as_array() else {
-        return Vec::new();
-    };
-    list.iter()
+    qemu_bitmaps(path)
+        .into_iter()
         .map(|b| {
-            let name = b["name"].as_str().unwrap().to_string();
-            let flags: Vec<String> = b["flags"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|f| f.as_str().unwrap().into())
-                .collect();
-            let dirty = if flags.iter().any(|f| f == "in-use") {
+            let dirty = if b.flags.iter().any(|f| f == "in-use") {
                 Vec::new()
             } else {
-                qemu_dirty_ranges(path, &name)
+                qemu_dirty_ranges(path, &b.name)
             };
             Listed {
-                name,
-                flags,
-                granularity: b["granularity"].as_u64().unwrap(),
+                name: b.name,
+                flags: b.flags,
+                granularity: b.granularity,
                 dirty,
             }
         })

@@ -257,3 +257,42 @@ pub fn qemu_dirty_ranges(image: &Path, bitmap: &str) -> Vec<(u64, u64)> {
         .map(|(o, n, _)| (o, n))
         .collect()
 }
+
+/// A persistent bitmap as `qemu-img info --output=json` lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QemuBitmap {
+    /// Its name.
+    pub name: String,
+    /// `in-use`, `auto`, as qemu-img lists them.
+    pub flags: Vec<String>,
+    /// Bytes of disk per bit.
+    pub granularity: u64,
+}
+
+/// The persistent bitmaps of a qcow2 image, in directory order, as `qemu-img info -U` lists
+/// them (none when the image has no bitmaps extension).
+pub fn qemu_bitmaps(image: &Path) -> Vec<QemuBitmap> {
+    let out = qemu_img(&[
+        "info",
+        "-U",
+        "--output=json",
+        image.to_str().expect("UTF-8 path"),
+    ]);
+    let info: serde_json::Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("qemu-img info JSON: {e}\n{out}"));
+    let Some(list) = info["format-specific"]["data"]["bitmaps"].as_array() else {
+        return Vec::new();
+    };
+    list.iter()
+        .map(|b| QemuBitmap {
+            name: b["name"].as_str().expect("a name").to_string(),
+            flags: b["flags"]
+                .as_array()
+                .expect("flags")
+                .iter()
+                .map(|f| f.as_str().expect("a flag").to_string())
+                .collect(),
+            granularity: b["granularity"].as_u64().expect("a granularity"),
+        })
+        .collect()
+}

@@ -5,11 +5,12 @@
 use std::path::Path;
 
 use qcow2::engine::{Image, OpenOptions};
-use serde_json::Value;
 use storage::{Aio, AnyStorage, IoBuf};
 
 use crate::support::opener;
-use test_support::{assert_check_clean, qemu_dirty_ranges, qemu_img, qemu_io, run, Dir};
+use test_support::{
+    assert_check_clean, qemu_bitmaps, qemu_dirty_ranges, qemu_img, qemu_io, run, Dir,
+};
 
 const K: u64 = 1024;
 const M: u64 = 1024 * 1024;
@@ -24,40 +25,20 @@ async fn open(path: &Path, read_only: bool) -> Image<AnyStorage> {
         .unwrap_or_else(|e| panic!("open {}: {e}", path.display()))
 }
 
-/// `(name, flags)` of every bitmap as `qemu-img info` lists it.
-fn qemu_bitmaps(path: &Path) -> Vec<(String, Vec<String>, u64)> {
-    let info: Value = serde_json::from_str(&qemu_img(&[
-        "info",
-        "-U",
-        "--output=json",
-        path.to_str().unwrap(),
-    ]))
-    .unwrap();
-    let Some(list) = info["format-specific"]["data"]["bitmaps"].as_array() else {
-        return Vec::new();
-    };
-    list.iter()
-        .map(|b| {
-            let flags = b["flags"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|f| f.as_str().unwrap().to_string())
-                .collect();
-            (
-                b["name"].as_str().unwrap().to_string(),
-                flags,
-                b["granularity"].as_u64().unwrap(),
-            )
-        })
-        .collect()
-}
-
 fn names_and_flags(path: &Path) -> Vec<(String, Vec<String>)> {
     qemu_bitmaps(path)
         .into_iter()
-        .map(|(n, f, _)| (n, f))
+        .map(|b| (b.name, b.flags))
         .collect()
+}
+
+/// The three bitmaps of [`image_with_bitmaps`], each marked in use.
+fn all_in_use() -> Vec<(String, Vec<String>)> {
+    vec![
+        ("b1".into(), flags(&["in-use", "auto"])),
+        ("b2".into(), flags(&["in-use"])),
+        ("b3".into(), flags(&["in-use", "auto"])),
+    ]
 }
 
 fn flags(list: &[&str]) -> Vec<String> {
@@ -149,11 +130,7 @@ fn an_open_image_holds_its_bitmaps_in_use_and_a_crash_leaves_them_so() {
         let img = open(&path, false).await;
         assert_eq!(
             names_and_flags(&path),
-            vec![
-                ("b1".into(), flags(&["in-use", "auto"])),
-                ("b2".into(), flags(&["in-use"])),
-                ("b3".into(), flags(&["in-use", "auto"]))
-            ],
+            all_in_use(),
             "marked in use on disk before the first write"
         );
         write(&img, 0, 4096).await;
@@ -171,11 +148,7 @@ fn an_open_image_holds_its_bitmaps_in_use_and_a_crash_leaves_them_so() {
     });
     assert_eq!(
         names_and_flags(&path),
-        vec![
-            ("b1".into(), flags(&["in-use", "auto"])),
-            ("b2".into(), flags(&["in-use"])),
-            ("b3".into(), flags(&["in-use", "auto"]))
-        ],
+        all_in_use(),
         "an inconsistent bitmap is never stored as clean"
     );
     run(async {
@@ -205,8 +178,12 @@ fn changes_to_the_set_are_stored_as_qemu_stores_them() {
         img.close().await.unwrap();
     });
     assert_check_clean(&path);
+    let listed: Vec<(String, Vec<String>, u64)> = qemu_bitmaps(&path)
+        .into_iter()
+        .map(|b| (b.name, b.flags, b.granularity))
+        .collect();
     assert_eq!(
-        qemu_bitmaps(&path),
+        listed,
         vec![
             ("b1".into(), flags(&[]), 64 * K),
             ("b2".into(), flags(&["auto"]), 64 * K),
