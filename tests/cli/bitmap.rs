@@ -201,6 +201,32 @@ fn an_in_use_bitmap_can_only_be_removed() {
         );
     }
     assert_eq!(bitmaps(&path)[0].flags, ["in-use", "auto"], "still in use");
+    // check and check -r treat it as qemu-img does: not an error, and left as it is.
+    d.copy("img.qcow2", "theirs.qcow2");
+    let (mine, theirs) = (d.s("img.qcow2"), d.s("theirs.qcow2"));
+    for args in [&["check"][..], &["check", "-r", "all"][..]] {
+        let with = |img: &str| -> Vec<String> {
+            args.iter()
+                .map(|a| a.to_string())
+                .chain([img.to_string()])
+                .collect()
+        };
+        let (o_args, q_args) = (with(&mine), with(&theirs));
+        let o_args: Vec<&str> = o_args.iter().map(String::as_str).collect();
+        let q_args: Vec<&str> = q_args.iter().map(String::as_str).collect();
+        let (o, q) = (d.run(BIN, &o_args), d.run("qemu-img", &q_args));
+        assert_eq!(o.status.code(), q.status.code(), "{args:?}");
+        assert_eq!(
+            String::from_utf8_lossy(&o.stdout).replace(&mine, ""),
+            String::from_utf8_lossy(&q.stdout).replace(&theirs, ""),
+            "{args:?}"
+        );
+    }
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        std::fs::read(d.path("theirs.qcow2")).unwrap(),
+        "check -r all leaves the in-use bitmap as qemu-img does"
+    );
     let out = d.run(BIN, &["bitmap", "--remove", &d.s("img.qcow2"), "crashed"]);
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(bitmaps(&path), vec![]);
