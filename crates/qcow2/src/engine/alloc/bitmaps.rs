@@ -9,7 +9,7 @@
 //! after it, the new one is complete.
 
 use super::Allocator;
-use crate::engine::bitmaps::{in_use_entry, read_table, stored_entry, Bitmap, State};
+use crate::engine::bitmaps::{in_use_entry, read_table, stored_entry, Bitmap, Bitmaps, State};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::overlap::MetaKind;
 use crate::format::bitmap::{encode_directory, BitmapDirectoryEntry, BitmapsExtension};
@@ -68,10 +68,20 @@ impl<S: Storage + 'static> Allocator<S> {
             return Ok(());
         }
         let _g = self.meta_lock.lock().await;
-        let mut set = self.bitmaps.borrow().clone();
-        let mut freed: Vec<BitmapDirectoryEntry> = std::mem::take(&mut set.removed);
+        // Moved out rather than copied (the data may be up to 1 GiB) and put back whatever
+        // happens; a close runs after the last request, so nothing is marked meanwhile.
+        let mut set = std::mem::take(&mut *self.bitmaps.borrow_mut());
+        let stored = self.store_set(&mut set).await;
+        *self.bitmaps.borrow_mut() = set;
+        stored
+    }
+
+    /// Stores `set`; it is updated (new tables, nothing changed, nothing removed) once the
+    /// header names the new directory.
+    async fn store_set(&self, set: &mut Bitmaps) -> Result<()> {
+        let mut freed: Vec<BitmapDirectoryEntry> = set.removed.clone();
         let mut entries = Vec::with_capacity(set.list.len());
-        for b in &mut set.list {
+        for b in &set.list {
             let (entry, old) = self.stored_form(b).await?;
             freed.extend(old);
             entries.push(entry);
@@ -85,16 +95,17 @@ impl<S: Storage + 'static> Allocator<S> {
             .map_err(|e| self.cache_err(e))?;
         self.sync().await?;
         self.switch_bitmaps_extension(new_ext).await?;
-        self.sync().await?;
-        self.free_old_bitmaps(old_ext, &freed).await?;
+        // From here the new directory is the image's: a failure to free the old clusters
+        // leaks them, it must not make a later close free them twice.
+        set.removed.clear();
         for (b, e) in set.list.iter_mut().zip(entries) {
             b.entry = e;
             if let State::Loaded { changed, .. } = &mut b.state {
                 *changed = false;
             }
         }
-        *self.bitmaps.borrow_mut() = set;
-        Ok(())
+        self.sync().await?;
+        self.free_old_bitmaps(old_ext, &freed).await
     }
 
     /// The directory entry bitmap `b` is stored with, writing its data first if it changed;
