@@ -406,11 +406,7 @@ impl Export for ImageExport {
                 .image
                 .live_bitmap_runs(&b.name, offset, len)
                 .map_err(|e| errno("block status", &e)),
-            BitmapSource::Stored(data) => Ok(data
-                .extents(offset, len)
-                .into_iter()
-                .map(|(_, n, dirty)| (n, dirty))
-                .collect()),
+            BitmapSource::Stored(data) => Ok(data.runs(offset, len)),
         }
     }
 }

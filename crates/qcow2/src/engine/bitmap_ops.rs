@@ -37,15 +37,7 @@ impl<S: Storage + 'static> Image<S> {
             return Ok(Vec::new());
         };
         let entries = bitmaps::directory(top, meta).await?;
-        Ok(entries
-            .iter()
-            .map(|e| BitmapInfo {
-                name: e.name_lossy(),
-                granularity: e.granularity(),
-                enabled: e.auto(),
-                inconsistent: e.in_use(),
-            })
-            .collect())
+        Ok(entries.iter().map(BitmapInfo::stored).collect())
     }
 
     /// Adds an empty persistent bitmap (QEMU's default granularity when `None`).
@@ -107,10 +99,6 @@ impl<S: Storage + 'static> Image<S> {
         let a = self.inner.alloc()?;
         let set = a.bitmaps.borrow();
         let data = set.data(name).map_err(|e| self.bitmap_error(e))?;
-        Ok(data
-            .extents(offset, len)
-            .into_iter()
-            .map(|(_, n, dirty)| (n, dirty))
-            .collect())
+        Ok(data.runs(offset, len))
     }
 }

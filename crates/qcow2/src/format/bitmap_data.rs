@@ -209,6 +209,14 @@ impl BitmapData {
         merged
     }
 
+    /// The same extents as `(length, dirty)` runs, as a block status answer gives them.
+    pub fn runs(&self, offset: u64, len: u64) -> Vec<(u64, bool)> {
+        self.extents(offset, len)
+            .into_iter()
+            .map(|(_, n, dirty)| (n, dirty))
+            .collect()
+    }
+
     /// The first bit after `bit` whose value differs from `value` (bits past the disk count
     /// as differing), skipping whole words at a time.
     fn run_end(&self, bit: u64, value: bool) -> u64 {

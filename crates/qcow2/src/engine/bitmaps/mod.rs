@@ -102,6 +102,18 @@ pub struct BitmapInfo {
     pub inconsistent: bool,
 }
 
+impl BitmapInfo {
+    /// A bitmap as its directory entry describes it.
+    pub(crate) fn stored(entry: &BitmapDirectoryEntry) -> BitmapInfo {
+        BitmapInfo {
+            name: entry.name_lossy(),
+            granularity: entry.granularity(),
+            enabled: entry.auto(),
+            inconsistent: entry.in_use(),
+        }
+    }
+}
+
 /// Every persistent bitmap of the writable layer.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Bitmaps {
@@ -140,33 +152,36 @@ impl Bitmaps {
     pub fn infos(&self) -> Vec<BitmapInfo> {
         self.list
             .iter()
-            .map(|b| BitmapInfo {
-                name: b.name(),
-                granularity: b.entry.granularity(),
-                enabled: match b.state {
-                    State::Loaded { enabled, .. } => enabled,
-                    State::Inconsistent => b.entry.auto(),
+            .map(|b| match b.state {
+                State::Loaded { enabled, .. } => BitmapInfo {
+                    enabled,
+                    inconsistent: false,
+                    ..BitmapInfo::stored(&b.entry)
                 },
-                inconsistent: matches!(b.state, State::Inconsistent),
+                State::Inconsistent => BitmapInfo {
+                    inconsistent: true,
+                    ..BitmapInfo::stored(&b.entry)
+                },
             })
             .collect()
     }
 
-    fn find(&mut self, name: &str) -> Result<&mut Bitmap, BitmapError> {
+    /// Where bitmap `name` is in the list.
+    fn position(&self, name: &str) -> Result<usize, BitmapError> {
         self.list
-            .iter_mut()
-            .find(|b| b.entry.name == name.as_bytes())
+            .iter()
+            .position(|b| b.entry.name == name.as_bytes())
             .ok_or_else(|| BitmapError::NotFound(name.to_string()))
+    }
+
+    fn find(&mut self, name: &str) -> Result<&mut Bitmap, BitmapError> {
+        let at = self.position(name)?;
+        Ok(&mut self.list[at])
     }
 
     /// The data of bitmap `name`.
     pub fn data(&self, name: &str) -> Result<&BitmapData, BitmapError> {
-        let b = self
-            .list
-            .iter()
-            .find(|b| b.entry.name == name.as_bytes())
-            .ok_or_else(|| BitmapError::NotFound(name.to_string()))?;
-        match &b.state {
+        match &self.list[self.position(name)?].state {
             State::Loaded { data, .. } => Ok(data),
             State::Inconsistent => Err(BitmapError::Inconsistent(name.to_string())),
         }
@@ -229,12 +244,7 @@ impl Bitmaps {
 
     /// Removes bitmap `name` (an inconsistent one too); its clusters are freed on store.
     pub fn remove(&mut self, name: &str) -> Result<(), BitmapError> {
-        let at = self
-            .list
-            .iter()
-            .position(|b| b.entry.name == name.as_bytes())
-            .ok_or_else(|| BitmapError::NotFound(name.to_string()))?;
-        let gone = self.list.remove(at);
+        let gone = self.list.remove(self.position(name)?);
         if gone.entry.table_offset != 0 {
             self.removed.push(gone.entry);
         }
