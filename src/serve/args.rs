@@ -117,8 +117,8 @@ pub struct ServeArgs {
     pub allocation_depth: bool,
 
     /// Offer persistent dirty bitmap NAME as the qemu:dirty-bitmap:NAME metadata context
-    /// (repeatable). A writable export shows the bitmap as writes change it; a read-only one
-    /// needs a disabled bitmap unless the image itself is opened read-only (-r).
+    /// (repeatable, up to 64). A writable export shows the bitmap as writes change it, a
+    /// read-only one (-r) as stored; a bitmap left in use by a crash is refused.
     #[arg(short = 'B', long = "bitmap", value_name = "NAME")]
     pub bitmaps: Vec<String>,
 

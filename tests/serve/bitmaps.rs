@@ -184,3 +184,37 @@ fn bitmaps_that_cannot_be_exported_are_refused_as_qemu_nbd_refuses_them() {
     );
     assert_check_clean(ours.as_ref());
 }
+
+#[test]
+fn bitmaps_per_export_and_bits_per_answer_are_bounded() {
+    let d = Dir::new();
+    let img = d.s("big.qcow2");
+    d.create("big.qcow2", "qcow2", "", None, "1G");
+    qemu_img(&["bitmap", "--add", "-g", "512", &img, "fine"]);
+    let mut args: Vec<String> = vec!["-r".into()];
+    for _ in 0..65 {
+        args.extend(["-B".into(), "fine".into()]);
+    }
+    args.push(img.clone());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let err = serve_fails(&args);
+    assert!(
+        err.contains("65 bitmaps given; one export offers at most 64"),
+        "{err}"
+    );
+    // One answer looks at 2^20 bits at most: 512 MiB of a 512-byte-granularity bitmap.
+    let server = Server::unix(&["-t", "-r", "-B", "fine", &img]);
+    let answers = block_status(&server.uri(), "fine");
+    let whole: u64 = answers[0][0][2]
+        .as_array()
+        .unwrap()
+        .iter()
+        .step_by(2)
+        .map(|n| n.as_u64().unwrap())
+        .sum();
+    assert_eq!(whole, 512 << 20, "{answers}");
+    // Clients ask again for the rest, so the map still covers the disk.
+    let total: u64 = map(&server.uri(), "fine").iter().map(|e| e.1).sum();
+    assert_eq!(total, 1 << 30);
+    server.stop_ok();
+}
