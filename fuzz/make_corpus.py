@@ -178,6 +178,9 @@ def nbd_seeds(out):
     put("nbd_wire", "info_request", bytes([4]) + info)
     put("nbd_wire", "meta_request", bytes([5]) + meta)
     put("nbd_wire", "block_status", bytes([10]) + struct.pack(">IIIII", 1, 4096, 0, 8192, 3))
+    # Key files as psktool writes them, and with the variations the parser accepts.
+    put("tls_psk_file", "psktool", b"alice:" + b"6f" * 32 + b"\n")
+    put("tls_psk_file", "several", b"alice:00ff\r\n\nhost:port:0102\nbob:ABCD\n")
 
 
 def main():

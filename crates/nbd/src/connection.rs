@@ -1,14 +1,18 @@
 //! One client connection over any async byte stream: handshake, then transmission.
 
+use std::future::Future;
 use std::rc::Rc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite, BufReader};
+use tokio::io::{AsyncRead, AsyncWrite, BufReader, ReadHalf, WriteHalf};
+use tokio::net::{TcpStream, UnixStream};
+use tokio_openssl::SslStream;
 
 use crate::control::Control;
 use crate::export::Export;
 use crate::exports::Exports;
-use crate::negotiate::{negotiate, HandshakeEnd, HandshakeError, Negotiated};
+use crate::negotiate::{negotiate, negotiate_options, HandshakeEnd, HandshakeError, Negotiated};
+use crate::tls::{HandshakeFailure, TlsServer};
 use crate::transmission::{transmit, TransmissionEnd, TransmissionError};
 
 /// Read buffer of a connection: large enough for a header and a 4 KiB write in one read,
@@ -37,6 +41,9 @@ pub enum ConnectionError {
     /// The handshake took longer than allowed.
     #[error("handshake not finished within {0:?}")]
     HandshakeTimeout(Duration),
+    /// The TLS handshake failed.
+    #[error(transparent)]
+    Tls(HandshakeFailure),
     /// Transmission failed.
     #[error(transparent)]
     Transmission(#[from] TransmissionError),
@@ -49,8 +56,70 @@ impl ConnectionError {
     }
 }
 
-/// Serves one client on `reader`/`writer` (e.g. the halves of a socket) until it leaves,
-/// the server shuts down, or it breaks the protocol; `control` says how (see [`Control`]).
+/// A client's socket: split in halves for the plaintext phases, whole again when TLS
+/// starts.
+pub trait Transport: AsyncRead + AsyncWrite + Unpin + Sized + 'static {
+    /// The read half.
+    type Read: AsyncRead + Unpin + 'static;
+    /// The write half.
+    type Write: AsyncWrite + Unpin + 'static;
+    /// Splits the socket.
+    fn split(self) -> (Self::Read, Self::Write);
+    /// Joins halves split from one socket (`None` if they were not).
+    fn join(read: Self::Read, write: Self::Write) -> Option<Self>;
+}
+
+impl Transport for UnixStream {
+    type Read = tokio::net::unix::OwnedReadHalf;
+    type Write = tokio::net::unix::OwnedWriteHalf;
+    fn split(self) -> (Self::Read, Self::Write) {
+        self.into_split()
+    }
+    fn join(read: Self::Read, write: Self::Write) -> Option<Self> {
+        read.reunite(write).ok()
+    }
+}
+
+impl Transport for TcpStream {
+    type Read = tokio::net::tcp::OwnedReadHalf;
+    type Write = tokio::net::tcp::OwnedWriteHalf;
+    fn split(self) -> (Self::Read, Self::Write) {
+        self.into_split()
+    }
+    fn join(read: Self::Read, write: Self::Write) -> Option<Self> {
+        read.reunite(write).ok()
+    }
+}
+
+/// Serves one client on `stream`, through TLS if `tls` is given (then the client must
+/// start TLS before anything else), until it leaves, the server shuts down, or it breaks
+/// the protocol.
+pub async fn serve_client<T, E>(
+    stream: T,
+    exports: &Exports<E>,
+    control: Control,
+    tls: Option<&TlsServer>,
+) -> Result<ConnectionEnd, ConnectionError>
+where
+    T: Transport,
+    E: Export + 'static,
+{
+    let (reader, writer) = stream.split();
+    let Some(tls) = tls else {
+        return serve_connection(reader, writer, exports, control).await;
+    };
+    let upgrade = upgrade::<T, E>(reader, writer, exports, tls);
+    match guarded(&control, upgrade).await? {
+        Guarded::Ended(end) | Guarded::Done(Upgrade::Ended(end)) => Ok(end),
+        Guarded::Done(Upgrade::Secure(reader, writer, end)) => {
+            finish(reader, writer, exports, control, end).await
+        }
+    }
+}
+
+/// Serves one plaintext client on `reader`/`writer` (e.g. the halves of a socket) until it
+/// leaves, the server shuts down, or it breaks the protocol; `control` says how (see
+/// [`Control`]).
 ///
 /// Must run inside a tokio `LocalSet` (requests run as `spawn_local` tasks);
 /// [`crate::Server::serve`] provides one.
@@ -58,7 +127,7 @@ pub async fn serve_connection<R, W, E>(
     reader: R,
     mut writer: W,
     exports: &Exports<E>,
-    mut control: Control,
+    control: Control,
 ) -> Result<ConnectionEnd, ConnectionError>
 where
     R: AsyncRead + Unpin,
@@ -66,35 +135,125 @@ where
     E: Export + 'static,
 {
     let mut reader = BufReader::with_capacity(READ_BUFFER, reader);
-    let handshake = negotiate(&mut reader, &mut writer, exports);
+    let handshake = async {
+        negotiate(&mut reader, &mut writer, exports, false)
+            .await
+            .map_err(ConnectionError::from)
+    };
+    let end = match guarded(&control, handshake).await? {
+        Guarded::Done(end) => end,
+        Guarded::Ended(end) => return Ok(end),
+    };
+    finish(reader, writer, exports, control, end).await
+}
+
+/// How a guarded handshake step came out.
+enum Guarded<T> {
+    /// It completed.
+    Done(T),
+    /// The connection ended first (shutdown, eviction).
+    Ended(ConnectionEnd),
+}
+
+/// Runs a handshake step within the handshake time limit, ending it early if the server
+/// shuts down or needs the room.
+async fn guarded<T>(
+    control: &Control,
+    step: impl Future<Output = Result<T, ConnectionError>>,
+) -> Result<Guarded<T>, ConnectionError> {
     let bounded = async {
         match control.handshake_timeout {
-            Some(limit) => tokio::time::timeout(limit, handshake)
+            Some(limit) => tokio::time::timeout(limit, step)
                 .await
-                .map_err(|_| ConnectionError::HandshakeTimeout(limit))?
-                .map_err(ConnectionError::from),
-            None => handshake.await.map_err(ConnectionError::from),
+                .map_err(|_| ConnectionError::HandshakeTimeout(limit))?,
+            None => step.await,
         }
     };
-    let evict = Rc::clone(&control.evict);
-    let end = tokio::select! {
-        end = bounded => end?,
-        _ = control.shutdown.wait_for(|down| *down) => return Ok(ConnectionEnd::ShutdownDuringHandshake),
-        () = evict.notified() => return Ok(ConnectionEnd::Evicted),
+    let mut shutdown = control.shutdown.clone();
+    tokio::select! {
+        done = bounded => done.map(Guarded::Done),
+        _ = shutdown.wait_for(|down| *down) => Ok(Guarded::Ended(ConnectionEnd::ShutdownDuringHandshake)),
+        () = control.evict.notified() => Ok(Guarded::Ended(ConnectionEnd::Evicted)),
+    }
+}
+
+/// A connection after the plaintext phase of a TLS server.
+enum Upgrade<T: Transport> {
+    /// It ended before TLS started.
+    Ended(ConnectionEnd),
+    /// TLS is up and the negotiation inside it ended this way.
+    Secure(
+        BufReader<ReadHalf<SslStream<T>>>,
+        WriteHalf<SslStream<T>>,
+        HandshakeEnd,
+    ),
+}
+
+/// The plaintext phase (only STARTTLS is served), the TLS handshake, the access check and
+/// the negotiation inside TLS.
+async fn upgrade<T: Transport, E: Export>(
+    reader: T::Read,
+    mut writer: T::Write,
+    exports: &Exports<E>,
+    tls: &TlsServer,
+) -> Result<Upgrade<T>, ConnectionError> {
+    let mut reader = BufReader::with_capacity(READ_BUFFER, reader);
+    let mut state = match negotiate(&mut reader, &mut writer, exports, true).await? {
+        HandshakeEnd::StartTls(state) => state,
+        HandshakeEnd::ClientLeft => return Ok(Upgrade::Ended(ConnectionEnd::LeftDuringHandshake)),
+        HandshakeEnd::Transmission(_) => {
+            return Err(HandshakeError::Refused("transmission without TLS".into()).into())
+        }
     };
+    // `negotiate` refused STARTTLS if bytes were buffered: none are lost here.
+    let Some(stream) = T::join(reader.into_inner(), writer) else {
+        return Err(HandshakeError::Refused("socket halves do not match".into()).into());
+    };
+    let (secure, peer) = tls.accept(stream).await.map_err(ConnectionError::Tls)?;
+    state.tls_started();
+    match tls.refusal(&peer) {
+        Some(reason) => {
+            tracing::info!(?peer, "TLS client refused by authz");
+            state.deny(reason);
+        }
+        None => tracing::debug!(?peer, "TLS client"),
+    }
+    let (reader, mut writer) = tokio::io::split(secure);
+    let mut reader = BufReader::with_capacity(READ_BUFFER, reader);
+    let end = negotiate_options(&mut reader, &mut writer, exports, state).await?;
+    Ok(Upgrade::Secure(reader, writer, end))
+}
+
+/// After the handshake: transmission, or the reason there is none.
+async fn finish<R, W, E>(
+    reader: BufReader<R>,
+    writer: W,
+    exports: &Exports<E>,
+    control: Control,
+    end: HandshakeEnd,
+) -> Result<ConnectionEnd, ConnectionError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin + 'static,
+    E: Export + 'static,
+{
     control.negotiating.set(false);
     let negotiated = match end {
         HandshakeEnd::ClientLeft => return Ok(ConnectionEnd::LeftDuringHandshake),
         HandshakeEnd::Transmission(n) => n,
+        HandshakeEnd::StartTls(_) => {
+            return Err(HandshakeError::Refused("STARTTLS on a server without TLS".into()).into())
+        }
     };
     let Some(entry) = exports.get(negotiated.export) else {
         return Err(HandshakeError::Refused("negotiated export does not exist".into()).into());
     };
     // Like a second qemu-nbd client beyond -e, this one waits until a client leaves.
+    let mut shutdown = control.shutdown.clone();
     let _slot = match &control.slots {
         Some(slots) => tokio::select! {
             slot = slots.acquire() => slot.ok(),
-            _ = control.shutdown.wait_for(|down| *down) => return Ok(ConnectionEnd::ShutdownDuringHandshake),
+            _ = shutdown.wait_for(|down| *down) => return Ok(ConnectionEnd::ShutdownDuringHandshake),
         },
         None => None,
     };

@@ -7,6 +7,7 @@
 //! - [`transmission`]: pipelined request handling with simple, structured or extended
 //!   replies.
 //! - [`server`]: the accept loop over Unix, TCP and socket-activated listeners.
+//! - [`tls`]: STARTTLS with x509 or pre-shared-key credentials, and access control.
 //! - [`Export`]: what an engine implements; [`MemExport`] is an in-memory one for tests.
 //!
 //! Everything runs on one thread (a current-thread runtime and a `LocalSet`): exports and
@@ -21,10 +22,11 @@ pub mod mem_export;
 pub mod negotiate;
 pub mod server;
 pub mod systemd;
+pub mod tls;
 pub mod transmission;
 pub mod wire;
 
-pub use connection::{serve_connection, ConnectionEnd, ConnectionError};
+pub use connection::{serve_client, serve_connection, ConnectionEnd, ConnectionError, Transport};
 pub use control::Control;
 pub use errno::Errno;
 pub use export::{

@@ -16,12 +16,13 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{watch, Notify, Semaphore};
 use tokio::task::{JoinSet, LocalSet};
 
-use crate::connection::{serve_connection, ConnectionEnd};
+use crate::connection::{serve_client, ConnectionEnd};
 use crate::control::Control;
 use crate::errno::Errno;
 use crate::export::Export;
 use crate::exports::{ExportEntry, Exports, ExportsError};
 use crate::systemd::ActivatedSocket;
+use crate::tls::TlsServer;
 
 /// Server behaviour.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -200,6 +201,7 @@ pub struct ServeReport {
 pub struct Server<E> {
     exports: Exports<E>,
     config: ServerConfig,
+    tls: Option<Rc<TlsServer>>,
 }
 
 impl<E: Export + 'static> Server<E> {
@@ -208,7 +210,15 @@ impl<E: Export + 'static> Server<E> {
         Ok(Self {
             exports: Exports::new(exports)?,
             config,
+            tls: None,
         })
+    }
+
+    /// Requires every client to start TLS with these credentials before anything else
+    /// (like qemu-nbd with `--tls-creds`).
+    pub fn with_tls(mut self, tls: TlsServer) -> Self {
+        self.tls = Some(Rc::new(tls));
+        self
     }
 
     /// Accepts clients on `listeners` until `shutdown` completes (or, without
@@ -268,7 +278,8 @@ impl<E: Export + 'static> Server<E> {
                         handshakes.track(&control);
                         let exports = self.exports.clone();
                         let keepalive = self.config.tcp_keepalive;
-                        clients.spawn_local(handle(stream, exports, control, keepalive));
+                        let tls = self.tls.clone();
+                        clients.spawn_local(handle(stream, exports, control, keepalive, tls));
                     }
                     Err(e) => {
                         // EMFILE and friends: back off instead of spinning.
@@ -395,15 +406,14 @@ async fn handle<E: Export + 'static>(
     exports: Exports<E>,
     control: Control,
     keepalive: Option<Duration>,
+    tls: Option<Rc<TlsServer>>,
 ) -> Handled {
+    let tls = tls.as_deref();
     let (result, peer) = match stream {
-        Accepted::Unix(s) => {
-            let (r, w) = s.into_split();
-            (
-                serve_connection(r, w, &exports, control).await,
-                "unix".to_owned(),
-            )
-        }
+        Accepted::Unix(s) => (
+            serve_client(s, &exports, control, tls).await,
+            "unix".to_owned(),
+        ),
         Accepted::Tcp(s, peer) => {
             // The spec asks both ends to disable Nagle: replies are small and latency-bound.
             let _ = s.set_nodelay(true);
@@ -412,9 +422,8 @@ async fn handle<E: Export + 'static>(
                     tracing::debug!(%peer, error = %e, "cannot enable TCP keepalive");
                 }
             }
-            let (r, w) = s.into_split();
             (
-                serve_connection(r, w, &exports, control).await,
+                serve_client(s, &exports, control, tls).await,
                 peer.to_string(),
             )
         }

@@ -7,7 +7,7 @@
 pub mod meta;
 pub mod options;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 
 use crate::export::{BlockSize, Export, ExportFeatures};
 use crate::exports::Exports;
@@ -106,13 +106,19 @@ pub enum HandshakeEnd {
     Transmission(Negotiated),
     /// The client aborted, or hung up, before choosing an export.
     ClientLeft,
+    /// STARTTLS was acknowledged: run the TLS handshake on the socket, then go on with
+    /// [`negotiate_options`] and this state inside TLS.
+    StartTls(OptionState),
 }
 
-/// Runs the server side of the handshake over `reader`/`writer`.
+/// Runs the server side of the handshake over `reader`/`writer`: the greeting, the client
+/// flags, then options until transmission. With `tls_required`, only STARTTLS (or ABORT)
+/// gets anywhere.
 pub async fn negotiate<R, W, E>(
-    reader: &mut R,
+    reader: &mut BufReader<R>,
     writer: &mut W,
     exports: &Exports<E>,
+    tls_required: bool,
 ) -> Result<HandshakeEnd, HandshakeError>
 where
     R: AsyncRead + Unpin,
@@ -135,8 +141,26 @@ where
         return Ok(HandshakeEnd::ClientLeft);
     }
     let client = ClientFlags::decode(&buf, server_flags)?;
-    let mut state = OptionState::new(client.fixed_newstyle, client.no_zeroes);
+    let state = if tls_required {
+        OptionState::requiring_tls(client.fixed_newstyle, client.no_zeroes)
+    } else {
+        OptionState::new(client.fixed_newstyle, client.no_zeroes)
+    };
+    negotiate_options(reader, writer, exports, state).await
+}
 
+/// Option haggling from `state` on: after the client flags, or inside TLS.
+pub async fn negotiate_options<R, W, E>(
+    reader: &mut BufReader<R>,
+    writer: &mut W,
+    exports: &Exports<E>,
+    mut state: OptionState,
+) -> Result<HandshakeEnd, HandshakeError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+    E: Export,
+{
     let mut data = Vec::new();
     let (mut options, mut option_bytes) = (0u32, 0u64);
     loop {
@@ -189,6 +213,23 @@ where
                 return Ok(HandshakeEnd::ClientLeft);
             }
             Step::Close(reason) => return Err(HandshakeError::Refused(reason)),
+            Step::Fail(replies, reason) => {
+                let _ = send_replies(writer, &replies).await;
+                return Err(HandshakeError::Refused(reason));
+            }
+            Step::StartTls(replies) => {
+                // Bytes already here came in plaintext after STARTTLS, before our answer:
+                // they must never be taken for part of the TLS stream (or, worse, for
+                // options negotiated inside it).
+                let early = reader.buffer().len();
+                if early > 0 {
+                    return Err(HandshakeError::Refused(format!(
+                        "{early} plaintext bytes after OPT_STARTTLS, sent before its reply"
+                    )));
+                }
+                send_replies(writer, &replies).await?;
+                return Ok(HandshakeEnd::StartTls(state));
+            }
         }
     }
 }

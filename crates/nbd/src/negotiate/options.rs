@@ -56,10 +56,27 @@ pub enum Step {
     Abort(Vec<OptReply>),
     /// Close without replying: the protocol leaves no way to report this error.
     Close(String),
+    /// Send the replies, then close: the client broke a rule it is told about first.
+    Fail(Vec<OptReply>, String),
+    /// Send the replies (the STARTTLS acknowledgement), then run the TLS handshake.
+    StartTls(Vec<OptReply>),
+}
+
+/// Where a connection stands on TLS.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum TlsPhase {
+    /// The server has no TLS: STARTTLS is refused by policy.
+    #[default]
+    Off,
+    /// The server requires TLS and the client has not started it yet: only STARTTLS and
+    /// ABORT are served.
+    Required,
+    /// The client is talking through TLS.
+    Active,
 }
 
 /// Negotiation state of one connection.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OptionState {
     /// The client set `NBD_FLAG_C_FIXED_NEWSTYLE`.
     pub fixed: bool,
@@ -69,6 +86,9 @@ pub struct OptionState {
     extended: bool,
     /// Selected contexts and the export they were selected for.
     meta: Option<(usize, MetaSelection)>,
+    tls: TlsPhase,
+    /// Why every option is refused: the TLS identity is not admitted.
+    denied: Option<String>,
 }
 
 impl OptionState {
@@ -79,6 +99,33 @@ impl OptionState {
             no_zeroes,
             ..Self::default()
         }
+    }
+
+    /// State after the client flags, on a server that requires TLS.
+    pub fn requiring_tls(fixed: bool, no_zeroes: bool) -> Self {
+        Self {
+            tls: TlsPhase::Required,
+            ..Self::new(fixed, no_zeroes)
+        }
+    }
+
+    /// The TLS handshake completed: negotiation starts afresh inside TLS.
+    pub fn tls_started(&mut self) {
+        *self = Self {
+            tls: TlsPhase::Active,
+            ..Self::new(self.fixed, self.no_zeroes)
+        };
+    }
+
+    /// Refuses every further option with `NBD_REP_ERR_POLICY` and this reason: the client
+    /// finished TLS but its identity is not admitted.
+    pub fn deny(&mut self, reason: String) {
+        self.denied = Some(reason);
+    }
+
+    /// Where the connection stands on TLS.
+    pub fn tls(&self) -> TlsPhase {
+        self.tls
     }
 
     /// The reply mode negotiated so far.
@@ -102,6 +149,13 @@ impl OptionState {
         }
         if option == OPT_SET_META_CONTEXT {
             self.meta = None;
+        }
+        // The data was drained, but there was some: a STARTTLS here is one with data.
+        if let Some(step) = self.gatekeep(option, &[0]) {
+            return step;
+        }
+        if option == OPT_STARTTLS {
+            return self.starttls(&[0]);
         }
         let reply = if is_known(option) {
             OptReply::error(
@@ -127,9 +181,13 @@ impl OptionState {
                 "option {option} from a client without fixed newstyle"
             ));
         }
+        if let Some(step) = self.gatekeep(option, data) {
+            return step;
+        }
         match option {
             OPT_EXPORT_NAME => self.export_name(exports, data),
             OPT_ABORT => Step::Abort(vec![OptReply::ack(option)]),
+            OPT_STARTTLS => self.starttls(data),
             OPT_LIST => Step::Continue(list(exports, data)),
             OPT_INFO | OPT_GO => self.info_or_go(exports, option, data),
             OPT_STRUCTURED_REPLY => Step::Continue(vec![self.structured_reply(data)]),
@@ -141,6 +199,61 @@ impl OptionState {
                 option,
                 REP_ERR_UNSUP,
                 format!("option {option} is not supported"),
+            )]),
+        }
+    }
+
+    /// The answer to an option the TLS policy decides on its own: everything but STARTTLS
+    /// and ABORT before TLS, everything but ABORT from an identity not admitted. `None`
+    /// lets the option through.
+    fn gatekeep(&self, option: u32, data: &[u8]) -> Option<Step> {
+        let refuse = |reply_type, message: String| {
+            if option == OPT_EXPORT_NAME {
+                // No way to answer OPT_EXPORT_NAME with an error but hanging up.
+                Step::Close(message)
+            } else {
+                Step::Continue(vec![OptReply::error(option, reply_type, message)])
+            }
+        };
+        if option == OPT_ABORT {
+            return None;
+        }
+        if self.tls == TlsPhase::Required {
+            if option == OPT_STARTTLS {
+                return Some(self.starttls(data));
+            }
+            return Some(refuse(
+                REP_ERR_TLS_REQD,
+                format!("option {option} is not permitted before TLS"),
+            ));
+        }
+        self.denied
+            .as_ref()
+            .map(|reason| refuse(REP_ERR_POLICY, reason.clone()))
+    }
+
+    fn starttls(&self, data: &[u8]) -> Step {
+        let option = OPT_STARTTLS;
+        match self.tls {
+            // A client that cannot start TLS correctly is dropped, as qemu-nbd does.
+            TlsPhase::Required if !data.is_empty() => Step::Fail(
+                vec![OptReply::error(
+                    option,
+                    REP_ERR_INVALID,
+                    "OPT_STARTTLS takes no data",
+                )],
+                "OPT_STARTTLS with data".into(),
+            ),
+            TlsPhase::Required => Step::StartTls(vec![OptReply::ack(option)]),
+            TlsPhase::Active => Step::Continue(vec![OptReply::error(
+                option,
+                REP_ERR_INVALID,
+                "TLS already enabled",
+            )]),
+            TlsPhase::Off => Step::Continue(vec![OptReply::error(
+                option,
+                REP_ERR_POLICY,
+                "TLS not configured",
             )]),
         }
     }
@@ -404,6 +517,7 @@ fn is_known(option: u32) -> bool {
             | OPT_LIST_META_CONTEXT
             | OPT_SET_META_CONTEXT
             | OPT_EXTENDED_HEADERS
+            | OPT_STARTTLS
     )
 }
 

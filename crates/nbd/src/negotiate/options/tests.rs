@@ -67,7 +67,7 @@ fn context_names(replies: &[OptReply]) -> Vec<(u32, String)> {
 fn unknown_options_get_unsup_and_negotiation_goes_on() {
     let ex = exports();
     let mut s = fixed();
-    for opt in [OPT_STARTTLS, OPT_PEEK_EXPORT, 99, u32::MAX] {
+    for opt in [OPT_PEEK_EXPORT, 99, u32::MAX] {
         let r = continue_replies(s.handle(&ex, opt, b"junk"));
         assert_eq!(types(&r), [REP_ERR_UNSUP]);
         assert_eq!(r[0].option, opt);
@@ -337,26 +337,149 @@ mod arbitrary {
     use proptest::prelude::*;
 
     proptest! {
-        /// Any sequence of options with any data: never a panic, and every step that
-        /// continues carries at least one reply (the client always gets an answer).
+        /// Any sequence of options with any data, on servers with and without TLS: never a
+        /// panic, every step that continues carries at least one reply (the client always
+        /// gets an answer), and no export is reached before TLS where TLS is required.
         #[test]
         fn option_sequences_never_panic(
             fixed in any::<bool>(),
+            tls in any::<bool>(),
             opts in proptest::collection::vec((0u32..14, proptest::collection::vec(any::<u8>(), 0..64)), 1..12),
         ) {
             let ex = exports();
-            let mut s = OptionState::new(fixed, false);
+            let mut s = if tls {
+                OptionState::requiring_tls(fixed, false)
+            } else {
+                OptionState::new(fixed, false)
+            };
             for (option, data) in opts {
+                let before_tls = s.tls() == TlsPhase::Required;
                 match s.handle(&ex, option, &data) {
                     Step::Continue(replies) => prop_assert!(!replies.is_empty()),
                     Step::Go(replies, n) => {
+                        prop_assert!(!before_tls);
                         prop_assert_eq!(replies.last().map(|r| r.reply_type), Some(REP_ACK));
                         prop_assert!(ex.get(n.export).is_some());
                         break;
                     }
-                    Step::ExportName(_) | Step::Abort(_) | Step::Close(_) => break,
+                    Step::ExportName(_) => {
+                        prop_assert!(!before_tls);
+                        break;
+                    }
+                    Step::StartTls(replies) => {
+                        prop_assert!(before_tls && data.is_empty());
+                        prop_assert_eq!(types(&replies), vec![REP_ACK]);
+                        s.tls_started();
+                    }
+                    Step::Fail(replies, _) => {
+                        prop_assert!(!replies.is_empty());
+                        break;
+                    }
+                    Step::Abort(_) | Step::Close(_) => break,
                 }
             }
         }
     }
+}
+
+#[test]
+fn without_tls_starttls_is_refused_by_policy_as_qemu_nbd_does() {
+    let ex = exports();
+    let mut s = fixed();
+    let r = continue_replies(s.handle(&ex, OPT_STARTTLS, b""));
+    assert_eq!(types(&r), [REP_ERR_POLICY]);
+    assert_eq!(s.tls(), TlsPhase::Off);
+    assert!(matches!(
+        s.handle(&ex, OPT_GO, &go_data(b"", &[])),
+        Step::Go(..)
+    ));
+}
+
+#[test]
+fn before_tls_only_starttls_and_abort_get_anywhere() {
+    let ex = exports();
+    let mut s = OptionState::requiring_tls(true, true);
+    for (opt, data) in [
+        (OPT_LIST, Vec::new()),
+        (OPT_GO, go_data(b"", &[])),
+        (OPT_INFO, go_data(b"", &[])),
+        (OPT_STRUCTURED_REPLY, Vec::new()),
+        (OPT_EXTENDED_HEADERS, Vec::new()),
+        (OPT_SET_META_CONTEXT, meta_data(b"", &[b"base:allocation"])),
+        (OPT_PEEK_EXPORT, Vec::new()),
+        (99, b"junk".to_vec()),
+    ] {
+        let r = continue_replies(s.handle(&ex, opt, &data));
+        assert_eq!(types(&r), [REP_ERR_TLS_REQD], "option {opt}");
+        assert_eq!(r[0].option, opt);
+    }
+    // Nothing above took effect: structured replies were not negotiated.
+    assert_eq!(s.mode(), Mode::Simple);
+    assert_eq!(s.tls(), TlsPhase::Required);
+    // Oversized options are refused the same way, without a hint of what they were.
+    let r = continue_replies(s.oversized(OPT_LIST, 1 << 30));
+    assert_eq!(types(&r), [REP_ERR_TLS_REQD]);
+    assert!(matches!(
+        s.handle(&ex, OPT_EXPORT_NAME, b""),
+        Step::Close(_)
+    ));
+    assert!(matches!(s.handle(&ex, OPT_ABORT, b""), Step::Abort(_)));
+    match s.handle(&ex, OPT_STARTTLS, b"") {
+        Step::StartTls(r) => assert_eq!(types(&r), [REP_ACK]),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn starttls_with_data_is_answered_then_the_client_dropped() {
+    let ex = exports();
+    let mut s = OptionState::requiring_tls(true, true);
+    match s.handle(&ex, OPT_STARTTLS, b"x") {
+        Step::Fail(r, _) => assert_eq!(types(&r), [REP_ERR_INVALID]),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(s.oversized(OPT_STARTTLS, 1 << 30), Step::Fail(..)));
+}
+
+#[test]
+fn inside_tls_negotiation_starts_afresh_and_a_second_starttls_is_invalid() {
+    let ex = exports();
+    let mut s = OptionState::requiring_tls(true, false);
+    s.tls_started();
+    assert_eq!(s.tls(), TlsPhase::Active);
+    assert!(s.fixed && !s.no_zeroes);
+    let r = continue_replies(s.handle(&ex, OPT_STARTTLS, b""));
+    assert_eq!(types(&r), [REP_ERR_INVALID]);
+    let r = continue_replies(s.handle(&ex, OPT_STRUCTURED_REPLY, b""));
+    assert_eq!(types(&r), [REP_ACK]);
+    let r = continue_replies(s.handle(&ex, OPT_LIST, b""));
+    assert_eq!(types(&r), [REP_SERVER, REP_SERVER, REP_ACK]);
+    match s.handle(&ex, OPT_GO, &go_data(b"", &[])) {
+        Step::Go(_, n) => assert_eq!(n.mode, Mode::Structured),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn an_identity_authz_refuses_gets_policy_errors_for_everything_but_abort() {
+    let ex = exports();
+    let mut s = OptionState::requiring_tls(true, true);
+    s.tls_started();
+    s.deny("TLS identity \"mallory\" is not authorized".into());
+    for (opt, data) in [
+        (OPT_LIST, Vec::new()),
+        (OPT_GO, go_data(b"", &[])),
+        (OPT_INFO, go_data(b"ro", &[])),
+        (OPT_STRUCTURED_REPLY, Vec::new()),
+        (OPT_STARTTLS, Vec::new()),
+    ] {
+        let r = continue_replies(s.handle(&ex, opt, &data));
+        assert_eq!(types(&r), [REP_ERR_POLICY], "option {opt}");
+        assert!(String::from_utf8_lossy(&r[0].data).contains("mallory"));
+    }
+    assert!(matches!(
+        s.handle(&ex, OPT_EXPORT_NAME, b""),
+        Step::Close(_)
+    ));
+    assert!(matches!(s.handle(&ex, OPT_ABORT, b""), Step::Abort(_)));
 }
