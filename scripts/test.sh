@@ -3,7 +3,8 @@
 # then runs the whole suite. Extra arguments go to `cargo test` (e.g. a test name filter).
 #
 # The tests drive the real QEMU tools (qemu-img, qemu-io, qemu-nbd) and real NBD clients
-# (nbdinfo, nbdcopy, nbdsh with its Python binding, fio's nbd engine, nbd-client). Missing
+# (nbdinfo, nbdcopy, nbdsh with its Python binding, fio's nbd engine, nbd-client), and
+# GnuTLS's certtool/psktool/gnutls-cli to make TLS credentials and speak TLS. Missing
 # ones are installed from Debian's packages when running as root; otherwise this prints the
 # exact command to run and stops, rather than letting dozens of tests fail one by one.
 set -euo pipefail
@@ -17,6 +18,7 @@ has nbdinfo && has nbdcopy && has nbdsh || missing+=(libnbd-bin)
 /usr/bin/python3 -c 'import nbd' 2>/dev/null || missing+=(python3-libnbd)
 has fio || missing+=(fio)
 has nbd-client || missing+=(nbd-client)
+has certtool && has psktool && has gnutls-cli || missing+=(gnutls-bin)
 
 if ((${#missing[@]})); then
     if [ "$(id -u)" -ne 0 ]; then
@@ -30,4 +32,5 @@ if ((${#missing[@]})); then
         { apt-get update >/dev/null && apt-get install -y "${missing[@]}" >/dev/null; }
 fi
 
+scripts/build-deps.sh
 exec cargo test --workspace --locked "$@"

@@ -18,6 +18,7 @@ mod daemon;
 mod listen;
 mod overlay;
 mod signals;
+mod tls;
 
 use std::io::IsTerminal;
 use std::num::NonZeroUsize;
@@ -71,6 +72,9 @@ pub enum ServeError {
     /// The server failed (invalid export, or the final flush).
     #[error(transparent)]
     Server(#[from] nbd::ServerError),
+    /// The TLS flags are wrong or the credentials cannot be loaded.
+    #[error(transparent)]
+    Tls(#[from] tls::TlsArgError),
     /// A `-B` bitmap cannot be exported.
     #[error("{0}")]
     Bitmap(String),
@@ -99,6 +103,8 @@ struct Plan {
     endpoint: listen::Endpoint,
     /// An address was given on the command line.
     explicit_endpoint: bool,
+    /// TLS every client must start, with its credentials loaded.
+    tls: Option<nbd::tls::TlsServer>,
 }
 
 impl Plan {
@@ -118,6 +124,9 @@ impl Plan {
             .as_deref()
             .map(args::snapshot_param)
             .transpose()?;
+        // Credentials are loaded first, so a mistake in them is reported before the image
+        // is opened or the server forks.
+        let tls = tls::tls_server(&args.tls_flags())?;
         let direct = cache_mode.direct();
         let open = OpenOptions {
             // An internal snapshot is exported read-only, as qemu-nbd does.
@@ -172,6 +181,7 @@ impl Plan {
                 args.port,
             ),
             explicit_endpoint: args.socket.is_some() || args.bind.is_some() || args.port.is_some(),
+            tls,
         })
     }
 }
@@ -271,6 +281,18 @@ async fn serve_on_runtime(
     closed.map_err(ServeError::Close)
 }
 
+/// What the banner says about TLS.
+fn tls_hint(tls: &nbd::tls::TlsServer) -> String {
+    use nbd::tls::CredsKind;
+    let kind = match tls.kind() {
+        CredsKind::X509 { verify_peer: true } => "x509 certificates, client certificates verified",
+        CredsKind::X509 { verify_peer: false } => "x509 certificates",
+        CredsKind::Psk => "pre-shared keys",
+    };
+    let authz = if tls.authz().is_some() { ", authz" } else { "" };
+    format!("TLS required ({kind}{authz})")
+}
+
 /// Serves the open image until a signal (or `-t`'s lifetime) ends it; returns the server's
 /// report and the pid file, which goes once the image is closed.
 async fn serve_image(
@@ -288,7 +310,11 @@ async fn serve_image(
     let export = Rc::new(ImageExport::new(image.clone(), plan.policy).with_bitmaps(bitmaps));
     let entry = ExportEntry::new(args.export_name.clone(), export)
         .with_description(args.description.clone());
-    let server = Server::new(vec![entry], plan.config)?;
+    let tls = plan.tls.as_ref().map(tls_hint);
+    let mut server = Server::new(vec![entry], plan.config)?;
+    if let Some(creds) = plan.tls {
+        server = server.with_tls(creds);
+    }
     let listeners = listen::bind(activated, plan.explicit_endpoint, &plan.endpoint).await?;
     for (_, name) in &listeners {
         tracing::info!(on = %name, export = %args.export_name, "listening");
@@ -311,6 +337,7 @@ async fn serve_image(
             &args.export_name,
             &names,
             facts.read_only,
+            tls.as_deref(),
         );
     }
     if let Some(r) = readiness {

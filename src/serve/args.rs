@@ -122,6 +122,41 @@ pub struct ServeArgs {
     #[arg(short = 'B', long = "bitmap", value_name = "NAME")]
     pub bitmaps: Vec<String>,
 
+    /// Define a TLS credentials or access-control object, as qemu-nbd does (repeatable):
+    /// `tls-creds-x509,id=ID,dir=DIR,endpoint=server[,verify-peer=on|off]` reads
+    /// ca-cert.pem, server-cert.pem, server-key.pem (and ca-crl.pem if present) from DIR
+    /// and by default requires clients to present a certificate the CA signed;
+    /// `tls-creds-psk,id=ID,dir=DIR,endpoint=server` reads DIR/keys.psk (`psktool` lines
+    /// `identity:hexkey`); `authz-simple,id=ID,identity=NAME` admits one x509 distinguished
+    /// name (as QEMU prints it: `C=GB,,O=Org,,CN=host`, commas doubled) or PSK identity.
+    #[arg(long = "object", value_name = "SPEC")]
+    pub objects: Vec<String>,
+
+    /// Require TLS with the credentials object ID: every client must start TLS
+    /// (NBD_OPT_STARTTLS) before anything else; plaintext clients are refused.
+    #[arg(long = "tls-creds", value_name = "ID")]
+    pub tls_creds: Option<String>,
+
+    /// After the TLS handshake, admit only the identity of the authz-simple object ID;
+    /// other clients have every option refused (NBD_REP_ERR_POLICY).
+    #[arg(long = "tls-authz", value_name = "ID")]
+    pub tls_authz: Option<String>,
+
+    /// Short form of an x509 credentials object (as nbdkit's): require TLS with the
+    /// certificates in DIR (QEMU's file names). Client certificates are checked only with
+    /// --tls-verify-peer.
+    #[arg(long = "tls-certificates", value_name = "DIR")]
+    pub tls_certificates: Option<PathBuf>,
+
+    /// Short form of a PSK credentials object: require TLS with the keys in FILE
+    /// (`psktool` format).
+    #[arg(long = "tls-psk", value_name = "FILE")]
+    pub tls_psk: Option<PathBuf>,
+
+    /// With --tls-certificates: require a client certificate signed by the CA.
+    #[arg(long = "tls-verify-peer")]
+    pub tls_verify_peer: bool,
+
     /// Write the server's process id here once it is listening.
     #[arg(long = "pid-file", value_name = "PATH")]
     pub pid_file: Option<PathBuf>,
@@ -164,6 +199,20 @@ pub struct ServeArgs {
     /// Log more (-v: connections, -vv: debugging); RUST_LOG overrides.
     #[arg(short = 'v', long, action = clap::ArgAction::Count)]
     pub verbose: u8,
+}
+
+impl ServeArgs {
+    /// The flags that decide TLS.
+    pub fn tls_flags(&self) -> super::tls::TlsFlags {
+        super::tls::TlsFlags {
+            objects: self.objects.clone(),
+            creds: self.tls_creds.clone(),
+            authz: self.tls_authz.clone(),
+            certificates: self.tls_certificates.clone(),
+            psk: self.tls_psk.clone(),
+            verify_peer: self.tls_verify_peer,
+        }
+    }
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {

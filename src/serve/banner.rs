@@ -5,12 +5,23 @@ use std::io::{IsTerminal, Write};
 use std::path::Path;
 
 /// Prints the connect hints for each listener (`unix:PATH` / `tcp:ADDR`) to a terminal.
-pub fn print(image: &Path, size: u64, export: &str, listeners: &[String], read_only: bool) {
+pub fn print(
+    image: &Path,
+    size: u64,
+    export: &str,
+    listeners: &[String],
+    read_only: bool,
+    tls: Option<&str>,
+) {
     let mut err = std::io::stderr();
     if !err.is_terminal() {
         return;
     }
-    let _ = write!(err, "{}", text(image, size, export, listeners, read_only));
+    let _ = write!(
+        err,
+        "{}",
+        text(image, size, export, listeners, read_only, tls)
+    );
 }
 
 /// The hints themselves (separate so tests can read them).
@@ -20,6 +31,7 @@ pub fn text(
     export: &str,
     listeners: &[String],
     read_only: bool,
+    tls: Option<&str>,
 ) -> String {
     let mut out = format!(
         "qcow2-nbd: serving {} ({}{}) as export {export:?}; Ctrl-C stops it.\n",
@@ -27,6 +39,14 @@ pub fn text(
         human(size),
         if read_only { ", read-only" } else { "" }
     );
+    if let Some(tls) = tls {
+        // The hints would need the client's own credentials; say what clients need instead.
+        out.push_str(&format!(
+            "  {tls}: connect with nbds:// URIs and tls-certificates= or tls-psk-file=, or \
+             QEMU's --object tls-creds-*,endpoint=client.\n"
+        ));
+        return out;
+    }
     let name_opt = if export.is_empty() {
         String::new()
     } else {
@@ -82,13 +102,21 @@ mod tests {
             "",
             &["unix:/tmp/demo.sock".into(), "tcp:0.0.0.0:10809".into()],
             false,
+            None,
         );
         assert!(t.contains("demo.qcow2 (1 GiB)"), "{t}");
         assert!(t.contains("'nbd+unix:///?socket=/tmp/demo.sock'"), "{t}");
         assert!(t.contains("nbd-client -u /tmp/demo.sock /dev/nbd0"), "{t}");
         assert!(t.contains("nbdinfo 'nbd://localhost:10809/'"), "{t}");
         assert!(t.contains("nbd-client localhost 10809 /dev/nbd0"), "{t}");
-        let named = text(Path::new("d"), 1536, "disk", &["unix:/s".into()], true);
+        let named = text(
+            Path::new("d"),
+            1536,
+            "disk",
+            &["unix:/s".into()],
+            true,
+            None,
+        );
         assert!(named.contains("(1536 B, read-only)"), "{named}");
         assert!(named.contains("qemu-io -r -f raw"), "{named}");
         assert!(named.contains("nbd+unix:///disk?socket=/s"), "{named}");
@@ -96,5 +124,18 @@ mod tests {
             named.contains("nbd-client -N disk -u /s /dev/nbd0"),
             "{named}"
         );
+        let tls = text(
+            Path::new("d"),
+            512,
+            "",
+            &["tcp:[::]:10809".into()],
+            false,
+            Some("TLS required (pre-shared keys)"),
+        );
+        assert!(
+            tls.contains("TLS required (pre-shared keys): connect with nbds://"),
+            "{tls}"
+        );
+        assert!(!tls.contains("nbd://"), "{tls}");
     }
 }

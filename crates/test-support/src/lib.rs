@@ -1,7 +1,7 @@
 //! Helpers the workspace's integration tests share, so each test tree stops carrying its own
 //! copy: the external tools the tests use as oracles (QEMU's qemu-img and qemu-io, libnbd's
 //! nbdinfo), a temporary directory to make images in, a deterministic random source, the
-//! runtime the server's code runs on, and waiting for something with a deadline; with the
+//! runtime the server's code runs on, throwaway TLS credentials, and waiting for something with a deadline; with the
 //! `nbd` feature, the nbd crate's server in-process (`nbd_server`).
 //!
 //! A missing tool fails the test with the Debian package to install rather than skipping it:
@@ -13,12 +13,14 @@ pub mod nbd_server;
 mod process;
 mod rng;
 mod runtime;
+mod tls;
 mod tools;
 
 pub use dir::Dir;
 pub use process::{exit_within, peak_rss_mib, process_exited, rss_bytes, wait_until};
 pub use rng::Rng;
 pub use runtime::run;
+pub use tls::{Pki, CLIENT_DN, PSK_USER};
 pub use tools::{
     assert_check_clean, assert_same_bytes, assert_same_contents, create_image, nbdinfo,
     parse_nbdinfo_map, python_with_libnbd, qemu, qemu_bitmaps, qemu_contents, qemu_dirty_ranges,

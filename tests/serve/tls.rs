@@ -1,0 +1,733 @@
+//! TLS with real clients: QEMU's (`qemu-io` with `--object tls-creds-x509,endpoint=client`),
+//! libnbd's (`nbdinfo`/`nbdcopy`/`nbdsh` with `nbds://` URIs, certificates and PSK) and
+//! GnuTLS's own `gnutls-cli`, over TCP and Unix sockets, with multi-conn and socket
+//! activation; the refusals of QEMU's iotest 233 side by side with `qemu-nbd`; and the
+//! hardening against plaintext sent after STARTTLS. Credentials are made fresh per test
+//! (test_support::Pki).
+
+use std::io::{Read, Write};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use crate::support::qemu_nbd::QemuNbd;
+use crate::support::raw::{self, finish_option, option, OPT_LIST, REP_ACK};
+use crate::support::{serve_fails, Server, BIN};
+use test_support::{
+    assert_check_clean, python_with_libnbd, qemu, require, run_ok, stdout, wait_until, Dir, Pki,
+    Rng, CLIENT_DN, PSK_USER,
+};
+
+const OPT_STARTTLS: u32 = 5;
+const REP_ERR_TLS_REQD: u32 = 0x8000_0005;
+
+fn x509(dir: &Path, extra: &str) -> String {
+    format!(
+        "tls-creds-x509,id=tls0,dir={},endpoint=server{extra}",
+        dir.display()
+    )
+}
+
+fn psk(dir: &Path) -> String {
+    format!(
+        "tls-creds-psk,id=tls0,dir={},endpoint=server",
+        dir.display()
+    )
+}
+
+fn authz(identity: &str) -> String {
+    format!(
+        "authz-simple,id=az0,identity={}",
+        identity.replace(',', ",,")
+    )
+}
+
+/// Where a client connects.
+#[derive(Clone, Copy)]
+enum At<'a> {
+    Unix(&'a Path),
+    Tcp(u16),
+}
+
+impl At<'_> {
+    fn of(server: &Server) -> At<'_> {
+        match server.port {
+            Some(port) => At::Tcp(port),
+            None => At::Unix(&server.socket),
+        }
+    }
+
+    /// QEMU's `--image-opts` for this address through `tls0`.
+    fn qemu_opts(self) -> String {
+        match self {
+            // With a Unix socket QEMU has no host name to check the certificate against.
+            At::Unix(p) => format!(
+                "driver=nbd,server.type=unix,server.path={},tls-creds=tls0,tls-hostname=localhost",
+                p.display()
+            ),
+            At::Tcp(port) => {
+                format!("driver=nbd,server.type=inet,server.host=127.0.0.1,server.port={port},tls-creds=tls0")
+            }
+        }
+    }
+
+    /// A libnbd `nbds` URI with `query` (credentials) appended.
+    fn nbds(self, user: Option<&str>, query: &str) -> String {
+        let user = user.map(|u| format!("{u}@")).unwrap_or_default();
+        match self {
+            At::Unix(p) => format!("nbds+unix://{user}/?socket={}&{query}", p.display()),
+            At::Tcp(port) => format!("nbds://{user}localhost:{port}/?{query}"),
+        }
+    }
+}
+
+/// qemu-io through x509 client credentials in `dir` (or plaintext with `None`).
+fn qemu_io_x509(at: At<'_>, dir: Option<&Path>, cmds: &[&str]) -> Output {
+    let mut cmd = qemu("qemu-io");
+    match dir {
+        Some(dir) => {
+            cmd.arg("--object")
+                .arg(format!(
+                    "tls-creds-x509,id=tls0,dir={},endpoint=client",
+                    dir.display()
+                ))
+                .arg("--image-opts")
+                .arg(at.qemu_opts());
+        }
+        None => {
+            let uri = match at {
+                At::Unix(p) => format!("nbd+unix:///?socket={}", p.display()),
+                At::Tcp(port) => format!("nbd://127.0.0.1:{port}/"),
+            };
+            cmd.args(["-f", "raw"]).arg(uri);
+        }
+    }
+    for c in cmds {
+        cmd.args(["-c", c]);
+    }
+    cmd.output().expect("run qemu-io")
+}
+
+/// qemu-io's own failures go to stderr, but a failed command inside it only prints.
+fn succeeded(out: &Output) -> bool {
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.status.success() && !text.contains("failed") && !text.contains("can't open")
+}
+
+fn nbdinfo_at(uri: &str) -> Output {
+    Command::new(require("nbdinfo", "libnbd-bin"))
+        .arg(uri)
+        .output()
+        .unwrap()
+}
+
+fn combined(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[test]
+fn qemu_io_writes_and_reads_back_through_x509_on_tcp_and_unix() {
+    let pki = Pki::new();
+    let d = Dir::new();
+    d.create("disk.qcow2", "qcow2", "", None, "64M");
+    let object = x509(&pki.server(), "");
+    let args = ["--object", &object, "--tls-creds", "tls0", "-t"];
+
+    let tcp = Server::tcp(&[&args[..], &[&d.s("disk.qcow2")]].concat());
+    let out = qemu_io_x509(
+        At::of(&tcp),
+        Some(&pki.client()),
+        &[
+            "write -P 0x5a 0 1M",
+            "write -P 0xa5 8M 64k",
+            "read -P 0x5a 0 1M",
+        ],
+    );
+    assert!(succeeded(&out), "{}", combined(&out));
+    tcp.stop_ok();
+
+    let unix = Server::unix(&[&args[..], &[&d.s("disk.qcow2")]].concat());
+    let out = qemu_io_x509(
+        At::of(&unix),
+        Some(&pki.client()),
+        &[
+            "read -P 0x5a 0 1M",
+            "read -P 0xa5 8M 64k",
+            "write -P 0x11 32M 4k",
+        ],
+    );
+    assert!(succeeded(&out), "{}", combined(&out));
+    unix.stop_ok();
+
+    assert_check_clean(&d.path("disk.qcow2"));
+    d.qemu_io(
+        "qcow2",
+        "disk.qcow2",
+        &[
+            "read -P 0x5a 0 1M",
+            "read -P 0xa5 8M 64k",
+            "read -P 0x11 32M 4k",
+        ],
+    );
+}
+
+/// Deterministic data with zero runs, so nbdcopy both writes and zeroes.
+fn source(len: usize) -> Vec<u8> {
+    let mut out = Rng(0x5eed_7175).bytes(len);
+    for (i, block) in out.chunks_mut(256 << 10).enumerate() {
+        if i % 3 == 2 {
+            block.fill(0);
+        }
+    }
+    out
+}
+
+fn nbdcopy(from: &str, to: &str, connections: u32) {
+    run_ok(
+        Command::new(require("nbdcopy", "libnbd-bin"))
+            .arg(format!("--connections={connections}"))
+            .arg(format!("--threads={connections}"))
+            .arg("--flush")
+            .args([from, to]),
+    );
+}
+
+#[test]
+fn nbdcopy_moves_data_through_psk_with_multi_conn_and_through_x509_over_tcp() {
+    let pki = Pki::new();
+    let d = Dir::new();
+    d.create("disk.qcow2", "qcow2", "", None, "12M");
+    let data = source(12 << 20);
+    std::fs::write(d.path("src.raw"), &data).unwrap();
+    let keys = pki.psk_dir().join("keys.psk");
+    let psk_query = format!("tls-psk-file={}", keys.display());
+
+    let object = psk(&pki.psk_dir());
+    let server = Server::unix_reporting(&[
+        "--object",
+        &object,
+        "--tls-creds",
+        "tls0",
+        "-e",
+        "4",
+        "-t",
+        &d.s("disk.qcow2"),
+    ]);
+    let uri = At::of(&server).nbds(Some(PSK_USER), &psk_query);
+    let info = stdout(&run_ok(
+        Command::new(require("nbdinfo", "libnbd-bin")).arg(&uri),
+    ));
+    assert!(info.contains("with TLS"), "{info}");
+    assert!(info.contains("can_multi_conn: true"), "{info}");
+    nbdcopy(&d.s("src.raw"), &uri, 4);
+    let report = server.stop_report();
+    // nbdinfo, then nbdcopy's four connections: all through TLS, none failed.
+    assert!(report.connections >= 5, "{report:?}");
+    assert_eq!(report.failed_connections, 0, "{report:?}");
+    assert_check_clean(&d.path("disk.qcow2"));
+    d.assert_same_contents("disk.qcow2", "qcow2", "src.raw", "raw");
+
+    let object = x509(&pki.server(), "");
+    let server = Server::tcp(&[
+        "--object",
+        &object,
+        "--tls-creds",
+        "tls0",
+        "-r",
+        &d.s("disk.qcow2"),
+    ]);
+    let client_query = format!("tls-certificates={}", pki.client().display());
+    nbdcopy(
+        &At::of(&server).nbds(None, &client_query),
+        &d.s("out.raw"),
+        1,
+    );
+    server.stop_ok();
+    assert!(d.read("out.raw") == data, "data read through TLS differs");
+}
+
+#[test]
+fn nbdsh_under_socket_activation_speaks_psk() {
+    let pki = Pki::new();
+    let d = Dir::new();
+    d.create("disk.qcow2", "qcow2", "", None, "4M");
+    let keys = pki.psk_dir().join("keys.psk");
+    let script = r#"
+import sys, nbd
+bin, keys, image = sys.argv[1:4]
+h = nbd.NBD()
+h.set_tls(nbd.TLS_REQUIRE)
+h.set_tls_psk_file(keys)
+h.set_tls_username("alice")
+h.connect_systemd_socket_activation([bin, "serve", "--tls-psk", keys, image])
+assert h.get_tls_negotiated(), "TLS not negotiated"
+h.pwrite(b"\x42" * 65536, 1 << 20)
+h.flush()
+assert h.pread(65536, 1 << 20) == b"\x42" * 65536
+h.shutdown()
+print("ok")
+"#;
+    let out = run_ok(
+        Command::new(python_with_libnbd())
+            .args(["-c", script, BIN])
+            .arg(&keys)
+            .arg(d.path("disk.qcow2")),
+    );
+    assert_eq!(stdout(&out).trim(), "ok");
+    d.qemu_io("qcow2", "disk.qcow2", &["read -P 0x42 1M 64k"]);
+}
+
+/// Everything a child has written to its stdout so far, collected by a thread.
+struct Collected(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Collected {
+    fn start(mut from: impl Read + Send + 'static) -> Collected {
+        let buf = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = std::sync::Arc::clone(&buf);
+        std::thread::spawn(move || {
+            let mut chunk = [0u8; 4096];
+            while let Ok(n @ 1..) = from.read(&mut chunk) {
+                sink.lock().unwrap().extend_from_slice(&chunk[..n]);
+            }
+        });
+        Collected(buf)
+    }
+
+    /// Waits until `pattern` appears at or after `from`; the `len` bytes starting there
+    /// and the offset just past them.
+    fn wait_for(&self, pattern: &[u8], from: usize, len: usize) -> (Vec<u8>, usize) {
+        let mut found = None;
+        wait_until(
+            Duration::from_secs(30),
+            format!("{:?} from gnutls-cli", String::from_utf8_lossy(pattern)),
+            || {
+                let buf = self.0.lock().unwrap();
+                let at = buf
+                    .get(from..)
+                    .and_then(|rest| rest.windows(pattern.len()).position(|w| w == pattern));
+                if let Some(at) = at.map(|a| a + from).filter(|a| a + len <= buf.len()) {
+                    found = Some((buf[at..at + len].to_vec(), at + len));
+                }
+                found.is_some()
+            },
+        );
+        found.expect("waited")
+    }
+}
+
+#[test]
+fn gnutls_cli_negotiates_psk_after_starttls() {
+    let pki = Pki::new();
+    let d = Dir::new();
+    d.create("disk.qcow2", "qcow2", "", None, "4M");
+    let keys = std::fs::read_to_string(pki.psk_dir().join("keys.psk")).unwrap();
+    let key = keys.trim().split_once(':').unwrap().1.to_owned();
+    let object = psk(&pki.psk_dir());
+    let server = Server::tcp(&[
+        "--object",
+        &object,
+        "--tls-creds",
+        "tls0",
+        &d.s("disk.qcow2"),
+    ]);
+    // stdbuf: gnutls-cli's messages would otherwise sit in its stdout buffer.
+    let mut cli = Command::new("stdbuf")
+        .arg("-o0")
+        .arg(require("gnutls-cli", "gnutls-bin"))
+        // GnuTLS offers PSK only when asked, as libnbd and QEMU ask.
+        .args([
+            "--priority",
+            "NORMAL:+ECDHE-PSK:+DHE-PSK:+PSK",
+            "--starttls",
+        ])
+        .args(["--pskusername", PSK_USER, "--pskkey", &key])
+        .args(["-p", &server.port.unwrap().to_string(), "127.0.0.1"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut to = cli.stdin.take().unwrap();
+    // gnutls-cli mixes its messages with the data on stdout: find the data by its magic.
+    let out = Collected::start(cli.stdout.take().unwrap());
+    let (greeting, at) = out.wait_for(b"NBDMAGICIHAVEOPT", 0, 18);
+    assert_eq!(&greeting[16..], &[0, 3], "fixed newstyle, no zeroes");
+    to.write_all(&3u32.to_be_bytes()).unwrap();
+    to.write_all(&option(OPT_STARTTLS, &[])).unwrap();
+    to.flush().unwrap();
+    let reply_magic = 0x0003_e889_0455_65a9u64.to_be_bytes();
+    let (ack, at) = out.wait_for(&reply_magic, at, 20);
+    assert_eq!(u32::from_be_bytes(ack[12..16].try_into().unwrap()), REP_ACK);
+    // gnutls-cli starts the TLS handshake on SIGALRM; anything written before it is done
+    // would go out in plaintext (and the server would rightly drop the connection).
+    let pid = libc::pid_t::try_from(cli.id()).unwrap();
+    // SAFETY: kill only sends a signal to our own child process.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGALRM) }, 0);
+    let (_, at) = out.wait_for(b"- PSK authentication. Connected as 'alice'", at, 42);
+    let (_, at) = out.wait_for(b"- Options:\n", at, 11);
+    to.write_all(&option(OPT_LIST, &[])).unwrap();
+    to.flush().unwrap();
+    let (reply, _) = out.wait_for(&reply_magic, at, 20);
+    let kind = u32::from_be_bytes(reply[12..16].try_into().unwrap());
+    assert_eq!(kind, 2, "NBD_REP_SERVER, from inside TLS");
+    drop(to);
+    let _ = cli.kill();
+    let _ = cli.wait();
+    server.stop_ok();
+}
+
+/// One client attempt of the refusal matrix.
+enum Attempt<'a> {
+    /// qemu-io with x509 client credentials in this directory (`None`: plaintext).
+    Qemu(Option<&'a Path>),
+    /// nbdinfo with this PSK user and key directory.
+    Psk(&'a str, &'a Path),
+}
+
+fn attempt(at: At<'_>, how: &Attempt<'_>) -> (bool, String) {
+    match how {
+        Attempt::Qemu(dir) => {
+            let out = qemu_io_x509(at, *dir, &["read 0 4k"]);
+            (succeeded(&out), combined(&out))
+        }
+        Attempt::Psk(user, dir) => {
+            let query = format!("tls-psk-file={}", dir.join("keys.psk").display());
+            let out = nbdinfo_at(&at.nbds(Some(user), &query));
+            (out.status.success(), combined(&out))
+        }
+    }
+}
+
+/// Runs every attempt against our server and qemu-nbd with the same flags; both must give
+/// the same outcome each time, and ours must still serve the last (good) client.
+fn same_outcomes(image: &Path, flags: &[&str], attempts: &[(&str, Attempt<'_>, bool)]) {
+    let ours = Server::unix(&[flags, &["-t", image.to_str().unwrap()]].concat());
+    for (what, how, expected) in attempts {
+        let (ok, text) = attempt(At::of(&ours), how);
+        assert_eq!(ok, *expected, "ours, {what}:\n{text}");
+    }
+    ours.stop_ok();
+    let theirs = QemuNbd::unix(&[flags, &["-f", "qcow2"]].concat(), image);
+    for (what, how, expected) in attempts {
+        let (ok, text) = attempt(At::Unix(&theirs.socket), how);
+        assert_eq!(ok, *expected, "qemu-nbd, {what}:\n{text}");
+    }
+    theirs.stop();
+}
+
+/// `--tls-creds tls0` with `object`, and `--tls-authz az0` with `authz` if given.
+fn tls_flags(object: &str, authz: Option<&str>) -> Vec<String> {
+    let mut flags = vec!["--object", object, "--tls-creds", "tls0"];
+    if let Some(authz) = authz {
+        flags.extend(["--object", authz, "--tls-authz", "az0"]);
+    }
+    flags.into_iter().map(str::to_owned).collect()
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn x509_refusals_match_qemu_nbd_as_in_iotest_233() {
+    let pki = Pki::new();
+    let d = Dir::new();
+    d.create("disk.qcow2", "qcow2", "", None, "4M");
+    let image = d.path("disk.qcow2");
+    let (client, wrong_ca) = (pki.client(), pki.wrong_ca_client());
+    let (rogue, anonymous) = (pki.rogue_client(), pki.anonymous_client());
+    let object = x509(&pki.server(), ",verify-peer=on");
+    let admitted = tls_flags(&object, Some(&authz(CLIENT_DN)));
+    same_outcomes(
+        &image,
+        &strs(&admitted),
+        &[
+            ("good client", Attempt::Qemu(Some(&client)), true),
+            ("plaintext client", Attempt::Qemu(None), false),
+            ("trusts another CA", Attempt::Qemu(Some(&wrong_ca)), false),
+            (
+                "certified by another CA",
+                Attempt::Qemu(Some(&rogue)),
+                false,
+            ),
+            ("no certificate", Attempt::Qemu(Some(&anonymous)), false),
+            ("good client again", Attempt::Qemu(Some(&client)), true),
+        ],
+    );
+    let other = tls_flags(&object, Some(&authz("C=GB,O=Test Org,CN=someone else")));
+    same_outcomes(
+        &image,
+        &strs(&other),
+        &[("identity not admitted", Attempt::Qemu(Some(&client)), false)],
+    );
+    // Without verify-peer no client certificate is asked for.
+    let lax = tls_flags(&x509(&pki.server(), ",verify-peer=off"), None);
+    same_outcomes(
+        &image,
+        &strs(&lax),
+        &[
+            ("no certificate", Attempt::Qemu(Some(&anonymous)), true),
+            ("plaintext client", Attempt::Qemu(None), false),
+        ],
+    );
+}
+
+#[test]
+fn psk_refusals_match_qemu_nbd() {
+    let pki = Pki::new();
+    let d = Dir::new();
+    d.create("disk.qcow2", "qcow2", "", None, "4M");
+    let image = d.path("disk.qcow2");
+    let (good, unknown, wrong) = (pki.psk_dir(), pki.unknown_psk_dir(), pki.wrong_psk_dir());
+    let object = psk(&good);
+    let alice = tls_flags(&object, Some(&authz(PSK_USER)));
+    same_outcomes(
+        &image,
+        &strs(&alice),
+        &[
+            ("good key", Attempt::Psk(PSK_USER, &good), true),
+            ("unknown identity", Attempt::Psk("bob", &unknown), false),
+            ("wrong key", Attempt::Psk(PSK_USER, &wrong), false),
+            ("good key again", Attempt::Psk(PSK_USER, &good), true),
+        ],
+    );
+    // Deliberately stricter than qemu-nbd: QEMU 10.0 applies --tls-authz to x509 names
+    // only and admits any PSK identity with a valid key; ours checks PSK identities too.
+    let carol = tls_flags(&object, Some(&authz("carol")));
+    let ours = Server::unix(&[&strs(&carol)[..], &["-t", image.to_str().unwrap()]].concat());
+    let (ok, text) = attempt(At::of(&ours), &Attempt::Psk(PSK_USER, &good));
+    // libnbd shows only the error's class; qemu-io shows the message (tested below).
+    assert!(!ok, "{text}");
+    ours.stop_ok();
+    let theirs = QemuNbd::unix(&[&strs(&carol)[..], &["-f", "qcow2"]].concat(), &image);
+    let (ok, text) = attempt(At::Unix(&theirs.socket), &Attempt::Psk(PSK_USER, &good));
+    assert!(ok, "qemu-nbd now applies authz to PSK identities: {text}");
+    theirs.stop();
+}
+
+#[test]
+fn refusals_say_why_in_the_clients_words() {
+    let pki = Pki::new();
+    let d = Dir::new();
+    d.create("disk.qcow2", "qcow2", "", None, "4M");
+    let object = x509(&pki.server(), "");
+    let other = authz("CN=someone else");
+    let server = Server::unix(&[
+        "--object",
+        &object,
+        "--tls-creds",
+        "tls0",
+        "--object",
+        &other,
+        "--tls-authz",
+        "az0",
+        "-t",
+        &d.s("disk.qcow2"),
+    ]);
+    let (_, plain) = attempt(At::of(&server), &Attempt::Qemu(None));
+    assert!(
+        plain.contains("Did you forget a valid tls-creds?"),
+        "{plain}"
+    );
+    assert!(plain.contains("not permitted before TLS"), "{plain}");
+    let (_, denied) = attempt(At::of(&server), &Attempt::Qemu(Some(&pki.client())));
+    assert!(
+        denied.contains(&format!("TLS identity \"{CLIENT_DN}\" is not authorized")),
+        "{denied}"
+    );
+    server.stop_ok();
+}
+
+/// Reads until the server closes: everything it sent.
+fn read_to_close(s: &mut std::os::unix::net::UnixStream) -> Vec<u8> {
+    let mut got = Vec::new();
+    match s.read_to_end(&mut got) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Err(e) => panic!("the server neither answered nor closed: {e}"),
+    }
+    got
+}
+
+#[test]
+fn plaintext_after_starttls_is_never_read_as_tls_or_as_options() {
+    let pki = Pki::new();
+    let d = Dir::new();
+    d.create("disk.qcow2", "qcow2", "", None, "4M");
+    let object = psk(&pki.psk_dir());
+    let server = Server::unix_reporting(&[
+        "--object",
+        &object,
+        "--tls-creds",
+        "tls0",
+        "-t",
+        &d.s("disk.qcow2"),
+    ]);
+    // Before TLS every option but STARTTLS is refused with TLS_REQD, and nothing leaks.
+    let mut s = raw::negotiating(&server.socket);
+    s.write_all(&option(OPT_LIST, &[])).unwrap();
+    assert_eq!(finish_option(&mut s), REP_ERR_TLS_REQD);
+
+    // An option injected behind STARTTLS in the same write: the server hangs up without
+    // even acknowledging STARTTLS.
+    let mut s = raw::negotiating(&server.socket);
+    let mut burst = option(OPT_STARTTLS, &[]);
+    burst.extend(option(raw::OPT_STRUCTURED_REPLY, &[]));
+    s.write_all(&burst).unwrap();
+    assert_eq!(
+        read_to_close(&mut s),
+        b"",
+        "the server answered an injected option"
+    );
+
+    // Plaintext after the ACK is fed to TLS, which rejects it: at most a TLS alert comes
+    // back (record type 21), never an option reply.
+    let mut s = raw::negotiating(&server.socket);
+    s.write_all(&option(OPT_STARTTLS, &[])).unwrap();
+    assert_eq!(finish_option(&mut s), REP_ACK);
+    s.write_all(&option(OPT_LIST, &[])).unwrap();
+    let got = read_to_close(&mut s);
+    assert!(
+        got.is_empty() || got[0] == 21,
+        "not a TLS alert: {got:02x?}"
+    );
+
+    // The server is unharmed.
+    let query = format!("tls-psk-file={}", pki.psk_dir().join("keys.psk").display());
+    let out = nbdinfo_at(&At::of(&server).nbds(Some(PSK_USER), &query));
+    assert!(out.status.success(), "{}", combined(&out));
+    let report = server.stop_report();
+    assert_eq!(report.connections, 4, "{report:?}");
+}
+
+#[test]
+fn a_client_stalled_in_the_tls_handshake_is_cut_off_by_the_handshake_limit() {
+    let pki = Pki::new();
+    let d = Dir::new();
+    d.create("disk.qcow2", "qcow2", "", None, "4M");
+    let object = psk(&pki.psk_dir());
+    let server = Server::unix(&[
+        "--object",
+        &object,
+        "--tls-creds",
+        "tls0",
+        "--handshake-limit",
+        "1",
+        "-t",
+        &d.s("disk.qcow2"),
+    ]);
+    let mut s = raw::negotiating(&server.socket);
+    s.write_all(&option(OPT_STARTTLS, &[])).unwrap();
+    assert_eq!(finish_option(&mut s), REP_ACK);
+    // Half a TLS record header, then silence: the limit must end the wait. The read
+    // timeout is only a safety net against a hang.
+    s.write_all(&[0x16, 0x03]).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let got = read_to_close(&mut s);
+    assert!(got.is_empty() || got[0] == 21, "{got:02x?}");
+    server.stop_ok();
+}
+
+#[test]
+fn bad_credentials_and_flags_are_refused_at_start_naming_the_problem() {
+    let pki = Pki::new();
+    let d = Dir::new();
+    d.create("disk.qcow2", "qcow2", "", None, "4M");
+    let image = d.s("disk.qcow2");
+    let root = pki.root();
+    let copy_dir = |name: &str, from: &Path| {
+        let dir = root.join(name);
+        std::fs::create_dir(&dir).unwrap();
+        for f in ["ca-cert.pem", "server-cert.pem", "server-key.pem"] {
+            std::fs::copy(from.join(f), dir.join(f)).unwrap();
+        }
+        dir
+    };
+    let mismatched = copy_dir("mismatched", &pki.server());
+    std::fs::copy(
+        pki.client().join("client-key.pem"),
+        mismatched.join("server-key.pem"),
+    )
+    .unwrap();
+    let untrusted = copy_dir("untrusted", &pki.server());
+    std::fs::copy(
+        pki.wrong_ca_client().join("ca-cert.pem"),
+        untrusted.join("ca-cert.pem"),
+    )
+    .unwrap();
+    let bad_psk = root.join("bad-psk");
+    std::fs::create_dir(&bad_psk).unwrap();
+    std::fs::write(bad_psk.join("keys.psk"), "alice:xyz\n").unwrap();
+    let empty = root.join("empty");
+    std::fs::create_dir(&empty).unwrap();
+
+    let cases: Vec<(Vec<String>, String)> = vec![
+        (
+            vec![
+                "--object".into(),
+                x509(&empty, ""),
+                "--tls-creds".into(),
+                "tls0".into(),
+            ],
+            format!("{}", empty.join("ca-cert.pem").display()),
+        ),
+        (
+            vec![
+                "--object".into(),
+                x509(&mismatched, ""),
+                "--tls-creds".into(),
+                "tls0".into(),
+            ],
+            "server-key.pem: does not match the key of server-cert.pem".into(),
+        ),
+        (
+            vec![
+                "--object".into(),
+                x509(&untrusted, ""),
+                "--tls-creds".into(),
+                "tls0".into(),
+            ],
+            "server-cert.pem: does not verify against".into(),
+        ),
+        (
+            vec![
+                "--object".into(),
+                psk(&bad_psk),
+                "--tls-creds".into(),
+                "tls0".into(),
+            ],
+            "keys.psk:1: the key is not hexadecimal".into(),
+        ),
+        (
+            vec![
+                "--object".into(),
+                format!("tls-creds-psk,id=tls0,dir={}", pki.psk_dir().display()),
+                "--tls-creds".into(),
+                "tls0".into(),
+            ],
+            "endpoint=server".into(),
+        ),
+        (
+            vec!["--tls-creds".into(), "tls0".into()],
+            "no --object has this id".into(),
+        ),
+        (
+            vec!["--object".into(), "secret,id=s0,data=x".into()],
+            "not supported".into(),
+        ),
+    ];
+    for (args, expected) in cases {
+        let mut full: Vec<&str> = args.iter().map(String::as_str).collect();
+        full.extend(["-k", "/nonexistent/never-bound.sock", &image]);
+        let err = serve_fails(&full);
+        assert!(err.contains(&expected), "{args:?}: {err}");
+    }
+}
