@@ -30,7 +30,12 @@
 #   CARGO_TARGET_DIR     where cargo builds (default: target/ in the repository)
 #   SKIP_BUILD=1         use the existing release binary
 #   QCOW2_NBD_BIN        the server binary to measure (default: the release build)
-#   ONLY="alloc io bitmap l2 chain rss"   run a subset of the scenario groups
+#   TLS_PORT [10899]     loopback TCP port of the tls group (must be free)
+#   ONLY="alloc io bitmap l2 chain rss tls"   run a subset of the scenario groups
+#
+# The tls group serves over TCP loopback (127.0.0.1:TLS_PORT) instead of the Unix socket, with
+# x509 credentials that it makes with GnuTLS certtool (gnutls-bin), and needs nbdinfo
+# (libnbd-bin) to check them: `ONLY=tls benches/compare.sh`.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -56,7 +61,8 @@ CLEAN_INTERVAL=${CLEAN_INTERVAL:-2}
 RSS_L2_CACHE=${RSS_L2_CACHE:-4M}
 BENCH_DIR=${BENCH_DIR:-/var/tmp}
 QEMU_AIO=${QEMU_AIO:-io_uring}
-ONLY=${ONLY:-"alloc io bitmap l2 chain rss"}
+TLS_PORT=${TLS_PORT:-10899}
+ONLY=${ONLY:-"alloc io bitmap l2 chain rss tls"}
 
 log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -65,6 +71,11 @@ for tool in qemu-img qemu-io qemu-nbd fio cargo shuf; do
     command -v "$tool" >/dev/null || die "$tool is required but not installed"
 done
 fio --enghelp=nbd >/dev/null 2>&1 || die "fio lacks the nbd engine (needs libnbd)"
+case " $ONLY " in *" tls "*)
+    for tool in certtool nbdinfo ss; do
+        command -v "$tool" >/dev/null || die "$tool is required by the tls group but not installed"
+    done ;;
+esac
 
 # ---------------------------------------------------------------------------------------------
 # Build
@@ -99,21 +110,30 @@ CLK_TCK=$(getconf CLK_TCK)
 # ---------------------------------------------------------------------------------------------
 # Servers. start_server KIND IMAGE [SETTINGS...]: KIND is qemu, ours or raw (our server with
 # -f raw); SETTINGS are key=value pairs applied to both servers the same way: l2=SIZE,
-# slice=SIZE, clean=SECONDS, ro=1.
+# slice=SIZE, clean=SECONDS, ro=1, tcp=PORT (listen on 127.0.0.1:PORT instead of $SOCK),
+# tls=DIR (require TLS with the x509 server credentials in DIR, no client certificate).
 start_server() {
     local kind=$1 image=$2
     shift 2
-    local l2="" slice="" clean="" ro=0 kv
+    local l2="" slice="" clean="" ro=0 tcp="" tls="" kv
     for kv in "$@"; do
         case $kv in
         l2=*) l2=${kv#l2=} ;;
         slice=*) slice=${kv#slice=} ;;
         clean=*) clean=${kv#clean=} ;;
         ro=*) ro=${kv#ro=} ;;
+        tcp=*) tcp=${kv#tcp=} ;;
+        tls=*) tls=${kv#tls=} ;;
         *) die "unknown server setting $kv" ;;
         esac
     done
     rm -f "$SOCK" "$WORK/server.pid"
+    # Where to listen and TLS: the same flags for both servers.
+    local endpoint=(-k "$SOCK")
+    [ -n "$tcp" ] && endpoint=(-b 127.0.0.1 -p "$tcp")
+    local tlsargs=()
+    [ -n "$tls" ] && tlsargs=(--object "tls-creds-x509,id=tls0,dir=$tls,endpoint=server,verify-peer=off"
+        --tls-creds tls0)
     local args=()
     case $kind in
     qemu)
@@ -121,12 +141,14 @@ start_server() {
         [ -n "$l2" ] && opts+=",l2-cache-size=$l2"
         [ -n "$slice" ] && opts+=",l2-cache-entry-size=$slice"
         [ -n "$clean" ] && opts+=",cache-clean-interval=$clean"
-        args=(qemu-nbd -t -k "$SOCK" --cache=none --aio="$QEMU_AIO" --pid-file="$WORK/server.pid")
+        args=(qemu-nbd -t "${endpoint[@]}" "${tlsargs[@]}" --cache=none --aio="$QEMU_AIO"
+            --pid-file="$WORK/server.pid")
         [ "$ro" = 1 ] && args+=(-r)
         args+=(--image-opts "$opts")
         ;;
     ours | raw)
-        args=("$BIN" serve -t -k "$SOCK" --cache none --aio io_uring --pid-file "$WORK/server.pid")
+        args=("$BIN" serve -t "${endpoint[@]}" "${tlsargs[@]}" --cache none --aio io_uring
+            --pid-file "$WORK/server.pid")
         if [ "$kind" = raw ]; then args+=(-f raw); else args+=(-f qcow2); fi
         [ -n "$l2" ] && args+=(--l2-cache-size "$l2")
         [ -n "$slice" ] && args+=(--l2-cache-entry-size "$slice")
@@ -140,7 +162,9 @@ start_server() {
     SERVER_PID=$!
     local i
     for i in $(seq 1 600); do
-        if [ -S "$SOCK" ] && [ -s "$WORK/server.pid" ]; then return 0; fi
+        if [ -n "$tcp" ]; then
+            [ -s "$WORK/server.pid" ] && [ -n "$(ss -Hltn "sport = :$tcp")" ] && return 0
+        elif [ -S "$SOCK" ] && [ -s "$WORK/server.pid" ]; then return 0; fi
         kill -0 "$SERVER_PID" 2>/dev/null || break
         sleep 0.05
     done
@@ -157,7 +181,9 @@ stop_server() {
 # status_kib FIELD: a /proc/PID/status field of the running server, in KiB.
 status_kib() { awk -v f="$1:" '$1 == f { print $2 }' "/proc/$SERVER_PID/status"; }
 
-URI() { printf 'nbd+unix:///?socket=%s' "$SOCK"; }
+# The URI fio connects to: NBD_URI when a group sets it (tls), else the Unix socket.
+NBD_URI=""
+URI() { if [ -n "$NBD_URI" ]; then printf '%s' "$NBD_URI"; else printf 'nbd+unix:///?socket=%s' "$SOCK"; fi; }
 
 # server_usage: the running server's CPU time in clock ticks (all its threads, exited ones
 # included) and the bytes it read and wrote on storage (O_DIRECT and io_uring I/O included).
@@ -491,12 +517,90 @@ rss_scenarios() {
 }
 
 # ---------------------------------------------------------------------------------------------
+# 6. TLS: sequential 1 MiB reads (QD8) and 4 KiB random reads (QD32) on the allocated image
+# over TCP loopback, both servers requiring TLS with the same x509 credentials (made here with
+# certtool: a CA and a cert for localhost/127.0.0.1, RSA 2048), and our server without TLS on
+# the same TCP port as the plaintext reference (the cost of TLS is ours TLS / ours plaintext).
+#
+# Client: fio's nbd engine (libnbd) with nbds:// URIs. fio calls nbd_connect_uri without
+# nbd_set_uri_allow_local_file, so libnbd refuses `?tls-certificates=DIR` ("local file access
+# (tls-certificates) is not allowed"), and as root its default CA directory is /etc/pki/libnbd,
+# which a benchmark must not touch; so fio connects with `?tls-verify-peer=false`. That skips
+# only the one-time check of the server's certificate: the handshake and the encryption of
+# every request and reply, what these rows measure, are the same. Before the runs, nbdinfo
+# checks each server's certificate against the CA with `?tls-certificates=CLIENTDIR`.
+TLS_SCENARIOS="seqread-1m-qd8:read:1M:8 randread-4k-qd32:randread:4k:32"
+
+make_tls_creds() { # $WORK/tls/server (CA cert, server cert and key) and $WORK/tls/client (CA)
+    local d=$WORK/tls
+    mkdir -p "$d/server" "$d/client"
+    certtool --generate-privkey --key-type=rsa --bits=2048 --outfile "$d/ca-key.pem" 2>/dev/null
+    printf '%s\n' 'cn = qcow2-nbd compare.sh CA' ca cert_signing_key 'expiration_days = 7' \
+        >"$d/ca.info"
+    certtool --generate-self-signed --load-privkey "$d/ca-key.pem" --template "$d/ca.info" \
+        --outfile "$d/server/ca-cert.pem" 2>/dev/null
+    certtool --generate-privkey --key-type=rsa --bits=2048 \
+        --outfile "$d/server/server-key.pem" 2>/dev/null
+    printf '%s\n' 'cn = localhost' 'dns_name = localhost' 'ip_address = 127.0.0.1' \
+        tls_www_server encryption_key signing_key 'expiration_days = 7' >"$d/server.info"
+    certtool --generate-certificate --load-privkey "$d/server/server-key.pem" \
+        --load-ca-certificate "$d/server/ca-cert.pem" --load-ca-privkey "$d/ca-key.pem" \
+        --template "$d/server.info" --outfile "$d/server/server-cert.pem" 2>/dev/null
+    cp "$d/server/ca-cert.pem" "$d/client/ca-cert.pem"
+}
+
+tls_scenarios() {
+    local size=$((DATA_MIB << 20))
+    [ -z "$(ss -Hltn "sport = :$TLS_PORT")" ] || die "TLS_PORT $TLS_PORT is in use"
+    log "TLS: making x509 credentials and a ${DATA_MIB} MiB allocated image"
+    make_tls_creds
+    make_data_image
+    local sdir=$WORK/tls/server cdir=$WORK/tls/client kind image
+    for kind in qemu ours; do # the certificate verifies and TLS is required, on both servers
+        start_server "$kind" "$WORK/data-$kind.qcow2" tcp="$TLS_PORT" tls="$sdir"
+        nbdinfo "nbds://localhost:$TLS_PORT/?tls-certificates=$cdir" >/dev/null 2>"$WORK/nbdinfo.err" || {
+            cat "$WORK/nbdinfo.err" "$WORK/server.log" >&2
+            die "$kind: TLS connection with the CA-checked certificate failed"
+        }
+        ! nbdinfo "nbd://localhost:$TLS_PORT/" >/dev/null 2>&1 || die "$kind served without TLS"
+        stop_server
+    done
+    local sc label rw bs qd r name iops bw cpu disk
+    for sc in $TLS_SCENARIOS; do
+        IFS=: read -r label rw bs qd <<<"$sc"
+        for r in $(seq 1 "$ROUNDS"); do
+            for kind in $(order "$r") plain; do
+                if [ "$kind" = plain ]; then
+                    image=$WORK/data-ours.qcow2 NBD_URI="nbd://localhost:$TLS_PORT/"
+                    start_server ours "$image" tcp="$TLS_PORT"
+                else
+                    image=$WORK/data-$kind.qcow2
+                    NBD_URI="nbds://localhost:$TLS_PORT/?tls-verify-peer=false"
+                    start_server "$kind" "$image" tcp="$TLS_PORT" tls="$sdir"
+                fi
+                stats=$(run_fio read --rw="$rw" --bs="$bs" --iodepth="$qd" \
+                    --size="$size" --runtime="$RUNTIME" --time_based --ramp_time=1)
+                read -r iops bw _ cpu disk <<<"$stats"
+                stop_server
+                NBD_URI=""
+                if [ "$kind" = plain ]; then name="plain $label" kind=ours; else name="tls $label"; fi
+                record_usage "$name" "$kind" "$cpu" "$disk"
+                if [ "$bs" = 1M ]; then record "$name" "$kind" "$bw"; else
+                    record "$name" "$kind" "$iops"; fi
+                log "$name round $r $kind: $iops IOPS, $bw MiB/s, $cpu CPU µs/req"
+            done
+        done
+    done
+    rm -rf "$WORK/tls" "$WORK/data.raw" "$WORK/data-qemu.qcow2" "$WORK/data-ours.qcow2"
+}
+
+# ---------------------------------------------------------------------------------------------
 START=$(date +%s)
 for group in $ONLY; do
     case $group in
     alloc) alloc_scenarios ;; io) io_scenarios ;; bitmap) bitmap_scenarios ;;
-    l2) l2_scenarios ;; chain) chain_scenarios ;; rss) rss_scenarios ;;
-    *) die "unknown scenario group $group (alloc io bitmap l2 chain rss)" ;;
+    l2) l2_scenarios ;; chain) chain_scenarios ;; rss) rss_scenarios ;; tls) tls_scenarios ;;
+    *) die "unknown scenario group $group (alloc io bitmap l2 chain rss tls)" ;;
     esac
 done
 ELAPSED=$(($(date +%s) - START))
@@ -560,6 +664,13 @@ usage() { # SCENARIO: the servers' median CPU and disk cost per request, "qemu /
     row "rss loaded MiB" "RSS after random reads (l2 $RSS_L2_CACHE)" MiB lower
     row "rss peak MiB" "peak RSS (l2 $RSS_L2_CACHE)" MiB lower
     row "rss after clean MiB" "RSS after cache-clean-interval" MiB lower
+    for sc in $TLS_SCENARIOS; do
+        IFS=: read -r label _ bs _ <<<"$sc"
+        unit=IOPS
+        [ "$bs" = 1M ] && unit=MiB/s
+        row "tls $label" "TLS (TCP) $label" "$unit" higher
+        row "plain $label" "no TLS (TCP, ours only) $label" "$unit" higher
+    done
     echo
     echo "ratio: ours/qemu-nbd for rates, qemu-nbd/ours for times and memory (above 1 = ours better)."
     echo "CPU µs/req and disk KiB/req: the server's CPU time (all threads) and storage bytes read"
@@ -583,4 +694,11 @@ usage() { # SCENARIO: the servers' median CPU and disk cost per request, "qemu /
         qmn=$(median "chain $CHAIN_DEPTH peak rss MiB" qemu)
         echo "qemu-nbd: chain $CHAIN_DEPTH / chain 1 read time = $(ratio "$qn" "$q1"), peak RSS growth = $(awk -v a="$qmn" -v b="$qm1" 'BEGIN { printf "%.1f", a - b }') MiB"
     fi
+    # The cost of TLS to our server: TLS against plaintext, same port, image and workload.
+    for sc in $TLS_SCENARIOS; do
+        IFS=: read -r label _ _ _ <<<"$sc"
+        t=$(median "tls $label" ours)
+        p=$(median "plain $label" ours)
+        [ "$t" = - ] || echo "ours: $label with TLS / without = $(ratio "$t" "$p"), CPU µs/req $(median "cpu plain $label" ours) -> $(median "cpu tls $label" ours)"
+    done
 }
