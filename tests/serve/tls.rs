@@ -468,6 +468,13 @@ fn x509_refusals_match_qemu_nbd_as_in_iotest_233() {
         &strs(&other),
         &[("identity not admitted", Attempt::Qemu(Some(&client)), false)],
     );
+    // A revocation list in the server's directory (ca-crl.pem) shuts out the client.
+    let revoking = tls_flags(&x509(&pki.revoked_server(), ""), None);
+    same_outcomes(
+        &image,
+        &strs(&revoking),
+        &[("revoked certificate", Attempt::Qemu(Some(&client)), false)],
+    );
     // Without verify-peer no client certificate is asked for.
     let lax = tls_flags(&x509(&pki.server(), ",verify-peer=off"), None);
     same_outcomes(

@@ -59,6 +59,7 @@ impl Pki {
         pki.signed("wrong-ca", "client", "other-ca", "other-ca");
         // Trusts our server, but its own certificate comes from another CA.
         pki.signed("rogue", "client", "other-ca", "ca");
+        pki.revoking_server();
         let anonymous = root.join("anonymous");
         std::fs::create_dir(&anonymous).unwrap();
         std::fs::copy(root.join("ca-cert.pem"), anonymous.join("ca-cert.pem")).unwrap();
@@ -93,6 +94,39 @@ impl Pki {
     /// A client that trusts our CA but whose certificate another CA signed.
     pub fn rogue_client(&self) -> PathBuf {
         self.dir.path().join("rogue")
+    }
+
+    /// The server's credentials plus `ca-crl.pem`, a revocation list that revokes
+    /// [`Pki::client`]'s certificate.
+    pub fn revoked_server(&self) -> PathBuf {
+        self.dir.path().join("revoking")
+    }
+
+    fn revoking_server(&self) {
+        let root = self.dir.path();
+        let dir = root.join("revoking");
+        std::fs::create_dir(&dir).unwrap();
+        for f in ["ca-cert.pem", "server-cert.pem", "server-key.pem"] {
+            std::fs::copy(root.join("server").join(f), dir.join(f)).unwrap();
+        }
+        std::fs::write(
+            root.join("crl.info"),
+            "crl_next_update = 2\ncrl_number = 1\n",
+        )
+        .unwrap();
+        self.certtool(&[
+            "--generate-crl",
+            "--load-ca-privkey",
+            "ca-key.pem",
+            "--load-ca-certificate",
+            "ca-cert.pem",
+            "--load-certificate",
+            "client/client-cert.pem",
+            "--template",
+            "crl.info",
+            "--outfile",
+            "revoking/ca-crl.pem",
+        ]);
     }
 
     /// A client that trusts our CA and has no certificate of its own.
