@@ -13,7 +13,9 @@ use std::process::ExitCode;
 use std::rc::Rc;
 
 use clap::Args;
-use qcow2::engine::{BitmapInfo, EngineError, Format, Image, OpenOptions};
+use qcow2::engine::{
+    BitmapInfo, ClusterCompressor, EngineError, Format, Image, OpenOptions, PackedCluster,
+};
 use storage::{AnyStorage, IoBuf};
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
@@ -65,7 +67,11 @@ pub struct ConvertArgs {
     /// failing.
     #[arg(long = "skip-broken-bitmaps")]
     pub skip_broken_bitmaps: bool,
-    /// Copy requests in flight at once.
+    /// Write out of order, as requests complete (qemu-img's -W): faster on some storage,
+    /// but a qcow2 target's clusters no longer follow guest order.
+    #[arg(short = 'W')]
+    pub unordered: bool,
+    /// Copy requests in flight at once (qemu-img's -m).
     #[arg(short = 'm', long = "parallel", default_value_t = 8,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub parallel: u16,
@@ -162,7 +168,11 @@ struct Job {
     dst: Image<AnyStorage>,
     /// Zero-detection (and, with `compress`, compression) unit: a power of two.
     grain: u64,
-    compress: bool,
+    /// With `-c`: compresses clusters on the blocking thread pool, so every core compresses
+    /// while the engine's thread keeps reading and writing.
+    compress: Option<ClusterCompressor>,
+    /// The target's name, for errors.
+    target: String,
     /// Write in guest order (reads still overlap), so that a qcow2 target allocates its
     /// clusters in guest order as qemu-img does, instead of fragmenting by completion order.
     ordered: bool,
@@ -180,6 +190,15 @@ impl Job {
     async fn copy(self: Rc<Self>, seq: u64, off: u64, len: u64) -> Result<(), EngineError> {
         // len <= REQUEST_BYTES (or one grain), which fits in memory by construction.
         let (read, buf) = self.src.read_into(off, self.buffer(len as usize)).await;
+        // Compression runs before this request's turn to write, so requests compress in
+        // parallel even when they write in order.
+        let (read, packed) = match (read, self.compress) {
+            (Ok(()), Some(c)) => match self.pack(c, off, &buf).await {
+                Ok(p) => (Ok(()), p),
+                Err(e) => (Err(e), Vec::new()),
+            },
+            (read, _) => (read, Vec::new()),
+        };
         if self.ordered {
             // Single-threaded: nothing runs between the check and registering the waiter.
             while self.turn.get() != seq {
@@ -188,6 +207,10 @@ impl Job {
         }
         // Even a failed read passes the turn on, so no later request waits forever.
         let res = match read {
+            Ok(()) if self.compress.is_some() => {
+                self.buffers.borrow_mut().push(buf);
+                self.write_packed(packed).await
+            }
             Ok(()) => self.write_out(off, buf).await,
             Err(e) => {
                 self.buffers.borrow_mut().push(buf);
@@ -227,26 +250,62 @@ impl Job {
         res
     }
 
-    async fn write_nonzero(&self, off: u64, buf: IoBuf) -> (Result<(), EngineError>, IoBuf) {
+    /// Compresses the non-zero grains (clusters) of `buf`, read at `off`, on the blocking
+    /// thread pool: their offsets and packed contents, in order.
+    async fn pack(
+        &self,
+        compressor: ClusterCompressor,
+        off: u64,
+        buf: &IoBuf,
+    ) -> Result<Vec<(u64, PackedCluster)>, EngineError> {
         let grain = self.grain as usize;
-        if self.compress {
-            let dst_size = self.dst.size();
-            for (i, block) in buf.chunks(grain).enumerate() {
-                if is_zero(block) {
-                    continue;
-                }
+        // The target may be a little longer than the source (sizes round up to 512): a
+        // short last cluster is padded to the target's end.
+        let dst_size = self.dst.size();
+        let clusters: Vec<(u64, IoBuf)> = buf
+            .chunks(grain)
+            .enumerate()
+            .filter(|(_, block)| !is_zero(block))
+            .map(|(i, block)| {
                 let at = off + (i * grain) as u64;
-                // The target may be a little longer than the source (sizes round up to 512):
-                // a short last cluster is padded to the target's end.
                 let want = self.grain.min(dst_size - at) as usize;
                 let mut data = IoBuf::zeroed(want.max(block.len()));
                 data[..block.len()].copy_from_slice(block);
-                if let Err(e) = self.dst.write_compressed(at, data).await {
-                    return (Err(e), buf);
-                }
-            }
-            return (Ok(()), buf);
+                (at, data)
+            })
+            .collect();
+        let packed = tokio::task::spawn_blocking(move || {
+            clusters
+                .into_iter()
+                .map(|(at, data)| {
+                    compressor
+                        .compress(data)
+                        .map(|p| (at, p))
+                        .map_err(|e| (at, e))
+                })
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .await
+        .map_err(|e| EngineError::Unsupported {
+            image: self.target.clone(),
+            what: format!("compression task failed: {e}"),
+        })?;
+        packed.map_err(|(offset, source)| EngineError::Compressed {
+            image: self.target.clone(),
+            offset,
+            source,
+        })
+    }
+
+    async fn write_packed(&self, packed: Vec<(u64, PackedCluster)>) -> Result<(), EngineError> {
+        for (at, p) in packed {
+            self.dst.write_packed(at, p).await?;
         }
+        Ok(())
+    }
+
+    async fn write_nonzero(&self, off: u64, buf: IoBuf) -> (Result<(), EngineError>, IoBuf) {
+        let grain = self.grain as usize;
         let blocks: Vec<bool> = buf.chunks(grain).map(|b| !is_zero(b)).collect();
         if blocks.iter().all(|&nz| nz) {
             return self.dst.write(off, buf, false).await;
@@ -372,8 +431,9 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
         src: src.clone(),
         dst: dst.clone(),
         grain,
-        compress: args.compress,
-        ordered: target_format == Format::Qcow2,
+        compress: args.compress.then(|| dst.compressor()).transpose()?,
+        target: args.target.display().to_string(),
+        ordered: target_format == Format::Qcow2 && !args.unordered,
         turn: Cell::new(0),
         turn_changed: Notify::new(),
         buffers: RefCell::new(Vec::new()),

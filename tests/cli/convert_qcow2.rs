@@ -350,3 +350,23 @@ fn errors_say_what_is_wrong() {
     assert!(help.starts_with("Supported options:\n") && help.contains("compression_type=<str>"));
     assert!(!d.path("h.qcow2").exists());
 }
+
+#[test]
+fn out_of_order_and_deep_parallel_copies_are_still_exact() {
+    let d = Dir::new();
+    raw_source(&d, "src.raw");
+    // -W lets requests write as they complete; with -c, 32 requests compress at once on
+    // the blocking pool. Whatever the order, the target reads as the source and checks clean.
+    for (i, extra) in [&["-W"][..], &["-W", "-c", "-m", "32"], &["-c", "-m", "1"]]
+        .iter()
+        .enumerate()
+    {
+        let out = format!("w{i}.qcow2");
+        let mut args = vec!["convert", "-f", "raw", "-O", "qcow2"];
+        args.extend_from_slice(extra);
+        args.extend(["src.raw", &out]);
+        d.ok(BIN, &args);
+        d.assert_check_clean(&out);
+        d.assert_same_contents("src.raw", "raw", &out, "qcow2");
+    }
+}

@@ -53,3 +53,4 @@ pub use image::{Image, ImageFacts};
 pub use load::Format;
 pub use open::OpenOptions;
 pub use read_sparse::ReadPart;
+pub use write_compressed::{ClusterCompressor, PackedCluster};

@@ -11,55 +11,132 @@ use crate::format::l2_extended::unpack_bitmap;
 use crate::format::{CompressedDescriptor, GuestOffset, HostOffset};
 use storage::{IoBuf, Storage};
 
+/// What compressing one cluster needs, detached from the image so that it can run on any
+/// thread (`convert -c` compresses on every core while the engine stays on its own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClusterCompressor {
+    codec: compress::Codec,
+    cluster_size: u64,
+}
+
+/// One cluster's worth of data, compressed or (when it does not shrink) as it was.
+#[derive(Debug)]
+pub enum PackedCluster {
+    /// The compressed stream, shorter than a cluster.
+    Compressed(Vec<u8>),
+    /// Data that does not compress: written as a normal cluster.
+    Raw(IoBuf),
+}
+
+impl ClusterCompressor {
+    /// Compresses `data`, one cluster (or the short last one), padded with zeros to a whole
+    /// cluster as QEMU does. Pure CPU work: safe to run off the engine's thread.
+    pub fn compress(
+        &self,
+        data: IoBuf,
+    ) -> std::result::Result<PackedCluster, compress::CompressError> {
+        let cs = self.cluster_size as usize;
+        let packed = if data.len() == cs {
+            compress::compress(self.codec, &data, cs - 1)?
+        } else {
+            let mut cluster = vec![0u8; cs];
+            let n = data.len().min(cs);
+            cluster[..n].copy_from_slice(&data[..n]);
+            compress::compress(self.codec, &cluster, cs - 1)?
+        };
+        Ok(match packed {
+            Some(p) => PackedCluster::Compressed(p),
+            None => PackedCluster::Raw(data),
+        })
+    }
+}
+
 impl<S: Storage + 'static> Image<S> {
     /// Writes one cluster at the cluster-aligned `offset` compressed (the last cluster may be
     /// shorter when the disk ends inside it). Like QEMU, the cluster must be unallocated.
     pub async fn write_compressed(&self, offset: u64, data: IoBuf) -> Result<()> {
-        self.inner.write_compressed(offset, data).await
+        let compressor = self.inner.compressor()?;
+        self.inner.check_cluster(offset, data.len() as u64)?;
+        let packed = compressor
+            .compress(data)
+            .map_err(|source| EngineError::Compressed {
+                image: self.inner.chain.top().name.clone(),
+                offset,
+                source,
+            })?;
+        self.write_packed(offset, packed).await
+    }
+
+    /// The compressor for this image's clusters, or why it cannot take compressed writes
+    /// (read-only, raw, an external data file).
+    pub fn compressor(&self) -> Result<ClusterCompressor> {
+        self.inner.compressor()
+    }
+
+    /// Writes a cluster [`ClusterCompressor::compress`] packed, at the cluster-aligned
+    /// `offset`; the cluster must be unallocated.
+    pub async fn write_packed(&self, offset: u64, packed: PackedCluster) -> Result<()> {
+        self.inner.write_packed(offset, packed).await
     }
 }
 
 impl<S: Storage + 'static> Inner<S> {
-    async fn write_compressed(&self, offset: u64, data: IoBuf) -> Result<()> {
+    fn compressor(&self) -> Result<ClusterCompressor> {
         self.check_writable()?;
-        let len = data.len() as u64;
-        self.check_range(offset, len)?;
-        self.track(offset, len);
         let top = self.chain.top();
-        let unsupported = |what: &str| EngineError::Unsupported {
-            image: top.name.clone(),
-            what: what.into(),
-        };
         let meta = top
             .qcow2()
-            .ok_or_else(|| unsupported("compressed writes to a raw image"))?;
+            .ok_or_else(|| self.unsupported("compressed writes to a raw image"))?;
         if meta.data_file.is_some() {
-            return Err(unsupported(
-                "compressed writes to an image with an external data file",
-            ));
+            return Err(
+                self.unsupported("compressed writes to an image with an external data file")
+            );
         }
-        let g = &meta.geom;
-        let cs = g.cluster_size();
-        let size = top.size.get();
+        Ok(ClusterCompressor {
+            codec: meta.codec,
+            cluster_size: meta.geom.cluster_size(),
+        })
+    }
+
+    fn unsupported(&self, what: &str) -> EngineError {
+        EngineError::Unsupported {
+            image: self.chain.top().name.clone(),
+            what: what.into(),
+        }
+    }
+
+    /// `[offset, offset + len)` is exactly one cluster of the disk (or its short last one).
+    fn check_cluster(&self, offset: u64, len: u64) -> Result<()> {
+        self.check_range(offset, len)?;
+        let cs = self.compressor()?.cluster_size;
+        let size = self.chain.top().size.get();
         if offset % cs != 0 || (len != cs && offset + len != size) || len == 0 {
-            return Err(unsupported(
-                "a compressed write that is not exactly one cluster",
-            ));
+            return Err(self.unsupported("a compressed write that is not exactly one cluster"));
         }
-        let mut cluster = vec![0u8; cs as usize];
-        cluster[..len as usize].copy_from_slice(&data);
-        let packed =
-            compress::compress(meta.codec, &cluster, cs as usize - 1).map_err(|source| {
-                EngineError::Compressed {
-                    image: top.name.clone(),
-                    offset,
-                    source,
-                }
-            })?;
-        let Some(packed) = packed else {
-            let (res, _) = self.write(offset, data).await;
-            return res;
+        Ok(())
+    }
+
+    async fn write_packed(&self, offset: u64, packed: PackedCluster) -> Result<()> {
+        let compressor = self.compressor()?;
+        let top = self.chain.top();
+        let len = compressor
+            .cluster_size
+            .min(top.size.get().saturating_sub(offset));
+        let packed = match packed {
+            PackedCluster::Compressed(p) => p,
+            PackedCluster::Raw(data) => {
+                self.check_cluster(offset, data.len() as u64)?;
+                let (res, _) = self.write(offset, data).await;
+                return res;
+            }
         };
+        self.check_cluster(offset, len)?;
+        let meta = top
+            .qcow2()
+            .ok_or_else(|| self.unsupported("compressed writes to a raw image"))?;
+        let g = &meta.geom;
+        self.track(offset, len);
+        let unsupported = |what: &str| self.unsupported(what);
         let _guard = self.lock_range(offset, len, LockMode::Exclusive).await;
         let cluster = GuestOffset(offset);
         let e = self.alloc()?.l2_entries(cluster, 1).await?[0];
