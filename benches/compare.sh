@@ -31,7 +31,8 @@
 #   SKIP_BUILD=1         use the existing release binary
 #   QCOW2_NBD_BIN        the server binary to measure (default: the release build)
 #   TLS_PORT [10899]     loopback TCP port of the tls group (must be free)
-#   ONLY="alloc io bitmap l2 chain rss tls"   run a subset of the scenario groups
+#   ONLY="alloc io bitmap l2 chain rss tls tools"   run a subset of the scenario groups
+#   TOOLS_DIR [/dev/shm], TOOLS_MIB [2048]   where and how big the tools group's images are
 #
 # The tls group serves over TCP loopback (127.0.0.1:TLS_PORT) instead of the Unix socket, with
 # x509 credentials that it makes with GnuTLS certtool (gnutls-bin), and needs nbdinfo
@@ -62,7 +63,7 @@ RSS_L2_CACHE=${RSS_L2_CACHE:-4M}
 BENCH_DIR=${BENCH_DIR:-/var/tmp}
 QEMU_AIO=${QEMU_AIO:-io_uring}
 TLS_PORT=${TLS_PORT:-10899}
-ONLY=${ONLY:-"alloc io bitmap l2 chain rss tls"}
+ONLY=${ONLY:-"alloc io bitmap l2 chain rss tls tools"}
 
 log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -595,12 +596,111 @@ tls_scenarios() {
 }
 
 # ---------------------------------------------------------------------------------------------
+# 7. Image tools on tmpfs (CPU-bound): convert a 2 GiB half-allocated qcow2 (1 MiB of data
+# every other MiB, taken from the system's own files so it compresses as real disks do) to
+# qcow2, to raw, and to qcow2 with -c, against `qemu-img convert`; `cp --sparse=always` of the
+# raw equivalent is the physical limit. check on a 2 GiB fully allocated image and on a
+# 20 GiB image preallocated with metadata (every L2 table and refcount block present, no
+# data) against `qemu-img check`. Wall time and CPU time (user + system) per run, medians of
+# alternating rounds; each output is compared with the source by `qemu-img compare` once.
+TOOLS_DIR=${TOOLS_DIR:-/dev/shm}
+TOOLS_MIB=${TOOLS_MIB:-2048}
+
+make_tools_images() { # $1: directory
+    local d=$1
+    python3 - "$d/src.raw" "$TOOLS_MIB" <<'PY'
+import os, sys, tarfile, io
+path, mib = sys.argv[1], int(sys.argv[2])
+def files():
+    for root in ("/usr/lib", "/usr/bin", "/usr/share"):
+        for dirpath, _, names in os.walk(root):
+            for n in names:
+                p = os.path.join(dirpath, n)
+                if os.path.isfile(p) and not os.path.islink(p):
+                    yield p
+chunk = 1 << 20
+with open(path, "wb") as out:
+    out.truncate(mib << 20)
+    buf, slot = b"", 0
+    for p in files():
+        try:
+            with open(p, "rb") as f:
+                buf += f.read(4 << 20)
+        except OSError:
+            continue
+        while len(buf) >= chunk and slot < mib:
+            out.seek(slot << 20)
+            out.write(buf[:chunk])
+            buf, slot = buf[chunk:], slot + 2
+        if slot >= mib:
+            break
+PY
+    qemu-img convert -f raw -O qcow2 "$d/src.raw" "$d/src.qcow2"
+    qemu-img create -q -f qcow2 -o preallocation=falloc "$d/full.qcow2" "$((TOOLS_MIB))M"
+    qemu-img create -q -f qcow2 -o preallocation=metadata "$d/sparse20.qcow2" 20G
+}
+
+# timed LABEL KIND CMD...: runs CMD, records its wall and CPU time in ms under LABEL.
+timed() {
+    local label=$1 kind=$2 t
+    shift 2
+    t=$( { TIMEFORMAT='%R %U %S'; time "$@" >/dev/null 2>&1; } 2>&1 ) || die "$label ($kind) failed: $*"
+    read -r wall user sys <<<"$t"
+    record "$label ms" "$kind" "$(awk -v w="$wall" 'BEGIN { printf "%.0f", w * 1000 }')"
+    record "$label cpu ms" "$kind" "$(awk -v u="$user" -v s="$sys" 'BEGIN { printf "%.0f", (u + s) * 1000 }')"
+}
+
+tools_scenarios() {
+    local d=$TOOLS_DIR/qcow2-nbd-tools.$$ r kind out sc fmt comp
+    mkdir -p "$d"
+    log "tools: making a ${TOOLS_MIB} MiB half-allocated image and check images in $d"
+    make_tools_images "$d"
+    for r in $(seq 1 "$ROUNDS"); do
+        for sc in qcow2 raw qcow2-c; do
+            fmt=${sc%-c}
+            comp=()
+            [ "$sc" = qcow2-c ] && comp=(-c)
+            for kind in $(order "$r"); do
+                out=$d/out-$kind.$fmt
+                rm -f "$out"
+                if [ "$kind" = qemu ]; then
+                    timed "convert $sc" qemu qemu-img convert -f qcow2 -O "$fmt" "${comp[@]}" "$d/src.qcow2" "$out"
+                else
+                    timed "convert $sc" ours "$BIN" convert -q -f qcow2 -O "$fmt" "${comp[@]}" "$d/src.qcow2" "$out"
+                fi
+                if [ "$r" = 1 ]; then
+                    qemu-img compare -q -f qcow2 -F "$fmt" "$d/src.qcow2" "$out" ||
+                        die "convert $sc ($kind): the output differs from the source"
+                fi
+                rm -f "$out"
+            done
+            rm -f "$d/out-raw.raw"
+            timed "convert $sc" raw cp --sparse=always "$d/src.raw" "$d/out-raw.raw"
+            rm -f "$d/out-raw.raw"
+            log "convert $sc round $r done"
+        done
+        for sc in full sparse20; do
+            for kind in $(order "$r"); do
+                if [ "$kind" = qemu ]; then
+                    timed "check $sc" qemu qemu-img check -f qcow2 "$d/$sc.qcow2"
+                else
+                    timed "check $sc" ours "$BIN" check "$d/$sc.qcow2"
+                fi
+            done
+            log "check $sc round $r done"
+        done
+    done
+    rm -rf "$d"
+}
+
+# ---------------------------------------------------------------------------------------------
 START=$(date +%s)
 for group in $ONLY; do
     case $group in
     alloc) alloc_scenarios ;; io) io_scenarios ;; bitmap) bitmap_scenarios ;;
     l2) l2_scenarios ;; chain) chain_scenarios ;; rss) rss_scenarios ;; tls) tls_scenarios ;;
-    *) die "unknown scenario group $group (alloc io bitmap l2 chain rss tls)" ;;
+    tools) tools_scenarios ;;
+    *) die "unknown scenario group $group (alloc io bitmap l2 chain rss tls tools)" ;;
     esac
 done
 ELAPSED=$(($(date +%s) - START))
@@ -670,6 +770,16 @@ usage() { # SCENARIO: the servers' median CPU and disk cost per request, "qemu /
         [ "$bs" = 1M ] && unit=MiB/s
         row "tls $label" "TLS (TCP) $label" "$unit" higher
         row "plain $label" "no TLS (TCP, ours only) $label" "$unit" higher
+    done
+    for sc in qcow2 raw qcow2-c; do
+        row "convert $sc ms" "convert ${TOOLS_MIB} MiB half-allocated qcow2 -> $sc (raw: cp --sparse)" ms lower
+        row "convert $sc cpu ms" "  CPU time (user + system)" ms lower
+    done
+    for sc in full sparse20; do
+        label="check ${TOOLS_MIB} MiB fully allocated"
+        [ "$sc" = sparse20 ] && label="check 20 GiB, metadata preallocated"
+        row "check $sc ms" "$label" ms lower
+        row "check $sc cpu ms" "  CPU time (user + system)" ms lower
     done
     echo
     echo "ratio: ours/qemu-nbd for rates, qemu-nbd/ours for times and memory (above 1 = ours better)."
