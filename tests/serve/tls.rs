@@ -42,6 +42,21 @@ fn authz(identity: &str) -> String {
     )
 }
 
+/// Fresh credentials, and a directory holding an empty qcow2 `disk.qcow2` of `size`.
+fn fixture(size: &str) -> (Pki, Dir) {
+    let d = Dir::new();
+    d.create("disk.qcow2", "qcow2", "", None, size);
+    (Pki::new(), d)
+}
+
+/// `start`s `serve` requiring TLS with the credentials `object`, plus `extra` flags, on
+/// `d`'s disk.
+fn serve_tls(start: fn(&[&str]) -> Server, d: &Dir, object: &str, extra: &[&str]) -> Server {
+    let disk = d.s("disk.qcow2");
+    let flags = tls_flags(object, None);
+    start(&[&strs(&flags)[..], extra, &[&disk]].concat())
+}
+
 /// Where a client connects.
 #[derive(Clone, Copy)]
 enum At<'a> {
@@ -135,13 +150,10 @@ fn combined(out: &Output) -> String {
 
 #[test]
 fn qemu_io_writes_and_reads_back_through_x509_on_tcp_and_unix() {
-    let pki = Pki::new();
-    let d = Dir::new();
-    d.create("disk.qcow2", "qcow2", "", None, "64M");
+    let (pki, d) = fixture("64M");
     let object = x509(&pki.server(), "");
-    let args = ["--object", &object, "--tls-creds", "tls0", "-t"];
 
-    let tcp = Server::tcp(&[&args[..], &[&d.s("disk.qcow2")]].concat());
+    let tcp = serve_tls(Server::tcp, &d, &object, &["-t"]);
     let out = qemu_io_x509(
         At::of(&tcp),
         Some(&pki.client()),
@@ -154,7 +166,7 @@ fn qemu_io_writes_and_reads_back_through_x509_on_tcp_and_unix() {
     assert!(succeeded(&out), "{}", combined(&out));
     tcp.stop_ok();
 
-    let unix = Server::unix(&[&args[..], &[&d.s("disk.qcow2")]].concat());
+    let unix = serve_tls(Server::unix, &d, &object, &["-t"]);
     let out = qemu_io_x509(
         At::of(&unix),
         Some(&pki.client()),
@@ -202,25 +214,14 @@ fn nbdcopy(from: &str, to: &str, connections: u32) {
 
 #[test]
 fn nbdcopy_moves_data_through_psk_with_multi_conn_and_through_x509_over_tcp() {
-    let pki = Pki::new();
-    let d = Dir::new();
-    d.create("disk.qcow2", "qcow2", "", None, "12M");
+    let (pki, d) = fixture("12M");
     let data = source(12 << 20);
     std::fs::write(d.path("src.raw"), &data).unwrap();
     let keys = pki.psk_dir().join("keys.psk");
     let psk_query = format!("tls-psk-file={}", keys.display());
 
     let object = psk(&pki.psk_dir());
-    let server = Server::unix_reporting(&[
-        "--object",
-        &object,
-        "--tls-creds",
-        "tls0",
-        "-e",
-        "4",
-        "-t",
-        &d.s("disk.qcow2"),
-    ]);
+    let server = serve_tls(Server::unix_reporting, &d, &object, &["-e", "4", "-t"]);
     let uri = At::of(&server).nbds(Some(PSK_USER), &psk_query);
     let info = stdout(&run_ok(
         Command::new(require("nbdinfo", "libnbd-bin")).arg(&uri),
@@ -236,14 +237,7 @@ fn nbdcopy_moves_data_through_psk_with_multi_conn_and_through_x509_over_tcp() {
     d.assert_same_contents("disk.qcow2", "qcow2", "src.raw", "raw");
 
     let object = x509(&pki.server(), "");
-    let server = Server::tcp(&[
-        "--object",
-        &object,
-        "--tls-creds",
-        "tls0",
-        "-r",
-        &d.s("disk.qcow2"),
-    ]);
+    let server = serve_tls(Server::tcp, &d, &object, &["-r"]);
     let client_query = format!("tls-certificates={}", pki.client().display());
     nbdcopy(
         &At::of(&server).nbds(None, &client_query),
@@ -256,9 +250,7 @@ fn nbdcopy_moves_data_through_psk_with_multi_conn_and_through_x509_over_tcp() {
 
 #[test]
 fn nbdsh_under_socket_activation_speaks_psk() {
-    let pki = Pki::new();
-    let d = Dir::new();
-    d.create("disk.qcow2", "qcow2", "", None, "4M");
+    let (pki, d) = fixture("4M");
     let keys = pki.psk_dir().join("keys.psk");
     let script = r#"
 import sys, nbd
@@ -325,19 +317,11 @@ impl Collected {
 
 #[test]
 fn gnutls_cli_negotiates_psk_after_starttls() {
-    let pki = Pki::new();
-    let d = Dir::new();
-    d.create("disk.qcow2", "qcow2", "", None, "4M");
+    let (pki, d) = fixture("4M");
     let keys = std::fs::read_to_string(pki.psk_dir().join("keys.psk")).unwrap();
     let key = keys.trim().split_once(':').unwrap().1.to_owned();
     let object = psk(&pki.psk_dir());
-    let server = Server::tcp(&[
-        "--object",
-        &object,
-        "--tls-creds",
-        "tls0",
-        &d.s("disk.qcow2"),
-    ]);
+    let server = serve_tls(Server::tcp, &d, &object, &[]);
     // stdbuf: gnutls-cli's messages would otherwise sit in its stdout buffer.
     let mut cli = Command::new("stdbuf")
         .arg("-o0")
@@ -438,9 +422,7 @@ fn strs(v: &[String]) -> Vec<&str> {
 
 #[test]
 fn x509_refusals_match_qemu_nbd_as_in_iotest_233() {
-    let pki = Pki::new();
-    let d = Dir::new();
-    d.create("disk.qcow2", "qcow2", "", None, "4M");
+    let (pki, d) = fixture("4M");
     let image = d.path("disk.qcow2");
     let (client, wrong_ca) = (pki.client(), pki.wrong_ca_client());
     let (rogue, anonymous) = (pki.rogue_client(), pki.anonymous_client());
@@ -489,9 +471,7 @@ fn x509_refusals_match_qemu_nbd_as_in_iotest_233() {
 
 #[test]
 fn psk_refusals_match_qemu_nbd() {
-    let pki = Pki::new();
-    let d = Dir::new();
-    d.create("disk.qcow2", "qcow2", "", None, "4M");
+    let (pki, d) = fixture("4M");
     let image = d.path("disk.qcow2");
     let (good, unknown, wrong) = (pki.psk_dir(), pki.unknown_psk_dir(), pki.wrong_psk_dir());
     let object = psk(&good);
@@ -522,23 +502,15 @@ fn psk_refusals_match_qemu_nbd() {
 
 #[test]
 fn refusals_say_why_in_the_clients_words() {
-    let pki = Pki::new();
-    let d = Dir::new();
-    d.create("disk.qcow2", "qcow2", "", None, "4M");
+    let (pki, d) = fixture("4M");
     let object = x509(&pki.server(), "");
     let other = authz("CN=someone else");
-    let server = Server::unix(&[
-        "--object",
+    let server = serve_tls(
+        Server::unix,
+        &d,
         &object,
-        "--tls-creds",
-        "tls0",
-        "--object",
-        &other,
-        "--tls-authz",
-        "az0",
-        "-t",
-        &d.s("disk.qcow2"),
-    ]);
+        &["--object", &other, "--tls-authz", "az0", "-t"],
+    );
     let (_, plain) = attempt(At::of(&server), &Attempt::Qemu(None));
     assert!(
         plain.contains("Did you forget a valid tls-creds?"),
@@ -566,18 +538,9 @@ fn read_to_close(s: &mut std::os::unix::net::UnixStream) -> Vec<u8> {
 
 #[test]
 fn plaintext_after_starttls_is_never_read_as_tls_or_as_options() {
-    let pki = Pki::new();
-    let d = Dir::new();
-    d.create("disk.qcow2", "qcow2", "", None, "4M");
+    let (pki, d) = fixture("4M");
     let object = psk(&pki.psk_dir());
-    let server = Server::unix_reporting(&[
-        "--object",
-        &object,
-        "--tls-creds",
-        "tls0",
-        "-t",
-        &d.s("disk.qcow2"),
-    ]);
+    let server = serve_tls(Server::unix_reporting, &d, &object, &["-t"]);
     // Before TLS every option but STARTTLS is refused with TLS_REQD, and nothing leaks.
     let mut s = raw::negotiating(&server.socket);
     s.write_all(&option(OPT_LIST, &[])).unwrap();
@@ -617,20 +580,9 @@ fn plaintext_after_starttls_is_never_read_as_tls_or_as_options() {
 
 #[test]
 fn a_client_stalled_in_the_tls_handshake_is_cut_off_by_the_handshake_limit() {
-    let pki = Pki::new();
-    let d = Dir::new();
-    d.create("disk.qcow2", "qcow2", "", None, "4M");
+    let (pki, d) = fixture("4M");
     let object = psk(&pki.psk_dir());
-    let server = Server::unix(&[
-        "--object",
-        &object,
-        "--tls-creds",
-        "tls0",
-        "--handshake-limit",
-        "1",
-        "-t",
-        &d.s("disk.qcow2"),
-    ]);
+    let server = serve_tls(Server::unix, &d, &object, &["--handshake-limit", "1", "-t"]);
     let mut s = raw::negotiating(&server.socket);
     s.write_all(&option(OPT_STARTTLS, &[])).unwrap();
     assert_eq!(finish_option(&mut s), REP_ACK);
@@ -645,9 +597,7 @@ fn a_client_stalled_in_the_tls_handshake_is_cut_off_by_the_handshake_limit() {
 
 #[test]
 fn bad_credentials_and_flags_are_refused_at_start_naming_the_problem() {
-    let pki = Pki::new();
-    let d = Dir::new();
-    d.create("disk.qcow2", "qcow2", "", None, "4M");
+    let (pki, d) = fixture("4M");
     let image = d.s("disk.qcow2");
     let root = pki.root();
     let copy_dir = |name: &str, from: &Path| {
