@@ -331,14 +331,14 @@ async fn serve_image(
         .transpose()?;
     if readiness.is_none() {
         let names: Vec<String> = listeners.iter().map(|(_, n)| n.clone()).collect();
-        banner::print(
-            &args.image,
-            facts.size,
-            &args.export_name,
-            &names,
-            facts.read_only,
-            tls.as_deref(),
-        );
+        banner::print(&banner::Banner {
+            image: &args.image,
+            size: facts.size,
+            export: &args.export_name,
+            listeners: &names,
+            read_only: facts.read_only,
+            tls: tls.as_deref(),
+        });
     }
     if let Some(r) = readiness {
         r.notify(args.verbose > 0).map_err(ServeError::Fork)?;

@@ -4,35 +4,41 @@
 use std::io::{IsTerminal, Write};
 use std::path::Path;
 
-/// Prints the connect hints for each listener (`unix:PATH` / `tcp:ADDR`) to a terminal.
-pub fn print(
-    image: &Path,
-    size: u64,
-    export: &str,
-    listeners: &[String],
-    read_only: bool,
-    tls: Option<&str>,
-) {
+/// What the banner describes.
+pub struct Banner<'a> {
+    /// The image served.
+    pub image: &'a Path,
+    /// Its size in bytes.
+    pub size: u64,
+    /// The export name.
+    pub export: &'a str,
+    /// Where the server listens: `unix:PATH` or `tcp:ADDR` each.
+    pub listeners: &'a [String],
+    /// Exported read-only.
+    pub read_only: bool,
+    /// What TLS clients need, if the server requires it.
+    pub tls: Option<&'a str>,
+}
+
+/// Prints the connect hints for each listener to a terminal.
+pub fn print(banner: &Banner<'_>) {
     let mut err = std::io::stderr();
     if !err.is_terminal() {
         return;
     }
-    let _ = write!(
-        err,
-        "{}",
-        text(image, size, export, listeners, read_only, tls)
-    );
+    let _ = write!(err, "{}", text(banner));
 }
 
 /// The hints themselves (separate so tests can read them).
-pub fn text(
-    image: &Path,
-    size: u64,
-    export: &str,
-    listeners: &[String],
-    read_only: bool,
-    tls: Option<&str>,
-) -> String {
+pub fn text(banner: &Banner<'_>) -> String {
+    let Banner {
+        image,
+        size,
+        export,
+        listeners,
+        read_only,
+        tls,
+    } = *banner;
     let mut out = format!(
         "qcow2-nbd: serving {} ({}{}) as export {export:?}; Ctrl-C stops it.\n",
         image.display(),
@@ -96,27 +102,31 @@ mod tests {
 
     #[test]
     fn unix_and_tcp_hints_name_the_export_and_its_address() {
-        let t = text(
-            Path::new("demo.qcow2"),
-            1 << 30,
-            "",
-            &["unix:/tmp/demo.sock".into(), "tcp:0.0.0.0:10809".into()],
-            false,
-            None,
-        );
+        let listeners = ["unix:/tmp/demo.sock".into(), "tcp:0.0.0.0:10809".into()];
+        let mut b = Banner {
+            image: Path::new("demo.qcow2"),
+            size: 1 << 30,
+            export: "",
+            listeners: &listeners,
+            read_only: false,
+            tls: None,
+        };
+        let t = text(&b);
         assert!(t.contains("demo.qcow2 (1 GiB)"), "{t}");
         assert!(t.contains("'nbd+unix:///?socket=/tmp/demo.sock'"), "{t}");
         assert!(t.contains("nbd-client -u /tmp/demo.sock /dev/nbd0"), "{t}");
         assert!(t.contains("nbdinfo 'nbd://localhost:10809/'"), "{t}");
         assert!(t.contains("nbd-client localhost 10809 /dev/nbd0"), "{t}");
-        let named = text(
-            Path::new("d"),
-            1536,
-            "disk",
-            &["unix:/s".into()],
-            true,
-            None,
-        );
+        let unix = ["unix:/s".into()];
+        b = Banner {
+            image: Path::new("d"),
+            size: 1536,
+            export: "disk",
+            listeners: &unix,
+            read_only: true,
+            tls: None,
+        };
+        let named = text(&b);
         assert!(named.contains("(1536 B, read-only)"), "{named}");
         assert!(named.contains("qemu-io -r -f raw"), "{named}");
         assert!(named.contains("nbd+unix:///disk?socket=/s"), "{named}");
@@ -124,14 +134,15 @@ mod tests {
             named.contains("nbd-client -N disk -u /s /dev/nbd0"),
             "{named}"
         );
-        let tls = text(
-            Path::new("d"),
-            512,
-            "",
-            &["tcp:[::]:10809".into()],
-            false,
-            Some("TLS required (pre-shared keys)"),
-        );
+        let tcp = ["tcp:[::]:10809".into()];
+        b = Banner {
+            export: "",
+            listeners: &tcp,
+            read_only: false,
+            tls: Some("TLS required (pre-shared keys)"),
+            ..b
+        };
+        let tls = text(&b);
         assert!(
             tls.contains("TLS required (pre-shared keys): connect with nbds://"),
             "{tls}"
