@@ -5,6 +5,7 @@
 use super::compress;
 use super::error::{EngineError, Result};
 use super::image::{Image, Inner};
+use super::layer::Qcow2Meta;
 use super::range_lock::LockMode;
 use crate::format::l2;
 use crate::format::l2_extended::unpack_bitmap;
@@ -29,6 +30,13 @@ pub enum PackedCluster {
 }
 
 impl ClusterCompressor {
+    fn of<S>(meta: &Qcow2Meta<S>) -> Self {
+        Self {
+            codec: meta.codec,
+            cluster_size: meta.geom.cluster_size(),
+        }
+    }
+
     /// Compresses `data`, one cluster (or the short last one), padded with zeros to a whole
     /// cluster as QEMU does. Pure CPU work: safe to run off the engine's thread.
     pub fn compress(
@@ -56,7 +64,9 @@ impl<S: Storage + 'static> Image<S> {
     /// shorter when the disk ends inside it). Like QEMU, the cluster must be unallocated.
     pub async fn write_compressed(&self, offset: u64, data: IoBuf) -> Result<()> {
         let compressor = self.inner.compressor()?;
-        self.inner.check_cluster(offset, data.len() as u64)?;
+        // Before the work of compressing: the data must be one cluster.
+        self.inner
+            .check_cluster(compressor, offset, data.len() as u64)?;
         let packed = compressor
             .compress(data)
             .map_err(|source| EngineError::Compressed {
@@ -82,9 +92,16 @@ impl<S: Storage + 'static> Image<S> {
 
 impl<S: Storage + 'static> Inner<S> {
     fn compressor(&self) -> Result<ClusterCompressor> {
+        self.compressed_target().map(ClusterCompressor::of)
+    }
+
+    /// The top layer's qcow2 metadata, if it can take compressed writes: writable, qcow2,
+    /// no external data file.
+    fn compressed_target(&self) -> Result<&Qcow2Meta<S>> {
         self.check_writable()?;
-        let top = self.chain.top();
-        let meta = top
+        let meta = self
+            .chain
+            .top()
             .qcow2()
             .ok_or_else(|| self.unsupported("compressed writes to a raw image"))?;
         if meta.data_file.is_some() {
@@ -92,10 +109,7 @@ impl<S: Storage + 'static> Inner<S> {
                 self.unsupported("compressed writes to an image with an external data file")
             );
         }
-        Ok(ClusterCompressor {
-            codec: meta.codec,
-            cluster_size: meta.geom.cluster_size(),
-        })
+        Ok(meta)
     }
 
     fn unsupported(&self, what: &str) -> EngineError {
@@ -106,9 +120,9 @@ impl<S: Storage + 'static> Inner<S> {
     }
 
     /// `[offset, offset + len)` is exactly one cluster of the disk (or its short last one).
-    fn check_cluster(&self, offset: u64, len: u64) -> Result<()> {
+    fn check_cluster(&self, compressor: ClusterCompressor, offset: u64, len: u64) -> Result<()> {
         self.check_range(offset, len)?;
-        let cs = self.compressor()?.cluster_size;
+        let cs = compressor.cluster_size;
         let size = self.chain.top().size.get();
         if offset % cs != 0 || (len != cs && offset + len != size) || len == 0 {
             return Err(self.unsupported("a compressed write that is not exactly one cluster"));
@@ -117,23 +131,23 @@ impl<S: Storage + 'static> Inner<S> {
     }
 
     async fn write_packed(&self, offset: u64, packed: PackedCluster) -> Result<()> {
-        let compressor = self.compressor()?;
+        let meta = self.compressed_target()?;
+        let compressor = ClusterCompressor::of(meta);
         let top = self.chain.top();
-        let len = compressor
-            .cluster_size
-            .min(top.size.get().saturating_sub(offset));
+        let len = match &packed {
+            PackedCluster::Raw(data) => data.len() as u64,
+            PackedCluster::Compressed(_) => compressor
+                .cluster_size
+                .min(top.size.get().saturating_sub(offset)),
+        };
+        self.check_cluster(compressor, offset, len)?;
         let packed = match packed {
             PackedCluster::Compressed(p) => p,
             PackedCluster::Raw(data) => {
-                self.check_cluster(offset, data.len() as u64)?;
                 let (res, _) = self.write(offset, data).await;
                 return res;
             }
         };
-        self.check_cluster(offset, len)?;
-        let meta = top
-            .qcow2()
-            .ok_or_else(|| self.unsupported("compressed writes to a raw image"))?;
         let g = &meta.geom;
         self.track(offset, len);
         let unsupported = |what: &str| self.unsupported(what);
