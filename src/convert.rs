@@ -162,6 +162,14 @@ pub fn is_zero(data: &[u8]) -> bool {
         .all(|c| c.iter().fold(0u8, |acc, &b| acc | b) == 0)
 }
 
+/// A request's data, ready to be written.
+enum Prepared {
+    /// As read: its non-zero grains are written as they are.
+    Data(IoBuf),
+    /// Compressed clusters and where they go.
+    Packed(Vec<(u64, PackedCluster)>),
+}
+
 /// Everything a copy task needs.
 struct Job {
     src: Image<AnyStorage>,
@@ -190,14 +198,12 @@ impl Job {
     async fn copy(self: Rc<Self>, seq: u64, off: u64, len: u64) -> Result<(), EngineError> {
         // len <= REQUEST_BYTES (or one grain), which fits in memory by construction.
         let (read, buf) = self.src.read_into(off, self.buffer(len as usize)).await;
-        // Compression runs before this request's turn to write, so requests compress in
-        // parallel even when they write in order.
-        let (read, packed) = match (read, self.compress) {
-            (Ok(()), Some(c)) => match self.pack(c, off, &buf).await {
-                Ok(p) => (Ok(()), p),
-                Err(e) => (Err(e), Vec::new()),
-            },
-            (read, _) => (read, Vec::new()),
+        let prepared = match read {
+            Ok(()) => self.prepare(off, buf).await,
+            Err(e) => {
+                self.buffers.borrow_mut().push(buf);
+                Err(e)
+            }
         };
         if self.ordered {
             // Single-threaded: nothing runs between the check and registering the waiter.
@@ -206,16 +212,10 @@ impl Job {
             }
         }
         // Even a failed read passes the turn on, so no later request waits forever.
-        let res = match read {
-            Ok(()) if self.compress.is_some() => {
-                self.buffers.borrow_mut().push(buf);
-                self.write_packed(packed).await
-            }
-            Ok(()) => self.write_out(off, buf).await,
-            Err(e) => {
-                self.buffers.borrow_mut().push(buf);
-                Err(e)
-            }
+        let res = match prepared {
+            Ok(Prepared::Data(buf)) => self.write_out(off, buf).await,
+            Ok(Prepared::Packed(packed)) => self.write_packed(packed).await,
+            Err(e) => Err(e),
         };
         if self.ordered {
             self.turn.set(seq + 1);
@@ -225,6 +225,18 @@ impl Job {
             self.progress.advance(len);
         }
         res
+    }
+
+    /// What `buf` (read at `off`) becomes before its turn to write: with `-c`, its clusters
+    /// compressed (so requests compress in parallel even when they write in order) and the
+    /// buffer back in the pool; otherwise the buffer itself.
+    async fn prepare(&self, off: u64, buf: IoBuf) -> Result<Prepared, EngineError> {
+        let Some(compressor) = self.compress else {
+            return Ok(Prepared::Data(buf));
+        };
+        let packed = self.pack(compressor, off, &buf).await;
+        self.buffers.borrow_mut().push(buf);
+        Ok(Prepared::Packed(packed?))
     }
 
     /// A buffer of `len` bytes (contents unspecified), from the pool when one is free.
