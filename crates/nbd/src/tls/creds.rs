@@ -80,9 +80,8 @@ pub(super) fn x509_context(dir: &Path, verify_peer: bool) -> Result<SslContext, 
     b.set_certificate_chain_file(&cert)
         .map_err(|e| invalid(&cert, format!("not a PEM certificate: {e}")))?;
     b.set_private_key(&private)?;
-    b.check_private_key()?;
     let ca_certs = read_certs(&ca)?;
-    check_signed_by(&cert, &ca, &ca_certs)?;
+    check_signed_by(&cert, chain, &ca, &ca_certs)?;
     if verify_peer {
         let mut names = Stack::new()?;
         for c in &ca_certs {
@@ -120,8 +119,13 @@ fn read_certs(path: &Path) -> Result<Vec<X509>, TlsError> {
 
 /// Refuses to start with a server certificate clients would reject: one the CA did not
 /// sign, or one expired or not yet valid (QEMU's `sanity-check` does the same).
-fn check_signed_by(cert_path: &Path, ca_path: &Path, ca: &[X509]) -> Result<(), TlsError> {
-    let mut chain_certs = read_certs(cert_path)?.into_iter();
+fn check_signed_by(
+    cert_path: &Path,
+    chain: Vec<X509>,
+    ca_path: &Path,
+    ca: &[X509],
+) -> Result<(), TlsError> {
+    let mut chain_certs = chain.into_iter();
     let Some(leaf) = chain_certs.next() else {
         return Err(invalid(cert_path, "holds no certificate"));
     };
