@@ -55,8 +55,8 @@ pub enum TlsArgError {
         id: String,
         /// The object's type.
         actual: String,
-        /// Types accepted.
-        expected: &'static str,
+        /// Types accepted, joined with "or".
+        expected: String,
     },
     /// Flags that do not go together.
     #[error("{0}")]
@@ -270,25 +270,25 @@ fn lookup<'a>(
     objects: &'a HashMap<String, QemuObject>,
     flag: &'static str,
     id: &str,
-    expected: &'static str,
+    expected: &[&str],
 ) -> Result<&'a QemuObject, TlsArgError> {
     let object = objects.get(id).ok_or_else(|| TlsArgError::NoSuchObject {
         flag,
         id: id.to_owned(),
     })?;
-    if !expected.split(" or ").any(|t| t == object.qom_type) {
+    if !expected.contains(&object.qom_type.as_str()) {
         return Err(TlsArgError::WrongType {
             flag,
             id: id.to_owned(),
             actual: object.qom_type.clone(),
-            expected,
+            expected: expected.join(" or "),
         });
     }
     Ok(object)
 }
 
 fn authz(objects: &HashMap<String, QemuObject>, id: &str) -> Result<Authz, TlsArgError> {
-    let object = lookup(objects, "--tls-authz", id, "authz-simple")?;
+    let object = lookup(objects, "--tls-authz", id, &["authz-simple"])?;
     let mut props = Props::new(object);
     let identity = props.required("identity")?.to_owned();
     props.finish()?;
@@ -304,7 +304,7 @@ fn creds(
         objects,
         "--tls-creds",
         id,
-        "tls-creds-x509 or tls-creds-psk",
+        &["tls-creds-x509", "tls-creds-psk"],
     )?;
     let mut props = Props::new(object);
     props.server_endpoint()?;
