@@ -89,18 +89,23 @@ struct Integer {
     negative: bool,
 }
 
-/// Scan an unsigned integer the way `strtoull(s, &end, radix)` does (radix 10 or 16; for 16 an
-/// optional `0x`/`0X` prefix is skipped when a hex digit follows it).
-fn scan_integer(s: &[u8], radix: u32) -> Integer {
+/// Skips what C's number parsers skip before the digits: white space, then one sign.
+/// Returns the offset after them and whether the sign was `-`.
+fn skip_space_and_sign(s: &[u8]) -> (usize, bool) {
     let mut i = 0;
     while i < s.len() && is_c_space(s[i]) {
         i += 1;
     }
-    let mut negative = false;
-    if let Some(&sign @ (b'+' | b'-')) = s.get(i) {
-        negative = sign == b'-';
-        i += 1;
+    match s.get(i) {
+        Some(&sign @ (b'+' | b'-')) => (i + 1, sign == b'-'),
+        _ => (i, false),
     }
+}
+
+/// Scan an unsigned integer the way `strtoull(s, &end, radix)` does (radix 10 or 16; for 16 an
+/// optional `0x`/`0X` prefix is skipped when a hex digit follows it).
+fn scan_integer(s: &[u8], radix: u32) -> Integer {
+    let (mut i, negative) = skip_space_and_sign(s);
     if radix == 16
         && s.get(i) == Some(&b'0')
         && matches!(s.get(i + 1), Some(b'x' | b'X'))
@@ -134,15 +139,7 @@ fn scan_integer(s: &[u8], radix: u32) -> Integer {
 /// a sign, a dot and decimal digits. Returns (bytes consumed, value, negative, any non-zero
 /// digit), or `None` when `strtod` would convert nothing.
 fn scan_fraction(s: &[u8]) -> Option<(usize, f64, bool, bool)> {
-    let mut i = 0;
-    while i < s.len() && is_c_space(s[i]) {
-        i += 1;
-    }
-    let mut negative = false;
-    if let Some(&sign @ (b'+' | b'-')) = s.get(i) {
-        negative = sign == b'-';
-        i += 1;
-    }
+    let (mut i, negative) = skip_space_and_sign(s);
     if s.get(i) != Some(&b'.') {
         return None;
     }
