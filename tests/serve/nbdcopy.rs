@@ -12,7 +12,7 @@ use test_support::{
 };
 
 /// Deterministic bytes with runs of zeroes, so nbdcopy both writes and zeroes.
-fn source_bytes(len: usize) -> Vec<u8> {
+pub(crate) fn source_bytes(len: usize) -> Vec<u8> {
     let mut out = Rng(0x9e37_79b9_7f4a_7c15).bytes(len);
     // Every fourth 256 KiB block is zeroes.
     for (i, block) in out.chunks_mut(256 << 10).enumerate() {

@@ -10,12 +10,13 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
+use crate::nbdcopy::source_bytes;
 use crate::support::qemu_nbd::QemuNbd;
 use crate::support::raw::{self, finish_option, option, OPT_LIST, REP_ACK};
 use crate::support::{serve_fails, Server, BIN};
 use test_support::{
     assert_check_clean, python_with_libnbd, qemu, require, run_ok, stdout, wait_until, Dir, Pki,
-    Rng, CLIENT_DN, PSK_USER,
+    CLIENT_DN, PSK_USER,
 };
 
 const OPT_STARTTLS: u32 = 5;
@@ -191,17 +192,6 @@ fn qemu_io_writes_and_reads_back_through_x509_on_tcp_and_unix() {
     );
 }
 
-/// Deterministic data with zero runs, so nbdcopy both writes and zeroes.
-fn source(len: usize) -> Vec<u8> {
-    let mut out = Rng(0x5eed_7175).bytes(len);
-    for (i, block) in out.chunks_mut(256 << 10).enumerate() {
-        if i % 3 == 2 {
-            block.fill(0);
-        }
-    }
-    out
-}
-
 fn nbdcopy(from: &str, to: &str, connections: u32) {
     run_ok(
         Command::new(require("nbdcopy", "libnbd-bin"))
@@ -215,7 +205,7 @@ fn nbdcopy(from: &str, to: &str, connections: u32) {
 #[test]
 fn nbdcopy_moves_data_through_psk_with_multi_conn_and_through_x509_over_tcp() {
     let (pki, d) = fixture("12M");
-    let data = source(12 << 20);
+    let data = source_bytes(12 << 20);
     std::fs::write(d.path("src.raw"), &data).unwrap();
     let keys = pki.psk_dir().join("keys.psk");
     let psk_query = format!("tls-psk-file={}", keys.display());
