@@ -139,21 +139,35 @@ pub(crate) fn is_unsupported(e: &io::Error) -> bool {
 /// metadata operations (the ones QEMU relies on for cheap zeroes). Unknown ones say no; the
 /// answer is also corrected at run time when fallocate fails.
 pub(crate) fn fs_has_cheap_zeroes(file: &File) -> bool {
-    // SAFETY: statfs is plain data; all-zero is a valid value to overwrite.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `st` is a valid, writable statfs for the kernel to fill.
-    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
-        return false;
-    }
     const EXT4: i64 = 0xEF53;
     const XFS: i64 = 0x5846_5342;
     const BTRFS: i64 = 0x9123_683E;
     const F2FS: i64 = 0xF2F5_2010;
     const BCACHEFS: i64 = 0xCA45_1A4E;
+    fs_magic(file).is_some_and(|m| matches!(m, EXT4 | XFS | BTRFS | F2FS | BCACHEFS))
+}
+
+/// Whether `file` lives in memory (tmpfs, ramfs): its reads and writes are copies that never
+/// wait for a device. Such file systems also refuse non-blocking I/O (`RWF_NOWAIT`), so
+/// io_uring hands every operation on them to a kernel worker thread and wakes the submitter
+/// with an interrupt when it is done, which costs far more than the copy itself.
+pub(crate) fn fs_is_memory(file: &File) -> bool {
+    const TMPFS: i64 = 0x0102_1994;
+    const RAMFS: i64 = 0x8584_58F6;
+    fs_magic(file).is_some_and(|m| matches!(m, TMPFS | RAMFS))
+}
+
+/// The file system type (`statfs.f_type`) under `file`, if the kernel says.
+fn fs_magic(file: &File) -> Option<i64> {
+    // SAFETY: statfs is plain data; all-zero is a valid value to overwrite.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a valid, writable statfs for the kernel to fill.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
+        return None;
+    }
     // f_type is i64 on x86_64 but narrower on some targets.
     #[allow(clippy::useless_conversion)]
-    let magic = i64::from(st.f_type);
-    matches!(magic, EXT4 | XFS | BTRFS | F2FS | BCACHEFS)
+    Some(i64::from(st.f_type))
 }
 
 /// The offset/length alignment O_DIRECT needs on `file`: statx's DIOALIGN when the kernel

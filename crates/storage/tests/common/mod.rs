@@ -13,6 +13,11 @@ pub fn scratch_dir() -> tempfile::TempDir {
     tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("creating scratch dir")
 }
 
+/// A scratch directory in memory (tmpfs at `/dev/shm`, as on every Linux with glibc).
+pub fn memory_dir() -> tempfile::TempDir {
+    tempfile::tempdir_in("/dev/shm").expect("creating a scratch dir on /dev/shm (tmpfs)")
+}
+
 /// Every backend the behaviour suite runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
@@ -23,10 +28,12 @@ pub enum Backend {
     Uring,
     UringBatched,
     UringDirect,
+    /// io_uring storage on tmpfs, where data I/O runs inline.
+    UringMemory,
 }
 
 impl Backend {
-    pub const ALL: [Backend; 7] = [
+    pub const ALL: [Backend; 8] = [
         Backend::Mem,
         Backend::FaultMem,
         Backend::Threads,
@@ -34,6 +41,7 @@ impl Backend {
         Backend::Uring,
         Backend::UringBatched,
         Backend::UringDirect,
+        Backend::UringMemory,
     ];
 
     pub fn is_direct(self) -> bool {
@@ -72,6 +80,15 @@ pub async fn open(backend: Backend) -> TestStorage {
             let s = UringStorage::open_with(reactor, &file(&dir), opts)
                 .await
                 .expect("open");
+            TestStorage::Uring(s, dir)
+        }
+        Backend::UringMemory => {
+            let dir = memory_dir();
+            let s = UringStorage::open(&file(&dir), opts).await.expect("open");
+            assert!(
+                s.raw().is_inline(),
+                "/dev/shm is not seen as memory-backed: the inline path goes untested"
+            );
             TestStorage::Uring(s, dir)
         }
     }
