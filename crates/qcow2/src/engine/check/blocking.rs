@@ -1,6 +1,7 @@
 //! Checking a file by path from synchronous code (the `qcow2-nbd check` command): a private
-//! single-threaded runtime runs the async checker over the thread-pool file backend, which
-//! works on every file system.
+//! single-threaded runtime runs the async checker over io_uring (the thread-pool backend
+//! where io_uring is unavailable): on tmpfs and in the page cache the reads are then plain
+//! `pread`s on this thread, without a hand-off to a pool thread for each table.
 
 use super::error::CheckError;
 use super::report::Finding;
@@ -25,7 +26,7 @@ pub fn check_path(
     let local = tokio::task::LocalSet::new();
     local.block_on(&rt, async {
         let opener = FileOpener {
-            aio: Aio::Threads,
+            aio: Aio::IoUring,
             direct: false,
             locking,
         };

@@ -7,7 +7,7 @@ use super::imrt::Imrt;
 use super::ondisk::Refblocks;
 use super::pass::{Fix, Pass};
 use super::report::FindingKind;
-use crate::format::refcount::REFTABLE_OFFSET_MASK;
+use crate::format::refcount::{self, REFTABLE_OFFSET_MASK};
 use storage::Storage;
 
 impl<S: Storage> Pass<'_, S> {
@@ -25,6 +25,11 @@ impl<S: Storage> Pass<'_, S> {
         while next < imrt.len() {
             if let Some(resume) = self.skip_unused(imrt, next) {
                 next = resume;
+                continue;
+            }
+            let agreed = self.skip_agreeing(&mut rb, imrt, next, &mut highest).await;
+            if agreed > next {
+                next = agreed;
                 continue;
             }
             let k = next;
@@ -80,6 +85,44 @@ impl<S: Storage> Pass<'_, S> {
         }
         self.write_back_refblock(&mut rb).await?;
         Ok(highest)
+    }
+
+    /// The first cluster at or after `k` in its refcount block whose stored refcount differs
+    /// from the computed one, passing over those that agree a block at a time (`highest`
+    /// follows the ones in use). `k` itself when its block cannot be read as is: the
+    /// cluster-by-cluster path then reports why.
+    async fn skip_agreeing(
+        &mut self,
+        rb: &mut Refblocks,
+        imrt: &Imrt,
+        k: u64,
+        highest: &mut u64,
+    ) -> u64 {
+        let bits = self.meta.refblock_bits;
+        let index = k >> bits;
+        let block = usize::try_from(index)
+            .ok()
+            .and_then(|i| self.meta.reftable.get(i))
+            .map_or(0, |&raw| raw & REFTABLE_OFFSET_MASK);
+        if block == 0 || self.meta.in_cluster(block) != 0 {
+            return k;
+        }
+        if self.load_refblock(rb, block).await.is_err() {
+            return k;
+        }
+        let Some(buf) = rb.cached() else {
+            return k;
+        };
+        let (order, mask) = (self.meta.refcount_order, self.meta.refblock_entries() - 1);
+        let block_end = (index + 1) << bits;
+        imrt.scan_while(k, block_end, |c, used| {
+            // The entry index is below the entries of one cluster-sized block.
+            let stored = refcount::get(buf, order, (c & mask) as usize).unwrap_or(0);
+            if stored == used && stored > 0 {
+                *highest = c;
+            }
+            stored == used
+        })
     }
 
     /// Where comparing can resume when cluster `k` starts a stretch that no refcount block

@@ -75,6 +75,50 @@ impl Imrt {
         }
     }
 
+    /// Visits the counts of clusters `[start, end)` in order while `agree(k, count)` holds;
+    /// returns the first cluster where it did not (or `end`). One table lookup per chunk
+    /// rather than per cluster: this is the inner loop of comparing a large image.
+    pub fn scan_while(&self, start: u64, end: u64, mut agree: impl FnMut(u64, u64) -> bool) -> u64 {
+        let end = end.min(self.len);
+        let mut k = start;
+        while k < end {
+            let (c, from) = Self::split(k);
+            let chunk_end = ((c + 1) << CHUNK_BITS).min(end);
+            let chunk = self.chunks.get(&c);
+            // Both bounds lie in this chunk, so the indices are below 2^16.
+            let to = from + (chunk_end - k) as usize;
+            for i in from..to {
+                let count = chunk.and_then(|ch| ch.get(i)).map_or(0, |&v| u64::from(v));
+                if !agree(k, count) {
+                    return k;
+                }
+                k += 1;
+            }
+        }
+        end.max(start)
+    }
+
+    /// Adds one to the count of cluster `k`, which must be covered, unless it has reached
+    /// `limit`: returns false then (an overflow). One lookup, for the hot path of counting.
+    pub fn increment(&mut self, k: u64, limit: u64) -> bool {
+        if k >= self.len {
+            return true;
+        }
+        let (c, i) = Self::split(k);
+        let chunk = self
+            .chunks
+            .entry(c)
+            .or_insert_with(|| vec![0u32; CHUNK as usize].into_boxed_slice());
+        match chunk.get_mut(i) {
+            Some(v) if u64::from(*v) >= limit => false,
+            Some(v) => {
+                *v = v.saturating_add(1);
+                true
+            }
+            None => true,
+        }
+    }
+
     /// The first cluster at or after `k` with a non-zero count.
     pub fn next_used(&self, k: u64) -> Option<u64> {
         let (first, skip) = Self::split(k);
@@ -195,5 +239,48 @@ mod tests {
         t.clear();
         assert_eq!(t.next_used(0), None);
         assert_eq!(t.len(), 1 << 40);
+    }
+
+    #[test]
+    fn scan_crosses_chunks_and_stops_at_the_first_disagreement() {
+        let mut t = Imrt::new(3 * CHUNK).unwrap();
+        let k = CHUNK - 2;
+        for c in [k, k + 1, k + 2, k + 4] {
+            assert!(t.increment(c, 10));
+        }
+        assert!(t.increment(k + 4, 10));
+        let mut seen = Vec::new();
+        let stop = t.scan_while(k - 1, 3 * CHUNK, |c, n| {
+            seen.push((c, n));
+            n <= 1
+        });
+        assert_eq!(stop, k + 4, "the count of 2 stops the scan");
+        assert_eq!(
+            seen,
+            [
+                (k - 1, 0),
+                (k, 1),
+                (k + 1, 1),
+                (k + 2, 1),
+                (k + 3, 0),
+                (k + 4, 2)
+            ]
+        );
+        assert_eq!(t.scan_while(5, 3 * CHUNK + 9, |_, _| true), 3 * CHUNK);
+        assert_eq!(t.scan_while(9, 9, |_, _| false), 9);
+    }
+
+    #[test]
+    fn increment_stops_at_the_limit_and_ignores_uncovered_clusters() {
+        let mut t = Imrt::new(4).unwrap();
+        assert!(t.increment(1, 2));
+        assert!(t.increment(1, 2));
+        assert!(
+            !t.increment(1, 2),
+            "a third reference overflows a limit of 2"
+        );
+        assert_eq!(t.get(1), 2);
+        assert!(t.increment(7, 2));
+        assert_eq!(t.get(7), 0);
     }
 }

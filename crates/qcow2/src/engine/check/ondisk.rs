@@ -39,6 +39,13 @@ pub(crate) struct Refblocks {
     freed: Vec<u64>,
 }
 
+impl Refblocks {
+    /// The bytes of the cached block.
+    pub fn cached(&self) -> Option<&[u8]> {
+        self.block.as_ref().map(|(_, buf)| &buf[..])
+    }
+}
+
 impl<S: Storage> Pass<'_, S> {
     /// The stored refcount of cluster `k` (QEMU's `qcow2_get_refcount`).
     pub async fn stored_refcount(&mut self, rb: &mut Refblocks, k: u64) -> Result<u64, GetError> {
@@ -109,7 +116,11 @@ impl<S: Storage> Pass<'_, S> {
     }
 
     /// Makes `block` the cached block, writing back the previous one if a repair changed it.
-    async fn load_refblock(&mut self, rb: &mut Refblocks, block: u64) -> Result<(), CheckError> {
+    pub(super) async fn load_refblock(
+        &mut self,
+        rb: &mut Refblocks,
+        block: u64,
+    ) -> Result<(), CheckError> {
         if rb.block.as_ref().is_some_and(|(b, _)| *b == block) {
             return Ok(());
         }

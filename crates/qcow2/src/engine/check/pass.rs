@@ -120,8 +120,7 @@ impl<'a, S: Storage> Pass<'a, S> {
             if k >= imrt.len() {
                 imrt.grow(k + 1)?;
             }
-            let r = imrt.get(k);
-            if r >= limit {
+            if !imrt.increment(k, limit) {
                 self.log(
                     FindingKind::Error,
                     format!("ERROR: overflow cluster offset={:#x}", k << bits),
@@ -131,9 +130,7 @@ impl<'a, S: Storage> Pass<'a, S> {
                     "Use qemu-img amend to increase the refcount entry width or qemu-img convert to create a clean copy if the image cannot be opened for writing".into(),
                 );
                 self.res.corruptions += 1;
-                continue;
             }
-            imrt.set(k, r + 1);
         }
         Ok(())
     }
