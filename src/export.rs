@@ -94,6 +94,12 @@ impl AsMut<[u8]> for Payload {
     }
 }
 
+impl nbd::SendBuf for Payload {
+    fn zeroed(len: usize) -> Self {
+        Payload(IoBuf::zeroed(len))
+    }
+}
+
 /// An image served over NBD.
 pub struct ImageExport {
     image: Image<AnyStorage>,

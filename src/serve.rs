@@ -105,6 +105,8 @@ struct Plan {
     explicit_endpoint: bool,
     /// TLS every client must start, with its credentials loaded.
     tls: Option<nbd::tls::TlsServer>,
+    /// Threads connections are spread over.
+    threads: NonZeroUsize,
 }
 
 impl Plan {
@@ -182,6 +184,7 @@ impl Plan {
             ),
             explicit_endpoint: args.socket.is_some() || args.bind.is_some() || args.port.is_some(),
             tls,
+            threads: args.threads,
         })
     }
 }
@@ -311,7 +314,7 @@ async fn serve_image(
     let entry = ExportEntry::new(args.export_name.clone(), export)
         .with_description(args.description.clone());
     let tls = plan.tls.as_ref().map(tls_hint);
-    let mut server = Server::new(vec![entry], plan.config)?;
+    let mut server = Server::new(vec![entry], plan.config)?.with_threads(plan.threads);
     if let Some(creds) = plan.tls {
         server = server.with_tls(creds);
     }

@@ -237,7 +237,9 @@ where
     W: AsyncWrite + Unpin + 'static,
     E: Export + 'static,
 {
-    control.negotiating.set(false);
+    control
+        .negotiating
+        .store(false, std::sync::atomic::Ordering::Release);
     let negotiated = match end {
         HandshakeEnd::ClientLeft => return Ok(ConnectionEnd::LeftDuringHandshake),
         HandshakeEnd::Transmission(n) => n,

@@ -1,8 +1,8 @@
 //! What the server tells each connection (shutdown, forced close, eviction) and the limits it
-//! applies to it.
+//! applies to it. Shared with atomics, not `Rc`, because a connection may run on another
+//! thread than the accept loop.
 
-use std::cell::Cell;
-use std::rc::Rc;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,9 +26,9 @@ pub struct Control {
     pub idle_timeout: Option<Duration>,
     /// Notified to end this connection if it is still negotiating (the server makes room
     /// for a new client by dropping the oldest handshake).
-    pub evict: Rc<Notify>,
+    pub evict: Arc<Notify>,
     /// True while the handshake runs.
-    pub negotiating: Rc<Cell<bool>>,
+    pub negotiating: Arc<AtomicBool>,
     /// Transmission slots (qemu-nbd's `-e`): a client that finished its handshake waits for
     /// one before its requests are read.
     pub slots: Option<Arc<Semaphore>>,
@@ -45,8 +45,8 @@ impl Control {
             force,
             handshake_timeout: None,
             idle_timeout: None,
-            evict: Rc::new(Notify::new()),
-            negotiating: Rc::new(Cell::new(true)),
+            evict: Arc::new(Notify::new()),
+            negotiating: Arc::new(AtomicBool::new(true)),
             slots: None,
             memory: MAX_IN_FLIGHT_BYTES,
         }

@@ -10,8 +10,12 @@
 //! - [`tls`]: STARTTLS with x509 or pre-shared-key credentials, and access control.
 //! - [`Export`]: what an engine implements; [`MemExport`] is an in-memory one for tests.
 //!
-//! Everything runs on one thread (a current-thread runtime and a `LocalSet`): exports and
-//! their futures need not be `Send`.
+//! - [`remote`]: an export called from other threads, so connections can be spread over
+//!   several cores while each export stays on the thread that owns it.
+//!
+//! Each export lives on one thread (a current-thread runtime and a `LocalSet`): exports and
+//! their futures need not be `Send`. With [`Server::with_threads`], connections on the other
+//! threads reach it through [`remote::Remote`].
 
 pub mod connection;
 pub mod control;
@@ -20,11 +24,13 @@ pub mod export;
 pub mod exports;
 pub mod mem_export;
 pub mod negotiate;
+pub mod remote;
 pub mod server;
 pub mod systemd;
 pub mod tls;
 pub mod transmission;
 pub mod wire;
+mod workers;
 
 pub use connection::{serve_client, serve_connection, ConnectionEnd, ConnectionError, Transport};
 pub use control::Control;
@@ -37,6 +43,7 @@ pub use mem_export::{MemExport, MemStats};
 pub use negotiate::meta::{
     ALLOCATION_DEPTH, BASE_ALLOCATION, DIRTY_BITMAP_PREFIX, MAX_DIRTY_BITMAPS,
 };
+pub use remote::SendBuf;
 pub use server::{
     shutdown_signal, Listener, ServeReport, Server, ServerConfig, ServerError, DEFAULT_MAX_OPEN,
     DEFAULT_SHUTDOWN_GRACE, DEFAULT_TCP_KEEPALIVE,

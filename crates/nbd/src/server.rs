@@ -1,13 +1,12 @@
 //! The accept loop: Unix, TCP and socket-activated listeners, named exports, `persistent`
 //! and connection-limit semantics like qemu-nbd's `-t` and `-e`, and graceful shutdown.
 
-use std::cell::Cell;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
-use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
@@ -21,8 +20,10 @@ use crate::control::Control;
 use crate::errno::Errno;
 use crate::export::Export;
 use crate::exports::{ExportEntry, Exports, ExportsError};
+use crate::remote::SendBuf;
 use crate::systemd::ActivatedSocket;
 use crate::tls::TlsServer;
+use crate::workers::{Setup, Start, Workers};
 
 /// Server behaviour.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -162,7 +163,7 @@ fn is_stale_socket(path: &Path) -> bool {
         )
 }
 
-enum Accepted {
+pub(crate) enum Accepted {
     Unix(tokio::net::UnixStream),
     Tcp(tokio::net::TcpStream, SocketAddr),
 }
@@ -176,6 +177,9 @@ pub enum ServerError {
     /// No listener was given.
     #[error("no listening socket")]
     NoListener,
+    /// A worker thread could not be started.
+    #[error("cannot start a worker thread: {0}")]
+    Thread(std::io::Error),
     /// The final flush of an export failed.
     #[error("flushing export {name:?} at shutdown failed: {errno}")]
     Flush {
@@ -201,7 +205,9 @@ pub struct ServeReport {
 pub struct Server<E> {
     exports: Exports<E>,
     config: ServerConfig,
-    tls: Option<Rc<TlsServer>>,
+    tls: Option<Arc<TlsServer>>,
+    threads: usize,
+    start_workers: Option<Start<E>>,
 }
 
 impl<E: Export + 'static> Server<E> {
@@ -211,14 +217,22 @@ impl<E: Export + 'static> Server<E> {
             exports: Exports::new(exports)?,
             config,
             tls: None,
+            threads: 1,
+            start_workers: None,
         })
     }
 
     /// Requires every client to start TLS with these credentials before anything else
     /// (like qemu-nbd with `--tls-creds`).
     pub fn with_tls(mut self, tls: TlsServer) -> Self {
-        self.tls = Some(Rc::new(tls));
+        self.tls = Some(Arc::new(tls));
         self
+    }
+
+    /// The number of threads connections are spread over (1 unless
+    /// [`Server::with_threads`] set more).
+    pub fn threads(&self) -> usize {
+        self.threads
     }
 
     /// Accepts clients on `listeners` until `shutdown` completes (or, without
@@ -240,7 +254,7 @@ impl<E: Export + 'static> Server<E> {
     }
 
     async fn run(
-        self,
+        mut self,
         listeners: Vec<Listener>,
         shutdown: impl Future<Output = ()>,
     ) -> Result<ServeReport, ServerError> {
@@ -254,6 +268,16 @@ impl<E: Export + 'static> Server<E> {
         let mut clients: JoinSet<Handled> = JoinSet::new();
         let mut handshakes = Handshakes::default();
         let mut transmitted = false;
+        let setup = Setup {
+            keepalive: self.config.tcp_keepalive,
+            tls: self.tls.clone(),
+        };
+        let mut workers = match self.start_workers.take() {
+            Some(start) => {
+                Some(start(&self.exports, self.threads, &setup).map_err(ServerError::Thread)?)
+            }
+            None => None,
+        };
         tokio::pin!(shutdown);
         loop {
             handshakes.forget_finished();
@@ -276,10 +300,19 @@ impl<E: Export + 'static> Server<E> {
                         control.slots = slots.clone();
                         control.memory = self.config.connection_memory;
                         handshakes.track(&control);
-                        let exports = self.exports.clone();
-                        let keepalive = self.config.tcp_keepalive;
-                        let tls = self.tls.clone();
-                        clients.spawn_local(handle(stream, exports, control, keepalive, tls));
+                        match workers.as_mut().and_then(|w| w.pick().map(|i| (w, i))) {
+                            Some((w, index)) => {
+                                let done = w.send(index, stream, control);
+                                clients.spawn_local(async move {
+                                    done.await.unwrap_or(Handled { ok: false, transmitted: false })
+                                });
+                            }
+                            None => {
+                                let exports = self.exports.clone();
+                                let setup = setup.clone();
+                                clients.spawn_local(handle(stream, exports, control, setup.keepalive, setup.tls));
+                            }
+                        }
                     }
                     Err(e) => {
                         // EMFILE and friends: back off instead of spinning.
@@ -322,6 +355,9 @@ impl<E: Export + 'static> Server<E> {
                 report.failed_connections += 1;
             }
         }
+        if let Some(workers) = workers {
+            workers.finish().await;
+        }
         for entry in self.exports.entries() {
             entry
                 .export
@@ -336,25 +372,42 @@ impl<E: Export + 'static> Server<E> {
     }
 }
 
+impl<E> Server<E>
+where
+    E: Export + 'static,
+    E::Buf: SendBuf,
+{
+    /// Spreads connections over `threads` threads, this one included: round robin, each
+    /// connection staying on its thread for life. The exports stay on this thread, which
+    /// runs every request; the others do the connections' socket and TLS work and pass
+    /// requests to it. One thread (the default) serves everything here, as qemu-nbd does.
+    pub fn with_threads(mut self, threads: NonZeroUsize) -> Self {
+        self.threads = threads.get();
+        self.start_workers = (threads.get() > 1).then_some(Workers::start::<E> as Start<E>);
+        self
+    }
+}
+
 /// The connections still negotiating, oldest first: the ones to drop when the server is
 /// full, so idle or slow handshakes can never keep a real client out.
 #[derive(Default)]
 struct Handshakes {
-    open: VecDeque<(Rc<Cell<bool>>, Rc<Notify>)>,
+    open: VecDeque<(Arc<AtomicBool>, Arc<Notify>)>,
     evicted: u64,
 }
 
 impl Handshakes {
     fn track(&mut self, control: &Control) {
         self.open
-            .push_back((Rc::clone(&control.negotiating), Rc::clone(&control.evict)));
+            .push_back((Arc::clone(&control.negotiating), Arc::clone(&control.evict)));
     }
 
     /// Drops entries whose connection finished its handshake or ended (only we hold their
     /// flag then).
     fn forget_finished(&mut self) {
-        self.open
-            .retain(|(negotiating, _)| negotiating.get() && Rc::strong_count(negotiating) > 1);
+        self.open.retain(|(negotiating, _)| {
+            negotiating.load(Ordering::Acquire) && Arc::strong_count(negotiating) > 1
+        });
     }
 
     fn any(&self) -> bool {
@@ -393,20 +446,20 @@ async fn accept_any(listeners: &[Listener]) -> std::io::Result<Accepted> {
 }
 
 /// How a client's connection went.
-struct Handled {
+pub(crate) struct Handled {
     /// It ended without error.
-    ok: bool,
+    pub ok: bool,
     /// It reached transmission (and so counts for the server's lifetime).
-    transmitted: bool,
+    pub transmitted: bool,
 }
 
 /// Serves one accepted client.
-async fn handle<E: Export + 'static>(
+pub(crate) async fn handle<E: Export + 'static>(
     stream: Accepted,
     exports: Exports<E>,
     control: Control,
     keepalive: Option<Duration>,
-    tls: Option<Rc<TlsServer>>,
+    tls: Option<Arc<TlsServer>>,
 ) -> Handled {
     let tls = tls.as_deref();
     let (result, peer) = match stream {

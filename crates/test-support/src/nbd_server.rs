@@ -4,12 +4,14 @@
 //! `qcow2-nbd` binary cannot make (several at once, any feature flags).
 
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::thread::JoinHandle;
 
 use nbd::{
-    Export, ExportEntry, Extent, Listener, MemExport, MemStats, ServeReport, Server, ServerConfig,
+    Export, ExportEntry, Extent, Listener, MemExport, MemStats, SendBuf, ServeReport, Server,
+    ServerConfig,
 };
 
 /// A server running on a background thread until [`TestServer::stop`].
@@ -31,11 +33,14 @@ pub struct Snapshot {
     pub stats: MemStats,
 }
 
-/// Server options for tests: persistent and unlimited unless a test says otherwise.
+/// Server options for tests: persistent and unlimited unless a test says otherwise, on
+/// two threads so that clients cross threads to reach the exports (the first client of a
+/// server is served by the worker thread, the second on the exports' own thread).
 #[derive(Debug, Clone)]
 pub struct Opts {
     pub config: ServerConfig,
     pub tcp: bool,
+    pub threads: NonZeroUsize,
 }
 
 impl Default for Opts {
@@ -48,6 +53,7 @@ impl Default for Opts {
                 ..ServerConfig::default()
             },
             tcp: false,
+            threads: NonZeroUsize::new(2).expect("non-zero"),
         }
     }
 }
@@ -58,6 +64,7 @@ impl<T: Send + 'static> TestServer<T> {
     pub fn start_with<E, M, F>(opts: Opts, make: M, finish: F) -> Self
     where
         E: Export + 'static,
+        E::Buf: SendBuf,
         M: FnOnce() -> Vec<ExportEntry<E>> + Send + 'static,
         F: FnOnce(&[ExportEntry<E>]) -> T + Send + 'static,
     {
@@ -84,7 +91,9 @@ impl<T: Send + 'static> TestServer<T> {
                     listeners.push(l);
                 }
                 ready_tx.send(tcp).expect("test thread waits");
-                let server = Server::new(entries.clone(), opts.config).expect("valid exports");
+                let server = Server::new(entries.clone(), opts.config)
+                    .expect("valid exports")
+                    .with_threads(opts.threads);
                 let report = server
                     .serve(listeners, async {
                         let _ = stop_rx.await;

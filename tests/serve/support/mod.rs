@@ -98,6 +98,7 @@ impl Server {
             .arg("serve")
             .arg("--pid-file")
             .arg(&pid_file)
+            .args(default_threads(args))
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -236,6 +237,17 @@ impl Server {
             connections: count("{ connections: "),
             failed_connections: count("failed_connections: "),
         }
+    }
+}
+
+/// `--threads 2` unless the test chose: every served test then runs the multi-threaded
+/// path, its first client crossing threads to reach the image and its second served on
+/// the image's own thread.
+fn default_threads(args: &[String]) -> &'static [&'static str] {
+    if args.iter().any(|a| a == "--threads") {
+        &[]
+    } else {
+        &["--threads", "2"]
     }
 }
 
