@@ -51,6 +51,9 @@ pub struct FileStorage<R> {
     /// O_DIRECT: the length the file would have if every issued operation completed; padded
     /// read-modify-write never leaves the file longer than this.
     logical_end: Cell<u64>,
+    /// tmpfs or ramfs: `SEEK_HOLE` walks every page up to the next hole there, so a data run
+    /// is reported without looking for its end.
+    memory_fs: bool,
 }
 
 impl<R: RawFile> FileStorage<R> {
@@ -63,12 +66,14 @@ impl<R: RawFile> FileStorage<R> {
         };
         let cheap = crate::sys::fs_has_cheap_zeroes(raw.file());
         let size = raw.file().metadata().map(|m| m.len()).unwrap_or(0);
+        let memory_fs = crate::sys::fs_is_memory(raw.file());
         FileStorage {
             raw,
             align,
             cheap_zeroes: Cell::new(cheap),
             locks: BlockLocks::default(),
             logical_end: Cell::new(size),
+            memory_fs,
         }
     }
 
@@ -314,7 +319,7 @@ impl<R: RawFile> Storage for FileStorage<R> {
     }
 
     async fn data_run(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
-        let (data, end) = crate::sys::data_run(self.raw.file(), offset)?;
+        let (data, end) = crate::sys::data_run(self.raw.file(), offset, !self.memory_fs)?;
         Ok((data, end.saturating_sub(offset).min(len).max(1).min(len)))
     }
 

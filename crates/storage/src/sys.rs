@@ -99,8 +99,9 @@ pub(crate) fn fallocate(file: &File, mode: i32, offset: u64, len: u64) -> io::Re
 }
 
 /// `lseek(SEEK_DATA/SEEK_HOLE)`: whether `offset` is in data, and where that run ends
-/// (`u64::MAX` when unknown or at end of file). File systems without hole reporting say data.
-pub(crate) fn data_run(file: &File, offset: u64) -> io::Result<(bool, u64)> {
+/// (`u64::MAX` when unknown or at end of file, or when `find_end` is false: the caller knows
+/// `SEEK_HOLE` is costly there). File systems without hole reporting say data.
+pub(crate) fn data_run(file: &File, offset: u64, find_end: bool) -> io::Result<(bool, u64)> {
     let off = off_t(offset)?;
     // SAFETY: plain syscall on an owned descriptor; no memory is passed.
     let data = unsafe { libc::lseek(file.as_raw_fd(), off, libc::SEEK_DATA) };
@@ -115,6 +116,9 @@ pub(crate) fn data_run(file: &File, offset: u64) -> io::Result<(bool, u64)> {
     }
     if data > off {
         return Ok((false, data as u64));
+    }
+    if !find_end {
+        return Ok((true, u64::MAX));
     }
     // SAFETY: as above.
     let hole = unsafe { libc::lseek(file.as_raw_fd(), off, libc::SEEK_HOLE) };

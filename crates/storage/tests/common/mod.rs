@@ -129,6 +129,9 @@ impl Storage for TestStorage {
     async fn flush(&self) -> std::io::Result<()> {
         each!(self, s => s.flush().await)
     }
+    async fn data_run(&self, offset: u64, len: u64) -> std::io::Result<(bool, u64)> {
+        each!(self, s => s.data_run(offset, len).await)
+    }
     async fn len(&self) -> std::io::Result<u64> {
         each!(self, s => s.len().await)
     }
