@@ -31,7 +31,8 @@
 #   SKIP_BUILD=1         use the existing release binary
 #   QCOW2_NBD_BIN        the server binary to measure (default: the release build)
 #   TLS_PORT [10899]     loopback TCP port of the tls group (must be free)
-#   ONLY="alloc io bitmap l2 chain rss tls tools"   run a subset of the scenario groups
+#   ONLY="alloc alloc32 mt io bitmap l2 chain rss tls tools"   run a subset of the groups
+#   MT_MIB [1024]        image of the mt group (on TOOLS_DIR, a tmpfs)
 #   TOOLS_DIR [/dev/shm], TOOLS_MIB [2048]   where and how big the tools group's images are
 #
 # The tls group serves over TCP loopback (127.0.0.1:TLS_PORT) instead of the Unix socket, with
@@ -63,7 +64,7 @@ RSS_L2_CACHE=${RSS_L2_CACHE:-4M}
 BENCH_DIR=${BENCH_DIR:-/var/tmp}
 QEMU_AIO=${QEMU_AIO:-io_uring}
 TLS_PORT=${TLS_PORT:-10899}
-ONLY=${ONLY:-"alloc io bitmap l2 chain rss tls tools"}
+ONLY=${ONLY:-"alloc alloc32 mt io bitmap l2 chain rss tls tools"}
 
 log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -112,11 +113,12 @@ CLK_TCK=$(getconf CLK_TCK)
 # Servers. start_server KIND IMAGE [SETTINGS...]: KIND is qemu, ours or raw (our server with
 # -f raw); SETTINGS are key=value pairs applied to both servers the same way: l2=SIZE,
 # slice=SIZE, clean=SECONDS, ro=1, tcp=PORT (listen on 127.0.0.1:PORT instead of $SOCK),
-# tls=DIR (require TLS with the x509 server credentials in DIR, no client certificate).
+# tls=DIR (require TLS with the x509 server credentials in DIR, no client certificate),
+# cache=MODE (default none: O_DIRECT), shared=N (-e N); threads=N is ours only (--threads).
 start_server() {
     local kind=$1 image=$2
     shift 2
-    local l2="" slice="" clean="" ro=0 tcp="" tls="" kv
+    local l2="" slice="" clean="" ro=0 tcp="" tls="" cache=none shared=1 threads=1 kv
     for kv in "$@"; do
         case $kv in
         l2=*) l2=${kv#l2=} ;;
@@ -125,6 +127,9 @@ start_server() {
         ro=*) ro=${kv#ro=} ;;
         tcp=*) tcp=${kv#tcp=} ;;
         tls=*) tls=${kv#tls=} ;;
+        cache=*) cache=${kv#cache=} ;;
+        shared=*) shared=${kv#shared=} ;;
+        threads=*) threads=${kv#threads=} ;;
         *) die "unknown server setting $kv" ;;
         esac
     done
@@ -142,14 +147,14 @@ start_server() {
         [ -n "$l2" ] && opts+=",l2-cache-size=$l2"
         [ -n "$slice" ] && opts+=",l2-cache-entry-size=$slice"
         [ -n "$clean" ] && opts+=",cache-clean-interval=$clean"
-        args=(qemu-nbd -t "${endpoint[@]}" "${tlsargs[@]}" --cache=none --aio="$QEMU_AIO"
-            --pid-file="$WORK/server.pid")
+        args=(qemu-nbd -t "${endpoint[@]}" "${tlsargs[@]}" --cache="$cache" --aio="$QEMU_AIO"
+            -e "$shared" --pid-file="$WORK/server.pid")
         [ "$ro" = 1 ] && args+=(-r)
         args+=(--image-opts "$opts")
         ;;
     ours | raw)
-        args=("$BIN" serve -t "${endpoint[@]}" "${tlsargs[@]}" --cache none --aio io_uring
-            --pid-file "$WORK/server.pid")
+        args=("$BIN" serve -t "${endpoint[@]}" "${tlsargs[@]}" --cache "$cache" --aio io_uring
+            -e "$shared" --threads "$threads" --pid-file "$WORK/server.pid")
         if [ "$kind" = raw ]; then args+=(-f raw); else args+=(-f qcow2); fi
         [ -n "$l2" ] && args+=(--l2-cache-size "$l2")
         [ -n "$slice" ] && args+=(--l2-cache-entry-size "$slice")
@@ -280,7 +285,7 @@ alloc_scenarios() {
         --refill_buffers --output-format=terse >/dev/null
     # The physical limit: random 4 KiB writes to a raw file through our server.
     cp "$backing" "$WORK/limit.raw"
-    local cfg label cluster ext unit units n r kind cpu disk
+    local cfg label cluster ext unit units n r kind cpu disk key=${ALLOC_KEY:-alloc}
     for cfg in $ALLOC_CONFIGS; do
         IFS=: read -r label cluster ext <<<"$cfg"
         cluster=$(bytes "$cluster")
@@ -307,9 +312,9 @@ alloc_scenarios() {
                 stop_server
                 qemu-img check -q "$WORK/overlay.qcow2" ||
                     die "$kind left a corrupt overlay ($label)"
-                record "alloc $label" "$kind" "$iops"
-                record_usage "alloc $label" "$kind" "$cpu" "$disk"
-                log "alloc $label round $r $kind: $iops IOPS ($n writes)"
+                record "$key $label" "$kind" "$iops"
+                record_usage "$key $label" "$kind" "$cpu" "$disk"
+                log "$key $label round $r $kind: $iops IOPS ($n writes)"
                 rm -f "$WORK/overlay.qcow2"
             done
         done
@@ -320,11 +325,59 @@ alloc_scenarios() {
             --size="$size" --runtime="$RUNTIME" --time_based --ramp_time=1)
         read -r iops _ _ cpu disk <<<"$stats"
         stop_server
-        record "alloc raw" raw "$iops"
-        record_usage "alloc raw" raw "$cpu" "$disk"
+        record "$key raw" raw "$iops"
+        record_usage "$key raw" raw "$cpu" "$disk"
         log "alloc raw limit round $r: $iops IOPS"
     done
     rm -f "$backing" "$WORK/limit.raw"
+}
+
+# alloc32: the same allocating writes at queue depth 32, standard and extended L2 64 KiB.
+alloc32_scenarios() {
+    ALLOC_CONFIGS="std-64k:64k:off ext-64k/2k:64k:on" ALLOC_QD=32 ALLOC_KEY="alloc32" \
+        alloc_scenarios
+}
+
+# ---------------------------------------------------------------------------------------------
+# 1b. CPU-bound: a fully written image on tmpfs (no disk wait at all), 4 connections x QD16
+# of 4 KiB random reads and writes (fio numjobs=4, one NBD connection each), both servers
+# multi-conn (-e 0) with the page cache (cache=writeback) and io_uring; ours with one thread
+# and with two (--threads 2). The raw column is our server on the raw data, one thread.
+MT_SCENARIOS="randread:read randwrite:write"
+MT_MIB=${MT_MIB:-1024}
+
+mt_scenarios() {
+    local d=$TOOLS_DIR/qcow2-nbd-mt.$$ r kind sc label dir stats iops cpu disk
+    mkdir -p "$d"
+    log "tmpfs: writing a ${MT_MIB} MiB image in $d"
+    fio --name=fill --filename="$d/data.raw" --rw=write --bs=1M --size="$((MT_MIB << 20))" \
+        --refill_buffers --output-format=terse >/dev/null
+    qemu-img convert -f raw -O qcow2 "$d/data.raw" "$d/data.qcow2"
+    local fio_args=(--bs=4k --iodepth=16 --numjobs=4 --group_reporting --size="$((MT_MIB << 20))"
+        --runtime="$RUNTIME" --time_based --ramp_time=1)
+    for r in $(seq 1 "$ROUNDS"); do
+        for sc in $MT_SCENARIOS; do
+            IFS=: read -r label dir <<<"$sc"
+            for kind in $(order "$r") ours2 raw; do
+                case $kind in
+                qemu | ours) start_server "$kind" "$d/data.qcow2" cache=writeback shared=0 ;;
+                ours2) start_server ours "$d/data.qcow2" cache=writeback shared=0 threads=2 ;;
+                raw) start_server raw "$d/data.raw" cache=writeback shared=0 ;;
+                esac
+                stats=$(run_fio "$dir" --rw="$label" "${fio_args[@]}")
+                read -r iops _ _ cpu disk <<<"$stats"
+                stop_server
+                case $kind in
+                ours2) record "mt2 $label" ours "$iops"; record_usage "mt2 $label" ours "$cpu" "$disk" ;;
+                qemu) for k in "mt $label" "mt2 $label"; do
+                        record "$k" qemu "$iops"; record_usage "$k" qemu "$cpu" "$disk"; done ;;
+                *) record "mt $label" "$kind" "$iops"; record_usage "mt $label" "$kind" "$cpu" "$disk" ;;
+                esac
+                log "tmpfs $label round $r $kind: $iops IOPS, $cpu µs/req"
+            done
+        done
+    done
+    rm -rf "$d"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -699,8 +752,8 @@ for group in $ONLY; do
     case $group in
     alloc) alloc_scenarios ;; io) io_scenarios ;; bitmap) bitmap_scenarios ;;
     l2) l2_scenarios ;; chain) chain_scenarios ;; rss) rss_scenarios ;; tls) tls_scenarios ;;
-    tools) tools_scenarios ;;
-    *) die "unknown scenario group $group (alloc io bitmap l2 chain rss tls tools)" ;;
+    tools) tools_scenarios ;; alloc32) alloc32_scenarios ;; mt) mt_scenarios ;;
+    *) die "unknown scenario group $group (alloc alloc32 mt io bitmap l2 chain rss tls tools)" ;;
     esac
 done
 ELAPSED=$(($(date +%s) - START))
@@ -741,6 +794,19 @@ usage() { # SCENARIO: the servers' median CPU and disk cost per request, "qemu /
         [ "$q" = - ] && continue
         printf '| alloc 4k randwrite %s (QD%s) | IOPS | %s | %s | %s | %s | %s |\n' "$label" \
             "$ALLOC_QD" "$q" "$o" "$(ratio "$o" "$q")" "$raw_alloc" "$(usage "alloc $label")"
+    done
+    raw_alloc32=$(median "alloc32 raw" raw)
+    for cfg in "std-64k" "ext-64k/2k"; do
+        q=$(median "alloc32 $cfg" qemu)
+        o=$(median "alloc32 $cfg" ours)
+        [ "$q" = - ] && continue
+        printf '| alloc 4k randwrite %s (QD32) | IOPS | %s | %s | %s | %s | %s |\n' "$cfg" \
+            "$q" "$o" "$(ratio "$o" "$q")" "$raw_alloc32" "$(usage "alloc32 $cfg")"
+    done
+    for sc in $MT_SCENARIOS; do
+        IFS=: read -r label _ <<<"$sc"
+        row "mt $label" "tmpfs $label-4k 4 conns x QD16" IOPS higher
+        row "mt2 $label" "  same, ours --threads 2" IOPS higher
     done
     for sc in $IO_SCENARIOS; do
         IFS=: read -r label _ _ bs _ <<<"$sc"

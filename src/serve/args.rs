@@ -401,7 +401,10 @@ mod tests {
     #[test]
     fn threads_default_to_one_and_are_bounded() {
         assert_eq!(parse(&["img"]).unwrap().threads.get(), 1);
-        assert_eq!(parse(&["--threads", "64", "img"]).unwrap().threads.get(), 64);
+        assert_eq!(
+            parse(&["--threads", "64", "img"]).unwrap().threads.get(),
+            64
+        );
         for bad in ["0", "65", "two"] {
             let err = parse(&["--threads", bad, "img"]).unwrap_err().to_string();
             assert!(err.contains("thread"), "--threads {bad}: {err}");
