@@ -21,11 +21,18 @@ use reactor::Held;
 /// requests are split by the short-transfer loop in [`FileStorage`].
 const MAX_IO: usize = 1 << 30;
 
+/// On a memory-backed file system, writes at least this long still go through the ring: the
+/// kernel worker that takes them copies in parallel with this thread, which pays off once
+/// the copy is much longer than the hand-off and wake-up (a bulk copy such as `convert`),
+/// while the small writes of a busy server stay inline.
+const INLINE_WRITE_MAX: usize = 256 << 10;
+
 /// A file whose I/O goes through io_uring.
 pub struct UringFile {
     file: Rc<File>,
     reactor: Reactor,
-    /// Data reads and writes are plain syscalls on this thread (see [`UringFile::new`]).
+    /// Data reads and small writes are plain syscalls on this thread (see
+    /// [`UringFile::new`] and [`INLINE_WRITE_MAX`]).
     inline: bool,
 }
 
@@ -137,7 +144,7 @@ impl RawFile for UringFile {
     }
 
     async fn write(&self, buf: Slice, offset: u64) -> (io::Result<usize>, Slice) {
-        if self.inline {
+        if self.inline && buf.len() < INLINE_WRITE_MAX {
             let len = buf.len().min(MAX_IO);
             let res = crate::sys::pwrite(&self.file, &buf[..len], offset);
             return (res, buf);
