@@ -162,6 +162,9 @@ pub fn is_zero(data: &[u8]) -> bool {
         .all(|c| c.iter().fold(0u8, |acc, &b| acc | b) == 0)
 }
 
+/// A write under way.
+type Write = tokio::task::JoinHandle<Result<(), EngineError>>;
+
 /// A request's data, ready to be written.
 enum Prepared {
     /// As read: its non-zero grains are written as they are.
@@ -212,14 +215,27 @@ impl Job {
             }
         }
         // Even a failed read passes the turn on, so no later request waits forever.
-        let res = match prepared {
-            Ok(Prepared::Data(buf)) => self.write_out(off, buf).await,
-            Ok(Prepared::Packed(packed)) => self.write_packed(packed).await,
+        let started = match prepared {
+            Ok(Prepared::Data(buf)) => Ok(self.start_writes(off, buf).await),
+            Ok(Prepared::Packed(packed)) => self.write_packed(packed).await.map(|()| Vec::new()),
             Err(e) => Err(e),
         };
         if self.ordered {
             self.turn.set(seq + 1);
             self.turn_changed.notify_waiters();
+        }
+        let (mut res, writes) = match started {
+            Ok(writes) => (Ok(()), writes),
+            Err(e) => (Err(e), Vec::new()),
+        };
+        for write in writes {
+            let done = write.await.unwrap_or_else(|e| {
+                Err(EngineError::Unsupported {
+                    image: self.target.clone(),
+                    what: format!("write task failed: {e}"),
+                })
+            });
+            res = res.and(done);
         }
         if res.is_ok() {
             self.progress.advance(len);
@@ -254,12 +270,53 @@ impl Job {
         }
     }
 
-    /// Writes the non-zero grains of `buf` (read at `off`) to the target, then returns the
-    /// buffer to the pool.
-    async fn write_out(&self, off: u64, buf: IoBuf) -> Result<(), EngineError> {
-        let (res, buf) = self.write_nonzero(off, buf).await;
+    /// Starts writing the non-zero grains of `buf` (read at `off`), one task per run of
+    /// them. In ordered mode each task runs until it first waits for the disk, by which time
+    /// the target has allocated its clusters, before the next starts: the layout follows
+    /// guest order while the data of several requests is copied at once. The buffer goes
+    /// back to the pool once written (or once its runs are copied out).
+    async fn start_writes(self: &Rc<Self>, off: u64, buf: IoBuf) -> Vec<Write> {
+        let grain = self.grain as usize;
+        let nonzero: Vec<bool> = buf.chunks(grain).map(|b| !is_zero(b)).collect();
+        let mut writes = Vec::new();
+        if nonzero.iter().all(|&nz| nz) {
+            let job = Rc::clone(self);
+            writes.push(tokio::task::spawn_local(async move {
+                let (res, buf) = job.dst.write(off, buf, false).await;
+                job.buffers.borrow_mut().push(buf);
+                res
+            }));
+            self.let_it_allocate().await;
+            return writes;
+        }
+        let mut i = 0;
+        while i < nonzero.len() {
+            if !nonzero[i] {
+                i += 1;
+                continue;
+            }
+            let j = nonzero[i..]
+                .iter()
+                .position(|&nz| !nz)
+                .map_or(nonzero.len(), |k| i + k);
+            let (a, b) = (i * grain, (j * grain).min(buf.len()));
+            let piece = IoBuf::from_slice(&buf[a..b]);
+            let job = Rc::clone(self);
+            writes.push(tokio::task::spawn_local(async move {
+                job.dst.write(off + a as u64, piece, false).await.0
+            }));
+            self.let_it_allocate().await;
+            i = j;
+        }
         self.buffers.borrow_mut().push(buf);
-        res
+        writes
+    }
+
+    /// In ordered mode, lets the write just spawned run up to its first wait.
+    async fn let_it_allocate(&self) {
+        if self.ordered {
+            tokio::task::yield_now().await;
+        }
     }
 
     /// Compresses the non-zero grains (clusters) of `buf`, read at `off`, on the blocking
@@ -314,35 +371,6 @@ impl Job {
             self.dst.write_packed(at, p).await?;
         }
         Ok(())
-    }
-
-    async fn write_nonzero(&self, off: u64, buf: IoBuf) -> (Result<(), EngineError>, IoBuf) {
-        let grain = self.grain as usize;
-        let blocks: Vec<bool> = buf.chunks(grain).map(|b| !is_zero(b)).collect();
-        if blocks.iter().all(|&nz| nz) {
-            return self.dst.write(off, buf, false).await;
-        }
-        let mut i = 0;
-        while i < blocks.len() {
-            if !blocks[i] {
-                i += 1;
-                continue;
-            }
-            let j = blocks[i..]
-                .iter()
-                .position(|&nz| !nz)
-                .map_or(blocks.len(), |k| i + k);
-            let (a, b) = (i * grain, (j * grain).min(buf.len()));
-            let (res, _) = self
-                .dst
-                .write(off + a as u64, IoBuf::from_slice(&buf[a..b]), false)
-                .await;
-            if res.is_err() {
-                return (res, buf);
-            }
-            i = j;
-        }
-        (Ok(()), buf)
     }
 }
 

@@ -370,3 +370,32 @@ fn out_of_order_and_deep_parallel_copies_are_still_exact() {
         d.assert_same_contents("src.raw", "raw", &out, "qcow2");
     }
 }
+
+#[test]
+fn ordered_copies_allocate_the_target_in_guest_order() {
+    let d = Dir::new();
+    raw_source(&d, "src.raw");
+    // Several requests copy at once, yet each allocates only after the one before it: the
+    // target's data lies in guest order, as qemu-img lays it out without -W.
+    d.ok(
+        BIN,
+        &[
+            "convert", "-m", "16", "-f", "raw", "-O", "qcow2", "src.raw", "o.qcow2",
+        ],
+    );
+    d.assert_check_clean("o.qcow2");
+    d.assert_same_contents("src.raw", "raw", "o.qcow2", "qcow2");
+    let map: Vec<serde_json::Value> =
+        serde_json::from_str(&d.qemu_img(&["map", "--output=json", "o.qcow2"]))
+            .expect("qemu-img map JSON");
+    let offsets: Vec<u64> = map
+        .iter()
+        .filter(|e| e["data"] == true)
+        .filter_map(|e| e["offset"].as_u64())
+        .collect();
+    assert!(offsets.len() > 10, "the source has many data extents");
+    assert!(
+        offsets.windows(2).all(|w| w[0] < w[1]),
+        "host offsets follow guest order: {offsets:?}"
+    );
+}
