@@ -21,7 +21,13 @@ impl<S: Storage + 'static> Image<S> {
         }
         self.inner.flush().await?;
         match &self.inner.alloc {
-            Some(a) => a.mark_clean().await,
+            Some(a) => {
+                a.mark_clean().await?;
+                let top = self.inner.chain.top();
+                a.trim_growth()
+                    .await
+                    .map_err(|e| top.io_error("truncating the space grown ahead", 0, e))
+            }
             None => Ok(()),
         }
     }

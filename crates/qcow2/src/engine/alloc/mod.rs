@@ -13,6 +13,7 @@
 mod bitmaps;
 pub(crate) mod l2_entry;
 mod l2_table;
+mod prealloc;
 mod refcount;
 
 use crate::engine::bitmaps::Bitmaps;
@@ -66,6 +67,9 @@ pub(crate) struct Allocator<S: Storage + 'static> {
     /// planned under a shared lock can tell whether its plan still holds once it has the
     /// exclusive one.
     mapping_generation: Cell<u64>,
+    /// How far the file has been grown ahead of the allocations (see [`prealloc`]); 0 when
+    /// the file is not grown ahead.
+    pub(crate) grown_to: Cell<u64>,
 }
 
 impl<S: Storage + 'static> Allocator<S> {
@@ -115,6 +119,7 @@ impl<S: Storage + 'static> Allocator<S> {
             bitmaps: RefCell::new(bitmaps),
             free_byte_offset: Cell::new(0),
             mapping_generation: Cell::new(0),
+            grown_to: Cell::new(prealloc::start(&layer.file, meta.file_end.get())),
         })
     }
 

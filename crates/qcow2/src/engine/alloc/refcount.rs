@@ -212,6 +212,7 @@ impl<S: Storage + 'static> Allocator<S> {
             let end = HostCluster(start + n);
             self.free_hint.set(end);
             self.note_allocated_end(self.offset_of(end).0);
+            self.grow_ahead(self.offset_of(end).0).await;
             return Ok(self.offset_of(HostCluster(start)));
         }
     }
