@@ -39,6 +39,7 @@ impl<S: Storage> Pass<'_, S> {
             if fixed > 0 {
                 self.write_l2_table(l2_offset, &table, fixed).await?;
             }
+            self.give_back(table);
         }
         Ok(())
     }
@@ -100,7 +101,8 @@ impl<S: Storage> Pass<'_, S> {
     async fn read_l2_table(&mut self, l2_offset: u64) -> Result<IoBuf, CheckError> {
         // One cluster.
         let len = self.meta.l2_bytes() as usize;
-        match io::read(self.file, "reading an L2 table", l2_offset, len).await {
+        let buf = self.table_buffer(len);
+        match io::read_into(self.file, "reading an L2 table", l2_offset, buf).await {
             Ok(t) => Ok(t),
             Err(e) => {
                 self.log(

@@ -17,6 +17,18 @@ pub(crate) async fn read<S: Storage>(
     Ok(slice.into_inner())
 }
 
+/// Reads `buf.len()` bytes at `offset` into `buf`.
+pub(crate) async fn read_into<S: Storage>(
+    file: &S,
+    what: &'static str,
+    offset: u64,
+    buf: IoBuf,
+) -> Result<IoBuf, CheckError> {
+    let (res, slice) = file.read_at(buf.into(), offset).await;
+    res.map_err(|e| CheckError::io(what, offset, e))?;
+    Ok(slice.into_inner())
+}
+
 /// Writes `bytes` at `offset`.
 pub(crate) async fn write<S: Storage>(
     file: &S,

@@ -49,6 +49,9 @@ impl Refblocks {
 impl<S: Storage> Pass<'_, S> {
     /// The stored refcount of cluster `k` (QEMU's `qcow2_get_refcount`).
     pub async fn stored_refcount(&mut self, rb: &mut Refblocks, k: u64) -> Result<u64, GetError> {
+        if let Some(v) = self.cached_refcount(rb, k) {
+            return Ok(v);
+        }
         let index = k >> self.meta.refblock_bits;
         let Some(&raw) = usize::try_from(index)
             .ok()
@@ -75,6 +78,20 @@ impl<S: Storage> Pass<'_, S> {
         };
         // The index is below the entries of one cluster-sized block.
         Ok(refcount::get(buf, order, entry as usize).unwrap_or(0))
+    }
+
+    /// The stored refcount of cluster `k` when its block is the cached one: the common case
+    /// of a walk, answered without the async path.
+    fn cached_refcount(&self, rb: &Refblocks, k: u64) -> Option<u64> {
+        let index = usize::try_from(k >> self.meta.refblock_bits).ok()?;
+        let block = self.meta.reftable.get(index)? & REFTABLE_OFFSET_MASK;
+        let (cached, buf) = rb.block.as_ref()?;
+        if block == 0 || *cached != block {
+            return None;
+        }
+        // The entry index is below the entries of one cluster-sized block.
+        let entry = (k & (self.meta.refblock_entries() - 1)) as usize;
+        refcount::get(buf, self.meta.refcount_order, entry).ok()
     }
 
     /// Stores refcount `value` for cluster `k`, whose block exists (it was just read).

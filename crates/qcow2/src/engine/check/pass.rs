@@ -10,7 +10,7 @@ use super::report::{CheckReport, Finding, FindingKind};
 use crate::engine::overlap::{MetaIndex, MetaKind};
 use crate::format::features::INCOMPAT_CORRUPT;
 use crate::format::{header, HostOffset};
-use storage::Storage;
+use storage::{IoBuf, Storage};
 
 /// What a pass may repair (QEMU's `BdrvCheckMode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -55,6 +55,9 @@ pub(crate) struct Pass<'a, S: Storage> {
     /// [`Pass::layout_changed`]: a repair may write one table after another, and the index is
     /// only worth building when all of them use it.
     sections: Option<MetaIndex>,
+    /// A table buffer to read the next L2 table into: the walks read every table, and a fresh
+    /// zeroed buffer each time costs more in page faults than the read itself.
+    spare: Option<IoBuf>,
 }
 
 impl<'a, S: Storage> Pass<'a, S> {
@@ -76,7 +79,21 @@ impl<'a, S: Storage> Pass<'a, S> {
             signalled: false,
             quiet: false,
             sections: None,
+            spare: None,
         }
+    }
+
+    /// A buffer of `len` bytes to read into (its contents are overwritten by the read).
+    pub fn table_buffer(&mut self, len: usize) -> IoBuf {
+        match self.spare.take() {
+            Some(buf) if buf.len() == len => buf,
+            _ => IoBuf::zeroed(len),
+        }
+    }
+
+    /// Keeps `buf` for the next [`Pass::table_buffer`].
+    pub fn give_back(&mut self, buf: IoBuf) {
+        self.spare = Some(buf);
     }
 
     /// Reports one finding.

@@ -134,7 +134,8 @@ impl<S: Storage> Pass<'_, S> {
     ) -> Result<(), CheckError> {
         // One cluster, at most 2 MiB.
         let len = self.meta.l2_bytes() as usize;
-        let table = match io::read(self.file, "reading an L2 table", l2_offset, len).await {
+        let buf = self.table_buffer(len);
+        let table = match io::read_into(self.file, "reading an L2 table", l2_offset, buf).await {
             Ok(t) => t,
             Err(e) => {
                 self.log(
@@ -172,6 +173,7 @@ impl<S: Storage> Pass<'_, S> {
                 ClusterType::Unallocated => self.check_unallocated(bitmap),
             }
         }
+        self.give_back(walk.table);
         Ok(())
     }
 
