@@ -5,7 +5,7 @@
 # alternating rounds (A B, B A, ...; medians), measures a raw file exported by our own server as
 # the physical limit, and prints a markdown table.
 #
-#   benches/compare.sh            # full run, about 15-20 minutes on 2 cores
+#   benches/compare.sh            # full run, about 25 minutes on 2 cores
 #   QUICK=1 benches/compare.sh    # smoke run, about 3 minutes (1 round, short runs)
 #
 # Every server runs on a Unix socket and is started fresh for each measurement, so each run
