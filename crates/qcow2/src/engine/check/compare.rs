@@ -100,10 +100,7 @@ impl<S: Storage> Pass<'_, S> {
     ) -> u64 {
         let bits = self.meta.refblock_bits;
         let index = k >> bits;
-        let block = usize::try_from(index)
-            .ok()
-            .and_then(|i| self.meta.reftable.get(i))
-            .map_or(0, |&raw| raw & REFTABLE_OFFSET_MASK);
+        let block = self.meta.refblock_of(k);
         if block == 0 || self.meta.in_cluster(block) != 0 {
             return k;
         }

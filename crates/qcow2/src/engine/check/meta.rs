@@ -5,6 +5,7 @@
 
 use super::error::CheckError;
 use crate::format::features::INCOMPAT_CORRUPT;
+use crate::format::refcount::REFTABLE_OFFSET_MASK;
 use crate::format::{
     BitmapDirectoryEntry, BitmapsExtension, FormatError, Geometry, Header, Structure,
 };
@@ -103,6 +104,15 @@ impl Meta {
     /// Offset inside its cluster.
     pub fn in_cluster(&self, offset: u64) -> u64 {
         offset & (self.cluster_size - 1)
+    }
+
+    /// Offset of the refcount block that holds cluster `k`'s refcount, as the refcount
+    /// table says (0: no block, or past the table's end).
+    pub fn refblock_of(&self, k: u64) -> u64 {
+        usize::try_from(k >> self.refblock_bits)
+            .ok()
+            .and_then(|i| self.reftable.get(i))
+            .map_or(0, |&raw| raw & REFTABLE_OFFSET_MASK)
     }
 
     /// Refcounts one refcount block holds.

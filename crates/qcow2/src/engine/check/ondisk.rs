@@ -6,7 +6,7 @@ use super::error::CheckError;
 use super::io;
 use super::pass::Pass;
 use crate::engine::overlap::MetaKind;
-use crate::format::refcount::{self, REFTABLE_OFFSET_MASK};
+use crate::format::refcount;
 use storage::{IoBuf, Storage};
 
 /// Why a stored refcount could not be read.
@@ -53,13 +53,7 @@ impl<S: Storage> Pass<'_, S> {
             return Ok(v);
         }
         let index = k >> self.meta.refblock_bits;
-        let Some(&raw) = usize::try_from(index)
-            .ok()
-            .and_then(|i| self.meta.reftable.get(i))
-        else {
-            return Ok(0);
-        };
-        let block = raw & REFTABLE_OFFSET_MASK;
+        let block = self.meta.refblock_of(k);
         if block == 0 {
             return Ok(0);
         }
@@ -83,8 +77,7 @@ impl<S: Storage> Pass<'_, S> {
     /// The stored refcount of cluster `k` when its block is the cached one: the common case
     /// of a walk, answered without the async path.
     fn cached_refcount(&self, rb: &Refblocks, k: u64) -> Option<u64> {
-        let index = usize::try_from(k >> self.meta.refblock_bits).ok()?;
-        let block = self.meta.reftable.get(index)? & REFTABLE_OFFSET_MASK;
+        let block = self.meta.refblock_of(k);
         let (cached, buf) = rb.block.as_ref()?;
         if block == 0 || *cached != block {
             return None;
@@ -101,11 +94,7 @@ impl<S: Storage> Pass<'_, S> {
         k: u64,
         value: u64,
     ) -> Result<(), CheckError> {
-        let index = k >> self.meta.refblock_bits;
-        let block = usize::try_from(index)
-            .ok()
-            .and_then(|i| self.meta.reftable.get(i))
-            .map_or(0, |&raw| raw & REFTABLE_OFFSET_MASK);
+        let block = self.meta.refblock_of(k);
         if block == 0 || self.meta.in_cluster(block) != 0 {
             return Err(CheckError::io(
                 "updating a refcount",
