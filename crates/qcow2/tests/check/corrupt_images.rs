@@ -269,6 +269,18 @@ fn cases() -> Vec<Case> {
             patch: |p, _| p.set_refcount((p.u64(p.l2_entry_at(0)) & !COPIED) >> 12, 0),
         },
         Case {
+            name: "l2_copied_flag_missing",
+            engine: None,
+            base: "std",
+            patch: |p, _| p.put_u64(p.l2_entry_at(0), p.u64(p.l2_entry_at(0)) & !COPIED),
+        },
+        Case {
+            name: "l1_copied_flag_missing",
+            engine: None,
+            base: "std",
+            patch: |p, _| p.put_u64(p.l1_entry_at(0), p.u64(p.l1_entry_at(0)) & !COPIED),
+        },
+        Case {
             name: "refcount_too_high",
             engine: None,
             base: "std",
