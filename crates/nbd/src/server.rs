@@ -229,12 +229,6 @@ impl<E: Export + 'static> Server<E> {
         self
     }
 
-    /// The number of threads connections are spread over (1 unless
-    /// [`Server::with_threads`] set more).
-    pub fn threads(&self) -> usize {
-        self.threads
-    }
-
     /// Accepts clients on `listeners` until `shutdown` completes (or, without
     /// `persistent`, until the clients are gone). On shutdown it stops accepting, lets
     /// in-flight requests finish, flushes every export and returns.

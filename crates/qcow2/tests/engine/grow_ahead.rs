@@ -1,12 +1,16 @@
 //! Growing the image file ahead of its allocations under `O_DIRECT`: the file runs ahead of
 //! the data while the image is open, a clean close gives the unused space back, and an image
 //! left open (as by a crash) still checks clean, reads back and takes new clusters from the
-//! zeros left behind.
+//! zeros left behind. A file system that refuses to grow the file only turns growing ahead
+//! off, and a crash in the middle of it leaves an image without corruption.
 
 use std::path::{Path, PathBuf};
 
 use qcow2::engine::{Image, OpenOptions};
-use storage::{Aio, AnyStorage, FileOpener, IoBuf, Locking};
+use storage::{
+    Aio, AnyStorage, CrashPlan, FaultStorage, FileOpener, InjectedError, IoBuf, Locking, OpKind,
+    Opener,
+};
 use test_support::{assert_check_clean, qemu_img, qemu_io, run};
 
 const MIB: u64 = 1 << 20;
@@ -37,7 +41,7 @@ async fn open_direct(path: &Path) -> Image<AnyStorage> {
 }
 
 /// One 4 KiB write of byte `i + 1` at `i` MiB for each `i` in `range`, each allocating.
-async fn write_spread(img: &Image<AnyStorage>, range: std::ops::Range<u64>) {
+async fn write_spread<S: storage::Storage + 'static>(img: &Image<S>, range: std::ops::Range<u64>) {
     for i in range {
         let buf = IoBuf::from_slice(&[i as u8 + 1; 4096]);
         img.write(i * MIB, buf, false).await.0.expect("write");
@@ -110,4 +114,96 @@ fn an_image_left_open_with_its_file_grown_ahead_checks_clean_and_reopens() {
     assert_eq!(file_len(&path), left);
     assert!(image_end(&path) < left);
     assert_reads_back(&path, 0..48);
+}
+
+/// Opens the one image file the fault tests use, through a fault-injecting wrapper.
+struct FaultyFile(FaultStorage<AnyStorage>);
+
+impl Opener for FaultyFile {
+    type Storage = FaultStorage<AnyStorage>;
+    async fn open(&self, _: &Path, _: storage::OpenOptions) -> std::io::Result<Self::Storage> {
+        Ok(self.0.clone())
+    }
+}
+
+/// The image at `path` opened with `O_DIRECT` behind a fault-injecting wrapper (kept by the
+/// caller to inject faults and take crash images).
+async fn open_faulty(path: &Path) -> (Image<FaultStorage<AnyStorage>>, FaultStorage<AnyStorage>) {
+    let opener = FileOpener {
+        aio: Aio::IoUring,
+        direct: true,
+        locking: Locking::Off,
+    };
+    let file = opener
+        .open(path, storage::OpenOptions::default())
+        .await
+        .expect("open with O_DIRECT");
+    let faulty = FaultStorage::new(file).await.expect("wrap the file");
+    let img = Image::open(&FaultyFile(faulty.clone()), path, &OpenOptions::default())
+        .await
+        .expect("open the image");
+    (img, faulty)
+}
+
+#[test]
+fn a_file_system_that_refuses_to_grow_ahead_still_takes_every_write() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = image(&dir);
+    run(async {
+        let (img, faulty) = open_faulty(&path).await;
+        faulty.fail_nth(OpKind::WriteZeroes, 1, InjectedError::Enospc);
+        write_spread(&img, 0..32).await;
+        img.flush().await.expect("flush");
+        assert_eq!(
+            faulty.stats().write_zeroes,
+            1,
+            "after one refusal the engine stops growing ahead"
+        );
+        assert!(
+            file_len(&path) < 64 * MIB,
+            "the writes extended the file themselves: {} bytes",
+            file_len(&path)
+        );
+        img.close().await.expect("close");
+    });
+    assert_check_clean(&path);
+    assert!(
+        file_len(&path) <= image_end(&path),
+        "nothing grown ahead is left behind"
+    );
+    assert_reads_back(&path, 0..32);
+}
+
+#[test]
+fn a_crash_while_growing_ahead_leaves_an_image_that_checks_without_corruption() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    // Small, so that one step of growth (bounded by the virtual size) keeps the crash
+    // images small too.
+    let path = dir.path().join("small.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", path.to_str().unwrap(), "16M"]);
+    let crashed = dir.path().join("crashed.qcow2");
+    run(async {
+        let (img, faulty) = open_faulty(&path).await;
+        for i in 0..12u64 {
+            let buf = IoBuf::from_slice(&[i as u8 + 1; 4096]);
+            img.write(i * MIB, buf, false).await.0.expect("write");
+        }
+        assert_eq!(faulty.stats().write_zeroes, 1, "the file was grown ahead");
+        for seed in 0..24 {
+            let crash = faulty.crash_image(&CrashPlan::Random { seed, tear: true });
+            std::fs::write(&crashed, crash.to_vec()).unwrap();
+            let out = std::process::Command::new("qemu-img")
+                .args(["check", crashed.to_str().unwrap()])
+                .output()
+                .expect("run qemu-img (install qemu-utils)");
+            let code = out.status.code();
+            assert!(
+                code == Some(0) || code == Some(3),
+                "crash image {seed}: qemu-img check exited {code:?}: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        img.close().await.expect("close");
+    });
 }
