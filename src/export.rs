@@ -418,6 +418,9 @@ impl Export for ImageExport {
 }
 
 #[cfg(test)]
+mod remote_model;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
