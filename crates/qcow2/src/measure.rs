@@ -81,7 +81,9 @@ impl Target {
         let l2_entries = round_up(data / cs, cs / l2e).ok_or(overflow.clone())?;
         let l2_bytes = l2_entries.checked_mul(l2e).ok_or(overflow.clone())?;
         let l1_entries = round_up(l2_bytes / cs, cs / L1_ENTRY_BYTES).ok_or(overflow.clone())?;
-        let l1_bytes = l1_entries.checked_mul(L1_ENTRY_BYTES).ok_or(overflow.clone())?;
+        let l1_bytes = l1_entries
+            .checked_mul(L1_ENTRY_BYTES)
+            .ok_or(overflow.clone())?;
         let meta = [cs, l2_bytes, l1_bytes]
             .iter()
             .try_fold(0u64, |acc, &b| acc.checked_add(b))
@@ -102,7 +104,10 @@ impl Target {
         let (mut table, mut blocks, mut n) = (0u64, 0u64, 0u64);
         loop {
             let last = n;
-            blocks = clusters.checked_add(table)?.checked_add(blocks)?.div_ceil(per_block);
+            blocks = clusters
+                .checked_add(table)?
+                .checked_add(blocks)?
+                .div_ceil(per_block);
             table = blocks.div_ceil(per_table_cluster);
             n = clusters.checked_add(blocks)?.checked_add(table)?;
             if n == last {
