@@ -155,9 +155,18 @@ impl Work {
 }
 
 /// What strict mode requires to be equal: QEMU's block status flags (allocated, data, zero,
-/// compressed, a host offset known).
-fn strict_status(e: &Extent) -> (bool, bool, bool, bool, bool) {
-    (e.present, e.data, e.zero, e.compressed, e.offset.is_some())
+/// compressed, a host offset known, and whether the run goes on to the end of the disk, which
+/// QEMU compares too: a run split in one image and not in the other is a mismatch there).
+fn strict_status(e: &Extent, disk_end: u64) -> (bool, bool, bool, bool, bool, bool) {
+    let eof = e.start + e.len == disk_end;
+    (
+        e.present,
+        e.data,
+        e.zero,
+        e.compressed,
+        e.offset.is_some(),
+        eof,
+    )
 }
 
 /// The two images, their names for messages, and the read buffers in reuse.
@@ -372,7 +381,7 @@ async fn status(
         })
 }
 
-/// Compares `[0, end)`, which both images have. Errors of block status wait for the chunks
+/// Compares `[0, end)`, which both images have (in strict mode, all they have). Errors of block status wait for the chunks
 /// before them, so the first problem in guest order is the one reported.
 async fn compare_common(
     images: &Rc<Images>,
@@ -398,7 +407,7 @@ async fn compare_common(
         // are split differently.
         let mut run: Option<(u64, u64, Work)> = None;
         for (start, n, x, y) in overlaps(&a, &b) {
-            if strict && strict_status(x) != strict_status(y) {
+            if strict && strict_status(x, end) != strict_status(y, end) {
                 if let Some((s, l, w)) = run.take() {
                     pipe.schedule(images, s, l, w).await?;
                 }
