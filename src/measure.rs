@@ -7,7 +7,7 @@
 //! backing file, so they read as zeros there too).
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, ValueEnum};
@@ -348,7 +348,7 @@ fn measure_raw(size: u64, source: Option<&Source>) -> Result<Measured, MeasureCl
 
 /// Opens FILENAME (at the `-l` snapshot, if any); the size of a copy is the active disk's,
 /// as for `convert -l`.
-async fn open_source(args: &MeasureArgs, path: &PathBuf) -> Result<Source, MeasureCliError> {
+async fn open_source(args: &MeasureArgs, path: &Path) -> Result<Source, MeasureCliError> {
     let snapshot = args.snapshot.as_deref().map(snapshot_param).transpose()?;
     let format = args
         .format
