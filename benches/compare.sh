@@ -655,8 +655,10 @@ tls_scenarios() {
 # qcow2, to raw, and to qcow2 with -c, against `qemu-img convert`; `cp --sparse=always` of the
 # raw equivalent is the physical limit. check on a 2 GiB fully allocated image and on a
 # 20 GiB image preallocated with metadata (every L2 table and refcount block present, no
-# data) against `qemu-img check`. Wall time and CPU time (user + system) per run, medians of
-# alternating rounds; each output is compared with the source by `qemu-img compare` once.
+# data) against `qemu-img check`. compare of the half-allocated image with a copy of itself,
+# and with a copy differing in one byte near its end, against `qemu-img compare`. Wall time
+# and CPU time (user + system) per run, medians of alternating rounds; each convert output is
+# compared with the source by `qemu-img compare` once.
 TOOLS_DIR=${TOOLS_DIR:-/dev/shm}
 TOOLS_MIB=${TOOLS_MIB:-2048}
 # The quick tool runs swing the most on this kind of machine (a copy into fresh tmpfs pages
@@ -697,6 +699,21 @@ PY
     qemu-img convert -f raw -O qcow2 "$d/src.raw" "$d/src.qcow2"
     qemu-img create -q -f qcow2 -o preallocation=falloc "$d/full.qcow2" "$((TOOLS_MIB))M"
     qemu-img create -q -f qcow2 -o preallocation=metadata "$d/sparse20.qcow2" 20G
+    # compare: the image against a copy of itself, and against a copy with one byte changed
+    # in the last data MiB (so the whole image is read before the difference).
+    cp "$d/src.qcow2" "$d/same.qcow2"
+    cp "$d/src.qcow2" "$d/onebyte.qcow2"
+    qemu-io -f qcow2 -c "write -P 0xa5 $(((TOOLS_MIB - 2) * 1048576 + 777)) 1" \
+        "$d/onebyte.qcow2" >/dev/null
+}
+
+# exits CODE CMD...: runs CMD and succeeds when it exits with CODE (compare exits 1 on a
+# difference, which is the result expected there, not a failure).
+exits() {
+    local want=$1 rc=0
+    shift
+    "$@" || rc=$?
+    [ "$rc" = "$want" ]
 }
 
 # timed LABEL KIND CMD...: runs CMD, records its wall and CPU time in ms under LABEL.
@@ -748,6 +765,18 @@ tools_scenarios() {
                 fi
             done
             log "check $sc round $r done"
+        done
+        for sc in same onebyte; do
+            local want=0
+            [ "$sc" = onebyte ] && want=1
+            for kind in $(order "$r"); do
+                if [ "$kind" = qemu ]; then
+                    timed "compare $sc" qemu exits "$want" qemu-img compare -f qcow2 -F qcow2 "$d/src.qcow2" "$d/$sc.qcow2"
+                else
+                    timed "compare $sc" ours exits "$want" "$BIN" compare -f qcow2 -F qcow2 "$d/src.qcow2" "$d/$sc.qcow2"
+                fi
+            done
+            log "compare $sc round $r done"
         done
     done
     rm -rf "$d"
@@ -854,6 +883,10 @@ usage() { # SCENARIO: the servers' median CPU and disk cost per request, "qemu /
         row "check $sc ms" "$label" ms lower
         row "check $sc cpu ms" "  CPU time (user + system)" ms lower
     done
+    row "compare same ms" "compare ${TOOLS_MIB} MiB half-allocated qcow2 with a copy" ms lower
+    row "compare same cpu ms" "  CPU time (user + system)" ms lower
+    row "compare onebyte ms" "  same, one byte changed near the end" ms lower
+    row "compare onebyte cpu ms" "  CPU time (user + system)" ms lower
     echo
     echo "ratio: ours/qemu-nbd for rates, qemu-nbd/ours for times and memory (above 1 = ours better)."
     echo "CPU µs/req and disk KiB/req: the server's CPU time (all threads) and storage bytes read"

@@ -2,6 +2,7 @@
 
 mod bitmap;
 mod check;
+mod compare;
 mod convert;
 mod create;
 mod engine_run;
@@ -9,6 +10,7 @@ mod export;
 mod info;
 mod malloc_tuning;
 mod map;
+mod measure;
 mod options;
 mod progress;
 mod serve;
@@ -49,6 +51,10 @@ enum Command {
     Map(map::MapArgs),
     /// Copy an image into a new raw or qcow2 image, like `qemu-img convert`.
     Convert(convert::ConvertArgs),
+    /// Compare what a guest sees of two images, like `qemu-img compare`.
+    Compare(compare::CompareArgs),
+    /// Calculate the file size a new image needs, like `qemu-img measure`.
+    Measure(measure::MeasureArgs),
     /// Export an image over NBD, like `qemu-nbd`.
     Serve(serve::ServeArgs),
     /// Change an image's persistent dirty bitmaps, like `qemu-img bitmap`.
@@ -68,6 +74,8 @@ fn main() -> ExitCode {
         Command::Create(args) => return create::main(args),
         Command::Map(args) => return map::main(args),
         Command::Convert(args) => return convert::main(args),
+        Command::Compare(args) => return compare::main(args),
+        Command::Measure(args) => return measure::main(args),
         Command::Serve(args) => return serve::run(args),
         Command::Bitmap(args) => {
             let sub = matches.subcommand_matches("bitmap").cloned();

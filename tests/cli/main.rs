@@ -1,9 +1,10 @@
-//! `create`, `convert`, `map` and the space test through the real binary, with qemu-img and
-//! qemu-io as oracles; one test binary so the suite links once.
+//! `create`, `convert`, `map`, `compare`, `measure` and the space test through the real
+//! binary, with qemu-img and qemu-io as oracles; one test binary so the suite links once.
 
 mod common;
 
 mod bitmap;
+mod compare_measure;
 mod convert_map_interop;
 mod convert_qcow2;
 mod create;

@@ -40,6 +40,16 @@ impl<S: Storage + 'static> Image<S> {
         Ok(entries.iter().map(BitmapInfo::stored).collect())
     }
 
+    /// True when the opened image can hold persistent bitmaps (qcow2 version 3), whether or
+    /// not it has any.
+    pub fn supports_persistent_bitmaps(&self) -> bool {
+        self.inner
+            .chain
+            .top()
+            .qcow2()
+            .is_some_and(|m| m.header.borrow().version >= 3)
+    }
+
     /// Adds an empty persistent bitmap (QEMU's default granularity when `None`).
     pub fn add_bitmap(&self, name: &str, granularity: Option<u64>, enabled: bool) -> Result<()> {
         let version = self
