@@ -11,6 +11,7 @@ mod malloc_tuning;
 mod map;
 mod options;
 mod progress;
+mod resize;
 mod serve;
 mod size_string;
 
@@ -53,6 +54,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Change an image's persistent dirty bitmaps, like `qemu-img bitmap`.
     Bitmap(bitmap::BitmapArgs),
+    /// Change an image's virtual size, like `qemu-img resize`.
+    Resize(resize::ResizeArgs),
 }
 
 fn main() -> ExitCode {
@@ -69,6 +72,7 @@ fn main() -> ExitCode {
         Command::Map(args) => return map::main(args),
         Command::Convert(args) => return convert::main(args),
         Command::Serve(args) => return serve::run(args),
+        Command::Resize(args) => return resize::main(args),
         Command::Bitmap(args) => {
             let sub = matches.subcommand_matches("bitmap").cloned();
             return bitmap::main(args, &sub.unwrap_or_default());

@@ -4,6 +4,7 @@ use super::backing_name::BackingError;
 use super::bitmaps::BitmapError;
 use super::cache_sizing::CacheSizeError;
 use super::compress::CompressError;
+use super::resize::ResizeError;
 use crate::format::FormatError;
 use crate::metadata::MetadataError;
 use std::io;
@@ -94,6 +95,15 @@ pub enum EngineError {
         /// What is not supported.
         what: String,
     },
+    /// A resize QEMU would refuse too, with its reason.
+    #[error("{image}: {source}")]
+    Resize {
+        /// The image.
+        image: String,
+        /// Why, in QEMU's words.
+        #[source]
+        source: ResizeError,
+    },
     /// A fast zero request that could only be done by writing data.
     #[error("zeroing {offset:#x} + {len:#x} would have to write data")]
     ZeroNotFast {
@@ -181,7 +191,9 @@ impl EngineError {
     pub fn errno(&self) -> i32 {
         match self {
             EngineError::ReadOnly { .. } => libc_errno::EPERM,
-            EngineError::OutOfRange { .. } | EngineError::Bitmap { .. } => libc_errno::EINVAL,
+            EngineError::OutOfRange { .. }
+            | EngineError::Bitmap { .. }
+            | EngineError::Resize { .. } => libc_errno::EINVAL,
             EngineError::Unsupported { .. } | EngineError::ZeroNotFast { .. } => {
                 libc_errno::ENOTSUP
             }

@@ -44,6 +44,18 @@ impl<S: Storage + 'static> Inner<S> {
             return Ok(());
         }
         self.track(offset, len);
+        self.zero_untracked(offset, len, may_unmap, fast).await
+    }
+
+    /// [`Inner::write_zeroes`] of a checked, non-empty range, without marking the persistent
+    /// bitmaps: for the space a resize adds, which QEMU zeroes without counting it as a write.
+    pub(crate) async fn zero_untracked(
+        &self,
+        offset: u64,
+        len: u64,
+        may_unmap: bool,
+        fast: bool,
+    ) -> Result<()> {
         let top = self.chain.top();
         let Some(meta) = top.qcow2() else {
             if fast && !top.file.zeroes_are_cheap() {

@@ -15,6 +15,7 @@ pub(crate) mod l2_entry;
 mod l2_table;
 mod prealloc;
 mod refcount;
+mod shrink;
 
 use crate::engine::bitmaps::Bitmaps;
 use crate::engine::error::{EngineError, Result};
