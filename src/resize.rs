@@ -27,8 +27,8 @@ pub struct ResizeArgs {
     /// How to allocate the space a growing image gains: off (nothing), metadata (qcow2
     /// only: L2 tables and clusters, data untouched), falloc (reserved with fallocate) or
     /// full (written with zeros).
-    #[arg(long, value_name = "off|metadata|falloc|full", value_parser = parse_prealloc)]
-    pub preallocation: Option<Preallocation>,
+    #[arg(long, value_name = "off|metadata|falloc|full")]
+    pub preallocation: Option<String>,
     /// Format of FILENAME: qcow2 or raw (default: probed).
     #[arg(short = 'f', long = "format", value_name = "FMT")]
     pub format: Option<String>,
@@ -43,8 +43,15 @@ pub struct ResizeArgs {
     pub size: String,
 }
 
-fn parse_prealloc(s: &str) -> Result<Preallocation, String> {
-    Preallocation::from_name(s).ok_or_else(|| format!("Invalid preallocation mode '{s}'"))
+/// The `--preallocation` mode (checked here rather than by clap so that a bad one exits
+/// 1 with qemu-img's message).
+fn parse_prealloc(s: Option<&str>) -> Result<Preallocation, ResizeCliError> {
+    match s {
+        None => Ok(Preallocation::Off),
+        Some(s) => {
+            Preallocation::from_name(s).ok_or_else(|| ResizeCliError::BadPrealloc(s.to_string()))
+        }
+    }
 }
 
 /// Why `resize` failed, in qemu-img's words.
@@ -56,6 +63,8 @@ enum ResizeCliError {
          and exabytes, respectively."
     )]
     BadSize,
+    #[error("Invalid preallocation mode '{0}'")]
+    BadPrealloc(String),
     #[error("New image size must be positive")]
     NotPositive,
     #[error("Preallocation can only be used for growing images")]
@@ -138,6 +147,7 @@ fn new_size(
 }
 
 async fn run(args: &ResizeArgs) -> Result<(), ResizeCliError> {
+    let prealloc = parse_prealloc(args.preallocation.as_deref())?;
     let requested = parse_requested(&args.size)?;
     let format = match &args.format {
         Some(f) => engine_run::parse_format(f)?,
@@ -160,7 +170,6 @@ async fn run(args: &ResizeArgs) -> Result<(), ResizeCliError> {
     let img: Image<AnyStorage> = Image::open(&engine_run::opener(), &args.filename, &opts)
         .await
         .map_err(OpenError::from)?;
-    let prealloc = args.preallocation.unwrap_or_default();
     let outcome = match new_size(&requested, img.size(), args.shrink, prealloc) {
         Ok(size) => img
             .resize(size, prealloc)

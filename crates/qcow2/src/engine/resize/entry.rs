@@ -29,7 +29,7 @@ pub enum ResizeError {
 }
 
 impl<S: Storage + 'static> Image<S> {
-    /// Changes the virtual disk to `new_size` bytes (a multiple of 512). New space reads as
+    /// Changes the virtual disk to `new_size` bytes (for qcow2, a multiple of 512). New space reads as
     /// zeros, even over a longer backing file, and is allocated as `prealloc` says; a
     /// shrink drops every cluster past the new end. Asking before shrinking is the caller's
     /// business, as it is qemu-img's.
@@ -46,13 +46,14 @@ impl<S: Storage + 'static> Inner<S> {
             image: top.name.clone(),
             source,
         };
-        if new_size % 512 != 0 {
-            return Err(refuse(ResizeError::Unaligned));
-        }
         let old_size = top.size.get();
         let Some(meta) = top.qcow2() else {
             return self.resize_raw(old_size, new_size, prealloc).await;
         };
+        // A raw file takes any length; qcow2 sizes are whole sectors.
+        if new_size % 512 != 0 {
+            return Err(refuse(ResizeError::Unaligned));
+        }
         self.check_qcow2_resize(meta, new_size)?;
         if new_size < old_size {
             if prealloc != Preallocation::Off {
