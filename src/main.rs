@@ -1,5 +1,6 @@
 //! `qcow2-nbd`: qemu-img-like tools for qcow2 images and an NBD server that exports them.
 
+mod amend;
 mod bitmap;
 mod check;
 mod convert;
@@ -56,6 +57,8 @@ enum Command {
     Bitmap(bitmap::BitmapArgs),
     /// Change an image's virtual size, like `qemu-img resize`.
     Resize(resize::ResizeArgs),
+    /// Change a qcow2 image's options in place, like `qemu-img amend`.
+    Amend(amend::AmendArgs),
 }
 
 fn main() -> ExitCode {
@@ -73,6 +76,7 @@ fn main() -> ExitCode {
         Command::Convert(args) => return convert::main(args),
         Command::Serve(args) => return serve::run(args),
         Command::Resize(args) => return resize::main(args),
+        Command::Amend(args) => return amend::main(args),
         Command::Bitmap(args) => {
             let sub = matches.subcommand_matches("bitmap").cloned();
             return bitmap::main(args, &sub.unwrap_or_default());

@@ -144,7 +144,7 @@ impl CreateOptions {
 }
 
 /// QEMU's feature name table: every feature bit it knows, named.
-fn feature_table() -> FeatureNameTable {
+pub(crate) fn feature_table() -> FeatureNameTable {
     let mut entries = Vec::new();
     for kind in [
         FeatureKind::Incompatible,

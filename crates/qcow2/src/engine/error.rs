@@ -1,5 +1,6 @@
 //! The engine's error type: what went wrong and where, convertible to an errno at the edges.
 
+use super::amend::AmendError;
 use super::backing_name::BackingError;
 use super::bitmaps::BitmapError;
 use super::cache_sizing::CacheSizeError;
@@ -104,6 +105,15 @@ pub enum EngineError {
         #[source]
         source: ResizeError,
     },
+    /// An amendment QEMU would refuse too (or one we refuse rather than damage the image).
+    #[error("{image}: {source}")]
+    Amend {
+        /// The image.
+        image: String,
+        /// Why.
+        #[source]
+        source: AmendError,
+    },
     /// A fast zero request that could only be done by writing data.
     #[error("zeroing {offset:#x} + {len:#x} would have to write data")]
     ZeroNotFast {
@@ -193,7 +203,8 @@ impl EngineError {
             EngineError::ReadOnly { .. } => libc_errno::EPERM,
             EngineError::OutOfRange { .. }
             | EngineError::Bitmap { .. }
-            | EngineError::Resize { .. } => libc_errno::EINVAL,
+            | EngineError::Resize { .. }
+            | EngineError::Amend { .. } => libc_errno::EINVAL,
             EngineError::Unsupported { .. } | EngineError::ZeroNotFast { .. } => {
                 libc_errno::ENOTSUP
             }

@@ -12,6 +12,7 @@
 //! one allocating write through them.
 
 mod alloc;
+mod amend;
 pub mod backing_name;
 mod bitmap_ops;
 mod bitmaps;
@@ -41,6 +42,7 @@ mod write;
 mod write_compressed;
 mod zero;
 
+pub use amend::{AmendError, AmendOptions};
 pub use bitmaps::{BitmapError, BitmapInfo};
 pub use block_status::Extent;
 pub use cache_sizing::{

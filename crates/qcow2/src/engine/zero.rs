@@ -204,7 +204,7 @@ impl<S: Storage + 'static> Inner<S> {
             let _g = w.meta_lock.lock().await;
             w.l2_for_write(z.geom.l1_index(e.cluster)).await?;
         }
-        if w.lazy_refcounts {
+        if w.lazy_refcounts.get() {
             w.mark_dirty().await?;
         }
         w.set_l2_entry(e.cluster, word, bitmap).await?;

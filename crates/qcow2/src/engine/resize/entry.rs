@@ -39,7 +39,7 @@ impl<S: Storage + 'static> Image<S> {
 }
 
 impl<S: Storage + 'static> Inner<S> {
-    async fn resize(&self, new_size: u64, prealloc: Preallocation) -> Result<()> {
+    pub(crate) async fn resize(&self, new_size: u64, prealloc: Preallocation) -> Result<()> {
         self.check_writable()?;
         let top = self.chain.top();
         let refuse = |source| EngineError::Resize {

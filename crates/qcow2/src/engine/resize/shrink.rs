@@ -70,7 +70,7 @@ impl<S: Storage + 'static> Inner<S> {
                     let _g = w.meta_lock.lock().await;
                     w.l2_for_write(g.l1_index(GuestOffset(pos))).await?;
                 }
-                if w.lazy_refcounts {
+                if w.lazy_refcounts.get() {
                     w.mark_dirty().await?;
                 }
                 for e in used {
