@@ -180,15 +180,19 @@ async fn run(args: &AmendArgs) -> Result<(), AmendCliError> {
     if format != Format::Qcow2 {
         return Err(AmendCliError::NotAmendable(engine_run::format_name(format)));
     }
-    let opts = parse(&list)?;
     let open = OpenOptions {
         format: Some(Format::Qcow2),
         ..OpenOptions::default()
     };
+    // Opened before the options are read, as qemu-img does: a dirty lazy-refcount image is
+    // repaired by the open even when the options are then refused.
     let img: Image<AnyStorage> = Image::open(&engine_run::opener(), path, &open)
         .await
         .map_err(OpenError::from)?;
-    let outcome = img.amend(&opts).await.map_err(AmendCliError::Engine);
+    let outcome = match parse(&list) {
+        Ok(opts) => img.amend(&opts).await.map_err(AmendCliError::Engine),
+        Err(e) => Err(e),
+    };
     let closed = img.close().await.map_err(AmendCliError::Engine);
     outcome.and(closed)
 }

@@ -3,6 +3,7 @@
 
 mod common;
 
+mod amend;
 mod bitmap;
 mod convert_map_interop;
 mod convert_qcow2;

@@ -184,9 +184,10 @@ pub fn info_sans_offsets(d: &test_support::Dir, image: &str) -> Value {
 /// The first line of a tool's error, without its `prog: ` prefix.
 pub fn reason(stderr: &[u8]) -> String {
     let text = String::from_utf8_lossy(stderr);
+    // The tool's own message, not what an open printed before it (repairs, warnings).
     let line = text
         .lines()
-        .find(|l| !l.starts_with("WARNING") && !l.trim().is_empty())
+        .find(|l| l.starts_with("qemu-img: ") || l.starts_with("qcow2-nbd: "))
         .unwrap_or("");
     line.split_once(": ")
         .map_or(line, |(_, r)| r)
