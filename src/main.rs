@@ -1,5 +1,6 @@
 //! `qcow2-nbd`: qemu-img-like tools for qcow2 images and an NBD server that exports them.
 
+mod amend;
 mod bitmap;
 mod check;
 mod compare;
@@ -13,6 +14,7 @@ mod map;
 mod measure;
 mod options;
 mod progress;
+mod resize;
 mod serve;
 mod size_string;
 
@@ -59,6 +61,10 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Change an image's persistent dirty bitmaps, like `qemu-img bitmap`.
     Bitmap(bitmap::BitmapArgs),
+    /// Change an image's virtual size, like `qemu-img resize`.
+    Resize(resize::ResizeArgs),
+    /// Change a qcow2 image's options in place, like `qemu-img amend`.
+    Amend(amend::AmendArgs),
 }
 
 fn main() -> ExitCode {
@@ -77,6 +83,8 @@ fn main() -> ExitCode {
         Command::Compare(args) => return compare::main(args),
         Command::Measure(args) => return measure::main(args),
         Command::Serve(args) => return serve::run(args),
+        Command::Resize(args) => return resize::main(args),
+        Command::Amend(args) => return amend::main(args),
         Command::Bitmap(args) => {
             let sub = matches.subcommand_matches("bitmap").cloned();
             return bitmap::main(args, &sub.unwrap_or_default());

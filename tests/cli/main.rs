@@ -3,10 +3,12 @@
 
 mod common;
 
+mod amend;
 mod bitmap;
 mod compare_measure;
 mod convert_map_interop;
 mod convert_qcow2;
 mod create;
 mod interop_writes;
+mod resize;
 mod space;

@@ -162,3 +162,35 @@ pub fn parse_human_map(text: &str) -> Vec<HumanLine> {
     }
     out
 }
+
+/// `qemu-img info --output=json` of `image` with what may differ between two equal images
+/// taken out: the file names (`image` becomes `IMG`) and the sizes and offsets on disk.
+pub fn info_sans_offsets(d: &test_support::Dir, image: &str) -> Value {
+    let mut v = d.info(image);
+    fn strip(v: &mut Value) {
+        if let Value::Object(m) = v {
+            for k in ["actual-size", "children", "filename"] {
+                m.remove(k);
+            }
+            m.values_mut().for_each(strip);
+        } else if let Value::Array(a) = v {
+            a.iter_mut().for_each(strip);
+        }
+    }
+    strip(&mut v);
+    v
+}
+
+/// The first line of a tool's error, without its `prog: ` prefix.
+pub fn reason(stderr: &[u8]) -> String {
+    let text = String::from_utf8_lossy(stderr);
+    // The tool's own message, not what an open printed before it (repairs, warnings).
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("qemu-img: ") || l.starts_with("qcow2-nbd: "))
+        .unwrap_or("");
+    line.split_once(": ")
+        .map_or(line, |(_, r)| r)
+        .trim()
+        .to_string()
+}

@@ -144,7 +144,7 @@ impl CreateOptions {
 }
 
 /// QEMU's feature name table: every feature bit it knows, named.
-fn feature_table() -> FeatureNameTable {
+pub(crate) fn feature_table() -> FeatureNameTable {
     let mut entries = Vec::new();
     for kind in [
         FeatureKind::Incompatible,
@@ -380,90 +380,4 @@ where
         img.close().await?;
     }
     Ok(())
-}
-
-impl<S: Storage + 'static> Image<S> {
-    /// Allocates L2 tables and data clusters for the whole disk (`preallocation=`). With
-    /// extended L2 entries the clusters are reserved but their subclusters stay unallocated,
-    /// as QEMU leaves them.
-    pub async fn preallocate(&self, mode: Preallocation) -> Result<()> {
-        use crate::format::l2;
-        use crate::format::GuestOffset;
-        let inner = &self.inner;
-        if mode == Preallocation::Off {
-            return Ok(());
-        }
-        let w = inner.alloc()?;
-        let top = inner.chain.top();
-        let meta = top
-            .qcow2()
-            .ok_or_else(|| invalid("preallocating a raw image"))?;
-        let g = &meta.geom;
-        let cs = g.cluster_size();
-        let size = top.size.get();
-        let per_table = g.l2_entries() * cs;
-        let mut pos = 0;
-        while pos < size {
-            let chunk = (per_table - pos % per_table).min(size - pos);
-            let n = chunk.div_ceil(cs);
-            let host = {
-                let _g = w.meta_lock.lock().await;
-                w.l2_for_write(g.l1_index(GuestOffset(pos))).await?;
-                w.alloc_clusters(n).await?.0
-            };
-            let end = host + n * cs;
-            match mode {
-                Preallocation::Falloc => top
-                    .file
-                    .write_zeroes_at(host, n * cs, false)
-                    .await
-                    .map_err(|e| top.io_error("preallocating", host, e))?,
-                Preallocation::Full => {
-                    let mut off = host;
-                    while off < end {
-                        let len = (end - off).min(1 << 20);
-                        let (res, _) = top
-                            .file
-                            .write_at(IoBuf::zeroed(len as usize).into(), off)
-                            .await;
-                        res.map_err(|e| top.io_error("preallocating", off, e))?;
-                        off += len;
-                    }
-                }
-                _ => {}
-            }
-            if top
-                .file
-                .len()
-                .await
-                .map_err(|e| top.io_error("getting the file size", 0, e))?
-                < end
-            {
-                top.file
-                    .set_len(end)
-                    .await
-                    .map_err(|e| top.io_error("extending the file", end, e))?;
-            }
-            if let Some(wr) = &inner.alloc {
-                wr.physical_len.set(wr.physical_len.get().max(end));
-            }
-            inner
-                .chain
-                .l2
-                .set_dependency(w.refcounts_flush())
-                .await
-                .map_err(|source| EngineError::Cache {
-                    image: top.name.clone(),
-                    source,
-                })?;
-            for i in 0..n {
-                inner
-                    .alloc()?
-                    .set_l2_entry(GuestOffset(pos + i * cs), l2::owned_word(host + i * cs), 0)
-                    .await?;
-            }
-            pos += chunk;
-        }
-        inner.flush().await
-    }
 }

@@ -84,7 +84,7 @@ impl<S: Storage + 'static> Inner<S> {
                 continue;
             }
             self.chain.l2.set_flush_before_writeback();
-            if w.lazy_refcounts {
+            if w.lazy_refcounts.get() {
                 w.mark_dirty().await?;
             }
             w.set_l2_entry(e.cluster, word, bitmap).await?;

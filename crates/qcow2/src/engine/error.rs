@@ -1,9 +1,11 @@
 //! The engine's error type: what went wrong and where, convertible to an errno at the edges.
 
+use super::amend::AmendError;
 use super::backing_name::BackingError;
 use super::bitmaps::BitmapError;
 use super::cache_sizing::CacheSizeError;
 use super::compress::CompressError;
+use super::resize::ResizeError;
 use crate::format::FormatError;
 use crate::metadata::MetadataError;
 use std::io;
@@ -94,6 +96,24 @@ pub enum EngineError {
         /// What is not supported.
         what: String,
     },
+    /// A resize QEMU would refuse too, with its reason.
+    #[error("{image}: {source}")]
+    Resize {
+        /// The image.
+        image: String,
+        /// Why, in QEMU's words.
+        #[source]
+        source: ResizeError,
+    },
+    /// An amendment QEMU would refuse too (or one we refuse rather than damage the image).
+    #[error("{image}: {source}")]
+    Amend {
+        /// The image.
+        image: String,
+        /// Why.
+        #[source]
+        source: AmendError,
+    },
     /// A fast zero request that could only be done by writing data.
     #[error("zeroing {offset:#x} + {len:#x} would have to write data")]
     ZeroNotFast {
@@ -181,7 +201,10 @@ impl EngineError {
     pub fn errno(&self) -> i32 {
         match self {
             EngineError::ReadOnly { .. } => libc_errno::EPERM,
-            EngineError::OutOfRange { .. } | EngineError::Bitmap { .. } => libc_errno::EINVAL,
+            EngineError::OutOfRange { .. }
+            | EngineError::Bitmap { .. }
+            | EngineError::Resize { .. }
+            | EngineError::Amend { .. } => libc_errno::EINVAL,
             EngineError::Unsupported { .. } | EngineError::ZeroNotFast { .. } => {
                 libc_errno::ENOTSUP
             }

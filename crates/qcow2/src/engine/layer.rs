@@ -120,6 +120,33 @@ pub(crate) async fn read_exact<S: Storage + 'static>(
     Ok(slice.into_inner())
 }
 
+/// Largest buffer of zeros written at once by [`write_zero_data`].
+const ZERO_CHUNK: u64 = 1 << 20;
+
+/// Writes `len` bytes of zeros as data at `offset` of `layer`'s file (`preallocation=full`:
+/// the space is really written, not just reserved).
+pub(crate) async fn write_zero_data<S: Storage + 'static>(
+    layer: &Layer<S>,
+    offset: u64,
+    len: u64,
+) -> Result<()> {
+    let end = offset
+        .checked_add(len)
+        .ok_or_else(|| layer.corrupt(format!("zeroing {len:#x} bytes at {offset:#x} overflows")))?;
+    let mut pos = offset;
+    while pos < end {
+        let n = (end - pos).min(ZERO_CHUNK);
+        // n <= 1 MiB, so the cast is exact.
+        let (res, _) = layer
+            .file
+            .write_at(IoBuf::zeroed(n as usize).into(), pos)
+            .await;
+        res.map_err(|e| layer.io_error("writing zeros", pos, e))?;
+        pos += n;
+    }
+    Ok(())
+}
+
 impl<S> Layer<S> {
     /// An I/O error in this layer's file.
     pub fn io_error(&self, what: &'static str, offset: u64, source: std::io::Error) -> EngineError {

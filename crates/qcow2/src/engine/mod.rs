@@ -12,6 +12,7 @@
 //! one allocating write through them.
 
 mod alloc;
+mod amend;
 pub mod backing_name;
 mod bitmap_ops;
 mod bitmaps;
@@ -32,6 +33,7 @@ mod metacache;
 mod open;
 mod overlap;
 mod prealloc_detect;
+mod preallocate;
 pub mod range_lock;
 mod read;
 mod read_sparse;
@@ -40,6 +42,7 @@ mod write;
 mod write_compressed;
 mod zero;
 
+pub use amend::{AmendError, AmendOptions};
 pub use bitmaps::{BitmapError, BitmapInfo};
 pub use block_status::Extent;
 pub use cache_sizing::{
@@ -53,4 +56,5 @@ pub use image::{Image, ImageFacts};
 pub use load::Format;
 pub use open::OpenOptions;
 pub use read_sparse::ReadPart;
+pub use resize::ResizeError;
 pub use write_compressed::{ClusterCompressor, PackedCluster};

@@ -192,7 +192,7 @@ impl<S: Storage + 'static> Inner<S> {
                 source,
             })?;
         self.chain.l2.set_flush_before_writeback();
-        if w.lazy_refcounts {
+        if w.lazy_refcounts.get() {
             w.mark_dirty().await?;
         }
         w.set_l2_entry(cluster, word, 0).await

@@ -44,6 +44,18 @@ impl<S: Storage + 'static> Inner<S> {
             return Ok(());
         }
         self.track(offset, len);
+        self.zero_untracked(offset, len, may_unmap, fast).await
+    }
+
+    /// [`Inner::write_zeroes`] of a checked, non-empty range, without marking the persistent
+    /// bitmaps: for the space a resize adds, which QEMU zeroes without counting it as a write.
+    pub(crate) async fn zero_untracked(
+        &self,
+        offset: u64,
+        len: u64,
+        may_unmap: bool,
+        fast: bool,
+    ) -> Result<()> {
         let top = self.chain.top();
         let Some(meta) = top.qcow2() else {
             if fast && !top.file.zeroes_are_cheap() {
@@ -192,7 +204,7 @@ impl<S: Storage + 'static> Inner<S> {
             let _g = w.meta_lock.lock().await;
             w.l2_for_write(z.geom.l1_index(e.cluster)).await?;
         }
-        if w.lazy_refcounts {
+        if w.lazy_refcounts.get() {
             w.mark_dirty().await?;
         }
         w.set_l2_entry(e.cluster, word, bitmap).await?;

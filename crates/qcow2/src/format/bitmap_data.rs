@@ -233,6 +233,15 @@ impl BitmapData {
         self.bits
     }
 
+    /// Follows the disk to `disk_size` bytes, as QEMU truncates a bitmap with its disk:
+    /// chunks past the new end are dropped, new chunks start clean. The caller has checked
+    /// the new size with [`check_size`].
+    pub fn resize(&mut self, disk_size: u64) {
+        self.bits = disk_size.div_ceil(1u64 << self.granularity_bits);
+        self.words.resize(self.bits.div_ceil(64) as usize, 0);
+        self.clear_tail();
+    }
+
     /// Sets every chunk that is dirty in `other` (which may have another granularity).
     pub fn merge(&mut self, other: &BitmapData) {
         let disk = other.bits << other.granularity_bits;
@@ -329,6 +338,21 @@ mod tests {
         let mut coarse = BitmapData::new(1 << 20, 16);
         coarse.merge(&fine);
         assert!(coarse.get(1) && !coarse.get(0) && !coarse.get(2));
+    }
+
+    #[test]
+    fn resizing_drops_chunks_past_the_end_and_adds_clean_ones() {
+        let mut b = BitmapData::new(10 * 512, 9);
+        b.mark(0, 10 * 512);
+        b.resize(3 * 512 + 1);
+        assert_eq!((0..4).filter(|&i| b.get(i)).count(), 4);
+        b.resize(200 * 512);
+        assert!((0..4).all(|i| b.get(i)));
+        assert!((4..200).all(|i| !b.get(i)));
+        b.resize(2 * 512);
+        b.resize(200 * 512);
+        assert!((2..200).all(|i| !b.get(i)));
+        assert_eq!(b.data_bytes(), 25);
     }
 
     #[test]

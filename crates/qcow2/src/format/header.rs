@@ -123,6 +123,11 @@ pub fn incompatible_update(bits: u64) -> FieldUpdate<8> {
     FieldUpdate::new(field::INCOMPATIBLE_FEATURES, bits.to_be_bytes())
 }
 
+/// The update that sets the compatible feature bits (version 3).
+pub fn compatible_update(bits: u64) -> FieldUpdate<8> {
+    FieldUpdate::new(field::COMPATIBLE_FEATURES, bits.to_be_bytes())
+}
+
 /// The update that sets the autoclear feature bits (version 3).
 pub fn autoclear_update(bits: u64) -> FieldUpdate<8> {
     FieldUpdate::new(field::AUTOCLEAR_FEATURES, bits.to_be_bytes())

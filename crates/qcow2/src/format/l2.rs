@@ -47,6 +47,11 @@ pub fn zeroed_word(word: u64) -> u64 {
     word | L2_ZERO
 }
 
+/// True when a standard entry word has the zero flag (reads as zeros, version 3 only).
+pub fn has_zero_flag(word: u64) -> bool {
+    word & L2_ZERO != 0 && !is_compressed(word)
+}
+
 /// One decoded L2 entry (the first 64 bits of an extended entry decode the same way).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum L2Entry {

@@ -9,7 +9,7 @@
 //! before the close that stored it.
 
 use crate::support::FaultFs;
-use qcow2::engine::{create, CreateOptions, Format, Image, OpenOptions};
+use qcow2::engine::{create, CreateOptions, Format, Image, OpenOptions, Preallocation};
 use std::path::Path;
 use storage::{CrashPlan, FaultStorage, InjectedError, IoBuf, MemFs, MemStorage};
 use test_support::{run, Rng};
@@ -48,13 +48,21 @@ struct Config {
     version: u32,
     backing: bool,
     size: u64,
-    /// Grow the disk to this size halfway through (L1 table growth).
-    grow_to: Option<u64>,
+    /// Resize the disk to this size halfway through (L1 table growth, or a shrink that
+    /// frees clusters, L2 tables and refcount blocks and cuts the file).
+    resize_to: Option<u64>,
     ops: usize,
     /// Lazy refcounts: crash images are dirty and get their refcounts rebuilt on open.
     lazy: bool,
     /// Two persistent bitmaps (one enabled), closed and reopened during the workload.
     bitmaps: bool,
+}
+
+impl Config {
+    /// The largest the disk gets (the backing file's size).
+    fn largest(&self) -> u64 {
+        self.size.max(self.resize_to.unwrap_or(0))
+    }
 }
 
 /// The enabled bitmap of the bitmap configurations, and its granularity.
@@ -76,7 +84,7 @@ fn workload(c: &Config, seed: u64) -> Vec<Op> {
             continue;
         }
         if i == c.ops / 2 {
-            if let Some(s) = c.grow_to {
+            if let Some(s) = c.resize_to {
                 ops.push(Op::Resize { size: s });
                 size = s;
                 continue;
@@ -152,7 +160,7 @@ async fn fresh(c: &Config) -> FaultFs {
     fs.0.borrow_mut()
         .insert(TOP.into(), FaultStorage::from_mem(top));
     if c.backing {
-        let size = c.grow_to.unwrap_or(c.size);
+        let size = c.largest();
         fs.0.borrow_mut().insert(
             BASE.into(),
             FaultStorage::from_mem(MemStorage::from_bytes(&base_bytes(size))),
@@ -184,9 +192,9 @@ async fn run_workload(c: &Config, ops: &[Op], fail_after: Option<u64>) -> (Fault
     let handle = fs.0.borrow()[Path::new(TOP)].clone();
     let mut touched_so_far: Vec<(u64, u64)> = Vec::new();
     let mut model = if c.backing {
-        base_bytes(c.grow_to.unwrap_or(c.size))
+        base_bytes(c.largest())
     } else {
-        vec![0u8; c.grow_to.unwrap_or(c.size) as usize]
+        vec![0u8; c.largest() as usize]
     };
     model.truncate(c.size as usize);
     let mut expect = Expect {
@@ -267,18 +275,21 @@ async fn run_workload(c: &Config, ops: &[Op], fail_after: Option<u64>) -> (Fault
                 r
             }
             Op::Resize { size } => {
-                let r = img.resize(size).await;
+                let old = expect.durable.len();
+                // A shrink may drop the end before a crash: it may read as anything.
+                if (size as usize) < old {
+                    expect.dirty[size as usize..].fill(true);
+                }
+                let r = img.resize(size, Preallocation::Off).await;
                 if r.is_ok() {
+                    // New space reads as zeros, even over the (longer) backing file.
                     model.resize(size as usize, 0);
-                    if c.backing {
-                        let b = base_bytes(size);
-                        model[c.size as usize..].copy_from_slice(&b[c.size as usize..]);
-                    }
                     // The grown part is new either way: mark it dirty until flushed.
-                    let old = expect.durable.len();
                     expect.durable.resize(size as usize, 0);
                     expect.dirty.resize(size as usize, true);
-                    expect.dirty[old..].fill(true);
+                    if (size as usize) > old {
+                        expect.dirty[old..].fill(true);
+                    }
                 }
                 r
             }
@@ -308,10 +319,7 @@ async fn verify(c: &Config, crash: MemStorage, expect: &Expect, what: &str, qemu
     let memfs = MemFs::new();
     memfs.insert(TOP, crash.clone());
     if c.backing {
-        memfs.insert(
-            BASE,
-            MemStorage::from_bytes(&base_bytes(c.grow_to.unwrap_or(c.size))),
-        );
+        memfs.insert(BASE, MemStorage::from_bytes(&base_bytes(c.largest())));
     }
     let img = Image::open(
         &memfs,
@@ -343,11 +351,7 @@ async fn verify(c: &Config, crash: MemStorage, expect: &Expect, what: &str, qemu
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("top.qcow2");
         if c.backing {
-            std::fs::write(
-                dir.path().join("base.raw"),
-                base_bytes(c.grow_to.unwrap_or(c.size)),
-            )
-            .unwrap();
+            std::fs::write(dir.path().join("base.raw"), base_bytes(c.largest())).unwrap();
         }
         // A dirty lazy-refcount image is repaired by the next read-write open, not checked
         // as it is.
@@ -369,10 +373,7 @@ async fn verify(c: &Config, crash: MemStorage, expect: &Expect, what: &str, qemu
         let fs2 = MemFs::new();
         fs2.insert(TOP, MemStorage::from_bytes(&crash.to_vec()));
         if c.backing {
-            fs2.insert(
-                BASE,
-                MemStorage::from_bytes(&base_bytes(c.grow_to.unwrap_or(c.size))),
-            );
+            fs2.insert(BASE, MemStorage::from_bytes(&base_bytes(c.largest())));
         }
         let img = Image::open(&fs2, Path::new(TOP), &OpenOptions::default())
             .await
@@ -481,7 +482,7 @@ fn base_config(name: &'static str) -> Config {
         version: 3,
         backing: false,
         size: 8 << 20,
-        grow_to: None,
+        resize_to: None,
         ops: 120,
         lazy: false,
         bitmaps: false,
@@ -524,7 +525,7 @@ fn crash_l1_growth_and_v2() {
         cluster: 4096,
         version: 2,
         size: 4 << 20,
-        grow_to: Some(40 << 20),
+        resize_to: Some(40 << 20),
         ops: 120,
         ..base_config("4k clusters, compat 0.10, L1 growth")
     };
@@ -546,6 +547,34 @@ fn crash_while_bitmaps_are_tracked_and_stored() {
     let c = Config {
         bitmaps: true,
         ..base_config("64k standard, persistent bitmaps")
+    };
+    assert_eq!(crash_campaign(c, 120, 4), 480);
+}
+
+#[test]
+fn crash_shrink() {
+    // 512-byte clusters: the shrink clears many L1 entries, frees their L2 tables, drops
+    // refcount blocks that count nothing any more and cuts the file, so crash points fall
+    // between each of those steps. The new end is not cluster-aligned.
+    let c = Config {
+        cluster: 512,
+        size: 6 << 20,
+        resize_to: Some((1 << 20) + 1536),
+        ops: 150,
+        ..base_config("512 B clusters, shrink")
+    };
+    assert_eq!(crash_campaign(c, 150, 4), 600);
+}
+
+#[test]
+fn crash_grow_over_a_longer_backing_file() {
+    // The backing file is as long as the grown disk: the new space is zeroed before the
+    // size shows it.
+    let c = Config {
+        backing: true,
+        size: 3 << 20,
+        resize_to: Some(8 << 20),
+        ..base_config("64k standard, grow over a longer backing file")
     };
     assert_eq!(crash_campaign(c, 120, 4), 480);
 }

@@ -15,6 +15,7 @@ pub(crate) mod l2_entry;
 mod l2_table;
 mod prealloc;
 mod refcount;
+mod shrink;
 
 use crate::engine::bitmaps::Bitmaps;
 use crate::engine::error::{EngineError, Result};
@@ -54,7 +55,7 @@ pub(crate) struct Allocator<S: Storage + 'static> {
     pub corrupt: Cell<bool>,
     /// Lazy refcounts: the dirty bit is set before the first L2 update and refcounts are not
     /// ordered before L2 writes.
-    pub lazy_refcounts: bool,
+    pub lazy_refcounts: Cell<bool>,
     /// The dirty bit is set on disk (by us, for lazy refcounts).
     pub dirty_on_disk: Cell<bool>,
     /// Metadata ranges that data writes must never touch.
@@ -113,7 +114,7 @@ impl<S: Storage + 'static> Allocator<S> {
             physical_len: Cell::new(meta.file_end.get()),
             meta_lock: tokio::sync::Mutex::new(()),
             corrupt: Cell::new(false),
-            lazy_refcounts: h.has_lazy_refcounts() && h.version >= 3,
+            lazy_refcounts: Cell::new(h.has_lazy_refcounts() && h.version >= 3),
             dirty_on_disk: Cell::new(false),
             meta: RefCell::new(index),
             bitmaps: RefCell::new(bitmaps),
@@ -228,7 +229,7 @@ impl<S: Storage + 'static> Allocator<S> {
     /// refcounts; refcounts are then rebuilt on the next open unless we close cleanly.
     pub(crate) async fn mark_dirty(&self) -> Result<()> {
         self.ensure_usable()?;
-        if !self.lazy_refcounts || self.dirty_on_disk.get() {
+        if !self.lazy_refcounts.get() || self.dirty_on_disk.get() {
             return Ok(());
         }
         let _g = self.meta_lock.lock().await;

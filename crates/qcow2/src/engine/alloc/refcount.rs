@@ -22,7 +22,7 @@ use std::rc::Rc;
 use storage::{IoBuf, Storage};
 
 impl<S: Storage + 'static> Allocator<S> {
-    fn rc_geometry(&self) -> (u64, u32, u64) {
+    pub(super) fn rc_geometry(&self) -> (u64, u32, u64) {
         let g = self.meta().geom;
         (
             g.cluster_size(),
@@ -32,13 +32,13 @@ impl<S: Storage + 'static> Allocator<S> {
     }
 
     /// The host cluster holding byte `offset`.
-    fn cluster_of(&self, offset: HostOffset) -> HostCluster {
+    pub(super) fn cluster_of(&self, offset: HostOffset) -> HostCluster {
         self.meta().geom.host_cluster(offset)
     }
 
     /// The first byte of host cluster `cluster`. Clusters the allocator hands out lie below
     /// 2^56 bytes, so the product never overflows.
-    fn offset_of(&self, cluster: HostCluster) -> HostOffset {
+    pub(super) fn offset_of(&self, cluster: HostCluster) -> HostOffset {
         HostOffset(cluster.0 << self.meta().geom.cluster_bits())
     }
 

@@ -287,6 +287,33 @@ impl Bitmaps {
         Ok(())
     }
 
+    /// Whether every bitmap can follow the disk to `disk_size` bytes. An inconsistent
+    /// bitmap refuses, as in QEMU: it could not be stored for the new size.
+    pub fn check_resize(&self, disk_size: u64) -> Result<(), BitmapError> {
+        for b in &self.list {
+            match &b.state {
+                State::Inconsistent => return Err(BitmapError::Inconsistent(b.name())),
+                State::Loaded { data, .. } => {
+                    bitmap_data::check_size(disk_size, data.granularity_bits(), self.cluster_size)
+                        .map_err(BitmapError::TooLarge)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes every bitmap follow the disk to `disk_size` bytes (see [`BitmapData::resize`]),
+    /// once [`Bitmaps::check_resize`] has accepted the size.
+    pub fn resize(&mut self, disk_size: u64) {
+        for b in &mut self.list {
+            if let State::Loaded { data, changed, .. } = &mut b.state {
+                data.resize(disk_size);
+                *changed = true;
+            }
+        }
+        self.disk_size = disk_size;
+    }
+
     /// Whether storing would change the file: a bitmap changed, was removed, or is still
     /// marked in use on disk although we hold it consistently.
     pub fn needs_store(&self) -> bool {

@@ -172,7 +172,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// refcounts) or refcounts first (when clusters were allocated), and data first.
     async fn before_l2_update(&self, allocated: bool) -> Result<()> {
         let w = self.alloc()?;
-        if w.lazy_refcounts {
+        if w.lazy_refcounts.get() {
             w.mark_dirty().await?;
         } else if allocated {
             self.chain

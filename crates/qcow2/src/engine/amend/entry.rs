@@ -1,0 +1,176 @@
+//! `amend`: QEMU's checks, then the changes in QEMU's order (upgrade first, so that the
+//! features it allows can be turned on; size; downgrade last, once what version 2 cannot
+//! hold is gone). Everything that can be refused is refused before anything is written.
+
+use crate::engine::create::Preallocation;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::image::{Image, Inner};
+use crate::format::features::COMPAT_LAZY_REFCOUNTS;
+use crate::format::header;
+use storage::Storage;
+
+/// What to change; `None` leaves it as it is.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AmendOptions {
+    /// 2 (compat=0.10) or 3 (compat=1.1).
+    pub version: Option<u32>,
+    /// Lazy refcounts on or off.
+    pub lazy_refcounts: Option<bool>,
+    /// Bits per refcount.
+    pub refcount_bits: Option<u64>,
+    /// New virtual size (may shrink, as amend's exact resize does in QEMU).
+    pub size: Option<u64>,
+    /// The backing file name given (only the current one is accepted).
+    pub backing_file: Option<String>,
+    /// The backing format given (only the current one is accepted).
+    pub backing_fmt: Option<String>,
+}
+
+/// An amendment QEMU refuses too (in its words), or one we refuse where QEMU would leave a
+/// damaged image.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AmendError {
+    #[error("Refcount width must be a power of two and may not exceed 64 bits")]
+    RefcountWidth,
+    #[error("Refcount widths other than 16 bits require compatibility level 1.1 or above (use compat=1.1 or greater)")]
+    RefcountNeedsV3,
+    #[error("Lazy refcounts only supported with compatibility level 1.1 and above (use compat=1.1 or greater)")]
+    LazyNeedsV3,
+    #[error("Cannot amend the backing file\nYou can use 'qemu-img rebase' instead.")]
+    Backing,
+    #[error("compat=0.10 requires refcount_bits=16")]
+    DowngradeRefcountBits,
+    #[error("Cannot downgrade an image with a data file")]
+    DowngradeDataFile,
+    #[error("Internal snapshots prevent downgrade of image")]
+    DowngradeSnapshots,
+    #[error("Cannot downgrade an image with incompatible features {0:#x} set")]
+    DowngradeFeatures(u64),
+    #[error(
+        "Cannot downgrade an image with zstd compression type and existing compressed clusters"
+    )]
+    DowngradeZstd,
+    /// QEMU downgrades and leaves the bitmaps inconsistent and their clusters leaked.
+    #[error("Cannot downgrade an image with persistent bitmaps: compat=0.10 cannot keep them (remove them first)")]
+    DowngradeBitmaps,
+    /// QEMU expands them; we do not read-modify-write snapshot tables.
+    #[error(
+        "Cannot downgrade: internal snapshots hold zero clusters, which compat=0.10 cannot express"
+    )]
+    DowngradeSnapshotZeros,
+    /// QEMU rewrites the snapshot table; we do not.
+    #[error("Cannot upgrade: an internal snapshot lacks the disk size that compat=1.1 requires")]
+    UpgradeOldSnapshots,
+}
+
+impl<S: Storage + 'static> Image<S> {
+    /// Changes what `opts` asks for, as `qemu-img amend -o` does.
+    pub async fn amend(&self, opts: &AmendOptions) -> Result<()> {
+        self.inner.amend(opts).await
+    }
+}
+
+impl<S: Storage + 'static> Inner<S> {
+    async fn amend(&self, opts: &AmendOptions) -> Result<()> {
+        self.check_writable()?;
+        let top = self.chain.top();
+        let refuse = |source| EngineError::Amend {
+            image: top.name.clone(),
+            source,
+        };
+        let meta = top.qcow2().ok_or_else(|| EngineError::Unsupported {
+            image: top.name.clone(),
+            what: "amending a raw image".into(),
+        })?;
+        let (old_version, old_bits, lazy_now) = {
+            let h = meta.header.borrow();
+            (
+                h.version,
+                meta.geom.refcount_bits(),
+                h.compatible_features & COMPAT_LAZY_REFCOUNTS != 0,
+            )
+        };
+        let version = opts.version.unwrap_or(old_version);
+        if let Some(bits) = opts.refcount_bits {
+            if bits == 0 || bits > 64 || !bits.is_power_of_two() {
+                return Err(refuse(AmendError::RefcountWidth));
+            }
+        }
+        self.check_backing(opts).map_err(refuse)?;
+        let bits = opts.refcount_bits.unwrap_or(u64::from(old_bits));
+        if bits != u64::from(old_bits) {
+            if version < 3 {
+                return Err(refuse(AmendError::RefcountNeedsV3));
+            }
+            return Err(EngineError::Unsupported {
+                image: top.name.clone(),
+                what: "changing refcount_bits".into(),
+            });
+        }
+        let lazy = opts.lazy_refcounts.unwrap_or(lazy_now);
+        if lazy && !lazy_now && version < 3 {
+            return Err(refuse(AmendError::LazyNeedsV3));
+        }
+        if version > old_version {
+            self.check_upgrade().await?;
+        }
+        if version < old_version {
+            self.check_downgrade(opts.size).await?;
+        }
+        if version > old_version {
+            self.upgrade().await?;
+        }
+        if lazy != lazy_now {
+            self.set_lazy_refcounts(lazy).await?;
+        }
+        if let Some(size) = opts.size.filter(|&s| s != top.size.get()) {
+            self.resize(size, Preallocation::Off).await?;
+        }
+        if version < old_version {
+            self.downgrade().await?;
+        }
+        self.flush().await
+    }
+
+    /// QEMU 10 no longer changes the backing file through amend: naming the current one
+    /// (file and format both) is accepted, anything else refused.
+    fn check_backing(&self, opts: &AmendOptions) -> std::result::Result<(), AmendError> {
+        if opts.backing_file.is_none() && opts.backing_fmt.is_none() {
+            return Ok(());
+        }
+        let meta = self.chain.top().qcow2().expect("qcow2");
+        let h = meta.header.borrow();
+        let current = |v: Option<&[u8]>| v.map(|b| String::from_utf8_lossy(b).into_owned());
+        let same = opts.backing_file == current(h.backing_file.as_deref())
+            && opts.backing_fmt == current(h.backing_format());
+        if same {
+            Ok(())
+        } else {
+            Err(AmendError::Backing)
+        }
+    }
+
+    /// Turns lazy refcounts on, or off once every refcount is on disk and the dirty bit is
+    /// clear (a dirty image was already repaired when it was opened read-write).
+    async fn set_lazy_refcounts(&self, on: bool) -> Result<()> {
+        let w = self.alloc()?;
+        let meta = self.chain.top().qcow2().expect("qcow2");
+        if !on {
+            // No write may set the dirty bit again once it is cleared.
+            w.lazy_refcounts.set(false);
+            self.flush().await?;
+            w.mark_clean().await?;
+        }
+        let bits = {
+            let mut h = meta.header.borrow_mut();
+            if on {
+                h.compatible_features |= COMPAT_LAZY_REFCOUNTS;
+            } else {
+                h.compatible_features &= !COMPAT_LAZY_REFCOUNTS;
+            }
+            h.compatible_features
+        };
+        w.update_header(header::compatible_update(bits)).await?;
+        w.sync().await
+    }
+}

@@ -1,0 +1,158 @@
+//! Zero clusters for a version 2 image, which has no zero flag: a zero cluster with a host
+//! cluster gets zeros written there and loses the flag; one without becomes unallocated
+//! (nothing shows through without a backing file) or, over a backing file, a new cluster
+//! of zeros. And the scans that decide whether a downgrade can go ahead.
+//!
+//! Order: the zeros (and a new cluster's refcount) are durable before the L2 entry that
+//! exposes them (`set_flush_before_writeback`, and the L2 cache's dependency on the
+//! refcount cache); the header still says version 3 until all of it is flushed.
+
+use crate::engine::error::{EngineError, Result};
+use crate::engine::image::Inner;
+use crate::format::{l1, l2, GuestOffset, HostOffset};
+use storage::Storage;
+
+/// What the snapshots' L2 tables hold.
+#[derive(Debug, Default)]
+pub(super) struct Scan {
+    pub zero: bool,
+    pub compressed: bool,
+}
+
+impl<S: Storage + 'static> Inner<S> {
+    /// Whether any L2 table of an internal snapshot has a zero or a compressed cluster.
+    pub(super) async fn scan_snapshot_tables(&self) -> Result<Scan> {
+        let top = self.chain.top();
+        let meta = top.qcow2().expect("qcow2");
+        let cs = meta.geom.cluster_size() as usize;
+        let ext = meta.geom.extended_l2();
+        let mut scan = Scan::default();
+        for s in self.snapshots().await? {
+            let l1_len = usize::try_from(s.l1_size).unwrap_or(usize::MAX);
+            let l1 = top
+                .read_file(
+                    "reading a snapshot's L1 table",
+                    s.l1_table_offset,
+                    l1_len * 8,
+                )
+                .await?;
+            for entry in l1.chunks_exact(8) {
+                let table =
+                    u64::from_be_bytes(entry.try_into().expect("8 bytes")) & l1::L1_OFFSET_MASK;
+                if table == 0 {
+                    continue;
+                }
+                let t = top
+                    .read_file("reading a snapshot's L2 table", table, cs)
+                    .await?;
+                let n = cs / meta.geom.l2_entry_size() as usize;
+                for i in 0..n {
+                    let (word, _) = l2::entry_at(&t, i, ext).unwrap_or((0, 0));
+                    scan.zero |= l2::has_zero_flag(word);
+                    scan.compressed |= l2::is_compressed(word);
+                }
+            }
+        }
+        Ok(scan)
+    }
+
+    /// Whether the active L2 tables hold a compressed cluster (one table at a time).
+    pub(super) async fn active_has_compressed(&self) -> Result<bool> {
+        let w = self.alloc()?;
+        let meta = self.chain.top().qcow2().expect("qcow2");
+        let per_table = meta.geom.l2_entries() * meta.geom.cluster_size();
+        let l1_len = meta.l1.borrow().len() as u64;
+        for l1i in (0..l1_len).filter(|&i| meta.l2_table(i).is_some()) {
+            let entries = w
+                .l2_entries(GuestOffset(l1i * per_table), per_table)
+                .await?;
+            if entries.iter().any(|e| l2::is_compressed(e.word)) {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Turns every zero cluster of the active L2 tables into data (see the module doc).
+    pub(super) async fn expand_zero_clusters(&self) -> Result<()> {
+        let w = self.alloc()?;
+        let top = self.chain.top();
+        let meta = top.qcow2().expect("qcow2");
+        let g = meta.geom;
+        let cs = g.cluster_size();
+        let backed = self.chain.layers.len() > 1;
+        let per_table = g.l2_entries() * cs;
+        let l1_len = meta.l1.borrow().len() as u64;
+        for l1i in 0..l1_len {
+            if meta.l2_table(l1i).is_none() {
+                continue;
+            }
+            let start = GuestOffset(l1i * per_table);
+            let zeros: Vec<_> = w
+                .l2_entries(start, per_table)
+                .await?
+                .into_iter()
+                .filter(|e| l2::has_zero_flag(e.word))
+                .collect();
+            if zeros.is_empty() {
+                continue;
+            }
+            {
+                let _g = w.meta_lock.lock().await;
+                w.l2_for_write(l1i).await?;
+            }
+            self.chain.l2.set_flush_before_writeback();
+            for e in zeros {
+                self.expand_one(e.cluster, e.word, backed).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Expands one zero cluster at guest offset `cluster` whose entry word is `word`.
+    async fn expand_one(&self, cluster: GuestOffset, word: u64, backed: bool) -> Result<()> {
+        let w = self.alloc()?;
+        let top = self.chain.top();
+        let cs = top.qcow2().expect("qcow2").geom.cluster_size();
+        let host = l2::host_of(word);
+        let owned = word & l2::L2_COPIED != 0;
+        if host != 0 && owned {
+            self.zero_host(host, cs).await?;
+            return w.set_l2_entry(cluster, word & !l2::L2_ZERO, 0).await;
+        }
+        if host == 0 && !backed {
+            return w.set_l2_entry(cluster, 0, 0).await;
+        }
+        // A new cluster of zeros: over a backing file, or instead of a shared one.
+        let new = {
+            let _g = w.meta_lock.lock().await;
+            w.alloc_clusters(1).await?.0
+        };
+        self.zero_host(new, cs).await?;
+        self.chain
+            .l2
+            .set_dependency(w.refcounts_flush())
+            .await
+            .map_err(|source| EngineError::Cache {
+                image: top.name.clone(),
+                source,
+            })?;
+        w.set_l2_entry(cluster, l2::owned_word(new), 0).await?;
+        if host != 0 {
+            let _g = w.meta_lock.lock().await;
+            w.free_clusters(HostOffset(host), 1, false).await?;
+        }
+        Ok(())
+    }
+
+    /// Makes host cluster `host` read as zeros.
+    async fn zero_host(&self, host: u64, cs: u64) -> Result<()> {
+        let w = self.alloc()?;
+        w.check_overlap(HostOffset(host), cs).await?;
+        let top = self.chain.top();
+        top.file
+            .write_zeroes_at(host, cs, false)
+            .await
+            .map_err(|e| top.io_error("writing zeros", host, e))
+    }
+}

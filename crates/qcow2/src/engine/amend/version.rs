@@ -1,0 +1,174 @@
+//! Changing the compatibility level. The header is rewritten in one write of as few
+//! sectors as it takes (one for a version 2 header, and for a version 3 one, which then
+//! leaves out the optional feature name table when it would need a second sector), after
+//! everything it describes is durable.
+
+use super::entry::AmendError;
+use crate::engine::create::feature_table;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::image::Inner;
+use crate::engine::load::snapshot_table;
+use crate::format::extensions::HeaderExtension;
+use crate::format::features::INCOMPAT_COMPRESSION;
+use crate::format::{limits, Header, SnapshotTableEntry};
+use storage::Storage;
+
+/// What one sector holds: a header that fits is written atomically.
+const SECTOR: usize = 512;
+
+/// Bytes 8..16 of a snapshot's extra data: its disk size.
+const EXTRA_DISK_SIZE_END: usize = 16;
+
+impl<S: Storage + 'static> Inner<S> {
+    fn amend_error(&self, source: AmendError) -> EngineError {
+        EngineError::Amend {
+            image: self.chain.top().name.clone(),
+            source,
+        }
+    }
+
+    /// The snapshot table of the writable layer.
+    pub(super) async fn snapshots(&self) -> Result<Vec<SnapshotTableEntry>> {
+        let top = self.chain.top();
+        let meta = top.qcow2().expect("qcow2");
+        let h = meta.header.borrow().clone();
+        if h.nb_snapshots == 0 {
+            return Ok(Vec::new());
+        }
+        let table =
+            snapshot_table(&top.file, &top.name, &h, &meta.geom, meta.file_end.get()).await?;
+        Ok(table.into_iter().map(|(s, _)| s).collect())
+    }
+
+    /// Version 3 needs each snapshot's disk size in its extra data.
+    pub(super) async fn check_upgrade(&self) -> Result<()> {
+        let old = self
+            .snapshots()
+            .await?
+            .iter()
+            .any(|s| s.extra_data.len() < EXTRA_DISK_SIZE_END);
+        if old {
+            return Err(self.amend_error(AmendError::UpgradeOldSnapshots));
+        }
+        Ok(())
+    }
+
+    /// Everything QEMU refuses to downgrade, checked before anything changes; `new_size`
+    /// is the size the disk will have by then.
+    pub(super) async fn check_downgrade(&self, new_size: Option<u64>) -> Result<()> {
+        let top = self.chain.top();
+        let meta = top.qcow2().expect("qcow2");
+        let refuse = |e| Err(self.amend_error(e));
+        if meta.geom.refcount_order() != 4 {
+            return refuse(AmendError::DowngradeRefcountBits);
+        }
+        if meta.data_file.is_some() {
+            return refuse(AmendError::DowngradeDataFile);
+        }
+        let size = new_size.unwrap_or(top.size.get());
+        for s in self.snapshots().await? {
+            let word = |at: usize| {
+                s.extra_data
+                    .get(at..at + 8)
+                    .map(|b| u64::from_be_bytes(b.try_into().expect("8 bytes")))
+            };
+            let vm_state = word(0).unwrap_or(u64::from(s.vm_state_size_32));
+            let disk = word(8).unwrap_or(size);
+            if vm_state > u64::from(u32::MAX) || disk != size {
+                return refuse(AmendError::DowngradeSnapshots);
+            }
+        }
+        // The dirty bit goes with a clean close; compression is handled below.
+        let other = meta.header.borrow().incompatible_features
+            & !(INCOMPAT_COMPRESSION | crate::format::features::INCOMPAT_DIRTY);
+        if other != 0 {
+            return refuse(AmendError::DowngradeFeatures(other));
+        }
+        if !self.alloc()?.bitmaps.borrow().list.is_empty() {
+            return refuse(AmendError::DowngradeBitmaps);
+        }
+        let scan = self.scan_snapshot_tables().await?;
+        if scan.zero {
+            return refuse(AmendError::DowngradeSnapshotZeros);
+        }
+        let zstd = meta.header.borrow().compression_type != 0;
+        if zstd && (scan.compressed || self.active_has_compressed().await?) {
+            return refuse(AmendError::DowngradeZstd);
+        }
+        Ok(())
+    }
+
+    /// Writes a version 3 header (QEMU's upgrade: no feature bits yet).
+    pub(super) async fn upgrade(&self) -> Result<()> {
+        let meta = self.chain.top().qcow2().expect("qcow2");
+        let mut h = meta.header.borrow().clone();
+        h.version = 3;
+        h.header_length = limits::MIN_V3_HEADER_LENGTH;
+        h.incompatible_features = 0;
+        h.compatible_features = 0;
+        h.autoclear_features = 0;
+        h.compression_type = 0;
+        h.unknown_header_tail.clear();
+        h.extensions
+            .push(HeaderExtension::FeatureNameTable(feature_table()));
+        self.flush().await?;
+        self.write_header(h).await
+    }
+
+    /// Turns zero clusters into data, clears the dirty bit, and writes a version 2 header.
+    pub(super) async fn downgrade(&self) -> Result<()> {
+        let meta = self.chain.top().qcow2().expect("qcow2");
+        self.expand_zero_clusters().await?;
+        let w = self.alloc()?;
+        w.lazy_refcounts.set(false);
+        self.flush().await?;
+        w.mark_clean().await?;
+        let mut h = meta.header.borrow().clone();
+        h.version = 2;
+        h.header_length = limits::V2_HEADER_LENGTH;
+        h.incompatible_features = 0;
+        h.compatible_features = 0;
+        h.autoclear_features = 0;
+        h.compression_type = 0;
+        h.unknown_header_tail.clear();
+        h.extensions.retain(|e| {
+            !matches!(
+                e,
+                HeaderExtension::FeatureNameTable(_) | HeaderExtension::Bitmaps(_)
+            )
+        });
+        self.write_header(h).await
+    }
+
+    /// Writes `h` over the first sectors of the file and makes it the header in memory.
+    async fn write_header(&self, mut h: Header) -> Result<()> {
+        let top = self.chain.top();
+        let meta = top.qcow2().expect("qcow2");
+        let w = self.alloc()?;
+        let cs = meta.geom.cluster_size();
+        let fmt = |source| EngineError::Format {
+            image: top.name.clone(),
+            source,
+        };
+        let mut bytes = h.encode(cs).map_err(fmt)?;
+        if used_sectors(&bytes) > 1 {
+            // The feature name table is optional: one sector keeps the write atomic.
+            h.extensions
+                .retain(|e| !matches!(e, HeaderExtension::FeatureNameTable(_)));
+            bytes = h.encode(cs).map_err(fmt)?;
+        }
+        let len = used_sectors(&bytes) * SECTOR;
+        w.write_meta("rewriting the header", 0, &bytes[..len.min(bytes.len())])
+            .await?;
+        w.sync().await?;
+        *meta.header.borrow_mut() = h;
+        w.mapping_changed();
+        Ok(())
+    }
+}
+
+/// Sectors from the start of `bytes` up to its last non-zero byte (at least one).
+fn used_sectors(bytes: &[u8]) -> usize {
+    let end = bytes.iter().rposition(|&b| b != 0).map_or(1, |i| i + 1);
+    end.div_ceil(SECTOR)
+}

@@ -1,0 +1,139 @@
+//! What `resize` checks before it changes anything, in QEMU's order and words, and the
+//! resize of a raw file.
+
+use crate::engine::create::Preallocation;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::image::{Image, Inner};
+use crate::engine::layer::{write_zero_data, Qcow2Meta};
+use storage::Storage;
+
+/// A resize QEMU refuses too, in its words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ResizeError {
+    /// QEMU sizes disks in whole sectors.
+    #[error("The new size must be a multiple of 512")]
+    Unaligned,
+    /// Version 2 snapshots do not record their disk size, so the active size must not change.
+    #[error("Can't resize a v2 image which has snapshots")]
+    V2Snapshots,
+    /// Preallocation describes the space a disk gains.
+    #[error("Preallocation can't be used for shrinking an image")]
+    PreallocShrink,
+    /// A raw file has no metadata to preallocate.
+    #[error("Unsupported preallocation mode: metadata")]
+    RawMetadata,
+    /// The new space would show the longer backing file, and version 2 has no zero clusters
+    /// to hide it with.
+    #[error("Failed to zero out new clusters: Operation not supported")]
+    V2LongerBacking,
+}
+
+impl<S: Storage + 'static> Image<S> {
+    /// Changes the virtual disk to `new_size` bytes (for qcow2, a multiple of 512). New space reads as
+    /// zeros, even over a longer backing file, and is allocated as `prealloc` says; a
+    /// shrink drops every cluster past the new end. Asking before shrinking is the caller's
+    /// business, as it is qemu-img's.
+    pub async fn resize(&self, new_size: u64, prealloc: Preallocation) -> Result<()> {
+        self.inner.resize(new_size, prealloc).await
+    }
+}
+
+impl<S: Storage + 'static> Inner<S> {
+    pub(crate) async fn resize(&self, new_size: u64, prealloc: Preallocation) -> Result<()> {
+        self.check_writable()?;
+        let top = self.chain.top();
+        let refuse = |source| EngineError::Resize {
+            image: top.name.clone(),
+            source,
+        };
+        let old_size = top.size.get();
+        let Some(meta) = top.qcow2() else {
+            return self.resize_raw(old_size, new_size, prealloc).await;
+        };
+        // A raw file takes any length; qcow2 sizes are whole sectors.
+        if new_size % 512 != 0 {
+            return Err(refuse(ResizeError::Unaligned));
+        }
+        self.check_qcow2_resize(meta, new_size)?;
+        if new_size < old_size {
+            if prealloc != Preallocation::Off {
+                return Err(refuse(ResizeError::PreallocShrink));
+            }
+            self.shrink(new_size).await
+        } else if new_size > old_size {
+            self.grow(new_size, prealloc).await
+        } else {
+            Ok(())
+        }
+    }
+
+    /// What QEMU refuses for any qcow2 resize, checked before anything is written.
+    fn check_qcow2_resize(&self, meta: &Qcow2Meta<S>, new_size: u64) -> Result<()> {
+        let top = self.chain.top();
+        let (version, snapshots) = {
+            let h = meta.header.borrow();
+            (h.version, h.nb_snapshots)
+        };
+        if version < 3 && snapshots > 0 {
+            return Err(EngineError::Resize {
+                image: top.name.clone(),
+                source: ResizeError::V2Snapshots,
+            });
+        }
+        if meta.data_file.is_some() {
+            return Err(EngineError::Unsupported {
+                image: top.name.clone(),
+                what: "resizing an image with an external data file".into(),
+            });
+        }
+        self.alloc()?
+            .bitmaps
+            .borrow()
+            .check_resize(new_size)
+            .map_err(|source| EngineError::Bitmap {
+                image: top.name.clone(),
+                source,
+            })
+    }
+
+    /// A raw file is its disk: truncate or extend it, reserving (`falloc`) or writing
+    /// (`full`) the new space when asked.
+    async fn resize_raw(
+        &self,
+        old_size: u64,
+        new_size: u64,
+        prealloc: Preallocation,
+    ) -> Result<()> {
+        let top = self.chain.top();
+        let refuse = |source| EngineError::Resize {
+            image: top.name.clone(),
+            source,
+        };
+        match prealloc {
+            Preallocation::Metadata => return Err(refuse(ResizeError::RawMetadata)),
+            Preallocation::Off => {}
+            _ if new_size < old_size => return Err(refuse(ResizeError::PreallocShrink)),
+            _ => {}
+        }
+        top.file
+            .set_len(new_size)
+            .await
+            .map_err(|e| top.io_error("resizing the file", new_size, e))?;
+        let grown = new_size.saturating_sub(old_size);
+        match prealloc {
+            Preallocation::Falloc => top
+                .file
+                .write_zeroes_at(old_size, grown, false)
+                .await
+                .map_err(|e| top.io_error("preallocating", old_size, e))?,
+            Preallocation::Full => write_zero_data(top, old_size, grown).await?,
+            Preallocation::Off | Preallocation::Metadata => {}
+        }
+        top.file
+            .flush()
+            .await
+            .map_err(|e| top.io_error("flushing", 0, e))?;
+        top.size.set(new_size);
+        Ok(())
+    }
+}

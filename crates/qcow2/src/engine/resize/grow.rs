@@ -1,0 +1,141 @@
+//! Growing the virtual disk: a larger L1 table if needed, the new space preallocated as asked
+//! and zeroed where a longer backing file would otherwise show through, then the new size.
+//!
+//! Order: the new L1 table and its refcounts are durable before one header write switches
+//! `l1_size` and `l1_table_offset` together, and the old table is freed last. Everything
+//! the new space needs (preallocated clusters, zero flags) is flushed before the size field
+//! is written: until then a crash leaves the old disk, with at worst leaked clusters and
+//! entries past its end that nothing reads.
+
+use super::ResizeError;
+use crate::engine::create::Preallocation;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::image::Inner;
+use crate::engine::layer::Qcow2Meta;
+use crate::engine::overlap::MetaKind;
+use crate::format::{be, header, limits, Geometry, HostOffset};
+use storage::Storage;
+
+impl<S: Storage + 'static> Inner<S> {
+    /// Grows the disk to `new_size` bytes (checked by the caller: larger, aligned).
+    pub(super) async fn grow(&self, new_size: u64, prealloc: Preallocation) -> Result<()> {
+        let top = self.chain.top();
+        let meta = top.qcow2().expect("qcow2 checked by the caller");
+        let old_size = top.size.get();
+        let needed = l1_entries_for(meta, &top.name, new_size)?;
+        // QEMU zeroes the new space when the backing file is longer than the old disk, so
+        // that growing never uncovers old backing data.
+        let hide_backing = self
+            .chain
+            .layers
+            .get(1)
+            .is_some_and(|b| b.size.get() > old_size);
+        if hide_backing && meta.header.borrow().version < 3 {
+            return Err(EngineError::Resize {
+                image: top.name.clone(),
+                source: ResizeError::V2LongerBacking,
+            });
+        }
+        let w = self.alloc()?;
+        if needed > meta.l1.borrow().len() as u64 {
+            let _g = w.meta_lock.lock().await;
+            self.grow_l1(needed).await?;
+        }
+        let cs = meta.geom.cluster_size();
+        // The partial cluster at the old end already belongs to the disk: it keeps what it has.
+        let first_new = old_size.div_ceil(cs) * cs;
+        self.preallocate_range(first_new, new_size, prealloc)
+            .await?;
+        if hide_backing {
+            self.zero_new_space(old_size, new_size).await?;
+        }
+        self.flush().await?;
+        w.update_header(header::size_update(new_size)).await?;
+        w.sync().await?;
+        meta.header.borrow_mut().size = new_size;
+        top.size.set(new_size);
+        w.bitmaps.borrow_mut().resize(new_size);
+        Ok(())
+    }
+
+    /// Zeroes `[old_size, new_size)` before the header shows it. The zeroing code works on
+    /// the disk as it is in memory, so the size there moves first, and back if it fails.
+    async fn zero_new_space(&self, old_size: u64, new_size: u64) -> Result<()> {
+        let top = self.chain.top();
+        top.size.set(new_size);
+        let res = self
+            .zero_untracked(old_size, new_size - old_size, false, false)
+            .await;
+        if res.is_err() {
+            top.size.set(old_size);
+        }
+        res
+    }
+
+    /// Replaces the L1 table with one of at least `entries` entries. Holds the meta lock.
+    async fn grow_l1(&self, entries: u64) -> Result<()> {
+        let top = self.chain.top();
+        let meta = top.qcow2().expect("qcow2");
+        let w = self.alloc()?;
+        let cs = meta.geom.cluster_size();
+        let old: Vec<u64> = meta.l1.borrow().clone();
+        // Grow by half again, as QEMU does, so that small steps do not copy every time.
+        let len = entries
+            .max(old.len() as u64 + old.len() as u64 / 2)
+            .min(limits::MAX_L1_SIZE_BYTES / 8);
+        let clusters = (len * 8).div_ceil(cs);
+        let new_off = w.alloc_clusters(clusters).await?.0;
+        // Its refcounts must be durable before the header points to it.
+        w.refcounts
+            .flush()
+            .await
+            .map_err(|source| EngineError::Cache {
+                image: top.name.clone(),
+                source,
+            })?;
+        let table = be::table_bytes(&old, (clusters * cs) as usize);
+        w.write_meta("writing the L1 table", new_off, &table)
+            .await?;
+        w.sync().await?;
+        w.update_header(header::l1_update(len as u32, new_off))
+            .await?;
+        w.sync().await?;
+        let old_off = meta.l1_offset.replace(new_off);
+        let old_clusters = (old.len() as u64 * 8).div_ceil(cs);
+        meta.l1.borrow_mut().resize(len as usize, 0);
+        {
+            let mut h = meta.header.borrow_mut();
+            h.l1_size = len as u32;
+            h.l1_table_offset = new_off;
+        }
+        {
+            let mut m = w.meta.borrow_mut();
+            m.remove(HostOffset(old_off));
+            m.insert(HostOffset(new_off), clusters * cs, MetaKind::L1Table);
+        }
+        if old_clusters > 0 {
+            w.free_clusters(HostOffset(old_off), old_clusters, false)
+                .await?;
+        }
+        Ok(())
+    }
+}
+
+/// The L1 entries a disk of `size` bytes needs, refused past QEMU's L1 size limit.
+pub(super) fn l1_entries_for<S>(meta: &Qcow2Meta<S>, image: &str, size: u64) -> Result<u64> {
+    let g = &meta.geom;
+    let geom = Geometry::new(g.cluster_bits(), g.extended_l2(), g.refcount_order(), size).map_err(
+        |source| EngineError::Format {
+            image: image.to_string(),
+            source,
+        },
+    )?;
+    let needed = geom.l1_entries_needed();
+    if needed * 8 > limits::MAX_L1_SIZE_BYTES {
+        return Err(EngineError::NoSpace {
+            image: image.to_string(),
+            detail: "the L1 table would exceed QEMU's 32 MiB limit".into(),
+        });
+    }
+    Ok(needed)
+}

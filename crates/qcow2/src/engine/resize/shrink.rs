@@ -1,0 +1,117 @@
+//! Shrinking the virtual disk, as QEMU does: every cluster past the new end is dropped, the
+//! L1 entries past the new end are cleared (the table keeps its size, as QEMU keeps it) and
+//! their L2 tables freed, refcount blocks left counting nothing leave the refcount table,
+//! and the file loses its free tail. Only then is the new size written.
+//!
+//! Order, so that a crash at any instant leaves a consistent image (the old size with its
+//! end dropped, or the new size), with at worst leaked clusters:
+//! 1. the L2 entries past the end are cleared before the clusters' refcounts drop (the
+//!    refcount cache depends on the L2 cache for decrements), and both are flushed;
+//! 2. the cleared L1 entries are durable before the L2 tables' refcounts drop;
+//! 3. the refcount table without the unused blocks is durable before they count as free;
+//! 4. the file is cut only past the last referenced cluster;
+//! 5. the size field is written last.
+
+use crate::engine::error::Result;
+use crate::engine::image::Inner;
+use crate::engine::range_lock::LockMode;
+use crate::format::{header, l1, GuestOffset, HostOffset};
+use storage::Storage;
+
+impl<S: Storage + 'static> Inner<S> {
+    /// Shrinks the disk to `new_size` bytes (checked by the caller: smaller, aligned).
+    pub(super) async fn shrink(&self, new_size: u64) -> Result<()> {
+        let top = self.chain.top();
+        let meta = top.qcow2().expect("qcow2 checked by the caller");
+        let old_size = top.size.get();
+        let cs = meta.geom.cluster_size();
+        // The partial cluster at the new end stays whole, as in QEMU.
+        let cut = new_size.div_ceil(cs) * cs;
+        if cut < old_size {
+            self.drop_clusters(cut, old_size).await?;
+        }
+        self.flush().await?;
+        let keep = super::grow::l1_entries_for(meta, &top.name, new_size)?;
+        let w = self.alloc()?;
+        {
+            let _g = w.meta_lock.lock().await;
+            self.clear_l1_tail(keep).await?;
+            self.flush().await?;
+            w.drop_unused_refblocks().await?;
+            self.flush().await?;
+            w.truncate_free_tail().await?;
+        }
+        w.update_header(header::size_update(new_size)).await?;
+        w.sync().await?;
+        meta.header.borrow_mut().size = new_size;
+        top.size.set(new_size);
+        w.bitmaps.borrow_mut().resize(new_size);
+        Ok(())
+    }
+
+    /// Clears every L2 entry of `[from, to)` (`from` cluster-aligned) and drops the
+    /// references they held, punching freed clusters out of the file.
+    async fn drop_clusters(&self, from: u64, to: u64) -> Result<()> {
+        let w = self.alloc()?;
+        let g = self.chain.top().qcow2().expect("qcow2").geom;
+        let per_table = g.l2_entries() * g.cluster_size();
+        let _guard = self.lock_range(from, to - from, LockMode::Exclusive).await;
+        let mut pos = from;
+        while pos < to {
+            let table_end = (pos - pos % per_table).saturating_add(per_table).min(to);
+            let entries = w.l2_entries(GuestOffset(pos), table_end - pos).await?;
+            let used: Vec<_> = entries
+                .into_iter()
+                .filter(|e| e.table.is_some() && (e.word, e.bitmap) != (0, 0))
+                .collect();
+            if !used.is_empty() {
+                {
+                    // A table shared with a snapshot is copied first; the snapshot keeps its own.
+                    let _g = w.meta_lock.lock().await;
+                    w.l2_for_write(g.l1_index(GuestOffset(pos))).await?;
+                }
+                if w.lazy_refcounts.get() {
+                    w.mark_dirty().await?;
+                }
+                for e in used {
+                    w.set_l2_entry(e.cluster, 0, 0).await?;
+                    self.release(e.word, true).await?;
+                }
+            }
+            pos = table_end;
+        }
+        Ok(())
+    }
+
+    /// Clears the L1 entries from index `keep` on and frees their L2 tables. Holds the meta
+    /// lock; the L2 tables' entries were cleared and flushed before.
+    async fn clear_l1_tail(&self, keep: u64) -> Result<()> {
+        let top = self.chain.top();
+        let meta = top.qcow2().expect("qcow2");
+        let w = self.alloc()?;
+        let old: Vec<u64> = meta.l1.borrow().clone();
+        let Ok(keep) = usize::try_from(keep) else {
+            return Ok(());
+        };
+        if keep >= old.len() || old[keep..].iter().all(|&e| e == 0) {
+            return Ok(());
+        }
+        let zeros = vec![0u8; (old.len() - keep) * 8];
+        w.write_meta(
+            "clearing the L1 table's tail",
+            meta.l1_offset.get() + keep as u64 * 8,
+            &zeros,
+        )
+        .await?;
+        w.sync().await?;
+        meta.l1.borrow_mut()[keep..].fill(0);
+        w.mapping_changed();
+        for word in &old[keep..] {
+            let table = word & l1::L1_OFFSET_MASK;
+            if table != 0 {
+                w.free_clusters(HostOffset(table), 1, true).await?;
+            }
+        }
+        Ok(())
+    }
+}

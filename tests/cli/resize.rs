@@ -1,0 +1,296 @@
+//! `qcow2-nbd resize` side by side with `qemu-img resize`: the same command lines on two
+//! copies of images QEMU made (64k, 4k and 512-byte clusters, extended L2, a backing chain
+//! with a longer backing file, compressed clusters, persistent bitmaps, internal snapshots,
+//! raw files) exit the same way with the same reason; ours pass `qemu-img check`, read back
+//! identically (`qemu-img compare`) and `qemu-img info` agrees on everything but sizes and
+//! offsets on disk.
+
+use crate::common::{info_sans_offsets, reason, BIN};
+use test_support::{text, Dir};
+
+/// An image to resize: its name, format, and how it is made.
+struct Variant {
+    name: &'static str,
+    fmt: &'static str,
+    make: fn(&Dir, &str),
+}
+
+/// Data in several clusters, one of them compressed, and a partial cluster at the end of a
+/// 4 MiB + 1.5 KiB disk.
+fn fill(d: &Dir, img: &str, fmt: &str) {
+    d.qemu_io(
+        fmt,
+        img,
+        &[
+            "write -P 1 0 100k",
+            "write -P 2 1M 64k",
+            "write -P 3 3M 1M",
+            "write -P 4 4M 1536",
+        ],
+    );
+}
+
+fn plain(d: &Dir, img: &str, opts: &str) {
+    d.create(img, "qcow2", opts, None, "4195840");
+    fill(d, img, "qcow2");
+    d.qemu_io("qcow2", img, &["write -c -P 5 2M 64k"]);
+}
+
+const VARIANTS: &[Variant] = &[
+    Variant {
+        name: "64k",
+        fmt: "qcow2",
+        make: |d, img| plain(d, img, ""),
+    },
+    Variant {
+        name: "4k",
+        fmt: "qcow2",
+        make: |d, img| plain(d, img, "cluster_size=4k"),
+    },
+    Variant {
+        name: "512",
+        fmt: "qcow2",
+        make: |d, img| plain(d, img, "cluster_size=512,refcount_bits=64"),
+    },
+    Variant {
+        name: "extl2",
+        fmt: "qcow2",
+        make: |d, img| plain(d, img, "extended_l2=on,cluster_size=32k"),
+    },
+    Variant {
+        name: "v2",
+        fmt: "qcow2",
+        make: |d, img| plain(d, img, "compat=0.10"),
+    },
+    Variant {
+        name: "backed",
+        fmt: "qcow2",
+        make: |d, img| {
+            let base = format!("{img}.base");
+            d.create(&base, "qcow2", "", None, "8M");
+            d.qemu_io("qcow2", &base, &["write -P 9 0 8M"]);
+            d.create(img, "qcow2", "", Some((&base, "qcow2")), "4195840");
+            fill(d, img, "qcow2");
+        },
+    },
+    Variant {
+        name: "backed-extl2",
+        fmt: "qcow2",
+        make: |d, img| {
+            let base = format!("{img}.base");
+            d.create(&base, "raw", "", None, "8M");
+            d.qemu_io("raw", &base, &["write -P 9 0 8M"]);
+            d.create(
+                img,
+                "qcow2",
+                "extended_l2=on",
+                Some((&base, "raw")),
+                "4195840",
+            );
+            fill(d, img, "qcow2");
+        },
+    },
+    Variant {
+        name: "bitmaps",
+        fmt: "qcow2",
+        make: |d, img| {
+            plain(d, img, "");
+            d.qemu_img(&["bitmap", "--add", img, "b1"]);
+            d.qemu_img(&["bitmap", "--add", "-g", "1M", img, "b2"]);
+            d.qemu_io(
+                "qcow2",
+                img,
+                &["write -P 6 3584k 64k", "write -P 6 128k 4k"],
+            );
+            d.qemu_img(&["bitmap", "--disable", img, "b2"]);
+        },
+    },
+    Variant {
+        name: "snapshot",
+        fmt: "qcow2",
+        make: |d, img| {
+            plain(d, img, "");
+            d.qemu_img(&["snapshot", "-c", "s1", img]);
+            d.qemu_io("qcow2", img, &["write -P 7 3M 512k"]);
+        },
+    },
+    Variant {
+        name: "raw",
+        fmt: "raw",
+        make: |d, img| {
+            d.create(img, "raw", "", None, "4195840");
+            fill(d, img, "raw");
+        },
+    },
+];
+
+/// Runs `resize ARGS` (`{}` standing for the image) through both tools on fresh copies of
+/// `v`, and compares everything the module doc lists.
+fn side_by_side(d: &Dir, v: &Variant, case: &str, args: &[&str]) {
+    let (theirs, ours) = (
+        format!("{}-{case}-qemu.img", v.name),
+        format!("{}-{case}-ours.img", v.name),
+    );
+    (v.make)(d, &theirs);
+    d.copy(&theirs, &ours);
+    let with = |img: &str| -> Vec<String> {
+        let mut a = vec!["resize".to_string(), "-f".into(), v.fmt.into()];
+        a.extend(args.iter().map(|x| {
+            if *x == "{}" {
+                img.to_string()
+            } else {
+                x.to_string()
+            }
+        }));
+        a
+    };
+    let (q_args, o_args) = (with(&theirs), with(&ours));
+    let q_args: Vec<&str> = q_args.iter().map(String::as_str).collect();
+    let o_args: Vec<&str> = o_args.iter().map(String::as_str).collect();
+    let qemu = d.run("qemu-img", &q_args);
+    let us = d.run(BIN, &o_args);
+    let what = format!("{} {case} {args:?}", v.name);
+    assert_eq!(
+        us.status.code(),
+        qemu.status.code(),
+        "{what}: exit status\nqemu: {}\nours: {}",
+        text(&qemu),
+        text(&us)
+    );
+    if qemu.status.success() {
+        assert_eq!(
+            String::from_utf8_lossy(&us.stdout),
+            String::from_utf8_lossy(&qemu.stdout),
+            "{what}: output"
+        );
+    } else {
+        assert_eq!(reason(&us.stderr), reason(&qemu.stderr), "{what}: reason");
+    }
+    if v.fmt == "qcow2" {
+        d.assert_check_clean(&ours);
+    }
+    d.assert_same_contents(&ours, v.fmt, &theirs, v.fmt);
+    assert_eq!(
+        info_sans_offsets(d, &ours),
+        info_sans_offsets(d, &theirs),
+        "{what}: qemu-img info (left ours, right QEMU's)"
+    );
+    if v.name == "bitmaps" {
+        for b in ["b1", "b2"] {
+            assert_eq!(
+                test_support::qemu_dirty_ranges(&d.path(&ours), b),
+                test_support::qemu_dirty_ranges(&d.path(&theirs), b),
+                "{what}: dirty ranges of {b}"
+            );
+        }
+    }
+}
+
+fn run_cases(cases: &[(&str, &[&str])]) {
+    let d = Dir::new();
+    for v in VARIANTS {
+        for (case, args) in cases {
+            side_by_side(&d, v, case, args);
+        }
+    }
+}
+
+#[test]
+fn growing_matches_qemu_img() {
+    run_cases(&[
+        ("grow", &["{}", "9M"]),
+        ("grow-relative", &["{}", "+3M"]),
+        ("grow-unaligned", &["{}", "+1536"]),
+        ("same", &["{}", "+0"]),
+        ("grow-quiet", &["-q", "{}", "5M"]),
+    ]);
+}
+
+#[test]
+fn shrinking_matches_qemu_img() {
+    run_cases(&[
+        ("shrink", &["--shrink", "{}", "1M"]),
+        ("shrink-relative", &["--shrink", "{}", "-2M"]),
+        ("shrink-unaligned", &["--shrink", "{}", "1049088"]),
+        ("shrink-refused", &["{}", "1M"]),
+        ("not-a-sector", &["--shrink", "{}", "1000"]),
+        ("not-positive", &["--shrink", "{}", "-5M"]),
+    ]);
+}
+
+#[test]
+fn preallocating_matches_qemu_img() {
+    run_cases(&[
+        ("metadata", &["--preallocation=metadata", "{}", "7M"]),
+        ("falloc", &["--preallocation=falloc", "{}", "+2M"]),
+        ("full", &["--preallocation", "full", "{}", "6M"]),
+        ("off", &["--preallocation=off", "{}", "6M"]),
+        (
+            "prealloc-shrink",
+            &["--preallocation=full", "--shrink", "{}", "1M"],
+        ),
+    ]);
+}
+
+#[test]
+fn bad_arguments_are_refused_as_qemu_img_refuses_them() {
+    let d = Dir::new();
+    d.create("a.qcow2", "qcow2", "", None, "4M");
+    for args in [
+        &["resize", "a.qcow2", "1x"][..],
+        &["resize", "a.qcow2", "+"][..],
+        &["resize", "--preallocation=bogus", "a.qcow2", "8M"][..],
+        &["resize", "-f", "vmdk", "a.qcow2", "8M"][..],
+        &["resize", "missing.qcow2", "8M"][..],
+    ] {
+        let (q, o) = (d.run("qemu-img", args), d.run(BIN, args));
+        assert_eq!(o.status.code(), q.status.code(), "{args:?}: {}", text(&o));
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+    }
+    // A bitmap left in use by a crash stops a resize in both tools.
+    let path = d.create("inuse.qcow2", "qcow2", "", None, "4M");
+    d.qemu_img(&["bitmap", "--add", "inuse.qcow2", "crashed"]);
+    let meta = qcow2::inspect::inspect(std::fs::read(&path).unwrap().as_slice()).unwrap();
+    let dir = meta.header.bitmaps().unwrap().directory_offset as usize;
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[dir + 15] |= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let args = ["resize", "inuse.qcow2", "8M"];
+    let (q, o) = (d.run("qemu-img", &args), d.run(BIN, &args));
+    assert_eq!((o.status.code(), q.status.code()), (Some(1), Some(1)));
+    assert!(
+        reason(&o.stderr).starts_with("Bitmap 'crashed' is inconsistent and cannot be used"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), bytes, "nothing changed");
+}
+
+#[test]
+fn a_served_image_is_not_resized() {
+    // Another process holding the image for writing (qemu-io here) makes us fail cleanly.
+    let d = Dir::new();
+    d.create("busy.qcow2", "qcow2", "", None, "4M");
+    let mut holder = std::process::Command::new("qemu-io")
+        .args(["-f", "qcow2", "busy.qcow2"])
+        .current_dir(d.root())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("run qemu-io");
+    test_support::wait_until(
+        std::time::Duration::from_secs(10),
+        "qemu-io holds the image lock",
+        || !d.run("qemu-img", &["info", "busy.qcow2"]).status.success(),
+    );
+    let out = d.run(BIN, &["resize", "busy.qcow2", "8M"]);
+    drop(holder.stdin.take());
+    let _ = holder.wait();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("lock"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(d.info("busy.qcow2")["virtual-size"], 4 << 20);
+}
