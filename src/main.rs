@@ -2,15 +2,18 @@
 
 mod bitmap;
 mod check;
+mod commit;
 mod convert;
 mod create;
 mod engine_run;
 mod export;
+mod inflight;
 mod info;
 mod malloc_tuning;
 mod map;
 mod options;
 mod progress;
+mod rebase;
 mod serve;
 mod size_string;
 
@@ -53,6 +56,10 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Change an image's persistent dirty bitmaps, like `qemu-img bitmap`.
     Bitmap(bitmap::BitmapArgs),
+    /// Copy an image's data into its backing file and empty it, like `qemu-img commit`.
+    Commit(commit::CommitArgs),
+    /// Change an image's backing file, keeping what it reads, like `qemu-img rebase`.
+    Rebase(rebase::RebaseArgs),
 }
 
 fn main() -> ExitCode {
@@ -69,6 +76,8 @@ fn main() -> ExitCode {
         Command::Map(args) => return map::main(args),
         Command::Convert(args) => return convert::main(args),
         Command::Serve(args) => return serve::run(args),
+        Command::Commit(args) => return commit::main(args),
+        Command::Rebase(args) => return rebase::main(args),
         Command::Bitmap(args) => {
             let sub = matches.subcommand_matches("bitmap").cloned();
             return bitmap::main(args, &sub.unwrap_or_default());
