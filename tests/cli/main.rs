@@ -4,6 +4,7 @@
 mod common;
 
 mod bitmap;
+mod commit_rebase;
 mod convert_map_interop;
 mod convert_qcow2;
 mod create;
