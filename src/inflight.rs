@@ -13,10 +13,16 @@ use tokio::task::JoinSet;
 pub enum CopyError {
     /// Reading or writing an image failed.
     #[error(transparent)]
-    Engine(#[from] EngineError),
+    Engine(Box<EngineError>),
     /// A request task died (a bug: tasks return their errors).
     #[error("internal error: a copy task failed: {0}")]
     Task(String),
+}
+
+impl From<EngineError> for CopyError {
+    fn from(e: EngineError) -> CopyError {
+        CopyError::Engine(Box::new(e))
+    }
 }
 
 /// Request tasks in flight, at most `limit` at once.

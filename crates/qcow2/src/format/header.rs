@@ -814,7 +814,10 @@ mod tests {
         let mut h = back;
         h.set_backing(None, Some(b"raw".to_vec()));
         let back = Header::decode(&h.encode(1 << 16).expect("encodes")).expect("decodes");
-        assert_eq!((back.backing_file, back.backing_format()), (None, None));
+        assert_eq!(
+            (back.backing_file.as_deref(), back.backing_format()),
+            (None, None)
+        );
         let mut h = Header::new(3, 9, 1 << 20);
         h.set_backing(Some(vec![b'x'; 1023]), Some(b"qcow2".to_vec()));
         assert!(
