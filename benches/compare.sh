@@ -705,6 +705,13 @@ PY
     cp "$d/src.qcow2" "$d/onebyte.qcow2"
     qemu-io -f qcow2 -c "write -P 0xa5 $(((TOOLS_MIB - 2) * 1048576 + 777)) 1" \
         "$d/onebyte.qcow2" >/dev/null
+    # commit and rebase: top.qcow2 holds data in the other half of the slots (its clusters
+    # half allocated) over src.qcow2 as its base.
+    dd if="$d/src.raw" of="$d/top.raw" bs=1M seek=1 count=$((TOOLS_MIB - 1)) conv=sparse status=none
+    truncate -s "${TOOLS_MIB}M" "$d/top.raw"
+    qemu-img convert -f raw -O qcow2 "$d/top.raw" "$d/top.qcow2"
+    rm -f "$d/top.raw"
+    qemu-img rebase -u -b src.qcow2 -F qcow2 "$d/top.qcow2"
 }
 
 # exits CODE CMD...: runs CMD and succeeds when it exits with CODE (compare exits 1 on a
@@ -714,6 +721,14 @@ exits() {
     shift
     "$@" || rc=$?
     [ "$rc" = "$want" ]
+}
+
+# chain_copy DIR: a fresh top-c.qcow2 over base-c.qcow2 for one commit or rebase run.
+chain_copy() {
+    local d=$1
+    cp --sparse=always "$d/src.qcow2" "$d/base-c.qcow2"
+    cp --sparse=always "$d/top.qcow2" "$d/top-c.qcow2"
+    qemu-img rebase -u -b base-c.qcow2 -F qcow2 "$d/top-c.qcow2"
 }
 
 # timed LABEL KIND CMD...: runs CMD, records its wall and CPU time in ms under LABEL.
@@ -777,6 +792,26 @@ tools_scenarios() {
                 fi
             done
             log "compare $sc round $r done"
+        done
+        for sc in commit rebase; do
+            for kind in $(order "$r"); do
+                chain_copy "$d"
+                local tool=qemu-img
+                [ "$kind" = ours ] && tool=$BIN
+                if [ "$sc" = commit ]; then
+                    timed "$sc" "$kind" "$tool" commit -q "$d/top-c.qcow2"
+                    out=$d/base-c.qcow2
+                else
+                    timed "$sc" "$kind" "$tool" rebase -q -b "" "$d/top-c.qcow2"
+                    out=$d/top-c.qcow2
+                fi
+                if [ "$r" = 1 ]; then
+                    qemu-img compare -q -f qcow2 -F qcow2 "$d/top.qcow2" "$out" ||
+                        die "$sc ($kind): the result reads differently from the chain"
+                fi
+            done
+            rm -f "$d/base-c.qcow2" "$d/top-c.qcow2"
+            log "$sc round $r done"
         done
     done
     rm -rf "$d"
@@ -887,6 +922,10 @@ usage() { # SCENARIO: the servers' median CPU and disk cost per request, "qemu /
     row "compare same cpu ms" "  CPU time (user + system)" ms lower
     row "compare onebyte ms" "  same, one byte changed near the end" ms lower
     row "compare onebyte cpu ms" "  CPU time (user + system)" ms lower
+    row "commit ms" "commit ${TOOLS_MIB} MiB, half of the clusters allocated over the base" ms lower
+    row "commit cpu ms" "  CPU time (user + system)" ms lower
+    row "rebase ms" "rebase -b \"\" of the same (copies the base's half)" ms lower
+    row "rebase cpu ms" "  CPU time (user + system)" ms lower
     echo
     echo "ratio: ours/qemu-nbd for rates, qemu-nbd/ours for times and memory (above 1 = ours better)."
     echo "CPU µs/req and disk KiB/req: the server's CPU time (all threads) and storage bytes read"

@@ -3,17 +3,20 @@
 mod amend;
 mod bitmap;
 mod check;
+mod commit;
 mod compare;
 mod convert;
 mod create;
 mod engine_run;
 mod export;
+mod inflight;
 mod info;
 mod malloc_tuning;
 mod map;
 mod measure;
 mod options;
 mod progress;
+mod rebase;
 mod resize;
 mod serve;
 mod size_string;
@@ -65,6 +68,10 @@ enum Command {
     Resize(resize::ResizeArgs),
     /// Change a qcow2 image's options in place, like `qemu-img amend`.
     Amend(amend::AmendArgs),
+    /// Copy an image's data into its backing file and empty it, like `qemu-img commit`.
+    Commit(commit::CommitArgs),
+    /// Change an image's backing file, keeping what it reads, like `qemu-img rebase`.
+    Rebase(rebase::RebaseArgs),
 }
 
 fn main() -> ExitCode {
@@ -85,6 +92,8 @@ fn main() -> ExitCode {
         Command::Serve(args) => return serve::run(args),
         Command::Resize(args) => return resize::main(args),
         Command::Amend(args) => return amend::main(args),
+        Command::Commit(args) => return commit::main(args),
+        Command::Rebase(args) => return rebase::main(args),
         Command::Bitmap(args) => {
             let sub = matches.subcommand_matches("bitmap").cloned();
             return bitmap::main(args, &sub.unwrap_or_default());

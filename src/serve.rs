@@ -30,7 +30,7 @@ use nbd::{ExportEntry, Server, ServerConfig};
 use qcow2::engine::{CacheOptions, EngineError, Format, Image, OpenOptions};
 use storage::{AnyStorage, FileOpener};
 
-pub use args::ServeArgs;
+pub use args::{CacheMode, ServeArgs};
 
 use crate::export::{DetectZeroes, DiscardMode, ExportPolicy, ImageExport};
 

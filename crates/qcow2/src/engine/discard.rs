@@ -2,6 +2,7 @@
 //! afterwards whenever a backing file could otherwise show through, and clusters whose
 //! refcount drops to zero are freed (and punched out of the file with discard passthrough).
 
+use super::alloc::l2_entry::RawEntry;
 use super::error::Result;
 use super::image::{Image, Inner};
 use super::range_lock::LockMode;
@@ -83,14 +84,22 @@ impl<S: Storage + 'static> Inner<S> {
             if (word, bitmap) == (e.word, e.bitmap) {
                 continue;
             }
-            self.chain.l2.set_flush_before_writeback();
-            if w.lazy_refcounts.get() {
-                w.mark_dirty().await?;
-            }
-            w.set_l2_entry(e.cluster, word, bitmap).await?;
-            self.release(e.word, self.discard_passthrough).await?;
+            self.replace_entry(&e, word, bitmap).await?;
         }
         Ok(())
+    }
+
+    /// Points the guest cluster of `e` at nothing (`word`, `bitmap`: unallocated or zero)
+    /// and releases what the entry held. The L2 entry reaches disk before the refcount drops
+    /// (`release`), and after any data written before it.
+    pub(crate) async fn replace_entry(&self, e: &RawEntry, word: u64, bitmap: u64) -> Result<()> {
+        let w = self.alloc()?;
+        self.chain.l2.set_flush_before_writeback();
+        if w.lazy_refcounts.get() {
+            w.mark_dirty().await?;
+        }
+        w.set_l2_entry(e.cluster, word, bitmap).await?;
+        self.release(e.word, self.discard_passthrough).await
     }
 
     /// Drops the reference an old L2 entry held on its host cluster(s), if any.

@@ -4,6 +4,7 @@ use super::alloc::Allocator;
 use super::cache_sizing::ResolvedCacheSizes;
 use super::chain::Chain;
 use super::error::{EngineError, Result};
+use super::load::Format;
 use super::range_lock::{LockMode, RangeGuard, RangeLocks};
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -77,6 +78,20 @@ impl<S: Storage + 'static> Image<S> {
     /// Number of layers in the chain (1 without a backing file).
     pub fn chain_len(&self) -> usize {
         self.inner.chain.layers.len()
+    }
+
+    /// The format of each file of the chain, layer 0 first (the order of
+    /// [`ImageFacts::chain`]).
+    pub fn chain_formats(&self) -> Vec<Format> {
+        self.inner
+            .chain
+            .layers
+            .iter()
+            .map(|l| match l.qcow2() {
+                Some(_) => Format::Qcow2,
+                None => Format::Raw,
+            })
+            .collect()
     }
 
     /// Facts about the image.

@@ -34,6 +34,14 @@ impl Format {
             _ => None,
         }
     }
+
+    /// The name a backing-format extension and the command line use for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Qcow2 => "qcow2",
+            Format::Raw => "raw",
+        }
+    }
 }
 
 /// Opens one file of the chain.

@@ -736,6 +736,19 @@ impl Header {
         }
     }
 
+    /// Names `name` as the backing file and `format` as its format (the backing format
+    /// extension); `None` drops either. A backing format without a backing file means
+    /// nothing, so it goes with the name. [`Header::encode`] places the name and checks that
+    /// everything still fits in the first cluster.
+    pub fn set_backing(&mut self, name: Option<Vec<u8>>, format: Option<Vec<u8>>) {
+        self.extensions
+            .retain(|e| !matches!(e, HeaderExtension::BackingFormat(_)));
+        if let (Some(_), Some(f)) = (&name, format) {
+            self.extensions.push(HeaderExtension::BackingFormat(f));
+        }
+        self.backing_file = name;
+    }
+
     /// The full disk encryption header pointer, if present.
     pub fn fde_pointer(&self) -> Option<&FdeHeaderPointer> {
         self.extensions.iter().rev().find_map(|e| match e {
@@ -788,6 +801,34 @@ mod tests {
         apply(&mut buf, nb_snapshots_update(3));
         let h = Header::decode_with(&buf, Strictness::Check).expect("check strictness");
         assert_eq!(h.nb_snapshots, 3);
+    }
+
+    #[test]
+    fn backing_file_and_format_are_replaced_together() {
+        let (mut h, _) = image();
+        h.set_backing(Some(b"base.qcow2".to_vec()), Some(b"qcow2".to_vec()));
+        let buf = h.encode(1 << 16).expect("encodes");
+        let back = Header::decode(&buf).expect("decodes");
+        assert_eq!(back.backing_file.as_deref(), Some(&b"base.qcow2"[..]));
+        assert_eq!(back.backing_format(), Some(&b"qcow2"[..]));
+        let mut h = back;
+        h.set_backing(Some(b"other.raw".to_vec()), Some(b"raw".to_vec()));
+        let back = Header::decode(&h.encode(1 << 16).expect("encodes")).expect("decodes");
+        assert_eq!(back.backing_file.as_deref(), Some(&b"other.raw"[..]));
+        assert_eq!(back.backing_format(), Some(&b"raw"[..]));
+        let mut h = back;
+        h.set_backing(None, Some(b"raw".to_vec()));
+        let back = Header::decode(&h.encode(1 << 16).expect("encodes")).expect("decodes");
+        assert_eq!(
+            (back.backing_file.as_deref(), back.backing_format()),
+            (None, None)
+        );
+        let mut h = Header::new(3, 9, 1 << 20);
+        h.set_backing(Some(vec![b'x'; 1023]), Some(b"qcow2".to_vec()));
+        assert!(
+            h.encode(512).is_err(),
+            "a name that does not fit the first cluster is refused"
+        );
     }
 
     #[test]

@@ -1,0 +1,46 @@
+//! Changing the backing file an image names (`qemu-img rebase`): one rewrite of the header
+//! cluster, after everything written before it is durable, made durable itself.
+
+use super::error::{EngineError, Result};
+use super::image::{Image, Inner};
+use super::load::Format;
+use storage::Storage;
+
+impl<S: Storage + 'static> Image<S> {
+    /// Names `name` (of format `format`) as the image's backing file, or no backing file
+    /// with `None`. Everything written before is made durable first, so the new name never
+    /// reaches disk ahead of the data that makes the image read right over the new backing
+    /// file. This open keeps reading through the chain it opened; later opens follow the new
+    /// name.
+    pub async fn set_backing_file(&self, name: Option<&str>, format: Option<Format>) -> Result<()> {
+        self.inner.set_backing_file(name, format).await
+    }
+}
+
+impl<S: Storage + 'static> Inner<S> {
+    async fn set_backing_file(&self, name: Option<&str>, format: Option<Format>) -> Result<()> {
+        self.check_writable()?;
+        let top = self.chain.top();
+        let meta = top.qcow2().ok_or_else(|| EngineError::Unsupported {
+            image: top.name.clone(),
+            what: "a backing file for a raw image".into(),
+        })?;
+        let w = self.alloc()?;
+        self.flush().await?;
+        let mut h = meta.header.borrow().clone();
+        h.set_backing(
+            name.map(|n| n.as_bytes().to_vec()),
+            format.map(|f| f.name().as_bytes().to_vec()),
+        );
+        let bytes = h
+            .encode(meta.geom.cluster_size())
+            .map_err(|source| EngineError::Format {
+                image: top.name.clone(),
+                source,
+            })?;
+        w.write_meta("writing the backing file name", 0, &bytes)
+            .await?;
+        *meta.header.borrow_mut() = h;
+        w.sync().await
+    }
+}
