@@ -15,6 +15,9 @@ pub(crate) mod l2_entry;
 mod l2_table;
 mod prealloc;
 mod refcount;
+mod snapshots;
+
+pub(crate) use snapshots::RefCounts;
 
 use crate::engine::bitmaps::Bitmaps;
 use crate::engine::error::{EngineError, Result};
