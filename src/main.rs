@@ -13,6 +13,7 @@ mod options;
 mod progress;
 mod serve;
 mod size_string;
+mod snapshot;
 
 use std::process::ExitCode;
 
@@ -53,6 +54,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Change an image's persistent dirty bitmaps, like `qemu-img bitmap`.
     Bitmap(bitmap::BitmapArgs),
+    /// List, create, apply or delete internal snapshots, like `qemu-img snapshot`.
+    Snapshot(snapshot::SnapshotArgs),
 }
 
 fn main() -> ExitCode {
@@ -69,6 +72,7 @@ fn main() -> ExitCode {
         Command::Map(args) => return map::main(args),
         Command::Convert(args) => return convert::main(args),
         Command::Serve(args) => return serve::run(args),
+        Command::Snapshot(args) => return snapshot::main(args),
         Command::Bitmap(args) => {
             let sub = matches.subcommand_matches("bitmap").cloned();
             return bitmap::main(args, &sub.unwrap_or_default());
