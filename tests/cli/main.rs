@@ -8,4 +8,5 @@ mod convert_map_interop;
 mod convert_qcow2;
 mod create;
 mod interop_writes;
+mod snapshot;
 mod space;
