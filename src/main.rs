@@ -20,6 +20,7 @@ mod rebase;
 mod resize;
 mod serve;
 mod size_string;
+mod snapshot;
 
 use std::process::ExitCode;
 
@@ -72,6 +73,8 @@ enum Command {
     Commit(commit::CommitArgs),
     /// Change an image's backing file, keeping what it reads, like `qemu-img rebase`.
     Rebase(rebase::RebaseArgs),
+    /// List, create, apply or delete internal snapshots, like `qemu-img snapshot`.
+    Snapshot(snapshot::SnapshotArgs),
 }
 
 fn main() -> ExitCode {
@@ -94,6 +97,7 @@ fn main() -> ExitCode {
         Command::Amend(args) => return amend::main(args),
         Command::Commit(args) => return commit::main(args),
         Command::Rebase(args) => return rebase::main(args),
+        Command::Snapshot(args) => return snapshot::main(args),
         Command::Bitmap(args) => {
             let sub = matches.subcommand_matches("bitmap").cloned();
             return bitmap::main(args, &sub.unwrap_or_default());

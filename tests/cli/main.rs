@@ -12,4 +12,5 @@ mod convert_qcow2;
 mod create;
 mod interop_writes;
 mod resize;
+mod snapshot;
 mod space;

@@ -6,6 +6,7 @@ use super::bitmaps::BitmapError;
 use super::cache_sizing::CacheSizeError;
 use super::compress::CompressError;
 use super::resize::ResizeError;
+use super::snapshot_ops::SnapshotError;
 use crate::format::FormatError;
 use crate::metadata::MetadataError;
 use std::io;
@@ -162,6 +163,15 @@ pub enum EngineError {
         #[source]
         source: CacheSizeError,
     },
+    /// An internal snapshot operation that cannot be done on this image.
+    #[error("{image}: {source}")]
+    Snapshot {
+        /// The image.
+        image: String,
+        /// What is in the way.
+        #[source]
+        source: SnapshotError,
+    },
     /// An internal snapshot that does not exist.
     #[error("{image}: no snapshot with id or name {wanted:?}")]
     NoSuchSnapshot {
@@ -209,6 +219,7 @@ impl EngineError {
                 libc_errno::ENOTSUP
             }
             EngineError::NoSpace { .. } => libc_errno::ENOSPC,
+            EngineError::Snapshot { source, .. } => source.errno(),
             EngineError::Io { source, .. } | EngineError::Open { source, .. } => {
                 space_errno(source).unwrap_or(libc_errno::EIO)
             }
@@ -252,8 +263,14 @@ pub mod libc_errno {
     pub const EPERM: i32 = 1;
     /// I/O error.
     pub const EIO: i32 = 5;
+    /// No such file or directory.
+    pub const ENOENT: i32 = 2;
+    /// Device or resource busy.
+    pub const EBUSY: i32 = 16;
     /// Invalid argument.
     pub const EINVAL: i32 = 22;
+    /// File too large.
+    pub const EFBIG: i32 = 27;
     /// No space left on device.
     pub const ENOSPC: i32 = 28;
     /// Operation not supported.

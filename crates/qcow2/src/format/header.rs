@@ -96,6 +96,22 @@ pub fn l1_update(l1_size: u32, l1_table_offset: u64) -> FieldUpdate<12> {
     )
 }
 
+/// The update that switches the active disk in one write: guest size, `crypt_method` (kept),
+/// `l1_size` and `l1_table_offset` are contiguous, so a crash shows the old disk or the new.
+pub fn active_disk_update(
+    size: u64,
+    crypt_method: u32,
+    l1_size: u32,
+    l1_table_offset: u64,
+) -> FieldUpdate<24> {
+    let mut bytes = [0u8; 24];
+    bytes[..8].copy_from_slice(&size.to_be_bytes());
+    bytes[8..12].copy_from_slice(&crypt_method.to_be_bytes());
+    bytes[12..16].copy_from_slice(&l1_size.to_be_bytes());
+    bytes[16..].copy_from_slice(&l1_table_offset.to_be_bytes());
+    FieldUpdate::new(field::SIZE, bytes)
+}
+
 /// The update that points the header at another refcount table (offset and cluster count
 /// together, in one write).
 pub fn reftable_update(offset: u64, clusters: u32) -> FieldUpdate<12> {
@@ -829,6 +845,18 @@ mod tests {
             h.encode(512).is_err(),
             "a name that does not fit the first cluster is refused"
         );
+    }
+
+    #[test]
+    fn active_disk_update_switches_size_and_l1_together() {
+        let (before, mut buf) = image();
+        apply(&mut buf, active_disk_update(3 << 30, 0, 48, 6 << 16));
+        let after = Header::decode(&buf).expect("still valid");
+        let mut expected = before;
+        expected.size = 3 << 30;
+        expected.l1_size = 48;
+        expected.l1_table_offset = 6 << 16;
+        assert_eq!(after, expected);
     }
 
     #[test]

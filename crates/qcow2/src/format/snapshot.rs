@@ -117,6 +117,28 @@ impl SnapshotTableEntry {
         extra
     }
 
+    /// The entry `qemu-img snapshot -c` writes: the disk state only (no VM state, VM clock 0,
+    /// instruction count 0), with the complete extra data QEMU writes for every snapshot.
+    pub fn disk_only(
+        id: Vec<u8>,
+        name: Vec<u8>,
+        date: (u32, u32),
+        l1: (u64, u32),
+        disk_size: u64,
+    ) -> SnapshotTableEntry {
+        SnapshotTableEntry {
+            l1_table_offset: l1.0,
+            l1_size: l1.1,
+            id,
+            name,
+            date_sec: date.0,
+            date_nsec: date.1,
+            vm_clock_nsec: 0,
+            vm_state_size_32: 0,
+            extra_data: Self::full_extra_data(0, disk_size, 0, &[]),
+        }
+    }
+
     /// The unpadded length of the encoded entry (the table's last entry is not padded).
     pub fn encoded_len(&self) -> usize {
         limits::SNAPSHOT_ENTRY_FIXED_SIZE as usize
@@ -340,6 +362,65 @@ pub fn decode_table(
     Ok(entries)
 }
 
+/// Encodes a whole snapshot table as QEMU writes it: every entry padded to 8 bytes but the
+/// last, so the table ends where its last entry does (its length is what QEMU allocates and
+/// later frees). Refuses a table past QEMU's 64 MiB limit.
+pub fn encode_qemu_table(entries: &[SnapshotTableEntry]) -> Result<Vec<u8>, FormatError> {
+    let mut out = Vec::new();
+    let mut end = 0;
+    for entry in entries {
+        let start = out.len();
+        entry.encode(&mut out)?;
+        end = start + entry.encoded_len();
+    }
+    out.truncate(end);
+    if out.len() as u64 > limits::MAX_SNAPSHOT_TABLE_BYTES {
+        return Err(FormatError::LimitExceeded {
+            at: Location::at(Structure::SnapshotTable, 0),
+            field: "snapshot table size",
+            value: out.len() as u64,
+            limit: limits::MAX_SNAPSHOT_TABLE_BYTES,
+            why: "QEMU loads the whole table into memory, at most 64 MiB",
+        });
+    }
+    Ok(out)
+}
+
+/// The ID QEMU gives a new snapshot: one more than the largest ID read as C's `strtoul`
+/// reads it (leading blanks, a sign, decimal digits; anything else reads as 0, overflow as
+/// the largest value, a minus sign negates modulo 2^64), printed in decimal.
+pub fn next_snapshot_id(entries: &[SnapshotTableEntry]) -> Vec<u8> {
+    let max = entries.iter().map(|e| strtoul(&e.id)).max().unwrap_or(0);
+    max.wrapping_add(1).to_string().into_bytes()
+}
+
+fn strtoul(s: &[u8]) -> u64 {
+    let mut rest = s;
+    while let [b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c, tail @ ..] = rest {
+        rest = tail;
+    }
+    let negative = rest.first() == Some(&b'-');
+    if let [b'+' | b'-', tail @ ..] = rest {
+        rest = tail;
+    }
+    let mut value = 0u64;
+    for &b in rest.iter().take_while(|b| b.is_ascii_digit()) {
+        match value
+            .checked_mul(10)
+            .and_then(|v| v.checked_add(u64::from(b - b'0')))
+        {
+            Some(v) => value = v,
+            // strtoul saturates, and then ignores the sign.
+            None => return u64::MAX,
+        }
+    }
+    if negative {
+        value.wrapping_neg()
+    } else {
+        value
+    }
+}
+
 /// Encodes a whole snapshot table.
 pub fn encode_table(entries: &[SnapshotTableEntry]) -> Result<Vec<u8>, FormatError> {
     let mut out = Vec::new();
@@ -347,4 +428,49 @@ pub fn encode_table(entries: &[SnapshotTableEntry]) -> Result<Vec<u8>, FormatErr
         entry.encode(&mut out)?;
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_ids(ids: &[&str]) -> Vec<SnapshotTableEntry> {
+        ids.iter()
+            .map(|id| {
+                SnapshotTableEntry::disk_only(
+                    id.as_bytes().to_vec(),
+                    b"n".to_vec(),
+                    (0, 0),
+                    (0, 0),
+                    0,
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn next_id_reads_ids_as_strtoul_does() {
+        assert_eq!(next_snapshot_id(&[]), b"1");
+        assert_eq!(next_snapshot_id(&with_ids(&["1", "7", "3"])), b"8");
+        assert_eq!(
+            next_snapshot_id(&with_ids(&["name", " 12abc", "+4"])),
+            b"13"
+        );
+        // -1 is 2^64 - 1 to strtoul: the next ID wraps to 0, as in QEMU.
+        assert_eq!(next_snapshot_id(&with_ids(&["-1"])), b"0");
+        assert_eq!(
+            next_snapshot_id(&with_ids(&["99999999999999999999999"])),
+            b"0"
+        );
+    }
+
+    #[test]
+    fn qemu_tables_end_with_the_last_entry() {
+        let entries = with_ids(&["1", "22"]);
+        let t = encode_qemu_table(&entries).expect("encodes");
+        // 40 + 24 + 1 + 1 = 66, padded to 72; then 40 + 24 + 2 + 1 = 67, unpadded.
+        assert_eq!(t.len(), 72 + 67);
+        let g = Geometry::new(16, false, 4, 1 << 20).expect("geometry");
+        assert_eq!(decode_table(&t, 1 << 16, 2, &g).expect("decodes"), entries);
+    }
 }

@@ -59,6 +59,21 @@ fn format_date(secs: u64) -> String {
     )
 }
 
+/// The snapshot table as `qemu-img info` and `qemu-img snapshot -l` print it: a title,
+/// column heads and one line per snapshot.
+pub fn snapshot_list(snapshots: &[SnapshotInfo]) -> String {
+    let mut out = String::from("Snapshot list:\n");
+    let _ = writeln!(
+        out,
+        "{:<7} {:<17} {:>7} {:>19} {:>15} {:>10}",
+        "ID", "TAG", "VM_SIZE", "DATE", "VM_CLOCK", "ICOUNT"
+    );
+    for s in snapshots {
+        snapshot_line(&mut out, s);
+    }
+    out
+}
+
 fn snapshot_line(out: &mut String, s: &SnapshotInfo) {
     let secs = s.vm_clock_sec;
     let clock = format!(
@@ -186,15 +201,7 @@ impl ImageInfo {
             let _ = writeln!(out, "backing file format: {fmt}");
         }
         if let Some(snapshots) = &self.snapshots {
-            let _ = writeln!(out, "Snapshot list:");
-            let _ = writeln!(
-                out,
-                "{:<7} {:<17} {:>7} {:>19} {:>15} {:>10}",
-                "ID", "TAG", "VM_SIZE", "DATE", "VM_CLOCK", "ICOUNT"
-            );
-            for s in snapshots {
-                snapshot_line(&mut out, s);
-            }
+            out.push_str(&snapshot_list(snapshots));
         }
         if let Some(fs) = &self.format_specific {
             let _ = writeln!(out, "Format specific information:");

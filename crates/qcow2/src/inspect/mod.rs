@@ -7,7 +7,7 @@ mod read;
 mod report;
 
 pub use crate::metadata::ByteSource;
-pub use human::human_size;
+pub use human::{human_size, snapshot_list};
 pub use read::{
     inspect, read_header, read_l1_table, read_refcount_table, ImageMetadata, InspectError,
 };

@@ -69,6 +69,22 @@ pub struct SnapshotInfo {
     pub icount: Option<u64>,
 }
 
+impl SnapshotInfo {
+    /// What `info` and `snapshot -l` show of a snapshot table entry.
+    pub fn from_entry(s: &crate::format::SnapshotTableEntry) -> SnapshotInfo {
+        SnapshotInfo {
+            id: s.id_lossy(),
+            name: s.name_lossy(),
+            vm_state_size: s.vm_state_size(),
+            date_sec: s.date_sec.into(),
+            date_nsec: s.date_nsec.into(),
+            vm_clock_sec: s.vm_clock_nsec / 1_000_000_000,
+            vm_clock_nsec: s.vm_clock_nsec % 1_000_000_000,
+            icount: s.icount(),
+        }
+    }
+}
+
 /// `format-specific`: `{ "type": "qcow2", "data": {...} }`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct FormatSpecific {
@@ -219,16 +235,7 @@ impl ImageInfo {
         let snapshots: Vec<SnapshotInfo> = meta
             .snapshots
             .iter()
-            .map(|s| SnapshotInfo {
-                id: s.id_lossy(),
-                name: s.name_lossy(),
-                vm_state_size: s.vm_state_size(),
-                date_sec: s.date_sec.into(),
-                date_nsec: s.date_nsec.into(),
-                vm_clock_sec: s.vm_clock_nsec / 1_000_000_000,
-                vm_clock_nsec: s.vm_clock_nsec % 1_000_000_000,
-                icount: s.icount(),
-            })
+            .map(SnapshotInfo::from_entry)
             .collect();
         let encrypt = match h.crypt_method {
             CRYPT_AES => Some(EncryptInfo {

@@ -16,6 +16,9 @@ mod l2_table;
 mod prealloc;
 mod refcount;
 mod shrink;
+mod snapshots;
+
+pub(crate) use snapshots::RefCounts;
 
 use crate::engine::bitmaps::Bitmaps;
 use crate::engine::error::{EngineError, Result};

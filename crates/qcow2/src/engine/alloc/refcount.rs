@@ -49,7 +49,7 @@ impl<S: Storage + 'static> Allocator<S> {
         }
     }
 
-    fn fmt_err(&self, source: crate::format::FormatError) -> EngineError {
+    pub(super) fn fmt_err(&self, source: crate::format::FormatError) -> EngineError {
         EngineError::Format {
             image: self.top().name.clone(),
             source,

@@ -16,7 +16,8 @@ use super::meta::Snapshot;
 use super::ondisk::Refblocks;
 use super::pass::{Fix, Pass};
 use crate::format::refcount::REFTABLE_OFFSET_MASK;
-use crate::format::{header, limits, SnapshotTableEntry};
+use crate::format::snapshot::encode_qemu_table;
+use crate::format::{header, FormatError, SnapshotTableEntry};
 use storage::Storage;
 
 /// Extra data QEMU writes for every snapshot at least: VM state size, disk size, icount.
@@ -48,22 +49,15 @@ impl<S: Storage> Pass<'_, S> {
             offset: self.meta.snapshots_offset,
             detail,
         };
-        let mut out = Vec::new();
-        // QEMU pads every entry but the last: the table ends where the last entry does.
-        let mut end = 0;
-        for sn in &self.meta.snapshots {
-            let entry = table_entry(sn);
-            let start = out.len();
-            entry.encode(&mut out).map_err(|e| broken(e.to_string()))?;
-            end = start + entry.encoded_len();
-        }
-        out.truncate(end);
-        if out.len() as u64 > limits::MAX_SNAPSHOT_TABLE_BYTES {
-            return Err(CheckError::SnapshotTable {
-                offset: self.meta.snapshots_offset,
-                detail: "the rewritten table would exceed 64 MiB: File too large".into(),
-            });
-        }
+        let entries: Vec<SnapshotTableEntry> =
+            self.meta.snapshots.iter().map(table_entry).collect();
+        let out = encode_qemu_table(&entries).map_err(|e| match e {
+            FormatError::LimitExceeded {
+                field: "snapshot table size",
+                ..
+            } => broken("the rewritten table would exceed 64 MiB: File too large".into()),
+            other => broken(other.to_string()),
+        })?;
         Ok(out)
     }
 

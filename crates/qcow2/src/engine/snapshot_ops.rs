@@ -1,0 +1,332 @@
+//! Internal snapshots as `qemu-img snapshot` sees them: list, create, apply (revert the disk
+//! to one) and delete, on a writable qcow2 image with no request in flight.
+//!
+//! Every operation starts by flushing, so the caches hold nothing dirty and each step below
+//! orders only its own writes; every step that the next one relies on is flushed (refcount
+//! cache, L2 cache, `fdatasync`) before the next begins. The single writes that switch from
+//! the old state to the new are header writes within the first sector: `nb_snapshots` with
+//! `snapshots_offset`, or the guest size with the active L1 table's size and offset.
+//!
+//! - create: the copy of the active L1 table and the raised refcounts are durable, then the
+//!   active disk's COPIED flags are cleared (a crash between leaves an unused reference
+//!   beside a flag still set: a leak), then the new table is written and switched to.
+//! - apply: the snapshot's references are raised and the flags of its tables cleared, a new
+//!   active L1 table is written, the header switches to it (and to the snapshot's size), and
+//!   only then are the old active disk's references dropped. A crash shows the old disk or
+//!   the snapshot's, never a mix, with leaks at worst.
+//! - delete: the table without the entry is switched to first; then the active disk's
+//!   COPIED flags are set where the refcount is about to drop to 1, and only then are the
+//!   snapshot's references dropped, so a flag is never clear on a cluster whose refcount
+//!   is already 1.
+
+use super::alloc::{Allocator, RefCounts};
+use super::error::{libc_errno, EngineError, Result};
+use super::image::Image;
+use super::layer::{Layer, Qcow2Meta};
+use super::overlap::MetaKind;
+use super::range_lock::LockMode;
+use crate::format::{be, header, l1, limits, Geometry, HostOffset, SnapshotTableEntry};
+use storage::Storage;
+
+/// Why a snapshot operation cannot be done.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// No snapshot has this ID or name.
+    #[error("no snapshot with ID or name {0:?}")]
+    NotFound(String),
+    /// A raw image has no snapshot table.
+    #[error("only qcow2 images hold internal snapshots")]
+    NotQcow2,
+    /// QEMU refuses internal snapshots of images whose data lives in an external file.
+    #[error("internal snapshots of an image with an external data file are not supported")]
+    DataFile,
+    /// QEMU refuses to revert the disk under persistent dirty bitmaps.
+    #[error("the image has persistent dirty bitmaps, which applying a snapshot would falsify")]
+    ActiveBitmaps,
+    /// The table is full.
+    #[error("the image already has {0} snapshots, QEMU's maximum")]
+    TooMany(usize),
+    /// One more reference would not fit the image's refcount width.
+    #[error("the refcount of cluster {offset:#x} is {refcount}; another reference would exceed the maximum of {max}")]
+    RefcountLimit {
+        /// The cluster's file offset.
+        offset: u64,
+        /// Its refcount now.
+        refcount: u64,
+        /// The largest refcount the image can store.
+        max: u64,
+    },
+    /// The snapshot's disk needs a larger L1 table than QEMU allows.
+    #[error("the snapshot's disk of {0} bytes needs an L1 table larger than QEMU's 32 MiB")]
+    TooLarge(u64),
+}
+
+impl SnapshotError {
+    /// The errno QEMU fails with in the same case.
+    pub fn errno(&self) -> i32 {
+        match self {
+            SnapshotError::NotFound(_) => libc_errno::ENOENT,
+            SnapshotError::NotQcow2 | SnapshotError::DataFile => libc_errno::ENOTSUP,
+            SnapshotError::ActiveBitmaps => libc_errno::EBUSY,
+            SnapshotError::TooMany(_) | SnapshotError::TooLarge(_) => libc_errno::EFBIG,
+            SnapshotError::RefcountLimit { .. } => libc_errno::EINVAL,
+        }
+    }
+}
+
+/// The one layer a snapshot operation changes, with its allocator.
+struct Target<'a, S: Storage + 'static> {
+    layer: &'a Layer<S>,
+    meta: &'a Qcow2Meta<S>,
+    alloc: &'a Allocator<S>,
+}
+
+impl<S: Storage + 'static> Image<S> {
+    fn snapshot_error(&self, source: SnapshotError) -> EngineError {
+        EngineError::Snapshot {
+            image: self.inner.chain.top().name.clone(),
+            source,
+        }
+    }
+
+    /// The snapshot table of the image (empty for a raw image), in table order.
+    pub async fn snapshots(&self) -> Result<Vec<SnapshotTableEntry>> {
+        let top = self.inner.chain.top();
+        let Some(meta) = top.qcow2() else {
+            return Ok(Vec::new());
+        };
+        let h = meta.header.borrow().clone();
+        let table =
+            super::load::snapshot_table(&top.file, &top.name, &h, &meta.geom, meta.file_end.get())
+                .await?;
+        Ok(table.into_iter().map(|(e, _)| e).collect())
+    }
+
+    /// The layer to change: a writable qcow2 image without an external data file.
+    fn snapshot_target(&self) -> Result<Target<'_, S>> {
+        let layer = self.inner.chain.top();
+        let meta = layer
+            .qcow2()
+            .ok_or_else(|| self.snapshot_error(SnapshotError::NotQcow2))?;
+        if meta.data_file.is_some() {
+            return Err(self.snapshot_error(SnapshotError::DataFile));
+        }
+        self.inner.check_writable()?;
+        let alloc = self.inner.alloc()?;
+        Ok(Target { layer, meta, alloc })
+    }
+
+    /// Creates a snapshot of the disk as it is now, named `name`, dated `date` (seconds and
+    /// nanoseconds since the epoch), with the next free ID; returns its table entry.
+    pub async fn create_snapshot(
+        &self,
+        name: &[u8],
+        date: (u32, u32),
+    ) -> Result<SnapshotTableEntry> {
+        let t = self.snapshot_target()?;
+        let _range = self
+            .inner
+            .lock_range(0, self.size(), LockMode::Exclusive)
+            .await;
+        let _meta = t.alloc.meta_lock.lock().await;
+        let table = self.snapshots().await?;
+        if table.len() >= limits::MAX_SNAPSHOTS as usize {
+            return Err(self.snapshot_error(SnapshotError::TooMany(table.len())));
+        }
+        self.inner.flush().await?;
+        let active: Vec<u64> = t.meta.l1.borrow().clone();
+        let refs = t.alloc.tree_refs(&active).await?;
+        t.alloc.check_refs_fit(&refs).await?;
+        // The copy keeps the flags as they are, as QEMU's does: a snapshot's flags are
+        // never relied on.
+        let copy = t
+            .alloc
+            .write_new_l1(&active, MetaKind::SnapshotL1Table)
+            .await?;
+        t.alloc.add_refs(&refs).await?;
+        self.persist(&t).await?;
+        // Every cluster of the active disk is now shared with the snapshot.
+        let flags = t.alloc.recompute_copied(&active, &RefCounts::new()).await?;
+        if flags != active {
+            t.alloc.write_active_l1(flags).await?;
+        }
+        self.persist(&t).await?;
+        let entry = SnapshotTableEntry::disk_only(
+            crate::format::snapshot::next_snapshot_id(&table),
+            name.to_vec(),
+            date,
+            // At most QEMU's 32 MiB of L1 entries, checked on open and resize.
+            (copy, active.len() as u32),
+            self.size(),
+        );
+        let mut new = table.clone();
+        new.push(entry.clone());
+        t.alloc.replace_snapshot_table(&table, &new).await?;
+        self.persist(&t).await?;
+        Ok(entry)
+    }
+
+    /// Writes back both metadata caches and syncs the file.
+    async fn persist(&self, t: &Target<'_, S>) -> Result<()> {
+        let cache_err = |source| EngineError::Cache {
+            image: t.layer.name.clone(),
+            source,
+        };
+        self.inner.chain.l2.flush().await.map_err(cache_err)?;
+        t.alloc.refcounts.flush().await.map_err(cache_err)?;
+        t.alloc.sync().await
+    }
+
+    /// Reads and validates a snapshot's L1 table.
+    async fn snapshot_l1(&self, t: &Target<'_, S>, sn: &SnapshotTableEntry) -> Result<Vec<u64>> {
+        let len = usize::try_from(u64::from(sn.l1_size) * 8).map_err(|_| {
+            t.layer
+                .corrupt(format!("snapshot {:?}: L1 table too large", sn.id_lossy()))
+        })?;
+        let buf = t
+            .layer
+            .read_file("reading a snapshot's L1 table", sn.l1_table_offset, len)
+            .await?;
+        Qcow2Meta::<S>::validate_l1(
+            be::words(&buf),
+            &t.meta.geom,
+            sn.l1_table_offset,
+            t.meta.file_end.get(),
+            &t.layer.name,
+        )
+    }
+
+    /// Reverts the disk to snapshot `id_or_name` (an ID first, then a name, as QEMU looks it
+    /// up), including the disk size it had. The snapshot stays.
+    pub async fn apply_snapshot(&self, id_or_name: &str) -> Result<()> {
+        let t = self.snapshot_target()?;
+        if !t.alloc.bitmaps.borrow().list.is_empty() {
+            return Err(self.snapshot_error(SnapshotError::ActiveBitmaps));
+        }
+        let _range = self
+            .inner
+            .lock_range(0, self.size(), LockMode::Exclusive)
+            .await;
+        let _meta = t.alloc.meta_lock.lock().await;
+        let table = self.snapshots().await?;
+        let wanted = id_or_name.as_bytes();
+        let sn = table
+            .iter()
+            .find(|s| s.id == wanted)
+            .or_else(|| table.iter().find(|s| s.name == wanted))
+            .ok_or_else(|| self.snapshot_error(SnapshotError::NotFound(id_or_name.into())))?;
+        self.inner.flush().await?;
+        let sn_l1 = self.snapshot_l1(&t, sn).await?;
+        let size = sn.disk_size().unwrap_or_else(|| self.size());
+        let entries = self.l1_entries_for(&t, size, sn_l1.len())?;
+        let old: Vec<u64> = t.meta.l1.borrow().clone();
+        let old_refs = t.alloc.tree_refs(&old).await?;
+        let refs = t.alloc.tree_refs(&sn_l1).await?;
+        t.alloc.check_refs_fit(&refs).await?;
+        t.alloc.add_refs(&refs).await?;
+        self.persist(&t).await?;
+        // Every cluster of the snapshot is now shared with the new active disk.
+        let mut words = t.alloc.recompute_copied(&sn_l1, &RefCounts::new()).await?;
+        words.resize(entries, 0);
+        let l1_offset = t.alloc.write_new_l1(&words, MetaKind::L1Table).await?;
+        self.persist(&t).await?;
+        let old_offset = t.meta.l1_offset.get();
+        self.switch_active_disk(&t, size, words, l1_offset).await?;
+        // The old active disk is unreachable now: its references go.
+        t.alloc.drop_refs(&old_refs).await?;
+        t.alloc.free_l1(old_offset, old.len() as u64).await?;
+        self.persist(&t).await
+    }
+
+    /// Entries the active L1 table needs to serve a disk of `size` bytes holding a snapshot
+    /// table of `sn_entries`: never fewer than it has (as QEMU keeps them).
+    fn l1_entries_for(&self, t: &Target<'_, S>, size: u64, sn_entries: usize) -> Result<usize> {
+        let g = &t.meta.geom;
+        let needed = Geometry::new(g.cluster_bits(), g.extended_l2(), g.refcount_order(), size)
+            .map_err(|source| EngineError::Format {
+                image: t.layer.name.clone(),
+                source,
+            })?
+            .l1_entries_needed();
+        let current = t.meta.l1.borrow().len() as u64;
+        let entries = needed.max(current).max(sn_entries as u64);
+        if entries * 8 > limits::MAX_L1_SIZE_BYTES {
+            return Err(self.snapshot_error(SnapshotError::TooLarge(size)));
+        }
+        Ok(entries as usize)
+    }
+
+    /// Points the header at the new active L1 table and size in one flushed write, and
+    /// records them in memory.
+    async fn switch_active_disk(
+        &self,
+        t: &Target<'_, S>,
+        size: u64,
+        words: Vec<u64>,
+        l1_offset: u64,
+    ) -> Result<()> {
+        // At most QEMU's 32 MiB of entries, checked by `l1_entries_for`.
+        let entries = words.len() as u32;
+        let crypt = t.meta.header.borrow().crypt_method;
+        t.alloc
+            .update_header(header::active_disk_update(size, crypt, entries, l1_offset))
+            .await?;
+        t.alloc.sync().await?;
+        {
+            let mut h = t.meta.header.borrow_mut();
+            h.size = size;
+            h.l1_size = entries;
+            h.l1_table_offset = l1_offset;
+        }
+        let cs = t.meta.geom.cluster_size();
+        {
+            let mut index = t.alloc.meta.borrow_mut();
+            for &w in &words {
+                let table = w & l1::L1_OFFSET_MASK;
+                if table != 0 {
+                    index.insert(HostOffset(table), cs, MetaKind::L2Table);
+                }
+            }
+        }
+        t.meta.l1_offset.set(l1_offset);
+        *t.meta.l1.borrow_mut() = words;
+        t.layer.size.set(size);
+        t.alloc.mapping_changed();
+        Ok(())
+    }
+
+    /// Deletes the snapshot with this ID and name (as `qemu-img snapshot -d` names the one
+    /// it found).
+    pub async fn delete_snapshot(&self, id: &[u8], name: &[u8]) -> Result<()> {
+        let t = self.snapshot_target()?;
+        let _range = self
+            .inner
+            .lock_range(0, self.size(), LockMode::Exclusive)
+            .await;
+        let _meta = t.alloc.meta_lock.lock().await;
+        let table = self.snapshots().await?;
+        let Some(pos) = table.iter().position(|s| s.id == id && s.name == name) else {
+            let wanted = String::from_utf8_lossy(name).into_owned();
+            return Err(self.snapshot_error(SnapshotError::NotFound(wanted)));
+        };
+        self.inner.flush().await?;
+        let sn = &table[pos];
+        let sn_l1 = self.snapshot_l1(&t, sn).await?;
+        let refs = t.alloc.tree_refs(&sn_l1).await?;
+        let mut new = table.clone();
+        new.remove(pos);
+        t.alloc.replace_snapshot_table(&table, &new).await?;
+        // The flags first, as they will be once the references are dropped.
+        let active: Vec<u64> = t.meta.l1.borrow().clone();
+        let flags = t.alloc.recompute_copied(&active, &refs).await?;
+        if flags != active {
+            t.alloc.write_active_l1(flags).await?;
+        }
+        self.persist(&t).await?;
+        t.alloc.drop_refs(&refs).await?;
+        t.alloc
+            .free_l1(sn.l1_table_offset, u64::from(sn.l1_size))
+            .await?;
+        self.persist(&t).await
+    }
+}
