@@ -82,7 +82,7 @@ pub enum ServeError {
         /// Its file.
         path: String,
         /// Why.
-        source: EngineError,
+        source: Box<EngineError>,
     },
     /// An `--export` bitmap cannot be exported.
     #[error("--export name={name}: {reason}")]
@@ -98,7 +98,7 @@ pub enum ServeError {
         /// The export.
         name: String,
         /// Why.
-        source: EngineError,
+        source: Box<EngineError>,
     },
     /// The `-s` overlay could not be created.
     #[error(transparent)]

@@ -17,11 +17,13 @@ pub struct ServeArgs {
     pub image: Option<PathBuf>,
 
     /// Export an image under a name, instead of the positional IMAGE (repeatable, up to
-    /// 64): `name=NAME,file=PATH[,readonly=on|off][,format=qcow2|raw][,description=TEXT]
-    /// [,bitmap=B]...` (`,,` is a comma in a value). Each export has its own image and
-    /// caches; the other options apply to every export. Clients select one by name and
-    /// list them all with their descriptions (none unless given, as in QEMU). The
-    /// single-image options -x, -D, -r, -f, -B, -s and -l are keys here or not available.
+    /// 64):
+    /// `name=NAME,file=PATH[,readonly=on|off][,format=qcow2|raw][,description=TEXT][,bitmap=B]...`
+    /// (`,,` is a comma in a value; unknown or repeated keys are refused, only bitmap
+    /// repeats). Each export has its own image and caches; the other options apply to
+    /// every export. Clients select one by name and list them all with their descriptions
+    /// (none unless given, as in QEMU). The single-image options -x, -D, -r, -f, -B, -s
+    /// and -l are keys here or not available.
     #[arg(
         long = "export",
         value_name = "SPEC",

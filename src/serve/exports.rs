@@ -116,7 +116,7 @@ impl ImageSpec {
         ServeError::ExportOpen {
             name: self.name.clone(),
             path: self.path.display().to_string(),
-            source,
+            source: Box::new(source),
         }
     }
 
@@ -137,7 +137,7 @@ impl ImageSpec {
         }
         ServeError::ExportClose {
             name: self.name.clone(),
-            source,
+            source: Box::new(source),
         }
     }
 }
