@@ -62,7 +62,7 @@ enum Command {
     /// Calculate the file size a new image needs, like `qemu-img measure`.
     Measure(measure::MeasureArgs),
     /// Export an image over NBD, like `qemu-nbd`.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Change an image's persistent dirty bitmaps, like `qemu-img bitmap`.
     Bitmap(bitmap::BitmapArgs),
     /// Change an image's virtual size, like `qemu-img resize`.

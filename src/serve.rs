@@ -1,20 +1,25 @@
-//! `qcow2-nbd serve IMAGE`: export an image over NBD with qemu-nbd's options.
+//! `qcow2-nbd serve IMAGE`: export an image over NBD with qemu-nbd's options; or
+//! `serve --export name=...,file=... ...`: several images, each its own named export.
 //!
 //! The sequence: parse and check the flags, take any socket-activation sockets, `--fork` (while
 //! the process still has one thread), then on a current-thread runtime: install the signal
-//! handlers, open the image (or a `-s` overlay over it), bind the listeners, write the pid
-//! file and release a `--fork` parent, and serve until the last client leaves (without `-t`)
-//! or SIGINT/SIGTERM. Shutting down lets requests in flight finish, writes the caches back
-//! and closes the image cleanly (lazy-refcount dirty bit cleared), then exits 0.
+//! handlers, open the images (or a `-s` overlay over the one image), bind the listeners,
+//! write the pid file and release a `--fork` parent, and serve until the last client leaves
+//! (without `-t`) or SIGINT/SIGTERM. Shutting down lets requests in flight finish, writes
+//! the caches back and closes every image cleanly (lazy-refcount dirty bit cleared), then
+//! exits 0.
 //!
-//! Files: `args` (the command line), `listen` (sockets), `daemon` (`--fork`, `--pid-file`),
-//! `overlay` (`-s`), `cleaner` (`--cache-clean-interval`), `signals`; the NBD export over the
-//! engine is `crate::export`.
+//! Files: `args` (the command line), `export_spec` (one `--export` definition), `exports`
+//! (the images served: opened all or none, closed all), `listen` (sockets), `daemon`
+//! (`--fork`, `--pid-file`), `overlay` (`-s`), `cleaner` (`--cache-clean-interval`),
+//! `signals`; the NBD export over the engine is `crate::export`.
 
 mod args;
 mod banner;
 mod cleaner;
 mod daemon;
+mod export_spec;
+mod exports;
 mod listen;
 mod overlay;
 mod signals;
@@ -27,8 +32,8 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use nbd::{ExportEntry, Server, ServerConfig};
-use qcow2::engine::{CacheOptions, EngineError, Format, Image, OpenOptions};
-use storage::{AnyStorage, FileOpener};
+use qcow2::engine::{CacheOptions, EngineError, OpenOptions};
+use storage::FileOpener;
 
 pub use args::{CacheMode, ServeArgs};
 
@@ -55,6 +60,46 @@ pub enum ServeError {
     /// The image could not be opened.
     #[error(transparent)]
     Open(EngineError),
+    /// Neither an image nor an `--export` was given.
+    #[error("nothing to serve: give an IMAGE or --export definitions")]
+    NoImage,
+    /// More `--export` definitions than the server takes.
+    #[error("{given} --export definitions given; one server offers at most {max}")]
+    TooManyExports {
+        /// Definitions given.
+        given: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// Two `--export` definitions share a name.
+    #[error("--export name={0}: the name is given to another --export too")]
+    DuplicateExport(String),
+    /// An `--export` image could not be opened.
+    #[error("--export name={name}: cannot open {path}: {source}")]
+    ExportOpen {
+        /// The export.
+        name: String,
+        /// Its file.
+        path: String,
+        /// Why.
+        source: Box<EngineError>,
+    },
+    /// An `--export` bitmap cannot be exported.
+    #[error("--export name={name}: {reason}")]
+    ExportBitmap {
+        /// The export.
+        name: String,
+        /// Why.
+        reason: String,
+    },
+    /// Closing an `--export` image failed: writes may not have reached the disk.
+    #[error("--export name={name}: closing the image failed: {source}")]
+    ExportClose {
+        /// The export.
+        name: String,
+        /// Why.
+        source: Box<EngineError>,
+    },
     /// The `-s` overlay could not be created.
     #[error(transparent)]
     Overlay(#[from] overlay::OverlayError),
@@ -97,6 +142,9 @@ pub fn run(args: &ServeArgs) -> ExitCode {
 /// Everything the flags decide, checked.
 struct Plan {
     opener: FileOpener,
+    /// The images to serve.
+    images: Vec<exports::ImageSpec>,
+    /// What every image is opened with (each adds its read-only flag and format).
     open: OpenOptions,
     policy: ExportPolicy,
     config: ServerConfig,
@@ -129,16 +177,16 @@ impl Plan {
         // Credentials are loaded first, so a mistake in them is reported before the image
         // is opened or the server forks.
         let tls = tls::tls_server(&args.tls_flags())?;
+        let images = exports::image_specs(args, snapshot.is_some())?;
         let direct = cache_mode.direct();
         let open = OpenOptions {
-            // An internal snapshot is exported read-only, as qemu-nbd does.
-            read_only: args.read_only || snapshot.is_some(),
-            format: args.format.map(Format::from),
+            read_only: false,
+            format: None,
             cache: CacheOptions {
                 l2_cache_size: args.l2_cache_size,
                 l2_cache_entry_size: args.l2_cache_entry_size,
                 refcount_cache_size: args.refcount_cache_size,
-                cache_size: args.cache_size,
+                cache_size: cache_share(args.cache_size, images.len()),
                 cache_clean_interval: args.cache_clean_interval,
             },
             no_backing: false,
@@ -174,6 +222,7 @@ impl Plan {
                 direct,
                 locking: crate::engine_run::locking(),
             },
+            images,
             open,
             policy,
             config,
@@ -187,6 +236,13 @@ impl Plan {
             threads: args.threads,
         })
     }
+}
+
+/// Each image's share of the `--cache-size` budget: equal parts, so the caches of all the
+/// images together stay within it (QEMU's per-image minimums aside). One image gets it all.
+fn cache_share(budget: Option<u64>, images: usize) -> Option<u64> {
+    let images = u64::try_from(images.max(1)).unwrap_or(u64::MAX);
+    budget.map(|b| b / images)
 }
 
 /// Logs go to stderr: warnings and errors only unless `-v` or `RUST_LOG` asks for more.
@@ -226,45 +282,27 @@ fn serve(args: &ServeArgs) -> Result<(), ServeError> {
 
 async fn serve_on_runtime(
     args: &ServeArgs,
-    plan: Plan,
+    mut plan: Plan,
     activated: Vec<nbd::systemd::ActivatedSocket>,
     readiness: Option<daemon::Readiness>,
 ) -> Result<(), ServeError> {
     let signals = signals::ShutdownSignals::install().map_err(ServeError::Runtime)?;
-    let overlay = if args.snapshot {
-        let o = overlay::create(&plan.opener, &args.image, plan.open.format, &plan.open).await?;
-        tracing::info!(overlay = %o.path().display(), "writes go to a temporary overlay");
-        Some(o)
-    } else {
-        None
+    let mut specs = std::mem::take(&mut plan.images);
+    let overlay = match (args.snapshot, specs.first_mut()) {
+        (true, Some(spec)) => {
+            let open = spec.open_options(&plan.open);
+            let o = overlay::create(&plan.opener, &spec.path, spec.format, &open).await?;
+            tracing::info!(overlay = %o.path().display(), "writes go to a temporary overlay");
+            spec.overlay = Some(o.path());
+            Some(o)
+        }
+        _ => None,
     };
-    let (path, open) = match &overlay {
-        Some(o) => (
-            o.path(),
-            OpenOptions {
-                format: Some(Format::Qcow2),
-                ..plan.open.clone()
-            },
-        ),
-        None => (args.image.clone(), plan.open.clone()),
-    };
-    let image: Image<AnyStorage> = Image::open(&plan.opener, &path, &open)
-        .await
-        .map_err(ServeError::Open)?;
-    let facts = image.facts();
-    tracing::info!(
-        image = %args.image.display(),
-        size = facts.size,
-        cluster_size = facts.cluster_size,
-        layers = facts.chain.len(),
-        read_only = facts.read_only,
-        cache = ?image.cache_sizes(),
-        "image open"
-    );
-    // Whatever happens from here on, the image is closed: a writable image's bitmaps are
+    let images = exports::open_all(&plan.opener, specs, &plan.open).await?;
+    // Whatever happens from here on, the images are closed: a writable image's bitmaps are
     // marked in use until a clean close stores them.
-    let served = serve_image(args, plan, activated, readiness, &image, signals).await;
-    let closed = image.close().await;
+    let served = serve_images(args, plan, activated, readiness, &images, signals).await;
+    let closed = exports::close_all(images).await;
     let pid_file = match served {
         Ok((report, pid_file)) => {
             tracing::info!(?report, "server stopped");
@@ -273,7 +311,7 @@ async fn serve_on_runtime(
         Err(e) => {
             tracing::debug!(error = %e, "server failed");
             if let Err(c) = &closed {
-                tracing::error!(error = %c, "closing the image failed too");
+                tracing::error!(error = %c, "closing the images failed too");
             }
             drop(overlay);
             return Err(e);
@@ -281,7 +319,7 @@ async fn serve_on_runtime(
     };
     drop(pid_file);
     drop(overlay);
-    closed.map_err(ServeError::Close)
+    closed
 }
 
 /// What the banner says about TLS.
@@ -296,31 +334,45 @@ fn tls_hint(tls: &nbd::tls::TlsServer) -> String {
     format!("TLS required ({kind}{authz})")
 }
 
-/// Serves the open image until a signal (or `-t`'s lifetime) ends it; returns the server's
-/// report and the pid file, which goes once the image is closed.
-async fn serve_image(
+/// The NBD export of each open image, with its bitmaps.
+async fn export_entries(
+    images: &[exports::OpenImage],
+    policy: ExportPolicy,
+) -> Result<Vec<ExportEntry<ImageExport>>, ServeError> {
+    let mut entries = Vec::with_capacity(images.len());
+    for open in images {
+        let spec = &open.spec;
+        let bitmaps = crate::export::exported_bitmaps(&open.image, &spec.bitmaps)
+            .await
+            .map_err(|reason| spec.bitmap_error(reason))?;
+        let export = Rc::new(ImageExport::new(open.image.clone(), policy).with_bitmaps(bitmaps));
+        entries.push(
+            ExportEntry::new(spec.name.clone(), export).with_description(spec.description.clone()),
+        );
+    }
+    Ok(entries)
+}
+
+/// Serves the open images until a signal (or `-t`'s lifetime) ends it; returns the server's
+/// report and the pid file, which goes once the images are closed.
+async fn serve_images(
     args: &ServeArgs,
     plan: Plan,
     activated: Vec<nbd::systemd::ActivatedSocket>,
     readiness: Option<daemon::Readiness>,
-    image: &Image<AnyStorage>,
+    images: &[exports::OpenImage],
     signals: signals::ShutdownSignals,
 ) -> Result<(nbd::ServeReport, Option<daemon::PidFile>), ServeError> {
-    let facts = image.facts();
-    let bitmaps = crate::export::exported_bitmaps(image, &args.bitmaps)
-        .await
-        .map_err(ServeError::Bitmap)?;
-    let export = Rc::new(ImageExport::new(image.clone(), plan.policy).with_bitmaps(bitmaps));
-    let entry = ExportEntry::new(args.export_name.clone(), export)
-        .with_description(args.description.clone());
+    let entries = export_entries(images, plan.policy).await?;
     let tls = plan.tls.as_ref().map(tls_hint);
-    let mut server = Server::new(vec![entry], plan.config)?.with_threads(plan.threads);
+    let mut server = Server::new(entries, plan.config)?.with_threads(plan.threads);
     if let Some(creds) = plan.tls {
         server = server.with_tls(creds);
     }
     let listeners = listen::bind(activated, plan.explicit_endpoint, &plan.endpoint).await?;
-    for (_, name) in &listeners {
-        tracing::info!(on = %name, export = %args.export_name, "listening");
+    let names: Vec<&str> = images.iter().map(|i| i.spec.name.as_str()).collect();
+    for (_, on) in &listeners {
+        tracing::info!(on = %on, exports = ?names, "listening");
     }
     let pid_file = args
         .pid_file
@@ -333,28 +385,61 @@ async fn serve_image(
         })
         .transpose()?;
     if readiness.is_none() {
-        let names: Vec<String> = listeners.iter().map(|(_, n)| n.clone()).collect();
-        banner::print(&banner::Banner {
-            image: &args.image,
-            size: facts.size,
-            export: &args.export_name,
-            listeners: &names,
-            read_only: facts.read_only,
-            tls: tls.as_deref(),
-        });
+        print_banner(images, &listeners, tls.as_deref());
     }
     if let Some(r) = readiness {
         r.notify(args.verbose > 0).map_err(ServeError::Fork)?;
     }
-    let cleaner = cleaner::Cleaner::start(image.clone(), image.cache_sizes().clean_interval_secs);
+    let cleaners: Vec<cleaner::Cleaner> = images
+        .iter()
+        .filter_map(|i| {
+            cleaner::Cleaner::start(i.image.clone(), i.image.cache_sizes().clean_interval_secs)
+        })
+        .collect();
     let served = server
         .serve(
             listeners.into_iter().map(|(l, _)| l).collect(),
             signals.watch(),
         )
         .await;
-    if let Some(c) = cleaner {
+    for c in cleaners {
         c.stop().await;
     }
     Ok((served?, pid_file))
+}
+
+fn print_banner(
+    images: &[exports::OpenImage],
+    listeners: &[(nbd::Listener, String)],
+    tls: Option<&str>,
+) {
+    let names: Vec<String> = listeners.iter().map(|(_, n)| n.clone()).collect();
+    let exports: Vec<banner::BannerExport<'_>> = images
+        .iter()
+        .map(|i| banner::BannerExport {
+            image: &i.spec.path,
+            size: i.image.facts().size,
+            name: &i.spec.name,
+            read_only: i.image.facts().read_only,
+        })
+        .collect();
+    banner::print(&banner::Banner {
+        exports: &exports,
+        listeners: &names,
+        tls,
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cache_share;
+
+    #[test]
+    fn the_cache_budget_is_split_equally() {
+        assert_eq!(cache_share(None, 3), None);
+        assert_eq!(cache_share(Some(16 << 20), 1), Some(16 << 20));
+        assert_eq!(cache_share(Some(16 << 20), 2), Some(8 << 20));
+        assert_eq!(cache_share(Some(10), 3), Some(3));
+        assert_eq!(cache_share(Some(10), 0), Some(10));
+    }
 }

@@ -12,8 +12,26 @@ use crate::size_string;
 /// Export an image over NBD, like `qemu-nbd`.
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
-    /// Image to export (qcow2, or raw with `-f raw`).
-    pub image: PathBuf,
+    /// Image to export (qcow2, or raw with `-f raw`); or give `--export` instead.
+    #[arg(required_unless_present = "exports")]
+    pub image: Option<PathBuf>,
+
+    /// Export an image under a name, instead of the positional IMAGE (repeatable, up to
+    /// 64):
+    /// `name=NAME,file=PATH[,readonly=on|off][,format=qcow2|raw][,description=TEXT][,bitmap=B]...`
+    /// (`,,` is a comma in a value; unknown or repeated keys are refused, only bitmap
+    /// repeats). Each export has its own image and caches; the other options apply to
+    /// every export. Clients select one by name and list them all with their descriptions
+    /// (none unless given, as in QEMU). The single-image options -x, -D, -r, -f, -B, -s
+    /// and -l are keys here or not available.
+    #[arg(
+        long = "export",
+        value_name = "SPEC",
+        value_parser = super::export_spec::parse_export_spec,
+        conflicts_with_all = ["image", "export_name", "description", "read_only", "format",
+                              "bitmaps", "snapshot", "load_snapshot"]
+    )]
+    pub exports: Vec<super::export_spec::ExportSpec>,
 
     /// Listen on this Unix socket instead of TCP.
     #[arg(short = 'k', long = "socket", value_name = "PATH", conflicts_with_all = ["port", "bind"])]
@@ -196,7 +214,9 @@ pub struct ServeArgs {
     #[arg(long = "refcount-cache-size", value_name = "SIZE", value_parser = parse_size)]
     pub refcount_cache_size: Option<u64>,
 
-    /// Maximum size of both metadata caches together.
+    /// Maximum size of both metadata caches together. With several --export, the budget
+    /// of all their caches together, split equally (each image gets SIZE / number of
+    /// exports as its own cache-size, never below QEMU's per-image minimum).
     #[arg(long = "cache-size", value_name = "SIZE", value_parser = parse_size)]
     pub cache_size: Option<u64>,
 
@@ -414,7 +434,7 @@ mod tests {
     #[test]
     fn defaults_are_qemu_nbds() {
         let a = parse(&["disk.qcow2"]).unwrap();
-        assert_eq!(a.image, PathBuf::from("disk.qcow2"));
+        assert_eq!(a.image, Some(PathBuf::from("disk.qcow2")));
         assert_eq!((a.port, a.bind.as_deref(), a.socket), (None, None, None));
         assert_eq!(
             (a.export_name.as_str(), a.shared, a.persistent),
@@ -495,6 +515,42 @@ mod tests {
         ] {
             assert!(parse(bad).is_err(), "{bad:?} accepted");
         }
+    }
+
+    #[test]
+    fn exports_replace_the_positional_image_and_its_options() {
+        let a = parse(&[
+            "--export",
+            "name=a,file=a.qcow2",
+            "--export=name=b,file=b.raw,format=raw,readonly=on",
+        ])
+        .unwrap();
+        assert_eq!(a.image, None);
+        let names: Vec<&str> = a.exports.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(names, ["a", "b"]);
+        assert!(a.exports[1].read_only && a.exports[1].format == Some(FormatArg::Raw));
+        for mixed in [
+            &["img"][..],
+            &["-x", "a"],
+            &["-D", "text"],
+            &["-r"],
+            &["-f", "raw"],
+            &["-B", "b"],
+            &["-s"],
+            &["-l", "snap"],
+        ] {
+            let mut args = vec!["--export", "name=a,file=f"];
+            args.extend_from_slice(mixed);
+            let err = parse(&args).unwrap_err().to_string();
+            assert!(err.contains("cannot be used with"), "{mixed:?}: {err}");
+        }
+        let err = parse(&["--export", "name=a,file=f,bogus=1"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("'name=a,file=f,bogus=1'") && err.contains("unknown key \"bogus\""),
+            "{err}"
+        );
     }
 
     #[test]

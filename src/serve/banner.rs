@@ -4,18 +4,24 @@
 use std::io::{IsTerminal, Write};
 use std::path::Path;
 
-/// What the banner describes.
-pub struct Banner<'a> {
+/// One export the banner describes.
+pub struct BannerExport<'a> {
     /// The image served.
     pub image: &'a Path,
     /// Its size in bytes.
     pub size: u64,
     /// The export name.
-    pub export: &'a str,
-    /// Where the server listens: `unix:PATH` or `tcp:ADDR` each.
-    pub listeners: &'a [String],
+    pub name: &'a str,
     /// Exported read-only.
     pub read_only: bool,
+}
+
+/// What the banner describes.
+pub struct Banner<'a> {
+    /// The exports, in the order given.
+    pub exports: &'a [BannerExport<'a>],
+    /// Where the server listens: `unix:PATH` or `tcp:ADDR` each.
+    pub listeners: &'a [String],
     /// What TLS clients need, if the server requires it.
     pub tls: Option<&'a str>,
 }
@@ -29,23 +35,20 @@ pub fn print(banner: &Banner<'_>) {
     let _ = write!(err, "{}", text(banner));
 }
 
-/// The hints themselves (separate so tests can read them).
+/// The hints themselves (separate so tests can read them): what is served, then how to
+/// reach each export on each listener.
 pub fn text(banner: &Banner<'_>) -> String {
-    let Banner {
-        image,
-        size,
-        export,
-        listeners,
-        read_only,
-        tls,
-    } = *banner;
-    let mut out = format!(
-        "qcow2-nbd: serving {} ({}{}) as export {export:?}; Ctrl-C stops it.\n",
-        image.display(),
-        human(size),
-        if read_only { ", read-only" } else { "" }
-    );
-    if let Some(tls) = tls {
+    let mut out = String::new();
+    for e in banner.exports {
+        out.push_str(&format!(
+            "qcow2-nbd: serving {} ({}{}) as export {:?}; Ctrl-C stops it.\n",
+            e.image.display(),
+            human(e.size),
+            if e.read_only { ", read-only" } else { "" },
+            e.name
+        ));
+    }
+    if let Some(tls) = banner.tls {
         // The hints would need the client's own credentials; say what clients need instead.
         out.push_str(&format!(
             "  {tls}: connect with nbds:// URIs and tls-certificates= or tls-psk-file=, or \
@@ -53,36 +56,42 @@ pub fn text(banner: &Banner<'_>) -> String {
         ));
         return out;
     }
-    let name_opt = if export.is_empty() {
-        String::new()
-    } else {
-        format!(" -N {export}")
-    };
-    let ro = if read_only { "-r " } else { "" };
-    for l in listeners {
-        let (uri, nbd_client) = if let Some(path) = l.strip_prefix("unix:") {
-            (
-                format!("nbd+unix:///{export}?socket={path}"),
-                format!("nbd-client{name_opt} -u {path} /dev/nbd0"),
-            )
-        } else if let Some(addr) = l.strip_prefix("tcp:") {
-            let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "10809"));
-            let host = match host {
-                "0.0.0.0" | "[::]" => "localhost",
-                h => h,
-            };
-            (
-                format!("nbd://{host}:{port}/{export}"),
-                format!("nbd-client {host} {port} /dev/nbd0{name_opt}"),
-            )
-        } else {
-            continue;
-        };
-        out.push_str(&format!(
-            "  qemu-io {ro}-f raw -c 'read -v 0 512' '{uri}'\n  nbdinfo '{uri}'\n  {nbd_client}\n"
-        ));
+    for e in banner.exports {
+        for l in banner.listeners {
+            out.push_str(&hints(e, l));
+        }
     }
     out
+}
+
+/// How to reach one export on one listener with the usual clients.
+fn hints(export: &BannerExport<'_>, listener: &str) -> String {
+    let name = export.name;
+    let name_opt = if name.is_empty() {
+        String::new()
+    } else {
+        format!(" -N {name}")
+    };
+    let ro = if export.read_only { "-r " } else { "" };
+    let (uri, nbd_client) = if let Some(path) = listener.strip_prefix("unix:") {
+        (
+            format!("nbd+unix:///{name}?socket={path}"),
+            format!("nbd-client{name_opt} -u {path} /dev/nbd0"),
+        )
+    } else if let Some(addr) = listener.strip_prefix("tcp:") {
+        let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "10809"));
+        let host = match host {
+            "0.0.0.0" | "[::]" => "localhost",
+            h => h,
+        };
+        (
+            format!("nbd://{host}:{port}/{name}"),
+            format!("nbd-client {host} {port} /dev/nbd0{name_opt}"),
+        )
+    } else {
+        return String::new();
+    };
+    format!("  qemu-io {ro}-f raw -c 'read -v 0 512' '{uri}'\n  nbdinfo '{uri}'\n  {nbd_client}\n")
 }
 
 fn human(bytes: u64) -> String {
@@ -100,33 +109,37 @@ fn human(bytes: u64) -> String {
 mod tests {
     use super::*;
 
+    fn one(export: &BannerExport<'_>, listeners: &[String], tls: Option<&str>) -> String {
+        text(&Banner {
+            exports: std::slice::from_ref(export),
+            listeners,
+            tls,
+        })
+    }
+
     #[test]
     fn unix_and_tcp_hints_name_the_export_and_its_address() {
         let listeners = ["unix:/tmp/demo.sock".into(), "tcp:0.0.0.0:10809".into()];
-        let mut b = Banner {
+        let demo = BannerExport {
             image: Path::new("demo.qcow2"),
             size: 1 << 30,
-            export: "",
-            listeners: &listeners,
+            name: "",
             read_only: false,
-            tls: None,
         };
-        let t = text(&b);
+        let t = one(&demo, &listeners, None);
         assert!(t.contains("demo.qcow2 (1 GiB)"), "{t}");
         assert!(t.contains("'nbd+unix:///?socket=/tmp/demo.sock'"), "{t}");
         assert!(t.contains("nbd-client -u /tmp/demo.sock /dev/nbd0"), "{t}");
         assert!(t.contains("nbdinfo 'nbd://localhost:10809/'"), "{t}");
         assert!(t.contains("nbd-client localhost 10809 /dev/nbd0"), "{t}");
         let unix = ["unix:/s".into()];
-        b = Banner {
+        let disk = BannerExport {
             image: Path::new("d"),
             size: 1536,
-            export: "disk",
-            listeners: &unix,
+            name: "disk",
             read_only: true,
-            tls: None,
         };
-        let named = text(&b);
+        let named = one(&disk, &unix, None);
         assert!(named.contains("(1536 B, read-only)"), "{named}");
         assert!(named.contains("qemu-io -r -f raw"), "{named}");
         assert!(named.contains("nbd+unix:///disk?socket=/s"), "{named}");
@@ -135,18 +148,48 @@ mod tests {
             "{named}"
         );
         let tcp = ["tcp:[::]:10809".into()];
-        b = Banner {
-            export: "",
-            listeners: &tcp,
-            read_only: false,
-            tls: Some("TLS required (pre-shared keys)"),
-            ..b
-        };
-        let tls = text(&b);
+        let tls = one(&demo, &tcp, Some("TLS required (pre-shared keys)"));
         assert!(
             tls.contains("TLS required (pre-shared keys): connect with nbds://"),
             "{tls}"
         );
         assert!(!tls.contains("nbd://"), "{tls}");
+    }
+
+    #[test]
+    fn every_export_gets_its_line_and_hints() {
+        let exports = [
+            BannerExport {
+                image: Path::new("a.qcow2"),
+                size: 1 << 20,
+                name: "a",
+                read_only: false,
+            },
+            BannerExport {
+                image: Path::new("b.raw"),
+                size: 1 << 20,
+                name: "b",
+                read_only: true,
+            },
+        ];
+        let unix = ["unix:/s".into()];
+        let t = text(&Banner {
+            exports: &exports,
+            listeners: &unix,
+            tls: None,
+        });
+        assert!(t.contains("serving a.qcow2 (1 MiB) as export \"a\""), "{t}");
+        assert!(
+            t.contains("serving b.raw (1 MiB, read-only) as export \"b\""),
+            "{t}"
+        );
+        assert!(
+            t.contains("qemu-io -f raw -c 'read -v 0 512' 'nbd+unix:///a?socket=/s'"),
+            "{t}"
+        );
+        assert!(
+            t.contains("qemu-io -r -f raw -c 'read -v 0 512' 'nbd+unix:///b?socket=/s'"),
+            "{t}"
+        );
     }
 }
