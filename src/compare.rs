@@ -9,7 +9,6 @@
 //! in flight; results are taken in guest order, so the first difference (or error) reported is
 //! the one qemu-img's sequential walk reports.
 
-use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -23,6 +22,7 @@ use tokio::task::JoinHandle;
 
 use crate::convert::is_zero;
 use crate::engine_run::{self, OpenError};
+use crate::inflight::BufferPool;
 use crate::progress::Progress;
 
 /// How much of the disk one block-status query covers: bounds the extent lists' memory.
@@ -176,7 +176,7 @@ struct Images {
     names: [String; 2],
     /// A fresh multi-MiB buffer per chunk costs more in page faults and zeroing than the
     /// comparison itself.
-    buffers: RefCell<Vec<IoBuf>>,
+    buffers: BufferPool,
 }
 
 impl Images {
@@ -194,32 +194,16 @@ impl Images {
         }
     }
 
-    /// A buffer of `len` bytes (contents unspecified), from the pool when one is free.
-    fn buffer(&self, len: usize) -> IoBuf {
-        match self.buffers.borrow_mut().pop() {
-            Some(mut b) => {
-                if b.len() < len {
-                    b.resize(len);
-                } else {
-                    b.truncate(len);
-                }
-                b
-            }
-            None => IoBuf::zeroed(len),
-        }
-    }
-
-    fn give_back(&self, buf: IoBuf) {
-        self.buffers.borrow_mut().push(buf);
-    }
-
     /// Reads `len` guest bytes of one side at `offset`.
     async fn read(&self, side: Side, offset: u64, len: usize) -> Result<IoBuf, CompareError> {
-        let (res, buf) = self.image(side).read_into(offset, self.buffer(len)).await;
+        let (res, buf) = self
+            .image(side)
+            .read_into(offset, self.buffers.take(len))
+            .await;
         match res {
             Ok(()) => Ok(buf),
             Err(e) => {
-                self.give_back(buf);
+                self.buffers.give(buf);
                 Err(CompareError::Read {
                     file: self.name(side).to_string(),
                     offset,
@@ -242,8 +226,8 @@ impl Images {
                 .position(|(x, y)| x != y)
                 .unwrap_or(0)
         });
-        self.give_back(a);
-        self.give_back(b);
+        self.buffers.give(a);
+        self.buffers.give(b);
         match differs {
             None => Ok(()),
             Some(sector) => Err(mismatch(offset + (sector * SECTOR) as u64)),
@@ -254,7 +238,7 @@ impl Images {
     async fn zeros_chunk(self: Rc<Self>, side: Side, offset: u64, len: usize) -> Result<(), Stop> {
         let buf = self.read(side, offset, len).await?;
         let nonzero = buf.chunks(SECTOR).position(|s| !is_zero(s));
-        self.give_back(buf);
+        self.buffers.give(buf);
         match nonzero {
             None => Ok(()),
             Some(sector) => Err(mismatch(offset + (sector * SECTOR) as u64)),
@@ -503,7 +487,7 @@ async fn compare(args: &CompareArgs) -> Result<Option<String>, CompareError> {
             args.first.display().to_string(),
             args.second.display().to_string(),
         ],
-        buffers: RefCell::new(Vec::new()),
+        buffers: BufferPool::default(),
     });
     let mut pipe = Pipeline {
         tasks: VecDeque::new(),

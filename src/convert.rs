@@ -7,7 +7,7 @@
 //! where nothing was written. Data goes in large requests, several in flight, each aligned
 //! to the target's cluster so that zero detection and `-c` work on whole clusters.
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::rc::Rc;
@@ -22,6 +22,7 @@ use tokio::task::JoinSet;
 
 use crate::create::{self, option_table, CreateError};
 use crate::engine_run::{self, OpenError};
+use crate::inflight::BufferPool;
 use crate::options::{self, OptionsError, Parsed};
 use crate::progress::{self, Progress};
 
@@ -192,7 +193,7 @@ struct Job {
     turn_changed: Notify,
     /// Request buffers for reuse: a fresh multi-MiB buffer per request costs more in page
     /// faults and zeroing than the copy itself.
-    buffers: RefCell<Vec<IoBuf>>,
+    buffers: BufferPool,
     progress: Rc<Progress<std::io::Stderr>>,
 }
 
@@ -200,11 +201,14 @@ impl Job {
     /// Copies `[off, off + len)` (request number `seq`), skipping grains that read as zeros.
     async fn copy(self: Rc<Self>, seq: u64, off: u64, len: u64) -> Result<(), EngineError> {
         // len <= REQUEST_BYTES (or one grain), which fits in memory by construction.
-        let (read, buf) = self.src.read_into(off, self.buffer(len as usize)).await;
+        let (read, buf) = self
+            .src
+            .read_into(off, self.buffers.take(len as usize))
+            .await;
         let prepared = match read {
             Ok(()) => self.prepare(off, buf).await,
             Err(e) => {
-                self.buffers.borrow_mut().push(buf);
+                self.buffers.give(buf);
                 Err(e)
             }
         };
@@ -251,23 +255,8 @@ impl Job {
             return Ok(Prepared::Data(buf));
         };
         let packed = self.pack(compressor, off, &buf).await;
-        self.buffers.borrow_mut().push(buf);
+        self.buffers.give(buf);
         Ok(Prepared::Packed(packed?))
-    }
-
-    /// A buffer of `len` bytes (contents unspecified), from the pool when one is free.
-    fn buffer(&self, len: usize) -> IoBuf {
-        match self.buffers.borrow_mut().pop() {
-            Some(mut b) => {
-                if b.len() < len {
-                    b.resize(len);
-                } else {
-                    b.truncate(len);
-                }
-                b
-            }
-            None => IoBuf::zeroed(len),
-        }
     }
 
     /// Starts writing the non-zero grains of `buf` (read at `off`), one task per run of
@@ -283,7 +272,7 @@ impl Job {
             let job = Rc::clone(self);
             writes.push(tokio::task::spawn_local(async move {
                 let (res, buf) = job.dst.write(off, buf, false).await;
-                job.buffers.borrow_mut().push(buf);
+                job.buffers.give(buf);
                 res
             }));
             self.let_it_allocate().await;
@@ -308,7 +297,7 @@ impl Job {
             self.let_it_allocate().await;
             i = j;
         }
-        self.buffers.borrow_mut().push(buf);
+        self.buffers.give(buf);
         writes
     }
 
@@ -476,7 +465,7 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
         ordered: target_format == Format::Qcow2 && !args.unordered,
         turn: Cell::new(0),
         turn_changed: Notify::new(),
-        buffers: RefCell::new(Vec::new()),
+        buffers: BufferPool::default(),
         progress: progress.clone(),
     });
     copy_all(job, copy_len, usize::from(args.parallel)).await?;

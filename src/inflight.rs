@@ -1,5 +1,6 @@
-//! What `commit` and `rebase` share to copy with several requests in flight: a bounded set of
-//! request tasks where the first failure stops the rest, and a pool of request buffers.
+//! What the copying tools share: for `commit` and `rebase`, a bounded set of request tasks
+//! where the first failure stops the rest; for them, `convert` and `compare`, a pool of
+//! request buffers.
 
 use std::cell::RefCell;
 use std::future::Future;

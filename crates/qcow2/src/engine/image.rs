@@ -196,6 +196,20 @@ impl<S: Storage + 'static> Inner<S> {
         }
     }
 
+    /// Makes the L2 cache write back only after the refcount cache: the refcounts of clusters
+    /// just allocated reach disk before any L2 entry that points to them.
+    pub(crate) async fn refcounts_before_l2(&self) -> Result<()> {
+        let w = self.alloc()?;
+        self.chain
+            .l2
+            .set_dependency(w.refcounts_flush())
+            .await
+            .map_err(|source| EngineError::Cache {
+                image: self.chain.top().name.clone(),
+                source,
+            })
+    }
+
     /// Refuses writes to a read-only image or one found corrupt.
     pub(crate) fn check_writable(&self) -> Result<()> {
         if self.read_only {

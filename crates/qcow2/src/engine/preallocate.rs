@@ -109,14 +109,7 @@ impl<S: Storage + 'static> Inner<S> {
                 .map_err(|e| top.io_error("extending the file", end, e))?;
         }
         w.physical_len.set(w.physical_len.get().max(end));
-        self.chain
-            .l2
-            .set_dependency(w.refcounts_flush())
-            .await
-            .map_err(|source| EngineError::Cache {
-                image: top.name.clone(),
-                source,
-            })?;
+        self.refcounts_before_l2().await?;
         for i in 0..n {
             w.set_l2_entry(first + i * cs, l2::owned_word(host + i * cs), 0)
                 .await?;

@@ -183,14 +183,7 @@ impl<S: Storage + 'static> Inner<S> {
                 source,
             }
         })?);
-        self.chain
-            .l2
-            .set_dependency(w.refcounts_flush())
-            .await
-            .map_err(|source| EngineError::Cache {
-                image: top.name.clone(),
-                source,
-            })?;
+        self.refcounts_before_l2().await?;
         self.chain.l2.set_flush_before_writeback();
         if w.lazy_refcounts.get() {
             w.mark_dirty().await?;

@@ -7,7 +7,7 @@
 //! exposes them (`set_flush_before_writeback`, and the L2 cache's dependency on the
 //! refcount cache); the header still says version 3 until all of it is flushed.
 
-use crate::engine::error::{EngineError, Result};
+use crate::engine::error::Result;
 use crate::engine::image::Inner;
 use crate::format::{l1, l2, GuestOffset, HostOffset};
 use storage::Storage;
@@ -129,14 +129,7 @@ impl<S: Storage + 'static> Inner<S> {
             w.alloc_clusters(1).await?.0
         };
         self.zero_host(new, cs).await?;
-        self.chain
-            .l2
-            .set_dependency(w.refcounts_flush())
-            .await
-            .map_err(|source| EngineError::Cache {
-                image: top.name.clone(),
-                source,
-            })?;
+        self.refcounts_before_l2().await?;
         w.set_l2_entry(cluster, l2::owned_word(new), 0).await?;
         if host != 0 {
             let _g = w.meta_lock.lock().await;

@@ -175,14 +175,7 @@ impl<S: Storage + 'static> Inner<S> {
         if w.lazy_refcounts.get() {
             w.mark_dirty().await?;
         } else if allocated {
-            self.chain
-                .l2
-                .set_dependency(w.refcounts_flush())
-                .await
-                .map_err(|source| EngineError::Cache {
-                    image: self.chain.top().name.clone(),
-                    source,
-                })?;
+            self.refcounts_before_l2().await?;
         }
         self.chain.l2.set_flush_before_writeback();
         Ok(())
