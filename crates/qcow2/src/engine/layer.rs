@@ -68,6 +68,15 @@ impl<S: Storage + 'static> Layer<S> {
         }
     }
 
+    /// The qcow2 state, for operations that exist only for qcow2: a raw layer is refused with
+    /// an error rather than trusted never to get there.
+    pub(crate) fn qcow2_required(&self) -> Result<&Qcow2Meta<S>> {
+        self.qcow2().ok_or_else(|| EngineError::Unsupported {
+            image: self.name.clone(),
+            what: "this operation on a raw image".into(),
+        })
+    }
+
     /// Where this layer's guest data lives: the external data file, or the image file.
     pub fn data_storage(&self) -> &S {
         match &self.format {

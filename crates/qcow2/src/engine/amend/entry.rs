@@ -138,7 +138,10 @@ impl<S: Storage + 'static> Inner<S> {
         if opts.backing_file.is_none() && opts.backing_fmt.is_none() {
             return Ok(());
         }
-        let meta = self.chain.top().qcow2().expect("qcow2");
+        // A raw image has no backing file to name.
+        let Some(meta) = self.chain.top().qcow2() else {
+            return Err(AmendError::Backing);
+        };
         let h = meta.header.borrow();
         let current = |v: Option<&[u8]>| v.map(|b| String::from_utf8_lossy(b).into_owned());
         let same = opts.backing_file == current(h.backing_file.as_deref())
@@ -154,7 +157,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// clear (a dirty image was already repaired when it was opened read-write).
     async fn set_lazy_refcounts(&self, on: bool) -> Result<()> {
         let w = self.alloc()?;
-        let meta = self.chain.top().qcow2().expect("qcow2");
+        let meta = self.chain.top().qcow2_required()?;
         if !on {
             // No write may set the dirty bit again once it is cleared.
             w.lazy_refcounts.set(false);

@@ -23,7 +23,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// Whether any L2 table of an internal snapshot has a zero or a compressed cluster.
     pub(super) async fn scan_snapshot_tables(&self) -> Result<Scan> {
         let top = self.chain.top();
-        let meta = top.qcow2().expect("qcow2");
+        let meta = top.qcow2_required()?;
         let cs = meta.geom.cluster_size() as usize;
         let ext = meta.geom.extended_l2();
         let mut scan = Scan::default();
@@ -59,7 +59,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// Whether the active L2 tables hold a compressed cluster (one table at a time).
     pub(super) async fn active_has_compressed(&self) -> Result<bool> {
         let w = self.alloc()?;
-        let meta = self.chain.top().qcow2().expect("qcow2");
+        let meta = self.chain.top().qcow2_required()?;
         let per_table = meta.geom.l2_entries() * meta.geom.cluster_size();
         let l1_len = meta.l1.borrow().len() as u64;
         for l1i in (0..l1_len).filter(|&i| meta.l2_table(i).is_some()) {
@@ -77,7 +77,7 @@ impl<S: Storage + 'static> Inner<S> {
     pub(super) async fn expand_zero_clusters(&self) -> Result<()> {
         let w = self.alloc()?;
         let top = self.chain.top();
-        let meta = top.qcow2().expect("qcow2");
+        let meta = top.qcow2_required()?;
         let g = meta.geom;
         let cs = g.cluster_size();
         let backed = self.chain.layers.len() > 1;
@@ -113,7 +113,7 @@ impl<S: Storage + 'static> Inner<S> {
     async fn expand_one(&self, cluster: GuestOffset, word: u64, backed: bool) -> Result<()> {
         let w = self.alloc()?;
         let top = self.chain.top();
-        let cs = top.qcow2().expect("qcow2").geom.cluster_size();
+        let cs = top.qcow2_required()?.geom.cluster_size();
         let host = l2::host_of(word);
         let owned = word & l2::L2_COPIED != 0;
         if host != 0 && owned {

@@ -30,7 +30,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// The snapshot table of the writable layer.
     pub(super) async fn snapshots(&self) -> Result<Vec<SnapshotTableEntry>> {
         let top = self.chain.top();
-        let meta = top.qcow2().expect("qcow2");
+        let meta = top.qcow2_required()?;
         let h = meta.header.borrow().clone();
         if h.nb_snapshots == 0 {
             return Ok(Vec::new());
@@ -57,7 +57,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// is the size the disk will have by then.
     pub(super) async fn check_downgrade(&self, new_size: Option<u64>) -> Result<()> {
         let top = self.chain.top();
-        let meta = top.qcow2().expect("qcow2");
+        let meta = top.qcow2_required()?;
         let refuse = |e| Err(self.amend_error(e));
         if meta.geom.refcount_order() != 4 {
             return refuse(AmendError::DowngradeRefcountBits);
@@ -100,7 +100,7 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Writes a version 3 header (QEMU's upgrade: no feature bits yet).
     pub(super) async fn upgrade(&self) -> Result<()> {
-        let meta = self.chain.top().qcow2().expect("qcow2");
+        let meta = self.chain.top().qcow2_required()?;
         let mut h = meta.header.borrow().clone();
         h.version = 3;
         h.header_length = limits::MIN_V3_HEADER_LENGTH;
@@ -117,7 +117,7 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Turns zero clusters into data, clears the dirty bit, and writes a version 2 header.
     pub(super) async fn downgrade(&self) -> Result<()> {
-        let meta = self.chain.top().qcow2().expect("qcow2");
+        let meta = self.chain.top().qcow2_required()?;
         self.expand_zero_clusters().await?;
         let w = self.alloc()?;
         w.lazy_refcounts.set(false);
@@ -143,7 +143,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// Writes `h` over the first sectors of the file and makes it the header in memory.
     async fn write_header(&self, mut h: Header) -> Result<()> {
         let top = self.chain.top();
-        let meta = top.qcow2().expect("qcow2");
+        let meta = top.qcow2_required()?;
         let w = self.alloc()?;
         let cs = meta.geom.cluster_size();
         let fmt = |source| EngineError::Format {

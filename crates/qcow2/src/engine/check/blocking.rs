@@ -5,8 +5,7 @@
 
 use super::error::CheckError;
 use super::report::Finding;
-use super::run::{check_with, CheckOutcome, Repair};
-use super::side::CopiedWalk;
+use super::run::{check, CheckOutcome, Repair};
 use std::path::Path;
 use storage::{Aio, FileOpener, Locking, OpenOptions, Opener};
 
@@ -41,8 +40,6 @@ pub fn check_path(
             .open(path, opts)
             .await
             .map_err(|e| CheckError::io("opening the image", 0, e))?;
-        // A report-only check walks the COPIED flags on a second core meanwhile.
-        let copied = read_only.then(|| CopiedWalk::spawn(path)).flatten();
-        check_with(&file, repair, log, copied).await
+        check(&file, repair, log).await
     })
 }

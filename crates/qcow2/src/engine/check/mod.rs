@@ -17,9 +17,9 @@
 //!
 //! Files: `meta` (what is loaded), `pass` (state and helpers), `imrt` (computed refcounts),
 //! `snapshots`, `tables` (L1/L2), `bitmaps`, `calculate` (all references), `ondisk` (stored
-//! refcounts), `compare`, `copied` (and `side`, the same walk on another core), `rebuild`,
-//! `snapshot_fix`, `run` (the order of it all), `sections` (what the overlap check guards),
-//! `report`, `render` (qemu-img's output), `dirty`, `blocking` (for the CLI).
+//! refcounts), `compare`, `copied`, `rebuild`, `snapshot_fix`, `run` (the order of it all),
+//! `sections` (what the overlap check guards), `report`, `render` (qemu-img's output), `dirty`,
+//! `blocking` (for the CLI).
 
 mod bitmap_refs;
 mod bitmaps;
@@ -39,7 +39,6 @@ mod render;
 mod report;
 mod run;
 mod sections;
-mod side;
 mod snapshot_fix;
 mod snapshots;
 mod tables;

@@ -8,7 +8,6 @@ use super::io;
 use super::meta;
 use super::pass::{Fix, Pass};
 use super::report::{CheckReport, Finding, FindingKind};
-use super::side::CopiedWalk;
 use crate::format::features::{INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
 use storage::Storage;
 
@@ -70,18 +69,7 @@ pub async fn check<S: Storage>(
     repair: Repair,
     log: &mut dyn FnMut(Finding),
 ) -> Result<CheckOutcome, CheckError> {
-    check_with(file, repair, log, None).await
-}
-
-/// [`check`], with the first pass's COPIED walk already running on another core when
-/// `copied` is given (report-only checks; see `side`).
-pub(crate) async fn check_with<S: Storage>(
-    file: &S,
-    repair: Repair,
-    log: &mut dyn FnMut(Finding),
-    copied: Option<CopiedWalk>,
-) -> Result<CheckOutcome, CheckError> {
-    let first = check_pass_with(file, repair.fix(), log, copied).await?;
+    let first = check_pass(file, repair.fix(), log).await?;
     if first.corruptions_fixed == 0 && first.leaks_fixed == 0 {
         return Ok(CheckOutcome {
             report: first,
@@ -103,27 +91,18 @@ pub(crate) async fn check_pass<S: Storage>(
     fix: Fix,
     log: &mut dyn FnMut(Finding),
 ) -> Result<CheckReport, CheckError> {
-    check_pass_with(file, fix, log, None).await
-}
-
-async fn check_pass_with<S: Storage>(
-    file: &S,
-    fix: Fix,
-    log: &mut dyn FnMut(Finding),
-    copied: Option<CopiedWalk>,
-) -> Result<CheckReport, CheckError> {
     let file_len = file
         .len()
         .await
         .map_err(|e| CheckError::io("getting the file size", 0, e))?;
     let meta = meta::load(file, file_len).await?;
     let mut pass = Pass::new(file, meta, file_len, fix, log);
-    pass.run(copied).await?;
+    pass.run().await?;
     Ok(pass.res)
 }
 
 impl<S: Storage> Pass<'_, S> {
-    async fn run(&mut self, copied: Option<CopiedWalk>) -> Result<(), CheckError> {
+    async fn run(&mut self) -> Result<(), CheckError> {
         // The snapshot table's findings are counted apart and added at the end, without
         // touching the allocation statistics.
         let outer = std::mem::take(&mut self.res);
@@ -131,7 +110,7 @@ impl<S: Storage> Pass<'_, S> {
         let mut snapshot_res = std::mem::replace(&mut self.res, outer);
         read?;
 
-        self.check_refcounts(copied).await?;
+        self.check_refcounts().await?;
 
         if snapshot_res.corruptions > 0 && self.fix.errors {
             if let Err(e) = self.rewrite_snapshot_table().await {
@@ -158,7 +137,7 @@ impl<S: Storage> Pass<'_, S> {
 
     /// Counts every reference, compares with the stored refcounts and repairs them (QEMU's
     /// `qcow2_check_refcounts`), then checks the COPIED flags.
-    async fn check_refcounts(&mut self, copied: Option<CopiedWalk>) -> Result<(), CheckError> {
+    async fn check_refcounts(&mut self) -> Result<(), CheckError> {
         let fix = self.fix;
         let clusters = self.meta.clusters(self.file_len);
         if clusters > i32::MAX as u64 {
@@ -232,30 +211,8 @@ impl<S: Storage> Pass<'_, S> {
             }
         }
 
-        self.copied_flags(fix, copied).await?;
+        self.check_copied(fix).await?;
         self.res.image_end_offset = (highest + 1) * self.meta.cluster_size;
-        Ok(())
-    }
-
-    /// The COPIED flags: the outcome of the walk on the other core when it can stand for the
-    /// in-order one (see `side`), else the walk itself.
-    async fn copied_flags(
-        &mut self,
-        fix: Fix,
-        copied: Option<CopiedWalk>,
-    ) -> Result<(), CheckError> {
-        let clean = fix == Fix::NONE && self.res.corruptions == 0 && self.res.check_errors == 0;
-        let outcome = match copied {
-            Some(walk) if clean => walk.outcome().await,
-            _ => None,
-        };
-        let Some(outcome) = outcome else {
-            return self.check_copied(fix).await;
-        };
-        self.res.corruptions += outcome.corruptions;
-        for f in outcome.findings {
-            self.log(f.kind, f.message);
-        }
         Ok(())
     }
 }

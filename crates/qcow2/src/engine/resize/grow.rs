@@ -20,7 +20,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// Grows the disk to `new_size` bytes (checked by the caller: larger, aligned).
     pub(super) async fn grow(&self, new_size: u64, prealloc: Preallocation) -> Result<()> {
         let top = self.chain.top();
-        let meta = top.qcow2().expect("qcow2 checked by the caller");
+        let meta = top.qcow2_required()?;
         let old_size = top.size.get();
         let needed = l1_entries_for(meta, &top.name, new_size)?;
         // QEMU zeroes the new space when the backing file is longer than the old disk, so
@@ -75,7 +75,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// Replaces the L1 table with one of at least `entries` entries. Holds the meta lock.
     async fn grow_l1(&self, entries: u64) -> Result<()> {
         let top = self.chain.top();
-        let meta = top.qcow2().expect("qcow2");
+        let meta = top.qcow2_required()?;
         let w = self.alloc()?;
         let cs = meta.geom.cluster_size();
         let old: Vec<u64> = meta.l1.borrow().clone();

@@ -22,7 +22,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// Shrinks the disk to `new_size` bytes (checked by the caller: smaller, aligned).
     pub(super) async fn shrink(&self, new_size: u64) -> Result<()> {
         let top = self.chain.top();
-        let meta = top.qcow2().expect("qcow2 checked by the caller");
+        let meta = top.qcow2_required()?;
         let old_size = top.size.get();
         let cs = meta.geom.cluster_size();
         // The partial cluster at the new end stays whole, as in QEMU.
@@ -53,7 +53,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// references they held, punching freed clusters out of the file.
     async fn drop_clusters(&self, from: u64, to: u64) -> Result<()> {
         let w = self.alloc()?;
-        let g = self.chain.top().qcow2().expect("qcow2").geom;
+        let g = self.chain.top().qcow2_required()?.geom;
         let per_table = g.l2_entries() * g.cluster_size();
         let _guard = self.lock_range(from, to - from, LockMode::Exclusive).await;
         let mut pos = from;
@@ -87,7 +87,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// lock; the L2 tables' entries were cleared and flushed before.
     async fn clear_l1_tail(&self, keep: u64) -> Result<()> {
         let top = self.chain.top();
-        let meta = top.qcow2().expect("qcow2");
+        let meta = top.qcow2_required()?;
         let w = self.alloc()?;
         let old: Vec<u64> = meta.l1.borrow().clone();
         let Ok(keep) = usize::try_from(keep) else {

@@ -82,28 +82,6 @@ pub fn our_check(path: &Path, repair: Repair) -> (Result<CheckOutcome, CheckErro
     (r, findings)
 }
 
-/// Our check of the file at `path` through [`check::check`] on a plain file: every step in
-/// order on one thread, which the CLI's path must agree with line for line.
-pub fn our_check_in_order(path: &Path) -> (Result<CheckOutcome, CheckError>, Vec<Finding>) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("build a runtime");
-    let mut findings = Vec::new();
-    let r = rt.block_on(async {
-        let opts = storage::OpenOptions {
-            read_only: true,
-            force_share: true,
-            ..storage::OpenOptions::default()
-        };
-        let file = storage::ThreadsStorage::open(path, opts)
-            .await
-            .expect("open the image");
-        check::check(&file, Repair::None, &mut |f| findings.push(f)).await
-    });
-    (r, findings)
-}
-
 /// qemu-img's exit code for our result.
 pub fn our_code(r: &Result<CheckOutcome, CheckError>) -> i32 {
     match r {
@@ -123,22 +101,6 @@ pub fn assert_agree(dir: &Dir, name: &str, repair: Repair) -> QemuCheck {
     let q = qemu_check(&theirs, repair, true);
     let (r, findings) = our_check(&ours, repair);
     let log: Vec<&str> = findings.iter().map(|f| f.message.as_str()).collect();
-    if repair == Repair::None {
-        let (in_order, in_order_findings) = our_check_in_order(&ours);
-        let in_order_log: Vec<&str> = in_order_findings
-            .iter()
-            .map(|f| f.message.as_str())
-            .collect();
-        assert_eq!(
-            log, in_order_log,
-            "{name}: findings differ from the in-order check"
-        );
-        assert_eq!(
-            format!("{r:?}"),
-            format!("{in_order:?}"),
-            "{name}: result differs from the in-order check"
-        );
-    }
     assert_eq!(
         our_code(&r),
         q.code,
