@@ -170,20 +170,23 @@ impl Job {
         let old = self
             .read_side(&self.image, off, len as usize, old_valid)
             .await?;
+        // Without a new backing file the new side reads as zeros: no buffer is needed to
+        // say so.
         let new = match &self.new {
-            Some(n) => self.read_side(n, off, len as usize, new_len as usize).await,
-            None => Ok(self.zeroed(len as usize)),
+            Some(n) => match self.read_side(n, off, len as usize, new_len as usize).await {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    self.buffers.give(old);
+                    return Err(e);
+                }
+            },
+            None => None,
         };
-        let new = match new {
-            Ok(b) => b,
-            Err(e) => {
-                self.buffers.give(old);
-                return Err(e);
-            }
-        };
-        let res = self.write_differences(off, &old, &new).await;
+        let res = self.write_differences(off, &old, new.as_deref()).await;
         self.buffers.give(old);
-        self.buffers.give(new);
+        if let Some(new) = new {
+            self.buffers.give(new);
+        }
         res
     }
 
@@ -197,11 +200,11 @@ impl Job {
         valid: usize,
     ) -> Result<IoBuf, EngineError> {
         let valid = valid.min(len);
-        let mut buf = self.zeroed(len);
         if valid == 0 {
-            return Ok(buf);
+            return Ok(self.zeroed(len));
         }
-        buf.truncate(valid);
+        // The read fills the first `valid` bytes; only the rest is zeroed below.
+        let buf = self.buffers.take(valid);
         let (res, mut buf) = img.read_into(off, buf).await;
         if let Err(e) = res {
             self.buffers.give(buf);
@@ -218,15 +221,23 @@ impl Job {
         b
     }
 
-    /// Writes the old contents of every run of units where `old` and `new` differ: zero
-    /// runs as zero writes (no data), the rest as data.
-    async fn write_differences(&self, off: u64, old: &[u8], new: &[u8]) -> Result<(), EngineError> {
+    /// Writes the old contents of every run of units where `old` and `new` differ (`new`
+    /// absent: reads as zeros): zero runs as zero writes (no data), the rest as data.
+    async fn write_differences(
+        &self,
+        off: u64,
+        old: &[u8],
+        new: Option<&[u8]>,
+    ) -> Result<(), EngineError> {
         let unit = self.unit as usize;
-        let differs: Vec<bool> = old
-            .chunks(unit)
-            .zip(new.chunks(unit))
-            .map(|(a, b)| a != b)
-            .collect();
+        let differs: Vec<bool> = match new {
+            Some(new) => old
+                .chunks(unit)
+                .zip(new.chunks(unit))
+                .map(|(a, b)| a != b)
+                .collect(),
+            None => old.chunks(unit).map(|a| !is_zero(a)).collect(),
+        };
         let mut i = 0;
         while i < differs.len() {
             if !differs[i] {
