@@ -11,41 +11,26 @@ use storage::AnyStorage;
 
 use crate::create::{QCOW2_OPTIONS, QCOW2_UNSUPPORTED};
 use crate::engine_run::{self, OpenError};
-use crate::options::{self, Kind, OptionsError, Parsed, Spec};
+use crate::options::{self, OptionsError, Parsed, Spec};
 
 /// The options `amend` changes, as qemu-img lists them for qcow2.
-const AMEND_OPTIONS: &[Spec] = &[
-    Spec {
-        name: "backing_file",
-        kind: Kind::Str,
-        help: "File name of a base image",
-    },
-    Spec {
-        name: "backing_fmt",
-        kind: Kind::Str,
-        help: "Image format of the base image",
-    },
-    Spec {
-        name: "compat",
-        kind: Kind::Str,
-        help: "Compatibility level (v2 [0.10] or v3 [1.1])",
-    },
-    Spec {
-        name: "lazy_refcounts",
-        kind: Kind::Bool,
-        help: "Postpone refcount updates",
-    },
-    Spec {
-        name: "refcount_bits",
-        kind: Kind::Number,
-        help: "Width of a reference count entry in bits",
-    },
-    Spec {
-        name: "size",
-        kind: Kind::Size,
-        help: "Virtual disk size",
-    },
+const AMEND_NAMES: &[&str] = &[
+    "backing_file",
+    "backing_fmt",
+    "compat",
+    "lazy_refcounts",
+    "refcount_bits",
+    "size",
 ];
+
+/// The specs of [`AMEND_NAMES`]: each option's kind and help text are `create`'s.
+fn amend_options() -> Vec<Spec> {
+    QCOW2_OPTIONS
+        .iter()
+        .filter(|s| AMEND_NAMES.contains(&s.name))
+        .copied()
+        .collect()
+}
 
 /// Amend options qemu-img has that qcow2-nbd does not change.
 const AMEND_UNSUPPORTED: &[&str] = &[
@@ -134,7 +119,7 @@ pub fn main(args: &AmendArgs) -> ExitCode {
 
 /// The `-o` list as amend reads it.
 fn parse(list: &str) -> Result<AmendOptions, AmendCliError> {
-    let parsed = Parsed::parse(list, AMEND_OPTIONS, AMEND_UNSUPPORTED).map_err(|e| match e {
+    let parsed = Parsed::parse(list, &amend_options(), AMEND_UNSUPPORTED).map_err(|e| match e {
         OptionsError::UnknownParameter(name)
             if QCOW2_OPTIONS.iter().any(|s| s.name == name)
                 || QCOW2_UNSUPPORTED.contains(&name.as_str()) =>
@@ -165,7 +150,7 @@ async fn run(args: &AmendArgs) -> Result<(), AmendCliError> {
         return Err(AmendCliError::NoOptions);
     };
     if options::wants_help(&list) {
-        let help = options::help_text(AMEND_OPTIONS);
+        let help = options::help_text(&amend_options());
         print!(
             "{}",
             help.replacen("Supported options:", "Amend options for 'qcow2':", 1)
