@@ -5,6 +5,7 @@ use crate::engine::create::Preallocation;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::image::{Image, Inner};
 use crate::engine::layer::{write_zero_data, Qcow2Meta};
+use crate::format::header;
 use storage::Storage;
 
 /// A resize QEMU refuses too, in its words.
@@ -65,6 +66,20 @@ impl<S: Storage + 'static> Inner<S> {
         } else {
             Ok(())
         }
+    }
+
+    /// The last step of a qcow2 resize, once everything the new size needs is on disk: the
+    /// header's size field, made durable, then the size in memory and the bitmaps' length.
+    pub(super) async fn set_qcow2_size(&self, new_size: u64) -> Result<()> {
+        let w = self.alloc()?;
+        let top = self.chain.top();
+        let meta = top.qcow2_required()?;
+        w.update_header(header::size_update(new_size)).await?;
+        w.sync().await?;
+        meta.header.borrow_mut().size = new_size;
+        top.size.set(new_size);
+        w.bitmaps.borrow_mut().resize(new_size);
+        Ok(())
     }
 
     /// What QEMU refuses for any qcow2 resize, checked before anything is written.

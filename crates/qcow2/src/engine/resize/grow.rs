@@ -50,12 +50,7 @@ impl<S: Storage + 'static> Inner<S> {
             self.zero_new_space(old_size, new_size).await?;
         }
         self.flush().await?;
-        w.update_header(header::size_update(new_size)).await?;
-        w.sync().await?;
-        meta.header.borrow_mut().size = new_size;
-        top.size.set(new_size);
-        w.bitmaps.borrow_mut().resize(new_size);
-        Ok(())
+        self.set_qcow2_size(new_size).await
     }
 
     /// Zeroes `[old_size, new_size)` before the header shows it. The zeroing code works on

@@ -15,7 +15,7 @@
 use crate::engine::error::Result;
 use crate::engine::image::Inner;
 use crate::engine::range_lock::LockMode;
-use crate::format::{header, l1, GuestOffset, HostOffset};
+use crate::format::{l1, GuestOffset, HostOffset};
 use storage::Storage;
 
 impl<S: Storage + 'static> Inner<S> {
@@ -41,12 +41,7 @@ impl<S: Storage + 'static> Inner<S> {
             self.flush().await?;
             w.truncate_free_tail().await?;
         }
-        w.update_header(header::size_update(new_size)).await?;
-        w.sync().await?;
-        meta.header.borrow_mut().size = new_size;
-        top.size.set(new_size);
-        w.bitmaps.borrow_mut().resize(new_size);
-        Ok(())
+        self.set_qcow2_size(new_size).await
     }
 
     /// Clears every L2 entry of `[from, to)` (`from` cluster-aligned) and drops the
