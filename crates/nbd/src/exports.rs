@@ -85,8 +85,15 @@ pub struct ExportState {
     hard: watch::Sender<bool>,
 }
 
+impl Default for ExportState {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl ExportState {
-    fn new() -> Self {
+    /// A state with no client, not closing.
+    pub fn new() -> Self {
         Self {
             attached: watch::Sender::new(0),
             clients: AtomicU64::new(0),
@@ -385,7 +392,10 @@ mod tests {
         assert!(state.is_closing());
         assert_eq!(exports.find(b"a"), None);
         assert!(exports.attach(key).is_none(), "no new client attaches");
-        assert!(exports.get(key).is_some(), "the attached client still finds it");
+        assert!(
+            exports.get(key).is_some(),
+            "the attached client still finds it"
+        );
         assert_eq!((state.attached(), state.clients()), (1, 1));
         assert_eq!(
             exports.close("a", CloseMode::Safe).unwrap_err(),
