@@ -151,7 +151,7 @@ pub enum Frame {
     /// Input that is not JSON: it was skipped up to the end of its line, and reading goes
     /// on after it.
     Bad(String),
-    /// A value longer than the limit: the connection cannot go on.
+    /// A value longer than the limit: it was dropped, and the connection should end.
     TooLarge,
 }
 
@@ -201,13 +201,24 @@ impl Framer {
                 self.buf.drain(..used);
                 Some(Frame::Value(v))
             }
-            Some(Err(e)) if e.is_eof() => (self.buf.len() > self.limit).then_some(Frame::TooLarge),
+            Some(Err(e)) if e.is_eof() => self.too_large(),
             Some(Err(e)) => {
                 self.skipping = true;
                 Some(Frame::Bad(format!("JSON parse error, {e}")))
             }
             None => None,
         }
+    }
+
+    /// An incomplete value over the limit: dropped, like the rest of its line (whoever
+    /// reads from us normally closes the stream then).
+    fn too_large(&mut self) -> Option<Frame> {
+        if self.buf.len() <= self.limit {
+            return None;
+        }
+        self.buf.clear();
+        self.skipping = true;
+        Some(Frame::TooLarge)
     }
 
     /// Drops input up to and including the next newline: true once one was found.
