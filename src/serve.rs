@@ -307,7 +307,7 @@ async fn serve_on_runtime(
     // Whatever happens from here on, the images are closed: a writable image's bitmaps are
     // marked in use until a clean close stores them.
     let settings = registry::OpenSettings {
-        opener: plan.opener.clone(),
+        opener: plan.opener,
         open: plan.open.clone(),
         policy: plan.policy,
         threads: plan.threads.get(),
