@@ -180,10 +180,9 @@ impl Registry {
             .await
             .map_err(|e| ChangeError::Other(format!("cannot open {}: {e}", spec.path.display())))?;
         let open = OpenImage { spec, image };
-        // Checked again: another control client may have added the same id meanwhile.
-        let added = match self.check_new(&id, &open.spec.name) {
-            Ok(()) => self.serve_opened(&open).await,
-            Err(e) => Err(e),
+        let added = match entry(&open, self.settings.policy).await {
+            Ok(entry) => self.insert(&id, &open, entry),
+            Err(e) => Err(ChangeError::Other(e.to_string())),
         };
         match added {
             Ok(key) => {
@@ -201,11 +200,15 @@ impl Registry {
         }
     }
 
-    /// Offers an opened image to clients: its NBD key.
-    async fn serve_opened(&self, open: &OpenImage) -> Result<usize, ChangeError> {
-        let entry = entry(open, self.settings.policy)
-            .await
-            .map_err(|e| ChangeError::Other(e.to_string()))?;
+    /// Offers an opened image to clients: its NBD key. Checked again and done without a
+    /// pause, so that another control client adding the same id meanwhile is refused.
+    fn insert(
+        &self,
+        id: &str,
+        open: &OpenImage,
+        entry: ExportEntry<ImageExport>,
+    ) -> Result<usize, ChangeError> {
+        self.check_new(id, &open.spec.name)?;
         match self.exports.add(entry) {
             Ok(key) => Ok(key),
             Err(nbd::ExportsError::DuplicateName(n)) => Err(ChangeError::NameInUse(n)),

@@ -146,6 +146,10 @@ async fn accept_loop(
     let for_sessions = stopped.clone();
     loop {
         tokio::select! {
+            // Finished sessions first, so their places are free for the next client.
+            biased;
+            Some(_) = sessions.join_next(), if !sessions.is_empty() => {}
+            _ = stopped.wait_for(|s| *s) => break,
             accepted = socket.listener.accept() => match accepted {
                 Ok((stream, _)) if sessions.len() >= limits.clients => refuse(&stream, limits.clients),
                 Ok((stream, _)) => {
@@ -157,8 +161,6 @@ async fn accept_loop(
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             },
-            Some(_) = sessions.join_next(), if !sessions.is_empty() => {}
-            _ = stopped.wait_for(|s| *s) => break,
         }
     }
     drop(socket);
