@@ -658,3 +658,31 @@ fn the_control_path_must_not_be_another_file() {
         "the socket file goes with the server"
     );
 }
+
+#[test]
+fn a_shutdown_during_a_safe_delete_still_closes_every_image() {
+    let dir = Dir::new();
+    let a = dir.create("a.qcow2", "qcow2", "", None, "4M");
+    let b = dir.create("b.qcow2", "qcow2", "", None, "4M");
+    let server = serve(
+        &dir,
+        &[export("a", &dir, "a.qcow2"), export("b", &dir, "b.qcow2")],
+        &[],
+    );
+    let mut client = Attached::try_go(&server.socket, "b").unwrap();
+    client.write(0, &[0x5c; 4096]).unwrap();
+    let mut q = Qmp::connect(&dir);
+    ctl_ok(&dir, &["block-export-del", "id=b"]);
+    // An idle control client and an attached NBD client do not hold the shutdown up.
+    server.stop_ok();
+    // The session ends with the server (the delete's event may or may not come first).
+    while let Some(m) = q.next() {
+        assert_eq!(m["event"], "BLOCK_EXPORT_DELETED", "{m}");
+    }
+    for image in [&a, &b] {
+        assert_check_clean(image);
+        assert!(unlocked(image));
+    }
+    qemu_io("qcow2", &b, &["read -P 0x5c 0 4k"]);
+    drop(client);
+}
