@@ -16,13 +16,21 @@ use crate::serve::qmp::{Frame, Framer};
 /// Largest message `ctl` reads from the server.
 const MAX_MESSAGE: usize = 16 << 20;
 
+/// How `KEY=VALUE` arguments become JSON, shown after `ctl --help`.
+const CONVERSIONS: &str = "\
+Arguments: KEY=VALUE, where `true` and `false` are booleans, `granularity` takes a number,
+`bitmaps` a comma-separated list of names (`bitmaps=a,b`; `bitmaps=` for none), and every
+other value is a string; KEY:=JSON gives any JSON value as is (`id:=7`, `bitmaps:=[\"a,b\"]`);
+--json '{...}' gives all arguments as one object.
+
+Examples:
+  qcow2-nbd ctl --socket ctl.sock block-export-add id=data file=data.qcow2 writable=true
+  qcow2-nbd ctl --socket ctl.sock --wait block-export-del id=data mode=safe
+  qcow2-nbd ctl --socket ctl.sock query-block-exports";
+
 /// Send one command to a running server's control socket (`serve --control`).
-///
-/// Arguments are KEY=VALUE: `true` and `false` are booleans, `granularity` takes a number,
-/// `bitmaps` a comma-separated list of names (`bitmaps=a,b`, or `bitmaps=` for none), every
-/// other value is a string. KEY:=JSON gives any JSON value as is (`id:=7`,
-/// `bitmaps:=["a,b"]`), and --json gives all arguments as one JSON object.
 #[derive(Args, Debug)]
+#[command(after_help = CONVERSIONS)]
 pub struct CtlArgs {
     /// The control socket.
     #[arg(long, value_name = "PATH")]
