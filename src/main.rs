@@ -7,6 +7,7 @@ mod commit;
 mod compare;
 mod convert;
 mod create;
+mod ctl;
 mod engine_run;
 mod export;
 mod inflight;
@@ -63,6 +64,8 @@ enum Command {
     Measure(measure::MeasureArgs),
     /// Export an image over NBD, like `qemu-nbd`.
     Serve(Box<serve::ServeArgs>),
+    /// Send a command to a running server's control socket (`serve --control`).
+    Ctl(ctl::CtlArgs),
     /// Change an image's persistent dirty bitmaps, like `qemu-img bitmap`.
     Bitmap(bitmap::BitmapArgs),
     /// Change an image's virtual size, like `qemu-img resize`.
@@ -93,6 +96,7 @@ fn main() -> ExitCode {
         Command::Compare(args) => return compare::main(args),
         Command::Measure(args) => return measure::main(args),
         Command::Serve(args) => return serve::run(args),
+        Command::Ctl(args) => return ctl::main(args),
         Command::Resize(args) => return resize::main(args),
         Command::Amend(args) => return amend::main(args),
         Command::Commit(args) => return commit::main(args),

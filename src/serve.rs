@@ -17,27 +17,29 @@
 mod args;
 mod banner;
 mod cleaner;
+mod control;
 mod daemon;
 mod export_spec;
 mod exports;
 mod listen;
 mod overlay;
+mod registry;
 mod signals;
 mod tls;
 
 use std::io::IsTerminal;
 use std::num::NonZeroUsize;
 use std::process::ExitCode;
-use std::rc::Rc;
 use std::time::Duration;
 
-use nbd::{ExportEntry, Server, ServerConfig};
+use nbd::{Server, ServerConfig};
 use qcow2::engine::{CacheOptions, EngineError, OpenOptions};
 use storage::FileOpener;
 
 pub use args::{CacheMode, ServeArgs};
+pub(crate) use control::qmp;
 
-use crate::export::{DetectZeroes, DiscardMode, ExportPolicy, ImageExport};
+use crate::export::{DetectZeroes, DiscardMode, ExportPolicy};
 
 /// Why `serve` failed.
 #[derive(Debug, thiserror::Error)]
@@ -117,6 +119,9 @@ pub enum ServeError {
     /// The server failed (invalid export, or the final flush).
     #[error(transparent)]
     Server(#[from] nbd::ServerError),
+    /// The control socket cannot be set up.
+    #[error(transparent)]
+    Control(#[from] control::ControlError),
     /// The TLS flags are wrong or the credentials cannot be loaded.
     #[error(transparent)]
     Tls(#[from] tls::TlsArgError),
@@ -301,8 +306,23 @@ async fn serve_on_runtime(
     let images = exports::open_all(&plan.opener, specs, &plan.open).await?;
     // Whatever happens from here on, the images are closed: a writable image's bitmaps are
     // marked in use until a clean close stores them.
-    let served = serve_images(args, plan, activated, readiness, &images, signals).await;
-    let closed = exports::close_all(images).await;
+    let settings = registry::OpenSettings {
+        opener: plan.opener,
+        open: plan.open.clone(),
+        policy: plan.policy,
+        threads: plan.threads.get(),
+    };
+    let registry = match registry::Registry::start(images, settings).await {
+        Ok(r) => r,
+        Err((e, images)) => {
+            if let Err(c) = exports::close_all(images).await {
+                tracing::error!(error = %c, "closing the images failed too");
+            }
+            return Err(e);
+        }
+    };
+    let served = serve_images(args, plan, activated, readiness, &registry, signals).await;
+    let closed = registry.close_all().await;
     let pid_file = match served {
         Ok((report, pid_file)) => {
             tracing::info!(?report, "server stopped");
@@ -334,25 +354,6 @@ fn tls_hint(tls: &nbd::tls::TlsServer) -> String {
     format!("TLS required ({kind}{authz})")
 }
 
-/// The NBD export of each open image, with its bitmaps.
-async fn export_entries(
-    images: &[exports::OpenImage],
-    policy: ExportPolicy,
-) -> Result<Vec<ExportEntry<ImageExport>>, ServeError> {
-    let mut entries = Vec::with_capacity(images.len());
-    for open in images {
-        let spec = &open.spec;
-        let bitmaps = crate::export::exported_bitmaps(&open.image, &spec.bitmaps)
-            .await
-            .map_err(|reason| spec.bitmap_error(reason))?;
-        let export = Rc::new(ImageExport::new(open.image.clone(), policy).with_bitmaps(bitmaps));
-        entries.push(
-            ExportEntry::new(spec.name.clone(), export).with_description(spec.description.clone()),
-        );
-    }
-    Ok(entries)
-}
-
 /// Serves the open images until a signal (or `-t`'s lifetime) ends it; returns the server's
 /// report and the pid file, which goes once the images are closed.
 async fn serve_images(
@@ -360,17 +361,19 @@ async fn serve_images(
     plan: Plan,
     activated: Vec<nbd::systemd::ActivatedSocket>,
     readiness: Option<daemon::Readiness>,
-    images: &[exports::OpenImage],
+    registry: &registry::Registry,
     signals: signals::ShutdownSignals,
 ) -> Result<(nbd::ServeReport, Option<daemon::PidFile>), ServeError> {
-    let entries = export_entries(images, plan.policy).await?;
     let tls = plan.tls.as_ref().map(tls_hint);
-    let mut server = Server::new(entries, plan.config)?.with_threads(plan.threads);
+    let mut server =
+        Server::from_exports(registry.exports(), plan.config).with_threads(plan.threads);
     if let Some(creds) = plan.tls {
         server = server.with_tls(creds);
     }
     let listeners = listen::bind(activated, plan.explicit_endpoint, &plan.endpoint).await?;
-    let names: Vec<&str> = images.iter().map(|i| i.spec.name.as_str()).collect();
+    let control_socket = args.control.as_deref().map(control::bind).transpose()?;
+    let names =
+        registry.with_records(|r| r.iter().map(|r| r.spec.name.clone()).collect::<Vec<_>>());
     for (_, on) in &listeners {
         tracing::info!(on = %on, exports = ?names, "listening");
     }
@@ -385,31 +388,31 @@ async fn serve_images(
         })
         .transpose()?;
     if readiness.is_none() {
-        print_banner(images, &listeners, tls.as_deref());
+        registry.with_records(|r| print_banner(r, &listeners, tls.as_deref()));
     }
     if let Some(r) = readiness {
         r.notify(args.verbose > 0).map_err(ServeError::Fork)?;
     }
-    let cleaners: Vec<cleaner::Cleaner> = images
-        .iter()
-        .filter_map(|i| {
-            cleaner::Cleaner::start(i.image.clone(), i.image.cache_sizes().clean_interval_secs)
-        })
-        .collect();
+    let limits = control::Limits {
+        clients: usize::from(args.control_clients),
+        max_command: usize::try_from(args.control_max_command.clamp(1 << 10, 16 << 20))
+            .unwrap_or(control::DEFAULT_MAX_COMMAND),
+    };
+    let control = control_socket.map(|s| control::Control::start(s, registry.clone(), limits));
     let served = server
         .serve(
             listeners.into_iter().map(|(l, _)| l).collect(),
             signals.watch(),
         )
         .await;
-    for c in cleaners {
+    if let Some(c) = control {
         c.stop().await;
     }
     Ok((served?, pid_file))
 }
 
 fn print_banner(
-    images: &[exports::OpenImage],
+    images: &[registry::Record],
     listeners: &[(nbd::Listener, String)],
     tls: Option<&str>,
 ) {

@@ -86,6 +86,23 @@ pub struct ServeArgs {
           value_parser = parse_threads)]
     pub threads: std::num::NonZeroUsize,
 
+    /// Accept QMP-style commands on this Unix socket (created mode 0600): add, delete and
+    /// list exports, change bitmaps and read statistics while serving (see `qcow2-nbd ctl`).
+    /// Adding and deleting exports needs `--threads 1`.
+    #[arg(long = "control", value_name = "PATH")]
+    pub control: Option<PathBuf>,
+
+    /// Most control socket clients at once; a further one is told so and closed.
+    #[arg(long = "control-clients", value_name = "NUM", default_value_t = super::control::DEFAULT_CLIENTS,
+          value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub control_clients: u16,
+
+    /// Largest control command (JSON text), 1K to 16M; a longer one is answered with an
+    /// error and its client closed.
+    #[arg(long = "control-max-command", value_name = "SIZE", value_parser = parse_size,
+          default_value = "64K")]
+    pub control_max_command: u64,
+
     /// Close a client that sent no request for SECS seconds (0: never).
     #[arg(long = "idle-timeout", value_name = "SECS", default_value_t = 0)]
     pub idle_timeout: u64,

@@ -9,6 +9,7 @@ mod support;
 mod abuse;
 mod backup;
 mod bitmaps;
+mod control;
 mod enospc;
 mod fio;
 mod kernel_client;

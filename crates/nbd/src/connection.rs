@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, BufReader, ReadHalf, WriteHalf};
 use tokio::net::{TcpStream, UnixStream};
+use tokio::sync::watch;
 use tokio_openssl::SslStream;
 
 use crate::control::Control;
@@ -201,7 +202,7 @@ async fn upgrade<T: Transport, E: Export>(
     let mut state = match negotiate(&mut reader, &mut writer, exports, true).await? {
         HandshakeEnd::StartTls(state) => state,
         HandshakeEnd::ClientLeft => return Ok(Upgrade::Ended(ConnectionEnd::LeftDuringHandshake)),
-        HandshakeEnd::Transmission(_) => {
+        HandshakeEnd::Transmission(..) => {
             return Err(HandshakeError::Refused("transmission without TLS".into()).into())
         }
     };
@@ -240,9 +241,9 @@ where
     control
         .negotiating
         .store(false, std::sync::atomic::Ordering::Release);
-    let negotiated = match end {
+    let (negotiated, _attached) = match end {
         HandshakeEnd::ClientLeft => return Ok(ConnectionEnd::LeftDuringHandshake),
-        HandshakeEnd::Transmission(n) => n,
+        HandshakeEnd::Transmission(n, attached) => (n, attached),
         HandshakeEnd::StartTls(_) => {
             return Err(HandshakeError::Refused("STARTTLS on a server without TLS".into()).into())
         }
@@ -252,15 +253,67 @@ where
     };
     // Like a second qemu-nbd client beyond -e, this one waits until a client leaves.
     let mut shutdown = control.shutdown.clone();
+    let mut hard = entry.state().hard_close();
     let _slot = match &control.slots {
         Some(slots) => tokio::select! {
             slot = slots.acquire() => slot.ok(),
             _ = shutdown.wait_for(|down| *down) => return Ok(ConnectionEnd::ShutdownDuringHandshake),
+            _ = hard.wait_for(|h| *h) => return Ok(ConnectionEnd::ShutdownDuringHandshake),
         },
         None => None,
     };
     tracing::debug!(export = %entry.name, mode = ?negotiated.mode, "transmission");
     let export = Rc::clone(&entry.export);
-    let end = transmit(reader, writer, export, &negotiated, &control).await?;
+    let (linked, senders) = linked_control(&control);
+    let forward = forward_stops(&control, entry.state().hard_close(), senders);
+    let end = tokio::select! {
+        end = transmit(reader, writer, export, &negotiated, &linked) => end?,
+        never = forward => match never {},
+    };
     Ok(ConnectionEnd::Transmission(negotiated, end))
+}
+
+/// A copy of `control` whose shutdown and forced-close signals are this connection's own,
+/// so that closing its export can end it without ending the server (see [`forward_stops`]).
+fn linked_control(control: &Control) -> (Control, (watch::Sender<bool>, watch::Sender<bool>)) {
+    let (stop, stop_rx) = watch::channel(*control.shutdown.borrow());
+    let (force, force_rx) = watch::channel(*control.force.borrow());
+    let linked = Control {
+        shutdown: stop_rx,
+        force: force_rx,
+        ..control.clone()
+    };
+    (linked, (stop, force))
+}
+
+/// Passes the server's shutdown and forced close on to a connection's own signals, and
+/// turns both on when its export is closed hard: it stops reading requests, lets those in
+/// flight finish and abandons replies it cannot send, as on a forced server shutdown.
+/// Never completes: it runs beside the connection and ends with it.
+async fn forward_stops(
+    control: &Control,
+    mut hard: watch::Receiver<bool>,
+    (stop, force): (watch::Sender<bool>, watch::Sender<bool>),
+) -> std::convert::Infallible {
+    let (mut down, mut forced) = (control.shutdown.clone(), control.force.clone());
+    let (mut down_open, mut forced_open, mut hard_open) = (true, true, true);
+    loop {
+        if *hard.borrow_and_update() {
+            stop.send_replace(true);
+            force.send_replace(true);
+        }
+        if *down.borrow_and_update() {
+            stop.send_replace(true);
+        }
+        if *forced.borrow_and_update() {
+            force.send_replace(true);
+        }
+        // A sender that is gone never signals again: stop watching it.
+        tokio::select! {
+            r = down.changed(), if down_open => down_open = r.is_ok(),
+            r = forced.changed(), if forced_open => forced_open = r.is_ok(),
+            r = hard.changed(), if hard_open => hard_open = r.is_ok(),
+            () = std::future::pending::<()>(), if !(down_open || forced_open || hard_open) => {}
+        }
+    }
 }

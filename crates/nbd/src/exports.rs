@@ -1,6 +1,19 @@
 //! The set of named exports a server offers, and how a client's name selects one.
+//!
+//! The set can change while the server runs: [`Exports`] is a shared handle (cloned into
+//! every connection and kept by whoever manages the exports), so an export added with
+//! [`Exports::add`] is offered to the next option a client sends, and one closed with
+//! [`Exports::close`] disappears from listings and can no longer be selected, while the
+//! clients already attached to it keep it until they leave. Each export's [`ExportState`]
+//! counts those clients; it is shared (`Arc`) with the worker threads' copies of the entry,
+//! so the count covers every thread.
 
+use std::cell::RefCell;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::watch;
 
 use crate::export::{BlockSizeError, Export};
 use crate::wire::MAX_STRING_LEN;
@@ -13,6 +26,8 @@ pub struct ExportEntry<E> {
     pub description: String,
     /// The export itself, shared by every connection.
     pub export: Rc<E>,
+    /// Its clients and whether it is being closed.
+    state: Arc<ExportState>,
 }
 
 impl<E> ExportEntry<E> {
@@ -22,6 +37,7 @@ impl<E> ExportEntry<E> {
             name: name.into(),
             description: String::new(),
             export,
+            state: Arc::new(ExportState::new()),
         }
     }
 
@@ -29,6 +45,17 @@ impl<E> ExportEntry<E> {
     pub fn with_description(mut self, description: impl Into<String>) -> Self {
         self.description = description.into();
         self
+    }
+
+    /// Shares `state` with another entry of the same export (a worker thread's copy).
+    pub fn sharing(mut self, state: Arc<ExportState>) -> Self {
+        self.state = state;
+        self
+    }
+
+    /// Its clients and whether it is being closed.
+    pub fn state(&self) -> &Arc<ExportState> {
+        &self.state
     }
 }
 
@@ -38,11 +65,115 @@ impl<E> Clone for ExportEntry<E> {
             name: self.name.clone(),
             description: self.description.clone(),
             export: Rc::clone(&self.export),
+            state: Arc::clone(&self.state),
         }
     }
 }
 
-/// Why a list of exports cannot be served.
+/// The clients of one export and how it is being closed. Thread-safe: connections on
+/// worker threads attach to it too.
+#[derive(Debug)]
+pub struct ExportState {
+    /// Connections attached now (from the `OPT_GO`/`OPT_EXPORT_NAME` that selected the
+    /// export until the connection ends).
+    attached: watch::Sender<usize>,
+    /// Connections ever attached.
+    clients: AtomicU64,
+    /// Closed to new clients.
+    closing: AtomicBool,
+    /// Turns true to end the attached connections (a hard close).
+    hard: watch::Sender<bool>,
+}
+
+impl Default for ExportState {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ExportState {
+    /// A state with no client, not closing.
+    pub fn new() -> Self {
+        Self {
+            attached: watch::Sender::new(0),
+            clients: AtomicU64::new(0),
+            closing: AtomicBool::new(false),
+            hard: watch::Sender::new(false),
+        }
+    }
+
+    /// Connections attached now.
+    pub fn attached(&self) -> usize {
+        *self.attached.borrow()
+    }
+
+    /// Connections ever attached.
+    pub fn clients(&self) -> u64 {
+        self.clients.load(Ordering::Relaxed)
+    }
+
+    /// True once the export was closed to new clients.
+    pub fn is_closing(&self) -> bool {
+        self.closing.load(Ordering::Acquire)
+    }
+
+    /// Completes once no connection is attached.
+    pub async fn detached(&self) {
+        let mut rx = self.attached.subscribe();
+        // The sender lives in `self`, so the wait cannot fail.
+        let _ = rx.wait_for(|n| *n == 0).await;
+    }
+
+    /// Turns true when the attached connections are to be ended.
+    pub(crate) fn hard_close(&self) -> watch::Receiver<bool> {
+        self.hard.subscribe()
+    }
+
+    fn attach(self: &Arc<Self>) -> Attachment {
+        self.attached.send_modify(|n| *n += 1);
+        self.clients.fetch_add(1, Ordering::Relaxed);
+        Attachment(Rc::new(Attached(Arc::clone(self))))
+    }
+}
+
+/// A connection's hold on the export it selected: while any clone lives, the export counts
+/// the connection as attached.
+#[derive(Clone)]
+pub struct Attachment(Rc<Attached>);
+
+struct Attached(Arc<ExportState>);
+
+impl Drop for Attached {
+    fn drop(&mut self) {
+        self.0.attached.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+impl std::fmt::Debug for Attachment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Attachment")
+    }
+}
+
+impl PartialEq for Attachment {
+    fn eq(&self, other: &Self) -> bool {
+        Rc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for Attachment {}
+
+/// How [`Exports::close`] treats the clients attached to an export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloseMode {
+    /// No new client may attach; those attached keep it until they leave.
+    Safe,
+    /// The attached connections are ended as on a forced server shutdown: they stop
+    /// reading requests, those in flight finish, unsent replies are abandoned.
+    Hard,
+}
+
+/// Why a list of exports cannot be served, or an export not added or closed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ExportsError {
     /// No export at all.
@@ -69,69 +200,240 @@ pub enum ExportsError {
         /// What is wrong.
         source: BlockSizeError,
     },
+    /// No export has this name (or it is closing already).
+    #[error("export {0:?} is not served")]
+    NotFound(String),
 }
 
-/// A validated, non-empty list of exports with unique names.
+/// A validated set of exports with unique names; clones share it.
 pub struct Exports<E> {
-    entries: Vec<ExportEntry<E>>,
+    inner: Rc<RefCell<Registry<E>>>,
+}
+
+/// The exports: those offered, and those closed to new clients whose attached connections
+/// still run (found by key only).
+struct Registry<E> {
+    live: Vec<(usize, ExportEntry<E>)>,
+    closing: Vec<(usize, ExportEntry<E>)>,
+    next_key: usize,
 }
 
 impl<E> Clone for Exports<E> {
     fn clone(&self) -> Self {
         Self {
-            entries: self.entries.clone(),
+            inner: Rc::clone(&self.inner),
         }
     }
 }
 
 impl<E: Export> Exports<E> {
-    /// Validates names, descriptions and block sizes.
+    /// Validates names, descriptions and block sizes of a non-empty list; the keys
+    /// ([`Exports::find`]) are the positions in it.
     pub fn new(entries: Vec<ExportEntry<E>>) -> Result<Self, ExportsError> {
         if entries.is_empty() {
             return Err(ExportsError::Empty);
         }
-        for (i, e) in entries.iter().enumerate() {
-            for (field, len) in [("name", e.name.len()), ("description", e.description.len())] {
-                if len > MAX_STRING_LEN {
-                    return Err(ExportsError::TooLong {
-                        name: e.name.clone(),
-                        field,
-                        len,
-                    });
-                }
-            }
-            if entries[..i].iter().any(|o| o.name == e.name) {
-                return Err(ExportsError::DuplicateName(e.name.clone()));
-            }
-            e.export
-                .features()
-                .block_size
-                .validate()
-                .map_err(|source| ExportsError::BlockSize {
-                    name: e.name.clone(),
-                    source,
-                })?;
+        let exports = Self {
+            inner: Rc::new(RefCell::new(Registry {
+                live: Vec::with_capacity(entries.len()),
+                closing: Vec::new(),
+                next_key: 0,
+            })),
+        };
+        for entry in entries {
+            exports.add(entry)?;
         }
-        Ok(Self { entries })
+        Ok(exports)
+    }
+
+    /// Offers one more export (to clients' next options); its key.
+    pub fn add(&self, entry: ExportEntry<E>) -> Result<usize, ExportsError> {
+        validate(&entry)?;
+        let mut r = self.inner.borrow_mut();
+        if r.live.iter().any(|(_, o)| o.name == entry.name) {
+            return Err(ExportsError::DuplicateName(entry.name));
+        }
+        let key = r.next_key;
+        r.next_key += 1;
+        r.live.push((key, entry));
+        Ok(key)
     }
 }
 
+fn validate<E: Export>(e: &ExportEntry<E>) -> Result<(), ExportsError> {
+    for (field, len) in [("name", e.name.len()), ("description", e.description.len())] {
+        if len > MAX_STRING_LEN {
+            return Err(ExportsError::TooLong {
+                name: e.name.clone(),
+                field,
+                len,
+            });
+        }
+    }
+    e.export
+        .features()
+        .block_size
+        .validate()
+        .map_err(|source| ExportsError::BlockSize {
+            name: e.name.clone(),
+            source,
+        })
+}
+
 impl<E> Exports<E> {
-    /// All exports, in the order given.
-    pub fn entries(&self) -> &[ExportEntry<E>] {
-        &self.entries
+    /// The exports offered now, in the order they were added.
+    pub fn entries(&self) -> Vec<ExportEntry<E>> {
+        let r = self.inner.borrow();
+        r.live.iter().map(|(_, e)| e.clone()).collect()
     }
 
-    /// The export a client's name selects: an exact, byte-for-byte match, as qemu-nbd
-    /// matches names. The empty name is a name like any other: it reaches an export only
-    /// if one is called "" (the default of `serve`), so a client that forgot the name of a
-    /// named export is told so instead of silently getting some other disk.
+    /// Calls `f` on each export offered now, in order, without copying them.
+    pub fn for_each(&self, mut f: impl FnMut(&ExportEntry<E>)) {
+        self.inner.borrow().live.iter().for_each(|(_, e)| f(e));
+    }
+
+    /// The key of the export a client's name selects: an exact, byte-for-byte match, as
+    /// qemu-nbd matches names. The empty name is a name like any other: it reaches an
+    /// export only if one is called "" (the default of `serve`), so a client that forgot
+    /// the name of a named export is told so instead of silently getting some other disk.
+    /// Exports being closed are not found.
     pub fn find(&self, name: &[u8]) -> Option<usize> {
-        self.entries.iter().position(|e| e.name.as_bytes() == name)
+        let r = self.inner.borrow();
+        r.live
+            .iter()
+            .find(|(_, e)| e.name.as_bytes() == name)
+            .map(|(k, _)| *k)
     }
 
-    /// The export at `index` (as returned by [`Exports::find`]).
-    pub fn get(&self, index: usize) -> Option<&ExportEntry<E>> {
-        self.entries.get(index)
+    /// The export with `key` (as returned by [`Exports::find`]), offered or closing.
+    pub fn get(&self, key: usize) -> Option<ExportEntry<E>> {
+        let r = self.inner.borrow();
+        r.live
+            .iter()
+            .chain(&r.closing)
+            .find(|(k, _)| *k == key)
+            .map(|(_, e)| e.clone())
+    }
+
+    /// Attaches a connection to the offered export with `key`; `None` if it is not offered.
+    pub fn attach(&self, key: usize) -> Option<Attachment> {
+        let r = self.inner.borrow();
+        let (_, entry) = r.live.iter().find(|(k, _)| *k == key)?;
+        Some(entry.state.attach())
+    }
+
+    /// Closes the offered export `name` to new clients (and, in [`CloseMode::Hard`], ends
+    /// its connections). Its key and state: once [`ExportState::detached`] completes,
+    /// [`Exports::forget`] drops it.
+    pub fn close(
+        &self,
+        name: &str,
+        mode: CloseMode,
+    ) -> Result<(usize, Arc<ExportState>), ExportsError> {
+        let mut r = self.inner.borrow_mut();
+        let at = r
+            .live
+            .iter()
+            .position(|(_, e)| e.name == name)
+            .ok_or_else(|| ExportsError::NotFound(name.to_owned()))?;
+        let (key, entry) = r.live.remove(at);
+        let state = Arc::clone(&entry.state);
+        state.closing.store(true, Ordering::Release);
+        if mode == CloseMode::Hard {
+            state.hard.send_replace(true);
+        }
+        r.closing.push((key, entry));
+        Ok((key, state))
+    }
+
+    /// Drops the closed export with `key`, so the last reference to it goes with its last
+    /// connection; the entry, for the caller to close what it wraps.
+    pub fn forget(&self, key: usize) -> Option<ExportEntry<E>> {
+        let mut r = self.inner.borrow_mut();
+        let at = r.closing.iter().position(|(k, _)| *k == key)?;
+        Some(r.closing.remove(at).1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemExport;
+
+    fn two() -> Exports<MemExport> {
+        Exports::new(vec![
+            ExportEntry::new("a", Rc::new(MemExport::new(4096))),
+            ExportEntry::new("b", Rc::new(MemExport::new(4096))),
+        ])
+        .unwrap()
+    }
+
+    #[test]
+    fn added_exports_are_found_and_names_stay_unique() {
+        let exports = two();
+        let key = exports
+            .add(ExportEntry::new("c", Rc::new(MemExport::new(4096))))
+            .unwrap();
+        assert_eq!(exports.find(b"c"), Some(key));
+        assert_eq!(key, 2, "keys follow the order of addition");
+        let dup = exports.add(ExportEntry::new("a", Rc::new(MemExport::new(4096))));
+        assert_eq!(dup.unwrap_err(), ExportsError::DuplicateName("a".into()));
+        let names: Vec<String> = exports.entries().into_iter().map(|e| e.name).collect();
+        assert_eq!(names, ["a", "b", "c"]);
+    }
+
+    #[test]
+    fn a_closed_export_is_hidden_but_its_clients_keep_it() {
+        let exports = two();
+        let key = exports.find(b"a").unwrap();
+        let attached = exports.attach(key).unwrap();
+        let (closed, state) = exports.close("a", CloseMode::Safe).unwrap();
+        assert_eq!(closed, key);
+        assert!(state.is_closing());
+        assert_eq!(exports.find(b"a"), None);
+        assert!(exports.attach(key).is_none(), "no new client attaches");
+        assert!(
+            exports.get(key).is_some(),
+            "the attached client still finds it"
+        );
+        assert_eq!((state.attached(), state.clients()), (1, 1));
+        assert_eq!(
+            exports.close("a", CloseMode::Safe).unwrap_err(),
+            ExportsError::NotFound("a".into())
+        );
+        drop(attached);
+        assert_eq!(state.attached(), 0);
+        assert!(exports.forget(key).is_some());
+        assert!(exports.get(key).is_none());
+        // The name is free again.
+        exports
+            .add(ExportEntry::new("a", Rc::new(MemExport::new(4096))))
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn detached_waits_for_the_last_client_and_hard_close_is_signalled() {
+        let exports = two();
+        let key = exports.find(b"b").unwrap();
+        let attached = exports.attach(key).unwrap();
+        let (_, state) = exports.close("b", CloseMode::Hard).unwrap();
+        assert!(*state.hard_close().borrow());
+        let waiting = state.detached();
+        tokio::pin!(waiting);
+        assert!(futures_poll_once(waiting.as_mut()).await.is_none());
+        drop(attached);
+        waiting.await;
+    }
+
+    /// Polls a future once: its output if it was ready.
+    async fn futures_poll_once<F: std::future::Future + Unpin>(f: F) -> Option<F::Output> {
+        let mut f = f;
+        std::future::poll_fn(|cx| {
+            std::task::Poll::Ready(match std::pin::Pin::new(&mut f).poll(cx) {
+                std::task::Poll::Ready(v) => Some(v),
+                std::task::Poll::Pending => None,
+            })
+        })
+        .await
     }
 }

@@ -38,7 +38,7 @@ pub use errno::Errno;
 pub use export::{
     BlockSize, BlockSizeError, Export, ExportFeatures, Extent, ReadChunk, WriteZeroesFlags,
 };
-pub use exports::{ExportEntry, Exports, ExportsError};
+pub use exports::{Attachment, CloseMode, ExportEntry, ExportState, Exports, ExportsError};
 pub use mem_export::{MemExport, MemStats};
 pub use negotiate::meta::{
     ALLOCATION_DEPTH, BASE_ALLOCATION, DIRTY_BITMAP_PREFIX, MAX_DIRTY_BITMAPS,

@@ -213,13 +213,24 @@ pub struct Server<E> {
 impl<E: Export + 'static> Server<E> {
     /// Validates the exports.
     pub fn new(exports: Vec<ExportEntry<E>>, config: ServerConfig) -> Result<Self, ServerError> {
-        Ok(Self {
-            exports: Exports::new(exports)?,
+        Ok(Self::from_exports(Exports::new(exports)?, config))
+    }
+
+    /// Serves a set of exports its owner may change while the server runs (see
+    /// [`Exports`]): connections see exports added or closed from their next option on.
+    pub fn from_exports(exports: Exports<E>, config: ServerConfig) -> Self {
+        Self {
+            exports,
             config,
             tls: None,
             threads: 1,
             start_workers: None,
-        })
+        }
+    }
+
+    /// The set of exports served: a handle sharing it.
+    pub fn exports(&self) -> Exports<E> {
+        self.exports.clone()
     }
 
     /// Requires every client to start TLS with these credentials before anything else
@@ -352,6 +363,8 @@ impl<E: Export + 'static> Server<E> {
         if let Some(workers) = workers {
             workers.finish().await;
         }
+        // Exports being closed are flushed and closed by whoever closed them, once their
+        // last client is gone (which the end of every connection above ensured).
         for entry in self.exports.entries() {
             entry
                 .export

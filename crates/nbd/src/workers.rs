@@ -13,7 +13,7 @@ use tokio::task::{JoinHandle, JoinSet, LocalSet};
 
 use crate::control::Control;
 use crate::export::Export;
-use crate::exports::{ExportEntry, Exports};
+use crate::exports::{ExportEntry, ExportState, Exports};
 use crate::remote::{dispatch, Remote, RemoteHandle, SendBuf};
 use crate::server::{handle, Accepted, Handled};
 use crate::tls::TlsServer;
@@ -83,7 +83,8 @@ impl Workers {
         let mut dispatchers = Vec::new();
         for entry in exports.entries() {
             let (handle, task) = dispatch(Rc::clone(&entry.export));
-            handles.push((entry.name.clone(), entry.description.clone(), handle));
+            let state = Arc::clone(entry.state());
+            handles.push((entry.name.clone(), entry.description.clone(), handle, state));
             dispatchers.push(task);
         }
         let mut workers = Vec::new();
@@ -161,10 +162,14 @@ impl Workers {
     }
 }
 
+/// What a worker needs of one export: name, description, the handle its calls go through,
+/// and the state its clients attach to (shared with the owning thread's entry).
+type WorkerEntry<B> = (String, String, RemoteHandle<B>, Arc<ExportState>);
+
 /// A worker thread's life: serve the connections it is given until the accept loop stops
 /// sending them, then let them end.
 fn run_worker<B: SendBuf>(
-    entries: Vec<(String, String, RemoteHandle<B>)>,
+    entries: Vec<WorkerEntry<B>>,
     jobs: mpsc::UnboundedReceiver<Job>,
     setup: Setup,
 ) {
@@ -180,8 +185,10 @@ fn run_worker<B: SendBuf>(
     };
     let entries = entries
         .into_iter()
-        .map(|(name, description, handle)| {
-            ExportEntry::new(name, Rc::new(Remote::from(handle))).with_description(description)
+        .map(|(name, description, handle, state)| {
+            ExportEntry::new(name, Rc::new(Remote::from(handle)))
+                .with_description(description)
+                .sharing(state)
         })
         .collect();
     let exports = match Exports::new(entries) {

@@ -10,7 +10,7 @@ pub mod options;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 
 use crate::export::{BlockSize, Export, ExportFeatures};
-use crate::exports::Exports;
+use crate::exports::{Attachment, Exports};
 use crate::wire::consts::*;
 use crate::wire::handshake::{
     ClientFlags, ExportNameReply, Greeting, OptionHeader, OptionReplyHeader, CLIENT_FLAGS_LEN,
@@ -46,7 +46,7 @@ pub enum Mode {
 /// The outcome of a successful handshake.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Negotiated {
-    /// Index of the chosen export in the [`Exports`] list.
+    /// Key of the chosen export in the [`Exports`] set.
     pub export: usize,
     /// Reply format.
     pub mode: Mode,
@@ -102,8 +102,8 @@ pub enum HandshakeError {
 /// How a handshake ended normally.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HandshakeEnd {
-    /// Enter transmission.
-    Transmission(Negotiated),
+    /// Enter transmission, attached to the export selected.
+    Transmission(Negotiated, Attachment),
     /// The client aborted, or hung up, before choosing an export.
     ClientLeft,
     /// STARTTLS was acknowledged: run the TLS handshake on the socket, then go on with
@@ -195,17 +195,21 @@ where
         match step {
             Step::Continue(replies) => send_replies(writer, &replies).await?,
             Step::Go(replies, negotiated) => {
+                // Attached before the reply goes out: a close of the export from now on
+                // counts this client.
+                let attached = attach(exports, &negotiated)?;
                 send_replies(writer, &replies).await?;
-                return Ok(HandshakeEnd::Transmission(negotiated));
+                return Ok(HandshakeEnd::Transmission(negotiated, attached));
             }
             Step::ExportName(negotiated) => {
+                let attached = attach(exports, &negotiated)?;
                 let reply = ExportNameReply {
                     size: negotiated.size,
                     flags: negotiated.flags,
                 };
                 writer.write_all(&reply.encode(state.no_zeroes)).await?;
                 writer.flush().await?;
-                return Ok(HandshakeEnd::Transmission(negotiated));
+                return Ok(HandshakeEnd::Transmission(negotiated, attached));
             }
             Step::Abort(replies) => {
                 // The client may already be gone; an ACK it never reads is no error.
@@ -232,6 +236,14 @@ where
             }
         }
     }
+}
+
+/// Attaches the connection to the export the option just selected (in the same step, so
+/// the export cannot have been closed in between).
+fn attach<E>(exports: &Exports<E>, negotiated: &Negotiated) -> Result<Attachment, HandshakeError> {
+    exports
+        .attach(negotiated.export)
+        .ok_or_else(|| HandshakeError::Refused("the export selected is closing".into()))
 }
 
 async fn send_replies<W: AsyncWrite + Unpin>(
