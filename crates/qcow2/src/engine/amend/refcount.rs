@@ -1,0 +1,123 @@
+//! A new refcount width for an open image (`refcount_bits`): the checker counts every
+//! reference and writes a structure of the new width beside the old one, switching to it in
+//! one header write (`check::change_refcount_order`, where the crash-safety argument lives);
+//! this file quiesces the image first and makes the allocator follow the new structure after.
+//!
+//! Order: no request runs meanwhile (the whole disk locked, allocation stopped), every cached
+//! table is written back and a lazy-refcount dirty bit cleared before the count, so the count
+//! reads what the image really holds; the in-memory state changes only after the switch is
+//! durable.
+
+use super::entry::AmendError;
+use crate::engine::check::{self, CheckError, Switched};
+use crate::engine::error::{EngineError, Result};
+use crate::engine::image::Inner;
+use crate::engine::overlap::MetaKind;
+use crate::engine::range_lock::LockMode;
+use crate::format::{HostCluster, HostOffset};
+use storage::Storage;
+
+impl<S: Storage + 'static> Inner<S> {
+    /// Rewrites the refcount structure with refcounts `order` wide (2^order bits).
+    pub(super) async fn change_refcount_width(&self, order: u32) -> Result<()> {
+        let w = self.alloc()?;
+        let top = self.chain.top();
+        let meta = top.qcow2_required()?;
+        let geom = meta
+            .refcount_geom
+            .get()
+            .with_refcount_order(order)
+            .map_err(|source| EngineError::Format {
+                image: top.name.clone(),
+                source,
+            })?;
+        let _range = self
+            .lock_range(0, top.size.get(), LockMode::Exclusive)
+            .await;
+        let _meta = w.meta_lock.lock().await;
+        self.flush().await?;
+        w.mark_clean().await?;
+        let new = check::change_refcount_order(&top.file, order)
+            .await
+            .map_err(|e| self.width_error(e))?;
+        // The switch is durable: from here on the new structure is the image's.
+        self.adopt_refcounts(&new, order);
+        meta.refcount_geom.set(geom);
+        Ok(())
+    }
+
+    /// Makes the allocator use the structure the header now names: the old blocks leave the
+    /// cache unwritten (the cache was clean, and their clusters are free now) and the
+    /// metadata index, so data may go there.
+    fn adopt_refcounts(&self, new: &Switched, order: u32) {
+        let Some(w) = &self.alloc else { return };
+        let top = self.chain.top();
+        let Some(meta) = top.qcow2() else { return };
+        let cs = meta.geom.cluster_size();
+        let old_table = {
+            let h = meta.header.borrow();
+            (h.refcount_table_offset, h.refcount_table_clusters)
+        };
+        w.refcounts.forget(|_| true);
+        {
+            let mut index = w.meta.borrow_mut();
+            for &block in w.reftable.borrow().iter().filter(|&&b| b != 0) {
+                index.remove(HostOffset(block));
+            }
+            index.remove(HostOffset(old_table.0));
+            for &block in new.table.iter().filter(|&&b| b != 0) {
+                index.insert(HostOffset(block), cs, MetaKind::RefcountBlock);
+            }
+            index.insert(
+                HostOffset(new.table_offset),
+                u64::from(new.table_clusters) * cs,
+                MetaKind::RefcountTable,
+            );
+        }
+        *w.reftable.borrow_mut() = new.table.clone();
+        {
+            let mut h = meta.header.borrow_mut();
+            h.refcount_table_offset = new.table_offset;
+            h.refcount_table_clusters = new.table_clusters;
+            h.refcount_order = order;
+        }
+        w.free_hint.set(HostCluster(0));
+        w.free_byte_offset.set(0);
+        w.physical_len.set(w.physical_len.get().max(new.file_len));
+        meta.file_end.set(meta.file_end.get().max(new.file_len));
+        w.mapping_changed();
+    }
+
+    /// The checker's failure to change the width, as amend reports it.
+    fn width_error(&self, e: CheckError) -> EngineError {
+        let image = self.chain.top().name.clone();
+        match e {
+            CheckError::RefcountTooWide {
+                bits,
+                offset,
+                refcount,
+            } => EngineError::Amend {
+                image,
+                source: AmendError::RefcountTooBig {
+                    bits,
+                    offset,
+                    refcount,
+                },
+            },
+            CheckError::Io {
+                what,
+                offset,
+                source,
+            } => EngineError::Io {
+                image,
+                what,
+                offset,
+                source,
+            },
+            other => EngineError::Corrupt {
+                image,
+                detail: format!("could not change the refcount width: {other}"),
+            },
+        }
+    }
+}
