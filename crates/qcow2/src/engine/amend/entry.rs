@@ -111,7 +111,8 @@ impl<S: Storage + 'static> Inner<S> {
         }
         self.check_backing(opts).map_err(refuse)?;
         let bits = opts.refcount_bits.unwrap_or(u64::from(old_bits));
-        if bits != 16 && version < 3 {
+        // Keeping another width while downgrading is the downgrade's refusal, not this one.
+        if bits != u64::from(old_bits) && bits != 16 && version < 3 {
             return Err(refuse(AmendError::RefcountNeedsV3));
         }
         // A power of two up to 64, checked above.
