@@ -240,6 +240,7 @@ fn options_amend_cannot_change_are_refused_as_qemu_img_refuses_them() {
         "backing_fmt",
         "compat",
         "lazy_refcounts",
+        "refcount_bits",
         "size",
     ] {
         assert!(ours.contains(&format!("  {opt}=")), "{opt} in {ours}");
