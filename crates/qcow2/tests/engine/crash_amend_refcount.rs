@@ -233,3 +233,48 @@ fn writes_after_the_change_use_the_new_width() {
         );
     }
 }
+
+/// With lazy refcounts, writes of the same session leave the dirty bit set and refcounts in
+/// the cache only: the change writes them back and clears the bit before it counts, and the
+/// disk reads the same through the new width.
+#[test]
+fn a_lazy_refcount_image_written_in_the_same_session_changes_width_cleanly() {
+    let out = run(async {
+        let top = MemStorage::new();
+        let opts = CreateOptions {
+            size: SIZE,
+            cluster_size: 4096,
+            lazy_refcounts: true,
+            ..CreateOptions::default()
+        };
+        create(&top, &opts).await.unwrap();
+        let fs = MemFs::new();
+        fs.insert(TOP, top.clone());
+        let img = Image::open(&fs, Path::new(TOP), &OpenOptions::default())
+            .await
+            .unwrap();
+        let data = IoBuf::from_slice(&vec![5u8; 40 * 1024]);
+        img.write(12345 * 8, data, false).await.0.unwrap();
+        let disk_before = img.read(0, SIZE as usize).await.unwrap().to_vec();
+        img.amend(&amend_to(8)).await.unwrap();
+        assert!(img.read(0, SIZE as usize).await.unwrap().to_vec() == disk_before);
+        let more = IoBuf::from_slice(&vec![6u8; 8192]);
+        img.write(SIZE / 2, more, false).await.0.unwrap();
+        img.close().await.unwrap();
+        top
+    });
+    assert_eq!(width(&out), 8);
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("top.qcow2");
+    std::fs::write(&p, out.to_vec()).unwrap();
+    let check = std::process::Command::new("qemu-img")
+        .args(["check", p.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(
+        check.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+}

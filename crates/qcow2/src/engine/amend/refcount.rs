@@ -37,9 +37,10 @@ impl<S: Storage + 'static> Inner<S> {
         let _meta = w.meta_lock.lock().await;
         self.flush().await?;
         w.mark_clean().await?;
-        let new = check::change_refcount_order(&top.file, order)
-            .await
-            .map_err(|e| self.width_error(e))?;
+        let new = match check::change_refcount_order(&top.file, order).await {
+            Ok(new) => new,
+            Err(e) => return Err(self.width_failed(e).await),
+        };
         // The switch is durable: from here on the new structure is the image's.
         self.adopt_refcounts(&new, order);
         meta.refcount_geom.set(geom);
@@ -83,9 +84,28 @@ impl<S: Storage + 'static> Inner<S> {
         }
         w.free_hint.set(HostCluster(0));
         w.free_byte_offset.set(0);
-        w.physical_len.set(w.physical_len.get().max(new.file_len));
-        meta.file_end.set(meta.file_end.get().max(new.file_len));
+        // The new structure may lie past what the allocator knew of the file.
+        let end = new
+            .table
+            .iter()
+            .map(|&block| block + cs)
+            .chain([new.table_offset + u64::from(new.table_clusters) * cs])
+            .max()
+            .unwrap_or(0);
+        w.physical_len.set(w.physical_len.get().max(end));
+        meta.file_end.set(meta.file_end.get().max(end));
         w.mapping_changed();
+    }
+
+    /// After a failed change, the old structure is still in charge, but blocks of the new
+    /// one may have been written past the end the allocator knew: clusters there no longer
+    /// read as zeros without being written.
+    async fn width_failed(&self, e: CheckError) -> EngineError {
+        let top = self.chain.top();
+        if let (Some(w), Ok(len)) = (&self.alloc, top.file.len().await) {
+            w.physical_len.set(w.physical_len.get().max(len));
+        }
+        self.width_error(e)
     }
 
     /// The checker's failure to change the width, as amend reports it.

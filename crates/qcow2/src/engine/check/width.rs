@@ -34,8 +34,6 @@ pub(crate) struct Switched {
     pub table_clusters: u32,
     /// Its entries: refcount block offsets, 0 where there is none.
     pub table: Vec<u64>,
-    /// The file's length afterwards.
-    pub file_len: u64,
 }
 
 /// Rewrites the refcount structure of the image in `file` with refcounts of `order` (2^order
@@ -85,7 +83,6 @@ impl<S: Storage> Pass<'_, S> {
             table_offset: new.table_offset,
             table_clusters: new.table_clusters,
             table: new.table,
-            file_len: self.file_len,
         })
     }
 
