@@ -197,6 +197,7 @@ mod tests {
         assert_eq!(o.lazy_refcounts, Some(false));
         assert_eq!(o.size, Some(8 << 20));
         assert_eq!(parse("compat=1.1").unwrap().version, Some(3));
+        assert_eq!(parse("refcount_bits=64").unwrap().refcount_bits, Some(64));
         let err = |l: &str| parse(l).unwrap_err().to_string();
         assert_eq!(err("compat=2"), "Unknown compatibility level 2");
         assert!(err("cluster_size=4k").contains("only supported for image creation"));

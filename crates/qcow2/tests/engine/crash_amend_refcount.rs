@@ -213,6 +213,13 @@ fn writes_after_the_change_use_the_new_width() {
                 .await
                 .unwrap();
             img.delete_snapshot(b"1", b"base").await.unwrap();
+            let back = img.read(SIZE / 4, 4 * 4096).await.unwrap().to_vec();
+            let written = 512..512 + 3 * 4096 + 512;
+            let ok = back
+                .iter()
+                .enumerate()
+                .all(|(i, &b)| b == if written.contains(&i) { 7 } else { 0 });
+            assert!(ok, "{from} -> {to}: the write reads back");
             img.close().await.unwrap();
             top
         });
