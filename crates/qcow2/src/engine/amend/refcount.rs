@@ -12,7 +12,7 @@ use super::entry::AmendError;
 use crate::engine::check::{self, CheckError, Switched};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::image::Inner;
-use crate::engine::overlap::MetaKind;
+use crate::engine::overlap::{MetaIndex, MetaKind};
 use crate::engine::range_lock::LockMode;
 use crate::format::{HostCluster, HostOffset};
 use storage::Storage;
@@ -52,29 +52,18 @@ impl<S: Storage + 'static> Inner<S> {
     /// metadata index, so data may go there.
     fn adopt_refcounts(&self, new: &Switched, order: u32) {
         let Some(w) = &self.alloc else { return };
-        let top = self.chain.top();
-        let Some(meta) = top.qcow2() else { return };
-        let cs = meta.geom.cluster_size();
-        let old_table = {
-            let h = meta.header.borrow();
-            (h.refcount_table_offset, h.refcount_table_clusters)
+        let Some(meta) = self.chain.top().qcow2() else {
+            return;
         };
+        let cs = meta.geom.cluster_size();
+        let old_table = meta.header.borrow().refcount_table_offset;
         w.refcounts.forget(|_| true);
-        {
-            let mut index = w.meta.borrow_mut();
-            for &block in w.reftable.borrow().iter().filter(|&&b| b != 0) {
-                index.remove(HostOffset(block));
-            }
-            index.remove(HostOffset(old_table.0));
-            for &block in new.table.iter().filter(|&&b| b != 0) {
-                index.insert(HostOffset(block), cs, MetaKind::RefcountBlock);
-            }
-            index.insert(
-                HostOffset(new.table_offset),
-                u64::from(new.table_clusters) * cs,
-                MetaKind::RefcountTable,
-            );
-        }
+        reindex(
+            &mut w.meta.borrow_mut(),
+            (old_table, &w.reftable.borrow()),
+            new,
+            cs,
+        );
         *w.reftable.borrow_mut() = new.table.clone();
         {
             let mut h = meta.header.borrow_mut();
@@ -140,4 +129,21 @@ impl<S: Storage + 'static> Inner<S> {
             },
         }
     }
+}
+
+/// Replaces the old refcount table (at `old.0`, with blocks `old.1`) and its blocks by the
+/// new ones in the index of metadata that data writes must not touch.
+fn reindex(index: &mut MetaIndex, old: (u64, &[u64]), new: &Switched, cs: u64) {
+    for &block in old.1.iter().filter(|&&b| b != 0) {
+        index.remove(HostOffset(block));
+    }
+    index.remove(HostOffset(old.0));
+    for &block in new.table.iter().filter(|&&b| b != 0) {
+        index.insert(HostOffset(block), cs, MetaKind::RefcountBlock);
+    }
+    index.insert(
+        HostOffset(new.table_offset),
+        u64::from(new.table_clusters) * cs,
+        MetaKind::RefcountTable,
+    );
 }
