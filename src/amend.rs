@@ -1,6 +1,7 @@
 //! `qcow2-nbd amend`: change a qcow2 image's options in place, with `qemu-img amend`'s
-//! option names, checks, messages and exit codes: `compat`, `lazy_refcounts`, `size`, and
-//! `backing_file`/`backing_fmt` (which, as in qemu-img 10, may only name the current ones).
+//! option names, checks, messages and exit codes: `compat`, `lazy_refcounts`,
+//! `refcount_bits`, `size`, and `backing_file`/`backing_fmt` (which, as in qemu-img 10, may
+//! only name the current ones).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -50,8 +51,11 @@ const AMEND_UNSUPPORTED: &[&str] = &[
     long_about = "Change the options of a qcow2 image in place, like `qemu-img amend`.\n\n\
         -o takes compat=0.10|1.1 (downgrading turns zero clusters into data; refused with \
         extended L2 entries, other refcount widths, persistent bitmaps and snapshots of \
-        another size), lazy_refcounts=on|off, size=SIZE, and backing_file/backing_fmt, \
-        which may only name the current backing file (use a rebase to change it). \
+        another size), lazy_refcounts=on|off, refcount_bits=1|2|4|8|16|32|64 (a \
+        narrower width is refused when some refcount does not fit), size=SIZE, and \
+        backing_file/backing_fmt, which may only name the current backing file (use a \
+        rebase to change it). Combined, they apply in QEMU's order: upgrade, refcount \
+        width, lazy refcounts, size, downgrade. \
         `-o help` lists them. Creation-only options (cluster_size, extended_l2, ...) are \
         refused."
 )]
@@ -193,6 +197,7 @@ mod tests {
         assert_eq!(o.lazy_refcounts, Some(false));
         assert_eq!(o.size, Some(8 << 20));
         assert_eq!(parse("compat=1.1").unwrap().version, Some(3));
+        assert_eq!(parse("refcount_bits=64").unwrap().refcount_bits, Some(64));
         let err = |l: &str| parse(l).unwrap_err().to_string();
         assert_eq!(err("compat=2"), "Unknown compatibility level 2");
         assert!(err("cluster_size=4k").contains("only supported for image creation"));

@@ -240,8 +240,126 @@ fn options_amend_cannot_change_are_refused_as_qemu_img_refuses_them() {
         "backing_fmt",
         "compat",
         "lazy_refcounts",
+        "refcount_bits",
         "size",
     ] {
         assert!(ours.contains(&format!("  {opt}=")), "{opt} in {ours}");
     }
+}
+
+/// Images of other widths and sizes for the refcount width matrix, besides [`VARIANTS`].
+const WIDTH_VARIANTS: &[Variant] = &[
+    Variant {
+        name: "512",
+        make: |d, img| plain(d, img, "cluster_size=512"),
+    },
+    Variant {
+        name: "rc1",
+        make: |d, img| plain(d, img, "refcount_bits=1"),
+    },
+    Variant {
+        name: "rc64",
+        make: |d, img| plain(d, img, "refcount_bits=64"),
+    },
+    Variant {
+        name: "snap3",
+        make: three_snapshots,
+    },
+];
+
+/// Three internal snapshots of data partly overwritten since: refcounts of 2 to 4.
+fn three_snapshots(d: &Dir, img: &str) {
+    plain(d, img, "cluster_size=4k");
+    for (i, name) in ["s1", "s2", "s3"].iter().enumerate() {
+        d.qemu_img(&["snapshot", "-c", name, img]);
+        d.qemu_io(
+            "qcow2",
+            img,
+            &[&format!("write -P {} {}k 8k", 10 + i, 64 * i)],
+        );
+    }
+}
+
+/// `refcount_bits=BITS` through both tools ([`side_by_side`]); where QEMU changed the
+/// width, we also read QEMU's image as QEMU reads ours, and QEMU writes to ours cleanly.
+fn width_case(d: &Dir, v: &Variant, bits: u32) {
+    let case = format!("rc{bits}");
+    let opt = format!("refcount_bits={bits}");
+    side_by_side(d, v, &case, &["-o", &opt, "{}"]);
+    let (theirs, ours) = (
+        format!("{}-{case}-qemu.qcow2", v.name),
+        format!("{}-{case}-ours.qcow2", v.name),
+    );
+    let width = |img: &str| d.info(img)["format-specific"]["data"]["refcount-bits"].clone();
+    if width(&theirs) != bits {
+        return;
+    }
+    assert_eq!(width(&ours), bits, "{} {case}", v.name);
+    let out = d.run(BIN, &["compare", &ours, &theirs]);
+    assert!(out.status.success(), "{} {case}: {}", v.name, text(&out));
+    // Compressed writes go to clusters no variant allocated (QEMU refuses them elsewhere).
+    let writes: &[&str] = &["write -P 8 1536k 200k", "write -c -P 9 3584k 64k"];
+    d.qemu_io("qcow2", &ours, writes);
+    d.assert_check_clean(&ours);
+    d.qemu_io("qcow2", &theirs, writes);
+    d.assert_same_contents(&ours, "qcow2", &theirs, "qcow2");
+}
+
+#[test]
+fn refcount_width_changes_match_qemu_img() {
+    let d = Dir::new();
+    for v in VARIANTS.iter().chain(WIDTH_VARIANTS) {
+        for bits in [1, 4, 64, 8, 16] {
+            width_case(&d, v, bits);
+        }
+    }
+}
+
+#[test]
+fn a_narrower_width_that_cannot_hold_a_refcount_is_refused_untouched() {
+    let d = Dir::new();
+    three_snapshots(&d, "q.qcow2");
+    d.copy("q.qcow2", "o.qcow2");
+    let before = d.read("o.qcow2");
+    let args = |img: &'static str| ["amend", "-o", "refcount_bits=1", img];
+    let (q, o) = (
+        d.run("qemu-img", &args("q.qcow2")),
+        d.run(BIN, &args("o.qcow2")),
+    );
+    assert_eq!((o.status.code(), q.status.code()), (Some(1), Some(1)));
+    let why = reason(&o.stderr);
+    assert!(
+        why.starts_with("Cannot decrease refcount entry width to 1 bits: Cluster at offset 0x"),
+        "{why}"
+    );
+    assert_eq!(why, reason(&q.stderr));
+    assert!(
+        d.read("o.qcow2") == before,
+        "the image is byte for byte as before"
+    );
+}
+
+#[test]
+fn refcount_width_with_other_options_matches_qemu_img() {
+    let d = Dir::new();
+    for v in VARIANTS
+        .iter()
+        .chain(WIDTH_VARIANTS)
+        .filter(|v| v.name.starts_with("rc"))
+    {
+        for (case, args) in [
+            ("v2-16", &["-o", "compat=0.10,refcount_bits=16", "{}"][..]),
+            ("v2-only", &["-o", "compat=0.10", "{}"]),
+            ("grow-8", &["-o", "refcount_bits=8,size=6M", "{}"]),
+            ("lazy-2", &["-o", "lazy_refcounts=on,refcount_bits=2", "{}"]),
+        ] {
+            side_by_side(&d, v, case, args);
+        }
+    }
+    // An upgrade and a width only version 3 has, in one amend.
+    let v = VARIANTS
+        .iter()
+        .find(|v| v.name == "v2")
+        .expect("the v2 variant");
+    side_by_side(&d, v, "v3-4", &["-o", "compat=1.1,refcount_bits=4", "{}"]);
 }

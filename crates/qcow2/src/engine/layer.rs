@@ -40,8 +40,12 @@ pub(crate) enum LayerFormat<S> {
 pub(crate) struct Qcow2Meta<S> {
     /// The decoded header (rewritten in place when the engine changes it).
     pub header: RefCell<Header>,
-    /// Cluster arithmetic.
+    /// Cluster arithmetic. Its refcount width is the one the image was opened with: amend
+    /// may change the width while the image is open, so refcounts go by `refcount_geom`.
     pub geom: Geometry,
+    /// `geom` with the refcount width the image has now (what refcount blocks are read and
+    /// written with).
+    pub refcount_geom: Cell<Geometry>,
     /// The L1 table in use (the active one, or a snapshot's), as raw entry words.
     pub l1: RefCell<Vec<u64>>,
     /// Where the L1 table lives in the file.

@@ -184,9 +184,11 @@ where
     let l1 = read_l1(at, &geom, l1_offset, l1_entries, size, &regions).await?;
     let data_file = open_data_file(opener, at, &header, path, access).await?;
     let data_raw = header.data_file_is_raw();
+    let geom = geom.with_data_file(data_file.is_some());
     Ok((
         Qcow2Meta {
-            geom: geom.with_data_file(data_file.is_some()),
+            geom,
+            refcount_geom: Cell::new(geom),
             header: RefCell::new(header),
             l1: RefCell::new(l1),
             l1_offset: Cell::new(l1_offset),

@@ -36,8 +36,9 @@ impl<S: Storage + 'static> Inner<S> {
         let threshold = (real_clusters * 10 / 9).max(real_clusters + 2);
         let file_len = layer.file.len().await.ok()?;
         let end_cluster = file_len.div_ceil(cs);
-        let order = g.refcount_order();
-        let per_block = g.refcount_block_entries();
+        let rg = meta.refcount_geom.get();
+        let order = rg.refcount_order();
+        let per_block = rg.refcount_block_entries();
         let entries = usize::try_from(per_block).ok()?;
         // Layer 0 of a writable image: its refcount blocks may be newer in the cache than in
         // the file, so count through the cache.

@@ -111,6 +111,18 @@ impl Geometry {
         self
     }
 
+    /// The same geometry with refcounts `order` wide (2^order bits), as after amend changed
+    /// the width; an order past 6 is refused.
+    pub fn with_refcount_order(self, order: u32) -> Result<Geometry, FormatError> {
+        Geometry::new(
+            self.cluster_bits,
+            self.extended_l2,
+            order,
+            self.virtual_size,
+        )
+        .map(|g| g.with_data_file(self.data_file))
+    }
+
     /// Whether guest data lives in an external data file.
     pub fn has_data_file(&self) -> bool {
         self.data_file

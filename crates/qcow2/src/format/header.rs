@@ -121,6 +121,43 @@ pub fn reftable_update(offset: u64, clusters: u32) -> FieldUpdate<12> {
     )
 }
 
+/// The update that switches to a refcount structure of another width in one write: every
+/// field from `refcount_table_offset` to `refcount_order` (52 bytes, inside the first
+/// sector), the fields between them taken from `h` as they are.
+pub fn refcount_structure_update(
+    h: &Header,
+    table_offset: u64,
+    table_clusters: u32,
+    order: u32,
+) -> FieldUpdate<52> {
+    let mut bytes = [0u8; 52];
+    let mut put = |field: usize, value: &[u8]| {
+        let at = field - field::REFCOUNT_TABLE_OFFSET;
+        bytes[at..at + value.len()].copy_from_slice(value);
+    };
+    put(field::REFCOUNT_TABLE_OFFSET, &table_offset.to_be_bytes());
+    put(
+        field::REFCOUNT_TABLE_CLUSTERS,
+        &table_clusters.to_be_bytes(),
+    );
+    put(field::NB_SNAPSHOTS, &h.nb_snapshots.to_be_bytes());
+    put(field::SNAPSHOTS_OFFSET, &h.snapshots_offset.to_be_bytes());
+    put(
+        field::INCOMPATIBLE_FEATURES,
+        &h.incompatible_features.to_be_bytes(),
+    );
+    put(
+        field::COMPATIBLE_FEATURES,
+        &h.compatible_features.to_be_bytes(),
+    );
+    put(
+        field::AUTOCLEAR_FEATURES,
+        &h.autoclear_features.to_be_bytes(),
+    );
+    put(field::REFCOUNT_ORDER, &order.to_be_bytes());
+    FieldUpdate::new(field::REFCOUNT_TABLE_OFFSET, bytes)
+}
+
 /// The update that sets `nb_snapshots` and `snapshots_offset` together.
 pub fn snapshots_update(nb_snapshots: u32, snapshots_offset: u64) -> FieldUpdate<12> {
     FieldUpdate::new(
@@ -856,6 +893,22 @@ mod tests {
         expected.size = 3 << 30;
         expected.l1_size = 48;
         expected.l1_table_offset = 6 << 16;
+        assert_eq!(after, expected);
+    }
+
+    #[test]
+    fn refcount_structure_update_keeps_the_fields_between() {
+        let (mut before, mut buf) = image();
+        before.compatible_features = features::COMPAT_LAZY_REFCOUNTS;
+        apply(&mut buf, compatible_update(features::COMPAT_LAZY_REFCOUNTS));
+        let u = refcount_structure_update(&before, 8 << 16, 3, 6);
+        assert!(u.offset + 52 <= 512, "one sector: the switch cannot tear");
+        apply(&mut buf, u);
+        let after = Header::decode(&buf).expect("still valid");
+        let mut expected = before;
+        expected.refcount_table_offset = 8 << 16;
+        expected.refcount_table_clusters = 3;
+        expected.refcount_order = 6;
         assert_eq!(after, expected);
     }
 

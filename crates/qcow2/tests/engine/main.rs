@@ -6,6 +6,7 @@ mod bitmaps;
 mod chain;
 mod concurrency;
 mod crash;
+mod crash_amend_refcount;
 mod crash_snapshots;
 mod grow_ahead;
 mod io_errors;

@@ -23,7 +23,7 @@ use storage::{IoBuf, Storage};
 
 impl<S: Storage + 'static> Allocator<S> {
     pub(super) fn rc_geometry(&self) -> (u64, u32, u64) {
-        let g = self.meta().geom;
+        let g = self.meta().refcount_geom.get();
         (
             g.cluster_size(),
             g.refcount_order(),

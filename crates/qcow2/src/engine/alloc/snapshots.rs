@@ -120,7 +120,8 @@ impl<S: Storage + 'static> Allocator<S> {
     /// Refuses references that a refcount cannot hold (say, a second one with 1-bit
     /// refcounts), before anything is written.
     pub(crate) async fn check_refs_fit(&self, refs: &RefCounts) -> Result<()> {
-        let max = refcount::max_value(self.meta().geom.refcount_order()).unwrap_or(u64::MAX);
+        let max = refcount::max_value(self.meta().refcount_geom.get().refcount_order())
+            .unwrap_or(u64::MAX);
         for (&c, &n) in refs {
             let now = self.refcount(HostCluster(c)).await?;
             if now.checked_add(n).is_none_or(|v| v > max) {

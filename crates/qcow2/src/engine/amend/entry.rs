@@ -1,6 +1,10 @@
 //! `amend`: QEMU's checks, then the changes in QEMU's order (upgrade first, so that the
-//! features it allows can be turned on; size; downgrade last, once what version 2 cannot
-//! hold is gone). Everything that can be refused is refused before anything is written.
+//! features it allows can be turned on; the refcount width; lazy refcounts; size; downgrade
+//! last, once what version 2 cannot hold is gone, so `compat=0.10,refcount_bits=16` works on
+//! an image of another width). Everything that can be refused is refused before anything is
+//! written, except a narrower refcount width, which only the count of every reference can
+//! refuse: that count comes before anything is written too, but after an upgrade asked for
+//! with it.
 
 use crate::engine::create::Preallocation;
 use crate::engine::error::{EngineError, Result};
@@ -38,6 +42,15 @@ pub enum AmendError {
     LazyNeedsV3,
     #[error("Cannot amend the backing file\nYou can use 'qemu-img rebase' instead.")]
     Backing,
+    #[error("Cannot decrease refcount entry width to {bits} bits: Cluster at offset {offset:#x} has a refcount of {refcount}")]
+    RefcountTooBig {
+        /// The width asked for.
+        bits: u32,
+        /// The first cluster whose refcount does not fit.
+        offset: u64,
+        /// Its refcount.
+        refcount: u64,
+    },
     #[error("compat=0.10 requires refcount_bits=16")]
     DowngradeRefcountBits,
     #[error("Cannot downgrade an image with a data file")]
@@ -86,7 +99,7 @@ impl<S: Storage + 'static> Inner<S> {
             let h = meta.header.borrow();
             (
                 h.version,
-                meta.geom.refcount_bits(),
+                meta.refcount_geom.get().refcount_bits(),
                 h.compatible_features & COMPAT_LAZY_REFCOUNTS != 0,
             )
         };
@@ -98,15 +111,12 @@ impl<S: Storage + 'static> Inner<S> {
         }
         self.check_backing(opts).map_err(refuse)?;
         let bits = opts.refcount_bits.unwrap_or(u64::from(old_bits));
-        if bits != u64::from(old_bits) {
-            if version < 3 {
-                return Err(refuse(AmendError::RefcountNeedsV3));
-            }
-            return Err(EngineError::Unsupported {
-                image: top.name.clone(),
-                what: "changing refcount_bits".into(),
-            });
+        // Keeping another width while downgrading is the downgrade's refusal, not this one.
+        if bits != u64::from(old_bits) && bits != 16 && version < 3 {
+            return Err(refuse(AmendError::RefcountNeedsV3));
         }
+        // A power of two up to 64, checked above.
+        let order = bits.trailing_zeros();
         let lazy = opts.lazy_refcounts.unwrap_or(lazy_now);
         if lazy && !lazy_now && version < 3 {
             return Err(refuse(AmendError::LazyNeedsV3));
@@ -115,10 +125,13 @@ impl<S: Storage + 'static> Inner<S> {
             self.check_upgrade().await?;
         }
         if version < old_version {
-            self.check_downgrade(opts.size).await?;
+            self.check_downgrade(opts.size, order).await?;
         }
         if version > old_version {
             self.upgrade().await?;
+        }
+        if bits != u64::from(old_bits) {
+            self.change_refcount_width(order).await?;
         }
         if lazy != lazy_now {
             self.set_lazy_refcounts(lazy).await?;

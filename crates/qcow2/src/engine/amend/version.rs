@@ -54,12 +54,16 @@ impl<S: Storage + 'static> Inner<S> {
     }
 
     /// Everything QEMU refuses to downgrade, checked before anything changes; `new_size`
-    /// is the size the disk will have by then.
-    pub(super) async fn check_downgrade(&self, new_size: Option<u64>) -> Result<()> {
+    /// is the size the disk will have by then, `refcount_order` the refcount width.
+    pub(super) async fn check_downgrade(
+        &self,
+        new_size: Option<u64>,
+        refcount_order: u32,
+    ) -> Result<()> {
         let top = self.chain.top();
         let meta = top.qcow2_required()?;
         let refuse = |e| Err(self.amend_error(e));
-        if meta.geom.refcount_order() != 4 {
+        if refcount_order != 4 {
             return refuse(AmendError::DowngradeRefcountBits);
         }
         if meta.data_file.is_some() {

@@ -83,6 +83,25 @@ pub enum CheckError {
         /// Entries the table would need.
         entries: u64,
     },
+    /// A narrower refcount width cannot hold a refcount the image has (QEMU's words).
+    #[error("Cannot decrease refcount entry width to {bits} bits: Cluster at offset {offset:#x} has a refcount of {refcount}")]
+    RefcountTooWide {
+        /// The width asked for.
+        bits: u32,
+        /// The first cluster whose refcount does not fit.
+        offset: u64,
+        /// Its refcount.
+        refcount: u64,
+    },
+    /// The refcounts disagree with the references, so a structure built from the references
+    /// would not describe the image as it is stored.
+    #[error("the image has {corruptions} refcount corruptions and {check_errors} internal errors; repair it first (check -r all)")]
+    Inconsistent {
+        /// Corruptions a check found.
+        corruptions: u64,
+        /// Internal errors a check had.
+        check_errors: u64,
+    },
     /// A dirty image whose repair left internal errors or corruptions behind.
     #[error("could not repair the dirty image: {check_errors} internal errors and {corruptions} corruptions remain (see `qcow2-nbd check`)")]
     Unrepaired {

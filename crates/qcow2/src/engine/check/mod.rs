@@ -19,7 +19,8 @@
 //! `snapshots`, `tables` (L1/L2), `bitmaps`, `calculate` (all references), `ondisk` (stored
 //! refcounts), `compare`, `copied`, `rebuild`, `snapshot_fix`, `run` (the order of it all),
 //! `sections` (what the overlap check guards), `report`, `render` (qemu-img's output), `dirty`,
-//! `blocking` (for the CLI).
+//! `blocking` (for the CLI), `width` (amend's change of the refcount width, built on `calculate`
+//! and `rebuild`).
 
 mod bitmap_refs;
 mod bitmaps;
@@ -42,6 +43,7 @@ mod sections;
 mod snapshot_fix;
 mod snapshots;
 mod tables;
+mod width;
 
 pub use blocking::check_path;
 pub use dirty::repair_dirty;
@@ -49,3 +51,4 @@ pub(crate) use dirty::repair_dirty_layer;
 pub use error::CheckError;
 pub use report::{CheckReport, Finding, FindingKind};
 pub use run::{check, CheckOutcome, Repair};
+pub(crate) use width::{change_refcount_order, Switched};

@@ -12,66 +12,107 @@ use super::error::CheckError;
 use super::imrt::Imrt;
 use super::io;
 use super::pass::Pass;
-use crate::format::{be, header, limits, refcount};
+use crate::format::{be, header, limits, refcount, Geometry};
+use std::collections::BTreeSet;
 use storage::Storage;
+
+/// A refcount structure written into free clusters and not yet in use.
+pub(crate) struct NewStructure {
+    /// Where its table starts.
+    pub table_offset: u64,
+    /// Its table's size in clusters.
+    pub table_clusters: u32,
+    /// Its table's entries (refcount block offsets, 0 for none).
+    pub table: Vec<u64>,
+}
 
 impl<S: Storage> Pass<'_, S> {
     /// Writes a new refcount structure describing `imrt` (which gains the clusters it uses)
     /// and switches the header to it.
     pub async fn rebuild(&mut self, imrt: &mut Imrt) -> Result<(), CheckError> {
+        let new = self
+            .write_structure(imrt, self.meta.refcount_order, &BTreeSet::new())
+            .await?;
+        io::write_header(
+            self.file,
+            "switching the header to the new refcount table",
+            header::reftable_update(new.table_offset, new.table_clusters),
+        )
+        .await?;
+        io::flush(self.file).await?;
+        self.meta.reftable_offset = new.table_offset;
+        self.meta.reftable = new.table;
+        self.layout_changed();
+        self.meta.header.refcount_table_offset = new.table_offset;
+        self.meta.header.refcount_table_clusters = new.table_clusters;
+        Ok(())
+    }
+
+    /// Writes refcount blocks of width `order` for every cluster `imrt` counts, and a table
+    /// pointing to them, into clusters `imrt` has free (QEMU's `rebuild_refcount_structure`
+    /// up to the header switch). The structure counts itself: blocks and table are added to
+    /// `imrt`, and blocks for them are written too, until nothing more is needed. Everything
+    /// is flushed before this returns, so the caller can switch the header to it.
+    ///
+    /// The clusters in `released` stay taken while the structure is written (so nothing
+    /// lands on them) but get refcount 0 in it: what the switch to it frees.
+    pub async fn write_structure(
+        &mut self,
+        imrt: &mut Imrt,
+        order: u32,
+        released: &BTreeSet<u64>,
+    ) -> Result<NewStructure, CheckError> {
         let cs = self.meta.cluster_size;
-        let mut table: Vec<u64> = Vec::new();
+        let width = Width::new(self.meta.cluster_bits, order)?;
         let end = imrt.len();
-        self.write_refblocks(imrt, 0, end, &mut table).await?;
+        let mut blocks = Blocks {
+            width,
+            released,
+            table: Vec::new(),
+        };
+        self.write_refblocks(imrt, &mut blocks, 0, end).await?;
         let (table_offset, table_clusters) = loop {
-            let clusters = self.meta.clusters(table.len() as u64 * 8);
+            let clusters = self.meta.clusters(blocks.table.len() as u64 * 8);
             let mut first_free = 0;
             let start = imrt.alloc(clusters, &mut first_free)?;
             let grown = self
-                .write_refblocks(imrt, start, start + clusters, &mut table)
+                .write_refblocks(imrt, &mut blocks, start, start + clusters)
                 .await?;
             if !grown {
                 break (start * cs, clusters);
             }
         };
+        let table = blocks.table;
         let bytes = be::table_bytes(&table, table.len() * 8);
         self.guarded_write("writing the refcount table", table_offset, &bytes, &[])
             .await?;
         // Everything the new table describes must be on disk before the header uses it.
         io::flush(self.file).await?;
-        let clusters32 =
+        let table_clusters =
             u32::try_from(table_clusters).map_err(|_| CheckError::RebuildTooLarge {
                 entries: table.len() as u64,
             })?;
-        io::write_header(
-            self.file,
-            "switching the header to the new refcount table",
-            header::reftable_update(table_offset, clusters32),
-        )
-        .await?;
-        io::flush(self.file).await?;
-        self.meta.reftable_offset = table_offset;
-        self.meta.reftable = table;
-        self.layout_changed();
-        self.meta.header.refcount_table_offset = table_offset;
-        self.meta.header.refcount_table_clusters = clusters32;
-        Ok(())
+        Ok(NewStructure {
+            table_offset,
+            table_clusters,
+            table,
+        })
     }
 
     /// Writes the refcount blocks for every used cluster in `[first, end)`, allocating the
-    /// blocks that `table` lacks (QEMU's `rebuild_refcounts_write_refblocks`). Returns whether
-    /// `table` had to grow.
+    /// blocks that `out.table` lacks (QEMU's `rebuild_refcounts_write_refblocks`). Returns
+    /// whether the table had to grow.
     async fn write_refblocks(
         &mut self,
         imrt: &mut Imrt,
+        out: &mut Blocks<'_>,
         first: u64,
         mut end: u64,
-        table: &mut Vec<u64>,
     ) -> Result<bool, CheckError> {
         let cs = self.meta.cluster_size;
-        let bits = self.meta.refblock_bits;
-        let entries = self.meta.refblock_entries();
-        let order = self.meta.refcount_order;
+        let bits = out.width.block_bits;
+        let table = &mut out.table;
+        let entries = 1u64 << bits;
         let mut first_free = 0u64;
         let mut grown = false;
         let mut cluster = first;
@@ -109,19 +150,65 @@ impl<S: Storage> Pass<'_, S> {
                 table[slot] = c * cs;
                 c * cs
             };
-            let mut buf = vec![0u8; cs as usize];
-            for i in 0..entries {
-                let v = imrt.get(block_start + i);
-                if v != 0 {
-                    // i < entries of one block; v is within the width (the table stops
-                    // counting at the image's maximum).
-                    let _ = refcount::set(&mut buf, order, i as usize, v);
-                }
-            }
+            let buf = self.refblock_bytes(imrt, out.width, out.released, block_start)?;
             self.guarded_write("writing a refcount block", block, &buf, &[])
                 .await?;
             cluster = block_start + entries;
         }
         Ok(grown)
+    }
+
+    /// The refcount block of width `width` for the clusters from `block_start` on.
+    fn refblock_bytes(
+        &self,
+        imrt: &Imrt,
+        width: Width,
+        released: &BTreeSet<u64>,
+        block_start: u64,
+    ) -> Result<Vec<u8>, CheckError> {
+        let mut buf = vec![0u8; self.meta.cluster_size as usize];
+        for i in 0..(1u64 << width.block_bits) {
+            let k = block_start + i;
+            let v = imrt.get(k);
+            if v != 0 && !released.contains(&k) {
+                // A count the width cannot hold would be lost, and the cluster taken for
+                // free: callers refuse such a width first, this is the last guard.
+                refcount::set(&mut buf, width.order, i as usize, v).map_err(|_| {
+                    CheckError::RefcountTooWide {
+                        bits: 1 << width.order,
+                        offset: k << self.meta.cluster_bits,
+                        refcount: v,
+                    }
+                })?;
+            }
+        }
+        Ok(buf)
+    }
+}
+
+/// The refcount blocks being written: their width, the clusters they give refcount 0 although
+/// they are taken, and the table of the blocks written so far.
+struct Blocks<'a> {
+    width: Width,
+    released: &'a BTreeSet<u64>,
+    table: Vec<u64>,
+}
+
+/// The width of the refcounts being written, and the log2 of how many one block holds.
+#[derive(Debug, Clone, Copy)]
+struct Width {
+    order: u32,
+    block_bits: u32,
+}
+
+impl Width {
+    fn new(cluster_bits: u32, order: u32) -> Result<Width, CheckError> {
+        // The geometry owns the arithmetic (and refuses an order past 6).
+        let geom = Geometry::new(cluster_bits, false, order, 0)
+            .map_err(|source| CheckError::Open { source })?;
+        Ok(Width {
+            order,
+            block_bits: geom.refcount_block_bits(),
+        })
     }
 }

@@ -1,0 +1,149 @@
+//! A new refcount width for an open image (`refcount_bits`): the checker counts every
+//! reference and writes a structure of the new width beside the old one, switching to it in
+//! one header write (`check::change_refcount_order`, where the crash-safety argument lives);
+//! this file quiesces the image first and makes the allocator follow the new structure after.
+//!
+//! Order: no request runs meanwhile (the whole disk locked, allocation stopped), every cached
+//! table is written back and a lazy-refcount dirty bit cleared before the count, so the count
+//! reads what the image really holds; the in-memory state changes only after the switch is
+//! durable.
+
+use super::entry::AmendError;
+use crate::engine::check::{self, CheckError, Switched};
+use crate::engine::error::{EngineError, Result};
+use crate::engine::image::Inner;
+use crate::engine::overlap::{MetaIndex, MetaKind};
+use crate::engine::range_lock::LockMode;
+use crate::format::{HostCluster, HostOffset};
+use storage::Storage;
+
+impl<S: Storage + 'static> Inner<S> {
+    /// Rewrites the refcount structure with refcounts `order` wide (2^order bits).
+    pub(super) async fn change_refcount_width(&self, order: u32) -> Result<()> {
+        let w = self.alloc()?;
+        let top = self.chain.top();
+        let meta = top.qcow2_required()?;
+        let geom = meta
+            .refcount_geom
+            .get()
+            .with_refcount_order(order)
+            .map_err(|source| EngineError::Format {
+                image: top.name.clone(),
+                source,
+            })?;
+        let _range = self
+            .lock_range(0, top.size.get(), LockMode::Exclusive)
+            .await;
+        let _meta = w.meta_lock.lock().await;
+        self.flush().await?;
+        w.mark_clean().await?;
+        let new = match check::change_refcount_order(&top.file, order).await {
+            Ok(new) => new,
+            Err(e) => return Err(self.width_failed(e).await),
+        };
+        // The switch is durable: from here on the new structure is the image's.
+        self.adopt_refcounts(&new, order);
+        meta.refcount_geom.set(geom);
+        Ok(())
+    }
+
+    /// Makes the allocator use the structure the header now names: the old blocks leave the
+    /// cache unwritten (the cache was clean, and their clusters are free now) and the
+    /// metadata index, so data may go there.
+    fn adopt_refcounts(&self, new: &Switched, order: u32) {
+        let Some(w) = &self.alloc else { return };
+        let Some(meta) = self.chain.top().qcow2() else {
+            return;
+        };
+        let cs = meta.geom.cluster_size();
+        let old_table = meta.header.borrow().refcount_table_offset;
+        w.refcounts.forget(|_| true);
+        reindex(
+            &mut w.meta.borrow_mut(),
+            (old_table, &w.reftable.borrow()),
+            new,
+            cs,
+        );
+        *w.reftable.borrow_mut() = new.table.clone();
+        {
+            let mut h = meta.header.borrow_mut();
+            h.refcount_table_offset = new.table_offset;
+            h.refcount_table_clusters = new.table_clusters;
+            h.refcount_order = order;
+        }
+        w.free_hint.set(HostCluster(0));
+        w.free_byte_offset.set(0);
+        // The new structure may lie past what the allocator knew of the file.
+        let end = new
+            .table
+            .iter()
+            .map(|&block| block + cs)
+            .chain([new.table_offset + u64::from(new.table_clusters) * cs])
+            .max()
+            .unwrap_or(0);
+        w.physical_len.set(w.physical_len.get().max(end));
+        meta.file_end.set(meta.file_end.get().max(end));
+        w.mapping_changed();
+    }
+
+    /// After a failed change, the old structure is still in charge, but blocks of the new
+    /// one may have been written past the end the allocator knew: clusters there no longer
+    /// read as zeros without being written.
+    async fn width_failed(&self, e: CheckError) -> EngineError {
+        let top = self.chain.top();
+        if let (Some(w), Ok(len)) = (&self.alloc, top.file.len().await) {
+            w.physical_len.set(w.physical_len.get().max(len));
+        }
+        self.width_error(e)
+    }
+
+    /// The checker's failure to change the width, as amend reports it.
+    fn width_error(&self, e: CheckError) -> EngineError {
+        let image = self.chain.top().name.clone();
+        match e {
+            CheckError::RefcountTooWide {
+                bits,
+                offset,
+                refcount,
+            } => EngineError::Amend {
+                image,
+                source: AmendError::RefcountTooBig {
+                    bits,
+                    offset,
+                    refcount,
+                },
+            },
+            CheckError::Io {
+                what,
+                offset,
+                source,
+            } => EngineError::Io {
+                image,
+                what,
+                offset,
+                source,
+            },
+            other => EngineError::Corrupt {
+                image,
+                detail: format!("could not change the refcount width: {other}"),
+            },
+        }
+    }
+}
+
+/// Replaces the old refcount table (at `old.0`, with blocks `old.1`) and its blocks by the
+/// new ones in the index of metadata that data writes must not touch.
+fn reindex(index: &mut MetaIndex, old: (u64, &[u64]), new: &Switched, cs: u64) {
+    for &block in old.1.iter().filter(|&&b| b != 0) {
+        index.remove(HostOffset(block));
+    }
+    index.remove(HostOffset(old.0));
+    for &block in new.table.iter().filter(|&&b| b != 0) {
+        index.insert(HostOffset(block), cs, MetaKind::RefcountBlock);
+    }
+    index.insert(
+        HostOffset(new.table_offset),
+        u64::from(new.table_clusters) * cs,
+        MetaKind::RefcountTable,
+    );
+}
