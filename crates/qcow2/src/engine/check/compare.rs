@@ -10,17 +10,25 @@ use super::report::FindingKind;
 use crate::format::refcount::{self, REFTABLE_OFFSET_MASK};
 use storage::Storage;
 
+/// What comparing the stored refcounts with the computed ones found.
+pub(crate) struct Compared {
+    /// The highest cluster in use.
+    pub highest: u64,
+    /// Every stored refcount `imrt` covers could be read and equals the computed one.
+    pub agree: bool,
+}
+
 impl<S: Storage> Pass<'_, S> {
-    /// Compares every cluster `imrt` covers, repairing what `fix` allows; returns the index of
-    /// the highest cluster in use either way.
+    /// Compares every cluster `imrt` covers, repairing what `fix` allows.
     pub async fn compare(
         &mut self,
         imrt: &Imrt,
         fix: Fix,
         rebuild: &mut bool,
-    ) -> Result<u64, CheckError> {
+    ) -> Result<Compared, CheckError> {
         let mut rb = Refblocks::default();
         let mut highest = 0u64;
+        let mut agree = true;
         let mut next = 0u64;
         while next < imrt.len() {
             if let Some(resume) = self.skip_unused(imrt, next) {
@@ -37,6 +45,7 @@ impl<S: Storage> Pass<'_, S> {
             let stored = match self.stored_refcount(&mut rb, k).await {
                 Ok(v) => v,
                 Err(e) => {
+                    agree = false;
                     self.log(
                         FindingKind::Error,
                         format!("Can't get refcount for cluster {k}: {}", e.reason()),
@@ -52,6 +61,7 @@ impl<S: Storage> Pass<'_, S> {
             if stored == used {
                 continue;
             }
+            agree = false;
             let repair = if stored == 0 {
                 *rebuild = true;
                 false
@@ -84,7 +94,7 @@ impl<S: Storage> Pass<'_, S> {
             }
         }
         self.write_back_refblock(&mut rb).await?;
-        Ok(highest)
+        Ok(Compared { highest, agree })
     }
 
     /// The first cluster at or after `k` in its refcount block whose stored refcount differs
