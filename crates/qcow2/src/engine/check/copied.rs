@@ -165,11 +165,16 @@ impl<S: Storage> Pass<'_, S> {
     /// synchronous loop over the entries that agree, which are all of them in a sound image.
     fn copied_agree_from(&self, imrt: &Imrt, table: &[u8], from: usize) -> usize {
         let (extended, data_file) = (self.meta.extended, self.meta.data_file);
+        let esize = self.meta.l2_entry_size as usize;
         let entries = self.meta.l2_entries as usize;
-        for j in from..entries {
-            let Some((entry, _)) = l2::entry_at(table, j, extended) else {
-                return j;
+        let rest = table.get(from * esize..entries * esize).unwrap_or(&[]);
+        // Only the first word of an entry matters here (the bitmap of an extended entry
+        // plays no part in its type or its flag).
+        for (n, bytes) in rest.chunks_exact(esize).enumerate() {
+            let Some(&word) = bytes.first_chunk::<8>() else {
+                return from + n;
             };
+            let entry = u64::from_be_bytes(word);
             let kind = cluster_type(entry, extended, data_file);
             if !matches!(kind, ClusterType::Normal | ClusterType::ZeroAlloc) {
                 continue;
@@ -179,15 +184,15 @@ impl<S: Storage> Pass<'_, S> {
             } else {
                 let k = (entry & L2_OFFSET_MASK) >> self.meta.cluster_bits;
                 if k >= imrt.len() {
-                    return j;
+                    return from + n;
                 }
                 imrt.get(k)
             };
             if (refcount == 1) != (entry & L2_COPIED != 0) {
-                return j;
+                return from + n;
             }
         }
-        entries
+        from + rest.len() / esize.max(1)
     }
 
     /// Checks the COPIED flag of entry `j` of an active L2 table against its cluster's

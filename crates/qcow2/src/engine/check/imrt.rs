@@ -57,14 +57,24 @@ impl Imrt {
     }
 
     /// The chunk in slot `c`, allocated (zeroed) on first use.
+    #[inline]
     fn chunk_mut(&mut self, c: usize) -> &mut [u32] {
+        if self.chunk(c).is_none() {
+            self.allocate(c);
+        }
+        self.chunks[c].as_deref_mut().unwrap_or_default()
+    }
+
+    #[cold]
+    fn allocate(&mut self, c: usize) {
         if c >= self.chunks.len() {
             self.chunks.resize_with(c + 1, || None);
         }
-        self.chunks[c].get_or_insert_with(|| vec![0u32; CHUNK as usize].into_boxed_slice())
+        self.chunks[c] = Some(vec![0u32; CHUNK as usize].into_boxed_slice());
     }
 
     /// The refcount of cluster `k` (0 past the end).
+    #[inline]
     pub fn get(&self, k: u64) -> u64 {
         let (c, i) = Self::split(k);
         self.chunk(c)
@@ -102,6 +112,7 @@ impl Imrt {
 
     /// Adds one to the count of cluster `k`, which must be covered, unless it has reached
     /// `limit`: returns false then (an overflow). One lookup, for the hot path of counting.
+    #[inline]
     pub fn increment(&mut self, k: u64, limit: u64) -> bool {
         if k >= self.len {
             return true;
