@@ -199,16 +199,17 @@ impl<S: Storage> Pass<'_, S> {
     /// Counts the entries of the table in `walk` from `from` on while they need nothing but
     /// counting, and returns the first one that needs [`Pass::count_entry`] (or the end of
     /// the table). Plain entries are the bulk of any image: unallocated or zero entries
-    /// without reserved bits, and data clusters that are aligned, inside the file and below
-    /// the refcount limit. For these this does exactly what `count_entry` would, without its
-    /// per-entry dispatch; extended L2 entries and external data files always take the
-    /// general path.
+    /// without reserved bits (or allocated subclusters), and data clusters that are aligned,
+    /// inside the file, below the refcount limit and with a sound subcluster bitmap. For
+    /// these this does exactly what `count_entry` would, without its per-entry dispatch; an
+    /// external data file always takes the general path.
     fn count_plain(&mut self, imrt: &mut Imrt, walk: &mut L2Walk, from: usize) -> usize {
         let m = &self.meta;
-        if m.extended || m.data_file {
+        if m.data_file {
             return from;
         }
-        let (cs, bits) = (m.cluster_size, m.cluster_bits);
+        let (cs, bits, extended) = (m.cluster_size, m.cluster_bits, m.extended);
+        let esize = m.l2_entry_size as usize;
         let limit = Imrt::limit(m.refcount_max);
         // What `inc` accepts: a cluster ending at most a partial cluster past the end of
         // the file, and inside the largest file qcow2 can describe.
@@ -217,22 +218,32 @@ impl<S: Storage> Pass<'_, S> {
             .saturating_add(cs)
             .min(limits::MAX_FILE_OFFSET + 1);
         let active = walk.which == Which::Active;
-        let table = walk.table.get(from * 8..).unwrap_or(&[]);
-        for (n, bytes) in table.chunks_exact(8).enumerate() {
-            let Ok(word) = <[u8; 8]>::try_from(bytes) else {
+        let table = walk.table.get(from * esize..).unwrap_or(&[]);
+        for (n, bytes) in table.chunks_exact(esize).enumerate() {
+            let Some(&word) = bytes.first_chunk::<8>() else {
                 return from + n;
             };
             let entry = u64::from_be_bytes(word);
+            // Extended entries carry their subcluster bitmap in the second word.
+            let bitmap = match bytes.get(8..).and_then(<[u8]>::first_chunk::<8>) {
+                Some(&b) if extended => u64::from_be_bytes(b),
+                _ => 0,
+            };
             if entry & (L2_COMPRESSED | L2_STANDARD_RESERVED_MASK) != 0 {
                 return from + n;
             }
             let offset = entry & L2_OFFSET_MASK;
             if offset == 0 {
-                // Unallocated or a plain zero cluster: nothing to count.
+                // Unallocated or a plain zero cluster: nothing to count, unless its bitmap
+                // claims allocated subclusters.
+                if bitmap & BITMAP_ALL_ALLOC != 0 {
+                    return from + n;
+                }
                 continue;
             }
             let k = offset >> bits;
-            if offset & (cs - 1) != 0
+            if (bitmap >> 32) & bitmap != 0
+                || offset & (cs - 1) != 0
                 || offset + cs >= end_bound
                 || k >= imrt.len()
                 || !imrt.increment(k, limit)
@@ -247,7 +258,7 @@ impl<S: Storage> Pass<'_, S> {
                 walk.next_contiguous = offset + cs;
             }
         }
-        from + table.len() / 8
+        from + table.len() / esize.max(1)
     }
 
     /// An unallocated cluster has no allocated subclusters.
