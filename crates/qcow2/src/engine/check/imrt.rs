@@ -102,7 +102,7 @@ impl Imrt {
             return (None, 0);
         }
         let (c, from) = Self::split(k);
-        // Both bounds lie in this chunk, so the count is below 2^16.
+        // Both bounds lie in this chunk, so the count is at most 2^16.
         let n = (end - k).min(CHUNK - from as u64);
         let counts = self
             .chunk(c)
