@@ -10,17 +10,25 @@ use super::report::FindingKind;
 use crate::format::refcount::{self, REFTABLE_OFFSET_MASK};
 use storage::Storage;
 
+/// What comparing the stored refcounts with the computed ones found.
+pub(crate) struct Compared {
+    /// The highest cluster in use.
+    pub highest: u64,
+    /// Every stored refcount `imrt` covers could be read and equals the computed one.
+    pub agree: bool,
+}
+
 impl<S: Storage> Pass<'_, S> {
-    /// Compares every cluster `imrt` covers, repairing what `fix` allows; returns the index of
-    /// the highest cluster in use either way.
+    /// Compares every cluster `imrt` covers, repairing what `fix` allows.
     pub async fn compare(
         &mut self,
         imrt: &Imrt,
         fix: Fix,
         rebuild: &mut bool,
-    ) -> Result<u64, CheckError> {
+    ) -> Result<Compared, CheckError> {
         let mut rb = Refblocks::default();
         let mut highest = 0u64;
+        let mut agree = true;
         let mut next = 0u64;
         while next < imrt.len() {
             if let Some(resume) = self.skip_unused(imrt, next) {
@@ -37,6 +45,7 @@ impl<S: Storage> Pass<'_, S> {
             let stored = match self.stored_refcount(&mut rb, k).await {
                 Ok(v) => v,
                 Err(e) => {
+                    agree = false;
                     self.log(
                         FindingKind::Error,
                         format!("Can't get refcount for cluster {k}: {}", e.reason()),
@@ -52,6 +61,7 @@ impl<S: Storage> Pass<'_, S> {
             if stored == used {
                 continue;
             }
+            agree = false;
             let repair = if stored == 0 {
                 *rebuild = true;
                 false
@@ -84,7 +94,7 @@ impl<S: Storage> Pass<'_, S> {
             }
         }
         self.write_back_refblock(&mut rb).await?;
-        Ok(highest)
+        Ok(Compared { highest, agree })
     }
 
     /// The first cluster at or after `k` in its refcount block whose stored refcount differs
@@ -110,16 +120,19 @@ impl<S: Storage> Pass<'_, S> {
         let Some(buf) = rb.cached() else {
             return k;
         };
-        let (order, mask) = (self.meta.refcount_order, self.meta.refblock_entries() - 1);
+        let mask = self.meta.refblock_entries() - 1;
         let block_end = (index + 1) << bits;
-        imrt.scan_while(k, block_end, |c, used| {
-            // The entry index is below the entries of one cluster-sized block.
-            let stored = refcount::get(buf, order, (c & mask) as usize).unwrap_or(0);
-            if stored == used && stored > 0 {
-                *highest = c;
-            }
-            stored == used
-        })
+        // The refcount width is fixed per image: one loop per width keeps the decoding of a
+        // stored refcount inline.
+        match self.meta.refcount_order {
+            4 => agreeing_run(imrt, k, block_end, mask, highest, |e| {
+                buf.get(2 * e..2 * e + 2)
+                    .map_or(0, |b| u64::from(u16::from_be_bytes([b[0], b[1]])))
+            }),
+            order => agreeing_run(imrt, k, block_end, mask, highest, |e| {
+                refcount::get(buf, order, e).unwrap_or(0)
+            }),
+        }
     }
 
     /// Where comparing can resume when cluster `k` starts a stretch that no refcount block
@@ -146,5 +159,48 @@ impl<S: Storage> Pass<'_, S> {
         }
         let block_end = (index + 1) << bits;
         (!imrt.any_used(k, block_end)).then_some(block_end)
+    }
+}
+
+/// The first cluster in `[k, end)` (which one refcount block covers, its entry `e` read by
+/// `stored`, `mask` the entry bits of a cluster index) whose stored refcount differs from
+/// the computed one, or `end` (at most `imrt.len()`). `highest` follows the agreeing clusters
+/// in use. Walks the computed counts a chunk at a time.
+fn agreeing_run(
+    imrt: &Imrt,
+    k: u64,
+    end: u64,
+    mask: u64,
+    highest: &mut u64,
+    stored: impl Fn(usize) -> u64,
+) -> u64 {
+    let mut c = k;
+    loop {
+        let (counts, n) = imrt.counts_at(c, end);
+        if n == 0 {
+            return c;
+        }
+        // The entry index is below the entries of one cluster-sized block.
+        let base = (c & mask) as usize;
+        let agreed = match counts {
+            Some(counts) => {
+                let upto = counts
+                    .iter()
+                    .enumerate()
+                    .position(|(i, &used)| stored(base + i) != u64::from(used))
+                    .unwrap_or(counts.len());
+                if let Some(last) = counts[..upto].iter().rposition(|&used| used != 0) {
+                    *highest = c + last as u64;
+                }
+                upto as u64
+            }
+            None => (0..n as usize)
+                .position(|i| stored(base + i) != 0)
+                .map_or(n, |p| p as u64),
+        };
+        c += agreed;
+        if agreed < n {
+            return c;
+        }
     }
 }

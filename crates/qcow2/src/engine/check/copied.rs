@@ -3,8 +3,9 @@
 //! them.
 
 use super::error::CheckError;
+use super::imrt::Imrt;
 use super::io;
-use super::ondisk::Refblocks;
+use super::ondisk::{GetError, Refblocks};
 use super::pass::{Fix, Pass};
 use super::report::FindingKind;
 use super::tables::{cluster_type, ClusterType};
@@ -18,8 +19,10 @@ use storage::{IoBuf, Storage};
 const L1_WRITE_SECTOR: u64 = 512;
 
 impl<S: Storage> Pass<'_, S> {
-    /// Checks (and with `fix`, repairs) the COPIED flags of the active tables.
-    pub async fn check_copied(&mut self, fix: Fix) -> Result<(), CheckError> {
+    /// Checks (and with `fix`, repairs) the COPIED flags of the active tables. `known`: the
+    /// computed refcounts, when the compare found every stored refcount it covers equal to
+    /// them; the flags are then checked against those without reading a refcount block.
+    pub async fn check_copied(&mut self, fix: Fix, known: Option<&Imrt>) -> Result<(), CheckError> {
         let repair = fix.errors
             || (fix.leaks
                 && self.res.check_errors == 0
@@ -31,11 +34,13 @@ impl<S: Storage> Pass<'_, S> {
             if l2_offset == 0 {
                 continue;
             }
-            if !self.check_l1_copied(&mut rb, i, repair).await? {
+            if !self.check_l1_copied(&mut rb, known, i, repair).await? {
                 continue;
             }
             let mut table = self.read_l2_table(l2_offset).await?;
-            let fixed = self.check_l2_copied(&mut rb, &mut table, repair).await;
+            let fixed = self
+                .check_l2_copied(&mut rb, known, &mut table, repair)
+                .await;
             if fixed > 0 {
                 self.write_l2_table(l2_offset, &table, fixed).await?;
             }
@@ -62,6 +67,7 @@ impl<S: Storage> Pass<'_, S> {
     async fn check_l1_copied(
         &mut self,
         rb: &mut Refblocks,
+        known: Option<&Imrt>,
         i: usize,
         repair: bool,
     ) -> Result<bool, CheckError> {
@@ -69,7 +75,7 @@ impl<S: Storage> Pass<'_, S> {
         let l2_offset = l1_entry & L1_OFFSET_MASK;
         // A refcount that cannot be read was reported already.
         let Ok(refcount) = self
-            .stored_refcount(rb, l2_offset >> self.meta.cluster_bits)
+            .copied_refcount(rb, known, l2_offset >> self.meta.cluster_bits)
             .await
         else {
             return Ok(false);
@@ -115,47 +121,125 @@ impl<S: Storage> Pass<'_, S> {
         }
     }
 
+    /// The refcount of cluster `k` the COPIED flags are checked against: the computed one
+    /// when `known` covers it (it equals the stored one then), else the stored one.
+    async fn copied_refcount(
+        &mut self,
+        rb: &mut Refblocks,
+        known: Option<&Imrt>,
+        k: u64,
+    ) -> Result<u64, GetError> {
+        match known {
+            Some(imrt) if k < imrt.len() => Ok(imrt.get(k)),
+            _ => self.stored_refcount(rb, k).await,
+        }
+    }
+
     /// Checks the COPIED flags of the data clusters in an active L2 table against their
     /// refcounts; with `repair`, corrects them in `table`. Returns how many it corrected.
-    async fn check_l2_copied(&mut self, rb: &mut Refblocks, table: &mut [u8], repair: bool) -> u64 {
-        let (extended, data_file) = (self.meta.extended, self.meta.data_file);
+    async fn check_l2_copied(
+        &mut self,
+        rb: &mut Refblocks,
+        known: Option<&Imrt>,
+        table: &mut [u8],
+        repair: bool,
+    ) -> u64 {
+        let entries = self.meta.l2_entries as usize;
         let mut fixed = 0u64;
-        for j in 0..self.meta.l2_entries as usize {
-            let Some((entry, bitmap)) = l2::entry_at(table, j, extended) else {
-                break;
+        let mut j = 0;
+        while j < entries {
+            if let Some(imrt) = known {
+                j = self.copied_agree_from(imrt, table, j);
+            }
+            if j < entries && self.check_entry_copied(rb, known, table, j, repair).await {
+                fixed += 1;
+            }
+            j += 1;
+        }
+        fixed
+    }
+
+    /// The first entry at or after `from` of an active L2 table whose COPIED flag needs
+    /// [`Pass::check_entry_copied`]: one that disagrees with its computed refcount in
+    /// `imrt`, or whose cluster `imrt` does not cover (or the end of the table). A
+    /// synchronous loop over the entries that agree, which are all of them in a sound image.
+    fn copied_agree_from(&self, imrt: &Imrt, table: &[u8], from: usize) -> usize {
+        let (extended, data_file) = (self.meta.extended, self.meta.data_file);
+        let esize = self.meta.l2_entry_size as usize;
+        let entries = self.meta.l2_entries as usize;
+        let rest = table.get(from * esize..entries * esize).unwrap_or(&[]);
+        // Only the first word of an entry matters here (the bitmap of an extended entry
+        // plays no part in its type or its flag).
+        for (n, bytes) in rest.chunks_exact(esize).enumerate() {
+            let Some(&word) = bytes.first_chunk::<8>() else {
+                return from + n;
             };
+            let entry = u64::from_be_bytes(word);
             let kind = cluster_type(entry, extended, data_file);
             if !matches!(kind, ClusterType::Normal | ClusterType::ZeroAlloc) {
                 continue;
             }
-            // Clusters in an external data file have no refcount: QEMU takes them as used once.
             let refcount = if data_file {
                 1
             } else {
-                let cluster = (entry & L2_OFFSET_MASK) >> self.meta.cluster_bits;
-                match self.stored_refcount(rb, cluster).await {
-                    Ok(r) => r,
-                    Err(_) => continue,
+                let k = (entry & L2_OFFSET_MASK) >> self.meta.cluster_bits;
+                if k >= imrt.len() {
+                    return from + n;
                 }
+                imrt.get(k)
             };
-            if (refcount == 1) == (entry & L2_COPIED != 0) {
-                continue;
-            }
-            self.copied_mismatch(
-                repair,
-                format!("data cluster: l2_entry={entry:x} refcount={refcount}"),
-            );
-            if repair {
-                let entry = if refcount == 1 {
-                    entry | L2_COPIED
-                } else {
-                    entry & !L2_COPIED
-                };
-                l2::set_entry_at(table, j, extended, entry, bitmap);
-                fixed += 1;
+            if (refcount == 1) != (entry & L2_COPIED != 0) {
+                return from + n;
             }
         }
-        fixed
+        from + rest.len() / esize.max(1)
+    }
+
+    /// Checks the COPIED flag of entry `j` of an active L2 table against its cluster's
+    /// refcount; with `repair`, corrects it in `table`. Returns whether it corrected it.
+    async fn check_entry_copied(
+        &mut self,
+        rb: &mut Refblocks,
+        known: Option<&Imrt>,
+        table: &mut [u8],
+        j: usize,
+        repair: bool,
+    ) -> bool {
+        let (extended, data_file) = (self.meta.extended, self.meta.data_file);
+        let Some((entry, bitmap)) = l2::entry_at(table, j, extended) else {
+            return false;
+        };
+        let kind = cluster_type(entry, extended, data_file);
+        if !matches!(kind, ClusterType::Normal | ClusterType::ZeroAlloc) {
+            return false;
+        }
+        // Clusters in an external data file have no refcount: QEMU takes them as used once.
+        let refcount = if data_file {
+            1
+        } else {
+            let cluster = (entry & L2_OFFSET_MASK) >> self.meta.cluster_bits;
+            match self.copied_refcount(rb, known, cluster).await {
+                Ok(r) => r,
+                Err(_) => return false,
+            }
+        };
+        if (refcount == 1) == (entry & L2_COPIED != 0) {
+            return false;
+        }
+        self.copied_mismatch(
+            repair,
+            format!("data cluster: l2_entry={entry:x} refcount={refcount}"),
+        );
+        if !repair {
+            return false;
+        }
+        let entry = if refcount == 1 {
+            entry | L2_COPIED
+        } else {
+            entry & !L2_COPIED
+        };
+        l2::set_entry_at(table, j, extended, entry, bitmap);
+        true
     }
 
     /// Writes an active L2 table whose `fixed` COPIED flags were corrected.

@@ -2,7 +2,6 @@
 //! computed from the references the check finds, indexed by host cluster.
 
 use super::error::CheckError;
-use std::collections::BTreeMap;
 
 /// Clusters per chunk of the table (chunks are allocated on first use).
 const CHUNK_BITS: u32 = 16;
@@ -11,12 +10,16 @@ const CHUNK: u64 = 1 << CHUNK_BITS;
 /// Computed refcounts, one per host cluster.
 ///
 /// Stored in chunks that exist only where some cluster is used, so a table that covers a
-/// sparse file (or one a repair grew) costs memory only for what is referenced. Counts are
+/// sparse file (or one a repair grew) costs memory only for what is referenced, plus one
+/// directory slot per chunk up to the highest one used (16 bytes per 64 Ki clusters: a check
+/// counts at most 2^31 clusters, so at most half a MiB). The directory is indexed directly:
+/// looking a chunk up is the inner step of counting every cluster of a large image. Counts are
 /// `u32`: a cluster cannot be referenced more often than there are references in the image,
 /// and counting 2^32 of them would take far longer than any check runs. Counts stop at the
 /// image's refcount limit, where QEMU reports an overflow.
 pub(crate) struct Imrt {
-    chunks: BTreeMap<u64, Box<[u32]>>,
+    /// Slot `c` holds clusters `[c * CHUNK, (c + 1) * CHUNK)`, `None` while all are zero.
+    chunks: Vec<Option<Box<[u32]>>>,
     len: u64,
 }
 
@@ -24,7 +27,7 @@ impl Imrt {
     /// A table of `clusters` zero refcounts.
     pub fn new(clusters: u64) -> Result<Imrt, CheckError> {
         let mut t = Imrt {
-            chunks: BTreeMap::new(),
+            chunks: Vec::new(),
             len: 0,
         };
         t.grow(clusters)?;
@@ -42,74 +45,80 @@ impl Imrt {
         Ok(())
     }
 
-    fn split(k: u64) -> (u64, usize) {
-        // Offsets inside a chunk are below 2^16.
-        (k >> CHUNK_BITS, (k & (CHUNK - 1)) as usize)
+    /// The chunk slot and the index inside the chunk of cluster `k`.
+    fn split(k: u64) -> (usize, usize) {
+        // Chunk numbers of covered clusters index an allocated directory, so they fit a
+        // usize; offsets inside a chunk are below 2^16.
+        ((k >> CHUNK_BITS) as usize, (k & (CHUNK - 1)) as usize)
+    }
+
+    fn chunk(&self, c: usize) -> Option<&[u32]> {
+        self.chunks.get(c).and_then(Option::as_deref)
+    }
+
+    /// The chunk in slot `c`, allocated (zeroed) on first use.
+    #[inline]
+    fn chunk_mut(&mut self, c: usize) -> &mut [u32] {
+        if self.chunk(c).is_none() {
+            self.allocate(c);
+        }
+        self.chunks[c].as_deref_mut().unwrap_or_default()
+    }
+
+    #[cold]
+    fn allocate(&mut self, c: usize) {
+        if c >= self.chunks.len() {
+            self.chunks.resize_with(c + 1, || None);
+        }
+        self.chunks[c] = Some(vec![0u32; CHUNK as usize].into_boxed_slice());
     }
 
     /// The refcount of cluster `k` (0 past the end).
+    #[inline]
     pub fn get(&self, k: u64) -> u64 {
         let (c, i) = Self::split(k);
-        self.chunks
-            .get(&c)
+        self.chunk(c)
             .and_then(|chunk| chunk.get(i))
             .map_or(0, |&v| u64::from(v))
     }
 
     /// Sets the refcount of cluster `k`, which must be covered; values past `u32` saturate.
     pub fn set(&mut self, k: u64, value: u64) {
-        if k >= self.len {
+        if k >= self.len || (value == 0 && self.get(k) == 0) {
             return;
         }
         let (c, i) = Self::split(k);
-        let chunk = match self.chunks.get_mut(&c) {
-            Some(chunk) => chunk,
-            None if value == 0 => return,
-            None => self
-                .chunks
-                .entry(c)
-                .or_insert_with(|| vec![0u32; CHUNK as usize].into_boxed_slice()),
-        };
-        if let Some(v) = chunk.get_mut(i) {
+        if let Some(v) = self.chunk_mut(c).get_mut(i) {
             *v = u32::try_from(value).unwrap_or(u32::MAX);
         }
     }
 
-    /// Visits the counts of clusters `[start, end)` in order while `agree(k, count)` holds;
-    /// returns the first cluster where it did not (or `end`). One table lookup per chunk
-    /// rather than per cluster: this is the inner loop of comparing a large image.
-    pub fn scan_while(&self, start: u64, end: u64, mut agree: impl FnMut(u64, u64) -> bool) -> u64 {
+    /// The counts from cluster `k` up to `end` (at most `len`) or the end of `k`'s chunk,
+    /// whichever comes first, and how many clusters that is: `None` for counts that are all
+    /// zero. Lets a caller walk a range a chunk at a time without a lookup per cluster.
+    pub fn counts_at(&self, k: u64, end: u64) -> (Option<&[u32]>, u64) {
         let end = end.min(self.len);
-        let mut k = start;
-        while k < end {
-            let (c, from) = Self::split(k);
-            let chunk_end = ((c + 1) << CHUNK_BITS).min(end);
-            let chunk = self.chunks.get(&c);
-            // Both bounds lie in this chunk, so the indices are below 2^16.
-            let to = from + (chunk_end - k) as usize;
-            for i in from..to {
-                let count = chunk.and_then(|ch| ch.get(i)).map_or(0, |&v| u64::from(v));
-                if !agree(k, count) {
-                    return k;
-                }
-                k += 1;
-            }
+        if k >= end {
+            return (None, 0);
         }
-        end.max(start)
+        let (c, from) = Self::split(k);
+        // Both bounds lie in this chunk, so the count is at most 2^16.
+        let n = (end - k).min(CHUNK - from as u64);
+        let counts = self
+            .chunk(c)
+            .and_then(|chunk| chunk.get(from..from + n as usize));
+        (counts, n)
     }
 
     /// Adds one to the count of cluster `k`, which must be covered, unless it has reached
     /// `limit`: returns false then (an overflow). One lookup, for the hot path of counting.
+    #[inline]
     pub fn increment(&mut self, k: u64, limit: u64) -> bool {
         if k >= self.len {
             return true;
         }
         let (c, i) = Self::split(k);
-        let chunk = self
-            .chunks
-            .entry(c)
-            .or_insert_with(|| vec![0u32; CHUNK as usize].into_boxed_slice());
-        match chunk.get_mut(i) {
+        match self.chunk_mut(c).get_mut(i) {
             Some(v) if u64::from(*v) >= limit => false,
             Some(v) => {
                 *v = v.saturating_add(1);
@@ -122,10 +131,11 @@ impl Imrt {
     /// The first cluster at or after `k` with a non-zero count.
     pub fn next_used(&self, k: u64) -> Option<u64> {
         let (first, skip) = Self::split(k);
-        for (&c, chunk) in self.chunks.range(first..) {
+        for (c, chunk) in self.chunks.iter().enumerate().skip(first) {
+            let Some(chunk) = chunk else { continue };
             let from = if c == first { skip } else { 0 };
             if let Some(pos) = chunk.iter().skip(from).position(|&v| v != 0) {
-                let found = (c << CHUNK_BITS) + (from + pos) as u64;
+                let found = ((c as u64) << CHUNK_BITS) + (from + pos) as u64;
                 return (found < self.len).then_some(found);
             }
         }
@@ -134,19 +144,15 @@ impl Imrt {
 
     /// Whether any cluster in `[start, end)` has a non-zero count.
     pub fn any_used(&self, start: u64, end: u64) -> bool {
-        if start >= end {
-            return false;
+        let mut k = start;
+        while k < end.min(self.len) {
+            let (counts, n) = self.counts_at(k, end);
+            if counts.is_some_and(|s| s.iter().any(|&v| v != 0)) {
+                return true;
+            }
+            k += n;
         }
-        let (first, _) = Self::split(start);
-        let (last, _) = Self::split(end - 1);
-        self.chunks.range(first..=last).any(|(&c, chunk)| {
-            let base = c << CHUNK_BITS;
-            let from = start.saturating_sub(base).min(CHUNK) as usize;
-            let to = (end - base).min(CHUNK) as usize;
-            chunk
-                .get(from..to)
-                .is_some_and(|s| s.iter().any(|&v| v != 0))
-        })
+        false
     }
 
     /// The largest count this table can hold for an image whose refcounts stop at `max`.
@@ -227,47 +233,40 @@ mod tests {
 
     #[test]
     fn a_huge_sparse_table_costs_only_its_used_chunks() {
-        let mut t = Imrt::new(1 << 40).unwrap();
+        // The most clusters a check counts.
+        let mut t = Imrt::new(1 << 31).unwrap();
         t.set(3, 1);
-        t.set((1 << 39) + 7, 2);
+        t.set((1 << 30) + 7, 2);
+        assert_eq!(t.chunks.iter().flatten().count(), 2);
         assert_eq!(t.next_used(0), Some(3));
-        assert_eq!(t.next_used(4), Some((1 << 39) + 7));
-        assert_eq!(t.next_used((1 << 39) + 8), None);
+        assert_eq!(t.next_used(4), Some((1 << 30) + 7));
+        assert_eq!(t.next_used((1 << 30) + 8), None);
         assert!(t.any_used(0, 4));
-        assert!(!t.any_used(4, 1 << 39));
-        assert!(t.any_used((1 << 39) + 7, (1 << 39) + 8));
+        assert!(!t.any_used(4, 1 << 30));
+        assert!(t.any_used((1 << 30) + 7, (1 << 30) + 8));
+        t.set(5, 0);
+        assert_eq!(
+            t.chunks.iter().flatten().count(),
+            2,
+            "a zero allocates nothing"
+        );
         t.clear();
         assert_eq!(t.next_used(0), None);
-        assert_eq!(t.len(), 1 << 40);
+        assert_eq!(t.len(), 1 << 31);
     }
 
     #[test]
-    fn scan_crosses_chunks_and_stops_at_the_first_disagreement() {
-        let mut t = Imrt::new(3 * CHUNK).unwrap();
+    fn counts_come_a_chunk_at_a_time_up_to_the_end() {
+        let mut t = Imrt::new(3 * CHUNK - 5).unwrap();
         let k = CHUNK - 2;
-        for c in [k, k + 1, k + 2, k + 4] {
+        for c in [k, k + 1, k + 2] {
             assert!(t.increment(c, 10));
         }
-        assert!(t.increment(k + 4, 10));
-        let mut seen = Vec::new();
-        let stop = t.scan_while(k - 1, 3 * CHUNK, |c, n| {
-            seen.push((c, n));
-            n <= 1
-        });
-        assert_eq!(stop, k + 4, "the count of 2 stops the scan");
-        assert_eq!(
-            seen,
-            [
-                (k - 1, 0),
-                (k, 1),
-                (k + 1, 1),
-                (k + 2, 1),
-                (k + 3, 0),
-                (k + 4, 2)
-            ]
-        );
-        assert_eq!(t.scan_while(5, 3 * CHUNK + 9, |_, _| true), 3 * CHUNK);
-        assert_eq!(t.scan_while(9, 9, |_, _| false), 9);
+        assert_eq!(t.counts_at(k - 1, 3 * CHUNK), (Some(&[0, 1, 1][..]), 3));
+        assert_eq!(t.counts_at(CHUNK, CHUNK + 2), (Some(&[1, 0][..]), 2));
+        assert_eq!(t.counts_at(2 * CHUNK + 1, 3 * CHUNK), (None, CHUNK - 6));
+        assert_eq!(t.counts_at(3 * CHUNK - 5, 3 * CHUNK), (None, 0));
+        assert_eq!(t.counts_at(9, 9), (None, 0));
     }
 
     #[test]

@@ -131,14 +131,14 @@ impl<S: Storage> Pass<'_, S> {
             return Ok(());
         }
         self.write_back_refblock(rb).await?;
-        let buf = io::read(
-            self.file,
-            "reading a refcount block",
-            block,
-            // One cluster.
-            self.meta.cluster_size as usize,
-        )
-        .await?;
+        // One cluster. The previous block's buffer is read over rather than a fresh one
+        // zeroed: a walk loads every block.
+        let len = self.meta.cluster_size as usize;
+        let buf = match rb.block.take() {
+            Some((_, buf)) if buf.len() == len => buf,
+            _ => IoBuf::zeroed(len),
+        };
+        let buf = io::read_into(self.file, "reading a refcount block", block, buf).await?;
         rb.block = Some((block, buf));
         Ok(())
     }

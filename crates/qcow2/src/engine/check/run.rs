@@ -152,7 +152,7 @@ impl<S: Storage> Pass<'_, S> {
         // Count first; when repairs are allowed and needed, compare again from the same
         // starting point with repairs on.
         let before = self.res.clone();
-        let mut highest = self.compare(&imrt, Fix::NONE, &mut rebuild).await?;
+        let mut compared = self.compare(&imrt, Fix::NONE, &mut rebuild).await?;
 
         if rebuild && fix.errors {
             let old = self.res.clone();
@@ -175,11 +175,12 @@ impl<S: Storage> Pass<'_, S> {
             self.fix = saved_fix;
             counted?;
             let mut fresh_leaks = 0;
+            compared.agree = false;
             if fix.leaks {
                 let saved = std::mem::take(&mut self.res);
-                let compared = self.compare(&imrt, Fix::LEAKS, &mut rebuild).await;
+                let result = self.compare(&imrt, Fix::LEAKS, &mut rebuild).await;
                 let after = std::mem::replace(&mut self.res, saved);
-                highest = compared?;
+                compared = result?;
                 if rebuild {
                     self.log(
                         FindingKind::Error,
@@ -207,12 +208,15 @@ impl<S: Storage> Pass<'_, S> {
             }
             if self.res.leaks > 0 || self.res.corruptions > 0 {
                 self.res = before;
-                highest = self.compare(&imrt, fix, &mut rebuild).await?;
+                compared = self.compare(&imrt, fix, &mut rebuild).await?;
             }
         }
 
-        self.check_copied(fix).await?;
-        self.res.image_end_offset = (highest + 1) * self.meta.cluster_size;
+        // When the last compare found the stored refcounts equal to the computed ones, the
+        // COPIED flags can be checked against the computed ones without reading a block.
+        let known = compared.agree.then_some(&imrt);
+        self.check_copied(fix, known).await?;
+        self.res.image_end_offset = (compared.highest + 1) * self.meta.cluster_size;
         Ok(())
     }
 }
