@@ -142,6 +142,20 @@ impl Imrt {
         None
     }
 
+    /// The first cluster whose count exceeds `max`, if any (a width change refuses the
+    /// image then).
+    pub fn first_above(&self, max: u64) -> Option<u64> {
+        let mut k = 0;
+        while k < self.len {
+            let (counts, n) = self.counts_at(k, self.len);
+            if let Some(pos) = counts.and_then(|s| s.iter().position(|&v| u64::from(v) > max)) {
+                return Some(k + pos as u64);
+            }
+            k += n;
+        }
+        None
+    }
+
     /// Whether any cluster in `[start, end)` has a non-zero count.
     pub fn any_used(&self, start: u64, end: u64) -> bool {
         let mut k = start;
@@ -281,5 +295,17 @@ mod tests {
         assert_eq!(t.get(1), 2);
         assert!(t.increment(7, 2));
         assert_eq!(t.get(7), 0);
+    }
+
+    #[test]
+    fn the_first_count_above_a_width_is_found_across_chunks() {
+        let mut t = Imrt::new(2 * CHUNK + 3).unwrap();
+        t.set(2, 1);
+        assert_eq!(t.first_above(1), None);
+        t.set(CHUNK + 4, 2);
+        t.set(2 * CHUNK + 2, 5);
+        assert_eq!(t.first_above(1), Some(CHUNK + 4));
+        assert_eq!(t.first_above(2), Some(2 * CHUNK + 2));
+        assert_eq!(t.first_above(5), None);
     }
 }

@@ -60,8 +60,7 @@ impl<S: Storage> Pass<'_, S> {
     async fn change_width(&mut self, order: u32) -> Result<Switched, CheckError> {
         let mut imrt = self.count_consistent().await?;
         let max = refcount::max_value(order).unwrap_or(u64::MAX);
-        let first_over = imrt.scan_while(0, imrt.len(), |_, count| count <= max);
-        if first_over < imrt.len() {
+        if let Some(first_over) = imrt.first_above(max) {
             return Err(CheckError::RefcountTooWide {
                 bits: 1 << order,
                 offset: first_over << self.meta.cluster_bits,
