@@ -261,6 +261,25 @@ where
     };
     tracing::debug!(export = %entry.name, mode = ?negotiated.mode, "transmission");
     let export = Rc::clone(&entry.export);
+    let _attached = Attached::new(Rc::clone(&export));
     let end = transmit(reader, writer, export, &negotiated, &control).await?;
     Ok(ConnectionEnd::Transmission(negotiated, end))
+}
+
+/// A connection in transmission on an export: announced to it when made, and again when
+/// dropped, so the export hears of the end on every path (a clean end, an error, a forced
+/// close at shutdown).
+struct Attached<E: Export>(Rc<E>);
+
+impl<E: Export> Attached<E> {
+    fn new(export: Rc<E>) -> Self {
+        export.client_attached();
+        Self(export)
+    }
+}
+
+impl<E: Export> Drop for Attached<E> {
+    fn drop(&mut self) {
+        self.0.client_detached();
+    }
 }
