@@ -38,6 +38,8 @@ use storage::FileOpener;
 pub use args::{CacheMode, ServeArgs};
 
 use crate::export::{DetectZeroes, DiscardMode, ExportPolicy, ImageExport};
+use crate::stats::http::{HttpLimits, MetricsBindError, MetricsServer};
+use crate::stats::StatsRegistry;
 
 /// Why `serve` failed.
 #[derive(Debug, thiserror::Error)]
@@ -126,6 +128,12 @@ pub enum ServeError {
     /// Closing the image failed: writes may not have reached the disk.
     #[error("closing the image failed: {0}")]
     Close(EngineError),
+    /// The `--metrics` endpoint cannot listen.
+    #[error(transparent)]
+    Metrics(#[from] MetricsBindError),
+    /// Two exports of one server share a name (caught earlier; kept as a typed error).
+    #[error(transparent)]
+    Stats(#[from] crate::stats::StatsError),
 }
 
 /// Runs `serve` and reports any failure on stderr.
@@ -334,10 +342,12 @@ fn tls_hint(tls: &nbd::tls::TlsServer) -> String {
     format!("TLS required ({kind}{authz})")
 }
 
-/// The NBD export of each open image, with its bitmaps.
+/// The NBD export of each open image, with its bitmaps, counting its requests in `stats`
+/// if given.
 async fn export_entries(
     images: &[exports::OpenImage],
     policy: ExportPolicy,
+    stats: Option<&StatsRegistry>,
 ) -> Result<Vec<ExportEntry<ImageExport>>, ServeError> {
     let mut entries = Vec::with_capacity(images.len());
     for open in images {
@@ -345,7 +355,13 @@ async fn export_entries(
         let bitmaps = crate::export::exported_bitmaps(&open.image, &spec.bitmaps)
             .await
             .map_err(|reason| spec.bitmap_error(reason))?;
-        let export = Rc::new(ImageExport::new(open.image.clone(), policy).with_bitmaps(bitmaps));
+        let mut export = ImageExport::new(open.image.clone(), policy).with_bitmaps(bitmaps);
+        if let Some(registry) = stats {
+            let image = open.image.clone();
+            let counted = registry.add(&spec.name, Box::new(move || image.meta_cache_stats()))?;
+            export = export.with_stats(counted);
+        }
+        let export = Rc::new(export);
         entries.push(
             ExportEntry::new(spec.name.clone(), export).with_description(spec.description.clone()),
         );
@@ -363,13 +379,22 @@ async fn serve_images(
     images: &[exports::OpenImage],
     signals: signals::ShutdownSignals,
 ) -> Result<(nbd::ServeReport, Option<daemon::PidFile>), ServeError> {
-    let entries = export_entries(images, plan.policy).await?;
+    let registry = args.metrics.map(|_| Rc::new(StatsRegistry::default()));
+    let entries = export_entries(images, plan.policy, registry.as_deref()).await?;
     let tls = plan.tls.as_ref().map(tls_hint);
     let mut server = Server::new(entries, plan.config)?.with_threads(plan.threads);
     if let Some(creds) = plan.tls {
         server = server.with_tls(creds);
     }
     let listeners = listen::bind(activated, plan.explicit_endpoint, &plan.endpoint).await?;
+    let _metrics = match (args.metrics, &registry) {
+        (Some(addr), Some(registry)) => {
+            let m = MetricsServer::start(addr, Rc::clone(registry), HttpLimits::default()).await?;
+            tracing::info!(on = %m.addr(), "metrics at http://{}/metrics", m.addr());
+            Some(m)
+        }
+        _ => None,
+    };
     let names: Vec<&str> = images.iter().map(|i| i.spec.name.as_str()).collect();
     for (_, on) in &listeners {
         tracing::info!(on = %on, exports = ?names, "listening");
@@ -404,6 +429,9 @@ async fn serve_images(
         .await;
     for c in cleaners {
         c.stop().await;
+    }
+    if let Some(registry) = &registry {
+        tracing::info!(total = %registry.total_json(), "statistics");
     }
     Ok((served?, pid_file))
 }

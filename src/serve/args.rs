@@ -86,6 +86,12 @@ pub struct ServeArgs {
           value_parser = parse_threads)]
     pub threads: std::num::NonZeroUsize,
 
+    /// Serve statistics (requests, bytes, latency and errors per export, connections,
+    /// metadata caches) as Prometheus text at http://ADDR:PORT/metrics, e.g. 127.0.0.1:9100
+    /// or [::1]:9100 (port 0: any free port, logged at start with -v).
+    #[arg(long = "metrics", value_name = "ADDR:PORT")]
+    pub metrics: Option<std::net::SocketAddr>,
+
     /// Close a client that sent no request for SECS seconds (0: never).
     #[arg(long = "idle-timeout", value_name = "SECS", default_value_t = 0)]
     pub idle_timeout: u64,
