@@ -35,6 +35,14 @@ struct SnapshotCollector(Snapshot);
 
 type Labels = Vec<(&'static str, String)>;
 
+/// A cache family: name suffix, help, kind, and the number it shows.
+type CacheFamily = (
+    &'static str,
+    &'static str,
+    MetricType,
+    fn(&MetaCacheCounters) -> u64,
+);
+
 /// One set of series: its labels (none, or the export's) and its numbers.
 type Set<'a> = (Labels, &'a Counters);
 
@@ -188,7 +196,7 @@ fn caches(enc: &mut DescriptorEncoder, prefix: &str, whose: &str, sets: &[Set<'_
             })
             .collect()
     };
-    let families: [(&str, &str, MetricType, fn(&MetaCacheCounters) -> u64); 5] = [
+    let families: [CacheFamily; 5] = [
         (
             "cache_hits",
             "Metadata cache lookups answered from memory",
