@@ -318,6 +318,19 @@ fn is_zero(buf: &[u8]) -> bool {
 
 /// The requests themselves, as the image carries them out.
 impl ImageExport {
+    /// The dirty and clean runs of bitmap `index` over (at most) `len` bytes at `offset`.
+    fn dirty_runs(&self, index: usize, offset: u64, len: u64) -> Result<Vec<(u64, bool)>, Errno> {
+        let b = self.bitmaps.get(index).ok_or(Errno::Inval)?;
+        let len = len.min(b.granularity.saturating_mul(DIRTY_STATUS_BITS));
+        match &b.source {
+            BitmapSource::Live => self
+                .image
+                .live_bitmap_runs(&b.name, offset, len)
+                .map_err(|e| errno("block status", &e)),
+            BitmapSource::Stored(data) => Ok(data.runs(offset, len)),
+        }
+    }
+
     async fn read_image(&self, offset: u64, len: usize) -> Result<Vec<ReadChunk<Payload>>, Errno> {
         if len == 0 {
             return Ok(Vec::new());
@@ -500,15 +513,8 @@ impl Export for ImageExport {
         offset: u64,
         len: u64,
     ) -> Result<Vec<(u64, bool)>, Errno> {
-        let b = self.bitmaps.get(index).ok_or(Errno::Inval)?;
-        let len = len.min(b.granularity.saturating_mul(DIRTY_STATUS_BITS));
-        match &b.source {
-            BitmapSource::Live => self
-                .image
-                .live_bitmap_runs(&b.name, offset, len)
-                .map_err(|e| errno("block status", &e)),
-            BitmapSource::Stored(data) => Ok(data.runs(offset, len)),
-        }
+        let request = async { self.dirty_runs(index, offset, len) };
+        self.counted(Command::BlockStatus, len, request).await
     }
 }
 

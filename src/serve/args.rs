@@ -438,6 +438,24 @@ mod tests {
     }
 
     #[test]
+    fn metrics_take_an_ipv4_or_ipv6_socket_address() {
+        assert_eq!(parse(&["img"]).unwrap().metrics, None);
+        let v4 = parse(&["--metrics", "127.0.0.1:9100", "img"]).unwrap();
+        assert_eq!(v4.metrics, Some("127.0.0.1:9100".parse().unwrap()));
+        let v6 = parse(&["--metrics", "[::1]:9100", "img"]).unwrap();
+        assert_eq!(v6.metrics, Some("[::1]:9100".parse().unwrap()));
+        for bad in [
+            "9100",
+            "127.0.0.1",
+            "::1:9100",
+            "localhost:9100",
+            "127.0.0.1:70000",
+        ] {
+            assert!(parse(&["--metrics", bad, "img"]).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn defaults_are_qemu_nbds() {
         let a = parse(&["disk.qcow2"]).unwrap();
         assert_eq!(a.image, Some(PathBuf::from("disk.qcow2")));

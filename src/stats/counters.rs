@@ -28,7 +28,9 @@ pub enum Command {
     Trim,
     /// `NBD_CMD_FLUSH`.
     Flush,
-    /// `NBD_CMD_BLOCK_STATUS` (every metadata context of one request counts once per call).
+    /// `NBD_CMD_BLOCK_STATUS`: one per lookup the image makes for it, so a request counts
+    /// once for the allocation contexts (`base:allocation`, `qemu:allocation-depth`) together
+    /// and once more for each dirty bitmap it asks about.
     BlockStatus,
     /// `NBD_CMD_CACHE`.
     Cache,

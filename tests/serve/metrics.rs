@@ -10,7 +10,7 @@ use std::net::TcpStream;
 use std::process::Command;
 use std::time::Duration;
 
-use crate::support::{free_port, Server};
+use crate::support::{free_port, serve_fails, Server};
 use test_support::{python_with_libnbd, qemu_io, require, run_ok, stdout, wait_until, Dir};
 
 /// One sample line: the metric name, its labels and its value.
@@ -140,11 +140,13 @@ fn scrape(port: u16) -> Exposition {
 }
 
 /// The workload, through libnbd: 3 writes of 4 KiB, 5 reads of 64 KiB, a flush, a zeroing
-/// of 4 KiB, and a fast zeroing of part of a compressed cluster, which cannot be fast
-/// (ENOTSUP); it prints the errno of that last one.
+/// of 4 KiB, a trim of 8 KiB, a block status of 64 KiB, a cache of 128 KiB, and a fast
+/// zeroing of part of a compressed cluster, which cannot be fast (ENOTSUP); it prints the
+/// errno of that last one.
 const WORKLOAD: &str = r#"
 import nbd, sys
 h = nbd.NBD()
+h.add_meta_context("base:allocation")
 h.connect_uri(sys.argv[1])
 for i in range(3):
     h.pwrite(b"w" * 4096, i * 4096)
@@ -152,6 +154,9 @@ for i in range(5):
     h.pread(65536, i * 65536)
 h.flush()
 h.zero(4096, 1 << 20)
+h.trim(8192, 0)
+h.block_status(65536, 0, lambda *args: 0)
+h.cache(131072, 0)
 try:
     h.zero(4096, 2 << 20, nbd.CMD_FLAG_FAST_ZERO)
     print("fast zero succeeded")
@@ -277,9 +282,9 @@ fn counts_the_exact_workload(threads: &str) {
         ("write", 3.0, 3.0 * 4096.0),
         ("write_zeroes", 2.0, 4096.0),
         ("flush", 1.0, 0.0),
-        ("trim", 0.0, 0.0),
-        ("block_status", 0.0, 0.0),
-        ("cache", 0.0, 0.0),
+        ("trim", 1.0, 8192.0),
+        ("block_status", 1.0, 65536.0),
+        ("cache", 1.0, 131072.0),
     ];
     for (cmd, requests, bytes) in expected {
         for export in [Some("a"), None] {
@@ -418,4 +423,25 @@ fn wrong_requests_and_hostile_scrapers_get_answers_and_stop_nothing() {
     );
     drop((silent, slow));
     server.stop_ok();
+}
+
+#[test]
+fn a_metrics_address_in_use_fails_the_start_naming_it() {
+    let dir = images();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let socket = dir.path("s.sock");
+    let err = serve_fails(&[
+        "-k",
+        socket.to_str().unwrap(),
+        "--metrics",
+        &addr,
+        &dir.s("a.qcow2"),
+    ]);
+    assert!(
+        err.contains(&format!("--metrics {addr}: cannot listen")),
+        "{err}"
+    );
+    // The image was closed again: it opens for writing.
+    dir.qemu_io("qcow2", "a.qcow2", &["write -P 1 0 4k"]);
 }
