@@ -57,7 +57,8 @@ pub struct Snapshot {
 }
 
 impl StatsRegistry {
-    /// Starts counting for export `name`, whose image's caches `caches` reports; the export
+    /// Starts counting for export `name`, whose image's caches `caches` reports (it usually
+    /// holds a clone of the image, which [`StatsRegistry::remove`] lets go); the export
     /// records its requests in the returned stats.
     pub fn add(&self, name: &str, caches: CacheSource) -> Result<Rc<ExportStats>, StatsError> {
         let mut inner = self.inner.borrow_mut();
