@@ -389,7 +389,12 @@ async fn serve_images(
     let listeners = listen::bind(activated, plan.explicit_endpoint, &plan.endpoint).await?;
     let _metrics = match (args.metrics, &registry) {
         (Some(addr), Some(registry)) => {
-            let m = MetricsServer::start(addr, Rc::clone(registry), HttpLimits::default()).await?;
+            let limits = HttpLimits {
+                max_scrapes: usize::from(args.metrics_scrapes),
+                timeout: Duration::from_secs(args.metrics_timeout),
+                ..HttpLimits::default()
+            };
+            let m = MetricsServer::start(addr, Rc::clone(registry), limits).await?;
             tracing::info!(on = %m.addr(), "metrics at http://{}/metrics", m.addr());
             Some(m)
         }

@@ -92,6 +92,16 @@ pub struct ServeArgs {
     #[arg(long = "metrics", value_name = "ADDR:PORT")]
     pub metrics: Option<std::net::SocketAddr>,
 
+    /// Scrapes of --metrics served at once (1 to 64); a further one is closed at once.
+    #[arg(long = "metrics-scrapes", value_name = "NUM", default_value_t = 4,
+          value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub metrics_scrapes: u16,
+
+    /// Seconds a --metrics client has to send its request and take the answer (1 to 3600).
+    #[arg(long = "metrics-timeout", value_name = "SECS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub metrics_timeout: u64,
+
     /// Close a client that sent no request for SECS seconds (0: never).
     #[arg(long = "idle-timeout", value_name = "SECS", default_value_t = 0)]
     pub idle_timeout: u64,
@@ -452,6 +462,15 @@ mod tests {
             "127.0.0.1:70000",
         ] {
             assert!(parse(&["--metrics", bad, "img"]).is_err(), "{bad}");
+        }
+        let a = parse(&["img"]).unwrap();
+        assert_eq!((a.metrics_scrapes, a.metrics_timeout), (4, 10));
+        for (flag, bad) in [
+            ("--metrics-scrapes", "0"),
+            ("--metrics-scrapes", "65"),
+            ("--metrics-timeout", "0"),
+        ] {
+            assert!(parse(&[flag, bad, "img"]).is_err(), "{flag} {bad}");
         }
     }
 

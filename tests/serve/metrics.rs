@@ -445,3 +445,40 @@ fn a_metrics_address_in_use_fails_the_start_naming_it() {
     // The image was closed again: it opens for writing.
     dir.qemu_io("qcow2", "a.qcow2", &["write -P 1 0 4k"]);
 }
+
+/// `curl` of `/metrics` that may fail (the scrape closed for want of a slot).
+fn try_scrape(port: u16) -> bool {
+    Command::new(require("curl", "curl"))
+        .args(["-s", "-f", "-o", "/dev/null", "--max-time", "30"])
+        .arg(format!("http://127.0.0.1:{port}/metrics"))
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[test]
+fn the_scrape_limit_is_an_option() {
+    let dir = images();
+    let port = free_port();
+    let server = Server::unix(&[
+        "--metrics",
+        &format!("127.0.0.1:{port}"),
+        "--metrics-scrapes",
+        "1",
+        "--metrics-timeout",
+        "3600",
+        "-t",
+        &dir.s("a.qcow2"),
+    ]);
+    // A client that sends nothing holds the only slot: the server accepts connections in
+    // order, so the scrape after it is closed at once instead of waiting behind it.
+    let silent = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    assert!(
+        !try_scrape(port),
+        "a second scrape beyond --metrics-scrapes 1"
+    );
+    drop(silent);
+    wait_until(Duration::from_secs(30), "a scrape succeeds again", || {
+        try_scrape(port)
+    });
+    server.stop_ok();
+}
