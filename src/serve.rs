@@ -369,6 +369,24 @@ async fn export_entries(
     Ok(entries)
 }
 
+/// The `--metrics` endpoint over `registry`, when asked for; it stops when dropped.
+async fn start_metrics(
+    args: &ServeArgs,
+    registry: Option<&Rc<StatsRegistry>>,
+) -> Result<Option<MetricsServer>, ServeError> {
+    let (Some(addr), Some(registry)) = (args.metrics, registry) else {
+        return Ok(None);
+    };
+    let limits = HttpLimits {
+        max_scrapes: usize::from(args.metrics_scrapes),
+        timeout: Duration::from_secs(args.metrics_timeout),
+        ..HttpLimits::default()
+    };
+    let m = MetricsServer::start(addr, Rc::clone(registry), limits).await?;
+    tracing::info!(on = %m.addr(), "metrics at http://{}/metrics", m.addr());
+    Ok(Some(m))
+}
+
 /// Serves the open images until a signal (or `-t`'s lifetime) ends it; returns the server's
 /// report and the pid file, which goes once the images are closed.
 async fn serve_images(
@@ -387,19 +405,7 @@ async fn serve_images(
         server = server.with_tls(creds);
     }
     let listeners = listen::bind(activated, plan.explicit_endpoint, &plan.endpoint).await?;
-    let _metrics = match (args.metrics, &registry) {
-        (Some(addr), Some(registry)) => {
-            let limits = HttpLimits {
-                max_scrapes: usize::from(args.metrics_scrapes),
-                timeout: Duration::from_secs(args.metrics_timeout),
-                ..HttpLimits::default()
-            };
-            let m = MetricsServer::start(addr, Rc::clone(registry), limits).await?;
-            tracing::info!(on = %m.addr(), "metrics at http://{}/metrics", m.addr());
-            Some(m)
-        }
-        _ => None,
-    };
+    let _metrics = start_metrics(args, registry.as_ref()).await?;
     let names: Vec<&str> = images.iter().map(|i| i.spec.name.as_str()).collect();
     for (_, on) in &listeners {
         tracing::info!(on = %on, exports = ?names, "listening");

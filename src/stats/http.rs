@@ -124,65 +124,54 @@ enum Request {
     Malformed,
 }
 
+/// One answer.
+struct Reply {
+    status: &'static str,
+    content_type: &'static str,
+    body: String,
+    /// HEAD: the headers only.
+    head_only: bool,
+}
+
+impl Reply {
+    fn text(status: &'static str, body: &str) -> Self {
+        Self {
+            status,
+            content_type: "text/plain; charset=utf-8",
+            body: body.to_owned(),
+            head_only: false,
+        }
+    }
+}
+
 async fn serve(
     mut stream: TcpStream,
     registry: &StatsRegistry,
     max_head: usize,
 ) -> std::io::Result<()> {
-    let Some(head) = read_head(&mut stream, max_head).await? else {
-        return answer(
-            &mut stream,
+    let reply = match read_head(&mut stream, max_head).await? {
+        None => Reply::text(
             "431 Request Header Fields Too Large",
-            "",
             "request head too large\n",
-            false,
-        )
-        .await;
+        ),
+        Some(head) => route(&head, registry)?,
     };
-    match parse(&head) {
-        Request::Metrics { head } => {
-            let text =
-                super::prometheus::render(registry.snapshot()).map_err(std::io::Error::other)?;
-            answer(
-                &mut stream,
-                "200 OK",
-                super::prometheus::CONTENT_TYPE,
-                &text,
-                head,
-            )
-            .await
-        }
-        Request::NotFound => {
-            answer(
-                &mut stream,
-                "404 Not Found",
-                "",
-                "only /metrics is here\n",
-                false,
-            )
-            .await
-        }
-        Request::BadMethod => {
-            answer(
-                &mut stream,
-                "405 Method Not Allowed",
-                "",
-                "use GET\n",
-                false,
-            )
-            .await
-        }
-        Request::Malformed => {
-            answer(
-                &mut stream,
-                "400 Bad Request",
-                "",
-                "not an HTTP request\n",
-                false,
-            )
-            .await
-        }
-    }
+    answer(&mut stream, &reply).await
+}
+
+/// The answer to a request head.
+fn route(head: &[u8], registry: &StatsRegistry) -> std::io::Result<Reply> {
+    Ok(match parse(head) {
+        Request::Metrics { head } => Reply {
+            status: "200 OK",
+            content_type: super::prometheus::CONTENT_TYPE,
+            body: super::prometheus::render(registry.snapshot()).map_err(std::io::Error::other)?,
+            head_only: head,
+        },
+        Request::NotFound => Reply::text("404 Not Found", "only /metrics is here\n"),
+        Request::BadMethod => Reply::text("405 Method Not Allowed", "use GET or HEAD\n"),
+        Request::Malformed => Reply::text("400 Bad Request", "not an HTTP request\n"),
+    })
 }
 
 /// Reads up to the blank line that ends the request head; `None` if it is longer than
@@ -230,30 +219,21 @@ fn parse(head: &[u8]) -> Request {
     }
 }
 
-async fn answer(
-    stream: &mut TcpStream,
-    status: &str,
-    content_type: &str,
-    body: &str,
-    head_only: bool,
-) -> std::io::Result<()> {
-    let content_type = if content_type.is_empty() {
-        "text/plain; charset=utf-8"
-    } else {
-        content_type
-    };
-    let allow = if status.starts_with("405") {
+async fn answer(stream: &mut TcpStream, reply: &Reply) -> std::io::Result<()> {
+    let allow = if reply.status.starts_with("405") {
         "Allow: GET, HEAD\r\n"
     } else {
         ""
     };
     let mut out = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n{allow}Connection: close\r\n\r\n",
-        body.len()
+        "HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\n{allow}Connection: close\r\n\r\n",
+        reply.status,
+        reply.content_type,
+        reply.body.len()
     )
     .into_bytes();
-    if !head_only {
-        out.extend_from_slice(body.as_bytes());
+    if !reply.head_only {
+        out.extend_from_slice(reply.body.as_bytes());
     }
     stream.write_all(&out).await?;
     stream.shutdown().await

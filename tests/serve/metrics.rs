@@ -382,6 +382,9 @@ fn wrong_requests_and_hostile_scrapers_get_answers_and_stop_nothing() {
     assert_eq!(status, 405);
     assert!(head.contains("Allow: GET"), "{head}");
     assert_eq!(curl(&["-X", "DELETE"], &url("/metrics")).0, 405);
+    let (status, head, body) = curl(&["-I"], &url("/metrics"));
+    assert_eq!((status, body.as_str()), (200, ""), "HEAD: {head}");
+    assert!(head.contains("Content-Length: "), "{head}");
 
     // A client that connects and never sends a byte holds one scrape slot, not the server.
     let mut silent = TcpStream::connect(("127.0.0.1", port)).unwrap();
