@@ -31,8 +31,9 @@
 #   SKIP_BUILD=1         use the existing release binary
 #   QCOW2_NBD_BIN        the server binary to measure (default: the release build)
 #   TLS_PORT [10899]     loopback TCP port of the tls group (must be free)
-#   ONLY="alloc alloc32 mt io bitmap l2 chain rss tls tools"   run a subset of the groups
-#   MT_MIB [1024]        image of the mt group (on TOOLS_DIR, a tmpfs)
+#   ONLY="alloc alloc32 mt metrics io bitmap l2 chain rss tls tools"   run a subset of the groups
+#   MT_MIB [1024]        image of the mt and metrics groups (on TOOLS_DIR, a tmpfs)
+#   METRICS_PORT [10900] loopback TCP port of our --metrics endpoint in the metrics group
 #   TOOLS_DIR [/dev/shm], TOOLS_MIB [2048]   where and how big the tools group's images are
 #   TOOLS_ROUNDS [7*]    rounds of the quick tool rows (convert -c keeps ROUNDS)
 #
@@ -65,7 +66,8 @@ RSS_L2_CACHE=${RSS_L2_CACHE:-4M}
 BENCH_DIR=${BENCH_DIR:-/var/tmp}
 QEMU_AIO=${QEMU_AIO:-io_uring}
 TLS_PORT=${TLS_PORT:-10899}
-ONLY=${ONLY:-"alloc alloc32 mt io bitmap l2 chain rss tls tools"}
+ONLY=${ONLY:-"alloc alloc32 mt metrics io bitmap l2 chain rss tls tools"}
+METRICS_PORT=${METRICS_PORT:-10900}
 
 log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -115,11 +117,12 @@ CLK_TCK=$(getconf CLK_TCK)
 # -f raw); SETTINGS are key=value pairs applied to both servers the same way: l2=SIZE,
 # slice=SIZE, clean=SECONDS, ro=1, tcp=PORT (listen on 127.0.0.1:PORT instead of $SOCK),
 # tls=DIR (require TLS with the x509 server credentials in DIR, no client certificate),
-# cache=MODE (default none: O_DIRECT), shared=N (-e N); threads=N is ours only (--threads).
+# cache=MODE (default none: O_DIRECT), shared=N (-e N); threads=N and metrics=ADDR:PORT are
+# ours only (--threads, --metrics).
 start_server() {
     local kind=$1 image=$2
     shift 2
-    local l2="" slice="" clean="" ro=0 tcp="" tls="" cache=none shared=1 threads=1 kv
+    local l2="" slice="" clean="" ro=0 tcp="" tls="" cache=none shared=1 threads=1 metrics="" kv
     for kv in "$@"; do
         case $kv in
         l2=*) l2=${kv#l2=} ;;
@@ -131,6 +134,7 @@ start_server() {
         cache=*) cache=${kv#cache=} ;;
         shared=*) shared=${kv#shared=} ;;
         threads=*) threads=${kv#threads=} ;;
+        metrics=*) metrics=${kv#metrics=} ;;
         *) die "unknown server setting $kv" ;;
         esac
     done
@@ -161,6 +165,7 @@ start_server() {
         [ -n "$slice" ] && args+=(--l2-cache-entry-size "$slice")
         [ -n "$clean" ] && args+=(--cache-clean-interval "$clean")
         [ "$ro" = 1 ] && args+=(-r)
+        [ -n "$metrics" ] && args+=(--metrics "$metrics")
         args+=("$image")
         ;;
     *) die "unknown server kind $kind" ;;
@@ -376,6 +381,48 @@ mt_scenarios() {
                 esac
                 log "tmpfs $label round $r $kind: $iops IOPS, $cpu µs/req"
             done
+        done
+    done
+    rm -rf "$d"
+}
+
+# ---------------------------------------------------------------------------------------------
+# 1c. The cost of statistics: the mt group's tmpfs randread (4 connections x QD16, 4 KiB, one
+# thread) on our server with --metrics against without, alternating which goes first, while
+# curl scrapes the endpoint once a second (far more often than Prometheus would).
+metrics_scenarios() {
+    local d=$TOOLS_DIR/qcow2-nbd-metrics.$$ r kind stats iops cpu disk scraper
+    [ -z "$(ss -Hltn "sport = :$METRICS_PORT")" ] || die "METRICS_PORT $METRICS_PORT is in use"
+    command -v curl >/dev/null || die "curl is required by the metrics group"
+    mkdir -p "$d"
+    log "tmpfs: writing a ${MT_MIB} MiB image in $d"
+    fio --name=fill --filename="$d/data.raw" --rw=write --bs=1M --size="$((MT_MIB << 20))" \
+        --refill_buffers --output-format=terse >/dev/null
+    qemu-img convert -f raw -O qcow2 "$d/data.raw" "$d/data.qcow2"
+    rm -f "$d/data.raw"
+    for r in $(seq 1 "$ROUNDS"); do
+        local kinds="off on"
+        [ $((r % 2)) = 0 ] && kinds="on off"
+        for kind in $kinds; do
+            scraper=""
+            if [ "$kind" = on ]; then
+                start_server ours "$d/data.qcow2" cache=writeback shared=0 \
+                    metrics="127.0.0.1:$METRICS_PORT"
+                (while sleep 1; do
+                    curl -s -o /dev/null "http://127.0.0.1:$METRICS_PORT/metrics" || true
+                done) &
+                scraper=$!
+            else
+                start_server ours "$d/data.qcow2" cache=writeback shared=0
+            fi
+            stats=$(run_fio read --rw=randread --bs=4k --iodepth=16 --numjobs=4 --group_reporting \
+                --size="$((MT_MIB << 20))" --runtime="$RUNTIME" --time_based --ramp_time=1)
+            read -r iops _ _ cpu disk <<<"$stats"
+            if [ -n "$scraper" ]; then kill "$scraper" 2>/dev/null || true; wait "$scraper" 2>/dev/null || true; fi
+            stop_server
+            record "metrics $kind randread" ours "$iops"
+            record_usage "metrics $kind randread" ours "$cpu" "$disk"
+            log "metrics $kind round $r: $iops IOPS, $cpu µs/req"
         done
     done
     rm -rf "$d"
@@ -824,7 +871,8 @@ for group in $ONLY; do
     alloc) alloc_scenarios ;; io) io_scenarios ;; bitmap) bitmap_scenarios ;;
     l2) l2_scenarios ;; chain) chain_scenarios ;; rss) rss_scenarios ;; tls) tls_scenarios ;;
     tools) tools_scenarios ;; alloc32) alloc32_scenarios ;; mt) mt_scenarios ;;
-    *) die "unknown scenario group $group (alloc alloc32 mt io bitmap l2 chain rss tls tools)" ;;
+    metrics) metrics_scenarios ;;
+    *) die "unknown scenario group $group (alloc alloc32 mt metrics io bitmap l2 chain rss tls tools)" ;;
     esac
 done
 ELAPSED=$(($(date +%s) - START))
@@ -879,6 +927,8 @@ usage() { # SCENARIO: the servers' median CPU and disk cost per request, "qemu /
         row "mt $label" "tmpfs $label-4k 4 conns x QD16" IOPS higher
         row "mt2 $label" "  same, ours --threads 2" IOPS higher
     done
+    row "metrics off randread" "tmpfs randread-4k 4 conns x QD16, ours without --metrics" IOPS higher
+    row "metrics on randread" "  same, ours with --metrics, scraped every second" IOPS higher
     for sc in $IO_SCENARIOS; do
         IFS=: read -r label _ _ bs _ <<<"$sc"
         if [ "$bs" = 1M ]; then row "$label" "$label" MiB/s higher; else
@@ -949,6 +999,10 @@ usage() { # SCENARIO: the servers' median CPU and disk cost per request, "qemu /
         qmn=$(median "chain $CHAIN_DEPTH peak rss MiB" qemu)
         echo "qemu-nbd: chain $CHAIN_DEPTH / chain 1 read time = $(ratio "$qn" "$q1"), peak RSS growth = $(awk -v a="$qmn" -v b="$qm1" 'BEGIN { printf "%.1f", a - b }') MiB"
     fi
+    # The cost of statistics to our server: with --metrics against without.
+    on=$(median "metrics on randread" ours)
+    off=$(median "metrics off randread" ours)
+    [ "$on" = - ] || echo "ours: tmpfs randread 4k 4x QD16 with --metrics / without = $(ratio "$on" "$off"), CPU µs/req $(median "cpu metrics off randread" ours) -> $(median "cpu metrics on randread" ours)"
     # The cost of TLS to our server: TLS against plaintext, same port, image and workload.
     for sc in $TLS_SCENARIOS; do
         IFS=: read -r label _ _ _ <<<"$sc"

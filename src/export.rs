@@ -13,10 +13,16 @@
 //! client a chunk header instead of the zero bytes, which is what makes sequential reads of a
 //! sparse image fast.
 
+use std::future::Future;
+use std::rc::Rc;
+use std::time::Instant;
+
 use nbd::{BlockSize, Errno, Export, ExportFeatures, Extent, ReadChunk, WriteZeroesFlags};
 use qcow2::engine::{libc_errno, EngineError, Image, ReadPart};
 use qcow2::format::BitmapData;
 use storage::{AnyStorage, IoBuf};
+
+use crate::stats::{Command, ExportStats};
 
 /// Largest block size we advertise as preferred: a write of this many bytes never needs a
 /// copy-on-write of the rest of its (sub)cluster, and it stays far below the 32 MiB payload.
@@ -109,6 +115,8 @@ pub struct ImageExport {
     status_limit: u64,
     /// The persistent bitmaps offered as `qemu:dirty-bitmap:` contexts (`-B`).
     bitmaps: Vec<ExportedBitmap>,
+    /// Where requests are counted, when statistics are on.
+    stats: Option<Rc<ExportStats>>,
 }
 
 /// A persistent bitmap an export offers.
@@ -213,7 +221,33 @@ impl ImageExport {
             features,
             status_limit,
             bitmaps: Vec::new(),
+            stats: None,
         }
+    }
+
+    /// Counts every request and connection in `stats`.
+    pub fn with_stats(self, stats: Rc<ExportStats>) -> Self {
+        Self {
+            stats: Some(stats),
+            ..self
+        }
+    }
+
+    /// Runs one request, timing and counting it when statistics are on (with them off,
+    /// this is one branch).
+    async fn counted<T>(
+        &self,
+        cmd: Command,
+        bytes: u64,
+        request: impl Future<Output = Result<T, Errno>>,
+    ) -> Result<T, Errno> {
+        let Some(stats) = &self.stats else {
+            return request.await;
+        };
+        let start = Instant::now();
+        let result = request.await;
+        stats.record(cmd, bytes, start.elapsed(), result.as_ref().err().copied());
+        result
     }
 
     /// Offers `bitmaps` as `qemu:dirty-bitmap:` contexts.
@@ -282,22 +316,22 @@ fn is_zero(buf: &[u8]) -> bool {
     blocks_zero && blocks.remainder().iter().all(|&x| x == 0)
 }
 
-impl Export for ImageExport {
-    type Buf = Payload;
-
-    fn alloc(&self, len: usize) -> Payload {
-        Payload(IoBuf::zeroed(len))
+/// The requests themselves, as the image carries them out.
+impl ImageExport {
+    /// The dirty and clean runs of bitmap `index` over (at most) `len` bytes at `offset`.
+    fn dirty_runs(&self, index: usize, offset: u64, len: u64) -> Result<Vec<(u64, bool)>, Errno> {
+        let b = self.bitmaps.get(index).ok_or(Errno::Inval)?;
+        let len = len.min(b.granularity.saturating_mul(DIRTY_STATUS_BITS));
+        match &b.source {
+            BitmapSource::Live => self
+                .image
+                .live_bitmap_runs(&b.name, offset, len)
+                .map_err(|e| errno("block status", &e)),
+            BitmapSource::Stored(data) => Ok(data.runs(offset, len)),
+        }
     }
 
-    fn size(&self) -> u64 {
-        self.image.size()
-    }
-
-    fn features(&self) -> ExportFeatures {
-        self.features
-    }
-
-    async fn read(&self, offset: u64, len: usize) -> Result<Vec<ReadChunk<Payload>>, Errno> {
+    async fn read_image(&self, offset: u64, len: usize) -> Result<Vec<ReadChunk<Payload>>, Errno> {
         if len == 0 {
             return Ok(Vec::new());
         }
@@ -315,7 +349,12 @@ impl Export for ImageExport {
             .collect())
     }
 
-    async fn write(&self, offset: u64, Payload(data): Payload, fua: bool) -> Result<(), Errno> {
+    async fn write_image(
+        &self,
+        offset: u64,
+        Payload(data): Payload,
+        fua: bool,
+    ) -> Result<(), Errno> {
         let fua = fua && !self.policy.ignore_flush;
         if self.policy.detect_zeroes != DetectZeroes::Off && is_zero(&data) {
             let len = u64::try_from(data.len()).map_err(|_| Errno::Inval)?;
@@ -332,7 +371,7 @@ impl Export for ImageExport {
         res.map_err(|e| errno("write", &e))
     }
 
-    async fn write_zeroes(
+    async fn write_zeroes_image(
         &self,
         offset: u64,
         len: u64,
@@ -346,7 +385,7 @@ impl Export for ImageExport {
         self.after_write(flags.fua).await
     }
 
-    async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
+    async fn trim_image(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
         if self.policy.discard == DiscardMode::Unmap {
             self.image
                 .discard(offset, len)
@@ -356,14 +395,14 @@ impl Export for ImageExport {
         self.after_write(fua).await
     }
 
-    async fn flush(&self) -> Result<(), Errno> {
+    async fn flush_image(&self) -> Result<(), Errno> {
         if self.policy.ignore_flush {
             return Ok(());
         }
         self.image.flush().await.map_err(|e| errno("flush", &e))
     }
 
-    async fn cache(&self, offset: u64, len: u64) -> Result<(), Errno> {
+    async fn cache_image(&self, offset: u64, len: u64) -> Result<(), Errno> {
         let len = len.min(CACHE_PREFETCH_MAX);
         if self.policy.direct {
             // O_DIRECT bypasses the page cache: only the metadata lookup can be warmed.
@@ -388,11 +427,80 @@ impl Export for ImageExport {
         Ok(())
     }
 
-    async fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>, Errno> {
+    async fn block_status_image(&self, offset: u64, len: u64) -> Result<Vec<Extent>, Errno> {
         let len = len.min(self.status_limit);
         self.extents(offset, len)
             .await
             .map_err(|e| errno("block status", &e))
+    }
+}
+
+impl Export for ImageExport {
+    type Buf = Payload;
+
+    fn alloc(&self, len: usize) -> Payload {
+        Payload(IoBuf::zeroed(len))
+    }
+
+    fn size(&self) -> u64 {
+        self.image.size()
+    }
+
+    fn features(&self) -> ExportFeatures {
+        self.features
+    }
+
+    async fn read(&self, offset: u64, len: usize) -> Result<Vec<ReadChunk<Payload>>, Errno> {
+        let bytes = u64::try_from(len).unwrap_or(u64::MAX);
+        self.counted(Command::Read, bytes, self.read_image(offset, len))
+            .await
+    }
+
+    async fn write(&self, offset: u64, data: Payload, fua: bool) -> Result<(), Errno> {
+        let bytes = u64::try_from(data.0.len()).unwrap_or(u64::MAX);
+        self.counted(Command::Write, bytes, self.write_image(offset, data, fua))
+            .await
+    }
+
+    async fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        flags: WriteZeroesFlags,
+    ) -> Result<(), Errno> {
+        let request = self.write_zeroes_image(offset, len, flags);
+        self.counted(Command::WriteZeroes, len, request).await
+    }
+
+    async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
+        self.counted(Command::Trim, len, self.trim_image(offset, len, fua))
+            .await
+    }
+
+    async fn flush(&self) -> Result<(), Errno> {
+        self.counted(Command::Flush, 0, self.flush_image()).await
+    }
+
+    async fn cache(&self, offset: u64, len: u64) -> Result<(), Errno> {
+        self.counted(Command::Cache, len, self.cache_image(offset, len))
+            .await
+    }
+
+    async fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>, Errno> {
+        let request = self.block_status_image(offset, len);
+        self.counted(Command::BlockStatus, len, request).await
+    }
+
+    fn client_attached(&self) {
+        if let Some(stats) = &self.stats {
+            stats.attached();
+        }
+    }
+
+    fn client_detached(&self) {
+        if let Some(stats) = &self.stats {
+            stats.detached();
+        }
     }
 
     fn dirty_bitmaps(&self) -> Vec<String> {
@@ -405,15 +513,8 @@ impl Export for ImageExport {
         offset: u64,
         len: u64,
     ) -> Result<Vec<(u64, bool)>, Errno> {
-        let b = self.bitmaps.get(index).ok_or(Errno::Inval)?;
-        let len = len.min(b.granularity.saturating_mul(DIRTY_STATUS_BITS));
-        match &b.source {
-            BitmapSource::Live => self
-                .image
-                .live_bitmap_runs(&b.name, offset, len)
-                .map_err(|e| errno("block status", &e)),
-            BitmapSource::Stored(data) => Ok(data.runs(offset, len)),
-        }
+        let request = async { self.dirty_runs(index, offset, len) };
+        self.counted(Command::BlockStatus, len, request).await
     }
 }
 

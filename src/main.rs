@@ -22,6 +22,7 @@ mod resize;
 mod serve;
 mod size_string;
 mod snapshot;
+mod stats;
 
 use std::process::ExitCode;
 

@@ -30,6 +30,7 @@ mod tls;
 use std::io::IsTerminal;
 use std::num::NonZeroUsize;
 use std::process::ExitCode;
+use std::rc::Rc;
 use std::time::Duration;
 
 use nbd::{Server, ServerConfig};
@@ -40,6 +41,8 @@ pub use args::{CacheMode, ServeArgs};
 pub(crate) use control::qmp;
 
 use crate::export::{DetectZeroes, DiscardMode, ExportPolicy};
+use crate::stats::http::{HttpLimits, MetricsBindError, MetricsServer};
+use crate::stats::StatsRegistry;
 
 /// Why `serve` failed.
 #[derive(Debug, thiserror::Error)]
@@ -131,6 +134,12 @@ pub enum ServeError {
     /// Closing the image failed: writes may not have reached the disk.
     #[error("closing the image failed: {0}")]
     Close(EngineError),
+    /// The `--metrics` endpoint cannot listen.
+    #[error(transparent)]
+    Metrics(#[from] MetricsBindError),
+    /// Two exports of one server share a name (caught earlier; kept as a typed error).
+    #[error(transparent)]
+    Stats(#[from] crate::stats::StatsError),
 }
 
 /// Runs `serve` and reports any failure on stderr.
@@ -311,6 +320,9 @@ async fn serve_on_runtime(
         open: plan.open.clone(),
         policy: plan.policy,
         threads: plan.threads.get(),
+        // `query-stats` and `--metrics` read them; without either nothing is counted.
+        stats: (args.metrics.is_some() || args.control.is_some())
+            .then(|| Rc::new(StatsRegistry::default())),
     };
     let registry = match registry::Registry::start(images, settings).await {
         Ok(r) => r,
@@ -354,6 +366,24 @@ fn tls_hint(tls: &nbd::tls::TlsServer) -> String {
     format!("TLS required ({kind}{authz})")
 }
 
+/// The `--metrics` endpoint over `registry`, when asked for; it stops when dropped.
+async fn start_metrics(
+    args: &ServeArgs,
+    registry: Option<&Rc<StatsRegistry>>,
+) -> Result<Option<MetricsServer>, ServeError> {
+    let (Some(addr), Some(registry)) = (args.metrics, registry) else {
+        return Ok(None);
+    };
+    let limits = HttpLimits {
+        max_scrapes: usize::from(args.metrics_scrapes),
+        timeout: Duration::from_secs(args.metrics_timeout),
+        ..HttpLimits::default()
+    };
+    let m = MetricsServer::start(addr, Rc::clone(registry), limits).await?;
+    tracing::info!(on = %m.addr(), "metrics at http://{}/metrics", m.addr());
+    Ok(Some(m))
+}
+
 /// Serves the open images until a signal (or `-t`'s lifetime) ends it; returns the server's
 /// report and the pid file, which goes once the images are closed.
 async fn serve_images(
@@ -371,6 +401,7 @@ async fn serve_images(
         server = server.with_tls(creds);
     }
     let listeners = listen::bind(activated, plan.explicit_endpoint, &plan.endpoint).await?;
+    let _metrics = start_metrics(args, registry.stats()).await?;
     let control_socket = args.control.as_deref().map(control::bind).transpose()?;
     let names =
         registry.with_records(|r| r.iter().map(|r| r.spec.name.clone()).collect::<Vec<_>>());
@@ -407,6 +438,9 @@ async fn serve_images(
         .await;
     if let Some(c) = control {
         c.stop().await;
+    }
+    if let Some(stats) = registry.stats() {
+        tracing::info!(total = %stats.total_json(), "statistics");
     }
     Ok((served?, pid_file))
 }

@@ -102,6 +102,21 @@ pub struct ServeArgs {
     #[arg(long = "control-max-command", value_name = "SIZE", value_parser = parse_size,
           default_value = "64K")]
     pub control_max_command: u64,
+    /// Serve statistics (requests, bytes, latency and errors per export, connections,
+    /// metadata caches) as Prometheus text at http://ADDR:PORT/metrics, e.g. 127.0.0.1:9100
+    /// or [::1]:9100 (port 0: any free port, logged at start with -v).
+    #[arg(long = "metrics", value_name = "ADDR:PORT")]
+    pub metrics: Option<std::net::SocketAddr>,
+
+    /// Scrapes of --metrics served at once (1 to 64); a further one is closed at once.
+    #[arg(long = "metrics-scrapes", value_name = "NUM", default_value_t = 4,
+          value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub metrics_scrapes: u16,
+
+    /// Seconds a --metrics client has to send its request and take the answer (1 to 3600).
+    #[arg(long = "metrics-timeout", value_name = "SECS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub metrics_timeout: u64,
 
     /// Close a client that sent no request for SECS seconds (0: never).
     #[arg(long = "idle-timeout", value_name = "SECS", default_value_t = 0)]
@@ -445,6 +460,33 @@ mod tests {
         for bad in ["0", "65", "two"] {
             let err = parse(&["--threads", bad, "img"]).unwrap_err().to_string();
             assert!(err.contains("thread"), "--threads {bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn metrics_take_an_ipv4_or_ipv6_socket_address() {
+        assert_eq!(parse(&["img"]).unwrap().metrics, None);
+        let v4 = parse(&["--metrics", "127.0.0.1:9100", "img"]).unwrap();
+        assert_eq!(v4.metrics, Some("127.0.0.1:9100".parse().unwrap()));
+        let v6 = parse(&["--metrics", "[::1]:9100", "img"]).unwrap();
+        assert_eq!(v6.metrics, Some("[::1]:9100".parse().unwrap()));
+        for bad in [
+            "9100",
+            "127.0.0.1",
+            "::1:9100",
+            "localhost:9100",
+            "127.0.0.1:70000",
+        ] {
+            assert!(parse(&["--metrics", bad, "img"]).is_err(), "{bad}");
+        }
+        let a = parse(&["img"]).unwrap();
+        assert_eq!((a.metrics_scrapes, a.metrics_timeout), (4, 10));
+        for (flag, bad) in [
+            ("--metrics-scrapes", "0"),
+            ("--metrics-scrapes", "65"),
+            ("--metrics-timeout", "0"),
+        ] {
+            assert!(parse(&[flag, bad, "img"]).is_err(), "{flag} {bad}");
         }
     }
 

@@ -23,6 +23,7 @@ use super::export_spec::MAX_EXPORTS;
 use super::exports::{close_all, ImageSpec, OpenImage};
 use super::ServeError;
 use crate::export::{ExportPolicy, ImageExport};
+use crate::stats::StatsRegistry;
 
 /// Events kept for a control client that reads them slowly; one further behind misses the
 /// oldest (it is told how many, see the control session).
@@ -55,6 +56,8 @@ pub struct OpenSettings {
     pub policy: ExportPolicy,
     /// Threads connections run on: exports change at run time only with one.
     pub threads: usize,
+    /// Where each export counts its requests, if anything reads the numbers.
+    pub stats: Option<Rc<StatsRegistry>>,
 }
 
 /// Why an export cannot be added or deleted; the control socket reports it.
@@ -110,7 +113,7 @@ impl Registry {
     ) -> Result<Registry, (ServeError, Vec<OpenImage>)> {
         let mut entries = Vec::with_capacity(images.len());
         for open in &images {
-            match entry(open, settings.policy).await {
+            match entry(open, &settings).await {
                 Ok(e) => entries.push(e),
                 Err(e) => return Err((e, images)),
             }
@@ -180,7 +183,7 @@ impl Registry {
             .await
             .map_err(|e| ChangeError::Other(format!("cannot open {}: {e}", spec.path.display())))?;
         let open = OpenImage { spec, image };
-        let added = match entry(&open, self.settings.policy).await {
+        let added = match entry(&open, &self.settings).await {
             Ok(entry) => self.insert(&id, &open, entry),
             Err(e) => Err(ChangeError::Other(e.to_string())),
         };
@@ -192,6 +195,7 @@ impl Registry {
                 Ok(())
             }
             Err(e) => {
+                self.forget_stats(&open.spec.name);
                 if let Err(c) = close_all(vec![open]).await {
                     tracing::error!(error = %c, "closing an image not served failed");
                 }
@@ -273,6 +277,7 @@ impl Registry {
         state.detached().await;
         let Some(record) = self.take(&id) else { return };
         drop(self.exports.forget(record.key));
+        self.forget_stats(&record.spec.name);
         if let Some(c) = record.cleaner {
             c.stop().await;
         }
@@ -285,6 +290,19 @@ impl Registry {
             Err(e) => tracing::error!(%id, error = %e, "export deleted"),
         }
         let _ = self.events.send(super::control::deleted_event(&id));
+    }
+
+    /// Where the exports count their requests, if anything reads the numbers.
+    pub fn stats(&self) -> Option<&Rc<StatsRegistry>> {
+        self.settings.stats.as_ref()
+    }
+
+    /// Stops reporting an export on its own (its numbers stay in the total) and lets go of
+    /// the image clone its cache statistics came from, so that closing releases the lock.
+    fn forget_stats(&self, name: &str) {
+        if let Some(stats) = &self.settings.stats {
+            stats.remove(name);
+        }
     }
 
     fn take(&self, id: &str) -> Option<Record> {
@@ -315,17 +333,24 @@ impl Registry {
     }
 }
 
-/// The NBD export of an open image, with its bitmaps.
+/// The NBD export of an open image, with its bitmaps, counting its requests when the
+/// server keeps statistics.
 async fn entry(
     open: &OpenImage,
-    policy: ExportPolicy,
+    settings: &OpenSettings,
 ) -> Result<ExportEntry<ImageExport>, ServeError> {
     let spec = &open.spec;
     let bitmaps = crate::export::exported_bitmaps(&open.image, &spec.bitmaps)
         .await
         .map_err(|reason| spec.bitmap_error(reason))?;
-    let export = Rc::new(ImageExport::new(open.image.clone(), policy).with_bitmaps(bitmaps));
-    Ok(ExportEntry::new(spec.name.clone(), export).with_description(spec.description.clone()))
+    let mut export = ImageExport::new(open.image.clone(), settings.policy).with_bitmaps(bitmaps);
+    if let Some(stats) = &settings.stats {
+        let image = open.image.clone();
+        let counted = stats.add(&spec.name, Box::new(move || image.meta_cache_stats()))?;
+        export = export.with_stats(counted);
+    }
+    Ok(ExportEntry::new(spec.name.clone(), Rc::new(export))
+        .with_description(spec.description.clone()))
 }
 
 fn record(id: String, open: OpenImage, key: usize, exports: &Exports<ImageExport>) -> Record {

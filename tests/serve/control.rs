@@ -439,7 +439,13 @@ fn with_worker_threads_exports_cannot_change_but_can_be_queried() {
     assert!(err.contains("--threads 1"), "{err}");
     qemu_io("raw", &server.uri_of("a"), &["write -P 3 0 64k"]);
     let stats = ctl_ok(&dir, &["query-stats", "id=a"]);
-    assert_eq!(stats["exports"][0]["clients"], 1, "{stats}");
+    let a = &stats["exports"][0];
+    assert_eq!(a["connections"]["total"], 1, "{stats}");
+    assert_eq!(a["commands"]["write"]["requests"], 1, "{stats}");
+    assert_eq!(a["commands"]["write"]["bytes"], 65536, "{stats}");
+    assert_eq!(a["commands"]["read"]["requests"], 0, "{stats}");
+    let all = ctl_ok(&dir, &["query-stats"]);
+    assert_eq!(all["total"]["commands"]["write"]["bytes"], 65536, "{all}");
     server.stop_ok();
 }
 

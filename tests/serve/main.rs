@@ -16,6 +16,7 @@ mod kernel_client;
 mod lifecycle;
 mod limits;
 mod locks;
+mod metrics;
 mod multi_export;
 mod nbd_client;
 mod nbdcopy;

@@ -32,6 +32,32 @@ pub enum Errno {
 }
 
 impl Errno {
+    /// Every error the spec defines, in the order of their values.
+    pub const ALL: [Errno; 8] = [
+        Self::Perm,
+        Self::Io,
+        Self::NoMem,
+        Self::Inval,
+        Self::NoSpc,
+        Self::Overflow,
+        Self::NotSup,
+        Self::Shutdown,
+    ];
+
+    /// The C name of the error (`"EIO"`), as logs and statistics label it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Perm => "EPERM",
+            Self::Io => "EIO",
+            Self::NoMem => "ENOMEM",
+            Self::Inval => "EINVAL",
+            Self::NoSpc => "ENOSPC",
+            Self::Overflow => "EOVERFLOW",
+            Self::NotSup => "ENOTSUP",
+            Self::Shutdown => "ESHUTDOWN",
+        }
+    }
+
     /// The value sent on the wire.
     pub fn code(self) -> u32 {
         match self {
@@ -93,26 +119,33 @@ impl From<io::Error> for Errno {
 mod tests {
     use super::*;
 
-    const ALL: [Errno; 8] = [
-        Errno::Perm,
-        Errno::Io,
-        Errno::NoMem,
-        Errno::Inval,
-        Errno::NoSpc,
-        Errno::Overflow,
-        Errno::NotSup,
-        Errno::Shutdown,
-    ];
-
     #[test]
     fn codes_round_trip_and_match_the_spec() {
-        let codes: Vec<u32> = ALL.iter().map(|e| e.code()).collect();
+        let codes: Vec<u32> = Errno::ALL.iter().map(|e| e.code()).collect();
         assert_eq!(codes, [1, 5, 12, 22, 28, 75, 95, 108]);
-        for e in ALL {
+        for e in Errno::ALL {
             assert_eq!(Errno::from_code(e.code()), Some(e));
         }
         assert_eq!(Errno::from_code(0), None);
         assert_eq!(Errno::from_code(2), None);
+    }
+
+    #[test]
+    fn names_are_the_c_names() {
+        let names: Vec<&str> = Errno::ALL.iter().map(|e| e.name()).collect();
+        assert_eq!(
+            names,
+            [
+                "EPERM",
+                "EIO",
+                "ENOMEM",
+                "EINVAL",
+                "ENOSPC",
+                "EOVERFLOW",
+                "ENOTSUP",
+                "ESHUTDOWN"
+            ]
+        );
     }
 
     #[test]

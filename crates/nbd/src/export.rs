@@ -219,6 +219,15 @@ pub trait Export {
     /// (at least one byte) or more.
     async fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>, Errno>;
 
+    /// A connection selected this export (`NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME`) and
+    /// starts transmission on it. Called once per connection, on the export's own thread,
+    /// before any request of that connection; [`Export::client_detached`] follows when the
+    /// connection ends, however it ends. For statistics: the default does nothing.
+    fn client_attached(&self) {}
+
+    /// The connection [`Export::client_attached`] announced has ended.
+    fn client_detached(&self) {}
+
     /// Names of the dirty bitmaps offered as `qemu:dirty-bitmap:NAME` contexts (the server
     /// serves the first [`crate::negotiate::meta::MAX_DIRTY_BITMAPS`]).
     fn dirty_bitmaps(&self) -> Vec<String> {

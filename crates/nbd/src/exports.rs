@@ -10,7 +10,7 @@
 
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::watch;
@@ -77,8 +77,6 @@ pub struct ExportState {
     /// Connections attached now (from the `OPT_GO`/`OPT_EXPORT_NAME` that selected the
     /// export until the connection ends).
     attached: watch::Sender<usize>,
-    /// Connections ever attached.
-    clients: AtomicU64,
     /// Closed to new clients.
     closing: AtomicBool,
     /// Turns true to end the attached connections (a hard close).
@@ -96,7 +94,6 @@ impl ExportState {
     pub fn new() -> Self {
         Self {
             attached: watch::Sender::new(0),
-            clients: AtomicU64::new(0),
             closing: AtomicBool::new(false),
             hard: watch::Sender::new(false),
         }
@@ -105,11 +102,6 @@ impl ExportState {
     /// Connections attached now.
     pub fn attached(&self) -> usize {
         *self.attached.borrow()
-    }
-
-    /// Connections ever attached.
-    pub fn clients(&self) -> u64 {
-        self.clients.load(Ordering::Relaxed)
     }
 
     /// True once the export was closed to new clients.
@@ -131,7 +123,6 @@ impl ExportState {
 
     fn attach(self: &Arc<Self>) -> Attachment {
         self.attached.send_modify(|n| *n += 1);
-        self.clients.fetch_add(1, Ordering::Relaxed);
         Attachment(Rc::new(Attached(Arc::clone(self))))
     }
 }
@@ -396,7 +387,7 @@ mod tests {
             exports.get(key).is_some(),
             "the attached client still finds it"
         );
-        assert_eq!((state.attached(), state.clients()), (1, 1));
+        assert_eq!(state.attached(), 1);
         assert_eq!(
             exports.close("a", CloseMode::Safe).unwrap_err(),
             ExportsError::NotFound("a".into())

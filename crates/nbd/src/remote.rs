@@ -39,6 +39,8 @@ enum Call<B> {
     Cache(u64, u64, Reply<()>),
     BlockStatus(u64, u64, Reply<Vec<Extent>>),
     DirtyStatus(usize, u64, u64, Reply<Vec<(u64, bool)>>),
+    /// A connection attached (`true`) or detached (`false`); nothing to answer.
+    Client(bool),
 }
 
 /// What a worker thread needs to make a [`Remote`]: `Send`, unlike the export.
@@ -136,6 +138,8 @@ async fn run<E: Export>(export: Rc<E>, call: Call<E::Buf>) {
         Call::DirtyStatus(index, offset, len, reply) => {
             let _ = reply.send(export.dirty_status(index, offset, len).await);
         }
+        Call::Client(true) => export.client_attached(),
+        Call::Client(false) => export.client_detached(),
     }
 }
 
@@ -201,6 +205,16 @@ impl<B: SendBuf> Export for Remote<B> {
 
     fn dirty_bitmaps(&self) -> Vec<String> {
         self.handle.dirty_bitmaps.clone()
+    }
+
+    /// Passed on to the owning thread, where the export lives; a closed channel means
+    /// that thread has failed, and then there is nobody left to tell.
+    fn client_attached(&self) {
+        let _ = self.handle.calls.send(Call::Client(true));
+    }
+
+    fn client_detached(&self) {
+        let _ = self.handle.calls.send(Call::Client(false));
     }
 
     async fn dirty_status(

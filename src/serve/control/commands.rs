@@ -241,7 +241,8 @@ fn with_writable(
     }
 }
 
-/// `query-stats`: per export, what the server counts (`id` selects one).
+/// `query-stats`: per export, what the server counts (`id` selects one), and the server's
+/// total (which keeps what deleted exports counted) when all are asked for.
 pub fn query_stats(registry: Registry, mut args: Args) -> Running {
     ready((|| {
         let only = args.opt_string("id")?;
@@ -250,7 +251,7 @@ pub fn query_stats(registry: Registry, mut args: Args) -> Running {
             records
                 .iter()
                 .filter(|r| only.as_ref().is_none_or(|id| &r.id == id))
-                .map(|r| Value::Object(export_stats(r)))
+                .map(|r| Value::Object(export_stats(&registry, r)))
                 .collect::<Vec<_>>()
         });
         if let (Some(id), true) = (&only, exports.is_empty()) {
@@ -259,16 +260,24 @@ pub fn query_stats(registry: Registry, mut args: Args) -> Running {
                 format!("Export '{id}' is not found"),
             ));
         }
-        Ok(json!({ "exports": exports }))
+        let mut out = json!({ "exports": exports });
+        if let (Some(stats), None) = (registry.stats(), &only) {
+            out["total"] = stats.total_json();
+        }
+        Ok(out)
     })())
 }
 
-/// One export's statistics: the one place their fields are put together.
-fn export_stats(r: &Record) -> Map<String, Value> {
+/// One export's statistics: the one place their fields are put together (its identity,
+/// then every counter of the statistics registry, which the server keeps whenever it has a
+/// control socket).
+fn export_stats(registry: &Registry, r: &Record) -> Map<String, Value> {
     let mut out = Map::new();
     out.insert("id".into(), json!(r.id));
     out.insert("name".into(), json!(r.spec.name));
-    out.insert("connections".into(), json!(r.state.attached()));
-    out.insert("clients".into(), json!(r.state.clients()));
+    let counted = registry.stats().and_then(|s| s.export_json(&r.spec.name));
+    if let Some(Value::Object(fields)) = counted {
+        out.extend(fields);
+    }
     out
 }

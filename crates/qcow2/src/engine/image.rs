@@ -5,6 +5,7 @@ use super::cache_sizing::ResolvedCacheSizes;
 use super::chain::Chain;
 use super::error::{EngineError, Result};
 use super::load::Format;
+use super::metacache::{MetaCacheCounters, MetaCacheStats};
 use super::range_lock::{LockMode, RangeGuard, RangeLocks};
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -119,6 +120,19 @@ impl<S: Storage + 'static> Image<S> {
     /// Statistics of the shared L2 cache.
     pub fn l2_cache_stats(&self) -> cache::CacheStats {
         self.inner.chain.l2.stats()
+    }
+
+    /// Counters and occupancy of the L2 and refcount caches, for the server's statistics.
+    pub fn meta_cache_stats(&self) -> MetaCacheStats {
+        MetaCacheStats {
+            l2: MetaCacheCounters::from_cache(&self.inner.chain.l2),
+            refcount: self
+                .inner
+                .alloc
+                .as_ref()
+                .map(|w| MetaCacheCounters::from_cache(&w.refcounts))
+                .unwrap_or_default(),
+        }
     }
 
     /// Statistics of the merged backing map's cache, for chains that have one.

@@ -23,6 +23,49 @@ pub(crate) type L2Cache<S> = cache::Cache<L2Key, L2Backend<S>>;
 /// The refcount-block cache of the writable layer.
 pub(crate) type RefcountCache<S> = cache::Cache<RefcountKey, RefcountBackend<S>>;
 
+/// What statistics report of one metadata cache: counters since the image was opened and
+/// its occupancy now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MetaCacheCounters {
+    /// Lookups answered from memory.
+    pub hits: u64,
+    /// Lookups that read the table from the file.
+    pub misses: u64,
+    /// Entries dropped to make room (idle cleaning not counted).
+    pub evictions: u64,
+    /// Bytes modified and not yet written back.
+    pub dirty_bytes: u64,
+    /// Bytes of the budget in use.
+    pub memory_bytes: u64,
+}
+
+impl MetaCacheCounters {
+    pub(crate) fn from_cache<K, B>(cache: &cache::Cache<K, B>) -> Self
+    where
+        K: Copy + Eq + std::hash::Hash + std::fmt::Debug,
+        B: cache::Backend<K>,
+    {
+        let s = cache.stats();
+        let entry = u64::try_from(cache.entry_size()).unwrap_or(u64::MAX);
+        Self {
+            hits: s.hits,
+            misses: s.misses,
+            evictions: s.evictions,
+            dirty_bytes: s.dirty.saturating_mul(entry),
+            memory_bytes: s.bytes_in_use,
+        }
+    }
+}
+
+/// The statistics of an image's metadata caches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MetaCacheStats {
+    /// The L2 cache every layer of the chain shares.
+    pub l2: MetaCacheCounters,
+    /// The refcount-block cache (all zero on an image that is not written: it has none).
+    pub refcount: MetaCacheCounters,
+}
+
 /// Loads L2 slices from any layer; writes them back only to layer 0.
 pub(crate) struct L2Backend<S> {
     pub layers: Rc<Vec<Layer<S>>>,

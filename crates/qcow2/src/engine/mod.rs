@@ -57,6 +57,7 @@ pub use create::{create, create_file, CreateOptions, Preallocation};
 pub use error::{libc_errno, EngineError, Result};
 pub use image::{Image, ImageFacts};
 pub use load::Format;
+pub use metacache::{MetaCacheCounters, MetaCacheStats};
 pub use open::OpenOptions;
 pub use read_sparse::ReadPart;
 pub use resize::ResizeError;

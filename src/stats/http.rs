@@ -1,0 +1,272 @@
+//! The `--metrics` endpoint: a deliberately small HTTP/1.1 server for one resource,
+//! `GET /metrics`. Each connection carries one request and is closed after the answer.
+//!
+//! It runs as tasks on the thread that owns the images (where the numbers and the caches
+//! live); a scrape costs that thread one snapshot and one rendering, and every wait (the
+//! request, the answer) is bounded in size and time, so a hostile client can hold at most a
+//! scrape slot until its time runs out, never the thread.
+
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+use super::registry::StatsRegistry;
+
+/// How the endpoint bounds its clients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpLimits {
+    /// Largest request head (request line and headers) read.
+    pub max_head: usize,
+    /// Time a client has to send its request and take the answer.
+    pub timeout: Duration,
+    /// Scrapes served at once; a client beyond them is closed at once.
+    pub max_scrapes: usize,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        Self {
+            max_head: 8 * 1024,
+            timeout: Duration::from_secs(10),
+            max_scrapes: 4,
+        }
+    }
+}
+
+/// Why the endpoint cannot start.
+#[derive(Debug, thiserror::Error)]
+#[error("--metrics {addr}: cannot listen: {source}")]
+pub struct MetricsBindError {
+    addr: SocketAddr,
+    source: std::io::Error,
+}
+
+/// A running endpoint; stops when dropped.
+pub struct MetricsServer {
+    addr: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl MetricsServer {
+    /// Listens on `addr` (port 0 picks a free port) and serves `registry`'s numbers; must
+    /// run inside a `LocalSet`.
+    pub async fn start(
+        addr: SocketAddr,
+        registry: Rc<StatsRegistry>,
+        limits: HttpLimits,
+    ) -> Result<Self, MetricsBindError> {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| MetricsBindError { addr, source })?;
+        let bound = listener
+            .local_addr()
+            .map_err(|source| MetricsBindError { addr, source })?;
+        let task = tokio::task::spawn_local(accept_loop(listener, registry, limits));
+        Ok(Self { addr: bound, task })
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn accept_loop(listener: TcpListener, registry: Rc<StatsRegistry>, limits: HttpLimits) {
+    let mut scrapes = tokio::task::JoinSet::new();
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                // Out of descriptors and the like: wait a little instead of spinning.
+                tracing::warn!(error = %e, "metrics: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        while scrapes.try_join_next().is_some() {}
+        if scrapes.len() >= limits.max_scrapes {
+            tracing::debug!(%peer, "metrics: too many scrapes at once, closing");
+            continue;
+        }
+        let registry = Rc::clone(&registry);
+        scrapes.spawn_local(async move {
+            let served =
+                tokio::time::timeout(limits.timeout, serve(stream, &registry, limits.max_head));
+            match served.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "metrics: scrape failed"),
+                Err(_) => tracing::debug!(%peer, "metrics: scrape timed out"),
+            }
+        });
+    }
+}
+
+/// What a request asks for.
+#[derive(Debug, PartialEq, Eq)]
+enum Request {
+    /// `GET /metrics` (`head`: HEAD, no body).
+    Metrics { head: bool },
+    /// Another path.
+    NotFound,
+    /// Another method.
+    BadMethod,
+    /// Not an HTTP request line.
+    Malformed,
+}
+
+/// One answer.
+struct Reply {
+    status: &'static str,
+    content_type: &'static str,
+    body: String,
+    /// HEAD: the headers only.
+    head_only: bool,
+}
+
+impl Reply {
+    fn text(status: &'static str, body: &str) -> Self {
+        Self {
+            status,
+            content_type: "text/plain; charset=utf-8",
+            body: body.to_owned(),
+            head_only: false,
+        }
+    }
+}
+
+async fn serve(
+    mut stream: TcpStream,
+    registry: &StatsRegistry,
+    max_head: usize,
+) -> std::io::Result<()> {
+    let reply = match read_head(&mut stream, max_head).await? {
+        None => Reply::text(
+            "431 Request Header Fields Too Large",
+            "request head too large\n",
+        ),
+        Some(head) => route(&head, registry)?,
+    };
+    answer(&mut stream, &reply).await
+}
+
+/// The answer to a request head.
+fn route(head: &[u8], registry: &StatsRegistry) -> std::io::Result<Reply> {
+    Ok(match parse(head) {
+        Request::Metrics { head } => Reply {
+            status: "200 OK",
+            content_type: super::prometheus::CONTENT_TYPE,
+            body: super::prometheus::render(registry.snapshot()).map_err(std::io::Error::other)?,
+            head_only: head,
+        },
+        Request::NotFound => Reply::text("404 Not Found", "only /metrics is here\n"),
+        Request::BadMethod => Reply::text("405 Method Not Allowed", "use GET or HEAD\n"),
+        Request::Malformed => Reply::text("400 Bad Request", "not an HTTP request\n"),
+    })
+}
+
+/// Reads up to the blank line that ends the request head; `None` if it is longer than
+/// `max` bytes. A client that closes early has sent what it sent.
+async fn read_head(stream: &mut TcpStream, max: usize) -> std::io::Result<Option<Vec<u8>>> {
+    let mut head = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    loop {
+        if head.windows(4).any(|w| w == b"\r\n\r\n") || head.windows(2).any(|w| w == b"\n\n") {
+            return Ok(Some(head));
+        }
+        if head.len() > max {
+            return Ok(None);
+        }
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(Some(head));
+        }
+        head.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// The request line's method and path decide.
+fn parse(head: &[u8]) -> Request {
+    let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
+    let Ok(line) = std::str::from_utf8(line) else {
+        return Request::Malformed;
+    };
+    let mut parts = line.trim_end_matches('\r').split(' ');
+    let (Some(method), Some(target), Some(version), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Request::Malformed;
+    };
+    if !version.starts_with("HTTP/1.") {
+        return Request::Malformed;
+    }
+    let path = target.split('?').next().unwrap_or_default();
+    match method {
+        "GET" | "HEAD" if path == "/metrics" => Request::Metrics {
+            head: method == "HEAD",
+        },
+        "GET" | "HEAD" => Request::NotFound,
+        _ => Request::BadMethod,
+    }
+}
+
+async fn answer(stream: &mut TcpStream, reply: &Reply) -> std::io::Result<()> {
+    let allow = if reply.status.starts_with("405") {
+        "Allow: GET, HEAD\r\n"
+    } else {
+        ""
+    };
+    let mut out = format!(
+        "HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\n{allow}Connection: close\r\n\r\n",
+        reply.status,
+        reply.content_type,
+        reply.body.len()
+    )
+    .into_bytes();
+    if !reply.head_only {
+        out.extend_from_slice(reply.body.as_bytes());
+    }
+    stream.write_all(&out).await?;
+    stream.shutdown().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_request_line_decides() {
+        let p = |s: &str| parse(s.as_bytes());
+        assert_eq!(
+            p("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"),
+            Request::Metrics { head: false }
+        );
+        assert_eq!(
+            p("GET /metrics?x=1 HTTP/1.0\r\n\r\n"),
+            Request::Metrics { head: false }
+        );
+        assert_eq!(
+            p("HEAD /metrics HTTP/1.1\r\n\r\n"),
+            Request::Metrics { head: true }
+        );
+        assert_eq!(p("GET / HTTP/1.1\r\n\r\n"), Request::NotFound);
+        assert_eq!(p("GET /metricsx HTTP/1.1\r\n\r\n"), Request::NotFound);
+        assert_eq!(p("POST /metrics HTTP/1.1\r\n\r\n"), Request::BadMethod);
+        assert_eq!(p("DELETE / HTTP/1.1\r\n\r\n"), Request::BadMethod);
+        assert_eq!(p(""), Request::Malformed);
+        assert_eq!(p("\r\n\r\n"), Request::Malformed);
+        assert_eq!(p("GET /metrics\r\n\r\n"), Request::Malformed);
+        assert_eq!(p("GET /metrics SPDY/3\r\n\r\n"), Request::Malformed);
+        assert_eq!(p("GET  /metrics HTTP/1.1\r\n\r\n"), Request::Malformed);
+        assert_eq!(parse(b"GET /\xff HTTP/1.1\r\n\r\n"), Request::Malformed);
+    }
+}
