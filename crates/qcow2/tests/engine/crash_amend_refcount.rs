@@ -6,6 +6,7 @@
 //! with nothing worse than leaked clusters (the new structure, written before the switch).
 //! Widening and narrowing both; and the image stays writable after the change.
 
+use crate::crash_snapshots::with_a_snapshot;
 use crate::support::FaultFs;
 use qcow2::engine::{create, AmendOptions, CreateOptions, Image, OpenOptions};
 use std::path::Path;
@@ -20,33 +21,13 @@ const REFCOUNT_ORDER: usize = 96;
 /// Data, a compressed cluster, and a snapshot "base" (refcounts of 2) with data written over
 /// it since.
 async fn before(cluster: u64, refcount_bits: u32) -> MemStorage {
-    let top = MemStorage::new();
     let opts = CreateOptions {
         size: SIZE,
         cluster_size: cluster,
         refcount_bits,
         ..CreateOptions::default()
     };
-    create(&top, &opts).await.unwrap();
-    let fs = MemFs::new();
-    fs.insert(TOP, top.clone());
-    let img = Image::open(&fs, Path::new(TOP), &OpenOptions::default())
-        .await
-        .unwrap();
-    let fill = |byte: u8, len: u64| IoBuf::from_slice(&vec![byte; len as usize]);
-    img.write(0, fill(1, 3 * cluster), false).await.0.unwrap();
-    img.write(SIZE / 2, fill(2, cluster), false)
-        .await
-        .0
-        .unwrap();
-    img.write_compressed(SIZE - cluster, fill(3, cluster))
-        .await
-        .unwrap();
-    img.create_snapshot(b"base", (1, 0)).await.unwrap();
-    img.write(cluster, fill(4, cluster / 2), false)
-        .await
-        .0
-        .unwrap();
+    let (top, img) = with_a_snapshot(&opts).await;
     img.close().await.unwrap();
     top
 }

@@ -23,29 +23,23 @@ enum SnapOp {
     Delete,
 }
 
-/// The image before the operation: data, a compressed cluster, snapshot "base" (ID 1) of
-/// that, then more data written over it and a second snapshot "later" (ID 2).
-async fn before(cluster: u64, extended: bool) -> MemStorage {
+/// Data, a compressed cluster, and a snapshot "base" (refcounts of 2) with data written over
+/// it since: the image, still open for the caller to go on with, and its storage.
+pub(crate) async fn with_a_snapshot(opts: &CreateOptions) -> (MemStorage, Image<MemStorage>) {
     let top = MemStorage::new();
-    let opts = CreateOptions {
-        size: SIZE,
-        cluster_size: cluster,
-        extended_l2: extended,
-        ..CreateOptions::default()
-    };
-    create(&top, &opts).await.unwrap();
+    create(&top, opts).await.unwrap();
     let fs = MemFs::new();
     fs.insert(TOP, top.clone());
     let img = Image::open(&fs, Path::new(TOP), &OpenOptions::default())
         .await
         .unwrap();
-    let fill = |byte: u8, len: u64| IoBuf::from_slice(&vec![byte; len as usize]);
+    let (size, cluster) = (opts.size, opts.cluster_size);
     img.write(0, fill(1, 3 * cluster), false).await.0.unwrap();
-    img.write(SIZE / 2, fill(2, cluster), false)
+    img.write(size / 2, fill(2, cluster), false)
         .await
         .0
         .unwrap();
-    img.write_compressed(SIZE - cluster, fill(3, cluster))
+    img.write_compressed(size - cluster, fill(3, cluster))
         .await
         .unwrap();
     img.create_snapshot(b"base", (1, 0)).await.unwrap();
@@ -53,6 +47,22 @@ async fn before(cluster: u64, extended: bool) -> MemStorage {
         .await
         .0
         .unwrap();
+    (top, img)
+}
+
+fn fill(byte: u8, len: u64) -> IoBuf {
+    IoBuf::from_slice(&vec![byte; len as usize])
+}
+
+/// [`with_a_snapshot`], then more data and a second snapshot "later" with a write over it.
+async fn before(cluster: u64, extended: bool) -> MemStorage {
+    let opts = CreateOptions {
+        size: SIZE,
+        cluster_size: cluster,
+        extended_l2: extended,
+        ..CreateOptions::default()
+    };
+    let (top, img) = with_a_snapshot(&opts).await;
     img.write(SIZE / 4, fill(5, cluster), false)
         .await
         .0
