@@ -278,10 +278,17 @@ fn a_served_image_is_not_resized() {
         .stdout(std::process::Stdio::null())
         .spawn()
         .expect("run qemu-io");
+    // A loaded machine can take seconds to start qemu-io; if it died instead, say so at
+    // once rather than waiting out the limit.
     test_support::wait_until(
-        std::time::Duration::from_secs(10),
+        std::time::Duration::from_secs(60),
         "qemu-io holds the image lock",
-        || !d.run("qemu-img", &["info", "busy.qcow2"]).status.success(),
+        || {
+            if let Some(status) = holder.try_wait().expect("poll qemu-io") {
+                panic!("qemu-io exited before taking the lock: {status}");
+            }
+            !d.run("qemu-img", &["info", "busy.qcow2"]).status.success()
+        },
     );
     let out = d.run(BIN, &["resize", "busy.qcow2", "8M"]);
     drop(holder.stdin.take());
