@@ -271,25 +271,7 @@ fn a_served_image_is_not_resized() {
     // Another process holding the image for writing (qemu-io here) makes us fail cleanly.
     let d = Dir::new();
     d.create("busy.qcow2", "qcow2", "", None, "4M");
-    let mut holder = std::process::Command::new("qemu-io")
-        .args(["-f", "qcow2", "busy.qcow2"])
-        .current_dir(d.root())
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("run qemu-io");
-    // A loaded machine can take seconds to start qemu-io; if it died instead, say so at
-    // once rather than waiting out the limit.
-    test_support::wait_until(
-        std::time::Duration::from_secs(60),
-        "qemu-io holds the image lock",
-        || {
-            if let Some(status) = holder.try_wait().expect("poll qemu-io") {
-                panic!("qemu-io exited before taking the lock: {status}");
-            }
-            !d.run("qemu-img", &["info", "busy.qcow2"]).status.success()
-        },
-    );
+    let mut holder = hold_with_qemu_io(&d, "busy.qcow2");
     let out = d.run(BIN, &["resize", "busy.qcow2", "8M"]);
     drop(holder.stdin.take());
     let _ = holder.wait();
@@ -300,4 +282,33 @@ fn a_served_image_is_not_resized() {
         text(&out)
     );
     assert_eq!(d.info("busy.qcow2")["virtual-size"], 4 << 20);
+}
+
+/// Starts qemu-io holding `name` open for writing and waits until it has the lock. The
+/// probe (`qemu-img info`, a shared lock) can make a qemu-io that opens at that very moment
+/// fail to lock and exit: such a qemu-io is started again.
+fn hold_with_qemu_io(d: &Dir, name: &str) -> std::process::Child {
+    let spawn = || {
+        std::process::Command::new("qemu-io")
+            .args(["-f", "qcow2", name])
+            .current_dir(d.root())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("run qemu-io")
+    };
+    let mut holder = spawn();
+    test_support::wait_until(
+        std::time::Duration::from_secs(60),
+        "qemu-io holds the image lock",
+        || {
+            if holder.try_wait().expect("poll qemu-io").is_some() {
+                holder = spawn();
+                return false;
+            }
+            !d.run("qemu-img", &["info", name]).status.success()
+        },
+    );
+    holder
 }
