@@ -155,6 +155,14 @@ pub struct FaultStats {
     pub injected_errors: u64,
 }
 
+impl FaultStats {
+    /// Every operation of any kind: what [`FaultStorage::fail_after`] counts, so a crash
+    /// campaign can fail after each one in turn.
+    pub fn operations(&self) -> u64 {
+        self.reads + self.writes + self.write_zeroes + self.discards + self.flushes + self.set_lens
+    }
+}
+
 /// An operation that changes contents, as remembered until a flush covers it.
 #[derive(Debug, Clone)]
 enum Modification {

@@ -346,8 +346,7 @@ fn a_repair_interrupted_by_a_crash_loses_nothing() {
                 first.rechecked,
                 "{base}: the fault should have been repaired"
             );
-            let s = f.stats();
-            let total = s.reads + s.writes + s.write_zeroes + s.discards + s.flushes + s.set_lens;
+            let total = f.stats().operations();
             let mut images = 0;
             for n in 0..=total {
                 let plans = [

@@ -8,10 +8,10 @@
 //! storing them too: a bitmap a crash image shows as clean must hold every change made
 //! before the close that stored it.
 
-use crate::support::FaultFs;
+use crate::support::{crash_plan, FaultFs};
 use qcow2::engine::{create, CreateOptions, Format, Image, OpenOptions, Preallocation};
 use std::path::Path;
-use storage::{CrashPlan, FaultStorage, InjectedError, IoBuf, MemFs, MemStorage};
+use storage::{FaultStorage, InjectedError, IoBuf, MemFs, MemStorage};
 use test_support::{run, Rng};
 
 #[derive(Clone, Copy, Debug)]
@@ -307,10 +307,7 @@ async fn run_workload(c: &Config, ops: &[Op], fail_after: Option<u64>) -> (Fault
 }
 
 fn finish(fs: FaultFs, expect: Expect, _err: Option<String>) -> (FaultFs, Expect, u64) {
-    let ops = {
-        let s = fs.0.borrow()[Path::new(TOP)].stats();
-        s.reads + s.writes + s.write_zeroes + s.discards + s.flushes + s.set_lens
-    };
+    let ops = fs.0.borrow()[Path::new(TOP)].stats().operations();
     (fs, expect, ops)
 }
 
@@ -452,14 +449,7 @@ fn crash_campaign(c: Config, points: usize, plans_per_point: usize) -> usize {
             let (fs, expect, _) = run_workload(&c, &ops, Some(n)).await;
             let handle = fs.0.borrow()[Path::new(TOP)].clone();
             for k in 0..plans_per_point {
-                let plan = match k {
-                    0 => CrashPlan::mask(&[]),
-                    1 => CrashPlan::mask(&vec![true; handle.unflushed_ops()]),
-                    _ => CrashPlan::Random {
-                        seed: rng.next_u64(),
-                        tear: true,
-                    },
-                };
+                let plan = crash_plan(k, &handle, &mut rng);
                 let what = format!(
                     "{}: crash after storage op {n} of {total}, plan {k}",
                     c.name

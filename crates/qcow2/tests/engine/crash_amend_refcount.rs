@@ -7,7 +7,7 @@
 //! Widening and narrowing both; and the image stays writable after the change.
 
 use crate::crash_snapshots::with_a_snapshot;
-use crate::support::FaultFs;
+use crate::support::{crash_plan, FaultFs};
 use qcow2::engine::{create, AmendOptions, CreateOptions, Image, OpenOptions};
 use std::path::Path;
 use storage::{CrashPlan, FaultStorage, InjectedError, IoBuf, MemFs, MemStorage};
@@ -84,11 +84,7 @@ async fn run_amend(
         res.is_ok() || fail_after.is_some(),
         "amend to {bits} bits failed without a fault: {res:?}"
     );
-    let s = handle.stats();
-    (
-        handle.clone(),
-        s.reads + s.writes + s.write_zeroes + s.discards + s.flushes + s.set_lens,
-    )
+    (handle.clone(), handle.stats().operations())
 }
 
 /// `qemu-img check` finds nothing worse than leaks.
@@ -121,14 +117,7 @@ fn campaign(cluster: u64, from: u32, to: u32, plans: usize) {
     for n in 1..=total {
         let (handle, _) = run(run_amend(&start, to, Some(n)));
         for k in 0..plans {
-            let plan = match k {
-                0 => CrashPlan::mask(&[]),
-                1 => CrashPlan::mask(&vec![true; handle.unflushed_ops()]),
-                _ => CrashPlan::Random {
-                    seed: rng.next_u64(),
-                    tear: true,
-                },
-            };
+            let plan = crash_plan(k, &handle, &mut rng);
             let what = format!(
                 "{from} -> {to} bits ({cluster} B clusters): crash after op {n} of {total}, plan {k}"
             );

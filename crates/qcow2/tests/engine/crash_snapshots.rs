@@ -7,7 +7,7 @@
 //! makes look premature (a flag and the refcount it describes cannot change in one write),
 //! but `qemu-img check -r leaks` must then repair it as a leak, with no corruption fixed.
 
-use crate::support::FaultFs;
+use crate::support::{crash_plan, FaultFs};
 use qcow2::engine::{create, CreateOptions, Image, OpenOptions};
 use std::path::Path;
 use storage::{CrashPlan, FaultStorage, InjectedError, IoBuf, MemFs, MemStorage};
@@ -123,11 +123,7 @@ async fn run_op(
         res.is_ok() || fail_after.is_some(),
         "{op:?} failed without a fault: {res:?}"
     );
-    let s = handle.stats();
-    (
-        handle.clone(),
-        s.reads + s.writes + s.write_zeroes + s.discards + s.flushes + s.set_lens,
-    )
+    (handle.clone(), handle.stats().operations())
 }
 
 /// `qemu-img check` finds nothing worse than leaks (see the module documentation).
@@ -206,14 +202,7 @@ fn campaign(cluster: u64, extended: bool, op: SnapOp, plans: usize) {
     for n in 1..=total {
         let (handle, _) = run(run_op(&start, op, Some(n)));
         for k in 0..plans {
-            let plan = match k {
-                0 => CrashPlan::mask(&[]),
-                1 => CrashPlan::mask(&vec![true; handle.unflushed_ops()]),
-                _ => CrashPlan::Random {
-                    seed: rng.next_u64(),
-                    tear: true,
-                },
-            };
+            let plan = crash_plan(k, &handle, &mut rng);
             let what =
                 format!("{op:?} ({cluster} B clusters): crash after op {n} of {total}, plan {k}");
             let crash = handle.crash_image(&plan);

@@ -106,3 +106,20 @@ impl Opener for FaultFs {
             .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
     }
 }
+
+/// The crash plans a campaign tries after each failing operation, by index: nothing
+/// unflushed survives (0), everything does (1), then random subsets with torn writes.
+pub fn crash_plan(
+    k: usize,
+    handle: &FaultStorage<MemStorage>,
+    rng: &mut test_support::Rng,
+) -> storage::CrashPlan {
+    match k {
+        0 => storage::CrashPlan::mask(&[]),
+        1 => storage::CrashPlan::mask(&vec![true; handle.unflushed_ops()]),
+        _ => storage::CrashPlan::Random {
+            seed: rng.next_u64(),
+            tear: true,
+        },
+    }
+}
