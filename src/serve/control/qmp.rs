@@ -156,12 +156,108 @@ pub enum Frame {
 }
 
 /// Splits a byte stream into JSON values, with a bound on the size of one.
+///
+/// Input is scanned once, byte by byte, as it arrives (string and escape state, bracket
+/// depth), and a value is handed to the JSON parser only when it is complete, so a client
+/// trickling a command costs time linear in its length. Like QEMU's lexer, a byte that
+/// cannot appear outside a string is an error at once; a badly structured value is one
+/// when it is complete.
 #[derive(Debug)]
 pub struct Framer {
     buf: Vec<u8>,
     limit: usize,
     /// After bad input: dropping bytes up to the next newline.
     skipping: bool,
+    scan: Scan,
+}
+
+/// How far the value at the start of the buffer has been scanned.
+#[derive(Debug, Default, Clone, Copy)]
+struct Scan {
+    /// Bytes of the buffer already scanned.
+    pos: usize,
+    /// Open brackets and braces outside strings.
+    depth: usize,
+    in_string: bool,
+    escape: bool,
+    /// A number or keyword at depth 0 has begun: it ends at the next delimiter.
+    in_scalar: bool,
+}
+
+/// What one scanned byte means for the value being scanned.
+enum Step {
+    More,
+    /// The value ends before this byte.
+    EndsBefore,
+    /// The value ends with this byte.
+    EndsWith,
+    /// This byte cannot be here.
+    Invalid,
+}
+
+impl Scan {
+    fn step(&mut self, b: u8) -> Step {
+        if self.in_string {
+            match (self.escape, b) {
+                (true, _) => self.escape = false,
+                (false, b'\\') => self.escape = true,
+                (false, b'"') => {
+                    self.in_string = false;
+                    if self.depth == 0 {
+                        return Step::EndsWith;
+                    }
+                }
+                _ => {}
+            }
+            return Step::More;
+        }
+        let top = self.depth == 0;
+        match b {
+            b'"' | b'{' | b'[' | b',' | b':' | b'}' | b']' if top && self.in_scalar => {
+                Step::EndsBefore
+            }
+            _ if b.is_ascii_whitespace() => match top && self.in_scalar {
+                true => Step::EndsBefore,
+                false => Step::More,
+            },
+            b'"' => {
+                self.in_string = true;
+                Step::More
+            }
+            b'{' | b'[' => {
+                self.depth += 1;
+                Step::More
+            }
+            b'}' | b']' if top => Step::Invalid,
+            b'}' | b']' => {
+                self.depth -= 1;
+                match self.depth {
+                    0 => Step::EndsWith,
+                    _ => Step::More,
+                }
+            }
+            b',' | b':' if top => Step::Invalid,
+            b',' | b':' => Step::More,
+            b'0'..=b'9'
+            | b'-'
+            | b'+'
+            | b'.'
+            | b'e'
+            | b'E'
+            | b'a'
+            | b'f'
+            | b'l'
+            | b'n'
+            | b'r'
+            | b's'
+            | b't'
+            | b'u' => {
+                self.in_scalar |= top;
+                Step::More
+            }
+            _ => Step::Invalid,
+        }
+    }
 }
 
 impl Framer {
@@ -171,6 +267,7 @@ impl Framer {
             buf: Vec::new(),
             limit,
             skipping: false,
+            scan: Scan::default(),
         }
     }
 
@@ -189,25 +286,49 @@ impl Framer {
         if self.skipping && !self.skip_line() {
             return None;
         }
-        let start = self.buf.iter().position(|b| !b.is_ascii_whitespace());
-        self.buf.drain(..start.unwrap_or(self.buf.len()));
-        if self.buf.is_empty() {
-            return None;
+        if self.scan.pos == 0 {
+            let start = self.buf.iter().position(|b| !b.is_ascii_whitespace());
+            self.buf.drain(..start.unwrap_or(self.buf.len()));
         }
-        let mut values = serde_json::Deserializer::from_slice(&self.buf).into_iter::<Value>();
-        match values.next() {
-            Some(Ok(v)) => {
-                let used = values.byte_offset();
-                self.buf.drain(..used);
-                Some(Frame::Value(v))
+        while self.scan.pos < self.buf.len() {
+            let at = self.scan.pos;
+            self.scan.pos += 1;
+            match self.scan.step(self.buf[at]) {
+                Step::More => {}
+                Step::EndsBefore => return Some(self.take(at)),
+                Step::EndsWith => return Some(self.take(at + 1)),
+                Step::Invalid => return Some(self.bad_byte(at)),
             }
-            Some(Err(e)) if e.is_eof() => self.too_large(),
-            Some(Err(e)) => {
-                self.skipping = true;
-                Some(Frame::Bad(format!("JSON parse error, {e}")))
-            }
-            None => None,
         }
+        self.too_large()
+    }
+
+    /// The complete value in the first `end` bytes, parsed.
+    fn take(&mut self, end: usize) -> Frame {
+        self.scan = Scan::default();
+        match serde_json::from_slice(&self.buf[..end]) {
+            Ok(v) => {
+                self.buf.drain(..end);
+                Frame::Value(v)
+            }
+            Err(e) => self.bad(e.to_string()),
+        }
+    }
+
+    /// A byte that no JSON value can hold where it is.
+    fn bad_byte(&mut self, at: usize) -> Frame {
+        self.scan = Scan::default();
+        let byte = self.buf[at];
+        let what = match byte {
+            b' '..=b'~' => format!("'{}'", byte as char),
+            _ => format!("byte 0x{byte:02x}"),
+        };
+        self.bad(format!("unexpected {what} at offset {at} of the command"))
+    }
+
+    fn bad(&mut self, why: String) -> Frame {
+        self.skipping = true;
+        Frame::Bad(format!("JSON parse error, {why}"))
     }
 
     /// An incomplete value over the limit: dropped, like the rest of its line (whoever
@@ -217,6 +338,7 @@ impl Framer {
             return None;
         }
         self.buf.clear();
+        self.scan = Scan::default();
         self.skipping = true;
         Some(Frame::TooLarge)
     }
@@ -271,6 +393,51 @@ mod tests {
         let got = frames(&[b"{\"a\" oops}", b" more junk\n{\"ok\":true}\n"], 1024);
         assert!(matches!(got[0], Frame::Bad(_)), "{got:?}");
         assert_eq!(got[1..], [Frame::Value(json!({"ok": true}))]);
+    }
+
+    #[test]
+    fn strings_may_hold_brackets_and_escaped_quotes() {
+        let input = br#"{"a":"}]{[\"\\"} ["x",{"b":[]}] "s\"" 12 true null"#;
+        let got = frames(&[&input[..], b"\n"], 1024);
+        assert_eq!(
+            got,
+            [
+                Frame::Value(json!({"a": "}]{[\"\\"})),
+                Frame::Value(json!(["x", {"b": []}])),
+                Frame::Value(json!("s\"")),
+                Frame::Value(json!(12)),
+                Frame::Value(json!(true)),
+                Frame::Value(json!(null)),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_byte_at_a_time_frames_like_all_at_once() {
+        let input: &[u8] = b"{\"execute\":\"x\",\"arguments\":{\"k\":[1,2,{\"s\":\"}\\\"\"}]}}\n\
+            {\"a\" 1}\n{\"ok\":1} [1] oops\n\"t\" ";
+        let whole = frames(&[input], 1024);
+        let bytes: Vec<&[u8]> = input.chunks(1).collect();
+        assert_eq!(frames(&bytes, 1024), whole);
+        assert_eq!(whole.len(), 6, "{whole:?}");
+        assert!(matches!(whole[1], Frame::Bad(_)) && matches!(whole[4], Frame::Bad(_)));
+        assert_eq!(whole[5], Frame::Value(json!("t")));
+    }
+
+    #[test]
+    fn a_stray_byte_is_an_error_before_the_value_ends() {
+        // Nothing closes the object, but no JSON can continue this way.
+        let got = frames(&[b"{\"a\": x"], 1024);
+        assert_eq!(got.len(), 1);
+        let Frame::Bad(desc) = &got[0] else {
+            panic!("{got:?}")
+        };
+        assert!(desc.contains("'x' at offset 6"), "{desc}");
+        for stray in [&b"}"[..], b"]", b",", b":", b"\x01", b"\xff"] {
+            let got = frames(&[stray, b"\n{}"], 1024);
+            assert!(matches!(got[0], Frame::Bad(_)), "{stray:?}: {got:?}");
+            assert_eq!(got[1..], [Frame::Value(json!({}))], "{stray:?}");
+        }
     }
 
     #[test]
