@@ -181,6 +181,15 @@ def nbd_seeds(out):
     # Key files as psktool writes them, and with the variations the parser accepts.
     put("tls_psk_file", "psktool", b"alice:" + b"6f" * 32 + b"\n")
     put("tls_psk_file", "several", b"alice:00ff\r\n\nhost:port:0102\nbob:ABCD\n")
+    # Control-socket sessions as ctl and socat send them (first byte: read sizes, see the target).
+    put("qmp_framer", "session", bytes([3, 1, 7, 64]) + b'{"execute":"qmp_capabilities"}\r\n'
+        b'{"execute":"block-export-add","arguments":{"id":"a","file":"x.qcow2","writable":true},'
+        b'"id":1}{"execute":"query-stats"}\n')
+    put("qmp_framer", "odd", bytes([0]) + b'  "s\\"}" 12 [1,{"a":"]"}] true {"a" oops\nnull\n')
+    # Scrapes as Prometheus and curl send them (first byte: read size).
+    put("metrics_request", "prometheus", bytes([5]) + b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Accept: text/plain;version=0.0.4\r\n\r\n")
+    put("metrics_request", "head", bytes([0]) + b"HEAD /metrics?x=1 HTTP/1.0\n\n")
 
 
 def main():

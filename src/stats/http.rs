@@ -16,6 +16,10 @@ use tokio::task::JoinHandle;
 
 use super::registry::StatsRegistry;
 
+mod request;
+
+use request::{parse, HeadEnd, Request};
+
 /// How the endpoint bounds its clients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HttpLimits {
@@ -111,19 +115,6 @@ async fn accept_loop(listener: TcpListener, registry: Rc<StatsRegistry>, limits:
     }
 }
 
-/// What a request asks for.
-#[derive(Debug, PartialEq, Eq)]
-enum Request {
-    /// `GET /metrics` (`head`: HEAD, no body).
-    Metrics { head: bool },
-    /// Another path.
-    NotFound,
-    /// Another method.
-    BadMethod,
-    /// Not an HTTP request line.
-    Malformed,
-}
-
 /// One answer.
 struct Reply {
     status: &'static str,
@@ -179,8 +170,9 @@ fn route(head: &[u8], registry: &StatsRegistry) -> std::io::Result<Reply> {
 async fn read_head(stream: &mut TcpStream, max: usize) -> std::io::Result<Option<Vec<u8>>> {
     let mut head = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
+    let mut end = HeadEnd::default();
     loop {
-        if head.windows(4).any(|w| w == b"\r\n\r\n") || head.windows(2).any(|w| w == b"\n\n") {
+        if end.scan(&head) {
             return Ok(Some(head));
         }
         if head.len() > max {
@@ -191,31 +183,6 @@ async fn read_head(stream: &mut TcpStream, max: usize) -> std::io::Result<Option
             return Ok(Some(head));
         }
         head.extend_from_slice(&chunk[..n]);
-    }
-}
-
-/// The request line's method and path decide.
-fn parse(head: &[u8]) -> Request {
-    let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
-    let Ok(line) = std::str::from_utf8(line) else {
-        return Request::Malformed;
-    };
-    let mut parts = line.trim_end_matches('\r').split(' ');
-    let (Some(method), Some(target), Some(version), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Request::Malformed;
-    };
-    if !version.starts_with("HTTP/1.") {
-        return Request::Malformed;
-    }
-    let path = target.split('?').next().unwrap_or_default();
-    match method {
-        "GET" | "HEAD" if path == "/metrics" => Request::Metrics {
-            head: method == "HEAD",
-        },
-        "GET" | "HEAD" => Request::NotFound,
-        _ => Request::BadMethod,
     }
 }
 
@@ -237,36 +204,4 @@ async fn answer(stream: &mut TcpStream, reply: &Reply) -> std::io::Result<()> {
     }
     stream.write_all(&out).await?;
     stream.shutdown().await
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_request_line_decides() {
-        let p = |s: &str| parse(s.as_bytes());
-        assert_eq!(
-            p("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"),
-            Request::Metrics { head: false }
-        );
-        assert_eq!(
-            p("GET /metrics?x=1 HTTP/1.0\r\n\r\n"),
-            Request::Metrics { head: false }
-        );
-        assert_eq!(
-            p("HEAD /metrics HTTP/1.1\r\n\r\n"),
-            Request::Metrics { head: true }
-        );
-        assert_eq!(p("GET / HTTP/1.1\r\n\r\n"), Request::NotFound);
-        assert_eq!(p("GET /metricsx HTTP/1.1\r\n\r\n"), Request::NotFound);
-        assert_eq!(p("POST /metrics HTTP/1.1\r\n\r\n"), Request::BadMethod);
-        assert_eq!(p("DELETE / HTTP/1.1\r\n\r\n"), Request::BadMethod);
-        assert_eq!(p(""), Request::Malformed);
-        assert_eq!(p("\r\n\r\n"), Request::Malformed);
-        assert_eq!(p("GET /metrics\r\n\r\n"), Request::Malformed);
-        assert_eq!(p("GET /metrics SPDY/3\r\n\r\n"), Request::Malformed);
-        assert_eq!(p("GET  /metrics HTTP/1.1\r\n\r\n"), Request::Malformed);
-        assert_eq!(parse(b"GET /\xff HTTP/1.1\r\n\r\n"), Request::Malformed);
-    }
 }
