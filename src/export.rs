@@ -497,12 +497,6 @@ impl Export for ImageExport {
         }
     }
 
-    fn client_detached(&self) {
-        if let Some(stats) = &self.stats {
-            stats.detached();
-        }
-    }
-
     fn dirty_bitmaps(&self) -> Vec<String> {
         self.bitmaps.iter().map(|b| b.name.clone()).collect()
     }

@@ -23,7 +23,7 @@ use super::export_spec::MAX_EXPORTS;
 use super::exports::{close_all, ImageSpec, OpenImage};
 use super::ServeError;
 use crate::export::{ExportPolicy, ImageExport};
-use crate::stats::StatsRegistry;
+use crate::stats::{Gauges, StatsRegistry};
 
 /// Events kept for a control client that reads them slowly; one further behind misses the
 /// oldest (it is told how many, see the control session).
@@ -344,13 +344,18 @@ async fn entry(
         .await
         .map_err(|reason| spec.bitmap_error(reason))?;
     let mut export = ImageExport::new(open.image.clone(), settings.policy).with_bitmaps(bitmaps);
+    let state = Arc::new(ExportState::new());
     if let Some(stats) = &settings.stats {
-        let image = open.image.clone();
-        let counted = stats.add(&spec.name, Box::new(move || image.meta_cache_stats()))?;
-        export = export.with_stats(counted);
+        let (image, state) = (open.image.clone(), Arc::clone(&state));
+        let now = move || Gauges {
+            attached: u64::try_from(state.attached()).unwrap_or(u64::MAX),
+            caches: image.meta_cache_stats(),
+        };
+        export = export.with_stats(stats.add(&spec.name, Box::new(now))?);
     }
     Ok(ExportEntry::new(spec.name.clone(), Rc::new(export))
-        .with_description(spec.description.clone()))
+        .with_description(spec.description.clone())
+        .sharing(state))
 }
 
 fn record(id: String, open: OpenImage, key: usize, exports: &Exports<ImageExport>) -> Record {

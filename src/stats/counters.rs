@@ -84,7 +84,6 @@ pub struct ExportStats {
     latency: [Histogram; COMMANDS],
     bytes: [Cell<u64>; COMMANDS],
     errors: [Cell<u64>; ERRNOS],
-    attached: Cell<u64>,
     connections: Cell<u64>,
 }
 
@@ -100,28 +99,23 @@ impl ExportStats {
         }
     }
 
-    /// A connection started transmission on the export.
+    /// A connection started transmission on the export. How many are attached now is the
+    /// export's own count (see [`Gauges`]); this is the running total.
     pub fn attached(&self) {
-        bump(&self.attached, 1);
         bump(&self.connections, 1);
     }
 
-    /// A connection that [`ExportStats::attached`] ended.
-    pub fn detached(&self) {
-        self.attached.set(self.attached.get().saturating_sub(1));
-    }
-
-    /// The counters now, with the image's cache statistics.
-    pub fn counters(&self, caches: MetaCacheStats) -> Counters {
+    /// The counters now, with what is true now of the export.
+    pub fn counters(&self, now: Gauges) -> Counters {
         Counters {
             commands: std::array::from_fn(|i| CommandCounters {
                 latency: self.latency[i].counts(),
                 bytes: self.bytes[i].get(),
             }),
             errors: std::array::from_fn(|i| self.errors[i].get()),
-            attached: self.attached.get(),
+            attached: now.attached,
             connections: self.connections.get(),
-            caches,
+            caches: now.caches,
         }
     }
 }
@@ -140,6 +134,17 @@ impl CommandCounters {
     pub fn requests(&self) -> u64 {
         self.latency.count()
     }
+}
+
+/// What is true of an export at one moment, read from its owners when the numbers are
+/// asked for: the connections attached (counted by the NBD server, which waits on that
+/// count when the export is closed) and the image's metadata caches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Gauges {
+    /// Connections attached now.
+    pub attached: u64,
+    /// The image's metadata caches.
+    pub caches: MetaCacheStats,
 }
 
 /// An export's (or the server's) statistics at one moment.
@@ -215,7 +220,7 @@ mod tests {
         s.record(Command::Read, 65536, ms, None);
         s.record(Command::Write, 512, ms, Some(Errno::NoSpc));
         s.record(Command::Flush, 0, ms, None);
-        let c = s.counters(MetaCacheStats::default());
+        let c = s.counters(Gauges::default());
         assert_eq!(c.command(Command::Read).requests(), 2);
         assert_eq!(c.command(Command::Read).bytes, 69632);
         assert_eq!(c.command(Command::Write).requests(), 1);
@@ -231,16 +236,15 @@ mod tests {
     }
 
     #[test]
-    fn connections_count_up_and_attached_goes_back_down() {
+    fn connections_count_up_and_attached_is_what_the_export_says() {
         let s = ExportStats::default();
         s.attached();
         s.attached();
-        s.detached();
-        let c = s.counters(MetaCacheStats::default());
+        let c = s.counters(Gauges {
+            attached: 1,
+            ..Gauges::default()
+        });
         assert_eq!((c.attached, c.connections), (1, 2));
-        s.detached();
-        s.detached(); // never below zero
-        assert_eq!(s.counters(MetaCacheStats::default()).attached, 0);
     }
 
     #[test]
@@ -258,7 +262,10 @@ mod tests {
             },
             refcount: MetaCacheCounters::default(),
         };
-        let one = s.counters(caches);
+        let one = s.counters(Gauges {
+            attached: 1,
+            caches,
+        });
         let mut total = one;
         total.add(&one);
         assert_eq!(total.command(Command::Trim).requests(), 2);

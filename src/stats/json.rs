@@ -70,7 +70,7 @@ fn cache(c: &MetaCacheCounters) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stats::ExportStats;
+    use crate::stats::{ExportStats, Gauges};
     use qcow2::engine::MetaCacheStats;
     use std::time::Duration;
 
@@ -87,7 +87,10 @@ mod tests {
         );
         let mut caches = MetaCacheStats::default();
         caches.refcount.misses = 2;
-        let v = counters(&s.counters(caches));
+        let v = counters(&s.counters(Gauges {
+            attached: 1,
+            caches,
+        }));
         let w = &v["commands"]["write"];
         assert_eq!(w["requests"], 2);
         assert_eq!(w["bytes"], 4096);

@@ -18,5 +18,5 @@ pub mod json;
 pub mod prometheus;
 mod registry;
 
-pub use counters::{Command, ExportStats};
+pub use counters::{Command, ExportStats, Gauges};
 pub use registry::{StatsError, StatsRegistry};

@@ -238,7 +238,7 @@ fn caches(enc: &mut DescriptorEncoder, prefix: &str, whose: &str, sets: &[Set<'_
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stats::ExportStats;
+    use crate::stats::{ExportStats, Gauges};
     use qcow2::engine::MetaCacheStats;
     use std::time::Duration;
 
@@ -262,8 +262,11 @@ mod tests {
         );
         let mut caches = MetaCacheStats::default();
         caches.l2.hits = 4;
-        let a = a.counters(caches);
-        let b = ExportStats::default().counters(MetaCacheStats::default());
+        let a = a.counters(Gauges {
+            attached: 1,
+            caches,
+        });
+        let b = ExportStats::default().counters(Gauges::default());
         let mut total = a;
         total.add(&b);
         let text = render(Snapshot {

@@ -5,12 +5,11 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use qcow2::engine::MetaCacheStats;
+use super::counters::{Counters, ExportStats, Gauges};
 
-use super::counters::{Counters, ExportStats};
-
-/// Where an export's cache statistics come from (its image), asked at each snapshot.
-pub type CacheSource = Box<dyn Fn() -> MetaCacheStats>;
+/// Where what is true now of an export comes from (its image's caches, the server's count
+/// of its clients), asked at each snapshot.
+pub type GaugeSource = Box<dyn Fn() -> Gauges>;
 
 /// Why an export cannot be registered.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -23,14 +22,14 @@ pub enum StatsError {
 struct Live {
     name: String,
     stats: Rc<ExportStats>,
-    caches: CacheSource,
+    now: GaugeSource,
 }
 
 /// A removed export whose requests may still be finishing: its counters join the total
 /// once nothing else holds them.
 struct Leaving {
     stats: Rc<ExportStats>,
-    caches: MetaCacheStats,
+    last: Gauges,
 }
 
 #[derive(Default)]
@@ -57,10 +56,10 @@ pub struct Snapshot {
 }
 
 impl StatsRegistry {
-    /// Starts counting for export `name`, whose image's caches `caches` reports (it usually
+    /// Starts counting for export `name`, whose present state `now` reports (it usually
     /// holds a clone of the image, which [`StatsRegistry::remove`] lets go); the export
     /// records its requests in the returned stats.
-    pub fn add(&self, name: &str, caches: CacheSource) -> Result<Rc<ExportStats>, StatsError> {
+    pub fn add(&self, name: &str, now: GaugeSource) -> Result<Rc<ExportStats>, StatsError> {
         let mut inner = self.inner.borrow_mut();
         if inner.live.iter().any(|l| l.name == name) {
             return Err(StatsError::Duplicate(name.to_owned()));
@@ -69,7 +68,7 @@ impl StatsRegistry {
         inner.live.push(Live {
             name: name.to_owned(),
             stats: Rc::clone(&stats),
-            caches,
+            now,
         });
         Ok(stats)
     }
@@ -82,10 +81,10 @@ impl StatsRegistry {
             return false;
         };
         let gone = inner.live.remove(i);
-        let caches = (gone.caches)();
+        let last = (gone.now)();
         inner.leaving.push(Leaving {
             stats: gone.stats,
-            caches,
+            last,
         });
         true
     }
@@ -97,11 +96,11 @@ impl StatsRegistry {
         let exports: Vec<(String, Counters)> = inner
             .live
             .iter()
-            .map(|l| (l.name.clone(), l.stats.counters((l.caches)())))
+            .map(|l| (l.name.clone(), l.stats.counters((l.now)())))
             .collect();
         let mut total = inner.retired;
         for l in &inner.leaving {
-            total.add(&l.stats.counters(l.caches).history());
+            total.add(&l.stats.counters(l.last).history());
         }
         for (_, c) in &exports {
             total.add(c);
@@ -130,8 +129,7 @@ impl Inner {
         while i < self.leaving.len() {
             if Rc::strong_count(&self.leaving[i].stats) == 1 {
                 let done = self.leaving.swap_remove(i);
-                self.retired
-                    .add(&done.stats.counters(done.caches).history());
+                self.retired.add(&done.stats.counters(done.last).history());
             } else {
                 i += 1;
             }
@@ -145,8 +143,8 @@ mod tests {
     use crate::stats::Command;
     use std::time::Duration;
 
-    fn no_caches() -> CacheSource {
-        Box::new(MetaCacheStats::default)
+    fn no_caches() -> GaugeSource {
+        Box::new(Gauges::default)
     }
 
     fn read(stats: &ExportStats) {
@@ -197,7 +195,15 @@ mod tests {
     #[test]
     fn attached_connections_of_a_removed_export_leave_the_total() {
         let reg = StatsRegistry::default();
-        let a = reg.add("a", no_caches()).unwrap();
+        let a = reg
+            .add(
+                "a",
+                Box::new(|| Gauges {
+                    attached: 1,
+                    ..Gauges::default()
+                }),
+            )
+            .unwrap();
         a.attached();
         assert_eq!(reg.snapshot().total.attached, 1);
         reg.remove("a");

@@ -266,6 +266,13 @@ fn an_export_added_at_run_time_is_served_then_deleted_safely_after_its_last_clie
 
     let mut client = Attached::try_go(&server.socket, "b").expect("b is served");
     client.write(1 << 20, &[0x77; 4096]).unwrap();
+    let stats = ctl_ok(&dir, &["query-stats", "id=b"]);
+    let conns = &stats["exports"][0]["connections"];
+    assert_eq!(
+        (&conns["attached"], &conns["total"]),
+        (&json!(1), &json!(2)),
+        "{stats}"
+    );
     assert_eq!(ctl_ok(&dir, &["block-export-del", "id=b"]), json!({}));
     let info = q.exports();
     let b_info = info.iter().find(|e| e["id"] == "b").unwrap();
@@ -302,6 +309,12 @@ fn an_export_added_at_run_time_is_served_then_deleted_safely_after_its_last_clie
     );
     let ids: Vec<Value> = q.exports().iter().map(|e| e["id"].clone()).collect();
     assert_eq!(ids, [json!("a")]);
+    let total = &ctl_ok(&dir, &["query-stats"])["total"]["connections"];
+    assert_eq!(
+        (&total["attached"], &total["total"]),
+        (&json!(0), &json!(3)),
+        "{total}"
+    );
     server.stop_ok();
 }
 
