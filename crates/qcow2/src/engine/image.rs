@@ -7,6 +7,7 @@ use super::error::{EngineError, Result};
 use super::load::Format;
 use super::metacache::{MetaCacheCounters, MetaCacheStats};
 use super::range_lock::{LockMode, RangeGuard, RangeLocks};
+use super::span_pool::SpanPool;
 use std::cell::RefCell;
 use std::rc::Rc;
 use storage::Storage;
@@ -46,6 +47,8 @@ pub(crate) struct Inner<S: Storage + 'static> {
     pub alloc: Option<Allocator<S>>,
     /// Punch holes in the file when a guest discard (or zeroing with unmap) frees clusters.
     pub discard_passthrough: bool,
+    /// Spare buffers for allocating writes' copy-on-write spans.
+    pub spans: SpanPool,
 }
 
 /// Facts about an open image, for `info`/`map` style output and for NBD negotiation.
@@ -147,6 +150,7 @@ impl<S: Storage + 'static> Image<S> {
 
     /// Drops metadata not used since the previous call (QEMU's `cache-clean-interval`).
     pub async fn clean_idle_caches(&self) -> Result<()> {
+        self.inner.spans.clear();
         self.inner.chain.clean_idle().await?;
         if let Some(w) = &self.inner.alloc {
             w.refcounts

@@ -41,6 +41,7 @@ mod read_sparse;
 mod resize;
 mod set_backing;
 mod snapshot_ops;
+mod span_pool;
 mod write;
 mod write_compressed;
 mod zero;

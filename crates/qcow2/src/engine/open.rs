@@ -12,6 +12,7 @@ use super::load::{open_layer, Format};
 use super::metacache::L2Backend;
 use super::metacache::L2Cache;
 use super::range_lock::RangeLocks;
+use super::span_pool::SpanPool;
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -203,6 +204,7 @@ async fn build<S: Storage + 'static>(
             cache_sizes,
             alloc,
             discard_passthrough: opts.discard_passthrough,
+            spans: SpanPool::default(),
         }),
     };
     if let Some(a) = &image.inner.alloc {

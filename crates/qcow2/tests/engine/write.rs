@@ -345,6 +345,76 @@ fn copy_on_write_reads_head_and_tail_in_one_request_around_small_writes() {
     }
 }
 
+/// Copy-on-write spans are built in reused buffers, which hold an earlier span's bytes:
+/// spans of different sizes and places, one after another, still put exactly the backing
+/// bytes and the written bytes on disk.
+#[test]
+fn reused_span_buffers_leave_no_old_bytes_behind() {
+    const CLUSTER: u64 = 65536;
+    let d = Dir::new();
+    // Six clusters of backing data, a different byte in every 4 KiB; the image is larger.
+    let base: Vec<u8> = (0..6 * CLUSTER as usize)
+        .map(|i| (i / 4096 % 251 + 1) as u8)
+        .collect();
+    std::fs::write(d.path("base.raw"), &base).unwrap();
+    let path = d.path("over.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "base.raw",
+        "-F",
+        "raw",
+        "-o",
+        "cluster_size=65536",
+        path.to_str().unwrap(),
+        "1M",
+    ]);
+    let fs = FaultFs::default();
+    for (p, bytes) in [
+        (path.clone(), std::fs::read(&path).unwrap()),
+        (d.path("base.raw"), base.clone()),
+    ] {
+        let st = FaultStorage::from_mem(MemStorage::from_bytes(&bytes));
+        fs.0.borrow_mut().insert(p, st);
+    }
+    // (offset, length): a two-cluster span, then smaller ones in the same buffer, one
+    // straddling the end of the backing file.
+    let writes = [
+        (CLUSTER - 4096, 8192usize),
+        (3 * CLUSTER + 8192, 4096),
+        (5 * CLUSTER - 512, 1024),
+        (6 * CLUSTER - 1024, 2048),
+        (2 * CLUSTER + 100, 300),
+    ];
+    run(async {
+        let img = Image::open(&fs, &path, &OpenOptions::default())
+            .await
+            .unwrap();
+        for (i, (offset, len)) in writes.into_iter().enumerate() {
+            let data = IoBuf::from_slice(&vec![0xC0 + i as u8; len]);
+            let (res, _) = img.write(offset, data, false).await;
+            res.unwrap();
+        }
+        img.close().await.unwrap();
+    });
+    let image = fs.0.borrow()[&path].inner().to_vec();
+    std::fs::write(&path, image).unwrap();
+    assert_check_clean(&path);
+    let mut expected = vec![0u8; 1 << 20];
+    expected[..base.len()].copy_from_slice(&base);
+    for (i, (offset, len)) in writes.into_iter().enumerate() {
+        expected[offset as usize..offset as usize + len].fill(0xC0 + i as u8);
+    }
+    assert_same_bytes(
+        &qemu_contents(&path, &[]),
+        &expected,
+        "spans in reused buffers",
+    );
+}
+
 /// An allocating write plans its clusters once: when nothing changed where clusters live
 /// while it waited for its exclusive lock, it executes the plan it made under the shared one.
 #[test]

@@ -6,6 +6,7 @@ use super::plan::{Action, ClusterPlan, GuestRange, Old};
 use crate::engine::chain::{Piece, Source};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::image::Inner;
+use crate::engine::span_pool::{zero_uncovered, SpanBuf};
 use crate::format::l2;
 use crate::format::l2_extended::{pack_bitmap, unpack_bitmap};
 use crate::format::{GuestOffset, HostOffset};
@@ -329,18 +330,30 @@ impl<S: Storage + 'static> Inner<S> {
             .max()
             .unwrap_or(data_to)
             .max(data_to);
-        let mut span = IoBuf::zeroed((span_to - span_from) as usize);
+        let SpanBuf {
+            buf: mut span,
+            zeroed,
+        } = self.spans.take((span_to - span_from) as usize);
         // All fills in one call, in guest order, so that a head and a tail are read
         // concurrently, or as one request when little lies between them.
         fills.sort_by_key(|f| f.0);
+        if !zeroed {
+            // A reused buffer holds an earlier span's bytes, and the span is written whole:
+            // anything neither a fill nor the data writes must be zeroed (fills sit next to
+            // the data, so this is normally nothing, but the span's bytes are not assumed).
+            let mut covered: Vec<(u64, u64)> = fills.iter().map(|f| (f.0 .0, f.1 .0)).collect();
+            covered.push((data_from.0, data_to.0));
+            zero_uncovered(&mut span, span_from.0, &mut covered);
+        }
         let pieces: Vec<Piece> = fills.iter().flat_map(|f| f.2.iter().copied()).collect();
         if let Err(e) = self.fill(span_from.0, &pieces, &mut span).await {
+            self.spans.give(span);
             return (Err(e), buf);
         }
         span[(data_from - span_from) as usize..(data_to - span_from) as usize]
             .copy_from_slice(&buf[(data_from - offset) as usize..(data_to - offset) as usize]);
         let len = span.len() as u64;
-        let (res, _) = self
+        let (res, span) = self
             .write_data(
                 span_from,
                 span,
@@ -348,6 +361,7 @@ impl<S: Storage + 'static> Inner<S> {
                 host + (span_from - first),
             )
             .await;
+        self.spans.give(span);
         (res, buf)
     }
 }
