@@ -22,6 +22,7 @@ use qcow2::engine::{libc_errno, EngineError, Image, ReadPart};
 use qcow2::format::BitmapData;
 use storage::{AnyStorage, IoBuf};
 
+use crate::convert::is_zero;
 use crate::stats::{Command, ExportStats};
 
 /// Largest block size we advertise as preferred: a write of this many bytes never needs a
@@ -304,16 +305,6 @@ fn errno(op: &'static str, e: &EngineError) -> Errno {
         _ => tracing::debug!(op, error = %e, "request refused"),
     }
     errno
-}
-
-/// True if every byte is zero. OR-folding fixed-size blocks lets the compiler vectorize
-/// the check (this runs on every write under `--detect-zeroes`).
-fn is_zero(buf: &[u8]) -> bool {
-    let mut blocks = buf.chunks_exact(64);
-    let blocks_zero = blocks
-        .by_ref()
-        .all(|b| b.iter().fold(0u8, |acc, &x| acc | x) == 0);
-    blocks_zero && blocks.remainder().iter().all(|&x| x == 0)
 }
 
 /// The requests themselves, as the image carries them out.
