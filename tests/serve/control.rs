@@ -509,7 +509,10 @@ fn with_worker_threads_a_safe_delete_waits_for_clients_on_every_thread() {
     drop(first);
     second.write(1 << 20, &[0x44; 4096]).unwrap();
     assert_eq!(second.read(4096, 4096).unwrap(), vec![0x22; 4096]);
-    assert!(!unlocked(&c), "the image is open while a client is attached");
+    assert!(
+        !unlocked(&c),
+        "the image is open while a client is attached"
+    );
 
     drop(second);
     q.wait_deleted("c");
@@ -545,7 +548,9 @@ fn with_worker_threads_a_hard_delete_cuts_off_clients_on_every_thread() {
     );
     let mut clients = attach_on_both_threads(&server, "b");
     for (i, client) in clients.iter_mut().enumerate() {
-        client.write(i as u64 * 65536, &[0x42 + i as u8; 65536]).unwrap();
+        client
+            .write(i as u64 * 65536, &[0x42 + i as u8; 65536])
+            .unwrap();
     }
     // --wait returns once the image is closed.
     let out = ctl_ok(&dir, &["--wait", "block-export-del", "id=b", "mode=hard"]);

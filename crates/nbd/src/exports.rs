@@ -9,10 +9,10 @@
 //! so the count covers every thread.
 //!
 //! With worker threads the set has two kinds of handle: the owner's (made by
-//! [`Exports::new`]), which alone changes, and one copy per worker thread that follows it
-//! (see [`Follow`]): every change the owner makes is told to a [`Publish`]er, which the
-//! worker copies read before they answer an option, so a client on any thread sees the
-//! same set.
+//! [`Exports::new`]), which alone changes, and one copy per worker thread that follows it:
+//! every change the owner makes is told to a publisher (`Publish`, in `mirror.rs`), whose
+//! snapshots the worker copies read before they answer an option, so a client on any
+//! thread sees the same set.
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -261,7 +261,9 @@ impl<E: Export> Exports<E> {
             return Err(ExportsError::Empty);
         }
         let exports = Self {
-            inner: Rc::new(RefCell::new(Registry::empty(Vec::with_capacity(entries.len())))),
+            inner: Rc::new(RefCell::new(Registry::empty(Vec::with_capacity(
+                entries.len(),
+            )))),
         };
         for entry in entries {
             exports.add(entry)?;

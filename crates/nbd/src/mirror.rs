@@ -188,7 +188,10 @@ mod tests {
                     .unwrap();
                 assert_eq!(copy.find(b"b"), Some(key), "seen at the next lookup");
                 let entry = copy.get(key).unwrap();
-                assert_eq!((entry.description.as_str(), entry.export.size()), ("B", 8192));
+                assert_eq!(
+                    (entry.description.as_str(), entry.export.size()),
+                    ("B", 8192)
+                );
                 drop(entry);
                 let attached = copy.attach(key).unwrap();
 
@@ -207,7 +210,10 @@ mod tests {
                 for _ in 0..8 {
                     tokio::task::yield_now().await;
                 }
-                assert!(!ready(forgetting.as_mut()).await, "forget waits for the worker");
+                assert!(
+                    !ready(forgetting.as_mut()).await,
+                    "forget waits for the worker"
+                );
                 assert!(changes.next().await);
                 copy.refresh();
                 assert!(forgetting.await.is_some());

@@ -162,11 +162,7 @@ impl Workers {
 
 /// A worker thread's life: serve the connections it is given until the accept loop stops
 /// sending them, then let them end.
-fn run_worker<B: SendBuf>(
-    follower: Follower<B>,
-    jobs: mpsc::UnboundedReceiver<Job>,
-    setup: Setup,
-) {
+fn run_worker<B: SendBuf>(follower: Follower<B>, jobs: mpsc::UnboundedReceiver<Job>, setup: Setup) {
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
