@@ -791,16 +791,31 @@ fn the_control_path_must_not_be_another_file() {
 
 #[test]
 fn a_shutdown_during_a_safe_delete_still_closes_every_image() {
+    shutdown_during_a_safe_delete("1");
+}
+
+#[test]
+fn with_worker_threads_a_shutdown_during_a_safe_delete_still_closes_every_image() {
+    shutdown_during_a_safe_delete("2");
+}
+
+/// With two threads the delete waits for a client on each.
+fn shutdown_during_a_safe_delete(threads: &str) {
     let dir = Dir::new();
     let a = dir.create("a.qcow2", "qcow2", "", None, "4M");
     let b = dir.create("b.qcow2", "qcow2", "", None, "4M");
     let server = serve(
         &dir,
         &[export("a", &dir, "a.qcow2"), export("b", &dir, "b.qcow2")],
-        &[],
+        &["--threads", threads],
     );
-    let mut client = Attached::try_go(&server.socket, "b").unwrap();
-    client.write(0, &[0x5c; 4096]).unwrap();
+    let clients: Vec<Attached> = (0..threads.parse::<usize>().unwrap())
+        .map(|i| {
+            let mut c = Attached::try_go(&server.socket, "b").unwrap();
+            c.write(i as u64 * 4096, &[0x5c; 4096]).unwrap();
+            c
+        })
+        .collect();
     let mut q = Qmp::connect(&dir);
     ctl_ok(&dir, &["block-export-del", "id=b"]);
     // An idle control client and an attached NBD client do not hold the shutdown up.
@@ -813,6 +828,7 @@ fn a_shutdown_during_a_safe_delete_still_closes_every_image() {
         assert_check_clean(image);
         assert!(unlocked(image));
     }
-    qemu_io("qcow2", &b, &["read -P 0x5c 0 4k"]);
-    drop(client);
+    let written = format!("read -P 0x5c 0 {}k", 4 * clients.len());
+    qemu_io("qcow2", &b, &[&written]);
+    drop(clients);
 }
