@@ -319,7 +319,6 @@ async fn serve_on_runtime(
         opener: plan.opener,
         open: plan.open.clone(),
         policy: plan.policy,
-        threads: plan.threads.get(),
         // `query-stats` and `--metrics` read them; without either nothing is counted.
         stats: (args.metrics.is_some() || args.control.is_some())
             .then(|| Rc::new(StatsRegistry::default())),

@@ -88,7 +88,6 @@ pub struct ServeArgs {
 
     /// Accept QMP-style commands on this Unix socket (created mode 0600): add, delete and
     /// list exports, change bitmaps and read statistics while serving (see `qcow2-nbd ctl`).
-    /// Adding and deleting exports needs `--threads 1`.
     #[arg(long = "control", value_name = "PATH")]
     pub control: Option<PathBuf>,
 

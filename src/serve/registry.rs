@@ -54,8 +54,6 @@ pub struct OpenSettings {
     pub open: OpenOptions,
     /// The export policy of every export.
     pub policy: ExportPolicy,
-    /// Threads connections run on: exports change at run time only with one.
-    pub threads: usize,
     /// Where each export counts its requests, if anything reads the numbers.
     pub stats: Option<Rc<StatsRegistry>>,
 }
@@ -78,12 +76,6 @@ pub enum ChangeError {
     /// A delete of this export is under way.
     #[error("Export '{0}' is already shutting down")]
     ShuttingDown(String),
-    /// Connections run on several threads.
-    #[error(
-        "exports cannot be added or deleted while serving with --threads {0}: the worker \
-         threads hold a fixed copy of the export list; start the server with --threads 1"
-    )]
-    Threads(usize),
     /// Anything else (the image cannot be opened, a bitmap cannot be exported).
     #[error("{0}")]
     Other(String),
@@ -220,10 +212,8 @@ impl Registry {
         }
     }
 
-    /// Refuses a new export when the server has threads, the id or name is taken, or the
-    /// server is full.
+    /// Refuses a new export when the id or name is taken, or the server is full.
     fn check_new(&self, id: &str, name: &str) -> Result<(), ChangeError> {
-        self.check_threads()?;
         let inner = self.inner.borrow();
         if inner.records.iter().any(|r| r.id == id) {
             return Err(ChangeError::IdInUse(id.to_owned()));
@@ -237,18 +227,10 @@ impl Registry {
         Ok(())
     }
 
-    fn check_threads(&self) -> Result<(), ChangeError> {
-        match self.settings.threads {
-            1 => Ok(()),
-            n => Err(ChangeError::Threads(n)),
-        }
-    }
-
     /// Closes export `id` to new clients (ending its connections in `Hard` mode); once
     /// its last client is gone its image is closed and `BLOCK_EXPORT_DELETED` sent.
     /// Returns at once.
     pub fn delete(&self, id: &str, mode: CloseMode) -> Result<(), ChangeError> {
-        self.check_threads()?;
         let name = {
             let inner = self.inner.borrow();
             let r = inner
@@ -276,7 +258,9 @@ impl Registry {
     async fn finish_delete(self, id: String, state: Arc<ExportState>) {
         state.detached().await;
         let Some(record) = self.take(&id) else { return };
-        drop(self.exports.forget(record.key));
+        // With worker threads this also waits for their calls to the export to end, so
+        // nothing but the record holds the image when it is closed.
+        drop(self.exports.forget(record.key).await);
         self.forget_stats(&record.spec.name);
         if let Some(c) = record.cleaner {
             c.stop().await;

@@ -7,6 +7,12 @@
 //! clients already attached to it keep it until they leave. Each export's [`ExportState`]
 //! counts those clients; it is shared (`Arc`) with the worker threads' copies of the entry,
 //! so the count covers every thread.
+//!
+//! With worker threads the set has two kinds of handle: the owner's (made by
+//! [`Exports::new`]), which alone changes, and one copy per worker thread that follows it:
+//! every change the owner makes is told to a publisher (`Publish`, in `mirror.rs`), whose
+//! snapshots the worker copies read before they answer an option, so a client on any
+//! thread sees the same set.
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -14,6 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 use crate::export::{BlockSizeError, Export};
 use crate::wire::MAX_STRING_LEN;
@@ -121,9 +128,13 @@ impl ExportState {
         self.hard.subscribe()
     }
 
-    fn attach(self: &Arc<Self>) -> Attachment {
+    /// Counts one more connection, unless the export is closing. Counted first and checked
+    /// after, so a close on another thread that saw no client attached cannot miss one
+    /// attaching at the same moment: either the close saw the count, or this sees the close.
+    fn attach(self: &Arc<Self>) -> Option<Attachment> {
         self.attached.send_modify(|n| *n += 1);
-        Attachment(Rc::new(Attached(Arc::clone(self))))
+        let attachment = Attachment(Rc::new(Attached(Arc::clone(self))));
+        (!self.is_closing()).then_some(attachment)
     }
 }
 
@@ -201,12 +212,37 @@ pub struct Exports<E> {
     inner: Rc<RefCell<Registry<E>>>,
 }
 
-/// The exports: those offered, and those closed to new clients whose attached connections
-/// still run (found by key only).
+/// Exports by key: those offered, and those closed to new clients whose attached
+/// connections still run (found by key only).
+pub(crate) type Keyed<E> = Vec<(usize, ExportEntry<E>)>;
+
+/// The exports, and who else must hear of changes or where they come from.
 struct Registry<E> {
-    live: Vec<(usize, ExportEntry<E>)>,
-    closing: Vec<(usize, ExportEntry<E>)>,
+    live: Keyed<E>,
+    closing: Keyed<E>,
     next_key: usize,
+    /// The owner's: tells the worker threads of every change.
+    publish: Option<Box<dyn Publish<E>>>,
+    /// A worker thread's copy: where it takes the set from.
+    follow: Option<Box<dyn Follow<E>>>,
+}
+
+/// Hears every change of the owner's set, to pass it on to other threads.
+pub(crate) trait Publish<E> {
+    /// Export `key` was added (and offered).
+    fn added(&mut self, key: usize, entry: &ExportEntry<E>);
+    /// Export `key` was closed to new clients.
+    fn closed(&mut self, key: usize);
+    /// Export `key` was dropped: what ends once no other thread uses it any more.
+    fn forgot(&mut self, key: usize) -> Option<JoinHandle<()>>;
+    /// Serving with other threads is over: what ends once they let go of every export.
+    fn finish(self: Box<Self>) -> Vec<JoinHandle<()>>;
+}
+
+/// Where a worker thread's copy of the set takes it from.
+pub(crate) trait Follow<E> {
+    /// The offered and the closing exports, if they changed since the last call.
+    fn changed(&mut self) -> Option<(Keyed<E>, Keyed<E>)>;
 }
 
 impl<E> Clone for Exports<E> {
@@ -225,11 +261,9 @@ impl<E: Export> Exports<E> {
             return Err(ExportsError::Empty);
         }
         let exports = Self {
-            inner: Rc::new(RefCell::new(Registry {
-                live: Vec::with_capacity(entries.len()),
-                closing: Vec::new(),
-                next_key: 0,
-            })),
+            inner: Rc::new(RefCell::new(Registry::empty(Vec::with_capacity(
+                entries.len(),
+            )))),
         };
         for entry in entries {
             exports.add(entry)?;
@@ -237,7 +271,9 @@ impl<E: Export> Exports<E> {
         Ok(exports)
     }
 
-    /// Offers one more export (to clients' next options); its key.
+    /// Offers one more export (to clients' next options); its key. While worker threads
+    /// serve the set, this must run on the owning thread inside its `LocalSet`: the calls
+    /// of the workers' connections to the new export run there.
     pub fn add(&self, entry: ExportEntry<E>) -> Result<usize, ExportsError> {
         validate(&entry)?;
         let mut r = self.inner.borrow_mut();
@@ -246,8 +282,23 @@ impl<E: Export> Exports<E> {
         }
         let key = r.next_key;
         r.next_key += 1;
+        if let Some(p) = r.publish.as_mut() {
+            p.added(key, &entry);
+        }
         r.live.push((key, entry));
         Ok(key)
+    }
+}
+
+impl<E> Registry<E> {
+    fn empty(live: Keyed<E>) -> Self {
+        Self {
+            live,
+            closing: Vec::new(),
+            next_key: 0,
+            publish: None,
+            follow: None,
+        }
     }
 }
 
@@ -272,14 +323,60 @@ fn validate<E: Export>(e: &ExportEntry<E>) -> Result<(), ExportsError> {
 }
 
 impl<E> Exports<E> {
+    /// A copy that follows `follow` (a worker thread's): it takes the set from there before
+    /// every lookup, and on [`Exports::refresh`].
+    pub(crate) fn following(follow: Box<dyn Follow<E>>) -> Self {
+        let mut registry = Registry::empty(Vec::new());
+        registry.follow = Some(follow);
+        let exports = Self {
+            inner: Rc::new(RefCell::new(registry)),
+        };
+        exports.refresh();
+        exports
+    }
+
+    /// A follower takes the latest set, dropping the exports forgotten since (so its
+    /// handles on them go); nothing for the owner.
+    pub(crate) fn refresh(&self) {
+        let mut guard = self.inner.borrow_mut();
+        let r = &mut *guard;
+        if let Some((live, closing)) = r.follow.as_mut().and_then(|f| f.changed()) {
+            r.live = live;
+            r.closing = closing;
+        }
+    }
+
+    /// Tells `publish` of every export now and of every change from now on (the owner's,
+    /// when worker threads start).
+    pub(crate) fn publish_to(&self, mut publish: Box<dyn Publish<E>>) {
+        let mut r = self.inner.borrow_mut();
+        for (key, entry) in &r.live {
+            publish.added(*key, entry);
+        }
+        for (key, entry) in &r.closing {
+            publish.added(*key, entry);
+            publish.closed(*key);
+        }
+        r.publish = Some(publish);
+    }
+
+    /// Stops telling the publisher of changes: what ends once the other threads let go of
+    /// every export.
+    pub(crate) fn unpublish(&self) -> Vec<JoinHandle<()>> {
+        let publish = self.inner.borrow_mut().publish.take();
+        publish.map(|p| p.finish()).unwrap_or_default()
+    }
+
     /// The exports offered now, in the order they were added.
     pub fn entries(&self) -> Vec<ExportEntry<E>> {
+        self.refresh();
         let r = self.inner.borrow();
         r.live.iter().map(|(_, e)| e.clone()).collect()
     }
 
     /// Calls `f` on each export offered now, in order, without copying them.
     pub fn for_each(&self, mut f: impl FnMut(&ExportEntry<E>)) {
+        self.refresh();
         self.inner.borrow().live.iter().for_each(|(_, e)| f(e));
     }
 
@@ -289,6 +386,7 @@ impl<E> Exports<E> {
     /// the name of a named export is told so instead of silently getting some other disk.
     /// Exports being closed are not found.
     pub fn find(&self, name: &[u8]) -> Option<usize> {
+        self.refresh();
         let r = self.inner.borrow();
         r.live
             .iter()
@@ -298,6 +396,7 @@ impl<E> Exports<E> {
 
     /// The export with `key` (as returned by [`Exports::find`]), offered or closing.
     pub fn get(&self, key: usize) -> Option<ExportEntry<E>> {
+        self.refresh();
         let r = self.inner.borrow();
         r.live
             .iter()
@@ -308,9 +407,10 @@ impl<E> Exports<E> {
 
     /// Attaches a connection to the offered export with `key`; `None` if it is not offered.
     pub fn attach(&self, key: usize) -> Option<Attachment> {
+        self.refresh();
         let r = self.inner.borrow();
         let (_, entry) = r.live.iter().find(|(k, _)| *k == key)?;
-        Some(entry.state.attach())
+        entry.state.attach()
     }
 
     /// Closes the offered export `name` to new clients (and, in [`CloseMode::Hard`], ends
@@ -334,15 +434,28 @@ impl<E> Exports<E> {
             state.hard.send_replace(true);
         }
         r.closing.push((key, entry));
+        if let Some(p) = r.publish.as_mut() {
+            p.closed(key);
+        }
         Ok((key, state))
     }
 
     /// Drops the closed export with `key`, so the last reference to it goes with its last
-    /// connection; the entry, for the caller to close what it wraps.
-    pub fn forget(&self, key: usize) -> Option<ExportEntry<E>> {
-        let mut r = self.inner.borrow_mut();
-        let at = r.closing.iter().position(|(k, _)| *k == key)?;
-        Some(r.closing.remove(at).1)
+    /// connection; the entry, for the caller to close what it wraps. With worker threads,
+    /// completes once they have let go of it too (every call they made has finished), so
+    /// the entry is then the last reference besides the caller's own.
+    pub async fn forget(&self, key: usize) -> Option<ExportEntry<E>> {
+        let (entry, released) = {
+            let mut r = self.inner.borrow_mut();
+            let at = r.closing.iter().position(|(k, _)| *k == key)?;
+            let entry = r.closing.remove(at).1;
+            (entry, r.publish.as_mut().and_then(|p| p.forgot(key)))
+        };
+        if let Some(task) = released {
+            // The task ends once every worker's handle is gone; a panic in it was logged.
+            let _ = task.await;
+        }
+        Some(entry)
     }
 }
 
@@ -373,8 +486,8 @@ mod tests {
         assert_eq!(names, ["a", "b", "c"]);
     }
 
-    #[test]
-    fn a_closed_export_is_hidden_but_its_clients_keep_it() {
+    #[tokio::test]
+    async fn a_closed_export_is_hidden_but_its_clients_keep_it() {
         let exports = two();
         let key = exports.find(b"a").unwrap();
         let attached = exports.attach(key).unwrap();
@@ -394,7 +507,7 @@ mod tests {
         );
         drop(attached);
         assert_eq!(state.attached(), 0);
-        assert!(exports.forget(key).is_some());
+        assert!(exports.forget(key).await.is_some());
         assert!(exports.get(key).is_none());
         // The name is free again.
         exports

@@ -23,6 +23,7 @@ pub mod errno;
 pub mod export;
 pub mod exports;
 pub mod mem_export;
+mod mirror;
 pub mod negotiate;
 pub mod remote;
 pub mod server;

@@ -361,7 +361,7 @@ impl<E: Export + 'static> Server<E> {
             }
         }
         if let Some(workers) = workers {
-            workers.finish().await;
+            workers.finish(&self.exports).await;
         }
         // Exports being closed are flushed and closed by whoever closed them, once their
         // last client is gone (which the end of every connection above ensured).

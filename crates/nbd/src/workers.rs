@@ -1,20 +1,21 @@
 //! Worker threads: each runs a current-thread runtime with connections the accept loop hands
 //! it, and reaches the exports through [`Remote`]s, so the socket work of many clients
 //! (receiving, TLS, sending replies) spreads over several cores while every export stays
-//! on the thread that owns it.
+//! on the thread that owns it. Each worker follows the owner's export set as it changes
+//! (see [`crate::mirror`]).
 
 use std::net::SocketAddr;
-use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
-use tokio::task::{JoinHandle, JoinSet, LocalSet};
+use tokio::task::{JoinSet, LocalSet};
 
 use crate::control::Control;
 use crate::export::Export;
-use crate::exports::{ExportEntry, ExportState, Exports};
-use crate::remote::{dispatch, Remote, RemoteHandle, SendBuf};
+use crate::exports::Exports;
+use crate::mirror::{self, Changes, Follower};
+use crate::remote::{Remote, SendBuf};
 use crate::server::{handle, Accepted, Handled};
 use crate::tls::TlsServer;
 
@@ -61,10 +62,10 @@ struct Worker {
     exited: oneshot::Receiver<()>,
 }
 
-/// The worker threads of a server and the tasks serving their calls on the owning thread.
+/// The worker threads of a server (the tasks serving their calls on the owning thread are
+/// the export set's, see [`Exports::unpublish`]).
 pub(crate) struct Workers {
     workers: Vec<Worker>,
-    dispatchers: Vec<JoinHandle<()>>,
     accepted: usize,
 }
 
@@ -72,30 +73,24 @@ pub(crate) struct Workers {
 pub(crate) type Start<E> = fn(&Exports<E>, usize, &Setup) -> std::io::Result<Workers>;
 
 impl Workers {
-    /// Starts `threads - 1` workers (this thread is the first) serving `exports`; must run
-    /// inside a `LocalSet`, where the calls of the workers' connections will run.
+    /// Starts `threads - 1` workers (this thread is the first) serving `exports`, and its
+    /// changes from now on; must run inside a `LocalSet`, where the calls of the workers'
+    /// connections will run.
     pub fn start<E>(exports: &Exports<E>, threads: usize, setup: &Setup) -> std::io::Result<Self>
     where
         E: Export + 'static,
         E::Buf: SendBuf,
     {
-        let mut handles = Vec::new();
-        let mut dispatchers = Vec::new();
-        for entry in exports.entries() {
-            let (handle, task) = dispatch(Rc::clone(&entry.export));
-            let state = Arc::clone(entry.state());
-            handles.push((entry.name.clone(), entry.description.clone(), handle, state));
-            dispatchers.push(task);
-        }
+        let (publisher, follower) = mirror::channel::<E::Buf>();
         let mut workers = Vec::new();
         for i in 1..threads {
             let (jobs, rx) = mpsc::unbounded_channel();
             let (exited_tx, exited) = oneshot::channel();
-            let (entries, setup) = (handles.clone(), setup.clone());
+            let (follower, setup) = (follower.clone(), setup.clone());
             let thread = std::thread::Builder::new()
                 .name(format!("nbd-worker-{i}"))
                 .spawn(move || {
-                    run_worker(entries, rx, setup);
+                    run_worker(follower, rx, setup);
                     let _ = exited_tx.send(());
                 })?;
             workers.push(Worker {
@@ -104,9 +99,11 @@ impl Workers {
                 exited,
             });
         }
+        // Only once every thread runs: on an error above, the workers started see their
+        // jobs end and nothing was published.
+        exports.publish_to(Box::new(publisher));
         Ok(Self {
             workers,
-            dispatchers,
             accepted: 0,
         })
     }
@@ -148,7 +145,8 @@ impl Workers {
 
     /// Stops the workers once their connections are gone, and waits until every call they
     /// made has finished, so a final flush covers them.
-    pub async fn finish(self) {
+    pub async fn finish<E>(self, exports: &Exports<E>) {
+        let dispatchers = exports.unpublish();
         for worker in self.workers {
             drop(worker.jobs);
             let _ = worker.exited.await;
@@ -156,23 +154,15 @@ impl Workers {
                 tracing::error!("a worker thread panicked");
             }
         }
-        for task in self.dispatchers {
+        for task in dispatchers {
             let _ = task.await;
         }
     }
 }
 
-/// What a worker needs of one export: name, description, the handle its calls go through,
-/// and the state its clients attach to (shared with the owning thread's entry).
-type WorkerEntry<B> = (String, String, RemoteHandle<B>, Arc<ExportState>);
-
 /// A worker thread's life: serve the connections it is given until the accept loop stops
 /// sending them, then let them end.
-fn run_worker<B: SendBuf>(
-    entries: Vec<WorkerEntry<B>>,
-    jobs: mpsc::UnboundedReceiver<Job>,
-    setup: Setup,
-) {
+fn run_worker<B: SendBuf>(follower: Follower<B>, jobs: mpsc::UnboundedReceiver<Job>, setup: Setup) {
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -183,30 +173,19 @@ fn run_worker<B: SendBuf>(
             return;
         }
     };
-    let entries = entries
-        .into_iter()
-        .map(|(name, description, handle, state)| {
-            ExportEntry::new(name, Rc::new(Remote::from(handle)))
-                .with_description(description)
-                .sharing(state)
-        })
-        .collect();
-    let exports = match Exports::new(entries) {
-        Ok(e) => e,
-        Err(e) => {
-            tracing::error!(error = %e, "worker thread cannot serve the exports");
-            return;
-        }
-    };
-    LocalSet::new().block_on(&runtime, serve_jobs(exports, jobs, setup));
+    let changes = follower.changes();
+    let exports = Exports::following(Box::new(follower));
+    LocalSet::new().block_on(&runtime, serve_jobs(exports, changes, jobs, setup));
 }
 
 async fn serve_jobs<B: SendBuf>(
     exports: Exports<Remote<B>>,
+    mut changes: Changes<B>,
     mut jobs: mpsc::UnboundedReceiver<Job>,
     setup: Setup,
 ) {
     let mut clients = JoinSet::new();
+    let mut published = true;
     loop {
         tokio::select! {
             job = jobs.recv() => {
@@ -223,6 +202,12 @@ async fn serve_jobs<B: SendBuf>(
                     };
                     let _ = job.done.send(handled);
                 });
+            }
+            // Taken at once, not at the next client's option: a forgotten export's handle
+            // must go so that its dispatcher can end and its image be closed.
+            more = changes.next(), if published => {
+                published = more;
+                exports.refresh();
             }
             Some(_) = clients.join_next(), if !clients.is_empty() => {}
         }
