@@ -1,5 +1,6 @@
 //! `--cache-clean-interval`: a timer that drops metadata cache entries left unused since the
-//! previous tick (QEMU's cache-clean-interval), so an idle server gives memory back.
+//! previous tick (QEMU's cache-clean-interval), so an idle server gives memory back: the
+//! entries, and then the free heap that I/O buffers left behind (see `malloc_tuning`).
 
 use std::time::Duration;
 
@@ -39,6 +40,7 @@ impl Cleaner {
                     }
                     Err(e) => tracing::warn!(error = %e, "cleaning idle cache entries failed"),
                 }
+                crate::malloc_tuning::release_free_heap();
             }
         });
         Some(Cleaner { stop, task })

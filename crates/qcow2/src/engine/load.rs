@@ -196,7 +196,7 @@ where
             data_raw,
             codec,
             file_end: Cell::new(at.len),
-            metadata_prealloc: Cell::new(None),
+            metadata_prealloc: tokio::sync::OnceCell::new(),
         },
         size,
     ))

@@ -15,17 +15,17 @@ use storage::Storage;
 impl<S: Storage + 'static> Inner<S> {
     /// Whether layer `index` looks metadata-preallocated; decided once per layer, and any
     /// error reading refcounts simply means "no" (block status must not fail over a guess).
+    ///
+    /// Requests that ask while the first one is still counting wait for its answer instead of
+    /// counting too: at queue depth 32 every request of a fresh connection asks at once, and
+    /// each count holds the refcount table and a refcount block in memory.
     pub(crate) async fn metadata_preallocated(&self, index: usize) -> bool {
         let layer = &self.chain.layers[index];
         let Some(meta) = layer.qcow2() else {
             return false;
         };
-        if let Some(known) = meta.metadata_prealloc.get() {
-            return known;
-        }
-        let answer = self.detect(index, layer).await.unwrap_or(false);
-        meta.metadata_prealloc.set(Some(answer));
-        answer
+        let decide = || async { self.detect(index, layer).await.unwrap_or(false) };
+        *meta.metadata_prealloc.get_or_init(decide).await
     }
 
     async fn detect(&self, index: usize, layer: &Layer<S>) -> Option<bool> {

@@ -11,6 +11,7 @@ mod crash_snapshots;
 mod grow_ahead;
 mod io_errors;
 mod open_duties;
+mod prealloc_once;
 mod read;
 mod read_props;
 mod write;
