@@ -18,6 +18,7 @@ use std::future::Future;
 use std::ops::ControlFlow;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::task::{Context, Waker};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -354,8 +355,14 @@ fn memory_charge(header: &RequestHeader, payload: Payload, max_payload: u32, mem
     u32::try_from(charge.min(memory)).unwrap_or(0)
 }
 
-/// Runs one request (or answers its refusal) as its own task; `held` (its request slot and
-/// memory charge) is released once the reply has been written.
+/// Runs one request (or answers its refusal); `held` (its request slot and memory charge)
+/// is released once the reply has been written.
+///
+/// The request is polled once right here, and only if it has to wait (disk I/O, a metadata
+/// load, a lock) does it become a task of its own. On a fast image most requests finish in
+/// that first poll, and a task for each cost more than the request itself: its creation,
+/// scheduling and the moves of its future. The first poll uses a waker that does nothing;
+/// the task's own first poll, which follows at once, registers the real one.
 fn spawn_request<E, W>(
     conn: Rc<Conn<E, W>>,
     header: RequestHeader,
@@ -366,7 +373,7 @@ fn spawn_request<E, W>(
     E: Export + 'static,
     W: AsyncWrite + Unpin + 'static,
 {
-    tokio::task::spawn_local(async move {
+    let mut request = Box::pin(async move {
         let to = reply_to(&header, conn.exec.mode);
         let outcome = match action {
             Ok(action) => execute(&*conn.export, &conn.exec, action, data).await,
@@ -374,6 +381,10 @@ fn spawn_request<E, W>(
         };
         conn.reply(to, outcome, Some(held));
     });
+    let mut cx = Context::from_waker(Waker::noop());
+    if request.as_mut().poll(&mut cx).is_pending() {
+        tokio::task::spawn_local(request);
+    }
 }
 
 /// Lets in-flight requests finish and answer; then closes our side.

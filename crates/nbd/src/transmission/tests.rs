@@ -9,7 +9,8 @@ use tokio::sync::watch;
 
 use super::{transmit, TransmissionEnd};
 use crate::control::Control;
-use crate::export::{BlockSize, Export};
+use crate::errno::Errno;
+use crate::export::{BlockSize, Export, ExportFeatures, Extent, ReadChunk, WriteZeroesFlags};
 use crate::mem_export::MemExport;
 use crate::negotiate::meta::MetaSelection;
 use crate::negotiate::{Mode, Negotiated};
@@ -71,8 +72,59 @@ fn request(command: u16, cookie: u64, offset: u64, length: u32) -> Vec<u8> {
     r
 }
 
+/// A [`MemExport`] whose reads of the first 4 KiB wait for the runtime's next turn first,
+/// as a read from disk would: those requests cannot finish in their first poll.
+struct SlowStart(MemExport);
+
+impl Export for SlowStart {
+    type Buf = Vec<u8>;
+
+    fn alloc(&self, len: usize) -> Vec<u8> {
+        self.0.alloc(len)
+    }
+
+    fn size(&self) -> u64 {
+        self.0.size()
+    }
+
+    fn features(&self) -> ExportFeatures {
+        self.0.features()
+    }
+
+    async fn read(&self, offset: u64, len: usize) -> Result<Vec<ReadChunk<Vec<u8>>>, Errno> {
+        if offset < 4096 {
+            tokio::task::yield_now().await;
+        }
+        self.0.read(offset, len).await
+    }
+
+    async fn write(&self, offset: u64, data: Vec<u8>, fua: bool) -> Result<(), Errno> {
+        self.0.write(offset, data, fua).await
+    }
+
+    async fn write_zeroes(&self, offset: u64, len: u64, f: WriteZeroesFlags) -> Result<(), Errno> {
+        self.0.write_zeroes(offset, len, f).await
+    }
+
+    async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
+        self.0.trim(offset, len, fua).await
+    }
+
+    async fn flush(&self) -> Result<(), Errno> {
+        self.0.flush().await
+    }
+
+    async fn cache(&self, offset: u64, len: u64) -> Result<(), Errno> {
+        self.0.cache(offset, len).await
+    }
+
+    async fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>, Errno> {
+        self.0.block_status(offset, len).await
+    }
+}
+
 /// Runs a transmission phase in simple mode over `input`, returning how it ended.
-fn run(export: MemExport, input: &[u8], out: Recorder) -> TransmissionEnd {
+fn run<E: Export + 'static>(export: E, input: &[u8], out: Recorder) -> TransmissionEnd {
     let negotiated = Negotiated {
         export: 0,
         mode: Mode::Simple,
@@ -127,4 +179,31 @@ fn replies_completed_together_go_out_in_one_write_in_completion_order() {
     }
     // The requests were all read before any of them ran, so their replies share a write.
     assert_eq!(out.writes.get(), 1);
+}
+
+#[test]
+fn requests_that_wait_are_answered_after_those_that_did_not() {
+    let export = MemExport::new(1 << 20);
+    export.fill(0, &[1; 4096]);
+    export.fill(4096, &[2; 4096]);
+    let mut input = request(CMD_READ, 7, 0, 4096);
+    input.extend(request(CMD_READ, 8, 4096, 4096));
+    input.extend(request(CMD_DISC, 9, 0, 0));
+    let out = Recorder::default();
+
+    let end = run(SlowStart(export), &input, out.clone());
+
+    assert_eq!(end, TransmissionEnd::Disconnect);
+    let bytes = out.bytes.borrow();
+    assert_eq!(bytes.len(), 2 * (16 + 4096));
+    // The read of the second block did not wait, so it is answered first.
+    for (reply, (cookie, fill)) in bytes.chunks(16 + 4096).zip([(8u64, 2u8), (7, 1)]) {
+        assert_eq!(reply[..4], SIMPLE_REPLY_MAGIC.to_be_bytes());
+        assert_eq!(reply[4..8], [0; 4]);
+        assert_eq!(reply[8..16], cookie.to_be_bytes());
+        assert!(
+            reply[16..].iter().all(|&b| b == fill),
+            "data of cookie {cookie}"
+        );
+    }
 }
