@@ -1,5 +1,6 @@
-//! The transmission phase of one connection: requests are read continuously, each runs as
-//! its own local task, and replies go out in completion order through one writer task,
+//! The transmission phase of one connection: requests are read continuously, each runs in
+//! the reader until it first has to wait and then as its own local task (see
+//! [`spawn_request`]), and replies go out in completion order through one writer task,
 //! which sends every reply completed since its last write in one `writev`: under load the
 //! client is woken once per batch instead of once per reply.
 //!
@@ -165,7 +166,9 @@ impl<E: Export, W: AsyncWrite + Unpin> Conn<E, W> {
             self.stop.notify_one();
         }
     }
+}
 
+impl<E: Export, W> Conn<E, W> {
     /// Lets the writer task end once the replies queued so far are written.
     fn stop_writer(&self) {
         self.closing.set(true);
@@ -199,8 +202,7 @@ struct WriterGuard<'a, E: Export, W>(&'a Conn<E, W>);
 
 impl<E: Export, W> Drop for WriterGuard<'_, E, W> {
     fn drop(&mut self) {
-        self.0.closing.set(true);
-        self.0.replies_ready.notify_one();
+        self.0.stop_writer();
     }
 }
 
