@@ -13,7 +13,6 @@
 //! client a chunk header instead of the zero bytes, which is what makes sequential reads of a
 //! sparse image fast.
 
-use std::future::Future;
 use std::rc::Rc;
 use std::time::Instant;
 
@@ -234,21 +233,25 @@ impl ImageExport {
         }
     }
 
-    /// Runs one request, timing and counting it when statistics are on (with them off,
-    /// this is one branch).
-    async fn counted<T>(
+    /// Starts timing a request when statistics are on (with them off, this is one branch);
+    /// [`Self::count`] counts it. A pair of calls around the `.await` rather than a wrapper
+    /// taking the request's future: an async fn keeps a future it is given and the one it
+    /// awaits in separate places, which doubled the state every request task moves around.
+    fn start(&self) -> Option<Instant> {
+        self.stats.as_ref().map(|_| Instant::now())
+    }
+
+    /// Counts a request started at `start` (from [`Self::start`]) that ended with `result`.
+    fn count<T>(
         &self,
+        start: Option<Instant>,
         cmd: Command,
         bytes: u64,
-        request: impl Future<Output = Result<T, Errno>>,
-    ) -> Result<T, Errno> {
-        let Some(stats) = &self.stats else {
-            return request.await;
-        };
-        let start = Instant::now();
-        let result = request.await;
-        stats.record(cmd, bytes, start.elapsed(), result.as_ref().err().copied());
-        result
+        result: &Result<T, Errno>,
+    ) {
+        if let (Some(stats), Some(start)) = (&self.stats, start) {
+            stats.record(cmd, bytes, start.elapsed(), result.as_ref().err().copied());
+        }
     }
 
     /// Offers `bitmaps` as `qemu:dirty-bitmap:` contexts.
@@ -442,15 +445,19 @@ impl Export for ImageExport {
     }
 
     async fn read(&self, offset: u64, len: usize) -> Result<Vec<ReadChunk<Payload>>, Errno> {
+        let start = self.start();
+        let result = self.read_image(offset, len).await;
         let bytes = u64::try_from(len).unwrap_or(u64::MAX);
-        self.counted(Command::Read, bytes, self.read_image(offset, len))
-            .await
+        self.count(start, Command::Read, bytes, &result);
+        result
     }
 
     async fn write(&self, offset: u64, data: Payload, fua: bool) -> Result<(), Errno> {
         let bytes = u64::try_from(data.0.len()).unwrap_or(u64::MAX);
-        self.counted(Command::Write, bytes, self.write_image(offset, data, fua))
-            .await
+        let start = self.start();
+        let result = self.write_image(offset, data, fua).await;
+        self.count(start, Command::Write, bytes, &result);
+        result
     }
 
     async fn write_zeroes(
@@ -459,27 +466,38 @@ impl Export for ImageExport {
         len: u64,
         flags: WriteZeroesFlags,
     ) -> Result<(), Errno> {
-        let request = self.write_zeroes_image(offset, len, flags);
-        self.counted(Command::WriteZeroes, len, request).await
+        let start = self.start();
+        let result = self.write_zeroes_image(offset, len, flags).await;
+        self.count(start, Command::WriteZeroes, len, &result);
+        result
     }
 
     async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
-        self.counted(Command::Trim, len, self.trim_image(offset, len, fua))
-            .await
+        let start = self.start();
+        let result = self.trim_image(offset, len, fua).await;
+        self.count(start, Command::Trim, len, &result);
+        result
     }
 
     async fn flush(&self) -> Result<(), Errno> {
-        self.counted(Command::Flush, 0, self.flush_image()).await
+        let start = self.start();
+        let result = self.flush_image().await;
+        self.count(start, Command::Flush, 0, &result);
+        result
     }
 
     async fn cache(&self, offset: u64, len: u64) -> Result<(), Errno> {
-        self.counted(Command::Cache, len, self.cache_image(offset, len))
-            .await
+        let start = self.start();
+        let result = self.cache_image(offset, len).await;
+        self.count(start, Command::Cache, len, &result);
+        result
     }
 
     async fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>, Errno> {
-        let request = self.block_status_image(offset, len);
-        self.counted(Command::BlockStatus, len, request).await
+        let start = self.start();
+        let result = self.block_status_image(offset, len).await;
+        self.count(start, Command::BlockStatus, len, &result);
+        result
     }
 
     fn client_attached(&self) {
@@ -498,8 +516,10 @@ impl Export for ImageExport {
         offset: u64,
         len: u64,
     ) -> Result<Vec<(u64, bool)>, Errno> {
-        let request = async { self.dirty_runs(index, offset, len) };
-        self.counted(Command::BlockStatus, len, request).await
+        let start = self.start();
+        let result = self.dirty_runs(index, offset, len);
+        self.count(start, Command::BlockStatus, len, &result);
+        result
     }
 }
 

@@ -180,11 +180,17 @@ where
                     },
                 }
             };
+            // The write-back and the load are boxed: their futures (storage I/O, and for a
+            // backend that reads through other caches, whole lookups) would otherwise be
+            // part of every caller's state, hits included, and every request's future would
+            // carry (and its task move) kilobytes it needs only on a miss.
             match step {
                 Step::Wait(event) => event.wait().await,
-                Step::WriteBack(idx, residency) => self.write_back_slot(idx, residency).await?,
+                Step::WriteBack(idx, residency) => {
+                    Box::pin(self.write_back_slot(idx, residency)).await?
+                }
                 Step::Load(idx, residency) => {
-                    if self.load(idx, residency, key).await? {
+                    if Box::pin(self.load(idx, residency, key)).await? {
                         // No await since the load finished: the entry is still there.
                         let mut st = self.state.borrow_mut();
                         return Ok(self.apply(&mut st, idx, mode, f));

@@ -1,5 +1,8 @@
-//! The transmission phase of one connection: requests are read continuously, each runs as
-//! its own local task, and replies go out in completion order through one writer.
+//! The transmission phase of one connection: requests are read continuously, each runs in
+//! the reader until it first has to wait and then as its own local task (see
+//! [`spawn_request`]), and replies go out in completion order through one writer task,
+//! which sends every reply completed since its last write in one `writev`: under load the
+//! client is woken once per batch instead of once per reply.
 //!
 //! Memory stays bounded whatever the client sends: at most [`MAX_IN_FLIGHT`] requests and
 //! [`MAX_IN_FLIGHT_BYTES`] of payload are in flight, a payload above the maximum is skipped
@@ -11,11 +14,12 @@ pub mod commands;
 pub mod reply_writer;
 pub mod validate;
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::ops::ControlFlow;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::task::{Context, Waker};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -28,7 +32,7 @@ use crate::negotiate::{drain, read_or_eof, Mode, Negotiated};
 use crate::wire::request::{Command, RequestHeader, COMPACT_REQUEST_LEN, EXTENDED_REQUEST_LEN};
 use crate::wire::WireError;
 use commands::{execute, ExecContext};
-use reply_writer::{serialize, Outcome, ReplyTo};
+use reply_writer::{Outcome, ReplyTo, Serialized};
 use validate::{payload_of, validate, Limits, Payload};
 
 /// Most requests of one connection being served at once; further requests wait unread.
@@ -88,6 +92,22 @@ struct Conn<E: Export, W> {
     stop: Notify,
     /// Turns true when the server stops waiting for this client (see [`forced`]).
     force: watch::Receiver<bool>,
+    /// Replies waiting for the writer task ([`write_replies`]), in completion order.
+    replies: RefCell<Vec<Queued<E::Buf>>>,
+    /// Wakes the writer task: a reply was queued, or `closing` turned true.
+    replies_ready: Notify,
+    /// No more replies will be queued: the writer task ends once the queue is empty.
+    closing: Cell<bool>,
+}
+
+/// A request's slot and memory charge, held until its reply has been written.
+type Held = (OwnedSemaphorePermit, OwnedSemaphorePermit);
+
+/// A reply waiting to be written, with what its request holds.
+struct Queued<B> {
+    to: ReplyTo,
+    outcome: Outcome<B>,
+    _held: Option<Held>,
 }
 
 impl<E: Export, W: AsyncWrite + Unpin> Conn<E, W> {
@@ -103,21 +123,39 @@ impl<E: Export, W: AsyncWrite + Unpin> Conn<E, W> {
             write_failed: Cell::new(false),
             stop: Notify::new(),
             force: control.force.clone(),
+            replies: RefCell::new(Vec::new()),
+            replies_ready: Notify::new(),
+            closing: Cell::new(false),
         }
     }
 
-    /// Sends a reply, unless the client stopped reading and the server gave up on it: a
-    /// reply stuck on a full socket must not keep the request (and shutdown) waiting.
-    async fn reply(&self, to: ReplyTo, outcome: Outcome<E::Buf>) {
-        let bytes = serialize(&to, &outcome);
-        // Biased, as for payloads: most replies fit the socket buffer at once.
+    /// Queues a reply for the writer task; `held` is released once it has been written (or
+    /// given up on).
+    fn reply(&self, to: ReplyTo, outcome: Outcome<E::Buf>, held: Option<Held>) {
+        self.replies.borrow_mut().push(Queued {
+            to,
+            outcome,
+            _held: held,
+        });
+        self.replies_ready.notify_one();
+    }
+
+    /// Sends a batch of replies, unless the client stopped reading and the server gave up
+    /// on it: replies stuck on a full socket must not keep their requests (and shutdown)
+    /// waiting.
+    async fn write_batch(&self, batch: &[Queued<E::Buf>]) {
+        if self.write_failed.get() {
+            return;
+        }
+        let mut bytes = Serialized::default();
+        for q in batch {
+            bytes.append(&q.to, &q.outcome);
+        }
+        // Biased, as for payloads: most batches fit the socket buffer at once.
         let written = tokio::select! {
             biased;
             written = async {
                 let mut w = self.writer.lock().await;
-                if self.write_failed.get() {
-                    return Ok(());
-                }
                 bytes.write_to(&mut *w).await
             } => written,
             () = forced(&self.force) => Err(std::io::ErrorKind::TimedOut.into()),
@@ -127,6 +165,44 @@ impl<E: Export, W: AsyncWrite + Unpin> Conn<E, W> {
             self.write_failed.set(true);
             self.stop.notify_one();
         }
+    }
+}
+
+impl<E: Export, W> Conn<E, W> {
+    /// Lets the writer task end once the replies queued so far are written.
+    fn stop_writer(&self) {
+        self.closing.set(true);
+        self.replies_ready.notify_one();
+    }
+}
+
+/// The writer task of a connection: writes every queued reply, a batch at a time, until the
+/// connection closes. The request tasks that completed in one turn of the runtime have
+/// queued their replies before this task runs again, so they share one `writev`.
+async fn write_replies<E: Export, W: AsyncWrite + Unpin>(conn: Rc<Conn<E, W>>) {
+    // Two queues swapped back and forth, so batches reuse their allocation.
+    let mut batch = Vec::new();
+    loop {
+        std::mem::swap(&mut *conn.replies.borrow_mut(), &mut batch);
+        if batch.is_empty() {
+            if conn.closing.get() {
+                return;
+            }
+            conn.replies_ready.notified().await;
+            continue;
+        }
+        conn.write_batch(&batch).await;
+        // Releases the requests' slots and memory charges.
+        batch.clear();
+    }
+}
+
+/// Stops the writer task when the transmission phase ends, however it ends.
+struct WriterGuard<'a, E: Export, W>(&'a Conn<E, W>);
+
+impl<E: Export, W> Drop for WriterGuard<'_, E, W> {
+    fn drop(&mut self) {
+        self.0.stop_writer();
     }
 }
 
@@ -171,6 +247,8 @@ where
         .clamp(limits.max_payload as usize, u32::MAX as usize);
     let requests = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     let bytes = Arc::new(Semaphore::new(memory));
+    let writer = tokio::task::spawn_local(write_replies(Rc::clone(&conn)));
+    let _stop_writer = WriterGuard(&conn);
 
     let result = loop {
         let next = next_header(&mut reader, &conn, control, &mut shutdown, &requests);
@@ -204,7 +282,7 @@ where
         spawn_request(Rc::clone(&conn), header, action, data, (slot, budget));
     };
 
-    close(&conn, &requests).await;
+    close(&conn, &requests, writer).await;
     result
 }
 
@@ -279,33 +357,48 @@ fn memory_charge(header: &RequestHeader, payload: Payload, max_payload: u32, mem
     u32::try_from(charge.min(memory)).unwrap_or(0)
 }
 
-/// Runs one request (or answers its refusal) as its own task; `held` (its request slot and
-/// memory charge) is released once the reply has been written.
+/// Runs one request (or answers its refusal); `held` (its request slot and memory charge)
+/// is released once the reply has been written.
+///
+/// The request is polled once right here, and only if it has to wait (disk I/O, a metadata
+/// load, a lock) does it become a task of its own. On a fast image most requests finish in
+/// that first poll, and a task for each cost more than the request itself: its creation,
+/// scheduling and the moves of its future. The first poll uses a waker that does nothing;
+/// the task's own first poll, which follows at once, registers the real one.
 fn spawn_request<E, W>(
     conn: Rc<Conn<E, W>>,
     header: RequestHeader,
     action: Result<validate::Action, validate::Refusal>,
     data: Option<E::Buf>,
-    held: (OwnedSemaphorePermit, OwnedSemaphorePermit),
+    held: Held,
 ) where
     E: Export + 'static,
     W: AsyncWrite + Unpin + 'static,
 {
-    tokio::task::spawn_local(async move {
+    let mut request = Box::pin(async move {
         let to = reply_to(&header, conn.exec.mode);
         let outcome = match action {
             Ok(action) => execute(&*conn.export, &conn.exec, action, data).await,
             Err(r) => Outcome::Error(r.errno, r.message),
         };
-        conn.reply(to, outcome).await;
-        drop(held);
+        conn.reply(to, outcome, Some(held));
     });
+    let mut cx = Context::from_waker(Waker::noop());
+    if request.as_mut().poll(&mut cx).is_pending() {
+        tokio::task::spawn_local(request);
+    }
 }
 
 /// Lets in-flight requests finish and answer; then closes our side.
-async fn close<E: Export, W: AsyncWrite + Unpin>(conn: &Conn<E, W>, requests: &Semaphore) {
+async fn close<E: Export, W: AsyncWrite + Unpin>(
+    conn: &Conn<E, W>,
+    requests: &Semaphore,
+    writer: tokio::task::JoinHandle<()>,
+) {
     let all = u32::try_from(MAX_IN_FLIGHT).unwrap_or(u32::MAX);
     let _ = requests.acquire_many(all).await;
+    conn.stop_writer();
+    let _ = writer.await;
     let mut w = conn.writer.lock().await;
     let _ = w.shutdown().await;
 }
@@ -359,8 +452,11 @@ where
                 );
                 drain(reader, n as u64).await.map_err(io_end)?;
                 let to = reply_to(header, limits.mode);
-                conn.reply(to, Outcome::Error(Errno::Io, "buffer allocation failed"))
-                    .await;
+                conn.reply(
+                    to,
+                    Outcome::Error(Errno::Io, "buffer allocation failed"),
+                    None,
+                );
                 return Err(Skip::Request);
             }
             reader.read_exact(buf.as_mut()).await.map_err(io_end)?;
@@ -407,3 +503,6 @@ async fn read_header<R: AsyncRead + Unpin>(
     };
     Ok(Some(header))
 }
+
+#[cfg(test)]
+mod tests;

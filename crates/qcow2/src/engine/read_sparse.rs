@@ -13,7 +13,7 @@
 
 use super::chain::{Piece, Source};
 use super::error::Result;
-use super::image::Image;
+use super::image::{Image, Inner};
 use super::join_all::join_all;
 use super::range_lock::LockMode;
 use storage::{IoBuf, Storage};
@@ -93,18 +93,28 @@ impl<S: Storage + 'static> Image<S> {
                 // of its own, all read concurrently: the reply sends them back to back, so
                 // nothing is copied into one request-sized buffer.
                 let segments = segments(&classified[i..j]);
-                let reads = segments.iter().map(|seg| async move {
-                    let len: u64 = seg.iter().map(|p| p.len).sum();
-                    let mut buf = IoBuf::zeroed(len as usize);
-                    inner.fill(seg[0].start, seg, &mut buf).await.map(|()| buf)
-                });
-                for buf in join_all(reads.collect()).await {
-                    out.push(ReadPart::Data(buf?));
+                if let [seg] = &segments[..] {
+                    // The usual case, one run: awaited here, without join_all's boxes.
+                    out.push(ReadPart::Data(inner.read_segment(seg).await?));
+                } else {
+                    let reads = segments.iter().map(|seg| inner.read_segment(seg));
+                    for buf in join_all(reads.collect()).await {
+                        out.push(ReadPart::Data(buf?));
+                    }
                 }
             }
             i = j;
         }
         Ok(out)
+    }
+}
+
+impl<S: Storage + 'static> Inner<S> {
+    /// Reads one segment (see [`segments`]) into a buffer of its own.
+    async fn read_segment(&self, seg: &[Piece]) -> Result<IoBuf> {
+        let len: u64 = seg.iter().map(|p| p.len).sum();
+        let mut buf = IoBuf::zeroed(len as usize);
+        self.fill(seg[0].start, seg, &mut buf).await.map(|()| buf)
     }
 }
 
