@@ -3,7 +3,7 @@
 
 use crate::support::{opener, FaultFs};
 use qcow2::engine::{create_file, CreateOptions, Format, Image, OpenOptions, Preallocation};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use storage::{Aio, FaultStorage, IoBuf, MemStorage};
 use test_support::{
     assert_check_clean, assert_same_bytes, qemu_contents, qemu_img, qemu_io, run, Dir, Rng,
@@ -275,6 +275,33 @@ fn writes_into_images_with_internal_snapshots_copy_shared_clusters() {
     }
 }
 
+/// A qcow2 image `name` of `size` bytes with `cluster`-byte clusters over the raw
+/// `base.raw` in `d`, both loaded into memory behind fault storages.
+fn overlay_in_memory(d: &Dir, name: &str, cluster: u64, size: u64) -> (FaultFs, PathBuf) {
+    let path = d.path(name);
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "base.raw",
+        "-F",
+        "raw",
+        "-o",
+        &format!("cluster_size={cluster}"),
+        path.to_str().unwrap(),
+        &size.to_string(),
+    ]);
+    let fs = FaultFs::default();
+    for p in [path.clone(), d.path("base.raw")] {
+        let bytes = std::fs::read(&p).unwrap();
+        let st = FaultStorage::from_mem(MemStorage::from_bytes(&bytes));
+        fs.0.borrow_mut().insert(p, st);
+    }
+    (fs, path)
+}
+
 /// A small write into a fresh cluster over a backing file copies the cluster's head and tail:
 /// as one backing read when only the write lies between them (the gap is read and then
 /// overwritten), as two when the write is large. Either way the result is the backing bytes
@@ -296,30 +323,7 @@ fn copy_on_write_reads_head_and_tail_in_one_request_around_small_writes() {
         (2 << 20, 512 << 10, 128 << 10, 2),
     ];
     for (i, &(cluster, within, len, reads)) in cases.iter().enumerate() {
-        let name = format!("cow{i}.qcow2");
-        let path = d.path(&name);
-        qemu_img(&[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-b",
-            "base.raw",
-            "-F",
-            "raw",
-            "-o",
-            &format!("cluster_size={cluster}"),
-            path.to_str().unwrap(),
-            &SIZE.to_string(),
-        ]);
-        let fs = FaultFs::default();
-        for (p, bytes) in [
-            (path.clone(), std::fs::read(&path).unwrap()),
-            (d.path("base.raw"), base.clone()),
-        ] {
-            let st = FaultStorage::from_mem(MemStorage::from_bytes(&bytes));
-            fs.0.borrow_mut().insert(p, st);
-        }
+        let (fs, path) = overlay_in_memory(&d, &format!("cow{i}.qcow2"), cluster, SIZE as u64);
         let backing_reads = || fs.0.borrow()[&d.path("base.raw")].stats().reads;
         let offset = cluster + within;
         let data = IoBuf::from_slice(&vec![0xA5u8; len]);
@@ -357,29 +361,7 @@ fn reused_span_buffers_leave_no_old_bytes_behind() {
         .map(|i| (i / 4096 % 251 + 1) as u8)
         .collect();
     std::fs::write(d.path("base.raw"), &base).unwrap();
-    let path = d.path("over.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        "base.raw",
-        "-F",
-        "raw",
-        "-o",
-        "cluster_size=65536",
-        path.to_str().unwrap(),
-        "1M",
-    ]);
-    let fs = FaultFs::default();
-    for (p, bytes) in [
-        (path.clone(), std::fs::read(&path).unwrap()),
-        (d.path("base.raw"), base.clone()),
-    ] {
-        let st = FaultStorage::from_mem(MemStorage::from_bytes(&bytes));
-        fs.0.borrow_mut().insert(p, st);
-    }
+    let (fs, path) = overlay_in_memory(&d, "over.qcow2", CLUSTER, 1 << 20);
     // (offset, length): a two-cluster span, then smaller ones in the same buffer, one
     // straddling the end of the backing file.
     let writes = [
