@@ -264,7 +264,7 @@ where
     };
     tracing::debug!(export = %entry.name, mode = ?negotiated.mode, "transmission");
     let export = Rc::clone(&entry.export);
-    let _attached = Attached::new(Rc::clone(&export));
+    export.client_attached();
     let (linked, senders) = linked_control(&control);
     let forward = forward_stops(&control, entry.state().hard_close(), senders);
     let end = tokio::select! {
@@ -316,23 +316,5 @@ async fn forward_stops(
             r = hard.changed(), if hard_open => hard_open = r.is_ok(),
             () = std::future::pending::<()>(), if !(down_open || forced_open || hard_open) => {}
         }
-    }
-}
-
-/// A connection in transmission on an export: announced to it when made, and again when
-/// dropped, so the export hears of the end on every path (a clean end, an error, a forced
-/// close at shutdown).
-struct Attached<E: Export>(Rc<E>);
-
-impl<E: Export> Attached<E> {
-    fn new(export: Rc<E>) -> Self {
-        export.client_attached();
-        Self(export)
-    }
-}
-
-impl<E: Export> Drop for Attached<E> {
-    fn drop(&mut self) {
-        self.0.client_detached();
     }
 }

@@ -221,12 +221,10 @@ pub trait Export {
 
     /// A connection selected this export (`NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME`) and
     /// starts transmission on it. Called once per connection, on the export's own thread,
-    /// before any request of that connection; [`Export::client_detached`] follows when the
-    /// connection ends, however it ends. For statistics: the default does nothing.
+    /// before any request of that connection. For statistics: the default does nothing.
+    /// How many connections are attached now is the export's [`crate::ExportState`], which
+    /// counts them on every thread and is what closing the export waits on.
     fn client_attached(&self) {}
-
-    /// The connection [`Export::client_attached`] announced has ended.
-    fn client_detached(&self) {}
 
     /// Names of the dirty bitmaps offered as `qemu:dirty-bitmap:NAME` contexts (the server
     /// serves the first [`crate::negotiate::meta::MAX_DIRTY_BITMAPS`]).

@@ -39,8 +39,8 @@ enum Call<B> {
     Cache(u64, u64, Reply<()>),
     BlockStatus(u64, u64, Reply<Vec<Extent>>),
     DirtyStatus(usize, u64, u64, Reply<Vec<(u64, bool)>>),
-    /// A connection attached (`true`) or detached (`false`); nothing to answer.
-    Client(bool),
+    /// A connection attached; nothing to answer.
+    Attached,
 }
 
 /// What a worker thread needs to make a [`Remote`]: `Send`, unlike the export.
@@ -138,8 +138,7 @@ async fn run<E: Export>(export: Rc<E>, call: Call<E::Buf>) {
         Call::DirtyStatus(index, offset, len, reply) => {
             let _ = reply.send(export.dirty_status(index, offset, len).await);
         }
-        Call::Client(true) => export.client_attached(),
-        Call::Client(false) => export.client_detached(),
+        Call::Attached => export.client_attached(),
     }
 }
 
@@ -210,11 +209,7 @@ impl<B: SendBuf> Export for Remote<B> {
     /// Passed on to the owning thread, where the export lives; a closed channel means
     /// that thread has failed, and then there is nobody left to tell.
     fn client_attached(&self) {
-        let _ = self.handle.calls.send(Call::Client(true));
-    }
-
-    fn client_detached(&self) {
-        let _ = self.handle.calls.send(Call::Client(false));
+        let _ = self.handle.calls.send(Call::Attached);
     }
 
     async fn dirty_status(
