@@ -204,34 +204,27 @@ impl<'a> Serialized<'a> {
     /// Adds `outcome`, the reply to `to`, after the replies already here: replies that
     /// complete together go out in one `writev`.
     pub fn append<B: AsRef<[u8]>>(&mut self, to: &ReplyTo, outcome: &'a Outcome<B>) {
-        serialize_into(self, to, outcome);
-    }
-}
-
-fn serialize_into<'a, B: AsRef<[u8]>>(
-    out: &mut Serialized<'a>,
-    to: &ReplyTo,
-    outcome: &'a Outcome<B>,
-) {
-    match (to.mode, outcome) {
-        (Mode::Simple, Outcome::Done) => to.simple(out, 0),
-        (Mode::Simple, Outcome::Error(e, _)) => to.simple(out, e.code()),
-        (Mode::Simple, Outcome::Read { chunks, .. }) => {
-            to.simple(out, 0);
-            for c in chunks {
-                match c {
-                    ReadChunk::Data(b) => out.push_data(b.as_ref()),
-                    ReadChunk::Hole(n) => out.push_zeros(*n),
+        let out = self;
+        match (to.mode, outcome) {
+            (Mode::Simple, Outcome::Done) => to.simple(out, 0),
+            (Mode::Simple, Outcome::Error(e, _)) => to.simple(out, e.code()),
+            (Mode::Simple, Outcome::Read { chunks, .. }) => {
+                to.simple(out, 0);
+                for c in chunks {
+                    match c {
+                        ReadChunk::Data(b) => out.push_data(b.as_ref()),
+                        ReadChunk::Hole(n) => out.push_zeros(*n),
+                    }
                 }
             }
+            // Validation refuses block status without structured replies; never send chunks.
+            (Mode::Simple, Outcome::Status(_)) => to.simple(out, Errno::Inval.code()),
+            (Mode::Structured, Outcome::Done) if !to.is_read => to.simple(out, 0),
+            (_, Outcome::Done) => to.chunk(out, REPLY_FLAG_DONE, REPLY_TYPE_NONE, 0),
+            (_, Outcome::Error(e, msg)) => to.error_chunk(out, *e, msg),
+            (_, Outcome::Read { offset, chunks, df }) => read_chunks(to, out, *offset, chunks, *df),
+            (_, Outcome::Status(chunks)) => status_chunks(to, out, chunks),
         }
-        // Validation refuses block status without structured replies; never send chunks.
-        (Mode::Simple, Outcome::Status(_)) => to.simple(out, Errno::Inval.code()),
-        (Mode::Structured, Outcome::Done) if !to.is_read => to.simple(out, 0),
-        (_, Outcome::Done) => to.chunk(out, REPLY_FLAG_DONE, REPLY_TYPE_NONE, 0),
-        (_, Outcome::Error(e, msg)) => to.error_chunk(out, *e, msg),
-        (_, Outcome::Read { offset, chunks, df }) => read_chunks(to, out, *offset, chunks, *df),
-        (_, Outcome::Status(chunks)) => status_chunks(to, out, chunks),
     }
 }
 
