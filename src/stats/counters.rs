@@ -154,7 +154,8 @@ pub struct Counters {
     pub commands: [CommandCounters; COMMANDS],
     /// Failed requests per errno, in [`Errno::ALL`] order.
     pub errors: [u64; ERRNOS],
-    /// Connections in transmission now.
+    /// Connections attached now: they selected the export and have not ended (in
+    /// transmission, or waiting for a `-e` slot).
     pub attached: u64,
     /// Connections that ever started transmission.
     pub connections: u64,

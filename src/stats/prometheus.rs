@@ -117,7 +117,8 @@ fn families(
     scalar(enc, &format!("{prefix}_errors"), &help, counter, &errors)?;
     latency(enc, prefix, whose, sets)?;
     let attached: Vec<(Labels, u64)> = sets.iter().map(|(l, c)| (l.clone(), c.attached)).collect();
-    let help = format!("Connections in transmission on {whose} now.");
+    let help =
+        format!("Connections attached to {whose} now (in transmission or waiting for a slot).");
     scalar(
         enc,
         &format!("{prefix}_clients"),
