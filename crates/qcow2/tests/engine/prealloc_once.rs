@@ -5,6 +5,7 @@
 
 use crate::support::opener;
 use qcow2::engine::{Image, OpenOptions, ReadPart};
+use qcow2::format::header::Header;
 use std::cell::Cell;
 use std::io;
 use std::path::Path;
@@ -77,10 +78,10 @@ impl Opener for CountingOpener {
     }
 }
 
-/// The header's refcount_table_offset (bytes 48..56, big-endian).
+/// Where the image's header says its refcount table is.
 fn refcount_table_offset(path: &Path) -> u64 {
     let head = std::fs::read(path).unwrap();
-    u64::from_be_bytes(head[48..56].try_into().unwrap())
+    Header::decode(&head).unwrap().refcount_table_offset
 }
 
 #[test]
