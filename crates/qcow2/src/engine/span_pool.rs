@@ -33,9 +33,9 @@ impl SpanPool {
         let mut spare = self.spare.borrow_mut();
         match spare.iter().position(|b| b.capacity() >= len) {
             Some(i) => {
+                // Spares are kept at their full capacity (see `give`).
                 let mut buf = spare.swap_remove(i);
                 buf.truncate(len);
-                buf.resize(len);
                 SpanBuf { buf, zeroed: false }
             }
             None => SpanBuf {
