@@ -46,6 +46,7 @@ impl<S: Storage + 'static> Inner<S> {
         let g = meta.geom;
         let cs = g.cluster_size();
         let per_table = g.l2_entries() * cs;
+        let _paused = (mode == Preallocation::Metadata).then(|| w.pause_growth());
         let mut pos = from;
         while pos < to {
             let table_end = (pos - pos % per_table).saturating_add(per_table).min(to);

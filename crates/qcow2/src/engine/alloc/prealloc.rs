@@ -47,6 +47,17 @@ impl<S: Storage + 'static> Allocator<S> {
         }
     }
 
+    /// Stops growing ahead until the returned guard is dropped, for metadata preallocation:
+    /// its data clusters are never written, so every step grown ahead would keep reserved
+    /// blocks in the middle of the file, which a close cannot give back. The guard resumes
+    /// past everything allocated meanwhile, leaving the holes below it alone.
+    pub(crate) fn pause_growth(&self) -> PausedGrowth<'_, S> {
+        PausedGrowth {
+            alloc: self,
+            resume: self.grown_to.replace(0),
+        }
+    }
+
     /// Gives back what was grown ahead and never used: the file ends again with the last
     /// allocated cluster (or where it ended when opened).
     pub(crate) async fn trim_growth(&self) -> std::io::Result<()> {
@@ -59,5 +70,20 @@ impl<S: Storage + 'static> Allocator<S> {
         self.top().file.set_len(end).await?;
         self.grown_to.set(end.max(1));
         Ok(())
+    }
+}
+
+/// Growing ahead held off (see [`Allocator::pause_growth`]).
+pub(crate) struct PausedGrowth<'a, S: Storage + 'static> {
+    alloc: &'a Allocator<S>,
+    resume: u64,
+}
+
+impl<S: Storage + 'static> Drop for PausedGrowth<'_, S> {
+    fn drop(&mut self) {
+        if self.resume != 0 {
+            let end = self.alloc.meta().file_end.get();
+            self.alloc.grown_to.set(self.resume.max(end));
+        }
     }
 }
