@@ -429,10 +429,12 @@ async fn serve_images(
             .unwrap_or(control::DEFAULT_MAX_COMMAND),
     };
     let control = control_socket.map(|s| control::Control::start(s, registry.clone(), limits));
+    let shutdown = signals.watch();
     let served = server
-        .serve(
+        .serve_until(
             listeners.into_iter().map(|(l, _)| l).collect(),
-            signals.watch(),
+            shutdown.clone().requested(),
+            shutdown.forced(),
         )
         .await;
     if let Some(c) = control {

@@ -226,10 +226,12 @@ pub struct ServeArgs {
     #[arg(long = "handshake-limit", value_name = "N", default_value_t = 10)]
     pub handshake_limit: u64,
 
-    /// On SIGINT/SIGTERM, seconds to let requests in flight finish before every connection
-    /// is closed, also those of clients stalled mid-request or not reading replies; then
-    /// the caches are written back and the image closed. A second signal exits at once
-    /// (the image stays consistent; clusters may leak).
+    /// On SIGTERM, SIGINT or SIGHUP, seconds to let requests in flight finish before every
+    /// connection is closed, also those of clients stalled mid-request or not reading
+    /// replies; then the caches are written back, the bitmaps stored and the image closed.
+    /// Repeating the signal changes nothing; SIGQUIT ends the grace period at once (the
+    /// images are still closed cleanly); only SIGKILL skips the close and leaves the
+    /// bitmaps in use.
     #[arg(long = "shutdown-grace", value_name = "SECS", default_value_t = 5)]
     pub shutdown_grace: u64,
 
