@@ -376,6 +376,7 @@ async fn start_metrics(
     let limits = HttpLimits {
         max_scrapes: usize::from(args.metrics_scrapes),
         timeout: Duration::from_secs(args.metrics_timeout),
+        head_timeout: Duration::from_secs(args.metrics_head_timeout),
         ..HttpLimits::default()
     };
     let m = MetricsServer::start(addr, Rc::clone(registry), limits).await?;
