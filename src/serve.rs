@@ -376,6 +376,7 @@ async fn start_metrics(
     let limits = HttpLimits {
         max_scrapes: usize::from(args.metrics_scrapes),
         timeout: Duration::from_secs(args.metrics_timeout),
+        head_timeout: Duration::from_secs(args.metrics_head_timeout),
         ..HttpLimits::default()
     };
     let m = MetricsServer::start(addr, Rc::clone(registry), limits).await?;
@@ -429,10 +430,12 @@ async fn serve_images(
             .unwrap_or(control::DEFAULT_MAX_COMMAND),
     };
     let control = control_socket.map(|s| control::Control::start(s, registry.clone(), limits));
+    let shutdown = signals.watch();
     let served = server
-        .serve(
+        .serve_until(
             listeners.into_iter().map(|(l, _)| l).collect(),
-            signals.watch(),
+            shutdown.clone().requested(),
+            shutdown.forced(),
         )
         .await;
     if let Some(c) = control {

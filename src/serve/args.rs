@@ -107,10 +107,18 @@ pub struct ServeArgs {
     #[arg(long = "metrics", value_name = "ADDR:PORT")]
     pub metrics: Option<std::net::SocketAddr>,
 
-    /// Scrapes of --metrics served at once (1 to 64); a further one is closed at once.
+    /// Scrapes of --metrics served at once (1 to 64). A further client replaces the
+    /// oldest one still sending its request head (after its first 25 ms), or else waits
+    /// until a slot frees.
     #[arg(long = "metrics-scrapes", value_name = "NUM", default_value_t = 4,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub metrics_scrapes: u16,
+
+    /// Seconds a --metrics client has to send its complete request head (1 to 60); then
+    /// it is closed and its slot freed.
+    #[arg(long = "metrics-head-timeout", value_name = "SECS", default_value_t = 1,
+          value_parser = clap::value_parser!(u64).range(1..=60))]
+    pub metrics_head_timeout: u64,
 
     /// Seconds a --metrics client has to send its request and take the answer (1 to 3600).
     #[arg(long = "metrics-timeout", value_name = "SECS", default_value_t = 10,
@@ -226,10 +234,12 @@ pub struct ServeArgs {
     #[arg(long = "handshake-limit", value_name = "N", default_value_t = 10)]
     pub handshake_limit: u64,
 
-    /// On SIGINT/SIGTERM, seconds to let requests in flight finish before every connection
-    /// is closed, also those of clients stalled mid-request or not reading replies; then
-    /// the caches are written back and the image closed. A second signal exits at once
-    /// (the image stays consistent; clusters may leak).
+    /// On SIGTERM, SIGINT or SIGHUP, seconds to let requests in flight finish before every
+    /// connection is closed, also those of clients stalled mid-request or not reading
+    /// replies; then the caches are written back, the bitmaps stored and the image closed.
+    /// Repeating the signal changes nothing; SIGQUIT ends the grace period at once (the
+    /// images are still closed cleanly); only SIGKILL skips the close and leaves the
+    /// bitmaps in use.
     #[arg(long = "shutdown-grace", value_name = "SECS", default_value_t = 5)]
     pub shutdown_grace: u64,
 
@@ -480,7 +490,10 @@ mod tests {
         }
         let a = parse(&["img"]).unwrap();
         assert_eq!((a.metrics_scrapes, a.metrics_timeout), (4, 10));
+        assert_eq!(a.metrics_head_timeout, 1);
         for (flag, bad) in [
+            ("--metrics-head-timeout", "0"),
+            ("--metrics-head-timeout", "61"),
             ("--metrics-scrapes", "0"),
             ("--metrics-scrapes", "65"),
             ("--metrics-timeout", "0"),

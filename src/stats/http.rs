@@ -5,14 +5,23 @@
 //! live); a scrape costs that thread one snapshot and one rendering, and every wait (the
 //! request, the answer) is bounded in size and time, so a hostile client can hold at most a
 //! scrape slot until its time runs out, never the thread.
+//!
+//! Slots are given so that incomplete requests cannot starve complete ones: a client has
+//! a short time to send its request head, and when every slot is taken a new connection
+//! replaces the oldest one still sending its head (as the NBD server replaces the oldest
+//! unfinished handshake). A connection is never replaced in its first moments, which is
+//! when a real scraper's request arrives, so a scraper that sends its request at once is
+//! always served, at worst after waiting in the listen backlog for a slot.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinHandle;
+use tokio::task::{AbortHandle, JoinHandle, JoinSet};
+use tokio::time::Instant;
 
 use super::registry::StatsRegistry;
 
@@ -25,9 +34,12 @@ use request::{parse, HeadEnd, Request};
 pub struct HttpLimits {
     /// Largest request head (request line and headers) read.
     pub max_head: usize,
+    /// Time a client has to send its request head; then it is closed.
+    pub head_timeout: Duration,
     /// Time a client has to send its request and take the answer.
     pub timeout: Duration,
-    /// Scrapes served at once; a client beyond them is closed at once.
+    /// Scrapes served at once; a further client replaces the oldest one still sending its
+    /// request head, or waits in the listen backlog until a slot frees.
     pub max_scrapes: usize,
 }
 
@@ -35,11 +47,17 @@ impl Default for HttpLimits {
     fn default() -> Self {
         Self {
             max_head: 8 * 1024,
+            head_timeout: Duration::from_secs(1),
             timeout: Duration::from_secs(10),
             max_scrapes: 4,
         }
     }
 }
+
+/// How long a new connection keeps its slot whatever comes: its request is sent with the
+/// connection's last handshake packet or just after it, so a real scraper's head has
+/// arrived by then, while a client that is still sending it is slow or hostile.
+const PROTECTED: Duration = Duration::from_millis(25);
 
 /// Why the endpoint cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -85,8 +103,69 @@ impl Drop for MetricsServer {
     }
 }
 
+/// One taken slot.
+struct Slot {
+    started: Instant,
+    /// Set once the request head is complete: from then on the slot is not replaced.
+    head_read: Rc<std::cell::Cell<bool>>,
+    task: AbortHandle,
+}
+
+/// The taken slots, oldest first.
+#[derive(Default)]
+struct Slots {
+    taken: VecDeque<Slot>,
+}
+
+impl Slots {
+    fn forget_finished(&mut self) {
+        self.taken.retain(|s| !s.task.is_finished());
+    }
+
+    /// The oldest slot still waiting for its request head, with the instant it may be
+    /// replaced.
+    fn oldest_unfinished(&self) -> Option<(usize, Instant)> {
+        self.taken
+            .iter()
+            .position(|s| !s.head_read.get())
+            .map(|i| (i, self.taken[i].started + PROTECTED))
+    }
+
+    /// Frees a slot for a new connection, waiting until one is finished or replaceable.
+    async fn make_room(&mut self, max: usize, tasks: &mut JoinSet<()>) {
+        loop {
+            while tasks.try_join_next().is_some() {}
+            self.forget_finished();
+            if self.taken.len() < max {
+                return;
+            }
+            let replaceable = self.oldest_unfinished();
+            if let Some((i, at)) = replaceable {
+                if at <= Instant::now() {
+                    if let Some(old) = self.taken.remove(i) {
+                        tracing::debug!("metrics: replacing the oldest incomplete request");
+                        old.task.abort();
+                    }
+                    return;
+                }
+            }
+            let until = replaceable.map(|(_, at)| at);
+            tokio::select! {
+                _ = tasks.join_next() => {}
+                () = async {
+                    match until {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                } => {}
+            }
+        }
+    }
+}
+
 async fn accept_loop(listener: TcpListener, registry: Rc<StatsRegistry>, limits: HttpLimits) {
-    let mut scrapes = tokio::task::JoinSet::new();
+    let mut tasks = JoinSet::new();
+    let mut slots = Slots::default();
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
@@ -97,20 +176,25 @@ async fn accept_loop(listener: TcpListener, registry: Rc<StatsRegistry>, limits:
                 continue;
             }
         };
-        while scrapes.try_join_next().is_some() {}
-        if scrapes.len() >= limits.max_scrapes {
-            tracing::debug!(%peer, "metrics: too many scrapes at once, closing");
-            continue;
-        }
+        // While no slot can be had, this client waits (its request stays in the socket)
+        // and the ones after it in the listen backlog, rather than being refused.
+        slots.make_room(limits.max_scrapes.max(1), &mut tasks).await;
         let registry = Rc::clone(&registry);
-        scrapes.spawn_local(async move {
+        let head_read = Rc::new(std::cell::Cell::new(false));
+        let flag = Rc::clone(&head_read);
+        let task = tasks.spawn_local(async move {
             let served =
-                tokio::time::timeout(limits.timeout, serve(stream, &registry, limits.max_head));
+                tokio::time::timeout(limits.timeout, serve(stream, &registry, limits, &flag));
             match served.await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::debug!(%peer, error = %e, "metrics: scrape failed"),
                 Err(_) => tracing::debug!(%peer, "metrics: scrape timed out"),
             }
+        });
+        slots.taken.push_back(Slot {
+            started: Instant::now(),
+            head_read,
+            task,
         });
     }
 }
@@ -138,9 +222,19 @@ impl Reply {
 async fn serve(
     mut stream: TcpStream,
     registry: &StatsRegistry,
-    max_head: usize,
+    limits: HttpLimits,
+    head_read: &std::cell::Cell<bool>,
 ) -> std::io::Result<()> {
-    let reply = match read_head(&mut stream, max_head).await? {
+    let head = tokio::time::timeout(limits.head_timeout, read_head(&mut stream, limits.max_head))
+        .await
+        .map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "no complete request head in time",
+            )
+        })??;
+    head_read.set(true);
+    let reply = match head {
         None => Reply::text(
             "431 Request Header Fields Too Large",
             "request head too large\n",

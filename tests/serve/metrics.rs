@@ -458,30 +458,132 @@ fn try_scrape(port: u16) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// Waits for the server to close `client` (end of file or a reset), within a bound that
+/// only guards against a hang.
+fn assert_closed_by_the_server(client: &mut TcpStream, why: &str) {
+    client
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut byte = [0u8; 1];
+    match client.read(&mut byte) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("{why}: the client was not closed: {other:?}"),
+    }
+}
+
 #[test]
-fn the_scrape_limit_is_an_option() {
+fn the_scrape_limit_and_the_head_timeout_are_options() {
+    let dir = images();
+    let start = |scrapes: &str, head: &str| {
+        let port = free_port();
+        let server = Server::unix(&[
+            "--metrics",
+            &format!("127.0.0.1:{port}"),
+            "--metrics-scrapes",
+            scrapes,
+            "--metrics-head-timeout",
+            head,
+            "--metrics-timeout",
+            "3600",
+            "-t",
+            &dir.s("a.qcow2"),
+        ]);
+        (server, port)
+    };
+    // With one slot, a client that sends nothing gives it up to a scrape, which is served.
+    let (server, port) = start("1", "60");
+    let mut silent = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(try_scrape(port), "a scrape beside a silent client");
+    assert_closed_by_the_server(&mut silent, "replaced by a scrape");
+    server.stop_ok();
+    // With two, both are served: the silent client keeps its slot.
+    let (server, port) = start("2", "60");
+    let mut silent = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(try_scrape(port), "a scrape beside a silent client");
+    silent
+        .set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let kept = silent.read(&mut [0u8; 1]);
+    assert!(
+        matches!(&kept, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "a client in a free slot keeps it until its head timeout: {kept:?}"
+    );
+    server.stop_ok();
+    // A client that does not finish its head within --metrics-head-timeout is closed.
+    let (server, port) = start("4", "1");
+    let mut slow = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    slow.write_all(b"GET /metrics HTTP/1.1\r\n").unwrap();
+    let t = std::time::Instant::now();
+    assert_closed_by_the_server(&mut slow, "head timeout");
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    server.stop_ok();
+}
+
+/// Keeps `count` clients sending a request head one byte a second, each reconnecting as
+/// soon as the server closes it, until `until`.
+fn slowloris(port: u16, count: usize, until: std::time::Instant) -> std::thread::JoinHandle<u64> {
+    std::thread::spawn(move || {
+        let head = b"GET /metrics HTTP/1.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+        let connect = || {
+            let c = TcpStream::connect(("127.0.0.1", port)).ok()?;
+            c.set_nonblocking(true).ok()?;
+            Some((c, 0usize, std::time::Instant::now()))
+        };
+        let mut clients: Vec<_> = (0..count).map(|_| connect()).collect();
+        let mut connections = count as u64;
+        while std::time::Instant::now() < until {
+            for slot in &mut clients {
+                let alive = match slot {
+                    Some((c, sent, last)) => {
+                        // Nothing is ever answered to them: any read but "nothing yet"
+                        // means the server closed the connection.
+                        let open = matches!(
+                            c.read(&mut [0u8; 64]),
+                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock
+                        );
+                        if open && last.elapsed() >= Duration::from_secs(1) {
+                            *last = std::time::Instant::now();
+                            let byte = head[*sent % head.len()..][..1].to_vec();
+                            *sent += 1;
+                            c.write_all(&byte).is_ok()
+                        } else {
+                            open
+                        }
+                    }
+                    None => false,
+                };
+                if !alive {
+                    *slot = connect();
+                    connections += 1;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        connections
+    })
+}
+
+#[test]
+fn scrapes_are_served_beside_100_slowloris_clients() {
     let dir = images();
     let port = free_port();
-    let server = Server::unix(&[
-        "--metrics",
-        &format!("127.0.0.1:{port}"),
-        "--metrics-scrapes",
-        "1",
-        "--metrics-timeout",
-        "3600",
-        "-t",
-        &dir.s("a.qcow2"),
-    ]);
-    // A client that sends nothing holds the only slot: the server accepts connections in
-    // order, so the scrape after it is closed at once instead of waiting behind it.
-    let silent = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    assert!(
-        !try_scrape(port),
-        "a second scrape beyond --metrics-scrapes 1"
-    );
-    drop(silent);
-    wait_until(Duration::from_secs(30), "a scrape succeeds again", || {
-        try_scrape(port)
-    });
+    let server = serve_two(&dir, port, "1");
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    let attack = slowloris(port, 100, until);
+    std::thread::sleep(Duration::from_millis(500));
+    let (mut tried, mut served) = (0, 0);
+    while std::time::Instant::now() < until {
+        let t = std::time::Instant::now();
+        tried += 1;
+        served += u32::from(try_scrape(port));
+        std::thread::sleep(Duration::from_secs(1).saturating_sub(t.elapsed()));
+    }
+    let connections = attack.join().unwrap();
+    eprintln!("{served} of {tried} scrapes served beside {connections} slowloris connections");
+    assert_eq!(served, tried, "scrapes refused beside slow clients");
+    assert!(connections > 100, "the slow clients were never closed");
     server.stop_ok();
 }

@@ -251,17 +251,31 @@ impl<E: Export + 'static> Server<E> {
         listeners: Vec<Listener>,
         shutdown: impl Future<Output = ()>,
     ) -> Result<ServeReport, ServerError> {
+        self.serve_until(listeners, shutdown, std::future::pending())
+            .await
+    }
+
+    /// [`Server::serve`], with `force` ending the grace period early: once it completes
+    /// (before or during the shutdown), the remaining connections are closed at once
+    /// instead of after [`ServerConfig::shutdown_grace`]. The exports are flushed either way.
+    pub async fn serve_until(
+        self,
+        listeners: Vec<Listener>,
+        shutdown: impl Future<Output = ()>,
+        force: impl Future<Output = ()>,
+    ) -> Result<ServeReport, ServerError> {
         if listeners.is_empty() {
             return Err(ServerError::NoListener);
         }
         let local = LocalSet::new();
-        local.run_until(self.run(listeners, shutdown)).await
+        local.run_until(self.run(listeners, shutdown, force)).await
     }
 
     async fn run(
         mut self,
         listeners: Vec<Listener>,
         shutdown: impl Future<Output = ()>,
+        force: impl Future<Output = ()>,
     ) -> Result<ServeReport, ServerError> {
         let (stop_tx, stop_rx) = watch::channel(false);
         let (force_tx, force_rx) = watch::channel(false);
@@ -341,6 +355,7 @@ impl<E: Export + 'static> Server<E> {
         let _ = stop_tx.send(true);
         let grace = tokio::time::sleep(self.config.shutdown_grace);
         tokio::pin!(grace);
+        tokio::pin!(force);
         loop {
             let done = tokio::select! {
                 done = clients.join_next() => done,
@@ -349,6 +364,16 @@ impl<E: Export + 'static> Server<E> {
                         tracing::warn!(
                             clients = clients.len(),
                             "shutdown grace period over: closing the remaining connections"
+                        );
+                    }
+                    let _ = force_tx.send(true);
+                    continue;
+                }
+                () = &mut force, if !*force_tx.borrow() => {
+                    if !clients.is_empty() {
+                        tracing::warn!(
+                            clients = clients.len(),
+                            "forced shutdown: closing the remaining connections now"
                         );
                     }
                     let _ = force_tx.send(true);
