@@ -499,6 +499,7 @@ mod tests {
         }
         let a = parse(&["img"]).unwrap();
         assert_eq!((a.metrics_scrapes, a.metrics_timeout), (4, 10));
+        assert_eq!((a.open_timeout, a.open_stuck_max), (10, 8));
         for (flag, bad) in [
             ("--metrics-scrapes", "0"),
             ("--metrics-scrapes", "65"),

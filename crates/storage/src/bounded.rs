@@ -20,8 +20,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Duration;
 
-/// How long one open may take by default.
-pub const DEFAULT_OPEN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long one open may take by default: far beyond any healthy file system, and short
+/// enough that a control client waiting 30 s hears of the timeout.
+pub const DEFAULT_OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How many given-up opens may still be stuck, by default, before further opens are refused.
 pub const DEFAULT_MAX_STUCK: usize = 8;
