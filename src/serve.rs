@@ -208,6 +208,10 @@ impl Plan {
             direct,
             discard_passthrough: discard == DiscardMode::Unmap,
             force_share: false,
+            open_bound: storage::OpenBound {
+                timeout: Duration::from_secs(args.open_timeout),
+                max_stuck: usize::try_from(args.open_stuck_max).unwrap_or(usize::MAX),
+            },
         };
         let policy = ExportPolicy {
             writethrough: cache_mode.writethrough(),

@@ -101,6 +101,19 @@ pub struct ServeArgs {
     #[arg(long = "control-max-command", value_name = "SIZE", value_parser = parse_size,
           default_value = "64K")]
     pub control_max_command: u64,
+
+    /// Seconds opening an image file (or a file of its backing chain) may take, at start
+    /// and for block-export-add, 1 to 3600; past them the open fails with a timeout (a hung
+    /// mount cannot freeze the server).
+    #[arg(long = "open-timeout", value_name = "SECS", default_value_t = DEFAULT_OPEN_TIMEOUT,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub open_timeout: u64,
+
+    /// Opens that timed out and still wait for the file system, at most; while that many
+    /// do, further opens are refused at once (1 to 1024).
+    #[arg(long = "open-stuck-max", value_name = "NUM", default_value_t = DEFAULT_OPEN_STUCK_MAX,
+          value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub open_stuck_max: u64,
     /// Serve statistics (requests, bytes, latency and errors per export, connections,
     /// metadata caches) as Prometheus text at http://ADDR:PORT/metrics, e.g. 127.0.0.1:9100
     /// or [::1]:9100 (port 0: any free port, logged at start with -v).
@@ -432,6 +445,12 @@ pub fn snapshot_param(arg: &str) -> Result<String, SnapshotParamError> {
 /// cannot start thousands of threads.
 const MAX_THREADS: usize = 64;
 
+/// `--open-timeout`'s default, in seconds.
+pub const DEFAULT_OPEN_TIMEOUT: u64 = storage::bounded::DEFAULT_OPEN_TIMEOUT.as_secs();
+
+/// `--open-stuck-max`'s default.
+pub const DEFAULT_OPEN_STUCK_MAX: u64 = storage::bounded::DEFAULT_MAX_STUCK as u64;
+
 fn parse_threads(s: &str) -> Result<std::num::NonZeroUsize, String> {
     let n: std::num::NonZeroUsize = s
         .parse()
@@ -491,6 +510,7 @@ mod tests {
         let a = parse(&["img"]).unwrap();
         assert_eq!((a.metrics_scrapes, a.metrics_timeout), (4, 10));
         assert_eq!(a.metrics_head_timeout, 1);
+        assert_eq!((a.open_timeout, a.open_stuck_max), (10, 8));
         for (flag, bad) in [
             ("--metrics-head-timeout", "0"),
             ("--metrics-head-timeout", "61"),

@@ -27,9 +27,20 @@ pub struct ImageSpec {
     pub bitmaps: Vec<String>,
     /// The `-s` overlay over `path`, which is opened instead.
     pub overlay: Option<PathBuf>,
-    /// Defined with `--export`, so errors name the definition; the positional image keeps
-    /// the messages it always had.
-    pub by_export: bool,
+    /// Where it was asked for, which its errors name.
+    pub origin: Origin,
+}
+
+/// Where an image to serve was asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// The positional IMAGE: its errors keep the messages they always had.
+    Image,
+    /// An `--export` definition: errors name the definition.
+    ExportFlag,
+    /// A control command (`block-export-add`): errors are plain, and the registry puts the
+    /// command and its arguments before them.
+    Command,
 }
 
 /// The images the command line asks for. `internal_snapshot` (`-l`) makes the positional
@@ -49,7 +60,7 @@ pub fn image_specs(
         format: args.format.map(Format::from),
         bitmaps: args.bitmaps.clone(),
         overlay: None,
-        by_export: false,
+        origin: Origin::Image,
     }])
 }
 
@@ -80,7 +91,7 @@ fn from_export_specs(specs: &[ExportSpec]) -> Result<Vec<ImageSpec>, ServeError>
             format: s.format.map(Format::from),
             bitmaps: s.bitmaps.clone(),
             overlay: None,
-            by_export: true,
+            origin: Origin::ExportFlag,
         })
         .collect())
 }
@@ -110,7 +121,7 @@ impl ImageSpec {
     }
 
     fn open_error(&self, source: EngineError) -> ServeError {
-        if !self.by_export {
+        if self.origin != Origin::ExportFlag {
             return ServeError::Open(source);
         }
         ServeError::ExportOpen {
@@ -122,7 +133,7 @@ impl ImageSpec {
 
     /// The error for a bitmap this image cannot offer.
     pub fn bitmap_error(&self, reason: String) -> ServeError {
-        if !self.by_export {
+        if self.origin != Origin::ExportFlag {
             return ServeError::Bitmap(reason);
         }
         ServeError::ExportBitmap {
@@ -132,7 +143,7 @@ impl ImageSpec {
     }
 
     fn close_error(&self, source: EngineError) -> ServeError {
-        if !self.by_export {
+        if self.origin != Origin::ExportFlag {
             return ServeError::Close(source);
         }
         ServeError::ExportClose {

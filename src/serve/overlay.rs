@@ -65,7 +65,13 @@ pub async fn create(
     format: Option<Format>,
     base_opts: &OpenOptions,
 ) -> Result<Overlay, OverlayError> {
-    let absolute = std::fs::canonicalize(image).map_err(|source| OverlayError::Resolve {
+    // Walked off this thread within the open bound, as every path the server is given.
+    let owned = image.to_path_buf();
+    let absolute = storage::bounded::run("resolving", image, base_opts.open_bound, move || {
+        std::fs::canonicalize(owned)
+    })
+    .await
+    .map_err(|source| OverlayError::Resolve {
         path: image.display().to_string(),
         source,
     })?;

@@ -20,7 +20,7 @@ use tokio::task::JoinHandle;
 
 use super::cleaner::Cleaner;
 use super::export_spec::MAX_EXPORTS;
-use super::exports::{close_all, ImageSpec, OpenImage};
+use super::exports::{close_all, ImageSpec, OpenImage, Origin};
 use super::ServeError;
 use crate::export::{ExportPolicy, ImageExport};
 use crate::stats::{Gauges, StatsRegistry};
@@ -114,7 +114,7 @@ impl Registry {
             Ok(e) => e,
             Err(e) => return Err((nbd::ServerError::from(e).into(), images)),
         };
-        let single = images.len() == 1 && !images[0].spec.by_export;
+        let single = images.len() == 1 && images[0].spec.origin == Origin::Image;
         let records = images
             .into_iter()
             .enumerate()
@@ -164,20 +164,24 @@ impl Registry {
     }
 
     /// Opens `spec`'s image with its locks and serves it as export `id`. Nothing is
-    /// served, and nothing stays open or locked, if any step fails.
+    /// served, and nothing stays open or locked, if any step fails. The files are opened
+    /// off this thread within the open bound, and only regular files and block devices
+    /// are taken, so a path that never answers or names a FIFO cannot stall the server.
     pub async fn add(&self, id: String, spec: ImageSpec) -> Result<(), ChangeError> {
         self.check_new(&id, &spec.name)?;
+        // Errors speak of the command that asked, not of the command line.
+        let command = format!("block-export-add id={id} file={}", spec.path.display());
         let options = OpenOptions {
             snapshot: None,
             ..spec.open_options(&self.settings.open)
         };
         let image = Image::open(&self.settings.opener, &spec.path, &options)
             .await
-            .map_err(|e| ChangeError::Other(format!("cannot open {}: {e}", spec.path.display())))?;
+            .map_err(|e| ChangeError::Other(format!("{command}: {e}")))?;
         let open = OpenImage { spec, image };
         let added = match entry(&open, &self.settings).await {
             Ok(entry) => self.insert(&id, &open, entry),
-            Err(e) => Err(ChangeError::Other(e.to_string())),
+            Err(e) => Err(ChangeError::Other(format!("{command}: {e}"))),
         };
         match added {
             Ok(key) => {
@@ -229,51 +233,81 @@ impl Registry {
 
     /// Closes export `id` to new clients (ending its connections in `Hard` mode); once
     /// its last client is gone its image is closed and `BLOCK_EXPORT_DELETED` sent.
+    /// A `Hard` delete may follow a `Safe` one still waiting for its clients: it ends them.
     /// Returns at once.
     pub fn delete(&self, id: &str, mode: CloseMode) -> Result<(), ChangeError> {
-        let name = {
+        let (name, key, state) = {
             let inner = self.inner.borrow();
             let r = inner
                 .records
                 .iter()
                 .find(|r| r.id == id)
                 .ok_or_else(|| ChangeError::NotFound(id.to_owned()))?;
-            if r.state.is_closing() {
-                return Err(ChangeError::ShuttingDown(id.to_owned()));
-            }
-            r.spec.name.clone()
+            (r.spec.name.clone(), r.key, Arc::clone(&r.state))
         };
+        if state.is_closing() {
+            if mode == CloseMode::Hard && self.exports.end_connections(key) {
+                tracing::info!(export = %name, %id, "export closing, its clients ended");
+                return Ok(());
+            }
+            return Err(ChangeError::ShuttingDown(id.to_owned()));
+        }
         let (_, state) = self
             .exports
             .close(&name, mode)
             .map_err(|e| ChangeError::Other(e.to_string()))?;
         tracing::info!(export = %name, %id, ?mode, "export closing");
         let task = tokio::task::spawn_local(self.clone().finish_delete(id.to_owned(), state));
-        self.inner.borrow_mut().deleting.push(task);
+        let mut inner = self.inner.borrow_mut();
+        // A finished delete's task is dropped here rather than kept until the server stops:
+        // a server that adds and deletes exports for months keeps only those under way.
+        inner.deleting.retain(|t| !t.is_finished());
+        inner.deleting.push(task);
         Ok(())
     }
 
     /// Waits for the last client of a closed export, then closes its image and tells the
-    /// control clients.
+    /// control clients. The export stays listed (shutting down) until its file is flushed,
+    /// closed and unlocked: once its id is gone, the same file can be added again.
     async fn finish_delete(self, id: String, state: Arc<ExportState>) {
         state.detached().await;
-        let Some(record) = self.take(&id) else { return };
+        let Some((key, name, cleaner, image)) = self.with_record_mut(&id, |r| {
+            (
+                r.key,
+                r.spec.name.clone(),
+                r.cleaner.take(),
+                r.image.clone(),
+            )
+        }) else {
+            return;
+        };
         // With worker threads this also waits for their calls to the export to end, so
-        // nothing but the record holds the image when it is closed.
-        drop(self.exports.forget(record.key).await);
-        self.forget_stats(&record.spec.name);
-        if let Some(c) = record.cleaner {
+        // nothing but the record (and the clone here) holds the image when it is closed.
+        drop(self.exports.forget(key).await);
+        self.forget_stats(&name);
+        if let Some(c) = cleaner {
             c.stop().await;
         }
-        let open = OpenImage {
-            spec: record.spec,
-            image: record.image,
-        };
-        match close_all(vec![open]).await {
+        let closed = image.close().await;
+        // No await from here on: the record and the last clone of the image go together, so
+        // the file is closed (and its locks released) by the time the id leaves the list.
+        let record = self.take(&id);
+        drop((image, record));
+        match closed {
             Ok(()) => tracing::info!(%id, "export deleted, image closed"),
-            Err(e) => tracing::error!(%id, error = %e, "export deleted"),
+            Err(e) => tracing::error!(%id, error = %e, "export deleted, closing its image failed"),
         }
         let _ = self.events.send(super::control::deleted_event(&id));
+    }
+
+    /// Calls `f` with the record `id`, if there is one, allowed to change it.
+    fn with_record_mut<T>(&self, id: &str, f: impl FnOnce(&mut Record) -> T) -> Option<T> {
+        self.inner
+            .borrow_mut()
+            .records
+            .iter_mut()
+            .find(|r| r.id == id)
+            .map(f)
     }
 
     /// Where the exports count their requests, if anything reads the numbers.

@@ -86,6 +86,9 @@ impl StatsRegistry {
             stats: gone.stats,
             last,
         });
+        // Folded in here too, not only when the numbers are read: a server nobody scrapes
+        // that adds and deletes exports for months keeps only those still in use.
+        inner.retire_finished();
         true
     }
 
@@ -149,6 +152,29 @@ mod tests {
 
     fn read(stats: &ExportStats) {
         stats.record(Command::Read, 4096, Duration::from_micros(50), None);
+    }
+
+    #[test]
+    fn removed_exports_are_folded_in_even_when_nobody_reads_the_numbers() {
+        let reg = StatsRegistry::default();
+        for _ in 0..100 {
+            let c = reg.add("c", no_caches()).unwrap();
+            read(&c);
+            drop(c);
+            assert!(reg.remove("c"));
+        }
+        assert_eq!(reg.inner.borrow().leaving.len(), 0);
+        let held = reg.add("h", no_caches()).unwrap();
+        assert!(reg.remove("h"));
+        assert_eq!(
+            reg.inner.borrow().leaving.len(),
+            1,
+            "still counted by its export"
+        );
+        read(&held);
+        drop(held);
+        assert_eq!(reg.snapshot().total.command(Command::Read).requests(), 101);
+        assert_eq!(reg.inner.borrow().leaving.len(), 0);
     }
 
     #[test]

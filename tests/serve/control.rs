@@ -83,6 +83,8 @@ fn listed(server: &Server) -> Vec<String> {
 struct Qmp {
     reader: BufReader<UnixStream>,
     writer: UnixStream,
+    /// Events read while waiting for an answer, for [`Qmp::wait_deleted`].
+    events: std::collections::VecDeque<Value>,
 }
 
 impl Qmp {
@@ -108,6 +110,7 @@ impl Qmp {
         let mut q = Qmp {
             reader: BufReader::new(s.try_clone().unwrap()),
             writer: s,
+            events: Default::default(),
         };
         let first = q.next().expect("a first message");
         (q, first)
@@ -138,6 +141,7 @@ impl Qmp {
             if m.get("event").is_none() {
                 return m;
             }
+            self.events.push_back(m);
         }
     }
 
@@ -154,7 +158,10 @@ impl Qmp {
     /// Waits for `BLOCK_EXPORT_DELETED` of `id`.
     fn wait_deleted(&mut self, id: &str) -> Value {
         loop {
-            let m = self.next().expect("the BLOCK_EXPORT_DELETED event");
+            let m = match self.events.pop_front() {
+                Some(m) => m,
+                None => self.next().expect("the BLOCK_EXPORT_DELETED event"),
+            };
             if m["event"] == "BLOCK_EXPORT_DELETED" && m["data"]["id"] == id {
                 return m;
             }
@@ -438,6 +445,11 @@ fn adding_an_image_that_cannot_be_served_fails_cleanly_and_the_server_goes_on() 
     assert!(err.contains("Export name 'a' is already in use"), "{err}");
     let err = ctl_fails(&dir, &["block-export-add", "id=c", &file, "bitmaps=nope"]);
     assert!(err.contains("Bitmap 'nope' is not found"), "{err}");
+    // Errors speak of the command and its arguments, not of the command line's flags.
+    assert!(
+        err.contains(&format!("block-export-add id=c {file}")) && !err.contains("--export"),
+        "{err}"
+    );
     assert!(unlocked(&c), "a failed add leaves nothing open");
     // Nothing of it is served; a and the control socket still work.
     assert_eq!(listed(&server), ["a"]);
@@ -844,4 +856,396 @@ fn shutdown_during_a_safe_delete(threads: &str) {
     let written = format!("read -P 0x5c 0 {}k", 4 * clients.len());
     qemu_io("qcow2", &b, &[&written]);
     drop(clients);
+}
+
+/// A client that reads export `name` without pause, counting its reads, until stopped.
+struct SteadyReader {
+    reads: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SteadyReader {
+    fn start(socket: &Path, name: &str) -> SteadyReader {
+        use std::sync::atomic::Ordering;
+        let mut client = Attached::try_go(socket, name).expect("served");
+        let reads = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (r, s) = (reads.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let mut offset = 0u64;
+            while !s.load(Ordering::Relaxed) {
+                client
+                    .read(offset, 4096)
+                    .expect("the other export keeps serving");
+                offset = (offset + 4096) % (1 << 20);
+                r.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        SteadyReader {
+            reads,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn reads(&self) -> u64 {
+        self.reads.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Fails unless some reads complete within `limit`.
+    fn assert_progress(&self, limit: Duration, during: &str) {
+        let before = self.reads();
+        let deadline = std::time::Instant::now() + limit;
+        while self.reads() == before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no read of the other export completed within {limit:?} {during}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn finish(mut self) -> u64 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread
+            .take()
+            .unwrap()
+            .join()
+            .expect("the reader saw no error");
+        self.reads()
+    }
+}
+
+/// Fails unless a new control client gets its greeting and an answer within a second.
+fn assert_control_answers(dir: &Dir, during: &str) {
+    let started = std::time::Instant::now();
+    let s = UnixStream::connect(dir.path("ctl.sock")).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+    let mut q = Qmp {
+        reader: BufReader::new(s.try_clone().unwrap()),
+        writer: s,
+        events: Default::default(),
+    };
+    let greeting = q.next();
+    assert!(
+        greeting.is_some(),
+        "no control greeting within 1 s {during}"
+    );
+    let caps = q.run(json!({"execute": "qmp_capabilities"}));
+    assert_eq!(caps, json!({"return": {}}), "{during}");
+    let listed = q.run(json!({"execute": "query-block-exports"}));
+    assert!(listed["return"].is_array(), "{listed} {during}");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "the control socket took {:?} {during}",
+        started.elapsed()
+    );
+}
+
+/// Fails unless `/metrics` on `port` answers 200 within a second.
+fn assert_metrics_answer(port: u16, during: &str) {
+    use std::net::TcpStream;
+    let started = std::time::Instant::now();
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut answer = Vec::new();
+    let read = s.read_to_end(&mut answer);
+    let head = String::from_utf8_lossy(&answer[..answer.len().min(64)]).into_owned();
+    assert!(
+        read.is_ok() && head.starts_with("HTTP/1.1 200"),
+        "/metrics did not answer within 1 s {during}: {read:?} {head:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "/metrics took {:?} {during}",
+        started.elapsed()
+    );
+}
+
+/// Holds a read lease on `path`: until it is dropped, an open of the file for writing by
+/// another process blocks in the kernel, as an open on a file system that does not answer
+/// does (the kernel breaks the lease by force only after `lease-break-time`, 45 s).
+struct Lease {
+    _file: std::fs::File,
+}
+
+/// Linux's `F_SETSIG` (fcntl.h), which the libc crate does not name.
+const F_SETSIG: libc::c_int = 10;
+
+impl Lease {
+    fn take(path: &Path) -> Lease {
+        use std::os::fd::AsRawFd;
+        let file = std::fs::File::open(path).unwrap();
+        let fd = file.as_raw_fd();
+        // The kernel tells the holder with a signal when another process wants the file:
+        // SIGURG, which is ignored by default, rather than SIGIO, which would end the test.
+        // SAFETY: fcntl on a descriptor this function owns; no memory is passed.
+        assert_eq!(unsafe { libc::fcntl(fd, F_SETSIG, libc::SIGURG) }, 0);
+        // SAFETY: as above.
+        let taken = unsafe { libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) };
+        assert_eq!(taken, 0, "F_SETLEASE: {}", std::io::Error::last_os_error());
+        Lease { _file: file }
+    }
+}
+
+#[test]
+fn files_that_are_no_disk_or_never_answer_are_refused_while_every_export_goes_on() {
+    let dir = Dir::new();
+    dir.create("a.qcow2", "qcow2", "", None, "4M");
+    let held = dir.create("held.qcow2", "qcow2", "", None, "4M");
+    let port = crate::support::free_port();
+    let metrics = format!("127.0.0.1:{port}");
+    let server = serve(
+        &dir,
+        &[export("a", &dir, "a.qcow2")],
+        &[
+            "--metrics",
+            &metrics,
+            "--open-timeout",
+            "3",
+            "--open-stuck-max",
+            "1",
+        ],
+    );
+    let fifo = dir.path("fifo");
+    let c_fifo = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo reads a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c_fifo.as_ptr(), 0o600) }, 0);
+    let socket = dir.path("listening.sock");
+    let _listening = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let reader = SteadyReader::start(&server.socket, "a");
+    let lease = Lease::take(&held);
+
+    let cases: [(&Path, &str, &[&str]); 5] = [
+        (&fifo, "it is a FIFO (named pipe)", &["format=raw"]),
+        (dir.root(), "it is a directory", &["format=raw"]),
+        (&socket, "it is a socket", &[]),
+        (
+            Path::new("/dev/null"),
+            "it is a character device",
+            &["format=raw"],
+        ),
+        (
+            &held,
+            "no answer from the file system within 3 s",
+            &["writable=true"],
+        ),
+    ];
+    for (i, (path, kind, extra)) in cases.into_iter().enumerate() {
+        let id = format!("id=x{i}");
+        let file = format!("file={}", path.display());
+        let mut args = vec!["block-export-add".to_owned(), id, file];
+        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        let adding = {
+            let dir_path = dir.root().to_path_buf();
+            std::thread::spawn(move || {
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                Command::new(BIN)
+                    .args(["ctl", "--socket"])
+                    .arg(dir_path.join("ctl.sock"))
+                    .args(["--timeout", "60"])
+                    .args(&args)
+                    .output()
+                    .unwrap()
+            })
+        };
+        let during = format!("while {} is added", path.display());
+        // Checked while the add is under way (the one that never answers takes 3 s).
+        std::thread::sleep(Duration::from_millis(300));
+        reader.assert_progress(Duration::from_secs(1), &during);
+        assert_control_answers(&dir, &during);
+        assert_metrics_answer(port, &during);
+        reader.assert_progress(Duration::from_secs(1), &during);
+        let out = adding.join().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{during}: {}", text(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("block-export-add")
+                && err.contains(&path.display().to_string())
+                && err.contains(kind),
+            "{during}: {err}"
+        );
+    }
+    // The open given up still waits for the file system: with --open-stuck-max 1 a further
+    // open is refused at once instead of adding a thread more.
+    let file = format!("file={}", dir.s("a.qcow2"));
+    let err = ctl_fails(&dir, &["block-export-add", "id=more", &file]);
+    assert!(err.contains("still wait for an answer"), "{err}");
+    // Once the file system answers, the stuck open closes what it got and opens go on.
+    drop(lease);
+    let file = format!("file={}", held.display());
+    test_support::wait_until(Duration::from_secs(10), "the stuck open returns", || {
+        let out = ctl(
+            &dir,
+            &["block-export-add", "id=held", &file, "writable=true"],
+        );
+        out.status.success()
+    });
+    assert_eq!(listed(&server), ["a", "held"]);
+    qemu_io("raw", &server.uri_of("held"), &["write -P 7 0 64k"]);
+    assert!(reader.finish() > 0);
+    server.stop_ok();
+    assert_check_clean(&held);
+}
+
+#[test]
+fn a_fifo_given_at_start_is_refused_at_once() {
+    let dir = Dir::new();
+    let fifo = dir.path("fifo");
+    let c_fifo = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo reads a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c_fifo.as_ptr(), 0o600) }, 0);
+    let started = std::time::Instant::now();
+    let err = serve_fails(&["-r", "-f", "raw", "-k", &dir.s("s.sock"), &dir.s("fifo")]);
+    assert!(
+        err.contains(&dir.s("fifo")) && err.contains("it is a FIFO (named pipe)"),
+        "{err}"
+    );
+    let spec = format!("name=d,file={},format=raw", dir.root().display());
+    let err = serve_fails(&["-k", &dir.s("s.sock"), "--export", &spec]);
+    assert!(
+        err.contains("--export name=d") && err.contains("it is a directory"),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+#[test]
+fn a_hard_delete_ends_a_safe_delete_that_a_client_holds_up() {
+    let dir = Dir::new();
+    dir.create("a.qcow2", "qcow2", "", None, "4M");
+    let b = dir.create("b.qcow2", "qcow2", "", None, "4M");
+    let server = serve(
+        &dir,
+        &[export("a", &dir, "a.qcow2"), export("b", &dir, "b.qcow2")],
+        &[],
+    );
+    let mut q = Qmp::connect(&dir);
+    // A client that never leaves.
+    let mut client = Attached::try_go(&server.socket, "b").unwrap();
+    client.write(0, &[0x6b; 65536]).unwrap();
+    assert_eq!(ctl_ok(&dir, &["block-export-del", "id=b"]), json!({}));
+    let again = q.error(json!({"execute": "block-export-del", "arguments": {"id": "b"}}));
+    assert!(again.1.contains("already shutting down"), "{again:?}");
+    assert!(!unlocked(&b), "the client holds the image open");
+    // --wait returns once the image is closed.
+    let out = ctl_ok(&dir, &["--wait", "block-export-del", "id=b", "mode=hard"]);
+    assert_eq!(out, json!({}));
+    q.wait_deleted("b");
+    let cut = client.request(0, 0, 512, 9).and_then(|()| client.reply(9));
+    assert!(cut.is_err(), "the client was cut off: {cut:?}");
+    assert_check_clean(&b);
+    assert!(unlocked(&b));
+    qemu_io("qcow2", &b, &["read -P 0x6b 0 64k"]);
+    let gone =
+        q.error(json!({"execute": "block-export-del", "arguments": {"id": "b", "mode": "hard"}}));
+    assert_eq!(gone.0, "DeviceNotFound", "{gone:?}");
+    qemu_io("raw", &server.uri_of("a"), &["write -P 1 0 64k"]);
+    server.stop_ok();
+}
+
+/// Adds `file` as export `c` (writable), deletes it and polls `query-block-exports` until
+/// the id is gone, `rounds` times: the adds that failed, with the first error.
+fn delete_poll_add(q: &mut Qmp, file: &Path, rounds: usize) -> (usize, Option<Value>) {
+    let add = json!({"execute": "block-export-add",
+        "arguments": {"id": "c", "file": file.display().to_string(), "writable": true}});
+    let del = json!({"execute": "block-export-del", "arguments": {"id": "c"}});
+    let (mut failed, mut first) = (0, None);
+    for _ in 0..rounds {
+        let added = q.run(add.clone());
+        if added.get("error").is_some() {
+            failed += 1;
+            first.get_or_insert(added);
+            continue;
+        }
+        assert_eq!(q.run(del.clone()), json!({"return": {}}));
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while q.exports().iter().any(|e| e["id"] == "c") {
+            assert!(std::time::Instant::now() < deadline, "c is never gone");
+        }
+    }
+    (failed, first)
+}
+
+#[test]
+fn a_deleted_id_is_gone_only_once_its_file_can_be_added_again() {
+    let dir = Dir::new();
+    dir.create("a.qcow2", "qcow2", "", None, "4M");
+    let c = dir.create("c.qcow2", "qcow2", "", None, "4M");
+    let server = serve(&dir, &[export("a", &dir, "a.qcow2")], &[]);
+    let mut q = Qmp::connect(&dir);
+    let started = std::time::Instant::now();
+    let (failed, first) = delete_poll_add(&mut q, &c, 1000);
+    eprintln!("1000 rounds of del, poll, add: {:?}", started.elapsed());
+    assert_eq!(
+        failed, 0,
+        "adds refused after the id was gone; first: {first:?}"
+    );
+    server.stop_ok();
+    assert_check_clean(&c);
+}
+
+/// The server's open descriptors and resident memory (KiB).
+fn fds_and_rss(pid: u32) -> (usize, u64) {
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS");
+    (fds, rss)
+}
+
+/// Adds `file` as export `c` and deletes it, waiting for its `BLOCK_EXPORT_DELETED` (safe
+/// to add the same file again whatever `query-block-exports` says), `rounds` times.
+fn add_delete_cycles(q: &mut Qmp, file: &Path, rounds: usize) {
+    let add = json!({"execute": "block-export-add",
+        "arguments": {"id": "c", "file": file.display().to_string(), "writable": true}});
+    let del = json!({"execute": "block-export-del", "arguments": {"id": "c"}});
+    for round in 0..rounds {
+        assert_eq!(q.run(add.clone()), json!({"return": {}}), "round {round}");
+        assert_eq!(q.run(del.clone()), json!({"return": {}}), "round {round}");
+        q.wait_deleted("c");
+    }
+}
+
+#[test]
+fn a_thousand_adds_and_deletes_leave_descriptors_and_memory_as_they_were() {
+    let dir = Dir::new();
+    dir.create("a.qcow2", "qcow2", "", None, "4M");
+    let c = dir.create("c.qcow2", "qcow2", "", None, "4M");
+    let server = serve(
+        &dir,
+        &[export("a", &dir, "a.qcow2")],
+        &["--cache-clean-interval", "1"],
+    );
+    let reader = SteadyReader::start(&server.socket, "a");
+    let mut q = Qmp::connect(&dir);
+    // Warm up the allocator's pools and the first-use growth of every table.
+    add_delete_cycles(&mut q, &c, 100);
+    // A cache-clean tick drops the entries the reads left.
+    std::thread::sleep(Duration::from_millis(2500));
+    let before = fds_and_rss(server.pid());
+    let started = std::time::Instant::now();
+    add_delete_cycles(&mut q, &c, 1000);
+    let took = started.elapsed();
+    std::thread::sleep(Duration::from_millis(2500));
+    let after = fds_and_rss(server.pid());
+    eprintln!("1000 add/delete cycles in {took:?}: (fds, RSS KiB) {before:?} -> {after:?}");
+    assert_eq!(after.0, before.0, "descriptors before and after");
+    assert!(
+        after.1 <= before.1 + 1024,
+        "RSS grew from {} KiB to {} KiB",
+        before.1,
+        after.1
+    );
+    assert!(reader.finish() > 0);
+    server.stop_ok();
+    assert_check_clean(&c);
 }

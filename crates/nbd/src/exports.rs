@@ -440,6 +440,18 @@ impl<E> Exports<E> {
         Ok((key, state))
     }
 
+    /// Ends the connections of the export `key`, closed earlier in [`CloseMode::Safe`] and
+    /// still waiting for them (a client that never leaves must not keep it open for good):
+    /// as a [`CloseMode::Hard`] close would have. False when `key` is not closing, or its
+    /// connections are being ended already.
+    pub fn end_connections(&self, key: usize) -> bool {
+        let r = self.inner.borrow();
+        let Some((_, entry)) = r.closing.iter().find(|(k, _)| *k == key) else {
+            return false;
+        };
+        !entry.state.hard.send_replace(true)
+    }
+
     /// Drops the closed export with `key`, so the last reference to it goes with its last
     /// connection; the entry, for the caller to close what it wraps. With worker threads,
     /// completes once they have let go of it too (every call they made has finished), so
@@ -527,6 +539,30 @@ mod tests {
         assert!(futures_poll_once(waiting.as_mut()).await.is_none());
         drop(attached);
         waiting.await;
+    }
+
+    #[tokio::test]
+    async fn a_safe_close_can_be_made_hard_once() {
+        let exports = two();
+        let key = exports.find(b"a").unwrap();
+        let attached = exports.attach(key).unwrap();
+        assert!(
+            !exports.end_connections(key),
+            "an offered export is not closing"
+        );
+        let (_, state) = exports.close("a", CloseMode::Safe).unwrap();
+        let hard = state.hard_close();
+        assert!(!*hard.borrow());
+        assert!(exports.end_connections(key));
+        assert!(*hard.borrow(), "the attached connections are told to end");
+        assert!(!exports.end_connections(key), "only once");
+        drop(attached);
+        state.detached().await;
+        assert!(exports.forget(key).await.is_some());
+        assert!(
+            !exports.end_connections(key),
+            "a forgotten export is not closing"
+        );
     }
 
     /// Polls a future once: its output if it was ready.

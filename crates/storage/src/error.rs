@@ -24,6 +24,69 @@ impl From<RangeError> for io::Error {
     }
 }
 
+/// What a path names, when it is not something an image can live in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileKind {
+    /// A directory.
+    Directory,
+    /// A FIFO (named pipe): opening it waits for a writer, reading it consumes the data.
+    Fifo,
+    /// A Unix socket.
+    Socket,
+    /// A character device (a terminal, `/dev/null`, a watchdog...).
+    CharDevice,
+    /// Anything else the kernel reports.
+    Other,
+}
+
+impl std::fmt::Display for FileKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            FileKind::Directory => "a directory",
+            FileKind::Fifo => "a FIFO (named pipe)",
+            FileKind::Socket => "a socket",
+            FileKind::CharDevice => "a character device",
+            FileKind::Other => "a special file",
+        })
+    }
+}
+
+impl FileKind {
+    /// The kind of `t`, or `None` for a regular file or a block device (what images live in).
+    pub fn refused(t: std::fs::FileType) -> Option<FileKind> {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_file() || t.is_block_device() {
+            None
+        } else if t.is_dir() {
+            Some(FileKind::Directory)
+        } else if t.is_fifo() {
+            Some(FileKind::Fifo)
+        } else if t.is_socket() {
+            Some(FileKind::Socket)
+        } else if t.is_char_device() {
+            Some(FileKind::CharDevice)
+        } else {
+            Some(FileKind::Other)
+        }
+    }
+}
+
+/// A path that names something other than a regular file or a block device.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("opening {path}: it is {kind}; an image must be a regular file or a block device")]
+pub struct NotAnImageFile {
+    /// The path.
+    pub path: String,
+    /// What it names.
+    pub kind: FileKind,
+}
+
+impl From<NotAnImageFile> for io::Error {
+    fn from(e: NotAnImageFile) -> io::Error {
+        io::Error::new(io::ErrorKind::InvalidInput, e)
+    }
+}
+
 /// Largest byte offset the kernel's signed `off_t` can address.
 pub const MAX_OFFSET: u64 = i64::MAX as u64;
 

@@ -14,12 +14,13 @@ mod block_locks;
 use std::cell::Cell;
 use std::fs::File;
 use std::io;
+use std::path::Path;
 
 use block_locks::BlockLocks;
 
 use crate::error::{checked_end, len_u64};
 use crate::sys::{PUNCH_HOLE, ZERO_RANGE};
-use crate::{BufResult, IoBuf, Slice, Storage};
+use crate::{BufResult, IoBuf, OpenOptions, Slice, Storage};
 
 /// The primitive operations a file backend provides; [`FileStorage`] builds the rest.
 #[allow(async_fn_in_trait)] // single-threaded by design
@@ -56,24 +57,67 @@ pub struct FileStorage<R> {
     memory_fs: bool,
 }
 
+/// What a file storage learns about its file once, when it is opened: on a file system that
+/// does not answer these calls block too, so the bounded open makes them off the caller's
+/// thread ([`open_file`]).
+#[derive(Debug, Clone, Copy)]
+pub struct FileFacts {
+    /// 1 when buffered; the O_DIRECT offset/length alignment otherwise.
+    align: u64,
+    cheap_zeroes: bool,
+    size: u64,
+    memory_fs: bool,
+}
+
+impl FileFacts {
+    /// The facts of `file`; `direct` says it was opened with O_DIRECT.
+    pub fn of(file: &File, direct: bool) -> FileFacts {
+        FileFacts {
+            align: if direct {
+                len_u64(crate::sys::direct_alignment(file))
+            } else {
+                1
+            },
+            cheap_zeroes: crate::sys::fs_has_cheap_zeroes(file),
+            size: file.metadata().map(|m| m.len()).unwrap_or(0),
+            memory_fs: crate::sys::fs_is_memory(file),
+        }
+    }
+
+    /// The file lives in memory (tmpfs, ramfs).
+    pub fn memory_fs(&self) -> bool {
+        self.memory_fs
+    }
+}
+
+/// Opens `path` as `opts` asks (a regular file or a block device, locked) and learns its
+/// facts, all on a thread of its own within `opts.bound` ([`crate::bounded`]).
+pub async fn open_file(path: &Path, opts: OpenOptions) -> io::Result<(File, FileFacts)> {
+    let owned = path.to_path_buf();
+    crate::bounded::run("opening", path, opts.bound, move || {
+        let file = crate::sys::open(&owned, opts)?;
+        let facts = FileFacts::of(&file, opts.direct);
+        Ok((file, facts))
+    })
+    .await
+}
+
 impl<R: RawFile> FileStorage<R> {
     /// Wrap `raw`; `direct` says it was opened with O_DIRECT (alignment is then detected).
     pub fn from_file(raw: R, direct: bool) -> FileStorage<R> {
-        let align = if direct {
-            len_u64(crate::sys::direct_alignment(raw.file()))
-        } else {
-            1
-        };
-        let cheap = crate::sys::fs_has_cheap_zeroes(raw.file());
-        let size = raw.file().metadata().map(|m| m.len()).unwrap_or(0);
-        let memory_fs = crate::sys::fs_is_memory(raw.file());
+        let facts = FileFacts::of(raw.file(), direct);
+        FileStorage::with_facts(raw, facts)
+    }
+
+    /// Wrap `raw`, whose facts are known.
+    pub fn with_facts(raw: R, facts: FileFacts) -> FileStorage<R> {
         FileStorage {
             raw,
-            align,
-            cheap_zeroes: Cell::new(cheap),
+            align: facts.align,
+            cheap_zeroes: Cell::new(facts.cheap_zeroes),
             locks: BlockLocks::default(),
-            logical_end: Cell::new(size),
-            memory_fs,
+            logical_end: Cell::new(facts.size),
+            memory_fs: facts.memory_fs,
         }
     }
 

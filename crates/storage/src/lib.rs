@@ -35,6 +35,7 @@
 //! batching remains available through [`Reactor::new`]. The thread pool is tokio's
 //! `spawn_blocking`; a dedicated pool was not built or measured.
 
+pub mod bounded;
 mod buf;
 mod error;
 pub mod fault;
@@ -46,8 +47,9 @@ mod sys;
 pub mod threads;
 pub mod uring;
 
+pub use bounded::{BoundError, OpenBound};
 pub use buf::{IoBuf, Slice, BUF_ALIGN};
-pub use error::{checked_end, RangeError, MAX_OFFSET};
+pub use error::{checked_end, FileKind, NotAnImageFile, RangeError, MAX_OFFSET};
 pub use fault::{CrashPlan, FaultStats, FaultStorage, InjectedError, OpKind, Survival};
 pub use lock::{LockError, Locking, Permissions};
 pub use mem::{MemFs, MemStorage};
@@ -55,7 +57,7 @@ pub use opener::{Aio, AnyStorage, FileOpener};
 pub use threads::ThreadsStorage;
 pub use uring::{Reactor, UringStorage};
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The result of an owned-buffer operation: the outcome and the buffer, returned either way.
 pub type BufResult<T> = (std::io::Result<()>, T);
@@ -115,6 +117,9 @@ pub struct OpenOptions {
     /// asked: a [`FileOpener`] (what the engine opens images with) sets its own mode, `Auto`
     /// by default. Memory storages ignore it.
     pub locking: Locking,
+    /// How long a file backend waits for the file system to open the file, and how many
+    /// opens given up may stay stuck ([`bounded`]). Memory storages ignore it.
+    pub bound: OpenBound,
 }
 
 impl Default for OpenOptions {
@@ -125,6 +130,7 @@ impl Default for OpenOptions {
             direct: false,
             force_share: false,
             locking: Locking::Off,
+            bound: OpenBound::default(),
         }
     }
 }
@@ -164,4 +170,12 @@ pub trait Opener {
     type Storage: Storage;
     /// Open `path` with `opts`.
     async fn open(&self, path: &Path, opts: OpenOptions) -> std::io::Result<Self::Storage>;
+
+    /// The name `path` is known by when a backing chain is checked for loops: canonical
+    /// where it can be found (`opts.bound` bounds the walk where the opener honours it),
+    /// else `path` as given.
+    async fn canonical(&self, path: &Path, opts: OpenOptions) -> std::io::Result<PathBuf> {
+        let _ = opts;
+        Ok(path.canonicalize().unwrap_or_else(|_| path.to_path_buf()))
+    }
 }

@@ -1,7 +1,7 @@
 //! Run-time choice of file backend (`--aio io_uring|threads`) and the [`Opener`] for files.
 
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use crate::{BufResult, OpenOptions, Opener, Slice, Storage, ThreadsStorage, UringStorage};
@@ -127,6 +127,16 @@ impl Opener for FileOpener {
         ThreadsStorage::open(path, opts)
             .await
             .map(AnyStorage::Threads)
+    }
+
+    /// Resolved on a thread of its own within `opts.bound`: walking a path on a file system
+    /// that does not answer blocks like opening a file there.
+    async fn canonical(&self, path: &Path, opts: OpenOptions) -> io::Result<PathBuf> {
+        let owned = path.to_path_buf();
+        crate::bounded::run("resolving", path, opts.bound, move || {
+            Ok(owned.canonicalize().unwrap_or(owned))
+        })
+        .await
     }
 }
 

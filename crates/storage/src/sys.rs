@@ -14,8 +14,23 @@ pub(crate) const ZERO_RANGE: i32 = libc::FALLOC_FL_ZERO_RANGE;
 /// fallocate mode that deallocates a range without changing the file size.
 pub(crate) const PUNCH_HOLE: i32 = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
 
-/// Open a file the way `opts` asks.
+/// Open a file the way `opts` asks: only a regular file or a block device (QEMU's file
+/// and host_device drivers take nothing else that Linux calls a disk).
+///
+/// What the path names is learnt first through an `O_PATH` descriptor, which runs no
+/// driver's open: a FIFO cannot make the open wait for a writer, and a device node (a
+/// watchdog, a tape that rewinds on close) is never opened at all. The file opened after is
+/// checked to be the one looked at, so a path swapped in between is refused too.
 pub(crate) fn open(path: &Path, opts: OpenOptions) -> io::Result<File> {
+    let looked = match look(path) {
+        Ok(meta) => Some(meta),
+        // Created by the open below; checked once open.
+        Err(e) if e.kind() == io::ErrorKind::NotFound && opts.create && !opts.read_only => None,
+        Err(e) => return Err(opening(path, opts, e)),
+    };
+    if let Some(meta) = &looked {
+        refuse_kind(path, meta)?;
+    }
     let mut o = std::fs::OpenOptions::new();
     o.read(true);
     if !opts.read_only {
@@ -26,15 +41,48 @@ pub(crate) fn open(path: &Path, opts: OpenOptions) -> io::Result<File> {
         flags |= libc::O_DIRECT;
     }
     o.custom_flags(flags);
-    let file = o.open(path).map_err(|e| {
-        io::Error::new(
-            e.kind(),
-            format!("opening {}{}: {e}", path.display(), direct_note(opts)),
-        )
-    })?;
+    let file = o.open(path).map_err(|e| opening(path, opts, e))?;
+    let meta = file.metadata().map_err(|e| opening(path, opts, e))?;
+    refuse_kind(path, &meta)?;
+    if let Some(first) = looked {
+        use std::os::unix::fs::MetadataExt;
+        if (first.dev(), first.ino()) != (meta.dev(), meta.ino()) {
+            return Err(io::Error::other(format!(
+                "opening {}: the path was replaced while it was being opened",
+                path.display()
+            )));
+        }
+    }
     let perms = crate::lock::Permissions::for_open(opts.read_only, opts.force_share);
     crate::lock::lock(&file, path, perms, opts.locking)?;
     Ok(file)
+}
+
+/// What `path` names, through a descriptor that opens nothing.
+fn look(path: &Path) -> io::Result<std::fs::Metadata> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_CLOEXEC)
+        .open(path)?
+        .metadata()
+}
+
+fn refuse_kind(path: &Path, meta: &std::fs::Metadata) -> io::Result<()> {
+    match crate::FileKind::refused(meta.file_type()) {
+        None => Ok(()),
+        Some(kind) => Err(crate::NotAnImageFile {
+            path: path.display().to_string(),
+            kind,
+        }
+        .into()),
+    }
+}
+
+fn opening(path: &Path, opts: OpenOptions, e: io::Error) -> io::Error {
+    io::Error::new(
+        e.kind(),
+        format!("opening {}{}: {e}", path.display(), direct_note(opts)),
+    )
 }
 
 fn direct_note(opts: OpenOptions) -> &'static str {

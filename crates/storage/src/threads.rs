@@ -19,14 +19,11 @@ pub struct ThreadsFile {
 pub type ThreadsStorage = FileStorage<ThreadsFile>;
 
 impl ThreadsStorage {
-    /// Open `path`; must be used inside a tokio runtime.
+    /// Open `path` (a regular file or a block device) within `opts.bound`; must be used
+    /// inside a tokio runtime.
     pub async fn open(path: &Path, opts: OpenOptions) -> io::Result<ThreadsStorage> {
-        let p = path.to_path_buf();
-        let file = blocking(move || crate::sys::open(&p, opts)).await?;
-        Ok(ThreadsStorage::from_file(
-            ThreadsFile::new(file),
-            opts.direct,
-        ))
+        let (file, facts) = crate::file::open_file(path, opts).await?;
+        Ok(ThreadsStorage::with_facts(ThreadsFile::new(file), facts))
     }
 }
 

@@ -49,17 +49,16 @@ impl UringStorage {
         UringStorage::open_with(Reactor::current()?, path, opts).await
     }
 
-    /// Open `path` on a given reactor (benchmarks compare reactor settings this way).
+    /// Open `path` (a regular file or a block device) within `opts.bound` on a given
+    /// reactor (benchmarks compare reactor settings this way).
     pub async fn open_with(
         reactor: Reactor,
         path: &Path,
         opts: OpenOptions,
     ) -> io::Result<UringStorage> {
-        let file = crate::sys::open(path, opts)?;
-        Ok(UringStorage::from_file(
-            UringFile::new(reactor, file),
-            opts.direct,
-        ))
+        let (file, facts) = crate::file::open_file(path, opts).await?;
+        let raw = UringFile::with_memory_fs(reactor, file, facts.memory_fs());
+        Ok(UringStorage::with_facts(raw, facts))
     }
 }
 
@@ -69,7 +68,12 @@ impl UringFile {
     /// file systems refuse non-blocking I/O) and interrupt this thread on completion: there
     /// the data I/O is done inline instead, as the plain syscall, for a fraction of the CPU.
     pub fn new(reactor: Reactor, file: File) -> UringFile {
-        let inline = crate::sys::fs_is_memory(&file);
+        let memory_fs = crate::sys::fs_is_memory(&file);
+        UringFile::with_memory_fs(reactor, file, memory_fs)
+    }
+
+    /// Wrap an open file known to be (or not) on a memory-backed file system.
+    pub fn with_memory_fs(reactor: Reactor, file: File, inline: bool) -> UringFile {
         UringFile {
             file: Rc::new(file),
             reactor,

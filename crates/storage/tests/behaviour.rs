@@ -435,3 +435,55 @@ fn file_opener_falls_back_to_threads_without_runtime_io() {
         assert_eq!(read(&s, 0, 2).await, b"ok");
     });
 }
+
+#[test]
+fn file_backends_open_regular_files_only_and_name_what_else_they_were_given() {
+    use storage::{Aio, FileKind, FileOpener, NotAnImageFile, OpenOptions, Opener};
+    run(async {
+        let dir = common::scratch_dir();
+        let fifo = dir.path().join("fifo");
+        let c_fifo = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo reads a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c_fifo.as_ptr(), 0o600) }, 0);
+        let socket = dir.path().join("sock");
+        let _listening = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let refused = [
+            (fifo.as_path(), FileKind::Fifo),
+            (dir.path(), FileKind::Directory),
+            (socket.as_path(), FileKind::Socket),
+            (std::path::Path::new("/dev/null"), FileKind::CharDevice),
+        ];
+        for aio in [Aio::IoUring, Aio::Threads] {
+            let opener = FileOpener {
+                aio,
+                direct: false,
+                // No image locks: see the note on test processes in storage::lock.
+                locking: storage::Locking::Off,
+            };
+            for (path, kind) in refused {
+                // Read-only: a FIFO would block this open until a writer came.
+                let err = match opener.open(path, OpenOptions::read_only()).await {
+                    Ok(_) => panic!("{aio:?}: {} was opened", path.display()),
+                    Err(e) => e,
+                };
+                let inner = err
+                    .get_ref()
+                    .and_then(|e| e.downcast_ref::<NotAnImageFile>())
+                    .unwrap_or_else(|| panic!("{aio:?} {}: {err}", path.display()));
+                assert_eq!(inner.kind, kind);
+                let text = err.to_string();
+                assert!(
+                    text.contains(&path.display().to_string())
+                        && text.contains("regular file or a block device"),
+                    "{text}"
+                );
+            }
+            // A regular file, and one the open creates, are fine.
+            let new = dir.path().join(format!("{aio:?}.img"));
+            let s = opener.open(&new, OpenOptions::create()).await.unwrap();
+            write(&s, 0, b"ok").await;
+            let s = opener.open(&new, OpenOptions::read_only()).await.unwrap();
+            assert_eq!(read(&s, 0, 2).await, b"ok");
+        }
+    });
+}

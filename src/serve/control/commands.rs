@@ -8,7 +8,7 @@ use serde_json::{json, Map, Value};
 
 use super::dispatch::{Args, Running, COMMANDS};
 use super::qmp::{ErrorClass, QmpError};
-use crate::serve::exports::ImageSpec;
+use crate::serve::exports::{ImageSpec, Origin};
 use crate::serve::registry::{ChangeError, Record, Registry};
 use qcow2::engine::Format;
 
@@ -127,7 +127,7 @@ fn add_arguments(args: &mut Args) -> Result<(String, ImageSpec), QmpError> {
         format,
         bitmaps: args.opt_strings("bitmaps")?.unwrap_or_default(),
         overlay: None,
-        by_export: true,
+        origin: Origin::Command,
     };
     Ok((id, spec))
 }

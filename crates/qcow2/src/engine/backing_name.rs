@@ -91,14 +91,26 @@ pub struct ChainGuard {
 }
 
 impl ChainGuard {
-    /// Records `path` (canonicalized when possible); fails on a repeat or past the depth limit.
+    /// Records `path` (canonicalized when possible, on the calling thread); fails on a
+    /// repeat or past the depth limit.
     pub fn enter(&mut self, image: &Path, path: &Path) -> Result<(), BackingError> {
+        let key = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+        self.enter_as(image, path, key)
+    }
+
+    /// Records `path`, known as `key` (its canonical name where the caller could find it);
+    /// fails on a repeat or past the depth limit.
+    pub fn enter_as(
+        &mut self,
+        image: &Path,
+        path: &Path,
+        key: PathBuf,
+    ) -> Result<(), BackingError> {
         if self.seen.len() >= MAX_CHAIN_DEPTH {
             return Err(BackingError::TooDeep {
                 image: image.display().to_string(),
             });
         }
-        let key = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
         if !self.seen.insert(key) {
             return Err(BackingError::Loop {
                 image: image.display().to_string(),
@@ -160,18 +172,18 @@ mod tests {
     fn guard_detects_loops_and_depth() {
         let mut guard = ChainGuard::default();
         let img = Path::new("x");
-        guard.enter(img, Path::new("/nonexistent/a")).unwrap();
+        let enter =
+            |guard: &mut ChainGuard, p: &str| guard.enter_as(img, Path::new(p), PathBuf::from(p));
+        enter(&mut guard, "/nonexistent/a").unwrap();
         assert!(matches!(
-            guard.enter(img, Path::new("/nonexistent/a")),
+            enter(&mut guard, "/nonexistent/a"),
             Err(BackingError::Loop { .. })
         ));
         for i in 1..MAX_CHAIN_DEPTH {
-            guard
-                .enter(img, Path::new(&format!("/nonexistent/{i}")))
-                .unwrap();
+            enter(&mut guard, &format!("/nonexistent/{i}")).unwrap();
         }
         assert!(matches!(
-            guard.enter(img, Path::new("/nonexistent/last")),
+            enter(&mut guard, "/nonexistent/last"),
             Err(BackingError::TooDeep { .. })
         ));
     }

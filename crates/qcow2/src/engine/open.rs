@@ -39,6 +39,9 @@ pub struct OpenOptions {
     pub force_share: bool,
     /// Punch holes in the file when a guest discard frees clusters (`--discard=unmap`).
     pub discard_passthrough: bool,
+    /// How long opening each file of the chain may take, and how many given-up opens may
+    /// stay stuck (see [`storage::bounded`]).
+    pub open_bound: storage::OpenBound,
 }
 
 impl<S: Storage + 'static> Image<S> {
@@ -48,14 +51,16 @@ impl<S: Storage + 'static> Image<S> {
         O: Opener<Storage = S>,
     {
         let read_only = opts.read_only || opts.snapshot.is_some();
-        let mut guard = ChainGuard::default();
-        guard.enter(path, path)?;
         let access = storage::OpenOptions {
             read_only,
             direct: opts.direct,
             force_share: opts.force_share,
+            bound: opts.open_bound,
             ..storage::OpenOptions::default()
         };
+        let mut guard = ChainGuard::default();
+        let key = canonical(opener, path, access).await?;
+        guard.enter_as(path, path, key)?;
         let top = open_layer(
             opener,
             path,
@@ -86,7 +91,8 @@ impl<S: Storage + 'static> Image<S> {
             let name = String::from_utf8(name)
                 .map_err(|_| last.corrupt("backing file name is not UTF-8".into()))?;
             let next_path: PathBuf = backing_name::resolve(last_path, &name)?;
-            guard.enter(last_path, &next_path)?;
+            let key = canonical(opener, &next_path, access).await?;
+            guard.enter_as(last_path, &next_path, key)?;
             let fmt = match fmt_name {
                 Some(f) => {
                     let f = String::from_utf8_lossy(&f).into_owned();
@@ -110,6 +116,21 @@ impl<S: Storage + 'static> Image<S> {
         }
         build(layers, read_only, opts).await
     }
+}
+
+/// The name `path` is known by in a chain, as the opener finds it.
+async fn canonical<O: Opener>(
+    opener: &O,
+    path: &Path,
+    access: storage::OpenOptions,
+) -> Result<PathBuf> {
+    opener
+        .canonical(path, access)
+        .await
+        .map_err(|source| EngineError::Open {
+            path: path.display().to_string(),
+            source,
+        })
 }
 
 async fn build<S: Storage + 'static>(
