@@ -80,6 +80,8 @@ pub struct ExportPolicy {
     pub multi_conn: bool,
     /// Offer the `qemu:allocation-depth` context (`-A`).
     pub allocation_depth: bool,
+    /// The export starts this many bytes into the image (`--offset`): clients see the rest.
+    pub offset: u64,
 }
 
 /// A request or reply payload: the engine's aligned [`IoBuf`], moved (never copied) between
@@ -257,6 +259,12 @@ impl ImageExport {
     /// Offers `bitmaps` as `qemu:dirty-bitmap:` contexts.
     pub fn with_bitmaps(self, bitmaps: Vec<ExportedBitmap>) -> Self {
         Self { bitmaps, ..self }
+    }
+
+    /// Where a client's `offset` is in the image. The NBD layer has checked the request
+    /// against [`Export::size`], which leaves room for the offset.
+    fn at(&self, offset: u64) -> u64 {
+        offset.saturating_add(self.policy.offset)
     }
 
     /// Persists after a request that asked for FUA (or under writethrough).
@@ -437,7 +445,7 @@ impl Export for ImageExport {
     }
 
     fn size(&self) -> u64 {
-        self.image.size()
+        self.image.size().saturating_sub(self.policy.offset)
     }
 
     fn features(&self) -> ExportFeatures {
@@ -446,7 +454,7 @@ impl Export for ImageExport {
 
     async fn read(&self, offset: u64, len: usize) -> Result<Vec<ReadChunk<Payload>>, Errno> {
         let start = self.start();
-        let result = self.read_image(offset, len).await;
+        let result = self.read_image(self.at(offset), len).await;
         let bytes = u64::try_from(len).unwrap_or(u64::MAX);
         self.count(start, Command::Read, bytes, &result);
         result
@@ -455,7 +463,7 @@ impl Export for ImageExport {
     async fn write(&self, offset: u64, data: Payload, fua: bool) -> Result<(), Errno> {
         let bytes = u64::try_from(data.0.len()).unwrap_or(u64::MAX);
         let start = self.start();
-        let result = self.write_image(offset, data, fua).await;
+        let result = self.write_image(self.at(offset), data, fua).await;
         self.count(start, Command::Write, bytes, &result);
         result
     }
@@ -467,14 +475,14 @@ impl Export for ImageExport {
         flags: WriteZeroesFlags,
     ) -> Result<(), Errno> {
         let start = self.start();
-        let result = self.write_zeroes_image(offset, len, flags).await;
+        let result = self.write_zeroes_image(self.at(offset), len, flags).await;
         self.count(start, Command::WriteZeroes, len, &result);
         result
     }
 
     async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
         let start = self.start();
-        let result = self.trim_image(offset, len, fua).await;
+        let result = self.trim_image(self.at(offset), len, fua).await;
         self.count(start, Command::Trim, len, &result);
         result
     }
@@ -488,14 +496,14 @@ impl Export for ImageExport {
 
     async fn cache(&self, offset: u64, len: u64) -> Result<(), Errno> {
         let start = self.start();
-        let result = self.cache_image(offset, len).await;
+        let result = self.cache_image(self.at(offset), len).await;
         self.count(start, Command::Cache, len, &result);
         result
     }
 
     async fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>, Errno> {
         let start = self.start();
-        let result = self.block_status_image(offset, len).await;
+        let result = self.block_status_image(self.at(offset), len).await;
         self.count(start, Command::BlockStatus, len, &result);
         result
     }
@@ -517,7 +525,7 @@ impl Export for ImageExport {
         len: u64,
     ) -> Result<Vec<(u64, bool)>, Errno> {
         let start = self.start();
-        let result = self.dirty_runs(index, offset, len);
+        let result = self.dirty_runs(index, self.at(offset), len);
         self.count(start, Command::BlockStatus, len, &result);
         result
     }
