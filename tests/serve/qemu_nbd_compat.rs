@@ -207,3 +207,55 @@ fn list_mode_says_when_there_is_no_server() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("none.sock"), "{err}");
 }
+
+/// A raw file that is not a whole number of sectors: qemu-nbd exports it rounded up to
+/// 512 bytes, the tail reading as zeroes and mapped as a hole, and so do we.
+#[test]
+fn an_unaligned_raw_file_is_exported_in_whole_sectors_like_qemu_nbd() {
+    let images = Dir::new();
+    std::fs::write(images.path("disk.raw"), vec![0x5a; 1000]).unwrap();
+    let map = |uri: &str| {
+        let out = qemu("qemu-img")
+            .args(["map", "--output=json", "-f", "raw", uri])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let json = String::from_utf8(out.stdout).unwrap();
+        // Offsets name the server's socket path; the extents are what matters.
+        let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        for e in v.as_array_mut().unwrap() {
+            e.as_object_mut().unwrap().remove("offset");
+        }
+        v
+    };
+    let reads = ["read -P 0x5a 0 1000", "read -P 0 1000 24"];
+    let theirs = QemuNbd::unix(&["-f", "raw"], &images.path("disk.raw"));
+    let (their_size, their_map) = (nbd_size(&theirs.uri_of("")), map(&theirs.uri_of("")));
+    qemu_io("raw", &theirs.uri_of(""), &reads);
+    theirs.stop();
+    assert_eq!(their_size, 1024, "qemu-nbd's export size changed");
+    let ours = Server::unix(&["-t", "-f", "raw", images.s("disk.raw").as_str()]);
+    assert_eq!(nbd_size(&ours.uri()), their_size);
+    assert_eq!(map(&ours.uri()), their_map);
+    qemu_io("raw", &ours.uri(), &reads);
+    // Zeroes may go to the tail (it reads as zeroes already), data may not.
+    qemu_io(
+        "raw",
+        &ours.uri(),
+        &["write -P 0x11 512 488", "write -z 1000 24"],
+    );
+    let out = qemu("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 0x22 1000 24", &ours.uri()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+    assert!(text.contains("No space left"), "{text}");
+    ours.stop_ok();
+    let mut want = vec![0x5a; 512];
+    want.extend(vec![0x11; 488]);
+    assert_eq!(images.read("disk.raw"), want, "the file keeps its size");
+}
