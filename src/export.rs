@@ -33,6 +33,9 @@ const MAX_PREFERRED: u32 = 2 << 20;
 /// lets the server describe less than was asked).
 const BLOCK_STATUS_UNITS: u64 = 1 << 16;
 
+/// QEMU's block layer sizes disks in whole sectors of this many bytes.
+const SECTOR: u64 = 512;
+
 /// NBD_CMD_CACHE prefetches at most this many bytes per request (the command is advisory);
 /// a request for a whole multi-terabyte disk must not tie up the server for hours.
 const CACHE_PREFETCH_MAX: u64 = 64 << 20;
@@ -80,6 +83,8 @@ pub struct ExportPolicy {
     pub multi_conn: bool,
     /// Offer the `qemu:allocation-depth` context (`-A`).
     pub allocation_depth: bool,
+    /// The export starts this many bytes into the image (`--offset`): clients see the rest.
+    pub offset: u64,
 }
 
 /// A request or reply payload: the engine's aligned [`IoBuf`], moved (never copied) between
@@ -257,6 +262,44 @@ impl ImageExport {
     /// Offers `bitmaps` as `qemu:dirty-bitmap:` contexts.
     pub fn with_bitmaps(self, bitmaps: Vec<ExportedBitmap>) -> Self {
         Self { bitmaps, ..self }
+    }
+
+    /// Where the image's data ends for clients: its size less `--offset`. The export is
+    /// longer when that is not a whole number of sectors (see [`Export::size`]).
+    fn data_end(&self) -> u64 {
+        self.image.size().saturating_sub(self.policy.offset)
+    }
+
+    /// How much of `len` bytes at `offset` lies before [`Self::data_end`].
+    fn data_part(&self, offset: u64, len: u64) -> u64 {
+        self.data_end().saturating_sub(offset).min(len)
+    }
+
+    /// A write that reaches into the sector tail past the data: the tail has no storage,
+    /// so only zeroes may go there (what it reads as already).
+    async fn write_with_tail(
+        &self,
+        offset: u64,
+        data_len: u64,
+        Payload(mut data): Payload,
+        fua: bool,
+    ) -> Result<(), Errno> {
+        let keep = usize::try_from(data_len).map_err(|_| Errno::Inval)?;
+        if !data.get(keep..).is_some_and(is_zero) {
+            tracing::debug!(offset, "write past the end of the image data refused");
+            return Err(Errno::NoSpc);
+        }
+        if keep == 0 {
+            return self.after_write(fua).await;
+        }
+        data.resize(keep);
+        self.write_image(self.at(offset), Payload(data), fua).await
+    }
+
+    /// Where a client's `offset` is in the image. The NBD layer has checked the request
+    /// against [`Export::size`], which leaves room for the offset.
+    fn at(&self, offset: u64) -> u64 {
+        offset.saturating_add(self.policy.offset)
     }
 
     /// Persists after a request that asked for FUA (or under writethrough).
@@ -437,7 +480,10 @@ impl Export for ImageExport {
     }
 
     fn size(&self) -> u64 {
-        self.image.size()
+        // As QEMU's block layer, which counts whole 512-byte sectors: a raw file of 1000
+        // bytes is a 1024-byte disk whose last 24 bytes read as zeroes.
+        let data = self.data_end();
+        data.checked_next_multiple_of(SECTOR).unwrap_or(data)
     }
 
     fn features(&self) -> ExportFeatures {
@@ -446,7 +492,16 @@ impl Export for ImageExport {
 
     async fn read(&self, offset: u64, len: usize) -> Result<Vec<ReadChunk<Payload>>, Errno> {
         let start = self.start();
-        let result = self.read_image(offset, len).await;
+        let data = usize::try_from(self.data_part(offset, len as u64)).unwrap_or(len);
+        let result = self
+            .read_image(self.at(offset), data)
+            .await
+            .map(|mut chunks| {
+                if data < len {
+                    chunks.push(ReadChunk::Hole(len - data));
+                }
+                chunks
+            });
         let bytes = u64::try_from(len).unwrap_or(u64::MAX);
         self.count(start, Command::Read, bytes, &result);
         result
@@ -455,7 +510,10 @@ impl Export for ImageExport {
     async fn write(&self, offset: u64, data: Payload, fua: bool) -> Result<(), Errno> {
         let bytes = u64::try_from(data.0.len()).unwrap_or(u64::MAX);
         let start = self.start();
-        let result = self.write_image(offset, data, fua).await;
+        let result = match self.data_part(offset, bytes) {
+            n if n == bytes => self.write_image(self.at(offset), data, fua).await,
+            n => self.write_with_tail(offset, n, data, fua).await,
+        };
         self.count(start, Command::Write, bytes, &result);
         result
     }
@@ -467,14 +525,17 @@ impl Export for ImageExport {
         flags: WriteZeroesFlags,
     ) -> Result<(), Errno> {
         let start = self.start();
-        let result = self.write_zeroes_image(offset, len, flags).await;
+        // The sector tail past the data already reads as zeroes.
+        let data = self.data_part(offset, len);
+        let result = self.write_zeroes_image(self.at(offset), data, flags).await;
         self.count(start, Command::WriteZeroes, len, &result);
         result
     }
 
     async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
         let start = self.start();
-        let result = self.trim_image(offset, len, fua).await;
+        let data = self.data_part(offset, len);
+        let result = self.trim_image(self.at(offset), data, fua).await;
         self.count(start, Command::Trim, len, &result);
         result
     }
@@ -488,14 +549,23 @@ impl Export for ImageExport {
 
     async fn cache(&self, offset: u64, len: u64) -> Result<(), Errno> {
         let start = self.start();
-        let result = self.cache_image(offset, len).await;
+        let data = self.data_part(offset, len);
+        let result = self.cache_image(self.at(offset), data).await;
         self.count(start, Command::Cache, len, &result);
         result
     }
 
     async fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>, Errno> {
         let start = self.start();
-        let result = self.block_status_image(offset, len).await;
+        let result = match self.data_part(offset, len) {
+            0 => Ok(vec![Extent {
+                len,
+                hole: true,
+                zero: true,
+                depth: 0,
+            }]),
+            data => self.block_status_image(self.at(offset), data).await,
+        };
         self.count(start, Command::BlockStatus, len, &result);
         result
     }
@@ -517,7 +587,10 @@ impl Export for ImageExport {
         len: u64,
     ) -> Result<Vec<(u64, bool)>, Errno> {
         let start = self.start();
-        let result = self.dirty_runs(index, offset, len);
+        let result = match self.data_part(offset, len) {
+            0 => Ok(vec![(len, false)]),
+            data => self.dirty_runs(index, self.at(offset), data),
+        };
         self.count(start, Command::BlockStatus, len, &result);
         result
     }

@@ -21,6 +21,7 @@ mod control;
 mod daemon;
 mod export_spec;
 mod exports;
+mod list;
 mod listen;
 mod overlay;
 mod registry;
@@ -65,6 +66,14 @@ pub enum ServeError {
     /// The image could not be opened.
     #[error(transparent)]
     Open(EngineError),
+    /// `--offset` is past the end of the image (QEMU's words).
+    #[error("Offset ({offset}) cannot be greater than size of the containing file ({size})")]
+    OffsetBeyondImage {
+        /// The offset given.
+        offset: u64,
+        /// The image's size.
+        size: u64,
+    },
     /// Neither an image nor an `--export` was given.
     #[error("nothing to serve: give an IMAGE or --export definitions")]
     NoImage,
@@ -144,8 +153,26 @@ pub enum ServeError {
 
 /// Runs `serve` and reports any failure on stderr.
 pub fn run(args: &ServeArgs) -> ExitCode {
+    if args.list {
+        return list_exports(args);
+    }
     match serve(args) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("qcow2-nbd: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `-L`: prints the exports of the server the address flags name.
+fn list_exports(args: &ServeArgs) -> ExitCode {
+    let endpoint = listen::Endpoint::from_flags(args.socket.clone(), args.bind.clone(), args.port);
+    match list::list(&endpoint) {
+        Ok((mode, exports)) => {
+            print!("{}", list::render(mode, &exports));
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("qcow2-nbd: {e}");
             ExitCode::FAILURE
@@ -221,6 +248,7 @@ impl Plan {
             detect_zeroes,
             multi_conn: args.shared != 1,
             allocation_depth: args.allocation_depth,
+            offset: args.offset.unwrap_or(0),
         };
         let config = ServerConfig {
             persistent: args.persistent,
@@ -263,16 +291,10 @@ fn cache_share(budget: Option<u64>, images: usize) -> Option<u64> {
     budget.map(|b| b / images)
 }
 
-/// Logs go to stderr: warnings and errors only unless `-v` or `RUST_LOG` asks for more.
-fn init_logging(verbose: u8) {
-    let default = match verbose {
-        0 => "warn",
-        1 => "info",
-        2 => "debug",
-        _ => "trace",
-    };
+/// Logs go to stderr: warnings and errors only unless `--log` or `RUST_LOG` asks for more.
+fn init_logging(level: args::LogLevel) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level.directive()));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -281,7 +303,7 @@ fn init_logging(verbose: u8) {
 }
 
 fn serve(args: &ServeArgs) -> Result<(), ServeError> {
-    init_logging(args.verbose);
+    init_logging(args.log);
     let plan = Plan::new(args)?;
     // Before forking: LISTEN_PID names this process, not the child.
     let activated = nbd::systemd::listen_fds()?;
@@ -317,6 +339,15 @@ async fn serve_on_runtime(
         _ => None,
     };
     let images = exports::open_all(&plan.opener, specs, &plan.open).await?;
+    if let Some(offset) = args.offset {
+        let size = images.first().map_or(0, |i| i.image.size());
+        if offset > size {
+            if let Err(c) = exports::close_all(images).await {
+                tracing::error!(error = %c, "closing the image failed too");
+            }
+            return Err(ServeError::OffsetBeyondImage { offset, size });
+        }
+    }
     // Whatever happens from here on, the images are closed: a writable image's bitmaps are
     // marked in use until a clean close stores them.
     let settings = registry::OpenSettings {
@@ -426,7 +457,13 @@ async fn serve_images(
         registry.with_records(|r| print_banner(r, &listeners, tls.as_deref()));
     }
     if let Some(r) = readiness {
-        r.notify(args.verbose > 0).map_err(ServeError::Fork)?;
+        // Logs asked for by --log need stderr as much as -v's errors do.
+        let keep_stderr = args.verbose > 0
+            || matches!(
+                args.log,
+                args::LogLevel::Info | args::LogLevel::Debug | args::LogLevel::Trace
+            );
+        r.notify(keep_stderr).map_err(ServeError::Fork)?;
     }
     let limits = control::Limits {
         clients: usize::from(args.control_clients),

@@ -13,8 +13,19 @@ use crate::size_string;
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
     /// Image to export (qcow2, or raw with `-f raw`); or give `--export` instead.
-    #[arg(required_unless_present = "exports")]
+    #[arg(required_unless_present_any = ["exports", "list"])]
     pub image: Option<PathBuf>,
+
+    /// List the exports of the server at -k (or -b and -p) and exit, like `qemu-nbd -L`:
+    /// a client, nothing is served.
+    #[arg(
+        short = 'L',
+        long = "list",
+        conflicts_with_all = ["image", "exports", "export_name", "description", "offset",
+                              "format", "bitmaps", "snapshot", "load_snapshot", "fork",
+                              "read_only", "allocation_depth", "control", "tls_creds"]
+    )]
+    pub list: bool,
 
     /// Export an image under a name, instead of the positional IMAGE (repeatable, up to
     /// 64):
@@ -62,6 +73,17 @@ pub struct ServeArgs {
     /// Export read-only.
     #[arg(short = 'r', long = "read-only")]
     pub read_only: bool,
+
+    /// Export the image's contents from byte OFFSET on, as qemu-nbd's --offset (for a disk
+    /// image stored inside another file, such as a tar archive). Decimal, or 0x hex.
+    #[arg(
+        short = 'o',
+        long = "offset",
+        value_name = "OFFSET",
+        value_parser = parse_offset,
+        conflicts_with_all = ["exports", "control"]
+    )]
+    pub offset: Option<u64>,
 
     /// Keep serving after the last client disconnects.
     #[arg(short = 't', long)]
@@ -278,9 +300,45 @@ pub struct ServeArgs {
     #[arg(long = "cache-clean-interval", value_name = "SECONDS")]
     pub cache_clean_interval: Option<u64>,
 
-    /// Log more (-v: connections, -vv: debugging); RUST_LOG overrides.
+    /// As qemu-nbd's: with --fork, stderr stays open, so errors after the start still
+    /// show. It does not make the server chattier (qemu-nbd's does not either, and scripts
+    /// compare its output); --log does.
     #[arg(short = 'v', long, action = clap::ArgAction::Count)]
     pub verbose: u8,
+
+    /// What the server logs on stderr: error, warn (the default: problems only), info
+    /// (connections, settings, the listening address), debug or trace. RUST_LOG, in
+    /// tracing's syntax, overrides it.
+    #[arg(long = "log", value_name = "LEVEL", value_enum, default_value_t = LogLevel::Warn)]
+    pub log: LogLevel,
+}
+
+/// `--log`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogLevel {
+    /// Errors only.
+    Error,
+    /// Errors and warnings.
+    Warn,
+    /// Connections, settings and addresses too.
+    Info,
+    /// Debugging detail.
+    Debug,
+    /// Everything.
+    Trace,
+}
+
+impl LogLevel {
+    /// The level as tracing's filter syntax spells it.
+    pub fn directive(self) -> &'static str {
+        match self {
+            Self::Error => "error",
+            Self::Warn => "warn",
+            Self::Info => "info",
+            Self::Debug => "debug",
+            Self::Trace => "trace",
+        }
+    }
 }
 
 impl ServeArgs {
@@ -295,6 +353,23 @@ impl ServeArgs {
             verify_peer: self.tls_verify_peer,
         }
     }
+}
+
+/// A byte count as C's `strtoull` with base 0 reads it, as qemu-nbd parses `--offset`:
+/// decimal, `0x` hexadecimal or `0` octal, with no suffix.
+fn parse_offset(s: &str) -> Result<u64, String> {
+    let invalid = || format!("Invalid offset '{s}'");
+    let (digits, radix) = if let Some(hex) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        (hex, 16)
+    } else if s.len() > 1 && s.starts_with('0') {
+        (&s[1..], 8)
+    } else {
+        (s, 10)
+    };
+    if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
+        return Err(invalid());
+    }
+    u64::from_str_radix(digits, radix).map_err(|_| invalid())
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -567,6 +642,7 @@ mod tests {
             "--cache-size=16M",
             "--cache-clean-interval=30",
             "-vv",
+            "--log=debug",
             "img",
         ])
         .unwrap();
@@ -588,6 +664,7 @@ mod tests {
         assert_eq!(a.cache_size, Some(16 << 20));
         assert_eq!(a.cache_clean_interval, Some(30));
         assert_eq!(a.verbose, 2);
+        assert_eq!(a.log, LogLevel::Debug);
     }
 
     #[test]

@@ -113,30 +113,37 @@ pub async fn bind(
                 })?
                 .collect();
             let mut out = Vec::new();
-            let mut last_err = None;
+            let mut failed = Vec::new();
             for addr in dedup(addrs) {
                 match Listener::bind_tcp(addr).await {
                     Ok(l) => {
                         let shown = l.local_tcp_addr().unwrap_or(addr);
                         out.push((l, format!("tcp:{shown}")));
                     }
-                    Err(source) => {
-                        tracing::warn!(%addr, error = %source, "cannot listen");
-                        last_err = Some((addr, source));
-                    }
+                    Err(source) => failed.push((addr, source)),
                 }
             }
-            match (out.is_empty(), last_err) {
-                (true, Some((addr, source))) => Err(ListenError::Tcp {
-                    addr: addr.to_string(),
-                    source,
-                }),
-                (true, None) => Err(ListenError::Resolve {
-                    host: host.clone(),
-                    source: std::io::Error::new(std::io::ErrorKind::NotFound, "no address found"),
-                }),
-                (false, _) => Ok(out),
+            if out.is_empty() {
+                // The error says it; a log line as well would report it twice.
+                return Err(match failed.pop() {
+                    Some((addr, source)) => ListenError::Tcp {
+                        addr: addr.to_string(),
+                        source,
+                    },
+                    None => ListenError::Resolve {
+                        host: host.clone(),
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::NotFound,
+                            "no address found",
+                        ),
+                    },
+                });
             }
+            // Serving on some of the host's addresses only is worth a warning.
+            for (addr, error) in failed {
+                tracing::warn!(%addr, %error, "cannot listen");
+            }
+            Ok(out)
         }
     }
 }

@@ -23,5 +23,6 @@ mod nbdcopy;
 mod nbdinfo;
 mod options;
 mod qemu_io;
+mod qemu_nbd_compat;
 mod soak;
 mod tls;

@@ -239,7 +239,7 @@ fn cache_flags_reach_the_engine() {
     let img = images.create("disk.qcow2", "qcow2", "cluster_size=4096", None, "64M");
     let server = Server::unix(&[
         "-t",
-        "-v",
+        "--log=info",
         "--l2-cache-size=16K",
         "--l2-cache-entry-size=1K",
         "--refcount-cache-size=16K",
@@ -259,7 +259,10 @@ fn cache_flags_reach_the_engine() {
         "refcount_cache_bytes: 16384",
         "clean_interval_secs: 7",
     ] {
-        assert!(log.contains(want), "{want} not in the -v log:\n{log}");
+        assert!(
+            log.contains(want),
+            "{want} not in the --log=info log:\n{log}"
+        );
     }
     assert_check_clean(&img);
     let reads: Vec<String> = (0..64u64)

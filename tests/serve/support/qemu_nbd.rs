@@ -64,6 +64,15 @@ impl QemuNbd {
         assert!(status.is_some(), "qemu-nbd did not stop on SIGTERM");
     }
 
+    /// [`QemuNbd::stop`], returning what qemu-nbd wrote on stderr.
+    pub fn stop_stderr(mut self) -> String {
+        let mut stderr = self.child.stderr.take().expect("stderr piped");
+        self.stop();
+        let mut err = String::new();
+        stderr.read_to_string(&mut err).unwrap();
+        err
+    }
+
     /// URI of a named export.
     pub fn uri_of(&self, export: &str) -> String {
         format!("nbd+unix:///{export}?socket={}", self.socket.display())
