@@ -62,7 +62,7 @@ pub fn main(args: &CheckArgs) -> ExitCode {
     match run(args) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("qcow2-nbd: {e}");
+            eprintln!("{}: {e}", crate::prog::name());
             ExitCode::from(1)
         }
     }
@@ -85,7 +85,10 @@ fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
     ) {
         Ok(o) => o,
         Err(CheckError::NotQcow2 { .. }) => {
-            eprintln!("qcow2-nbd: This image format does not support checks");
+            eprintln!(
+                "{}: This image format does not support checks",
+                crate::prog::name()
+            );
             return Ok(63);
         }
         Err(

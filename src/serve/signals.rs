@@ -34,9 +34,10 @@ impl ShutdownSignals {
             let _ = first_tx.send(());
             let name = self.next().await;
             eprintln!(
-                "qcow2-nbd: {name} during shutdown: exiting at once without writing back the \
+                "{}: {name} during shutdown: exiting at once without writing back the \
                  caches; the image stays consistent but may leak clusters \
-                 (`qcow2-nbd check -r leaks` reclaims them)"
+                 (`qcow2-nbd check -r leaks` reclaims them)",
+                crate::prog::name()
             );
             std::process::exit(1);
         });

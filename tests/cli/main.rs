@@ -10,6 +10,7 @@ mod compare_measure;
 mod convert_map_interop;
 mod convert_qcow2;
 mod create;
+mod drop_in;
 mod interop_writes;
 mod resize;
 mod snapshot;
