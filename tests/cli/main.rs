@@ -12,6 +12,7 @@ mod convert_qcow2;
 mod create;
 mod drop_in;
 mod interop_writes;
+mod qemu_img_options;
 mod resize;
 mod snapshot;
 mod space;
