@@ -93,3 +93,29 @@ fn info_takes_the_format() {
         p.same(args);
     }
 }
+
+/// qemu-img announces an image ("Formatting ...") before its driver checks the settings, so
+/// a refused combination prints the line and then the reason.
+#[test]
+fn create_prints_the_formatting_line_before_refusing() {
+    let p = Pair::new(|_| {});
+    for opts in [
+        "refcount_bits=0",
+        "refcount_bits=128",
+        "cluster_size=1000",
+        "compat=0.10,lazy_refcounts=on",
+        "compat=0.10,extended_l2=on",
+        "extended_l2=on,cluster_size=4k",
+    ] {
+        p.same(&["create", "-f", "qcow2", "-o", opts, "x.qcow2", "64M"]);
+    }
+    p.same(&[
+        "create",
+        "-f",
+        "raw",
+        "-o",
+        "preallocation=metadata",
+        "r",
+        "1M",
+    ]);
+}
