@@ -1,4 +1,4 @@
-//! `qcow2-nbd check [-r leaks|all] [--output human|json] IMG`: `qemu-img check` for qcow2,
+//! `qcow2-nbd check [-f FMT] [-r leaks|all] [--output human|json] IMG`: `qemu-img check` for qcow2,
 //! with its output (findings on stderr, the summary on stdout) and its exit codes: 0 clean,
 //! 1 check not completed, 2 corruptions, 3 leaks only, 63 not a format with checks.
 
@@ -27,6 +27,10 @@ pub struct CheckArgs {
     /// Output layout.
     #[arg(long, value_enum, default_value_t = CheckOutput::Human)]
     pub output: CheckOutput,
+    /// The image's format: qcow2 is checked; raw (which has nothing to check) exits 63, as
+    /// qemu-img does. Probed when not given.
+    #[arg(short = 'f', long = "format")]
+    pub format: Option<String>,
     #[command(flatten)]
     pub share: crate::engine_run::ForceShare,
     /// The qcow2 image file.
@@ -43,6 +47,18 @@ enum CheckCliError {
     /// The file could not be opened or is not an image QEMU would open.
     #[error("Could not open '{path}': {source}")]
     Open { path: String, source: CheckError },
+    /// The file itself could not be opened (qemu-img names it twice: the image, the file).
+    #[error("Could not open '{path}': Could not open '{path}': {}", crate::engine_run::plain_io(.source))]
+    OpenFile {
+        path: String,
+        source: std::io::Error,
+    },
+    /// `-f` names a format we do not have (qemu-img's words for a driver it lacks).
+    #[error("Could not open '{path}': Unknown driver '{format}'")]
+    UnknownDriver { path: String, format: String },
+    /// `-f qcow2` on a file that is not qcow2.
+    #[error("Could not open '{path}': Image is not in qcow2 format")]
+    NotQcow2 { path: String },
     /// `-U` asks to share writes, which a repair cannot allow (qemu-img's words).
     #[error("Could not open '{path}': force-share=on can only be used with read-only images")]
     ForceShareRepair { path: String },
@@ -62,7 +78,7 @@ pub fn main(args: &CheckArgs) -> ExitCode {
     match run(args) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("qcow2-nbd: {e}");
+            eprintln!("{}: {e}", crate::prog::name());
             ExitCode::from(1)
         }
     }
@@ -74,6 +90,31 @@ fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
     if args.share.force_share && args.repair.is_some() {
         return Err(CheckCliError::ForceShareRepair { path });
     }
+    let not_checkable = || {
+        eprintln!(
+            "{}: This image format does not support checks",
+            crate::prog::name()
+        );
+        Ok(63)
+    };
+    let qcow2_given = match args.format.as_deref() {
+        None => false,
+        Some("qcow2") => true,
+        Some("raw") => {
+            // The file must open all the same, as QEMU opens it before asking the driver.
+            std::fs::File::open(&args.image).map_err(|source| CheckCliError::OpenFile {
+                path: path.clone(),
+                source,
+            })?;
+            return not_checkable();
+        }
+        Some(other) => {
+            return Err(CheckCliError::UnknownDriver {
+                path,
+                format: other.to_string(),
+            })
+        }
+    };
     let mut log = |f: check::Finding| eprintln!("{}", f.message);
     let locking = crate::engine_run::locking();
     let outcome = match check::check_path(
@@ -84,17 +125,16 @@ fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
         &mut log,
     ) {
         Ok(o) => o,
-        Err(CheckError::NotQcow2 { .. }) => {
-            eprintln!("qcow2-nbd: This image format does not support checks");
-            return Ok(63);
+        Err(CheckError::NotQcow2 { .. }) if qcow2_given => {
+            return Err(CheckCliError::NotQcow2 { path });
         }
-        Err(
-            e @ (CheckError::Open { .. }
-            | CheckError::Io {
-                what: "opening the image",
-                ..
-            }),
-        ) => {
+        Err(CheckError::NotQcow2 { .. }) => return not_checkable(),
+        Err(CheckError::Io {
+            what: "opening the image",
+            source,
+            ..
+        }) => return Err(CheckCliError::OpenFile { path, source }),
+        Err(e @ CheckError::Open { .. }) => {
             return Err(CheckCliError::Open { path, source: e });
         }
         Err(e) => return Err(CheckCliError::Failed(e)),

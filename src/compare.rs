@@ -521,7 +521,7 @@ fn say(quiet: bool, line: &str) {
 pub fn main(args: &CompareArgs) -> ExitCode {
     match engine_run::block_on(compare(args)) {
         Err(e) => {
-            eprintln!("qcow2-nbd: starting the runtime: {e}");
+            eprintln!("{}: starting the runtime: {e}", crate::prog::name());
             ExitCode::from(2)
         }
         Ok(Ok(None)) => {
@@ -533,7 +533,7 @@ pub fn main(args: &CompareArgs) -> ExitCode {
             ExitCode::from(1)
         }
         Ok(Err(e)) => {
-            eprintln!("qcow2-nbd: {e}");
+            eprintln!("{}: {e}", crate::prog::name());
             ExitCode::from(e.exit_code())
         }
     }

@@ -501,7 +501,8 @@ async fn bitmaps_to_copy(
             return Err(ConvertError::InconsistentBitmap(b.name.clone()));
         }
         eprintln!(
-            "qcow2-nbd: warning: Skipping inconsistent bitmap '{}'",
+            "{}: warning: Skipping inconsistent bitmap '{}'",
+            crate::prog::name(),
             b.name
         );
     }

@@ -221,6 +221,14 @@ pub struct Qcow2Plan {
 /// Decides the qcow2 settings from parsed options, with qemu-img's checks and messages (size
 /// and backing file are checked by the caller, which knows them).
 pub fn qcow2_plan(p: &Parsed, has_backing: bool) -> Result<Qcow2Plan, String> {
+    let plan = qcow2_settings(p)?;
+    check_qcow2_plan(&plan, has_backing)?;
+    Ok(plan)
+}
+
+/// The qcow2 settings the options name, unchecked: what qemu-img's "Formatting" line shows
+/// before the driver refuses a combination.
+fn qcow2_settings(p: &Parsed) -> Result<Qcow2Plan, String> {
     let version = match p.str("compat") {
         None | Some("1.1") | Some("v3") => 3,
         Some("0.10") | Some("v2") => 2,
@@ -257,6 +265,30 @@ pub fn qcow2_plan(p: &Parsed, has_backing: bool) -> Result<Qcow2Plan, String> {
     let lazy_refcounts = p.bool("lazy_refcounts").unwrap_or(false);
     let cluster_size = p.num("cluster_size").unwrap_or(65536);
     let refcount_bits = p.num("refcount_bits").unwrap_or(16);
+    Ok(Qcow2Plan {
+        opts: CreateOptions {
+            size: 0,
+            cluster_size,
+            extended_l2,
+            // Out of range values saturate; the check refuses them.
+            refcount_bits: u32::try_from(refcount_bits).unwrap_or(u32::MAX),
+            compression,
+            lazy_refcounts,
+            version,
+            preallocation,
+            backing: None,
+        },
+        compat: p.str("compat").map(str::to_string),
+        prealloc_text: p.str("preallocation").map(str::to_string),
+    })
+}
+
+/// qemu-img's checks of a combination of qcow2 settings, with its messages.
+fn check_qcow2_plan(plan: &Qcow2Plan, has_backing: bool) -> Result<(), String> {
+    let o = &plan.opts;
+    let (version, extended_l2, lazy_refcounts) = (o.version, o.extended_l2, o.lazy_refcounts);
+    let (cluster_size, refcount_bits) = (o.cluster_size, u64::from(o.refcount_bits));
+    let (preallocation, compression) = (o.preallocation, o.compression);
     const V3: &str = "(use version=v3 or greater)";
     if version < 3 && extended_l2 {
         return Err(format!(
@@ -296,22 +328,7 @@ pub fn qcow2_plan(p: &Parsed, has_backing: bool) -> Result<Qcow2Plan, String> {
             "Non-zlib compression type is only supported with compatibility level 1.1 and above {V3}"
         ));
     }
-    Ok(Qcow2Plan {
-        opts: CreateOptions {
-            size: 0,
-            cluster_size,
-            extended_l2,
-            // At most 64 (checked above).
-            refcount_bits: u32::try_from(refcount_bits).unwrap_or(64),
-            compression,
-            lazy_refcounts,
-            version,
-            preallocation,
-            backing: None,
-        },
-        compat: p.str("compat").map(str::to_string),
-        prealloc_text: p.str("preallocation").map(str::to_string),
-    })
+    Ok(())
 }
 
 /// The `preallocation` of a raw image, with qemu-img's messages.
@@ -547,11 +564,11 @@ async fn create_raw_image(
 ) -> Result<(), CreateError> {
     let invalid = CreateError::invalid(image);
     let prealloc_text = parsed.str("preallocation");
-    let prealloc = raw_preallocation(prealloc_text).map_err(&invalid)?;
     let size = size.ok_or_else(|| invalid("Image creation needs a size parameter".into()))?;
     if !args.quiet {
         println!("{}", formatting_line(image, size, None, prealloc_text));
     }
+    let prealloc = raw_preallocation(prealloc_text).map_err(&invalid)?;
     create_raw(path, size, prealloc)
         .await
         .map_err(|source| CreateError::Io {
@@ -569,13 +586,16 @@ async fn create_qcow2_image(
     size: Option<u64>,
 ) -> Result<(), CreateError> {
     let invalid = CreateError::invalid(image);
-    let mut plan = qcow2_plan(parsed, parsed.str("backing_file").is_some()).map_err(&invalid)?;
+    let mut plan = qcow2_settings(parsed).map_err(&invalid)?;
     let size = set_backing(args, path, image, parsed, &mut plan.opts, size).await?;
     let size = size.ok_or_else(|| invalid("Image creation needs a size parameter".into()))?;
     plan.opts.size = size;
+    // qemu-img announces the image before its driver checks the settings, so a refused
+    // combination still prints the line.
     if !args.quiet {
         println!("{}", formatting_line(image, size, Some(&plan), None));
     }
+    check_qcow2_plan(&plan, parsed.str("backing_file").is_some()).map_err(&invalid)?;
     check_qcow2_size(&plan.opts).map_err(&invalid)?;
     create_qcow2(path, &plan.opts)
         .await

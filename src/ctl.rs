@@ -82,7 +82,7 @@ pub fn main(args: &CtlArgs) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("qcow2-nbd: {e}");
+            eprintln!("{}: {e}", crate::prog::name());
             ExitCode::FAILURE
         }
     }

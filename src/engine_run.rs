@@ -164,7 +164,7 @@ pub fn exit_code<E: Display>(result: Result<(), E>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("qcow2-nbd: {e}");
+            eprintln!("{}: {e}", crate::prog::name());
             ExitCode::FAILURE
         }
     }

@@ -23,8 +23,11 @@ pub enum OutputFormat {
 /// Arguments of `info`.
 #[derive(Args, Debug)]
 pub struct InfoArgs {
-    /// The qcow2 image file.
+    /// The image file (qcow2 or raw).
     pub image: PathBuf,
+    /// The image's format (qcow2 or raw); probed when not given (the qcow2 magic, else raw).
+    #[arg(short = 'f', long = "format")]
+    pub format: Option<String>,
     /// Output layout.
     #[arg(long, value_enum, default_value_t = OutputFormat::Human)]
     pub output: OutputFormat,
@@ -57,6 +60,17 @@ pub enum InfoError {
     /// A backing file cannot be followed safely.
     #[error(transparent)]
     Backing(#[from] BackingError),
+    /// `-f` names a format we do not have (qemu-img's words for a driver it lacks).
+    #[error("Could not open '{path}': Unknown driver '{format}'")]
+    UnknownDriver {
+        /// The file.
+        path: String,
+        /// The name given.
+        format: String,
+    },
+    /// `-f qcow2` on a file that is not qcow2 (qemu-img's words).
+    #[error("Could not open '{0}': Image is not in qcow2 format")]
+    NotQcow2(String),
     /// The backing format is one we cannot read.
     #[error("{path}: backing file format {format:?} is not supported (only qcow2 and raw)")]
     UnsupportedFormat {
@@ -154,15 +168,36 @@ fn backing_format(path: &Path, recorded: Option<&str>) -> Result<Format, InfoErr
     }
 }
 
-/// Collects the reports for the image and, with `backing_chain`, every backing file.
+/// The image's own format: `-f` as given (a qcow2 file is checked for its magic, as QEMU
+/// checks it), or probed.
+fn image_format(image: &Path, given: Option<&str>) -> Result<Format, InfoError> {
+    let probed = || backing_format(image, None);
+    match given {
+        None => probed(),
+        Some("raw") => Ok(Format::Raw),
+        Some("qcow2") => match probed()? {
+            Format::Qcow2 => Ok(Format::Qcow2),
+            Format::Raw => Err(InfoError::NotQcow2(image.display().to_string())),
+        },
+        Some(other) => Err(InfoError::UnknownDriver {
+            path: image.display().to_string(),
+            format: other.to_string(),
+        }),
+    }
+}
+
+/// Collects the reports for the image (of format `format`, probed when `None`) and, with
+/// `backing_chain`, every backing file.
 pub fn collect(
     image: &Path,
+    format: Option<&str>,
     backing_chain: bool,
     force_share: bool,
 ) -> Result<Vec<ImageInfo>, InfoError> {
     let mut guard = ChainGuard::default();
     guard.enter(image, image)?;
-    let mut infos = vec![describe(image, Format::Qcow2, force_share)?];
+    let top = image_format(image, format)?;
+    let mut infos = vec![describe(image, top, force_share)?];
     if !backing_chain {
         return Ok(infos);
     }
@@ -182,7 +217,12 @@ pub fn collect(
 
 /// Runs `info`.
 pub fn run(args: &InfoArgs) -> Result<(), InfoError> {
-    let infos = collect(&args.image, args.backing_chain, args.share.force_share)?;
+    let infos = collect(
+        &args.image,
+        args.format.as_deref(),
+        args.backing_chain,
+        args.share.force_share,
+    )?;
     let mut out = io::stdout().lock();
     match args.output {
         OutputFormat::Json if args.backing_chain => {

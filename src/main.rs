@@ -16,6 +16,7 @@ mod malloc_tuning;
 mod map;
 mod measure;
 mod options;
+mod prog;
 mod progress;
 mod rebase;
 mod resize;
@@ -30,7 +31,14 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// Command-line interface.
 #[derive(Parser, Debug)]
-#[command(name = "qcow2-nbd", version, about = "qcow2 image tools")]
+#[command(
+    name = "qcow2-nbd",
+    version,
+    about = "qcow2 image tools",
+    after_help = "Invoked as `qemu-img` (a link or `exec -a`), it takes qemu-img's command \
+                  lines; as `qemu-nbd`, serve's options without the subcommand. Messages \
+                  then begin with that name."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -85,8 +93,24 @@ fn main() -> ExitCode {
     malloc_tuning::tune_for_io_buffers();
     // The matches are kept: `bitmap` runs its operations in command-line order, which only
     // they record.
-    let matches = Cli::command().get_matches();
-    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let personality = prog::Personality::from_argv0(args.first());
+    prog::set(personality);
+    let name = personality.name();
+    let parsed = Cli::command()
+        .name(name)
+        .bin_name(name)
+        .try_get_matches_from(personality.native_args(args))
+        .and_then(|m| Cli::from_arg_matches(&m).map(|cli| (m, cli)));
+    let (matches, cli) = match parsed {
+        Ok(p) => p,
+        // QEMU's tools exit 1 on a bad command line; ours, as clap does, 2.
+        Err(e) if e.use_stderr() && personality != prog::Personality::Native => {
+            let _ = e.print();
+            return ExitCode::FAILURE;
+        }
+        Err(e) => e.exit(),
+    };
     engine_run::set_locking(cli.locking);
     let result = match &cli.command {
         Command::Info(args) => info::run(args),
@@ -111,7 +135,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("qcow2-nbd: {e}");
+            eprintln!("{}: {e}", prog::name());
             ExitCode::FAILURE
         }
     }

@@ -133,6 +133,8 @@ struct Job {
     new: Option<Image<AnyStorage>>,
     /// Compare and write unit: the image's subcluster.
     unit: u64,
+    /// The old backing file's size (0 without one): past it the old chain reads zeros.
+    old_end: u64,
     buffers: BufferPool,
     progress: Progress<std::io::Stderr>,
 }
@@ -222,7 +224,9 @@ impl Job {
     }
 
     /// Writes the old contents of every run of units where `old` and `new` differ (`new`
-    /// absent: reads as zeros): zero runs as zero writes (no data), the rest as data.
+    /// absent: reads as zeros). As in qemu-img, a run that starts past the end of the old
+    /// backing file (where the old chain reads zeros without asking it) is written as zeros,
+    /// every other run as data, zeros included, so the image allocates what QEMU's would.
     async fn write_differences(
         &self,
         off: u64,
@@ -250,10 +254,9 @@ impl Job {
                 .map_or(differs.len(), |k| i + k);
             let (a, b) = (i * unit, (j * unit).min(old.len()));
             let at = off + a as u64;
-            if is_zero(&old[a..b]) {
-                self.image
-                    .write_zeroes(at, (b - a) as u64, false, false)
-                    .await?;
+            if at >= self.old_end {
+                // Flags even without an old backing file: the new one must not show through.
+                self.image.write_zero_flags(at, (b - a) as u64).await?;
             } else {
                 self.image
                     .write(at, IoBuf::from_slice(&old[a..b]), false)
@@ -273,7 +276,10 @@ async fn reads_zero(img: &Image<AnyStorage>, off: u64, len: u64) -> Result<bool,
 
 /// The ranges of `[pos, pos + len)` to compare, unit-aligned: what the image does not
 /// allocate itself, and, when the new backing file is the old chain's layer `same_from`,
-/// only what a layer above it provides (below, both sides read the same files).
+/// only what the old chain does not read from that layer or below (there both sides read the
+/// same files). A range past the end of a shorter layer above `same_from` reads as zeros in
+/// the old chain without reaching it (block status gives the deepest layer that covers it),
+/// so it is compared too.
 async fn ranges_to_compare(
     image: &Image<AnyStorage>,
     pos: u64,
@@ -285,7 +291,7 @@ async fn ranges_to_compare(
     let mut ranges: Vec<(u64, u64)> = Vec::new();
     for e in image.block_status(pos, len).await? {
         let own = e.present && e.depth == 0;
-        let shared = same_from.is_some_and(|k| !e.present || e.depth >= k);
+        let shared = same_from.is_some_and(|k| e.depth >= k);
         if own || shared {
             continue;
         }
@@ -311,6 +317,9 @@ async fn copy_differences(
     inflight: &mut InFlight,
 ) -> Result<(), CopyError> {
     let size = job.image.size();
+    // Within the chain, qemu-img's requests end where the old backing file does (its
+    // allocation query stops there), which decides which runs it writes as zeros: so do ours.
+    let split = same_from.map(|_| job.old_end.div_ceil(job.unit).saturating_mul(job.unit));
     let mut issued = 0u64;
     let mut pos = 0u64;
     while pos < size {
@@ -322,7 +331,10 @@ async fn copy_differences(
             issued = end;
             let mut off = s;
             while off < end {
-                let n = (REQUEST_BYTES - off % REQUEST_BYTES).min(end - off);
+                let mut n = (REQUEST_BYTES - off % REQUEST_BYTES).min(end - off);
+                if let Some(at) = split.filter(|&at| off < at && at < off + n) {
+                    n = at - off;
+                }
                 inflight.spawn(job.clone().rebase_range(off, n)).await?;
                 off += n;
             }
@@ -411,6 +423,7 @@ async fn rebase(args: &RebaseArgs) -> Result<(), RebaseError> {
         image: image.clone(),
         new: new.map(|(img, _)| img),
         unit: image.facts().subcluster_size,
+        old_end: image.chain_sizes().get(1).copied().unwrap_or(0),
         buffers: BufferPool::default(),
         progress: Progress::stderr(image.size(), progress::wanted(args.progress, args.quiet)),
     });

@@ -71,11 +71,12 @@ enum ResizeCliError {
     PreallocNotGrowing,
     #[error(
         "Use the --shrink option to perform a shrink operation.\n\
-         qcow2-nbd: warning: Shrinking an image will delete all data beyond the shrunken \
+         {0}: warning: Shrinking an image will delete all data beyond the shrunken \
          image's end. Before performing such an operation, make sure there is no important \
          data there."
     )]
-    ShrinkNotAllowed,
+    /// With the program name the warning line begins with.
+    ShrinkNotAllowed(&'static str),
     #[error(transparent)]
     Open(#[from] OpenError),
     #[error("{}", engine_reason(.0))]
@@ -141,7 +142,7 @@ fn new_size(
         return Err(ResizeCliError::PreallocNotGrowing);
     }
     if total < current && !shrink {
-        return Err(ResizeCliError::ShrinkNotAllowed);
+        return Err(ResizeCliError::ShrinkNotAllowed(crate::prog::name()));
     }
     Ok(total)
 }

@@ -159,7 +159,7 @@ pub fn run(args: &ServeArgs) -> ExitCode {
     match serve(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("qcow2-nbd: {e}");
+            eprintln!("{}: {e}", crate::prog::name());
             ExitCode::FAILURE
         }
     }

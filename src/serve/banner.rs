@@ -41,7 +41,8 @@ pub fn text(banner: &Banner<'_>) -> String {
     let mut out = String::new();
     for e in banner.exports {
         out.push_str(&format!(
-            "qcow2-nbd: serving {} ({}{}) as export {:?}; Ctrl-C stops it.\n",
+            "{}: serving {} ({}{}) as export {:?}; Ctrl-C stops it.\n",
+            crate::prog::name(),
             e.image.display(),
             human(e.size),
             if e.read_only { ", read-only" } else { "" },

@@ -297,3 +297,61 @@ fn convert_copies_bitmaps_as_qemu_img_convert_does() {
         );
     }
 }
+
+/// `qemu-img check --output=json`'s image end offset and the file's length: where the
+/// clusters of a store went.
+fn layout(d: &Dir, image: &str) -> (u64, u64) {
+    let end = d.check_json(image)["image-end-offset"]
+        .as_u64()
+        .expect("image-end-offset");
+    let len = std::fs::metadata(d.path(image)).expect("stat").len();
+    (end, len)
+}
+
+/// A bitmap whose data is QEMU's largest (512 MiB: 2 TiB at 512-byte granularity, with 2 MiB
+/// clusters) is valid: we read the image QEMU made and measure what a copy needs as
+/// qemu-img does; and adding bitmaps one call after another rewrites the earlier ones as
+/// qemu-img does, leaving the same file.
+#[test]
+fn the_largest_bitmap_qemu_makes_is_read_and_stored_as_qemu_does() {
+    let d = Dir::new();
+    for f in ["qemu.qcow2", "ours.qcow2"] {
+        d.create(f, "qcow2", "cluster_size=2M", None, "2T");
+    }
+    let adds: &[(&[&str], &str)] = &[(&["-g", "512"], "b1"), (&["-g", "2M"], "b2"), (&[], "b3")];
+    for (opts, name) in adds {
+        for (tool, img) in [("qemu-img", "qemu.qcow2"), (BIN, "ours.qcow2")] {
+            let mut args = vec!["bitmap", "--add", "-f", "qcow2"];
+            args.extend_from_slice(opts);
+            args.extend_from_slice(&[img, name]);
+            let out = d.run(tool, &args);
+            assert!(out.status.success(), "{tool} {args:?}: {}", text(&out));
+        }
+    }
+    assert_check_clean(&d.path("ours.qcow2"));
+    assert_eq!(layout(&d, "ours.qcow2"), layout(&d, "qemu.qcow2"));
+    let info = d.run(BIN, &["info", "--output=json", "qemu.qcow2"]);
+    assert!(info.status.success(), "info: {}", text(&info));
+    for args in [
+        &[
+            "measure",
+            "-O",
+            "qcow2",
+            "-o",
+            "cluster_size=64k",
+            "-f",
+            "qcow2",
+        ][..],
+        &["measure", "--output=json", "-O", "qcow2", "-f", "qcow2"][..],
+    ] {
+        let mut args = args.to_vec();
+        args.push("qemu.qcow2");
+        let (q, o) = (d.run("qemu-img", &args), d.run(BIN, &args));
+        assert!(o.status.success(), "{args:?}: {}", text(&o));
+        assert_eq!(
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&q.stdout),
+            "{args:?}"
+        );
+    }
+}

@@ -392,3 +392,158 @@ fn rebase_refuses_before_changing_anything() {
         "a refused rebase changed the image"
     );
 }
+
+/// A rebase onto a file of the old chain must keep what reads past the end of a shorter
+/// layer between the image and that file: zeros in the old chain, whatever the new backing
+/// file holds there. Each chain is listed top first as (name, size in KiB, fill pattern, 0
+/// for none), the last being the new backing file, with where the old chain reads zeros to
+/// the end.
+#[test]
+fn rebase_keeps_zeros_past_a_shorter_old_layer() {
+    type Chain<'a> = (&'a [(&'a str, u64, u8)], u64);
+    let chains: &[Chain] = &[
+        (
+            &[("top", 320, 0), ("old", 256, 0x22), ("new", 320, 0x11)],
+            256,
+        ),
+        (
+            &[
+                ("top", 320, 0),
+                ("mid", 256, 0),
+                ("old", 192, 0x22),
+                ("new", 320, 0x11),
+            ],
+            192,
+        ),
+        (
+            &[
+                ("top", 320, 0),
+                ("mid", 256, 0x33),
+                ("old", 192, 0x22),
+                ("new", 320, 0x11),
+            ],
+            256,
+        ),
+        (&[("top", 320, 0), ("old", 128, 0), ("new", 320, 0x11)], 128),
+    ];
+    for opts in ["cluster_size=64k", "extended_l2=on,cluster_size=64k"] {
+        for &(layers, zeros_from) in chains {
+            let q = Dir::new();
+            for (i, &(name, kib, pattern)) in layers.iter().enumerate().rev() {
+                let file = format!("{name}.qcow2");
+                let size = format!("{kib}k");
+                let mut args = vec!["create", "-q", "-f", "qcow2", "-o", opts];
+                let below = layers.get(i + 1).map(|l| format!("{}.qcow2", l.0));
+                if let Some(b) = &below {
+                    args.extend_from_slice(&["-b", b, "-F", "qcow2"]);
+                }
+                args.extend_from_slice(&[&file, &size]);
+                q.qemu_img(&args);
+                if pattern != 0 {
+                    let w = format!("write -P {pattern:#x} 0 {kib}k");
+                    q.qemu_io("qcow2", &file, &[&w]);
+                }
+            }
+            // Data of the top itself must stay as it is.
+            q.qemu_io("qcow2", "top.qcow2", &["write -P 0x44 40k 16k"]);
+            let o = Dir::new();
+            for l in layers.iter() {
+                let file = format!("{}.qcow2", l.0);
+                std::fs::copy(q.path(&file), o.path(&file)).expect("copy image");
+            }
+            let what = format!("{opts}: {layers:?}");
+            let args = [
+                "rebase",
+                "-q",
+                "-b",
+                "new.qcow2",
+                "-F",
+                "qcow2",
+                "top.qcow2",
+            ];
+            q.qemu_img(&args);
+            assert_eq!(o.ok(BIN, &args), "", "{what}");
+            o.assert_check_clean("top.qcow2");
+            let zeros = format!("read -P 0 {zeros_from}k {}k", 320 - zeros_from);
+            o.qemu_io("qcow2", "top.qcow2", &[&zeros, "read -P 0x44 40k 16k"]);
+            let same = q
+                .run(
+                    "qemu-img",
+                    &[
+                        "compare",
+                        "-f",
+                        "qcow2",
+                        "-F",
+                        "qcow2",
+                        "top.qcow2",
+                        &o.s("top.qcow2"),
+                    ],
+                )
+                .status;
+            assert!(same.success(), "{what}: top differs from QEMU's");
+            let diff = compare_maps(
+                &own_map(&o, "top.qcow2"),
+                &own_map(&q, "top.qcow2"),
+                320 << 10,
+                None,
+            );
+            assert!(
+                diff.mismatches.is_empty(),
+                "{what}: map {:?}",
+                diff.mismatches
+            );
+        }
+    }
+}
+
+/// An image without a backing file reads zeros where it allocates nothing; rebased onto a
+/// file with data there, it must keep reading zeros, with zero clusters as QEMU writes them
+/// (as zero data on version 2 images, where QEMU lets the new backing file show through).
+#[test]
+fn rebase_of_an_image_without_backing_keeps_its_zeros() {
+    for opts in [
+        "cluster_size=64k",
+        "extended_l2=on,cluster_size=64k",
+        "compat=0.10",
+    ] {
+        let q = Dir::new();
+        for f in ["t.qcow2", "n.qcow2"] {
+            q.qemu_img(&["create", "-q", "-f", "qcow2", "-o", opts, f, "384k"]);
+        }
+        q.qemu_io("qcow2", "t.qcow2", &["write -P 0x22 0 128k"]);
+        q.qemu_io(
+            "qcow2",
+            "n.qcow2",
+            &["write -P 0x11 64k 64k", "write -P 0x11 256k 64k"],
+        );
+        let o = Dir::new();
+        for f in ["t.qcow2", "n.qcow2"] {
+            std::fs::copy(q.path(f), o.path(f)).expect("copy image");
+        }
+        let args = ["rebase", "-q", "-b", "n.qcow2", "-F", "qcow2", "t.qcow2"];
+        q.qemu_img(&args);
+        assert_eq!(o.ok(BIN, &args), "", "{opts}");
+        o.assert_check_clean("t.qcow2");
+        o.qemu_io(
+            "qcow2",
+            "t.qcow2",
+            &["read -P 0x22 0 128k", "read -P 0 128k 256k"],
+        );
+        if opts == "compat=0.10" {
+            // Without zero flags qemu-img leaves the range unallocated, so the new backing
+            // file's data shows through: we write zeros as data instead.
+            continue;
+        }
+        let diff = compare_maps(
+            &own_map(&o, "t.qcow2"),
+            &own_map(&q, "t.qcow2"),
+            384 << 10,
+            None,
+        );
+        assert!(
+            diff.mismatches.is_empty(),
+            "{opts}: map {:?}",
+            diff.mismatches
+        );
+    }
+}

@@ -98,6 +98,17 @@ impl<S: Storage + 'static> Image<S> {
             .collect()
     }
 
+    /// The guest size of each file of the chain, layer 0 first (the order of
+    /// [`ImageFacts::chain`]).
+    pub fn chain_sizes(&self) -> Vec<u64> {
+        self.inner
+            .chain
+            .layers
+            .iter()
+            .map(|l| l.size.get())
+            .collect()
+    }
+
     /// Facts about the image.
     pub fn facts(&self) -> ImageFacts {
         let top = self.inner.chain.top();

@@ -28,6 +28,21 @@ impl<S: Storage + 'static> Image<S> {
     ) -> Result<()> {
         self.inner.write_zeroes(offset, len, may_unmap, fast).await
     }
+
+    /// Like [`Image::write_zeroes`] (no unmapping, never fast), but where nothing is
+    /// allocated and no backing file shows through, zero flags are written all the same, as
+    /// QEMU writes them: for a caller that is about to give the image a backing file whose
+    /// data must not show through there (`rebase`).
+    pub async fn write_zero_flags(&self, offset: u64, len: u64) -> Result<()> {
+        let inner = &self.inner;
+        inner.check_writable()?;
+        inner.check_range(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        inner.track(offset, len);
+        inner.zero_range(offset, len, false, false, true).await
+    }
 }
 
 impl<S: Storage + 'static> Inner<S> {
@@ -56,6 +71,19 @@ impl<S: Storage + 'static> Inner<S> {
         may_unmap: bool,
         fast: bool,
     ) -> Result<()> {
+        self.zero_range(offset, len, may_unmap, fast, false).await
+    }
+
+    /// Zeroes a checked, non-empty range; `flag_unallocated` writes zero flags even where
+    /// the range already reads as zeros because nothing is allocated and nothing is below.
+    async fn zero_range(
+        &self,
+        offset: u64,
+        len: u64,
+        may_unmap: bool,
+        fast: bool,
+        flag_unallocated: bool,
+    ) -> Result<()> {
         let top = self.chain.top();
         let Some(meta) = top.qcow2() else {
             if fast && !top.file.zeroes_are_cheap() {
@@ -78,7 +106,9 @@ impl<S: Storage + 'static> Inner<S> {
         let z = Zeroing {
             geom: meta.geom,
             size: top.size.get(),
-            has_backing: self.chain.layers.len() > 1,
+            // Zeroing as if a backing file showed through is what writes the flags (and,
+            // without zero flags, zero data) where nothing is allocated.
+            has_backing: self.chain.layers.len() > 1 || flag_unallocated,
             v3: meta.header.borrow().version >= 3,
             may_unmap,
         };

@@ -169,6 +169,44 @@ impl BitmapDirectoryEntry {
         self.flags & FLAG_AUTO != 0
     }
 
+    /// QEMU's per-entry constraints that depend on the disk (the rest of `check_dir_entry`):
+    /// the data the table addresses is at most 512 MiB, and a bitmap saved cleanly (not in
+    /// use) addresses the whole disk of `disk_size` bytes. An in-use bitmap may be too short,
+    /// as one not saved after a resize is.
+    pub fn check_table_size(
+        &self,
+        disk_size: u64,
+        cluster_size: u64,
+        at: Location,
+    ) -> Result<(), FormatError> {
+        let data = u64::from(self.table_size).saturating_mul(cluster_size);
+        if data > limits::MAX_BITMAP_DATA_BYTES {
+            return Err(FormatError::LimitExceeded {
+                at,
+                field: "bitmap_table_size",
+                value: self.table_size.into(),
+                limit: limits::MAX_BITMAP_DATA_BYTES / cluster_size.max(1),
+                why: "QEMU's limit of 512 MiB of data per bitmap",
+            });
+        }
+        // QEMU measures the disk in whole sectors. data <= 2^29 and granularity_bits <= 31
+        // (checked when decoded), so the covered size fits in 64 bits.
+        let disk = disk_size.div_ceil(512).saturating_mul(512);
+        let covered = data
+            .saturating_mul(8)
+            .checked_shl(self.granularity_bits.into())
+            .unwrap_or(u64::MAX);
+        if !self.in_use() && disk > covered {
+            return Err(FormatError::InvalidValue {
+                at,
+                field: "bitmap_table_size",
+                value: self.table_size.into(),
+                reason: "too small to cover the disk at the bitmap's granularity",
+            });
+        }
+        Ok(())
+    }
+
     /// The name for display (invalid UTF-8 replaced).
     pub fn name_lossy(&self) -> String {
         String::from_utf8_lossy(&self.name).into_owned()

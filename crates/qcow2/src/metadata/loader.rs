@@ -172,8 +172,8 @@ impl<'a, R: MetaSource> Loader<'a, R> {
     }
 
     /// The bitmap directory, if the bitmaps extension is present and consistent. At
-    /// [`Strictness::Open`] a bitmap whose data could not fit in the file is refused, as QEMU
-    /// refuses it; a check reports it in its own words.
+    /// [`Strictness::Open`] a bitmap table too large for QEMU, or too small for the disk, is
+    /// refused, as QEMU refuses it; a check reports it in its own words.
     pub async fn bitmap_directory(
         &self,
         header: &Header,
@@ -191,7 +191,7 @@ impl<'a, R: MetaSource> Loader<'a, R> {
         };
         let entries = bitmap::decode_directory(&dir, ext, geom)?;
         if self.strictness == Strictness::Open {
-            self.bitmaps_fit(&entries, offset, geom)?;
+            self.bitmaps_fit(&entries, offset, header, geom)?;
         }
         Ok(entries)
     }
@@ -200,20 +200,12 @@ impl<'a, R: MetaSource> Loader<'a, R> {
         &self,
         entries: &[BitmapDirectoryEntry],
         directory: u64,
+        header: &Header,
         geom: &Geometry,
     ) -> Result<(), FormatError> {
-        let file_len = self.file_len();
         for (index, entry) in entries.iter().enumerate() {
-            let phys = u64::from(entry.table_size).saturating_mul(geom.cluster_size());
-            if phys > file_len {
-                return Err(FormatError::LimitExceeded {
-                    at: Location::entry(Structure::BitmapDirectory, directory, index as u64),
-                    field: "bitmap_table_size",
-                    value: entry.table_size.into(),
-                    limit: file_len / geom.cluster_size(),
-                    why: "the bitmap's clusters cannot all fit in the image file",
-                });
-            }
+            let at = Location::entry(Structure::BitmapDirectory, directory, index as u64);
+            entry.check_table_size(header.size, geom.cluster_size(), at)?;
         }
         Ok(())
     }

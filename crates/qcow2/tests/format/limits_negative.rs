@@ -709,3 +709,32 @@ fn header_encode_refuses_what_does_not_fit_or_contradicts_the_version() {
         "the 7-byte tail contradicts header_length 104"
     );
 }
+
+/// QEMU's rule for a bitmap table's size against the disk: its data is at most 512 MiB, and a
+/// bitmap saved cleanly covers the whole disk; one left in use may be short (not saved after
+/// a resize). The file's length plays no part.
+#[test]
+fn bitmap_table_size_against_the_disk() {
+    let at = Location::at(Structure::BitmapDirectory, 0);
+    let two_mib = 2u64 << 20;
+    let entry = |table_size: u32, granularity_bits: u8, flags: u32| BitmapDirectoryEntry {
+        table_size,
+        granularity_bits,
+        flags,
+        ..bitmap_entry("b")
+    };
+    // 2 TiB at 512 bytes a bit is 512 MiB of data: 256 table entries of 2 MiB clusters.
+    let largest = entry(256, 9, bitmap::FLAG_AUTO);
+    largest.check_table_size(2 << 40, two_mib, at).unwrap();
+    let err = entry(257, 9, bitmap::FLAG_AUTO)
+        .check_table_size(2 << 40, two_mib, at)
+        .unwrap_err();
+    assert!(matches!(err, FormatError::LimitExceeded { .. }), "{err}");
+    // One entry of 64 KiB clusters at 64 KiB a bit covers 32 GiB.
+    entry(1, 16, 0).check_table_size(32 << 30, CS, at).unwrap();
+    let short = entry(1, 16, 0).check_table_size((32 << 30) + 512, CS, at);
+    assert_eq!(field_of(&short.unwrap_err()), "bitmap_table_size");
+    entry(1, 16, bitmap::FLAG_IN_USE)
+        .check_table_size(64 << 30, CS, at)
+        .unwrap();
+}

@@ -108,28 +108,17 @@ impl<S: Storage + 'static> Allocator<S> {
         self.free_old_bitmaps(old_ext, &freed).await
     }
 
-    /// The directory entry bitmap `b` is stored with, writing its data first if it changed;
-    /// with the entry whose clusters the new one replaces.
+    /// The directory entry bitmap `b` is stored with, writing its data first; with the entry
+    /// whose clusters the new one replaces. Like QEMU, every loaded bitmap gets new clusters,
+    /// changed or not, so the file's layout after a store is the one QEMU's would have.
     async fn stored_form(
         &self,
         b: &Bitmap,
     ) -> Result<(BitmapDirectoryEntry, Option<BitmapDirectoryEntry>)> {
-        let State::Loaded {
-            data,
-            enabled,
-            changed,
-        } = &b.state
-        else {
+        let State::Loaded { data, enabled, .. } = &b.state else {
             return Ok((b.entry.clone(), None));
         };
         let stored = b.entry.table_offset != 0;
-        if stored && !changed {
-            let e = &b.entry;
-            return Ok((
-                stored_entry(b, e.table_offset, e.table_size, *enabled),
-                None,
-            ));
-        }
         let (table, size) = self.write_bitmap_data(data).await?;
         let old = stored.then(|| b.entry.clone());
         Ok((stored_entry(b, table.0, size, *enabled), old))

@@ -8,6 +8,7 @@ use crate::format::be::words;
 use crate::format::bitmap::{
     BitmapDirectoryEntry, BITMAP_TABLE_OFFSET_MASK, BITMAP_TABLE_RESERVED_MASK,
 };
+use crate::format::error::{Location, Structure};
 use crate::format::{Geometry, Header};
 use crate::metadata::{Loader, MetaSource, MetadataError};
 use storage::Storage;
@@ -71,13 +72,13 @@ pub(crate) async fn load_directory<R: MetaSource, S: Storage>(
             MetadataError::Format(e) => broken(e.to_string()),
             other => CheckError::from_metadata(other),
         })?;
-    let file_len = loader.file_len();
     let cs = geom.cluster_size();
-    for e in &entries {
+    for (index, e) in entries.iter().enumerate() {
+        let at = Location::entry(Structure::BitmapDirectory, directory_offset, index as u64);
         if !e.extra_data.is_empty() {
             return Err(broken("Bitmap extra data is not supported".into()));
         }
-        if u64::from(e.table_size).saturating_mul(cs) > file_len {
+        if e.check_table_size(header.size, cs, at).is_err() {
             return Err(broken(format!(
                 "Bitmap '{}' doesn't satisfy the constraints",
                 e.name_lossy()
