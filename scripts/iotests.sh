@@ -190,19 +190,10 @@ scratch=$(mktemp -d "${TMPDIR:-/tmp}/qcow2-nbd-iotests-XXXXXX")
 cleanup() { [ "$keep" = 1 ] && echo "iotests: scratch kept in $scratch" >&2 || rm -rf "$scratch"; }
 trap cleanup EXIT
 
-# How our binary stands in for qemu-img and qemu-nbd: "wrapper" scripts that exec it (adding
-# `serve` for qemu-nbd), or "symlink" once it behaves as the tool it is invoked as.
-link_style=wrapper
+# Our binary stands in for qemu-img and qemu-nbd by name: invoked through a link called
+# qemu-img or qemu-nbd it takes that tool's command lines and speaks with its name.
 ours() { # NAME DEST
-    if [ "$link_style" = symlink ]; then
-        ln -s "$bin" "$2"
-        return
-    fi
-    case "$1" in
-    qemu-img) printf '#!/bin/sh\nexec "%s" "$@"\n' "$bin" >"$2" ;;
-    qemu-nbd) printf '#!/bin/sh\nexec "%s" serve "$@"\n' "$bin" >"$2" ;;
-    esac
-    chmod +x "$2"
+    ln -s "$bin" "$2"
 }
 
 # qemu-system and qemu-storage-daemon: capability queries only; anything else is a VM the

@@ -174,7 +174,7 @@ fn list_exports(args: &ServeArgs) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("qcow2-nbd: {e}");
+            eprintln!("{}: {e}", crate::prog::name());
             ExitCode::FAILURE
         }
     }
