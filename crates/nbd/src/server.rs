@@ -357,23 +357,18 @@ impl<E: Export + 'static> Server<E> {
         tokio::pin!(grace);
         tokio::pin!(force);
         loop {
-            let done = tokio::select! {
-                done = clients.join_next() => done,
-                () = &mut grace, if !*force_tx.borrow() => {
+            let why = tokio::select! {
+                done = clients.join_next() => Ok(done),
+                () = &mut grace, if !*force_tx.borrow() => Err("shutdown grace period over"),
+                () = &mut force, if !*force_tx.borrow() => Err("forced shutdown"),
+            };
+            let done = match why {
+                Ok(done) => done,
+                Err(why) => {
                     if !clients.is_empty() {
                         tracing::warn!(
                             clients = clients.len(),
-                            "shutdown grace period over: closing the remaining connections"
-                        );
-                    }
-                    let _ = force_tx.send(true);
-                    continue;
-                }
-                () = &mut force, if !*force_tx.borrow() => {
-                    if !clients.is_empty() {
-                        tracing::warn!(
-                            clients = clients.len(),
-                            "forced shutdown: closing the remaining connections now"
+                            "{why}: closing the remaining connections now"
                         );
                     }
                     let _ = force_tx.send(true);
