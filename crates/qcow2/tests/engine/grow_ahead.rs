@@ -29,13 +29,16 @@ fn image(dir: &tempfile::TempDir) -> PathBuf {
     path
 }
 
-async fn open_direct(path: &Path) -> Image<AnyStorage> {
-    let opener = FileOpener {
+fn direct_opener() -> FileOpener {
+    FileOpener {
         aio: Aio::IoUring,
         direct: true,
         locking: Locking::Off,
-    };
-    Image::open(&opener, path, &OpenOptions::default())
+    }
+}
+
+async fn open_direct(path: &Path) -> Image<AnyStorage> {
+    Image::open(&direct_opener(), path, &OpenOptions::default())
         .await
         .expect("open with O_DIRECT")
 }
@@ -220,18 +223,15 @@ fn metadata_preallocation_under_o_direct_stays_sparse() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let ours = dir.path().join("ours.qcow2");
     let theirs = dir.path().join("theirs.qcow2");
-    let opener = FileOpener {
-        aio: Aio::IoUring,
-        direct: true,
-        locking: Locking::Off,
-    };
     run(async {
         let opts = CreateOptions {
             size: 2 << 30,
             preallocation: Preallocation::Metadata,
             ..CreateOptions::default()
         };
-        create_file(&opener, &ours, &opts).await.expect("create");
+        create_file(&direct_opener(), &ours, &opts)
+            .await
+            .expect("create");
     });
     qemu_img(&[
         "create",
