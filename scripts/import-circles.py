@@ -232,6 +232,7 @@ class Crate:
         for mod in self.modules.values():
             text = self.files[mod.file]
             body = USE_RE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+            body = MOD_DECL_RE.sub("", body)
             # A re-export only passes a name on (whoever uses it gets an arrow to its definer),
             # unless the re-exporting file uses the name itself.
             paths = [

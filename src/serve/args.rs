@@ -1,13 +1,16 @@
 //! The `serve` command line: qemu-nbd's option names and defaults, and the checks that turn
 //! it into settings (combinations qemu-nbd refuses are refused here too).
 
+pub use super::export_spec::FormatArg;
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
-use qcow2::engine::Format;
 
 use crate::export::{DetectZeroes, DiscardMode};
 use crate::size_string;
+
+/// Default of `--control-clients`.
+pub const DEFAULT_CLIENTS: u16 = 16;
 
 /// Export an image over NBD, like `qemu-nbd`.
 #[derive(Args, Debug, Clone)]
@@ -114,7 +117,7 @@ pub struct ServeArgs {
     pub control: Option<PathBuf>,
 
     /// Most control socket clients at once; a further one is told so and closed.
-    #[arg(long = "control-clients", value_name = "NUM", default_value_t = super::control::DEFAULT_CLIENTS,
+    #[arg(long = "control-clients", value_name = "NUM", default_value_t = DEFAULT_CLIENTS,
           value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub control_clients: u16,
 
@@ -374,24 +377,6 @@ fn parse_offset(s: &str) -> Result<u64, String> {
 
 fn parse_size(s: &str) -> Result<u64, String> {
     size_string::parse_size(s).map_err(|e| e.to_string())
-}
-
-/// `-f`.
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FormatArg {
-    /// qcow2 (versions 2 and 3).
-    Qcow2,
-    /// A raw disk image.
-    Raw,
-}
-
-impl From<FormatArg> for Format {
-    fn from(f: FormatArg) -> Format {
-        match f {
-            FormatArg::Qcow2 => Format::Qcow2,
-            FormatArg::Raw => Format::Raw,
-        }
-    }
 }
 
 /// `--cache`: QEMU's modes, each a combination of O_DIRECT, writethrough and ignored flushes.

@@ -6,7 +6,9 @@
 
 use std::path::PathBuf;
 
-use super::args::FormatArg;
+use clap::ValueEnum;
+use qcow2::engine::Format;
+
 use crate::options;
 
 /// Most `--export` definitions one server takes: each holds an open image, its files, its
@@ -134,6 +136,24 @@ impl Fields {
             description: self.description.unwrap_or_default(),
             bitmaps: self.bitmaps,
         })
+    }
+}
+
+/// `-f`.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FormatArg {
+    /// qcow2 (versions 2 and 3).
+    Qcow2,
+    /// A raw disk image.
+    Raw,
+}
+
+impl From<FormatArg> for Format {
+    fn from(f: FormatArg) -> Format {
+        match f {
+            FormatArg::Qcow2 => Format::Qcow2,
+            FormatArg::Raw => Format::Raw,
+        }
     }
 }
 

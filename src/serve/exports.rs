@@ -7,8 +7,8 @@ use qcow2::engine::{EngineError, Format, Image, OpenOptions};
 use storage::{AnyStorage, FileOpener};
 
 use super::args::ServeArgs;
+use super::error::ServeError;
 use super::export_spec::{ExportSpec, MAX_EXPORTS};
-use super::ServeError;
 
 /// One image to serve and how clients see it.
 #[derive(Debug, Clone)]

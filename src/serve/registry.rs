@@ -19,9 +19,9 @@ use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 
 use super::cleaner::Cleaner;
+use super::error::ServeError;
 use super::export_spec::MAX_EXPORTS;
 use super::exports::{close_all, ImageSpec, OpenImage, Origin};
-use super::ServeError;
 use crate::export::{ExportPolicy, ImageExport};
 use crate::stats::{Gauges, StatsRegistry};
 
@@ -297,7 +297,7 @@ impl Registry {
             Ok(()) => tracing::info!(%id, "export deleted, image closed"),
             Err(e) => tracing::error!(%id, error = %e, "export deleted, closing its image failed"),
         }
-        let _ = self.events.send(super::control::deleted_event(&id));
+        let _ = self.events.send(super::control::qmp::deleted_event(&id));
     }
 
     /// Calls `f` with the record `id`, if there is one, allowed to change it.

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use nbd::CloseMode;
 use serde_json::{json, Map, Value};
 
-use super::dispatch::{Args, Running, COMMANDS};
+use super::args::{Args, Running};
 use super::qmp::{ErrorClass, QmpError};
 use crate::serve::exports::{ImageSpec, Origin};
 use crate::serve::registry::{ChangeError, Record, Registry};
@@ -280,4 +280,72 @@ fn export_stats(registry: &Registry, r: &Record) -> Map<String, Value> {
         out.extend(fields);
     }
     out
+}
+
+/// One command: its name and its handler.
+pub struct Command {
+    /// The name clients execute.
+    pub name: &'static str,
+    /// Runs it.
+    pub run: fn(Registry, Args) -> Running,
+}
+
+/// Every command, in the order `query-commands` lists them.
+pub const COMMANDS: &[Command] = &[
+    Command {
+        name: "qmp_capabilities",
+        run: capabilities,
+    },
+    Command {
+        name: "query-commands",
+        run: query_commands,
+    },
+    Command {
+        name: "query-version",
+        run: query_version,
+    },
+    Command {
+        name: "query-block-exports",
+        run: query_block_exports,
+    },
+    Command {
+        name: "block-export-add",
+        run: block_export_add,
+    },
+    Command {
+        name: "block-export-del",
+        run: block_export_del,
+    },
+    Command {
+        name: "block-dirty-bitmap-add",
+        run: bitmap_add,
+    },
+    Command {
+        name: "block-dirty-bitmap-remove",
+        run: bitmap_remove,
+    },
+    Command {
+        name: "block-dirty-bitmap-clear",
+        run: bitmap_clear,
+    },
+    Command {
+        name: "query-stats",
+        run: query_stats,
+    },
+];
+
+#[cfg(test)]
+mod table_tests {
+    use super::*;
+
+    #[test]
+    fn command_names_are_unique() {
+        for (i, c) in COMMANDS.iter().enumerate() {
+            assert!(
+                COMMANDS[..i].iter().all(|o| o.name != c.name),
+                "{} twice",
+                c.name
+            );
+        }
+    }
 }

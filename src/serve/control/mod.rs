@@ -1,9 +1,10 @@
 //! `serve --control PATH`: a QMP-style control socket to add, delete and inspect exports
 //! while the server runs.
 //!
-//! Files: `qmp` (framing, greeting, replies, events: pure), `dispatch` (the command table
-//! and argument checks), `commands` (one handler per command). The exports themselves are
-//! the [`Registry`]'s.
+//! Files: `qmp` (framing, greeting, replies, events: pure), `args` (a command's arguments
+//! and the checks every handler shares), `commands` (one handler per command, and the
+//! command table), `dispatch` (capabilities negotiation, then the handler by name), `error`
+//! (setting the socket up). The exports themselves are the [`Registry`]'s.
 //!
 //! Bounds: at most `--control-clients` sessions at once (a further one is told so and
 //! closed), a command of at most `--control-max-command` bytes (a longer one is answered
@@ -11,15 +12,17 @@
 //! take within [`WRITE_TIMEOUT`] ends its session. Sessions share the server's thread but
 //! never block it: every command is either immediate or awaits I/O.
 
+pub mod args;
 pub mod commands;
 pub mod dispatch;
+pub mod error;
 pub mod qmp;
 
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{broadcast, watch};
@@ -27,32 +30,14 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use super::registry::Registry;
 use dispatch::Phase;
+pub use error::ControlError;
 use qmp::{Frame, Framer, QmpError};
-
-/// Default of `--control-clients`.
-pub const DEFAULT_CLIENTS: u16 = 16;
 
 /// Default of `--control-max-command`.
 pub const DEFAULT_MAX_COMMAND: usize = 64 * 1024;
 
 /// How long a client may leave a reply or event unread before its session is closed.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Why the control socket cannot be set up.
-#[derive(Debug, thiserror::Error)]
-pub enum ControlError {
-    /// A file that is not a socket is in the way.
-    #[error("--control {0}: the path exists and is not a socket")]
-    NotASocket(PathBuf),
-    /// Binding or setting the mode failed.
-    #[error("--control {path}: {source}")]
-    Bind {
-        /// The path.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-}
 
 /// The limits of the control socket.
 #[derive(Debug, Clone, Copy)]
@@ -176,12 +161,6 @@ fn refuse(stream: &UnixStream, limit: usize) {
         None,
     );
     let _ = stream.try_write(&qmp::line(&error));
-}
-
-/// The `BLOCK_EXPORT_DELETED` event for export `id`, as text.
-pub fn deleted_event(id: &str) -> String {
-    let event = qmp::event("BLOCK_EXPORT_DELETED", json!({ "id": id }));
-    String::from_utf8_lossy(&qmp::line(&event)).into_owned()
 }
 
 /// The session ends: the client cannot be written to, or broke a bound.

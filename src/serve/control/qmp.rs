@@ -359,6 +359,12 @@ impl Framer {
     }
 }
 
+/// The `BLOCK_EXPORT_DELETED` event for export `id`, as text.
+pub fn deleted_event(id: &str) -> String {
+    let event = event("BLOCK_EXPORT_DELETED", json!({ "id": id }));
+    String::from_utf8_lossy(&line(&event)).into_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,12 +1,13 @@
 //! The engine's error type: what went wrong and where, convertible to an errno at the edges.
 
-use super::amend::AmendError;
+pub mod libc_errno;
+mod ops;
+
+pub use ops::{AmendError, BitmapError, ResizeError, SnapshotError};
+
 use super::backing_name::BackingError;
-use super::bitmaps::BitmapError;
 use super::cache_sizing::CacheSizeError;
 use super::compress::CompressError;
-use super::resize::ResizeError;
-use super::snapshot_ops::SnapshotError;
 use crate::format::FormatError;
 use crate::metadata::MetadataError;
 use std::io;
@@ -255,26 +256,4 @@ fn space_errno(e: &io::Error) -> Option<i32> {
             .and_then(|inner| inner.downcast_ref::<io::Error>())
             .and_then(space_errno),
     }
-}
-
-/// The few errno values we report, spelled out so the engine needs no libc dependency.
-pub mod libc_errno {
-    /// Operation not permitted.
-    pub const EPERM: i32 = 1;
-    /// I/O error.
-    pub const EIO: i32 = 5;
-    /// No such file or directory.
-    pub const ENOENT: i32 = 2;
-    /// Device or resource busy.
-    pub const EBUSY: i32 = 16;
-    /// Invalid argument.
-    pub const EINVAL: i32 = 22;
-    /// File too large.
-    pub const EFBIG: i32 = 27;
-    /// No space left on device.
-    pub const ENOSPC: i32 = 28;
-    /// Operation not supported.
-    pub const ENOTSUP: i32 = 95;
-    /// Disk quota exceeded.
-    pub const EDQUOT: i32 = 122;
 }
