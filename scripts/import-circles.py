@@ -12,6 +12,7 @@ Prints every circle with the arrows that close it and exits 1 if there is any; e
 one summary line otherwise. Standard library only, so CI needs nothing installed.
 
     scripts/import-circles.py [CRATE_SRC_DIR ...]   (default: every crate of the workspace)
+    scripts/import-circles.py --self-test            (checks the checker on made-up crates)
 """
 import os
 import re
@@ -312,7 +313,39 @@ def crate_roots(repo):
     return roots
 
 
+def self_test():
+    """The checker must see a circle through a use, a path in code and a parent's item, and
+    must not see one through a facade's re-export or a test module's `super::*`."""
+    import tempfile
+
+    cases = {
+        "use": ({"lib.rs": "mod a;\nmod b;", "a.rs": "use crate::b::B;\npub struct A;",
+                 "b.rs": "use super::a::A;\npub struct B;"}, 1),
+        "path in code": ({"lib.rs": "mod a;\nmod b;", "a.rs": "pub fn f() { crate::b::g() }",
+                          "b.rs": "pub fn g() { super::a::f() }"}, 1),
+        "parent and child": ({"lib.rs": "mod c;\npub struct P;\nfn f() { c::g() }",
+                              "c.rs": "use super::P;\npub fn g() {}"}, 1),
+        "facade": ({"lib.rs": "mod a;\nmod b;\npub use a::A;\npub use b::B;",
+                    "a.rs": "pub struct A;\n#[cfg(test)]\nmod tests { use super::*; }",
+                    "b.rs": "use crate::A;\npub struct B;"}, 0),
+    }
+    failed = 0
+    for name, (files, want) in cases.items():
+        with tempfile.TemporaryDirectory() as d:
+            for f, text in files.items():
+                with open(os.path.join(d, f), "w", encoding="utf-8") as out:
+                    out.write(text + "\n")
+            got = len(circles(Crate(os.path.join(d, "lib.rs")).edges()))
+            if got != want:
+                print(f"self-test {name!r}: {got} circles found, {want} expected")
+                failed += 1
+    print(f"import-circles self-test: {len(cases) - failed} of {len(cases)} cases right")
+    return 1 if failed else 0
+
+
 def main():
+    if sys.argv[1:] == ["--self-test"]:
+        return self_test()
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     roots = []
     for arg in sys.argv[1:]:
