@@ -81,20 +81,20 @@ pub(crate) fn to_usize(v: u64, at: Location, what: &'static str) -> Result<usize
 
 /// Decodes a table of big-endian 64-bit entries (L1, refcount and bitmap tables); a trailing
 /// partial word is ignored.
-pub(crate) fn words(buf: &[u8]) -> Vec<u64> {
+pub fn words(buf: &[u8]) -> Vec<u64> {
     buf.chunks_exact(8)
         .map(|w| u64::from_be_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
         .collect()
 }
 
 /// One entry of such a table as stored.
-pub(crate) fn word_bytes(word: u64) -> [u8; 8] {
+pub fn word_bytes(word: u64) -> [u8; 8] {
     word.to_be_bytes()
 }
 
 /// Encodes a table of 64-bit entries as stored, zero-padded to `len` bytes (a table fills
 /// whole clusters); entries past `len` are not written.
-pub(crate) fn table_bytes(words: &[u64], len: usize) -> Vec<u8> {
+pub fn table_bytes(words: &[u64], len: usize) -> Vec<u8> {
     let mut out = vec![0u8; len];
     for (slot, w) in out.chunks_exact_mut(8).zip(words) {
         slot.copy_from_slice(&word_bytes(*w));

@@ -1,12 +1,12 @@
 //! Table-driven negative tests: every sanity limit, reserved bit and invalid subcluster
 //! combination is refused with the error that names it.
 
-use qcow2::format::bitmap::{self, BitmapDirectoryEntry, BitmapTableEntry, BitmapsExtension};
-use qcow2::format::extensions::{FeatureNameEntry, FeatureNameTable, HeaderExtension};
-use qcow2::format::features::{self, FeatureKind};
-use qcow2::format::header::Strictness;
-use qcow2::format::snapshot::{self, SnapshotEntrySizes, SnapshotTableCursor, SnapshotTableEntry};
-use qcow2::format::{
+use qcow2_format::bitmap::{self, BitmapDirectoryEntry, BitmapTableEntry, BitmapsExtension};
+use qcow2_format::extensions::{FeatureNameEntry, FeatureNameTable, HeaderExtension};
+use qcow2_format::features::{self, FeatureKind};
+use qcow2_format::header::Strictness;
+use qcow2_format::snapshot::{self, SnapshotEntrySizes, SnapshotTableCursor, SnapshotTableEntry};
+use qcow2_format::{
     refcount, CompressedDescriptor, ExtendedL2Entry, FormatError, Geometry, Header, HostOffset,
     L1Entry, L2Entry, Location, RefcountTableEntry, Structure,
 };

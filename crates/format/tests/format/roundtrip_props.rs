@@ -2,13 +2,13 @@
 //! re-encoding reproduces the bytes, for every structure of the format layer.
 
 use proptest::prelude::*;
-use qcow2::format::bitmap::{self, BitmapDirectoryEntry, BitmapTableEntry, BitmapsExtension};
-use qcow2::format::extensions::{
+use qcow2_format::bitmap::{self, BitmapDirectoryEntry, BitmapTableEntry, BitmapsExtension};
+use qcow2_format::extensions::{
     FdeHeaderPointer, FeatureNameEntry, FeatureNameTable, HeaderExtension,
 };
-use qcow2::format::features::{self, FeatureKind};
-use qcow2::format::snapshot::{self, SnapshotTableEntry};
-use qcow2::format::{
+use qcow2_format::features::{self, FeatureKind};
+use qcow2_format::snapshot::{self, SnapshotTableEntry};
+use qcow2_format::{
     l1, l2, refcount, CompressedDescriptor, ExtendedL2Entry, FormatError, Geometry, GuestOffset,
     Header, HostOffset, L1Entry, L2Entry, RefcountTableEntry, SubclusterState,
 };
@@ -240,7 +240,7 @@ proptest! {
         match CompressedDescriptor::for_range(offset, len, bits) {
             Ok(d) => {
                 let raw = d.encode(bits).unwrap();
-                let at = qcow2::format::Location::at(qcow2::format::Structure::L2Table, 0);
+                let at = qcow2_format::Location::at(qcow2_format::Structure::L2Table, 0);
                 prop_assert_eq!(CompressedDescriptor::decode(raw, bits, at).unwrap(), d);
                 let (start, read_len) = d.byte_range();
                 prop_assert_eq!(start, offset);
@@ -302,8 +302,8 @@ proptest! {
         }).collect();
         let dir = bitmap::encode_directory(&entries).unwrap();
         let ext = BitmapsExtension { nb_bitmaps: entries.len() as u32, reserved: 0, directory_size: dir.len() as u64, directory_offset: 1 << bits };
-        ext.validate(1 << bits, qcow2::format::Location::at(qcow2::format::Structure::BitmapsExtension, 0)).unwrap();
-        prop_assert_eq!(BitmapsExtension::decode(&ext.encode(), qcow2::format::Location::at(qcow2::format::Structure::BitmapsExtension, 0)).unwrap(), ext);
+        ext.validate(1 << bits, qcow2_format::Location::at(qcow2_format::Structure::BitmapsExtension, 0)).unwrap();
+        prop_assert_eq!(BitmapsExtension::decode(&ext.encode(), qcow2_format::Location::at(qcow2_format::Structure::BitmapsExtension, 0)).unwrap(), ext);
         let decoded = bitmap::decode_directory(&dir, &ext, &g).unwrap();
         prop_assert_eq!(&decoded, &entries);
         prop_assert_eq!(bitmap::encode_directory(&decoded).unwrap(), dir);

@@ -2,7 +2,7 @@
 //! cached bytes, refcount reads at 16 and 1 bits, and a header with extensions.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
-use qcow2::format::{l2, refcount, ExtendedL2Entry, Geometry, Header, HostOffset, L2Entry};
+use qcow2_format::{l2, refcount, ExtendedL2Entry, Geometry, Header, HostOffset, L2Entry};
 
 fn l2_tables(c: &mut Criterion) {
     let mut group = c.benchmark_group("l2_table_64k");

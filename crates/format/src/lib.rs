@@ -3,7 +3,7 @@
 //! round-trips. One structure per file: `header`, `extensions`, `features`, `l1`, `l2`,
 //! `l2_extended`, `compressed`, `refcount`, `snapshot`, `bitmap`, `bitmap_data`, `geometry`, `limits`.
 
-pub(crate) mod be;
+pub mod be;
 pub mod bitmap;
 pub mod bitmap_data;
 pub mod compressed;
