@@ -143,7 +143,7 @@ impl Inner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stats::Command;
+    use crate::daemon::stats::Command;
     use std::time::Duration;
 
     fn no_caches() -> GaugeSource {

@@ -23,11 +23,11 @@ use clap::Args;
 use qcow2::engine::{EngineError, Format, Image, OpenOptions, Preallocation};
 use storage::AnyStorage;
 
+use crate::daemon::serve::CacheMode;
 use crate::engine_run::{self, OpenError};
-use crate::inflight::{BufferPool, CopyError, InFlight};
-use crate::progress::{self, Progress};
-use crate::serve::CacheMode;
 use crate::size_string::parse_size;
+use crate::tools::inflight::{BufferPool, CopyError, InFlight};
+use crate::tools::progress::{self, Progress};
 
 /// How much of the top one block-status query covers.
 const QUERY_BYTES: u64 = 1 << 30;

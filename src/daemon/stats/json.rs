@@ -70,7 +70,7 @@ fn cache(c: &MetaCacheCounters) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stats::{ExportStats, Gauges};
+    use crate::daemon::stats::{ExportStats, Gauges};
     use qcow2::engine::MetaCacheStats;
     use std::time::Duration;
 

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 
-use crate::export::{DetectZeroes, DiscardMode};
+use crate::daemon::export::{DetectZeroes, DiscardMode};
 use crate::size_string;
 
 /// Default of `--control-clients`.

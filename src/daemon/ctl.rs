@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use serde_json::{json, Map, Value};
 
-use crate::serve::qmp::{Frame, Framer};
+use crate::daemon::serve::qmp::{Frame, Framer};
 
 /// Largest message `ctl` reads from the server.
 const MAX_MESSAGE: usize = 16 << 20;

@@ -15,10 +15,10 @@ use qcow2::engine::backing_name;
 use qcow2::engine::{EngineError, Format, Image, OpenOptions};
 use storage::{AnyStorage, IoBuf};
 
-use crate::convert::is_zero;
 use crate::engine_run::{self, OpenError};
-use crate::inflight::{BufferPool, CopyError, InFlight};
-use crate::progress::{self, Progress};
+use crate::tools::convert::is_zero;
+use crate::tools::inflight::{BufferPool, CopyError, InFlight};
+use crate::tools::progress::{self, Progress};
 
 /// How much of the image one block-status query covers.
 const QUERY_BYTES: u64 = 1 << 30;

@@ -20,11 +20,11 @@ use storage::{AnyStorage, IoBuf};
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
-use crate::create::{self, option_table, CreateError};
 use crate::engine_run::{self, OpenError};
-use crate::inflight::BufferPool;
 use crate::options::{self, OptionsError, Parsed};
-use crate::progress::{self, Progress};
+use crate::tools::create::{self, option_table, CreateError};
+use crate::tools::inflight::BufferPool;
+use crate::tools::progress::{self, Progress};
 
 /// How much of the source one block-status query covers.
 const QUERY_BYTES: u64 = 1 << 30;

@@ -10,9 +10,9 @@ use clap::Args;
 use qcow2::engine::{AmendOptions, EngineError, Format, Image, OpenOptions};
 use storage::AnyStorage;
 
-use crate::create::{QCOW2_OPTIONS, QCOW2_UNSUPPORTED};
 use crate::engine_run::{self, OpenError};
 use crate::options::{self, OptionsError, Parsed, Spec};
+use crate::tools::create::{QCOW2_OPTIONS, QCOW2_UNSUPPORTED};
 
 /// The options `amend` changes, as qemu-img lists them for qcow2.
 const AMEND_NAMES: &[&str] = &[

@@ -5,7 +5,7 @@ use qcow2::engine::EngineError;
 
 use super::control::error::ControlError;
 use super::{args, listen, overlay, tls};
-use crate::stats::http::MetricsBindError;
+use crate::daemon::stats::http::MetricsBindError;
 
 /// Why `serve` failed.
 #[derive(Debug, thiserror::Error)]
@@ -110,5 +110,5 @@ pub enum ServeError {
     Metrics(#[from] MetricsBindError),
     /// Two exports of one server share a name (caught earlier; kept as a typed error).
     #[error(transparent)]
-    Stats(#[from] crate::stats::StatsError),
+    Stats(#[from] crate::daemon::stats::StatsError),
 }

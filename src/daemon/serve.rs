@@ -13,7 +13,7 @@
 //! (the images served: opened all or none, closed all), `listen` (sockets), `daemon`
 //! (`--fork`, `--pid-file`), `overlay` (`-s`), `cleaner` (`--cache-clean-interval`),
 //! `signals`, `error` (every part's failure, gathered); the NBD export over the engine is
-//! `crate::export`.
+//! `crate::daemon::export`.
 
 mod args;
 mod banner;
@@ -44,9 +44,9 @@ pub use args::{CacheMode, ServeArgs};
 pub(crate) use control::qmp;
 pub use error::ServeError;
 
-use crate::export::{DetectZeroes, DiscardMode, ExportPolicy};
-use crate::stats::http::{HttpLimits, MetricsServer};
-use crate::stats::StatsRegistry;
+use crate::daemon::export::{DetectZeroes, DiscardMode, ExportPolicy};
+use crate::daemon::stats::http::{HttpLimits, MetricsServer};
+use crate::daemon::stats::StatsRegistry;
 
 /// Runs `serve` and reports any failure on stderr.
 pub fn run(args: &ServeArgs) -> ExitCode {

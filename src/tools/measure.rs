@@ -15,10 +15,10 @@ use qcow2::engine::{EngineError, Format, Image, Preallocation};
 use qcow2::measure::{self, MeasureError, RequiredData, SourceBitmap, Target};
 use storage::AnyStorage;
 
-use crate::convert::{snapshot_param, ConvertError};
-use crate::create::{self, CreateError, QCOW2_OPTIONS, RAW_OPTIONS};
 use crate::engine_run::{self, OpenError};
 use crate::options::{self, Kind, OptionsError, Parsed, Spec};
+use crate::tools::convert::{snapshot_param, ConvertError};
+use crate::tools::create::{self, CreateError, QCOW2_OPTIONS, RAW_OPTIONS};
 
 /// How much of the source one block-status query covers.
 const QUERY_BYTES: u64 = 1 << 30;

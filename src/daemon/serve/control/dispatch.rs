@@ -3,7 +3,7 @@
 use super::args::{Args, Outcome};
 use super::commands::COMMANDS;
 use super::qmp::{ErrorClass, QmpError, Request};
-use crate::serve::registry::Registry;
+use crate::daemon::serve::registry::Registry;
 
 /// Where a session stands on capabilities negotiation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -20,10 +20,10 @@ use qcow2::engine::{EngineError, Extent, Image};
 use storage::{AnyStorage, IoBuf};
 use tokio::task::JoinHandle;
 
-use crate::convert::is_zero;
 use crate::engine_run::{self, OpenError};
-use crate::inflight::BufferPool;
-use crate::progress::Progress;
+use crate::tools::convert::is_zero;
+use crate::tools::inflight::BufferPool;
+use crate::tools::progress::Progress;
 
 /// How much of the disk one block-status query covers: bounds the extent lists' memory.
 const QUERY_BYTES: u64 = 1 << 30;

@@ -22,8 +22,8 @@ use super::cleaner::Cleaner;
 use super::error::ServeError;
 use super::export_spec::MAX_EXPORTS;
 use super::exports::{close_all, ImageSpec, OpenImage, Origin};
-use crate::export::{ExportPolicy, ImageExport};
-use crate::stats::{Gauges, StatsRegistry};
+use crate::daemon::export::{ExportPolicy, ImageExport};
+use crate::daemon::stats::{Gauges, StatsRegistry};
 
 /// Events kept for a control client that reads them slowly; one further behind misses the
 /// oldest (it is told how many, see the control session).
@@ -358,7 +358,7 @@ async fn entry(
     settings: &OpenSettings,
 ) -> Result<ExportEntry<ImageExport>, ServeError> {
     let spec = &open.spec;
-    let bitmaps = crate::export::exported_bitmaps(&open.image, &spec.bitmaps)
+    let bitmaps = crate::daemon::export::exported_bitmaps(&open.image, &spec.bitmaps)
         .await
         .map_err(|reason| spec.bitmap_error(reason))?;
     let mut export = ImageExport::new(open.image.clone(), settings.policy).with_bitmaps(bitmaps);

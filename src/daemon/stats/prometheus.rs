@@ -239,7 +239,7 @@ fn caches(enc: &mut DescriptorEncoder, prefix: &str, whose: &str, sets: &[Set<'_
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stats::{ExportStats, Gauges};
+    use crate::daemon::stats::{ExportStats, Gauges};
     use qcow2::engine::MetaCacheStats;
     use std::time::Duration;
 

@@ -8,8 +8,8 @@ use serde_json::{json, Map, Value};
 
 use super::args::{Args, Running};
 use super::qmp::{ErrorClass, QmpError};
-use crate::serve::exports::{ImageSpec, Origin};
-use crate::serve::registry::{ChangeError, Record, Registry};
+use crate::daemon::serve::exports::{ImageSpec, Origin};
+use crate::daemon::serve::registry::{ChangeError, Record, Registry};
 use qcow2::engine::Format;
 
 /// A handler's answer that needs no waiting.
