@@ -6,7 +6,7 @@
 //! offsets on disk. Where we refuse deliberately (QEMU would leave leaked clusters), the
 //! test says so.
 
-use crate::common::{info_sans_offsets, reason, BIN};
+use crate::common::{self, info_sans_offsets, reason, BIN};
 use test_support::{text, Dir};
 
 /// An image to amend.
@@ -117,22 +117,7 @@ fn side_by_side(d: &Dir, v: &Variant, case: &str, args: &[&str]) {
     (v.make)(d, &theirs);
     d.copy(&theirs, &ours);
     let before = d.read(&ours);
-    let with = |img: &str| -> Vec<String> {
-        std::iter::once("amend".to_string())
-            .chain(args.iter().map(|x| {
-                if *x == "{}" {
-                    img.to_string()
-                } else {
-                    x.to_string()
-                }
-            }))
-            .collect()
-    };
-    let (q_args, o_args) = (with(&theirs), with(&ours));
-    let q_args: Vec<&str> = q_args.iter().map(String::as_str).collect();
-    let o_args: Vec<&str> = o_args.iter().map(String::as_str).collect();
-    let qemu = d.run("qemu-img", &q_args);
-    let us = d.run(BIN, &o_args);
+    let (qemu, us) = common::side_by_side(d, "amend", (&theirs, &ours), args);
     let what = format!("{} {case} {args:?}", v.name);
     if REFUSED_HERE.contains(&(v.name, case)) {
         assert!(qemu.status.success(), "{what}: QEMU goes ahead");

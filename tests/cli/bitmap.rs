@@ -9,7 +9,7 @@ use test_support::{
     assert_check_clean, qemu_bitmaps, qemu_dirty_ranges, qemu_img, qemu_io, text, Dir,
 };
 
-use crate::common::BIN;
+use crate::common::{self, BIN};
 
 /// A 64 MiB image with `on` (enabled, dirty at 1 MiB and 5 MiB), `off` (disabled, dirty at
 /// 1 MiB) and `coarse` (enabled, 1 MiB granularity, dirty at 5 MiB).
@@ -67,23 +67,8 @@ fn side_by_side(d: &Dir, case: &str, args: &[&str]) {
     let (ours, theirs) = (format!("{case}-ours.qcow2"), format!("{case}-qemu.qcow2"));
     image(d, &theirs);
     d.copy(&theirs, &ours);
-    let with = |img: &str| -> Vec<String> {
-        args.iter()
-            .map(|a| if *a == "{}" { d.s(img) } else { a.to_string() })
-            .collect()
-    };
-    let q_args = with(&theirs);
-    let o_args = with(&ours);
-    let q: Vec<&str> = ["bitmap"]
-        .into_iter()
-        .chain(q_args.iter().map(String::as_str))
-        .collect();
-    let o: Vec<&str> = ["bitmap"]
-        .into_iter()
-        .chain(o_args.iter().map(String::as_str))
-        .collect();
-    let qemu = d.run("qemu-img", &q);
-    let us = d.run(BIN, &o);
+    let images = (d.s(&theirs), d.s(&ours));
+    let (qemu, us) = common::side_by_side(d, "bitmap", (&images.0, &images.1), args);
     assert_eq!(
         us.status.code(),
         qemu.status.code(),

@@ -5,7 +5,7 @@
 //! identically (`qemu-img compare`) and `qemu-img info` agrees on everything but sizes and
 //! offsets on disk.
 
-use crate::common::{info_sans_offsets, reason, BIN};
+use crate::common::{self, info_sans_offsets, reason, BIN};
 use test_support::{text, Dir};
 
 /// An image to resize: its name, format, and how it is made.
@@ -133,22 +133,9 @@ fn side_by_side(d: &Dir, v: &Variant, case: &str, args: &[&str]) {
     );
     (v.make)(d, &theirs);
     d.copy(&theirs, &ours);
-    let with = |img: &str| -> Vec<String> {
-        let mut a = vec!["resize".to_string(), "-f".into(), v.fmt.into()];
-        a.extend(args.iter().map(|x| {
-            if *x == "{}" {
-                img.to_string()
-            } else {
-                x.to_string()
-            }
-        }));
-        a
-    };
-    let (q_args, o_args) = (with(&theirs), with(&ours));
-    let q_args: Vec<&str> = q_args.iter().map(String::as_str).collect();
-    let o_args: Vec<&str> = o_args.iter().map(String::as_str).collect();
-    let qemu = d.run("qemu-img", &q_args);
-    let us = d.run(BIN, &o_args);
+    let mut full = vec!["-f", v.fmt];
+    full.extend_from_slice(args);
+    let (qemu, us) = common::side_by_side(d, "resize", (&theirs, &ours), &full);
     let what = format!("{} {case} {args:?}", v.name);
     assert_eq!(
         us.status.code(),

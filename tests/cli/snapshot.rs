@@ -5,7 +5,7 @@
 
 use test_support::{assert_same_bytes, qemu_contents, text, Dir};
 
-use crate::common::BIN;
+use crate::common::{self, BIN};
 
 /// One kind of image the operations run on.
 struct Setup {
@@ -41,8 +41,7 @@ fn image(d: &Dir, s: &Setup, name: &str) {
 /// Runs a snapshot command with qemu-img on `q` and with us on `o`: both must end the
 /// same way and say the same (after the program's name).
 fn both(d: &Dir, args: &[&str], q: &str, o: &str) {
-    let qemu = d.run("qemu-img", &[&["snapshot"], args, &[q]].concat());
-    let ours = d.run(BIN, &[&["snapshot"], args, &[o]].concat());
+    let (qemu, ours) = common::side_by_side(d, "snapshot", (q, o), &[args, &["{}"]].concat());
     assert_eq!(
         ours.status.code(),
         qemu.status.code(),
@@ -110,7 +109,7 @@ fn same(d: &Dir, q: &str, o: &str, what: &str) {
 
 /// The operations of `s`, by qemu-img on one copy and by us on the other, then each tool on
 /// the snapshots the other made.
-fn side_by_side(s: &Setup) {
+fn scenario(s: &Setup) {
     let d = Dir::new();
     image(&d, s, "q.qcow2");
     d.copy("q.qcow2", "o.qcow2");
@@ -155,7 +154,7 @@ fn side_by_side(s: &Setup) {
 
 #[test]
 fn snapshots_side_by_side_64k_standard_with_compressed_clusters() {
-    side_by_side(&Setup {
+    scenario(&Setup {
         what: "64k standard",
         opts: "",
         cluster: 65536,
@@ -167,7 +166,7 @@ fn snapshots_side_by_side_64k_standard_with_compressed_clusters() {
 
 #[test]
 fn snapshots_side_by_side_64k_extended_over_backing() {
-    side_by_side(&Setup {
+    scenario(&Setup {
         what: "64k extended L2 over raw backing",
         opts: "extended_l2=on",
         cluster: 65536,
@@ -179,7 +178,7 @@ fn snapshots_side_by_side_64k_extended_over_backing() {
 
 #[test]
 fn snapshots_side_by_side_4k_standard_over_backing() {
-    side_by_side(&Setup {
+    scenario(&Setup {
         what: "4k standard over raw backing",
         opts: "cluster_size=4096",
         cluster: 4096,
@@ -191,7 +190,7 @@ fn snapshots_side_by_side_4k_standard_over_backing() {
 
 #[test]
 fn snapshots_side_by_side_with_persistent_bitmaps() {
-    side_by_side(&Setup {
+    scenario(&Setup {
         what: "64k with bitmaps",
         opts: "cluster_size=65536",
         cluster: 65536,
@@ -203,7 +202,7 @@ fn snapshots_side_by_side_with_persistent_bitmaps() {
 
 #[test]
 fn snapshots_side_by_side_v2_4k() {
-    side_by_side(&Setup {
+    scenario(&Setup {
         what: "4k compat 0.10",
         opts: "cluster_size=4096,compat=0.10",
         cluster: 4096,

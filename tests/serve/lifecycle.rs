@@ -172,7 +172,7 @@ fn fork_returns_once_listening_and_the_daemon_serves_until_sigterm() {
         .parse()
         .unwrap();
     assert!(!process_exited(pid), "the daemon runs");
-    let uri = format!("nbd+unix:///?socket={}", socket.display());
+    let uri = test_support::nbd_unix_uri(&socket, "");
     qemu_io("raw", &uri, &["write -P 0x17 0 64k", "read -P 0x17 0 64k"]);
     let daemon = libc::pid_t::try_from(pid).unwrap();
     // SAFETY: kill only sends a signal to the daemon we started.
@@ -453,7 +453,7 @@ fn sigterm_sent_to_the_process_and_its_group_stores_every_bitmap() {
         });
         qemu_io(
             "raw",
-            &format!("nbd+unix:///?socket={}", socket.display()),
+            &test_support::nbd_unix_uri(&socket, ""),
             &["write 0 64k"],
         );
         let pid = libc::pid_t::try_from(child.id()).unwrap();

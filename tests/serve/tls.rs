@@ -112,8 +112,8 @@ fn qemu_io_x509(at: At<'_>, dir: Option<&Path>, cmds: &[&str]) -> Output {
         }
         None => {
             let uri = match at {
-                At::Unix(p) => format!("nbd+unix:///?socket={}", p.display()),
-                At::Tcp(port) => format!("nbd://127.0.0.1:{port}/"),
+                At::Unix(p) => test_support::nbd_unix_uri(p, ""),
+                At::Tcp(port) => test_support::nbd_tcp_uri(port, ""),
             };
             cmd.args(["-f", "raw"]).arg(uri);
         }

@@ -115,12 +115,12 @@ impl<T: Send + 'static> TestServer<T> {
 
     /// `nbd+unix` URI of the default export.
     pub fn uri(&self) -> String {
-        format!("nbd+unix:///?socket={}", self.socket.display())
+        crate::nbd_unix_uri(&self.socket, "")
     }
 
     /// `nbd+unix` URI of a named export.
     pub fn uri_of(&self, export: &str) -> String {
-        format!("nbd+unix:///{export}?socket={}", self.socket.display())
+        crate::nbd_unix_uri(&self.socket, export)
     }
 
     /// A scratch directory that lives as long as the server.

@@ -296,3 +296,14 @@ pub fn qemu_bitmaps(image: &Path) -> Vec<QemuBitmap> {
         })
         .collect()
 }
+
+/// The NBD URI of export `export` on the Unix socket `socket`, as QEMU's tools and libnbd
+/// take it.
+pub fn nbd_unix_uri(socket: &std::path::Path, export: &str) -> String {
+    format!("nbd+unix:///{export}?socket={}", socket.display())
+}
+
+/// The NBD URI of export `export` on TCP port `port` of the loopback address.
+pub fn nbd_tcp_uri(port: u16, export: &str) -> String {
+    format!("nbd://127.0.0.1:{port}/{export}")
+}

@@ -4,6 +4,8 @@
 //! The tests need qemu-img and qemu-io (Debian: qemu-utils); a missing tool fails the test
 //! with a message saying so.
 
+use std::process::Output;
+
 use serde_json::Value;
 
 /// The binary under test, for `Dir::run` and `Dir::ok`.
@@ -193,4 +195,27 @@ pub fn reason(stderr: &[u8]) -> String {
         .map_or(line, |(_, r)| r)
         .trim()
         .to_string()
+}
+
+/// Runs `SUBCOMMAND ARGS` in `d` through qemu-img on the image `theirs` and through our
+/// binary on `ours` (a copy of it), `{}` in `args` standing for the image name as given:
+/// (QEMU's output, ours).
+pub fn side_by_side(
+    d: &test_support::Dir,
+    subcommand: &str,
+    (theirs, ours): (&str, &str),
+    args: &[&str],
+) -> (Output, Output) {
+    let with = |img: &str| -> Vec<String> {
+        std::iter::once(subcommand.to_string())
+            .chain(args.iter().map(|a| match *a {
+                "{}" => img.to_string(),
+                a => a.to_string(),
+            }))
+            .collect()
+    };
+    let (q_args, o_args) = (with(theirs), with(ours));
+    let q_args: Vec<&str> = q_args.iter().map(String::as_str).collect();
+    let o_args: Vec<&str> = o_args.iter().map(String::as_str).collect();
+    (d.run("qemu-img", &q_args), d.run(BIN, &o_args))
 }

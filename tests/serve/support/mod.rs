@@ -154,16 +154,16 @@ impl Server {
     /// `nbd+unix` URI of the default export.
     pub fn uri(&self) -> String {
         match self.port {
-            Some(port) => format!("nbd://127.0.0.1:{port}/"),
-            None => format!("nbd+unix:///?socket={}", self.socket.display()),
+            Some(port) => test_support::nbd_tcp_uri(port, ""),
+            None => test_support::nbd_unix_uri(&self.socket, ""),
         }
     }
 
     /// URI of a named export.
     pub fn uri_of(&self, export: &str) -> String {
         match self.port {
-            Some(port) => format!("nbd://127.0.0.1:{port}/{export}"),
-            None => format!("nbd+unix:///{export}?socket={}", self.socket.display()),
+            Some(port) => test_support::nbd_tcp_uri(port, export),
+            None => test_support::nbd_unix_uri(&self.socket, export),
         }
     }
 

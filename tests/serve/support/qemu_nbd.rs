@@ -75,7 +75,7 @@ impl QemuNbd {
 
     /// URI of a named export.
     pub fn uri_of(&self, export: &str) -> String {
-        format!("nbd+unix:///{export}?socket={}", self.socket.display())
+        test_support::nbd_unix_uri(&self.socket, export)
     }
 }
 

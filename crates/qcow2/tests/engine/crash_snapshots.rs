@@ -7,7 +7,7 @@
 //! makes look premature (a flag and the refcount it describes cannot change in one write),
 //! but `qemu-img check -r leaks` must then repair it as a leak, with no corruption fixed.
 
-use crate::support::{crash_plan, FaultFs};
+use crate::support::{self, crash_plan, FaultFs};
 use qcow2::engine::{create, CreateOptions, Image, OpenOptions};
 use std::path::Path;
 use storage::{CrashPlan, FaultStorage, InjectedError, IoBuf, MemFs, MemStorage};
@@ -129,14 +129,8 @@ async fn run_op(
 /// `qemu-img check` finds nothing worse than leaks (see the module documentation).
 fn qemu_check(crash: &MemStorage, what: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join("top.qcow2");
-    std::fs::write(&p, crash.to_vec()).unwrap();
-    let out = std::process::Command::new("qemu-img")
-        .args(["check", p.to_str().unwrap()])
-        .output()
-        .expect("run qemu-img (install qemu-utils)");
-    let report = String::from_utf8_lossy(&out.stderr).into_owned();
-    match out.status.code() {
+    let (code, _, report) = support::qemu_check(dir.path(), &crash.to_vec(), &[]);
+    match code {
         Some(0) | Some(3) => return,
         Some(2) => assert!(
             report
@@ -147,16 +141,15 @@ fn qemu_check(crash: &MemStorage, what: &str) {
         ),
         other => panic!("{what}: qemu-img check exited {other:?}: {report}"),
     }
-    let out = std::process::Command::new("qemu-img")
-        .args(["check", "-r", "leaks", "--output=json", p.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    let (code, out, err) = support::qemu_check(
+        dir.path(),
+        &crash.to_vec(),
+        &["-r", "leaks", "--output=json"],
+    );
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
     assert!(
-        out.status.code() == Some(0) && json["corruptions-fixed"].as_u64().unwrap_or(0) == 0,
-        "{what}: qemu-img check -r leaks: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+        code == Some(0) && json["corruptions-fixed"].as_u64().unwrap_or(0) == 0,
+        "{what}: qemu-img check -r leaks: {out}{err}"
     );
 }
 

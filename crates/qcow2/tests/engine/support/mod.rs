@@ -123,3 +123,27 @@ pub fn crash_plan(
         },
     }
 }
+
+/// `qemu-img check ARGS` of an image holding `image`, written to `dir/top.qcow2` (files it
+/// refers to, such as a backing file, already in `dir`): (exit code, stdout, stderr).
+pub fn qemu_check(dir: &Path, image: &[u8], args: &[&str]) -> (Option<i32>, String, String) {
+    let p = dir.join("top.qcow2");
+    std::fs::write(&p, image).expect("write the image to check");
+    let out = test_support::qemu("qemu-img")
+        .arg("check")
+        .args(args)
+        .arg(&p)
+        .output()
+        .expect("run qemu-img check");
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.code(), text(&out.stdout), text(&out.stderr))
+}
+
+/// Asserts that `qemu-img check` finds nothing worse than leaks in `image` (exit 0 or 3).
+pub fn assert_qemu_check_at_most_leaks(dir: &Path, image: &[u8], what: &str) {
+    let (code, out, err) = qemu_check(dir, image, &[]);
+    assert!(
+        matches!(code, Some(0) | Some(3)),
+        "{what}: qemu-img check exited {code:?}: {out}{err}"
+    );
+}
