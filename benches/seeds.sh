@@ -282,7 +282,9 @@ rc = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL)
 w = time.monotonic() - t
 r = resource.getrusage(resource.RUSAGE_CHILDREN)
 print("%.3f %.3f %.1f" % (w, r.ru_utime + r.ru_stime, r.ru_maxrss / 1024))
-sys.exit(rc)' "$@"
+if rc < 0:
+    print("%s: killed by signal %d" % (sys.argv[1], -rc), file=sys.stderr)
+sys.exit(1 if rc else 0)' "$@"
 }
 
 drop_page_cache() {
@@ -291,6 +293,20 @@ drop_page_cache() {
         echo 1 >/proc/sys/vm/drop_caches 2>/dev/null && return 0
     fi
     return 1
+}
+
+# server_failed SCENARIO KIND: the running server died or failed a request; records it, notes
+# how it ended (a signal shows as 128 + its number) and its last log line.
+server_failed() {
+    local rc=0
+    if kill -0 "$SERVER_PID" 2>/dev/null; then kill -TERM "$SERVER_PID" 2>/dev/null || true; fi
+    wait "$SERVER_PID" 2>/dev/null || rc=$?
+    SERVER_PID=""
+    record "fail $1" "$2" 1
+    local last
+    last=$(tail -n 1 "$WORK/server.log" | cut -c1-200)
+    note "$1: the $2 server failed (exit status $rc$([ "$rc" -gt 128 ] && echo ", signal $((rc - 128))"))${last:+: $last}"
+    log "$1 $2: the server failed (exit status $rc)"
 }
 
 chain_group() {
@@ -309,26 +325,35 @@ chain_group() {
                 start_server "$kind" "$img" ro=1
                 sleep 0.3
                 idle=$(hwm_mib)
-                run_fio read --rw=read --bs=1M --iodepth=1 --size="$size" >/dev/null
-                drop_page_cache && dropped=1
-                stats=$(run_fio read --rw=read --bs=1M --iodepth=1 --size="$size")
-                read -r _ _ ms cpu _ <<<"$stats"
-                after=$(hwm_mib)
-                stop_server
-                record "chain $depth reread ms" "$kind" "$ms"
-                record "cpu chain $depth reread ms" "$kind" "$cpu"
-                record "hwm chain $depth idle" "$kind" "$idle"
-                record "hwm chain $depth read" "$kind" "$after"
-                log "chain $depth round $r $kind: re-read $ms ms, peak RSS idle $idle MiB, after $after MiB"
+                # A server that dies under the load (qemu-nbd has crashed on deep chains) is
+                # a result, not a reason to stop: it is recorded and the next run goes on.
+                if stats=$(run_fio read --rw=read --bs=1M --iodepth=1 --size="$size") &&
+                    { drop_page_cache && dropped=1 || true; } &&
+                    stats=$(run_fio read --rw=read --bs=1M --iodepth=1 --size="$size"); then
+                    read -r _ _ ms cpu _ <<<"$stats"
+                    after=$(hwm_mib)
+                    stop_server
+                    record "chain $depth reread ms" "$kind" "$ms"
+                    record "cpu chain $depth reread ms" "$kind" "$cpu"
+                    record "hwm chain $depth idle" "$kind" "$idle"
+                    record "hwm chain $depth read" "$kind" "$after"
+                    log "chain $depth round $r $kind: re-read $ms ms, peak RSS idle $idle MiB, after $after MiB"
+                else
+                    server_failed "chain $depth" "$kind"
+                fi
             done
         done
         for depth in $DEPTHS; do
             for kind in $(order "$r"); do
                 rm -f "$WORK/stream.qcow2"
-                if [ "$kind" = qemu ]; then
-                    t=$(peak_run qemu-img convert -f qcow2 -O qcow2 "$WORK/chain$depth/top.qcow2" "$WORK/stream.qcow2")
-                else
-                    t=$(peak_run "$BIN" convert -q -f qcow2 -O qcow2 "$WORK/chain$depth/top.qcow2" "$WORK/stream.qcow2")
+                local tool=("$BIN" convert -q)
+                [ "$kind" = qemu ] && tool=(qemu-img convert)
+                if ! t=$(peak_run "${tool[@]}" -f qcow2 -O qcow2 "$WORK/chain$depth/top.qcow2" \
+                    "$WORK/stream.qcow2" 2>"$WORK/stream.err"); then
+                    note "stream $depth: ${tool[*]} failed in round $r: $(tail -c 300 "$WORK/stream.err" | tr '\n' ' ')"
+                    record "fail stream $depth" "$kind" 1
+                    log "stream $depth round $r $kind: failed"
+                    continue
                 fi
                 [ "$r" != 1 ] || qemu-img compare -q "$WORK/chain.raw" "$WORK/stream.qcow2" ||
                     die "convert of the depth-$depth chain by $kind differs from the chain"
@@ -363,7 +388,7 @@ LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
 # ---------------------------------------------------------------------------------------------
 # The report. Medians of the recorded rounds; "q / o" cells are qemu-nbd (or qemu-img) / ours.
 m() { median "$1" "$2"; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a == "-" || b == "-" || b == 0) print "-"; else printf "%.2f\n", a / b }'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a !~ /^[0-9.]+$/ || b !~ /^[0-9.]+$/ || b == 0) print "-"; else printf "%.2f\n", a / b }'; }
 plot() { [ "$4" = - ] || printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$PLOT"; }
 BEHIND=$WORK/behind.md # rows where ours is slower or larger, for the closing list
 : >"$BEHIND"
@@ -560,8 +585,14 @@ slice_table() { # CLUSTER
         echo "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         for depth in $DEPTHS; do
             q=$(m "chain $depth reread ms" qemu) o=$(m "chain $depth reread ms" ours)
-            echo "| $depth | $q | $o | $(ratio "$q" "$o") | $(m "chain raw reread ms" raw) | $(m "cpu chain $depth reread ms" qemu) / $(m "cpu chain $depth reread ms" ours) | $(rss_cell "chain $depth idle") | $(rss_cell "chain $depth read") | $(m "stream $depth ms" qemu) / $(m "stream $depth ms" ours) | $(rss_cell "stream $depth") |"
-            awk -v q="$q" -v o="$o" 'BEGIN { exit !(q != "-" && o != "-" && o > 1.05 * q) }' && behind "chain $depth re-read: ours $o ms > qemu-nbd $q ms" || true
+            # A server that failed every round shows as such (the notes say how).
+            [ "$q" = - ] && [ "$(m "fail chain $depth" qemu)" != - ] && q="failed"
+            [ "$o" = - ] && [ "$(m "fail chain $depth" ours)" != - ] && o="failed" && behind "chain $depth: our server failed"
+            sq=$(m "stream $depth ms" qemu) so=$(m "stream $depth ms" ours)
+            [ "$sq" = - ] && [ "$(m "fail stream $depth" qemu)" != - ] && sq="failed"
+            [ "$so" = - ] && [ "$(m "fail stream $depth" ours)" != - ] && so="failed" && behind "stream $depth: our convert failed"
+            echo "| $depth | $q | $o | $(ratio "$q" "$o") | $(m "chain raw reread ms" raw) | $(m "cpu chain $depth reread ms" qemu) / $(m "cpu chain $depth reread ms" ours) | $(rss_cell "chain $depth idle") | $(rss_cell "chain $depth read") | $sq / $so | $(rss_cell "stream $depth") |"
+            awk -v q="$q" -v o="$o" 'BEGIN { exit !(q ~ /^[0-9.]+$/ && o ~ /^[0-9.]+$/ && o > 1.05 * q) }' && behind "chain $depth re-read: ours $o ms > qemu-nbd $q ms" || true
             plot chain-time "depth $depth" "qemu-nbd re-read" "$q"
             plot chain-time "depth $depth" "ours re-read" "$o"
             plot chain-time "depth $depth" "qemu-img convert" "$(m "stream $depth ms" qemu)"
