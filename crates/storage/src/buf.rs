@@ -127,18 +127,23 @@ fn layout(cap: usize) -> Layout {
         .expect("IoBuf layout exceeds isize::MAX")
 }
 
-/// A zeroed allocation for a buffer of `cap` bytes: the allocation and the buffer's aligned
-/// start inside it.
+/// An allocation for a buffer of `cap` bytes, the buffer zeroed: the allocation and the
+/// buffer's aligned start inside it.
 fn alloc_zeroed(cap: usize) -> (NonNull<u8>, NonNull<u8>) {
     let layout = layout(cap);
     // SAFETY: `layout` has a non-zero size (at least BUF_ALIGN).
-    let raw = unsafe { alloc::alloc_zeroed(layout) };
+    let raw = unsafe { alloc::alloc(layout) };
     let raw = NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout));
     let offset = raw.as_ptr().align_offset(BUF_ALIGN);
     debug_assert!(offset < BUF_ALIGN);
     // SAFETY: offset < BUF_ALIGN, so `offset + cap` bytes lie within the `cap + BUF_ALIGN`
-    // bytes allocated, and the pointer is non-null as `raw` is.
-    let ptr = unsafe { NonNull::new_unchecked(raw.as_ptr().add(offset)) };
+    // bytes allocated, and the pointer is non-null as `raw` is. Only the buffer's own bytes
+    // are zeroed, as before (calloc would also clear the padding).
+    let ptr = unsafe {
+        let ptr = raw.as_ptr().add(offset);
+        std::ptr::write_bytes(ptr, 0, cap);
+        NonNull::new_unchecked(ptr)
+    };
     (raw, ptr)
 }
 
