@@ -43,6 +43,8 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=benches/lib.sh
+. "$REPO/benches/lib.sh"
 QUICK=${QUICK:-0}
 if [ "$QUICK" = 1 ]; then
     d_rounds=1 d_runtime=2 d_alloc_mib=512 d_alloc_ios=600 d_data_mib=256 d_l2_runtime=2
@@ -68,9 +70,6 @@ QEMU_AIO=${QEMU_AIO:-io_uring}
 TLS_PORT=${TLS_PORT:-10899}
 ONLY=${ONLY:-"alloc alloc32 mt metrics io bitmap l2 chain rss tls tools"}
 METRICS_PORT=${METRICS_PORT:-10900}
-
-log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
-die() { log "error: $*"; exit 1; }
 
 for tool in qemu-img qemu-io qemu-nbd fio cargo shuf; do
     command -v "$tool" >/dev/null || die "$tool is required but not installed"
@@ -113,230 +112,10 @@ CLK_TCK=$(getconf CLK_TCK)
 : >"$RESULTS"
 
 # ---------------------------------------------------------------------------------------------
-# Servers. start_server KIND IMAGE [SETTINGS...]: KIND is qemu, ours or raw (our server with
-# -f raw); SETTINGS are key=value pairs applied to both servers the same way: l2=SIZE,
-# slice=SIZE, clean=SECONDS, ro=1, tcp=PORT (listen on 127.0.0.1:PORT instead of $SOCK),
-# tls=DIR (require TLS with the x509 server credentials in DIR, no client certificate),
-# cache=MODE (default none: O_DIRECT), shared=N (-e N); threads=N and metrics=ADDR:PORT are
-# ours only (--threads, --metrics).
-start_server() {
-    local kind=$1 image=$2
-    shift 2
-    local l2="" slice="" clean="" ro=0 tcp="" tls="" cache=none shared=1 threads=1 metrics="" kv
-    for kv in "$@"; do
-        case $kv in
-        l2=*) l2=${kv#l2=} ;;
-        slice=*) slice=${kv#slice=} ;;
-        clean=*) clean=${kv#clean=} ;;
-        ro=*) ro=${kv#ro=} ;;
-        tcp=*) tcp=${kv#tcp=} ;;
-        tls=*) tls=${kv#tls=} ;;
-        cache=*) cache=${kv#cache=} ;;
-        shared=*) shared=${kv#shared=} ;;
-        threads=*) threads=${kv#threads=} ;;
-        metrics=*) metrics=${kv#metrics=} ;;
-        *) die "unknown server setting $kv" ;;
-        esac
-    done
-    rm -f "$SOCK" "$WORK/server.pid"
-    # Where to listen and TLS: the same flags for both servers.
-    local endpoint=(-k "$SOCK")
-    [ -n "$tcp" ] && endpoint=(-b 127.0.0.1 -p "$tcp")
-    local tlsargs=()
-    [ -n "$tls" ] && tlsargs=(--object "tls-creds-x509,id=tls0,dir=$tls,endpoint=server,verify-peer=off"
-        --tls-creds tls0)
-    local args=()
-    case $kind in
-    qemu)
-        local opts="driver=qcow2,file.driver=file,file.filename=$image"
-        [ -n "$l2" ] && opts+=",l2-cache-size=$l2"
-        [ -n "$slice" ] && opts+=",l2-cache-entry-size=$slice"
-        [ -n "$clean" ] && opts+=",cache-clean-interval=$clean"
-        args=(qemu-nbd -t "${endpoint[@]}" "${tlsargs[@]}" --cache="$cache" --aio="$QEMU_AIO"
-            -e "$shared" --pid-file="$WORK/server.pid")
-        [ "$ro" = 1 ] && args+=(-r)
-        args+=(--image-opts "$opts")
-        ;;
-    ours | raw)
-        args=("$BIN" serve -t "${endpoint[@]}" "${tlsargs[@]}" --cache "$cache" --aio io_uring
-            -e "$shared" --threads "$threads" --pid-file "$WORK/server.pid")
-        if [ "$kind" = raw ]; then args+=(-f raw); else args+=(-f qcow2); fi
-        [ -n "$l2" ] && args+=(--l2-cache-size "$l2")
-        [ -n "$slice" ] && args+=(--l2-cache-entry-size "$slice")
-        [ -n "$clean" ] && args+=(--cache-clean-interval "$clean")
-        [ "$ro" = 1 ] && args+=(-r)
-        [ -n "$metrics" ] && args+=(--metrics "$metrics")
-        args+=("$image")
-        ;;
-    *) die "unknown server kind $kind" ;;
-    esac
-    "${args[@]}" >"$WORK/server.log" 2>&1 &
-    SERVER_PID=$!
-    local i
-    for i in $(seq 1 600); do
-        if [ -n "$tcp" ]; then
-            [ -s "$WORK/server.pid" ] && [ -n "$(ss -Hltn "sport = :$tcp")" ] && return 0
-        elif [ -S "$SOCK" ] && [ -s "$WORK/server.pid" ]; then return 0; fi
-        kill -0 "$SERVER_PID" 2>/dev/null || break
-        sleep 0.05
-    done
-    cat "$WORK/server.log" >&2
-    die "$kind server did not start: ${args[*]}"
-}
-
-stop_server() {
-    kill -TERM "$SERVER_PID" 2>/dev/null || true
-    wait "$SERVER_PID" 2>/dev/null || true
-    SERVER_PID=""
-}
-
-# status_kib FIELD: a /proc/PID/status field of the running server, in KiB.
-status_kib() { awk -v f="$1:" '$1 == f { print $2 }' "/proc/$SERVER_PID/status"; }
-
-# The URI fio connects to: NBD_URI when a group sets it (tls), else the Unix socket.
-NBD_URI=""
-URI() { if [ -n "$NBD_URI" ]; then printf '%s' "$NBD_URI"; else printf 'nbd+unix:///?socket=%s' "$SOCK"; fi; }
-
-# server_usage: the running server's CPU time in clock ticks (all its threads, exited ones
-# included) and the bytes it read and wrote on storage (O_DIRECT and io_uring I/O included).
-server_usage() {
-    local stat
-    stat=$(<"/proc/$SERVER_PID/stat")
-    stat=${stat##*) } # fields after "pid (comm) ": utime and stime are the 12th and 13th
-    awk '{ printf "%d ", $12 + $13 }' <<<"$stat"
-    awk '$1 == "read_bytes:" { r = $2 } $1 == "write_bytes:" { w = $2 } END { print r + w }' \
-        "/proc/$SERVER_PID/io"
-}
-
-# run_fio DIRECTION ARGS...: runs fio against the server and prints the job's
-# "IOPS MiB/s runtime_ms cpu_us_per_request disk_kib_per_request" for DIRECTION (read or
-# write), from fio's terse output (v3) and the server's /proc counters. With a ramp time the
-# counters start when the ramp ends (timed from the server accepting fio's connection, seen as
-# a new descriptor), so they cover the requests fio counts.
-run_fio() {
-    local dir=$1 ramp=0 arg snap="" out after fds
-    shift
-    for arg in "$@"; do case $arg in --ramp_time=*) ramp=${arg#--ramp_time=} ;; esac; done
-    server_usage >"$WORK/usage.before"
-    if [ "$ramp" != 0 ]; then
-        fds=$(find "/proc/$SERVER_PID/fd" -mindepth 1 | wc -l)
-        (
-            for _ in $(seq 1 1000); do
-                [ "$(find "/proc/$SERVER_PID/fd" -mindepth 1 | wc -l)" -gt "$fds" ] && break
-                sleep 0.005
-            done
-            sleep "$ramp" && server_usage >"$WORK/usage.before"
-        ) &
-        snap=$!
-    fi
-    out=$(fio --name=bench --ioengine=nbd --uri="$(URI)" --output-format=terse \
-        --terse-version=3 "$@" 2>"$WORK/fio.err") || {
-        cat "$WORK/fio.err" >&2
-        die "fio failed: $*"
-    }
-    after=$(server_usage)
-    [ -n "$snap" ] && wait "$snap"
-    # terse v3 (the nbd engine also prints a line of its own): read kb/bw(KiB/s)/iops/
-    # runtime(ms) at fields 6..9, write at 47..50.
-    echo "$out" | awk -F';' -v d="$dir" -v hz="$CLK_TCK" -v before="$(<"$WORK/usage.before")" \
-        -v after="$after" '$1 == "3" {
-        if (d == "read") { iops = $8; bw = $7 / 1024; ms = $9 }
-        else { iops = $49; bw = $48 / 1024; ms = $50 }
-        split(before, b, " "); split(after, a, " ")
-        n = iops * ms / 1000
-        if (n < 1) { cpu = "-"; disk = "-" }
-        else { cpu = sprintf("%.1f", (a[1] - b[1]) * 1e6 / hz / n)
-               disk = sprintf("%.1f", (a[2] - b[2]) / 1024 / n) }
-        printf "%s %.1f %s %s %s\n", iops, bw, ms, cpu, disk }'
-}
-
-record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$RESULTS"; } # scenario, server, value
-
-# record_usage SCENARIO KIND CPU DISK: the server's cost per request in this run.
-record_usage() {
-    record "cpu $1" "$2" "$3"
-    record "disk $1" "$2" "$4"
-}
-
-median() { # median of the values recorded for (scenario, server)
-    awk -F'\t' -v s="$1" -v k="$2" '$1 == s && $2 == k && $3 != "-" { print $3 }' "$RESULTS" | sort -g |
-        awk '{ v[NR] = $1 } END { if (NR == 0) print "-"; else if (NR % 2) print v[(NR + 1) / 2];
-              else printf "%.6g\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
-}
-
-# order ROUND: the alternation, qemu first in odd rounds and ours first in even ones.
-order() { if [ $(($1 % 2)) = 1 ]; then echo "qemu ours"; else echo "ours qemu"; fi; }
-
-copy_image() { cp --sparse=always "$1" "$2"; }
-
-# ---------------------------------------------------------------------------------------------
-# 1. Allocation: 4 KiB writes into an empty overlay over a fully written raw backing file, each
-# to a fresh allocation unit (a cluster, or a subcluster with extended L2; at least 4 KiB), in
-# the same random order for both servers (a replayed fio iolog).
+# 1. Allocation (alloc_scenarios in lib.sh): 4 KiB writes into an empty overlay over a fully
+# written raw backing file, each to a fresh allocation unit, the same order for both servers.
 ALLOC_CONFIGS="std-64k:64k:off std-128k:128k:off std-2m:2M:off ext-64k/2k:64k:on
 ext-128k/4k:128k:on ext-256k/8k:256k:on ext-2m/64k:2M:on"
-
-bytes() { # 64k -> 65536
-    local v=$1
-    case $v in
-    *k) echo $((${v%k} << 10)) ;; *M) echo $((${v%M} << 20)) ;; *G) echo $((${v%G} << 30)) ;;
-    *) echo "$v" ;;
-    esac
-}
-
-alloc_scenarios() {
-    local backing=$WORK/backing.raw size=$((ALLOC_BACKING_MIB << 20))
-    log "allocation: writing a ${ALLOC_BACKING_MIB} MiB backing file"
-    fio --name=fill --filename="$backing" --rw=write --bs=1M --size="$size" --direct=1 \
-        --refill_buffers --output-format=terse >/dev/null
-    # The physical limit: random 4 KiB writes to a raw file through our server.
-    cp "$backing" "$WORK/limit.raw"
-    local cfg label cluster ext unit units n r kind cpu disk key=${ALLOC_KEY:-alloc}
-    for cfg in $ALLOC_CONFIGS; do
-        IFS=: read -r label cluster ext <<<"$cfg"
-        cluster=$(bytes "$cluster")
-        if [ "$ext" = on ]; then unit=$((cluster / 32)); else unit=$cluster; fi
-        [ "$unit" -lt 4096 ] && unit=4096
-        units=$((size / unit))
-        n=$((ALLOC_IOS < units ? ALLOC_IOS : units))
-        {
-            echo "fio version 2 iolog"
-            echo "nbd add"
-            echo "nbd open"
-            shuf -i 0-$((units - 1)) -n "$n" --random-source=<(yes "$label") |
-                awk -v u="$unit" '{ printf "nbd write %d 4096\n", $1 * u }'
-            echo "nbd close"
-        } >"$WORK/alloc.iolog"
-        for r in $(seq 1 "$ROUNDS"); do
-            for kind in $(order "$r"); do
-                qemu-img create -q -f qcow2 -b backing.raw -F raw \
-                    -o cluster_size="$cluster",extended_l2="$ext" "$WORK/overlay.qcow2"
-                start_server "$kind" "$WORK/overlay.qcow2"
-                stats=$(run_fio write --read_iolog="$WORK/alloc.iolog" \
-                    --size="$size" --iodepth="$ALLOC_QD")
-                read -r iops _ _ cpu disk <<<"$stats"
-                stop_server
-                qemu-img check -q "$WORK/overlay.qcow2" ||
-                    die "$kind left a corrupt overlay ($label)"
-                record "$key $label" "$kind" "$iops"
-                record_usage "$key $label" "$kind" "$cpu" "$disk"
-                log "$key $label round $r $kind: $iops IOPS ($n writes)"
-                rm -f "$WORK/overlay.qcow2"
-            done
-        done
-    done
-    for r in $(seq 1 "$ROUNDS"); do
-        start_server raw "$WORK/limit.raw"
-        stats=$(run_fio write --rw=randwrite --bs=4k --iodepth="$ALLOC_QD" \
-            --size="$size" --runtime="$RUNTIME" --time_based --ramp_time=1)
-        read -r iops _ _ cpu disk <<<"$stats"
-        stop_server
-        record "$key raw" raw "$iops"
-        record_usage "$key raw" raw "$cpu" "$disk"
-        log "alloc raw limit round $r: $iops IOPS"
-    done
-    rm -f "$backing" "$WORK/limit.raw"
-}
 
 # alloc32: the same allocating writes at queue depth 32, standard and extended L2 64 KiB.
 alloc32_scenarios() {
@@ -542,31 +321,10 @@ l2_scenarios() {
 # 4. Chains: the same guest data through one image and through CHAIN_DEPTH layers (layer k
 # holds every cluster i with i % depth == k). A full sequential read (1 MiB, QD1), its time and
 # the server's peak RSS (VmHWM, a fresh server per read).
-build_chain() {
-    local dir=$WORK/chain depth=$CHAIN_DEPTH size=$((CHAIN_MIB << 20)) k i prev="" cmds
-    local clusters=$((size / 65536))
-    mkdir -p "$dir"
-    for k in $(seq 0 $((depth - 1))); do
-        local name
-        name=$(printf 'layer%03d.qcow2' "$k")
-        # The layer is written with no backing, then pointed at the one below (unsafe rebase:
-        # only the header changes), so building stays linear in the depth.
-        qemu-img create -q -f qcow2 "$dir/$name" "${CHAIN_MIB}M"
-        cmds=()
-        for ((i = k; i < clusters; i += depth)); do
-            cmds+=(-c "write -q -P $((i % 251 + 1)) $((i * 65536)) 64k")
-        done
-        [ ${#cmds[@]} -gt 0 ] && qemu-io -f qcow2 "${cmds[@]}" "$dir/$name" >/dev/null
-        [ -n "$prev" ] && qemu-img rebase -u -f qcow2 -b "$prev" -F qcow2 "$dir/$name"
-        prev=$name
-    done
-    ln -sf "$(printf 'layer%03d.qcow2' $((depth - 1)))" "$dir/top.qcow2"
-    qemu-img convert -f qcow2 -O qcow2 "$dir/top.qcow2" "$WORK/flat.qcow2"
-}
-
 chain_scenarios() {
     log "chains: building depth $CHAIN_DEPTH and depth 1 with the same $CHAIN_MIB MiB of data"
-    build_chain
+    build_chain "$WORK/chain" "$CHAIN_DEPTH" "$CHAIN_MIB"
+    qemu-img convert -f qcow2 -O qcow2 "$WORK/chain/top.qcow2" "$WORK/flat.qcow2"
     local size=$((CHAIN_MIB << 20)) r kind image label ms hwm depth cpu disk
     for r in $(seq 1 "$ROUNDS"); do
         for depth in 1 "$CHAIN_DEPTH"; do

@@ -124,7 +124,7 @@ impl Filler<'_> {
     }
 }
 
-fn allocation(c: &mut Criterion) {
+fn allocation(c: &mut Criterion<support::IoTime>) {
     let dir = scratch_dir("bench-alloc-");
     let size = backing_size();
     support::write_pattern_file(&dir.path().join("backing.raw"), size);
@@ -155,5 +155,9 @@ fn allocation(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, allocation);
+criterion_group! {
+    name = benches;
+    config = Criterion::default().with_measurement(support::IoTime);
+    targets = allocation
+}
 criterion_main!(benches);

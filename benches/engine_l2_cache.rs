@@ -22,7 +22,7 @@ fn image_size() -> u64 {
         << 30
 }
 
-fn l2_cache(c: &mut Criterion) {
+fn l2_cache(c: &mut Criterion<support::IoTime>) {
     let dir = scratch_dir("bench-l2-");
     let path = dir.path().join("allocated.qcow2");
     let size = image_size();
@@ -78,5 +78,9 @@ fn l2_cache(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, l2_cache);
+criterion_group! {
+    name = benches;
+    config = Criterion::default().with_measurement(support::IoTime);
+    targets = l2_cache
+}
 criterion_main!(benches);

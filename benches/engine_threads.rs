@@ -12,6 +12,8 @@
 //! the image's thread spent per remote request: the serial part that bounds how far more
 //! threads can go, from which `benches/RESULTS.md` extrapolates.
 
+mod support;
+
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -225,7 +227,7 @@ fn remote_run(handle: &RemoteHandle<Buf>, threads: u64, iters: u64, write: bool)
     start.elapsed()
 }
 
-fn bench(c: &mut Criterion) {
+fn bench(c: &mut Criterion<support::IoTime>) {
     let mut group = c.benchmark_group("engine_threads");
     group.throughput(Throughput::Elements(1));
     group.sample_size(10);
@@ -261,5 +263,9 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench);
+criterion_group! {
+    name = benches;
+    config = Criterion::default().with_measurement(support::IoTime);
+    targets = bench
+}
 criterion_main!(benches);

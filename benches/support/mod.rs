@@ -97,3 +97,80 @@ pub fn block_4k(byte: u8) -> IoBuf {
 
 /// The tests' seeded random source, so bench runs are repeatable.
 pub use test_support::Rng as SplitMix64;
+
+/// Wall time, as criterion's default, but element throughput printed as I/O operations per
+/// second: the engine benches count one element per request, and criterion's own formatter
+/// would print `Kelem/s`.
+pub struct IoTime;
+
+impl criterion::measurement::Measurement for IoTime {
+    type Intermediate = std::time::Instant;
+    type Value = std::time::Duration;
+
+    fn start(&self) -> Self::Intermediate {
+        std::time::Instant::now()
+    }
+    fn end(&self, i: Self::Intermediate) -> Self::Value {
+        i.elapsed()
+    }
+    fn add(&self, v1: &Self::Value, v2: &Self::Value) -> Self::Value {
+        *v1 + *v2
+    }
+    fn zero(&self) -> Self::Value {
+        std::time::Duration::ZERO
+    }
+    fn to_f64(&self, value: &Self::Value) -> f64 {
+        value.as_nanos() as f64
+    }
+    fn formatter(&self) -> &dyn criterion::measurement::ValueFormatter {
+        &IopsFormatter
+    }
+}
+
+/// Formats [`IoTime`] values: times as criterion does, elements per second as IOPS.
+struct IopsFormatter;
+
+impl criterion::measurement::ValueFormatter for IopsFormatter {
+    fn scale_values(&self, ns: f64, values: &mut [f64]) -> &'static str {
+        let (factor, unit) = match ns {
+            n if n < 1e3 => (1.0, "ns"),
+            n if n < 1e6 => (1e-3, "µs"),
+            n if n < 1e9 => (1e-6, "ms"),
+            _ => (1e-9, "s"),
+        };
+        values.iter_mut().for_each(|v| *v *= factor);
+        unit
+    }
+
+    fn scale_throughputs(
+        &self,
+        typical: f64,
+        throughput: &criterion::Throughput,
+        values: &mut [f64],
+    ) -> &'static str {
+        use criterion::Throughput;
+        let ops = match *throughput {
+            Throughput::Elements(n) => n as f64,
+            Throughput::Bytes(n) | Throughput::BytesDecimal(n) => {
+                values
+                    .iter_mut()
+                    .for_each(|v| *v = n as f64 * 1e9 / *v / 1048576.0);
+                return "MiB/s";
+            }
+        };
+        let iops = ops * 1e9 / typical;
+        let (denominator, unit) = match iops {
+            r if r < 1e3 => (1.0, " IOPS"),
+            r if r < 1e6 => (1e3, "kIOPS"),
+            _ => (1e6, "MIOPS"),
+        };
+        values
+            .iter_mut()
+            .for_each(|v| *v = ops * 1e9 / *v / denominator);
+        unit
+    }
+
+    fn scale_for_machines(&self, _values: &mut [f64]) -> &'static str {
+        "ns"
+    }
+}

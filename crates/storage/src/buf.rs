@@ -14,7 +14,10 @@ pub const BUF_ALIGN: usize = 4096;
 
 /// Heap buffer aligned to 4096 bytes (O_DIRECT-ready), zero-initialised, `len <= capacity`.
 pub struct IoBuf {
+    /// The first byte of the buffer: `raw` rounded up to [`BUF_ALIGN`].
     ptr: NonNull<u8>,
+    /// The allocation itself (see [`alloc_zeroed`]).
+    raw: NonNull<u8>,
     len: usize,
     cap: usize,
 }
@@ -28,11 +31,8 @@ impl IoBuf {
     /// A buffer of `len` zero bytes.
     pub fn zeroed(len: usize) -> IoBuf {
         let cap = round_capacity(len);
-        IoBuf {
-            ptr: alloc_zeroed(cap),
-            len,
-            cap,
-        }
+        let (raw, ptr) = alloc_zeroed(cap);
+        IoBuf { ptr, raw, len, cap }
     }
 
     /// A buffer holding a copy of `data`.
@@ -61,11 +61,19 @@ impl IoBuf {
     pub fn resize(&mut self, len: usize) {
         if len > self.cap {
             let cap = round_capacity(len);
-            let ptr = alloc_zeroed(cap);
+            let (raw, ptr) = alloc_zeroed(cap);
             // SAFETY: both allocations are valid for `self.len` bytes (self.len <= self.cap < cap)
             // and distinct, so they cannot overlap.
             unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), ptr.as_ptr(), self.len) };
-            let old = std::mem::replace(self, IoBuf { ptr, len: 0, cap });
+            let old = std::mem::replace(
+                self,
+                IoBuf {
+                    ptr,
+                    raw,
+                    len: 0,
+                    cap,
+                },
+            );
             self.len = old.len;
         }
         if len > self.len {
@@ -102,21 +110,47 @@ fn round_capacity(len: usize) -> usize {
         .expect("IoBuf capacity overflows usize")
 }
 
+/// The allocation behind a buffer of `cap` bytes: `BUF_ALIGN` more, at the allocator's own
+/// alignment, so the aligned buffer fits inside wherever the allocation starts.
+///
+/// Asking the allocator for 4096-byte alignment instead (`posix_memalign`) makes glibc carve
+/// each buffer out of a larger free chunk and return the piece before it to the heap; a freed
+/// buffer then comes back a little smaller than the next request of the same size needs, so a
+/// serving loop grew the heap by one buffer per request until fragments merged (ten 1 MiB
+/// buffers resident for one in use). A plain allocation of the same size every time is reused
+/// as it is.
 fn layout(cap: usize) -> Layout {
-    Layout::from_size_align(cap, BUF_ALIGN).expect("IoBuf layout exceeds isize::MAX")
+    let size = cap
+        .checked_add(BUF_ALIGN)
+        .expect("IoBuf capacity overflows usize");
+    Layout::from_size_align(size, std::mem::align_of::<u128>())
+        .expect("IoBuf layout exceeds isize::MAX")
 }
 
-fn alloc_zeroed(cap: usize) -> NonNull<u8> {
+/// An allocation for a buffer of `cap` bytes, the buffer zeroed: the allocation and the
+/// buffer's aligned start inside it.
+fn alloc_zeroed(cap: usize) -> (NonNull<u8>, NonNull<u8>) {
     let layout = layout(cap);
-    // SAFETY: `layout` has a non-zero size (round_capacity returns at least BUF_ALIGN).
-    let ptr = unsafe { alloc::alloc_zeroed(layout) };
-    NonNull::new(ptr).unwrap_or_else(|| alloc::handle_alloc_error(layout))
+    // SAFETY: `layout` has a non-zero size (at least BUF_ALIGN).
+    let raw = unsafe { alloc::alloc(layout) };
+    let raw = NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout));
+    let offset = raw.as_ptr().align_offset(BUF_ALIGN);
+    debug_assert!(offset < BUF_ALIGN);
+    // SAFETY: offset < BUF_ALIGN, so `offset + cap` bytes lie within the `cap + BUF_ALIGN`
+    // bytes allocated, and the pointer is non-null as `raw` is. Only the buffer's own bytes
+    // are zeroed, as before (calloc would also clear the padding).
+    let ptr = unsafe {
+        let ptr = raw.as_ptr().add(offset);
+        std::ptr::write_bytes(ptr, 0, cap);
+        NonNull::new_unchecked(ptr)
+    };
+    (raw, ptr)
 }
 
 impl Drop for IoBuf {
     fn drop(&mut self) {
-        // SAFETY: `ptr` came from alloc_zeroed with exactly this layout and is freed once.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), layout(self.cap)) };
+        // SAFETY: `raw` came from alloc_zeroed with exactly this layout and is freed once.
+        unsafe { alloc::dealloc(self.raw.as_ptr(), layout(self.cap)) };
     }
 }
 
@@ -137,8 +171,10 @@ impl DerefMut for IoBuf {
 
 impl Clone for IoBuf {
     fn clone(&self) -> IoBuf {
+        let (raw, ptr) = alloc_zeroed(self.cap);
         let mut copy = IoBuf {
-            ptr: alloc_zeroed(self.cap),
+            ptr,
+            raw,
             len: self.len,
             cap: self.cap,
         };
