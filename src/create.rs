@@ -488,8 +488,16 @@ async fn create(args: &CreateArgs) -> Result<(), CreateError> {
         print!("{}", options::help_text(specs));
         return Ok(());
     }
-    let image_path = args.image.as_ref().ok_or(CreateError::NoImage)?;
-    let image = image_path.display().to_string();
+    let named = args.image.as_ref().ok_or(CreateError::NoImage)?;
+    // Messages show the name as given; the file is what a `file:` prefix leaves.
+    let image = named.display().to_string();
+    let file = crate::image_name::protocol_path(named.as_os_str()).map_err(|reason| {
+        CreateError::Invalid {
+            image: image.clone(),
+            detail: reason.to_string(),
+        }
+    })?;
+    let image_path = &file;
     let parsed = parse_options(args, format, list.as_deref(), &image)?;
     let size = requested_size(args, &parsed, &image)?;
     match format {
