@@ -10,6 +10,7 @@ mod compare_measure;
 mod convert_map_interop;
 mod convert_qcow2;
 mod create;
+mod data_file;
 mod drop_in;
 mod image_names;
 mod interop_writes;
