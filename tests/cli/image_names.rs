@@ -199,3 +199,39 @@ fn the_file_protocol_prefix() {
         }
     }
 }
+
+/// The first cluster of a file: the qcow2 header and its extensions.
+fn header(d: &Dir, name: &str) -> Vec<u8> {
+    let mut bytes = std::fs::read(d.path(name)).expect("read the image");
+    bytes.truncate(65536);
+    bytes
+}
+
+#[test]
+fn an_unsafe_rebase_records_any_format_qemu_has() {
+    let p = Pair::new(|d| {
+        d.create("a.qcow2", "qcow2", "", None, "1M");
+        d.create("v2.qcow2", "qcow2", "compat=0.10", None, "1M");
+    });
+    for image in ["a.qcow2", "v2.qcow2"] {
+        p.same(&[
+            "rebase",
+            "-u",
+            "-b",
+            "/some/path",
+            "-F",
+            "host_device",
+            image,
+        ]);
+        // The same header, down to the order of its extensions.
+        assert_eq!(
+            header(&p.ours, image),
+            header(&p.qemu, image),
+            "{image}: headers differ"
+        );
+        p.same(&["rebase", "-u", "-b", "", image]);
+        assert_eq!(header(&p.ours, image), header(&p.qemu, image), "{image}");
+        p.same(&["rebase", "-u", "-b", "b.qcow2", "-F", "qcow2", image]);
+        assert_eq!(header(&p.ours, image), header(&p.qemu, image), "{image}");
+    }
+}
