@@ -1,30 +1,19 @@
 //! `qcow2-nbd`: qemu-img-like tools for qcow2 images and an NBD server that exports them.
 
-mod amend;
-mod bitmap;
-mod check;
-mod commit;
-mod compare;
-mod convert;
-mod create;
-mod ctl;
+mod daemon;
 mod engine_run;
-mod export;
 mod image_name;
-mod inflight;
-mod info;
 mod malloc_tuning;
-mod map;
-mod measure;
 mod options;
 mod prog;
-mod progress;
-mod rebase;
-mod resize;
-mod serve;
 mod size_string;
-mod snapshot;
-mod stats;
+mod tools;
+
+use daemon::{ctl, serve};
+use tools::{
+    amend, bitmap, check, commit, compare, convert, create, info, map, measure, rebase, resize,
+    snapshot,
+};
 
 use std::process::ExitCode;
 

@@ -3,8 +3,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use qcow2::format::bitmap::{self, BitmapTableEntry, BitmapsExtension};
-use qcow2::format::{Geometry, HostOffset};
+use qcow2_format::bitmap::{self, BitmapTableEntry, BitmapsExtension};
+use qcow2_format::{Geometry, HostOffset};
 
 fuzz_target!(|data: &[u8]| {
     if data.len() < 3 {

@@ -4,8 +4,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use qcow2::format::header::Strictness;
-use qcow2::format::{FeatureKind, Header};
+use qcow2_format::header::Strictness;
+use qcow2_format::{FeatureKind, Header};
 
 fuzz_target!(|data: &[u8]| {
     let lenient = Header::decode_with(data, Strictness::Check);

@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use qcow2::format::{
+use qcow2_format::{
     l1, l2, ExtendedL2Entry, Geometry, HostOffset, L1Entry, L2Entry, SubclusterState,
 };
 

@@ -4,7 +4,7 @@
 
 use libfuzzer_sys::fuzz_target;
 
-#[path = "../../src/stats/http/request.rs"]
+#[path = "../../src/daemon/stats/http/request.rs"]
 mod request;
 
 use request::{parse, HeadEnd};

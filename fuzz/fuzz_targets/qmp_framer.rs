@@ -6,7 +6,7 @@
 use libfuzzer_sys::fuzz_target;
 
 #[allow(dead_code)]
-#[path = "../../src/serve/control/qmp.rs"]
+#[path = "../../src/daemon/serve/control/qmp.rs"]
 mod qmp;
 
 use qmp::{Frame, Framer};

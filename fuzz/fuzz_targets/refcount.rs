@@ -3,8 +3,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use qcow2::format::refcount;
-use qcow2::format::{Geometry, HostOffset, RefcountTableEntry};
+use qcow2_format::refcount;
+use qcow2_format::{Geometry, HostOffset, RefcountTableEntry};
 
 fuzz_target!(|data: &[u8]| {
     let Some((&selector, block)) = data.split_first() else {

@@ -4,9 +4,9 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use qcow2::format::header::Strictness;
-use qcow2::format::snapshot::{self, SnapshotTableEntry};
-use qcow2::format::Geometry;
+use qcow2_format::header::Strictness;
+use qcow2_format::snapshot::{self, SnapshotTableEntry};
+use qcow2_format::Geometry;
 
 fuzz_target!(|data: &[u8]| {
     if data.len() < 3 {

@@ -17,6 +17,7 @@
 //! their futures need not be `Send`. With [`Server::with_threads`], connections on the other
 //! threads reach it through [`remote::Remote`].
 
+mod accept;
 pub mod connection;
 pub mod control;
 pub mod errno;

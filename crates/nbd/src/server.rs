@@ -15,7 +15,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{watch, Notify, Semaphore};
 use tokio::task::{JoinSet, LocalSet};
 
-use crate::connection::{serve_client, ConnectionEnd};
+use crate::accept::{handle, Accepted, Handled};
 use crate::control::Control;
 use crate::errno::Errno;
 use crate::export::Export;
@@ -161,11 +161,6 @@ fn is_stale_socket(path: &Path) -> bool {
             std::os::unix::net::UnixStream::connect(path),
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused
         )
-}
-
-pub(crate) enum Accepted {
-    Unix(tokio::net::UnixStream),
-    Tcp(tokio::net::TcpStream, SocketAddr),
 }
 
 /// Why serving failed.
@@ -470,98 +465,6 @@ async fn accept_any(listeners: &[Listener]) -> std::io::Result<Accepted> {
         Poll::Pending
     })
     .await
-}
-
-/// How a client's connection went.
-pub(crate) struct Handled {
-    /// It ended without error.
-    pub ok: bool,
-    /// It reached transmission (and so counts for the server's lifetime).
-    pub transmitted: bool,
-}
-
-/// Serves one accepted client.
-pub(crate) async fn handle<E: Export + 'static>(
-    stream: Accepted,
-    exports: Exports<E>,
-    control: Control,
-    keepalive: Option<Duration>,
-    tls: Option<Arc<TlsServer>>,
-) -> Handled {
-    let tls = tls.as_deref();
-    let (result, peer) = match stream {
-        Accepted::Unix(s) => (
-            serve_client(s, &exports, control, tls).await,
-            "unix".to_owned(),
-        ),
-        Accepted::Tcp(s, peer) => {
-            // The spec asks both ends to disable Nagle: replies are small and latency-bound.
-            let _ = s.set_nodelay(true);
-            if let Some(idle) = keepalive {
-                if let Err(e) = set_keepalive(&s, idle) {
-                    tracing::debug!(%peer, error = %e, "cannot enable TCP keepalive");
-                }
-            }
-            (
-                serve_client(s, &exports, control, tls).await,
-                peer.to_string(),
-            )
-        }
-    };
-    match result {
-        Ok(ConnectionEnd::Transmission(n, end)) => {
-            tracing::info!(%peer, export = n.export, ?end, "client disconnected");
-            Handled {
-                ok: true,
-                transmitted: true,
-            }
-        }
-        Ok(end) => {
-            tracing::debug!(%peer, ?end, "client left during handshake");
-            Handled {
-                ok: true,
-                transmitted: false,
-            }
-        }
-        Err(e) => {
-            tracing::info!(%peer, error = %e, "connection closed");
-            Handled {
-                ok: false,
-                transmitted: e.reached_transmission(),
-            }
-        }
-    }
-}
-
-/// Turns on TCP keepalive: probes after `idle` without traffic, then every 10 s, and the
-/// connection fails after 6 unanswered probes, so a client whose host vanished is noticed
-/// in about `idle` + 1 minute instead of holding its connection forever.
-fn set_keepalive(s: &tokio::net::TcpStream, idle: Duration) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let fd = s.as_raw_fd();
-    let idle = libc::c_int::try_from(idle.as_secs().max(1)).unwrap_or(libc::c_int::MAX);
-    for (level, name, value) in [
-        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
-        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle),
-        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10),
-        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 6),
-    ] {
-        // SAFETY: fd is the open socket `s` owns; value is a c_int that outlives the call
-        // and its size is passed.
-        let rc = unsafe {
-            libc::setsockopt(
-                fd,
-                level,
-                name,
-                std::ptr::from_ref(&value).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if rc != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    Ok(())
 }
 
 /// Completes on SIGINT or SIGTERM: the conventional shutdown signal for `serve`.

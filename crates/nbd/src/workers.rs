@@ -11,12 +11,12 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::{JoinSet, LocalSet};
 
+use crate::accept::{handle, Accepted, Handled};
 use crate::control::Control;
 use crate::export::Export;
 use crate::exports::Exports;
 use crate::mirror::{self, Changes, Follower};
 use crate::remote::{Remote, SendBuf};
-use crate::server::{handle, Accepted, Handled};
 use crate::tls::TlsServer;
 
 /// A client socket on its way to another thread (detached from the accepting runtime).

@@ -1,9 +1,12 @@
-//! qcow2: the image format as pure, I/O-free types ([`format`]), a synchronous inspector
-//! that decodes an image's metadata for `qcow2-nbd info` ([`inspect`]) and the async image
-//! engine ([`engine`]); and what a new image of a given shape costs on disk ([`measure`]).
+//! qcow2: the metadata loader ([`metadata`]), a synchronous inspector that decodes an image's
+//! metadata for `qcow2-nbd info` ([`inspect`]) and the async image engine ([`engine`]); and
+//! what a new image of a given shape costs on disk ([`measure`]). The format itself, as pure
+//! I/O-free types, is the `qcow2-format` crate ([`format`]).
 
 pub mod engine;
-pub mod format;
+/// The on-disk format as pure types: the `qcow2-format` crate, re-exported so that
+/// `qcow2::format` and the engine's `crate::format` name one thing.
+pub use qcow2_format as format;
 pub mod inspect;
 pub mod measure;
 pub mod metadata;

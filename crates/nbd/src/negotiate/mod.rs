@@ -6,10 +6,13 @@
 
 pub mod meta;
 pub mod options;
+mod outcome;
+
+pub use outcome::{transmission_flags, Mode, Negotiated};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 
-use crate::export::{BlockSize, Export, ExportFeatures};
+use crate::export::Export;
 use crate::exports::{Attachment, Exports};
 use crate::wire::consts::*;
 use crate::wire::handshake::{
@@ -17,7 +20,6 @@ use crate::wire::handshake::{
     OPTION_HEADER_LEN,
 };
 use crate::wire::WireError;
-use meta::MetaSelection;
 use options::{OptReply, OptionState, Step};
 
 /// Largest option payload we buffer; larger ones are drained and refused, never allocated.
@@ -31,59 +33,6 @@ pub const MAX_OPTIONS: u32 = 1024;
 
 /// Most option bytes (payloads, drained ones included) one handshake may send.
 pub const MAX_OPTION_BYTES: u64 = 16 << 20;
-
-/// Which reply format transmission uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// Simple replies only (no structured replies negotiated, e.g. the Linux kernel).
-    Simple,
-    /// Structured replies with compact headers.
-    Structured,
-    /// Extended headers: 32-byte requests and replies, 64-bit lengths.
-    Extended,
-}
-
-/// The outcome of a successful handshake.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Negotiated {
-    /// Key of the chosen export in the [`Exports`] set.
-    pub export: usize,
-    /// Reply format.
-    pub mode: Mode,
-    /// Metadata contexts selected for this export.
-    pub meta: MetaSelection,
-    /// Export size sent to the client.
-    pub size: u64,
-    /// Transmission flags sent to the client.
-    pub flags: u16,
-    /// Block sizes advertised (maximum already capped).
-    pub block_size: BlockSize,
-}
-
-/// Transmission flags for an export's features under a reply mode.
-pub fn transmission_flags(features: &ExportFeatures, mode: Mode) -> u16 {
-    let mut flags = FLAG_HAS_FLAGS;
-    let mut set = |cond: bool, bit: u16| {
-        if cond {
-            flags |= bit;
-        }
-    };
-    let writable = !features.read_only;
-    set(features.read_only, FLAG_READ_ONLY);
-    set(features.flush, FLAG_SEND_FLUSH);
-    set(features.fua, FLAG_SEND_FUA);
-    set(features.rotational, FLAG_ROTATIONAL);
-    set(writable && features.trim, FLAG_SEND_TRIM);
-    set(writable && features.write_zeroes, FLAG_SEND_WRITE_ZEROES);
-    set(
-        writable && features.write_zeroes && features.fast_zero,
-        FLAG_SEND_FAST_ZERO,
-    );
-    set(mode != Mode::Simple, FLAG_SEND_DF);
-    set(features.multi_conn, FLAG_CAN_MULTI_CONN);
-    set(features.cache, FLAG_SEND_CACHE);
-    flags
-}
 
 /// Why a handshake ended without reaching transmission (other than the client leaving).
 #[derive(Debug, thiserror::Error)]

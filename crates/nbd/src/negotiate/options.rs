@@ -2,7 +2,7 @@
 //! step out. No I/O here, so every answer is unit-tested byte for byte.
 
 use super::meta::{self, MetaSelection, QueryMode};
-use super::{transmission_flags, Mode, Negotiated};
+use super::outcome::{transmission_flags, Mode, Negotiated};
 use crate::export::Export;
 use crate::exports::Exports;
 use crate::wire::consts::*;

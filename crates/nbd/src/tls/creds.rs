@@ -14,8 +14,8 @@ use openssl::x509::store::{X509Lookup, X509StoreBuilder};
 use openssl::x509::verify::X509VerifyFlags;
 use openssl::x509::{X509StoreContext, X509};
 
+use super::error::TlsError;
 use super::psk::PskKeys;
-use super::TlsError;
 
 /// QEMU's file names in a `tls-creds-x509` directory.
 pub const CA_CERT: &str = "ca-cert.pem";

@@ -7,9 +7,10 @@
 //! [`crate::negotiate`]).
 
 mod creds;
+mod error;
 mod psk;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::pin::Pin;
 
 use openssl::ex_data::Index;
@@ -18,34 +19,8 @@ use openssl::x509::X509NameRef;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_openssl::SslStream;
 
-pub use psk::{parse_psk_file, PskFileError};
-
-/// Why TLS credentials cannot be loaded.
-#[derive(Debug, thiserror::Error)]
-pub enum TlsError {
-    /// A credentials file cannot be read.
-    #[error("cannot read {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// A credentials file was read but is not usable.
-    #[error("{path}: {reason}")]
-    Invalid {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong with it.
-        reason: String,
-    },
-    /// The PSK key file is malformed.
-    #[error(transparent)]
-    PskFile(#[from] PskFileError),
-    /// OpenSSL refused a setting.
-    #[error("TLS setup: {0}")]
-    Setup(#[from] openssl::error::ErrorStack),
-}
+pub use error::{PskFileError, TlsError};
+pub use psk::parse_psk_file;
 
 /// How a TLS handshake with a client failed (the connection is closed).
 #[derive(Debug, thiserror::Error)]

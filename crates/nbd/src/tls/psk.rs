@@ -2,9 +2,9 @@
 //! and QEMU's `tls-creds-psk` reads it.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use super::TlsError;
+use super::error::{PskFileError, TlsError};
 
 /// Largest key file read; a real one holds a few lines.
 pub const MAX_PSK_FILE: u64 = 1 << 20;
@@ -14,18 +14,6 @@ pub const MAX_IDENTITY_LEN: usize = 256;
 
 /// Longest key OpenSSL accepts.
 pub const MAX_KEY_LEN: usize = 512;
-
-/// What is wrong with a PSK key file.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{path}:{line}: {reason}")]
-pub struct PskFileError {
-    /// The file.
-    pub path: PathBuf,
-    /// Line number, from 1 (0 for the file as a whole).
-    pub line: usize,
-    /// What is wrong.
-    pub reason: String,
-}
 
 /// Identity to key.
 pub type PskKeys = HashMap<Vec<u8>, Vec<u8>>;

@@ -2,9 +2,13 @@
 //! limits the spec puts on a block status reply.
 
 use crate::export::Extent;
-use crate::transmission::MAX_STATUS_EXTENTS;
 use crate::wire::consts::{STATE_HOLE, STATE_ZERO};
 use crate::wire::reply::Descriptor;
+
+/// Most extents one block status reply describes per context. The spec lets a server
+/// describe less than it was asked about; this keeps one reply to a few MiB of memory
+/// however fragmented the export is.
+pub const MAX_STATUS_EXTENTS: usize = 1 << 16;
 
 /// Largest descriptor length in a compact reply: the biggest 64 KiB multiple below 4 GiB, so a
 /// clamped extent stays aligned to any legal minimum block size.

@@ -39,10 +39,7 @@ use validate::{payload_of, validate, Limits, Payload};
 pub const MAX_IN_FLIGHT: usize = 128;
 pub use crate::control::MAX_IN_FLIGHT_BYTES;
 
-/// Most extents one block status reply describes per context. The spec lets a server
-/// describe less than it was asked about; this keeps one reply to a few MiB of memory
-/// however fragmented the export is.
-pub const MAX_STATUS_EXTENTS: usize = 1 << 16;
+pub use block_status::MAX_STATUS_EXTENTS;
 
 /// What one BLOCK_STATUS request is charged against the connection's memory bound: the
 /// export's extents, the descriptors of up to two contexts and their encoded reply.

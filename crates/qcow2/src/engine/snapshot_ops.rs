@@ -20,59 +20,14 @@
 //!   is already 1.
 
 use super::alloc::{Allocator, RefCounts};
-use super::error::{libc_errno, EngineError, Result};
+use super::error::{EngineError, Result};
 use super::image::Image;
 use super::layer::{Layer, Qcow2Meta};
 use super::overlap::MetaKind;
 use super::range_lock::LockMode;
+pub use crate::engine::error::SnapshotError;
 use crate::format::{be, header, l1, limits, Geometry, HostOffset, SnapshotTableEntry};
 use storage::Storage;
-
-/// Why a snapshot operation cannot be done.
-#[derive(Debug, thiserror::Error)]
-pub enum SnapshotError {
-    /// No snapshot has this ID or name.
-    #[error("no snapshot with ID or name {0:?}")]
-    NotFound(String),
-    /// A raw image has no snapshot table.
-    #[error("only qcow2 images hold internal snapshots")]
-    NotQcow2,
-    /// QEMU refuses internal snapshots of images whose data lives in an external file.
-    #[error("internal snapshots of an image with an external data file are not supported")]
-    DataFile,
-    /// QEMU refuses to revert the disk under persistent dirty bitmaps.
-    #[error("the image has persistent dirty bitmaps, which applying a snapshot would falsify")]
-    ActiveBitmaps,
-    /// The table is full.
-    #[error("the image already has {0} snapshots, QEMU's maximum")]
-    TooMany(usize),
-    /// One more reference would not fit the image's refcount width.
-    #[error("the refcount of cluster {offset:#x} is {refcount}; another reference would exceed the maximum of {max}")]
-    RefcountLimit {
-        /// The cluster's file offset.
-        offset: u64,
-        /// Its refcount now.
-        refcount: u64,
-        /// The largest refcount the image can store.
-        max: u64,
-    },
-    /// The snapshot's disk needs a larger L1 table than QEMU allows.
-    #[error("the snapshot's disk of {0} bytes needs an L1 table larger than QEMU's 32 MiB")]
-    TooLarge(u64),
-}
-
-impl SnapshotError {
-    /// The errno QEMU fails with in the same case.
-    pub fn errno(&self) -> i32 {
-        match self {
-            SnapshotError::NotFound(_) => libc_errno::ENOENT,
-            SnapshotError::NotQcow2 | SnapshotError::DataFile => libc_errno::ENOTSUP,
-            SnapshotError::ActiveBitmaps => libc_errno::EBUSY,
-            SnapshotError::TooMany(_) | SnapshotError::TooLarge(_) => libc_errno::EFBIG,
-            SnapshotError::RefcountLimit { .. } => libc_errno::EINVAL,
-        }
-    }
-}
 
 /// The one layer a snapshot operation changes, with its allocator.
 struct Target<'a, S: Storage + 'static> {

@@ -18,6 +18,7 @@ mod refcount;
 mod shrink;
 mod snapshots;
 
+use prealloc::{GrowAhead, PausedGrowth};
 pub(crate) use snapshots::RefCounts;
 
 use crate::engine::bitmaps::Bitmaps;
@@ -71,9 +72,8 @@ pub(crate) struct Allocator<S: Storage + 'static> {
     /// planned under a shared lock can tell whether its plan still holds once it has the
     /// exclusive one.
     mapping_generation: Cell<u64>,
-    /// How far the file has been grown ahead of the allocations (see [`prealloc`]); 0 when
-    /// the file is not grown ahead.
-    pub(crate) grown_to: Cell<u64>,
+    /// How far the file has been grown ahead of the allocations.
+    grow: GrowAhead,
 }
 
 impl<S: Storage + 'static> Allocator<S> {
@@ -123,8 +123,28 @@ impl<S: Storage + 'static> Allocator<S> {
             bitmaps: RefCell::new(bitmaps),
             free_byte_offset: Cell::new(0),
             mapping_generation: Cell::new(0),
-            grown_to: Cell::new(prealloc::start(&layer.file, meta.file_end.get())),
+            grow: GrowAhead::new(&layer.file, meta.file_end.get()),
         })
+    }
+
+    /// Makes sure the file reaches `end` (the end of clusters just allocated), growing it a
+    /// step ahead when that pays (see [`GrowAhead`]).
+    pub(super) async fn grow_ahead(&self, end: u64) {
+        let top = self.top();
+        self.grow
+            .grow(&top.file, &top.name, top.size.get(), end)
+            .await;
+    }
+
+    /// Stops growing ahead until the guard is dropped (see [`GrowAhead::pause`]).
+    pub(crate) fn pause_growth(&self) -> PausedGrowth<'_> {
+        self.grow.pause(&self.meta().file_end)
+    }
+
+    /// Gives back what was grown ahead and never used.
+    pub(crate) async fn trim_growth(&self) -> std::io::Result<()> {
+        let end = self.meta().file_end.get().max(self.physical_len.get());
+        self.grow.trim(&self.top().file, end).await
     }
 
     /// Refuses to change an image found corrupt by an earlier request.

@@ -116,9 +116,7 @@ impl<S: Storage + 'static> Allocator<S> {
             .map_err(|e| top.io_error("truncating the file", end, e))?;
         self.physical_len.set(end);
         self.meta().file_end.set(end);
-        if self.grown_to.get() != 0 {
-            self.grown_to.set(end.max(1));
-        }
+        self.grow.truncated(end);
         if self.free_hint.get().0 > end / cs {
             self.free_hint.set(HostCluster(end / cs));
         }

@@ -7,6 +7,7 @@
 //! with it.
 
 use crate::engine::create::Preallocation;
+pub use crate::engine::error::AmendError;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::image::{Image, Inner};
 use crate::format::features::COMPAT_LAZY_REFCOUNTS;
@@ -28,52 +29,6 @@ pub struct AmendOptions {
     pub backing_file: Option<String>,
     /// The backing format given (only the current one is accepted).
     pub backing_fmt: Option<String>,
-}
-
-/// An amendment QEMU refuses too (in its words), or one we refuse where QEMU would leave a
-/// damaged image.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum AmendError {
-    #[error("Refcount width must be a power of two and may not exceed 64 bits")]
-    RefcountWidth,
-    #[error("Refcount widths other than 16 bits require compatibility level 1.1 or above (use compat=1.1 or greater)")]
-    RefcountNeedsV3,
-    #[error("Lazy refcounts only supported with compatibility level 1.1 and above (use compat=1.1 or greater)")]
-    LazyNeedsV3,
-    #[error("Cannot amend the backing file\nYou can use 'qemu-img rebase' instead.")]
-    Backing,
-    #[error("Cannot decrease refcount entry width to {bits} bits: Cluster at offset {offset:#x} has a refcount of {refcount}")]
-    RefcountTooBig {
-        /// The width asked for.
-        bits: u32,
-        /// The first cluster whose refcount does not fit.
-        offset: u64,
-        /// Its refcount.
-        refcount: u64,
-    },
-    #[error("compat=0.10 requires refcount_bits=16")]
-    DowngradeRefcountBits,
-    #[error("Cannot downgrade an image with a data file")]
-    DowngradeDataFile,
-    #[error("Internal snapshots prevent downgrade of image")]
-    DowngradeSnapshots,
-    #[error("Cannot downgrade an image with incompatible features {0:#x} set")]
-    DowngradeFeatures(u64),
-    #[error(
-        "Cannot downgrade an image with zstd compression type and existing compressed clusters"
-    )]
-    DowngradeZstd,
-    /// QEMU downgrades and leaves the bitmaps inconsistent and their clusters leaked.
-    #[error("Cannot downgrade an image with persistent bitmaps: compat=0.10 cannot keep them (remove them first)")]
-    DowngradeBitmaps,
-    /// QEMU expands them; we do not read-modify-write snapshot tables.
-    #[error(
-        "Cannot downgrade: internal snapshots hold zero clusters, which compat=0.10 cannot express"
-    )]
-    DowngradeSnapshotZeros,
-    /// QEMU rewrites the snapshot table; we do not.
-    #[error("Cannot upgrade: an internal snapshot lacks the disk size that compat=1.1 requires")]
-    UpgradeOldSnapshots,
 }
 
 impl<S: Storage + 'static> Image<S> {

@@ -11,41 +11,10 @@ mod load;
 
 pub(crate) use load::{directory, load, load_data, read_table};
 
+pub use crate::engine::error::BitmapError;
 use crate::format::bitmap::{BitmapDirectoryEntry, FLAG_AUTO, FLAG_IN_USE, TYPE_DIRTY_TRACKING};
 use crate::format::bitmap_data::{self, BitmapData};
-use crate::format::{limits, FormatError};
-
-/// Why a bitmap operation was refused, in QEMU's words where QEMU has them.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum BitmapError {
-    /// No bitmap of that name.
-    #[error("Dirty bitmap '{0}' not found")]
-    NotFound(String),
-    /// A bitmap of that name exists already.
-    #[error("Bitmap already exists: {0}")]
-    Exists(String),
-    /// The bitmap was in use when the image was opened: its data may be stale.
-    #[error("Bitmap '{0}' is inconsistent and cannot be used; remove it with `bitmap --remove`")]
-    Inconsistent(String),
-    /// The granularity is not a power of two in 512 B..2 GiB.
-    #[error("Granularity must be power of 2 and at least 512 (and at most 2 GiB)")]
-    Granularity,
-    /// Version 2 images have no autoclear bits to keep bitmaps consistent with.
-    #[error("Cannot store dirty bitmaps in qcow2 v2 files")]
-    Version2,
-    /// The name is empty or too long.
-    #[error("Name length must be between 1 and 1023 bytes")]
-    Name,
-    /// Too many bitmaps, or a directory too large, for QEMU to open.
-    #[error("Too many persistent bitmaps (at most 65535, with a directory of at most 64 MiB)")]
-    TooMany,
-    /// The bitmap's data would exceed QEMU's limits.
-    #[error("Too much space will be occupied by the bitmap. Use larger granularity ({0})")]
-    TooLarge(FormatError),
-    /// Images of different sizes cannot be merged.
-    #[error("Bitmaps of different disk sizes ({0} and {1} bytes) cannot be merged")]
-    SizeMismatch(u64, u64),
-}
+use crate::format::limits;
 
 /// What is known of one bitmap.
 #[derive(Debug, Clone)]

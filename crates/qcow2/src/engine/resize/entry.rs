@@ -2,32 +2,12 @@
 //! resize of a raw file.
 
 use crate::engine::create::Preallocation;
+pub use crate::engine::error::ResizeError;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::image::{Image, Inner};
 use crate::engine::layer::{write_zero_data, Qcow2Meta};
 use crate::format::header;
 use storage::Storage;
-
-/// A resize QEMU refuses too, in its words.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum ResizeError {
-    /// QEMU sizes disks in whole sectors.
-    #[error("The new size must be a multiple of 512")]
-    Unaligned,
-    /// Version 2 snapshots do not record their disk size, so the active size must not change.
-    #[error("Can't resize a v2 image which has snapshots")]
-    V2Snapshots,
-    /// Preallocation describes the space a disk gains.
-    #[error("Preallocation can't be used for shrinking an image")]
-    PreallocShrink,
-    /// A raw file has no metadata to preallocate.
-    #[error("Unsupported preallocation mode: metadata")]
-    RawMetadata,
-    /// The new space would show the longer backing file, and version 2 has no zero clusters
-    /// to hide it with.
-    #[error("Failed to zero out new clusters: Operation not supported")]
-    V2LongerBacking,
-}
 
 impl<S: Storage + 'static> Image<S> {
     /// Changes the virtual disk to `new_size` bytes (for qcow2, a multiple of 512). New space reads as

@@ -1,0 +1,259 @@
+//! The engine's error type: what went wrong and where, convertible to an errno at the edges.
+
+pub mod libc_errno;
+mod ops;
+
+pub use ops::{AmendError, BitmapError, ResizeError, SnapshotError};
+
+use super::backing_name::BackingError;
+use super::cache_sizing::CacheSizeError;
+use super::compress::CompressError;
+use crate::format::FormatError;
+use crate::metadata::MetadataError;
+use std::io;
+use thiserror::Error;
+
+/// Result alias for engine operations.
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+/// Everything an image operation can fail with.
+#[derive(Debug, Error)]
+pub enum EngineError {
+    /// An I/O error from the storage below, with what we were doing.
+    #[error("{image}: {what} at {offset:#x}: {source}")]
+    Io {
+        /// Image (file name) the I/O was for.
+        image: String,
+        /// What was being read or written.
+        what: &'static str,
+        /// File offset.
+        offset: u64,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// A file could not be opened.
+    #[error("could not open {path}: {source}")]
+    Open {
+        /// The path.
+        path: String,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// A structure failed to decode or broke a limit.
+    #[error("{image}: {source}")]
+    Format {
+        /// Image the structure belongs to.
+        image: String,
+        /// The decoding error (names structure, field and offset).
+        #[source]
+        source: FormatError,
+    },
+    /// Structures that decode fine but contradict each other (pointers past the end of the
+    /// file, overlapping tables, ...).
+    #[error("{image}: {detail}")]
+    Corrupt {
+        /// Image the inconsistency was found in.
+        image: String,
+        /// What is wrong and where.
+        detail: String,
+    },
+    /// The image was already marked corrupt, or was marked corrupt by us, so writes are refused.
+    #[error("{image}: the image is marked corrupt; it can only be opened read-only (repair it with `qcow2-nbd check -r all`)")]
+    MarkedCorrupt {
+        /// The image.
+        image: String,
+    },
+    /// A write to a read-only image.
+    #[error("{image}: the image is open read-only")]
+    ReadOnly {
+        /// The image.
+        image: String,
+    },
+    /// A request outside the virtual disk.
+    #[error("request at {offset:#x} + {len:#x} is past the end of the disk ({size:#x} bytes)")]
+    OutOfRange {
+        /// Start of the request.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// Virtual disk size.
+        size: u64,
+    },
+    /// A persistent bitmap operation was refused.
+    #[error("{image}: {source}")]
+    Bitmap {
+        /// The image.
+        image: String,
+        /// Why.
+        #[source]
+        source: BitmapError,
+    },
+    /// A feature or combination we do not implement (refused, never half-done).
+    #[error("{image}: {what} is not supported")]
+    Unsupported {
+        /// The image.
+        image: String,
+        /// What is not supported.
+        what: String,
+    },
+    /// A resize QEMU would refuse too, with its reason.
+    #[error("{image}: {source}")]
+    Resize {
+        /// The image.
+        image: String,
+        /// Why, in QEMU's words.
+        #[source]
+        source: ResizeError,
+    },
+    /// An amendment QEMU would refuse too (or one we refuse rather than damage the image).
+    #[error("{image}: {source}")]
+    Amend {
+        /// The image.
+        image: String,
+        /// Why.
+        #[source]
+        source: AmendError,
+    },
+    /// A fast zero request that could only be done by writing data.
+    #[error("zeroing {offset:#x} + {len:#x} would have to write data")]
+    ZeroNotFast {
+        /// Start of the request.
+        offset: u64,
+        /// Its length.
+        len: u64,
+    },
+    /// The image cannot grow any further (host offsets or table limits).
+    #[error("{image}: no space: {detail}")]
+    NoSpace {
+        /// The image.
+        image: String,
+        /// Which limit was hit.
+        detail: String,
+    },
+    /// A backing file name we refuse to follow, a loop, or a chain too deep.
+    #[error(transparent)]
+    Backing(#[from] BackingError),
+    /// A compressed cluster failed to decode.
+    #[error("{image}: compressed cluster at {offset:#x}: {source}")]
+    Compressed {
+        /// The image.
+        image: String,
+        /// Host offset of the compressed data.
+        offset: u64,
+        /// The codec's error.
+        #[source]
+        source: CompressError,
+    },
+    /// The metadata cache failed (a load or write-back error, or a misconfiguration).
+    #[error("{image}: metadata cache: {source}")]
+    Cache {
+        /// The image.
+        image: String,
+        /// The cache's error.
+        #[source]
+        source: cache::CacheError,
+    },
+    /// Cache size options that do not fit the image.
+    #[error("{image}: {source}")]
+    CacheSize {
+        /// The image.
+        image: String,
+        /// The sizing error.
+        #[source]
+        source: CacheSizeError,
+    },
+    /// An internal snapshot operation that cannot be done on this image.
+    #[error("{image}: {source}")]
+    Snapshot {
+        /// The image.
+        image: String,
+        /// What is in the way.
+        #[source]
+        source: SnapshotError,
+    },
+    /// An internal snapshot that does not exist.
+    #[error("{image}: no snapshot with id or name {wanted:?}")]
+    NoSuchSnapshot {
+        /// The image.
+        image: String,
+        /// The id or name asked for.
+        wanted: String,
+    },
+}
+
+impl EngineError {
+    /// A failure to load `image`'s metadata, in the engine's terms: a structure past the
+    /// end of the file contradicts the rest of the image, so it is corruption.
+    pub(crate) fn from_metadata(image: &str, e: MetadataError) -> EngineError {
+        let image = image.to_string();
+        match e {
+            MetadataError::Io {
+                what,
+                offset,
+                source,
+                ..
+            } => EngineError::Io {
+                image,
+                what,
+                offset,
+                source,
+            },
+            MetadataError::Format(source) => EngineError::Format { image, source },
+            past_end @ MetadataError::PastEnd { .. } => EngineError::Corrupt {
+                image,
+                detail: past_end.to_string(),
+            },
+        }
+    }
+
+    /// The errno an NBD server (or any POSIX-style caller) should report for this error.
+    pub fn errno(&self) -> i32 {
+        match self {
+            EngineError::ReadOnly { .. } => libc_errno::EPERM,
+            EngineError::OutOfRange { .. }
+            | EngineError::Bitmap { .. }
+            | EngineError::Resize { .. }
+            | EngineError::Amend { .. } => libc_errno::EINVAL,
+            EngineError::Unsupported { .. } | EngineError::ZeroNotFast { .. } => {
+                libc_errno::ENOTSUP
+            }
+            EngineError::NoSpace { .. } => libc_errno::ENOSPC,
+            EngineError::Snapshot { source, .. } => source.errno(),
+            EngineError::Io { source, .. } | EngineError::Open { source, .. } => {
+                space_errno(source).unwrap_or(libc_errno::EIO)
+            }
+            EngineError::Cache { source, .. } => source
+                .io_error()
+                .and_then(space_errno)
+                .unwrap_or(libc_errno::EIO),
+            _ => libc_errno::EIO,
+        }
+    }
+
+    /// True when this error means the image's metadata is inconsistent (as opposed to an I/O
+    /// failure or a bad request).
+    pub fn is_corruption(&self) -> bool {
+        matches!(
+            self,
+            EngineError::Corrupt { .. }
+                | EngineError::Format { .. }
+                | EngineError::Compressed { .. }
+        )
+    }
+}
+
+/// ENOSPC or EDQUOT when `e` says the file system is full, however many layers of context
+/// were wrapped around the OS error on its way up (each keeps the kind, not the number).
+fn space_errno(e: &io::Error) -> Option<i32> {
+    match (e.raw_os_error(), e.kind()) {
+        (Some(n @ (libc_errno::ENOSPC | libc_errno::EDQUOT)), _) => Some(n),
+        (_, io::ErrorKind::StorageFull) => Some(libc_errno::ENOSPC),
+        (_, io::ErrorKind::QuotaExceeded) => Some(libc_errno::EDQUOT),
+        _ => e
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<io::Error>())
+            .and_then(space_errno),
+    }
+}

@@ -1,0 +1,619 @@
+//! [`ImageExport`]: the [`nbd::Export`] the server drives, over a qcow2 (or raw) [`Image`].
+//!
+//! The NBD crate validates every request (range, flags, lengths) before it gets here, so this
+//! file is only policy: qemu-nbd's `--cache`, `--discard` and `--detect-zeroes` semantics,
+//! which features to advertise, and how engine errors become NBD errors.
+//!
+//! Data is never copied on the way through: WRITE payloads arrive in an [`IoBuf`] (4 KiB
+//! aligned, so O_DIRECT can use it as is) that goes straight to the engine, and READ data is
+//! sent from the buffer the engine filled.
+//!
+//! Reads answer ranges that read as zeroes with hole chunks instead of zero bytes
+//! ([`Image::read_sparse`] resolves the range once for both the data and the holes). A hole costs the
+//! client a chunk header instead of the zero bytes, which is what makes sequential reads of a
+//! sparse image fast.
+
+use std::rc::Rc;
+use std::time::Instant;
+
+use nbd::{BlockSize, Errno, Export, ExportFeatures, Extent, ReadChunk, WriteZeroesFlags};
+use qcow2::engine::{libc_errno, EngineError, Image, ReadPart};
+use qcow2::format::BitmapData;
+use storage::{AnyStorage, IoBuf};
+
+use crate::daemon::stats::{Command, ExportStats};
+use crate::tools::convert::is_zero;
+
+/// Largest block size we advertise as preferred: a write of this many bytes never needs a
+/// copy-on-write of the rest of its (sub)cluster, and it stays far below the 32 MiB payload.
+const MAX_PREFERRED: u32 = 2 << 20;
+
+/// `qemu:allocation-depth`/`base:allocation` answers cover at most this many (sub)clusters,
+/// which bounds the memory one BLOCK_STATUS request can make the engine use (the protocol
+/// lets the server describe less than was asked).
+const BLOCK_STATUS_UNITS: u64 = 1 << 16;
+
+/// QEMU's block layer sizes disks in whole sectors of this many bytes.
+const SECTOR: u64 = 512;
+
+/// NBD_CMD_CACHE prefetches at most this many bytes per request (the command is advisory);
+/// a request for a whole multi-terabyte disk must not tie up the server for hours.
+const CACHE_PREFETCH_MAX: u64 = 64 << 20;
+
+/// Buffer size used while prefetching.
+const CACHE_CHUNK: usize = 1 << 20;
+
+/// What `--discard` does with TRIM (and with the unmap permission of WRITE_ZEROES).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DiscardMode {
+    /// qemu-nbd's default: TRIM succeeds without effect and zeroing never deallocates.
+    #[default]
+    Ignore,
+    /// TRIM frees clusters (and punches holes in the file); zeroing may deallocate.
+    Unmap,
+}
+
+/// What `--detect-zeroes` does with WRITEs whose payload is all zero bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DetectZeroes {
+    /// Write them as data.
+    #[default]
+    Off,
+    /// Turn them into zeroing (zero flags instead of data clusters).
+    On,
+    /// Turn them into zeroing that may deallocate (requires [`DiscardMode::Unmap`]).
+    Unmap,
+}
+
+/// How the export treats requests and what it advertises (from the `serve` flags).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ExportPolicy {
+    /// Every write is force-unit-access (`--cache=writethrough|directsync`).
+    pub writethrough: bool,
+    /// FLUSH and FUA do nothing (`--cache=unsafe`).
+    pub ignore_flush: bool,
+    /// Files are opened with O_DIRECT (`--cache=none|directsync`): prefetching data is useless.
+    pub direct: bool,
+    /// `--discard`.
+    pub discard: DiscardMode,
+    /// `--detect-zeroes`.
+    pub detect_zeroes: DetectZeroes,
+    /// Several clients may connect at once (`-e` other than 1), so advertise multi-conn:
+    /// every connection shares one image and one cache, so a FLUSH covers them all.
+    pub multi_conn: bool,
+    /// Offer the `qemu:allocation-depth` context (`-A`).
+    pub allocation_depth: bool,
+    /// The export starts this many bytes into the image (`--offset`): clients see the rest.
+    pub offset: u64,
+}
+
+/// A request or reply payload: the engine's aligned [`IoBuf`], moved (never copied) between
+/// the socket and the engine. A newtype only because `IoBuf` lacks the `AsRef`/`AsMut`
+/// impls the NBD crate asks of a buffer.
+#[derive(Debug)]
+pub struct Payload(pub IoBuf);
+
+impl AsRef<[u8]> for Payload {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl AsMut<[u8]> for Payload {
+    fn as_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+}
+
+impl nbd::SendBuf for Payload {
+    fn zeroed(len: usize) -> Self {
+        Payload(IoBuf::zeroed(len))
+    }
+}
+
+/// An image served over NBD.
+pub struct ImageExport {
+    image: Image<AnyStorage>,
+    policy: ExportPolicy,
+    features: ExportFeatures,
+    /// Block-status answers are capped at this many bytes.
+    status_limit: u64,
+    /// The persistent bitmaps offered as `qemu:dirty-bitmap:` contexts (`-B`).
+    bitmaps: Vec<ExportedBitmap>,
+    /// Where requests are counted, when statistics are on.
+    stats: Option<Rc<ExportStats>>,
+}
+
+/// A persistent bitmap an export offers.
+pub struct ExportedBitmap {
+    name: String,
+    /// Bytes of disk per bit.
+    granularity: u64,
+    /// What it is read from.
+    source: BitmapSource,
+}
+
+enum BitmapSource {
+    /// A writable image's bitmap, as writes keep changing it.
+    Live,
+    /// A read-only image's bitmap, loaded once.
+    Stored(BitmapData),
+}
+
+/// Dirty bitmap bits one BLOCK_STATUS answer looks at, at most: a bound on the work of one
+/// request (a client asks again for the rest).
+const DIRTY_STATUS_BITS: u64 = 1 << 20;
+
+/// The `-B` bitmaps of `image`, refused with qemu-nbd's words when one cannot be exported:
+/// it must exist, be consistent (not left in use by a crash) and be named once.
+pub async fn exported_bitmaps(
+    image: &Image<AnyStorage>,
+    names: &[String],
+) -> Result<Vec<ExportedBitmap>, String> {
+    if names.len() > nbd::MAX_DIRTY_BITMAPS {
+        return Err(format!(
+            "{} bitmaps given; one export offers at most {}",
+            names.len(),
+            nbd::MAX_DIRTY_BITMAPS
+        ));
+    }
+    let listed = image.bitmaps().await.map_err(|e| e.to_string())?;
+    let mut out: Vec<ExportedBitmap> = Vec::with_capacity(names.len());
+    for name in names {
+        if out.iter().any(|b| &b.name == name) {
+            return Err(format!("Bitmap '{name}' is given twice"));
+        }
+        let info = listed
+            .iter()
+            .find(|b| &b.name == name)
+            .ok_or_else(|| format!("Bitmap '{name}' is not found"))?;
+        if info.inconsistent {
+            return Err(format!(
+                "Bitmap '{name}' is inconsistent and cannot be used"
+            ));
+        }
+        let source = if image.is_read_only() {
+            let data = image.bitmap_data(name).await.map_err(|e| e.to_string())?;
+            BitmapSource::Stored(data)
+        } else {
+            BitmapSource::Live
+        };
+        out.push(ExportedBitmap {
+            name: name.clone(),
+            granularity: info.granularity,
+            source,
+        });
+    }
+    Ok(out)
+}
+
+impl ImageExport {
+    /// Wraps an open image; the advertised features follow qemu-nbd's for the same flags.
+    pub fn new(image: Image<AnyStorage>, policy: ExportPolicy) -> Self {
+        let facts = image.facts();
+        let writable = !image.is_read_only();
+        // A client that writes whole subclusters never makes us copy-on-write a backing
+        // file's data, so that is the efficient size; raw images and small subclusters get
+        // the page size.
+        let preferred = u32::try_from(facts.subcluster_size)
+            .unwrap_or(MAX_PREFERRED)
+            .clamp(4096, MAX_PREFERRED);
+        let features = ExportFeatures {
+            read_only: !writable,
+            flush: true,
+            fua: writable,
+            trim: writable,
+            write_zeroes: writable,
+            fast_zero: writable,
+            cache: true,
+            // Read-only exports are trivially consistent across connections (qemu-nbd too).
+            multi_conn: policy.multi_conn || !writable,
+            rotational: false,
+            block_size: BlockSize {
+                minimum: 1,
+                preferred,
+                maximum: nbd::wire::MAX_PAYLOAD,
+            },
+            allocation_depth: policy.allocation_depth,
+        };
+        let status_limit = facts
+            .subcluster_size
+            .max(512)
+            .saturating_mul(BLOCK_STATUS_UNITS);
+        Self {
+            image,
+            policy,
+            features,
+            status_limit,
+            bitmaps: Vec::new(),
+            stats: None,
+        }
+    }
+
+    /// Counts every request and connection in `stats`.
+    pub fn with_stats(self, stats: Rc<ExportStats>) -> Self {
+        Self {
+            stats: Some(stats),
+            ..self
+        }
+    }
+
+    /// Starts timing a request when statistics are on (with them off, this is one branch);
+    /// [`Self::count`] counts it. A pair of calls around the `.await` rather than a wrapper
+    /// taking the request's future: an async fn keeps a future it is given and the one it
+    /// awaits in separate places, which doubled the state every request task moves around.
+    fn start(&self) -> Option<Instant> {
+        self.stats.as_ref().map(|_| Instant::now())
+    }
+
+    /// Counts a request started at `start` (from [`Self::start`]) that ended with `result`.
+    fn count<T>(
+        &self,
+        start: Option<Instant>,
+        cmd: Command,
+        bytes: u64,
+        result: &Result<T, Errno>,
+    ) {
+        if let (Some(stats), Some(start)) = (&self.stats, start) {
+            stats.record(cmd, bytes, start.elapsed(), result.as_ref().err().copied());
+        }
+    }
+
+    /// Offers `bitmaps` as `qemu:dirty-bitmap:` contexts.
+    pub fn with_bitmaps(self, bitmaps: Vec<ExportedBitmap>) -> Self {
+        Self { bitmaps, ..self }
+    }
+
+    /// Where the image's data ends for clients: its size less `--offset`. The export is
+    /// longer when that is not a whole number of sectors (see [`Export::size`]).
+    fn data_end(&self) -> u64 {
+        self.image.size().saturating_sub(self.policy.offset)
+    }
+
+    /// How much of `len` bytes at `offset` lies before [`Self::data_end`].
+    fn data_part(&self, offset: u64, len: u64) -> u64 {
+        self.data_end().saturating_sub(offset).min(len)
+    }
+
+    /// A write that reaches into the sector tail past the data: the tail has no storage,
+    /// so only zeroes may go there (what it reads as already).
+    async fn write_with_tail(
+        &self,
+        offset: u64,
+        data_len: u64,
+        Payload(mut data): Payload,
+        fua: bool,
+    ) -> Result<(), Errno> {
+        let keep = usize::try_from(data_len).map_err(|_| Errno::Inval)?;
+        if !data.get(keep..).is_some_and(is_zero) {
+            tracing::debug!(offset, "write past the end of the image data refused");
+            return Err(Errno::NoSpc);
+        }
+        if keep == 0 {
+            return self.after_write(fua).await;
+        }
+        data.resize(keep);
+        self.write_image(self.at(offset), Payload(data), fua).await
+    }
+
+    /// Where a client's `offset` is in the image. The NBD layer has checked the request
+    /// against [`Export::size`], which leaves room for the offset.
+    fn at(&self, offset: u64) -> u64 {
+        offset.saturating_add(self.policy.offset)
+    }
+
+    /// Persists after a request that asked for FUA (or under writethrough).
+    async fn after_write(&self, fua: bool) -> Result<(), Errno> {
+        if (fua || self.policy.writethrough) && !self.policy.ignore_flush {
+            self.image.flush().await.map_err(|e| errno("flush", &e))?;
+        }
+        Ok(())
+    }
+
+    /// Block status of `[offset, offset + len)`, merged into NBD's coarser view.
+    async fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>, EngineError> {
+        let mut out: Vec<Extent> = Vec::new();
+        for e in self.image.block_status(offset, len).await? {
+            let next = Extent {
+                len: e.len,
+                hole: !e.data,
+                zero: e.zero,
+                depth: e.allocation_depth(),
+            };
+            match out.last_mut() {
+                Some(last)
+                    if (last.hole, last.zero, last.depth) == (next.hole, next.zero, next.depth) =>
+                {
+                    last.len = last.len.saturating_add(next.len);
+                }
+                _ => out.push(next),
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The NBD error for an engine error. Failures the client did not cause are logged: they
+/// mean a damaged image or a failing disk, which the operator must hear about.
+fn errno(op: &'static str, e: &EngineError) -> Errno {
+    let errno = match e.errno() {
+        libc_errno::EPERM => Errno::Perm,
+        libc_errno::EINVAL => Errno::Inval,
+        libc_errno::ENOSPC | libc_errno::EDQUOT => Errno::NoSpc,
+        libc_errno::ENOTSUP => Errno::NotSup,
+        _ => Errno::Io,
+    };
+    match e {
+        EngineError::ZeroNotFast { .. } => tracing::trace!(op, error = %e, "request refused"),
+        _ if errno == Errno::Io || errno == Errno::NoSpc => {
+            tracing::warn!(op, error = %e, "request failed")
+        }
+        _ => tracing::debug!(op, error = %e, "request refused"),
+    }
+    errno
+}
+
+/// The requests themselves, as the image carries them out.
+impl ImageExport {
+    /// The dirty and clean runs of bitmap `index` over (at most) `len` bytes at `offset`.
+    fn dirty_runs(&self, index: usize, offset: u64, len: u64) -> Result<Vec<(u64, bool)>, Errno> {
+        let b = self.bitmaps.get(index).ok_or(Errno::Inval)?;
+        let len = len.min(b.granularity.saturating_mul(DIRTY_STATUS_BITS));
+        match &b.source {
+            BitmapSource::Live => self
+                .image
+                .live_bitmap_runs(&b.name, offset, len)
+                .map_err(|e| errno("block status", &e)),
+            BitmapSource::Stored(data) => Ok(data.runs(offset, len)),
+        }
+    }
+
+    async fn read_image(&self, offset: u64, len: usize) -> Result<Vec<ReadChunk<Payload>>, Errno> {
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let parts = self
+            .image
+            .read_sparse(offset, len)
+            .await
+            .map_err(|e| errno("read", &e))?;
+        Ok(parts
+            .into_iter()
+            .map(|p| match p {
+                ReadPart::Data(buf) => ReadChunk::Data(Payload(buf)),
+                ReadPart::Hole(n) => ReadChunk::Hole(n),
+            })
+            .collect())
+    }
+
+    async fn write_image(
+        &self,
+        offset: u64,
+        Payload(data): Payload,
+        fua: bool,
+    ) -> Result<(), Errno> {
+        let fua = fua && !self.policy.ignore_flush;
+        if self.policy.detect_zeroes != DetectZeroes::Off && is_zero(&data) {
+            let len = u64::try_from(data.len()).map_err(|_| Errno::Inval)?;
+            let unmap = self.policy.detect_zeroes == DetectZeroes::Unmap
+                && self.policy.discard == DiscardMode::Unmap;
+            self.image
+                .write_zeroes(offset, len, unmap, false)
+                .await
+                .map_err(|e| errno("write (detected zeroes)", &e))?;
+            return self.after_write(fua).await;
+        }
+        let writethrough = self.policy.writethrough && !self.policy.ignore_flush;
+        let (res, _buf) = self.image.write(offset, data, fua || writethrough).await;
+        res.map_err(|e| errno("write", &e))
+    }
+
+    async fn write_zeroes_image(
+        &self,
+        offset: u64,
+        len: u64,
+        flags: WriteZeroesFlags,
+    ) -> Result<(), Errno> {
+        let may_unmap = flags.may_unmap && self.policy.discard == DiscardMode::Unmap;
+        self.image
+            .write_zeroes(offset, len, may_unmap, flags.fast)
+            .await
+            .map_err(|e| errno("write zeroes", &e))?;
+        self.after_write(flags.fua).await
+    }
+
+    async fn trim_image(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
+        if self.policy.discard == DiscardMode::Unmap {
+            self.image
+                .discard(offset, len)
+                .await
+                .map_err(|e| errno("trim", &e))?;
+        }
+        self.after_write(fua).await
+    }
+
+    async fn flush_image(&self) -> Result<(), Errno> {
+        if self.policy.ignore_flush {
+            return Ok(());
+        }
+        self.image.flush().await.map_err(|e| errno("flush", &e))
+    }
+
+    async fn cache_image(&self, offset: u64, len: u64) -> Result<(), Errno> {
+        let len = len.min(CACHE_PREFETCH_MAX);
+        if self.policy.direct {
+            // O_DIRECT bypasses the page cache: only the metadata lookup can be warmed.
+            self.image
+                .block_status(offset, len)
+                .await
+                .map_err(|e| errno("cache", &e))?;
+            return Ok(());
+        }
+        // Reading loads the L2 slices and brings the data into the page cache.
+        let mut buf = IoBuf::zeroed(0);
+        let end = offset.saturating_add(len);
+        let mut at = offset;
+        while at < end {
+            let n = usize::try_from(end - at).map_or(CACHE_CHUNK, |n| n.min(CACHE_CHUNK));
+            buf.resize(n);
+            let (res, back) = self.image.read_into(at, buf).await;
+            buf = back;
+            res.map_err(|e| errno("cache", &e))?;
+            at += n as u64;
+        }
+        Ok(())
+    }
+
+    async fn block_status_image(&self, offset: u64, len: u64) -> Result<Vec<Extent>, Errno> {
+        let len = len.min(self.status_limit);
+        self.extents(offset, len)
+            .await
+            .map_err(|e| errno("block status", &e))
+    }
+}
+
+impl Export for ImageExport {
+    type Buf = Payload;
+
+    fn alloc(&self, len: usize) -> Payload {
+        Payload(IoBuf::zeroed(len))
+    }
+
+    fn size(&self) -> u64 {
+        // As QEMU's block layer, which counts whole 512-byte sectors: a raw file of 1000
+        // bytes is a 1024-byte disk whose last 24 bytes read as zeroes.
+        let data = self.data_end();
+        data.checked_next_multiple_of(SECTOR).unwrap_or(data)
+    }
+
+    fn features(&self) -> ExportFeatures {
+        self.features
+    }
+
+    async fn read(&self, offset: u64, len: usize) -> Result<Vec<ReadChunk<Payload>>, Errno> {
+        let start = self.start();
+        let data = usize::try_from(self.data_part(offset, len as u64)).unwrap_or(len);
+        let result = self
+            .read_image(self.at(offset), data)
+            .await
+            .map(|mut chunks| {
+                if data < len {
+                    chunks.push(ReadChunk::Hole(len - data));
+                }
+                chunks
+            });
+        let bytes = u64::try_from(len).unwrap_or(u64::MAX);
+        self.count(start, Command::Read, bytes, &result);
+        result
+    }
+
+    async fn write(&self, offset: u64, data: Payload, fua: bool) -> Result<(), Errno> {
+        let bytes = u64::try_from(data.0.len()).unwrap_or(u64::MAX);
+        let start = self.start();
+        let result = match self.data_part(offset, bytes) {
+            n if n == bytes => self.write_image(self.at(offset), data, fua).await,
+            n => self.write_with_tail(offset, n, data, fua).await,
+        };
+        self.count(start, Command::Write, bytes, &result);
+        result
+    }
+
+    async fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        flags: WriteZeroesFlags,
+    ) -> Result<(), Errno> {
+        let start = self.start();
+        // The sector tail past the data already reads as zeroes.
+        let data = self.data_part(offset, len);
+        let result = self.write_zeroes_image(self.at(offset), data, flags).await;
+        self.count(start, Command::WriteZeroes, len, &result);
+        result
+    }
+
+    async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
+        let start = self.start();
+        let data = self.data_part(offset, len);
+        let result = self.trim_image(self.at(offset), data, fua).await;
+        self.count(start, Command::Trim, len, &result);
+        result
+    }
+
+    async fn flush(&self) -> Result<(), Errno> {
+        let start = self.start();
+        let result = self.flush_image().await;
+        self.count(start, Command::Flush, 0, &result);
+        result
+    }
+
+    async fn cache(&self, offset: u64, len: u64) -> Result<(), Errno> {
+        let start = self.start();
+        let data = self.data_part(offset, len);
+        let result = self.cache_image(self.at(offset), data).await;
+        self.count(start, Command::Cache, len, &result);
+        result
+    }
+
+    async fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>, Errno> {
+        let start = self.start();
+        let result = match self.data_part(offset, len) {
+            0 => Ok(vec![Extent {
+                len,
+                hole: true,
+                zero: true,
+                depth: 0,
+            }]),
+            data => self.block_status_image(self.at(offset), data).await,
+        };
+        self.count(start, Command::BlockStatus, len, &result);
+        result
+    }
+
+    fn client_attached(&self) {
+        if let Some(stats) = &self.stats {
+            stats.attached();
+        }
+    }
+
+    fn dirty_bitmaps(&self) -> Vec<String> {
+        self.bitmaps.iter().map(|b| b.name.clone()).collect()
+    }
+
+    async fn dirty_status(
+        &self,
+        index: usize,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<(u64, bool)>, Errno> {
+        let start = self.start();
+        let result = match self.data_part(offset, len) {
+            0 => Ok(vec![(len, false)]),
+            data => self.dirty_runs(index, self.at(offset), data),
+        };
+        self.count(start, Command::BlockStatus, len, &result);
+        result
+    }
+}
+
+#[cfg(test)]
+mod remote_model;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_detection_looks_at_every_byte_whatever_the_alignment() {
+        let mut buf = vec![0u8; 4096 + 3];
+        assert!(is_zero(&buf));
+        assert!(is_zero(&buf[1..]));
+        assert!(is_zero(&[]));
+        for i in [0, 1, 7, 8, 2048, 4095, 4098] {
+            buf[i] = 1;
+            assert!(!is_zero(&buf), "byte {i}");
+            assert!(!is_zero(&buf[i.min(1)..]), "byte {i}, unaligned start");
+            buf[i] = 0;
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! `qcow2-nbd amend`: change a qcow2 image's options in place, with `qemu-img amend`'s
+//! option names, checks, messages and exit codes: `compat`, `lazy_refcounts`,
+//! `refcount_bits`, `size`, and `backing_file`/`backing_fmt` (which, as in qemu-img 10, may
+//! only name the current ones).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Args;
+use qcow2::engine::{AmendOptions, EngineError, Format, Image, OpenOptions};
+use storage::AnyStorage;
+
+use crate::engine_run::{self, OpenError};
+use crate::options::{self, OptionsError, Parsed, Spec};
+use crate::tools::create::{QCOW2_OPTIONS, QCOW2_UNSUPPORTED};
+
+/// The options `amend` changes, as qemu-img lists them for qcow2.
+const AMEND_NAMES: &[&str] = &[
+    "backing_file",
+    "backing_fmt",
+    "compat",
+    "lazy_refcounts",
+    "refcount_bits",
+    "size",
+];
+
+/// The specs of [`AMEND_NAMES`]: each option's kind and help text are `create`'s.
+fn amend_options() -> Vec<Spec> {
+    QCOW2_OPTIONS
+        .iter()
+        .filter(|s| AMEND_NAMES.contains(&s.name))
+        .copied()
+        .collect()
+}
+
+/// Amend options qemu-img has that qcow2-nbd does not change.
+const AMEND_UNSUPPORTED: &[&str] = &[
+    "data_file",
+    "data_file_raw",
+    "encrypt.iter-time",
+    "encrypt.keyslot",
+    "encrypt.new-secret",
+    "encrypt.old-secret",
+    "encrypt.state",
+];
+
+/// Arguments of `amend`.
+#[derive(Args, Debug)]
+#[command(
+    about = "Change the options of a qcow2 image in place, like `qemu-img amend`",
+    long_about = "Change the options of a qcow2 image in place, like `qemu-img amend`.\n\n\
+        -o takes compat=0.10|1.1 (downgrading turns zero clusters into data; refused with \
+        extended L2 entries, other refcount widths, persistent bitmaps and snapshots of \
+        another size), lazy_refcounts=on|off, refcount_bits=1|2|4|8|16|32|64 (a \
+        narrower width is refused when some refcount does not fit), size=SIZE, and \
+        backing_file/backing_fmt, which may only name the current backing file (use a \
+        rebase to change it). Combined, they apply in QEMU's order: upgrade, refcount \
+        width, lazy refcounts, size, downgrade. \
+        `-o help` lists them. Creation-only options (cluster_size, extended_l2, ...) are \
+        refused."
+)]
+pub struct AmendArgs {
+    /// Options to change, `key=value,...` (`-o help` lists them); may be repeated.
+    #[arg(short = 'o', long = "options")]
+    pub options: Vec<String>,
+    /// Format of FILENAME (only qcow2 can be amended).
+    #[arg(short = 'f', long = "format", value_name = "FMT")]
+    pub format: Option<String>,
+    /// Accepted for qemu-img compatibility; amend shows no progress here.
+    #[arg(short = 'p', long = "progress")]
+    pub progress: bool,
+    /// Quiet (amend prints nothing on success anyway).
+    #[arg(short = 'q', long)]
+    pub quiet: bool,
+    /// Accepted for qemu-img compatibility, which needs it only for encryption changes
+    /// (not offered here); it allows nothing unsafe.
+    #[arg(long)]
+    pub force: bool,
+    /// The image to change.
+    pub filename: Option<PathBuf>,
+}
+
+/// Why `amend` failed, in qemu-img's words.
+#[derive(Debug, thiserror::Error)]
+enum AmendCliError {
+    #[error("Must specify options (-o)")]
+    NoOptions,
+    #[error("Expecting one image file name")]
+    NoImage,
+    #[error("{0}")]
+    Options(OptionsError),
+    #[error("Invalid parameter '{0}'\nThis option is only supported for image creation")]
+    CreationOnly(String),
+    #[error("Unknown compatibility level {0}")]
+    Compat(String),
+    #[error("Format driver '{0}' does not support option amendment")]
+    NotAmendable(&'static str),
+    #[error(transparent)]
+    Open(#[from] OpenError),
+    #[error("{}", engine_reason(.0))]
+    Engine(EngineError),
+    #[error("{0}")]
+    Runtime(std::io::Error),
+}
+
+/// QEMU's reason alone where it has one, anything else in full.
+fn engine_reason(e: &EngineError) -> String {
+    match e {
+        EngineError::Amend { source, .. } => source.to_string(),
+        EngineError::Resize { source, .. } => source.to_string(),
+        EngineError::Bitmap { source, .. } => source.to_string(),
+        other => other.to_string(),
+    }
+}
+
+/// Runs `qcow2-nbd amend`.
+pub fn main(args: &AmendArgs) -> ExitCode {
+    let result = engine_run::block_on(run(args))
+        .map_err(AmendCliError::Runtime)
+        .and_then(|r| r);
+    engine_run::exit_code(result)
+}
+
+/// The `-o` list as amend reads it.
+fn parse(list: &str) -> Result<AmendOptions, AmendCliError> {
+    let parsed = Parsed::parse(list, &amend_options(), AMEND_UNSUPPORTED).map_err(|e| match e {
+        OptionsError::UnknownParameter(name)
+            if QCOW2_OPTIONS.iter().any(|s| s.name == name)
+                || QCOW2_UNSUPPORTED.contains(&name.as_str()) =>
+        {
+            AmendCliError::CreationOnly(name)
+        }
+        other => AmendCliError::Options(other),
+    })?;
+    let version = match parsed.str("compat") {
+        None => None,
+        Some("0.10" | "v2") => Some(2),
+        Some("1.1" | "v3") => Some(3),
+        Some(other) => return Err(AmendCliError::Compat(other.to_string())),
+    };
+    Ok(AmendOptions {
+        version,
+        lazy_refcounts: parsed.bool("lazy_refcounts"),
+        refcount_bits: parsed.num("refcount_bits"),
+        size: parsed.num("size"),
+        backing_file: parsed.str("backing_file").map(str::to_string),
+        backing_fmt: parsed.str("backing_fmt").map(str::to_string),
+    })
+}
+
+async fn run(args: &AmendArgs) -> Result<(), AmendCliError> {
+    let list = options::join_lists(&args.options).map_err(AmendCliError::Options)?;
+    let Some(list) = list else {
+        return Err(AmendCliError::NoOptions);
+    };
+    if options::wants_help(&list) {
+        let help = options::help_text(&amend_options());
+        print!(
+            "{}",
+            help.replacen("Supported options:", "Amend options for 'qcow2':", 1)
+        );
+        return Ok(());
+    }
+    let path = args.filename.as_ref().ok_or(AmendCliError::NoImage)?;
+    let format = match &args.format {
+        Some(f) => engine_run::parse_format(f)?,
+        None => engine_run::probe_format(path)?,
+    };
+    if format != Format::Qcow2 {
+        return Err(AmendCliError::NotAmendable(engine_run::format_name(format)));
+    }
+    let open = OpenOptions {
+        format: Some(Format::Qcow2),
+        ..OpenOptions::default()
+    };
+    // Opened before the options are read, as qemu-img does: a dirty lazy-refcount image is
+    // repaired by the open even when the options are then refused.
+    let img: Image<AnyStorage> = Image::open(&engine_run::opener(), path, &open)
+        .await
+        .map_err(OpenError::from)?;
+    let outcome = match parse(&list) {
+        Ok(opts) => img.amend(&opts).await.map_err(AmendCliError::Engine),
+        Err(e) => Err(e),
+    };
+    let closed = img.close().await.map_err(AmendCliError::Engine);
+    outcome.and(closed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_read_as_qemu_img_reads_them() {
+        let o = parse("compat=v2,lazy_refcounts=off,size=8M").unwrap();
+        assert_eq!(o.version, Some(2));
+        assert_eq!(o.lazy_refcounts, Some(false));
+        assert_eq!(o.size, Some(8 << 20));
+        assert_eq!(parse("compat=1.1").unwrap().version, Some(3));
+        assert_eq!(parse("refcount_bits=64").unwrap().refcount_bits, Some(64));
+        let err = |l: &str| parse(l).unwrap_err().to_string();
+        assert_eq!(err("compat=2"), "Unknown compatibility level 2");
+        assert!(err("cluster_size=4k").contains("only supported for image creation"));
+        assert!(err("extended_l2=on").contains("only supported for image creation"));
+        assert_eq!(err("bogus=1"), "Invalid parameter 'bogus'");
+        assert!(err("data_file=x").contains("not supported by qcow2-nbd"));
+    }
+}

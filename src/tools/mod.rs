@@ -1,0 +1,21 @@
+//! The image tools: one module per `qemu-img`-like subcommand (`info`, `check`, `create`,
+//! `map`, `convert`, `compare`, `measure`, `bitmap`, `snapshot`, `resize`, `amend`, `commit`,
+//! `rebase`), each taking that subcommand's arguments and running it to an exit code; and
+//! what several of them share to copy data between images: `inflight` (requests in flight)
+//! and `progress` (`-p`).
+
+pub mod amend;
+pub mod bitmap;
+pub mod check;
+pub mod commit;
+pub mod compare;
+pub mod convert;
+pub mod create;
+pub mod inflight;
+pub mod info;
+pub mod map;
+pub mod measure;
+pub mod progress;
+pub mod rebase;
+pub mod resize;
+pub mod snapshot;
