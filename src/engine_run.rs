@@ -85,6 +85,53 @@ pub fn parse_format(name: &str) -> Result<Format, OpenError> {
     Format::from_name(name).ok_or_else(|| OpenError::UnknownFormat(name.to_string()))
 }
 
+/// The block drivers QEMU 10 has (`qemu-img --help` lists them): names a script may record
+/// as a backing format (`rebase -u -F host_device`) though this tool reads only qcow2 and raw.
+pub const QEMU_DRIVERS: &[&str] = &[
+    "blkdebug",
+    "blklogwrites",
+    "blkverify",
+    "bochs",
+    "cloop",
+    "compress",
+    "copy-before-write",
+    "copy-on-read",
+    "dmg",
+    "file",
+    "ftp",
+    "ftps",
+    "gluster",
+    "host_cdrom",
+    "host_device",
+    "http",
+    "https",
+    "iscsi",
+    "iser",
+    "luks",
+    "nbd",
+    "nfs",
+    "null-aio",
+    "null-co",
+    "nvme",
+    "parallels",
+    "preallocate",
+    "qcow",
+    "qcow2",
+    "qed",
+    "quorum",
+    "raw",
+    "rbd",
+    "replication",
+    "snapshot-access",
+    "ssh",
+    "throttle",
+    "vdi",
+    "vhdx",
+    "vmdk",
+    "vpc",
+    "vvfat",
+];
+
 /// The name of a format, as qemu-img prints it.
 pub fn format_name(f: Format) -> &'static str {
     match f {

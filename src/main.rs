@@ -2,6 +2,7 @@
 
 mod daemon;
 mod engine_run;
+mod image_name;
 mod malloc_tuning;
 mod options;
 mod prog;
@@ -41,6 +42,11 @@ struct Cli {
         default_value = "auto"
     )]
     locking: storage::Locking,
+    /// Read each image name as a `key=value,...` list of QEMU block options
+    /// (`driver=qcow2,file.filename=PATH`), as qemu-img's `--image-opts` does. Without it,
+    /// `json:{...}` names and the `file:` prefix are read as QEMU reads them.
+    #[arg(long, global = true)]
+    image_opts: bool,
 }
 
 /// The subcommands; each lives in its own module.
@@ -78,6 +84,30 @@ enum Command {
     Snapshot(snapshot::SnapshotArgs),
 }
 
+/// Reads the image names of the subcommands that take QEMU's image names (`json:`, `file:`,
+/// `--image-opts`) into the file and format each subcommand opens.
+fn resolve_image_names(cmd: &mut Command, opts: bool) -> Result<(), image_name::NameError> {
+    use image_name::{resolve, resolve_opt};
+    match cmd {
+        Command::Info(a) => resolve(&mut a.image, &mut a.format, opts),
+        Command::Check(a) => resolve(&mut a.image, &mut a.format, opts),
+        Command::Map(a) => resolve(&mut a.image, &mut a.format, opts),
+        Command::Convert(a) => resolve(&mut a.source, &mut a.source_format, opts),
+        Command::Compare(a) => {
+            resolve(&mut a.first, &mut a.a_format, opts)?;
+            resolve(&mut a.second, &mut a.b_format, opts)
+        }
+        Command::Measure(a) => resolve_opt(&mut a.filename, &mut a.format, opts),
+        Command::Bitmap(a) => resolve(&mut a.filename, &mut a.format, opts),
+        Command::Resize(a) => resolve(&mut a.filename, &mut a.format, opts),
+        Command::Amend(a) => resolve_opt(&mut a.filename, &mut a.format, opts),
+        Command::Commit(a) => resolve(&mut a.top, &mut a.format, opts),
+        Command::Rebase(a) => resolve(&mut a.image, &mut a.format, opts),
+        Command::Snapshot(a) => resolve(&mut a.filename, &mut a.format, opts),
+        Command::Create(_) | Command::Serve(_) | Command::Ctl(_) => Ok(()),
+    }
+}
+
 fn main() -> ExitCode {
     malloc_tuning::tune_for_io_buffers();
     // The matches are kept: `bitmap` runs its operations in command-line order, which only
@@ -91,7 +121,7 @@ fn main() -> ExitCode {
         .bin_name(name)
         .try_get_matches_from(personality.native_args(args))
         .and_then(|m| Cli::from_arg_matches(&m).map(|cli| (m, cli)));
-    let (matches, cli) = match parsed {
+    let (matches, mut cli) = match parsed {
         Ok(p) => p,
         // QEMU's tools exit 1 on a bad command line; ours, as clap does, 2.
         Err(e) if e.use_stderr() && personality != prog::Personality::Native => {
@@ -101,6 +131,10 @@ fn main() -> ExitCode {
         Err(e) => e.exit(),
     };
     engine_run::set_locking(cli.locking);
+    if let Err(e) = resolve_image_names(&mut cli.command, cli.image_opts) {
+        eprintln!("{}: {e}", prog::name());
+        return ExitCode::FAILURE;
+    }
     let result = match &cli.command {
         Command::Info(args) => info::run(args),
         Command::Check(args) => return check::main(args),

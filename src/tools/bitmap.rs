@@ -53,9 +53,9 @@ pub struct BitmapArgs {
     source_format: Option<String>,
     /// Format of FILENAME (only qcow2 holds bitmaps).
     #[arg(short = 'f', long = "format", value_name = "FMT")]
-    format: Option<String>,
+    pub(crate) format: Option<String>,
     /// The image to change.
-    filename: PathBuf,
+    pub(crate) filename: PathBuf,
     /// The bitmap to change.
     bitmap: String,
 }

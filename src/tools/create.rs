@@ -42,6 +42,16 @@ pub const QCOW2_OPTIONS: &[Spec] = &[
         help: "Compression method used for image cluster compression",
     },
     Spec {
+        name: "data_file",
+        kind: Kind::Str,
+        help: "File name of an external data file",
+    },
+    Spec {
+        name: "data_file_raw",
+        kind: Kind::Bool,
+        help: "The external data file must stay valid as a raw image",
+    },
+    Spec {
         name: "extended_l2",
         kind: Kind::Bool,
         help: "Extended L2 tables",
@@ -70,8 +80,6 @@ pub const QCOW2_OPTIONS: &[Spec] = &[
 
 /// qcow2 options QEMU has that we do not implement (refused by name, not as unknown).
 pub const QCOW2_UNSUPPORTED: &[&str] = &[
-    "data_file",
-    "data_file_raw",
     "encryption",
     "encrypt.format",
     "encrypt.key-secret",
@@ -216,6 +224,8 @@ pub struct Qcow2Plan {
     pub compat: Option<String>,
     /// `preallocation` exactly as given.
     pub prealloc_text: Option<String>,
+    /// `data_file_raw` if given, for the "Formatting" line.
+    pub data_file_raw_given: Option<bool>,
 }
 
 /// Decides the qcow2 settings from parsed options, with qemu-img's checks and messages (size
@@ -277,9 +287,12 @@ fn qcow2_settings(p: &Parsed) -> Result<Qcow2Plan, String> {
             version,
             preallocation,
             backing: None,
+            data_file: p.str("data_file").map(str::to_string),
+            data_file_raw: p.bool("data_file_raw").unwrap_or(false),
         },
         compat: p.str("compat").map(str::to_string),
         prealloc_text: p.str("preallocation").map(str::to_string),
+        data_file_raw_given: p.bool("data_file_raw"),
     })
 }
 
@@ -326,6 +339,17 @@ fn check_qcow2_plan(plan: &Qcow2Plan, has_backing: bool) -> Result<(), String> {
     if version < 3 && compression != Codec::Zlib {
         return Err(format!(
             "Non-zlib compression type is only supported with compatibility level 1.1 and above {V3}"
+        ));
+    }
+    if o.data_file_raw && o.data_file.is_none() {
+        return Err("data-file-raw requires data-file".into());
+    }
+    if o.data_file_raw && has_backing {
+        return Err("Backing file and data-file-raw cannot be used at the same time".into());
+    }
+    if version < 3 && o.data_file.is_some() {
+        return Err(format!(
+            "External data files are only supported with compatibility level 1.1 and above {V3}"
         ));
     }
     Ok(())
@@ -410,6 +434,12 @@ pub fn formatting_line(
             format_name(*fmt)
         ));
     }
+    if let Some(d) = &o.data_file {
+        s.push_str(&format!(" data_file={d}"));
+    }
+    if let Some(raw) = plan.data_file_raw_given {
+        s.push_str(&format!(" data_file_raw={}", onoff(raw)));
+    }
     s.push_str(&format!(
         " lazy_refcounts={} refcount_bits={}",
         onoff(o.lazy_refcounts),
@@ -427,6 +457,7 @@ pub async fn create_qcow2(path: &Path, opts: &CreateOptions) -> Result<(), Engin
         preallocation: Preallocation::Off,
         ..opts.clone()
     };
+    // With `data_file_raw` and no preallocation asked for, the engine maps the clusters.
     engine::create_file(&engine_run::opener(), path, &base).await?;
     if opts.preallocation != Preallocation::Off {
         let img = Image::open(
@@ -488,8 +519,16 @@ async fn create(args: &CreateArgs) -> Result<(), CreateError> {
         print!("{}", options::help_text(specs));
         return Ok(());
     }
-    let image_path = args.image.as_ref().ok_or(CreateError::NoImage)?;
-    let image = image_path.display().to_string();
+    let named = args.image.as_ref().ok_or(CreateError::NoImage)?;
+    // Messages show the name as given; the file is what a `file:` prefix leaves.
+    let image = named.display().to_string();
+    let file = crate::image_name::protocol_path(named.as_os_str()).map_err(|reason| {
+        CreateError::Invalid {
+            image: image.clone(),
+            detail: reason.to_string(),
+        }
+    })?;
+    let image_path = &file;
     let parsed = parse_options(args, format, list.as_deref(), &image)?;
     let size = requested_size(args, &parsed, &image)?;
     match format {

@@ -369,7 +369,16 @@ async fn open_source(args: &MeasureArgs, path: &Path) -> Result<Source, MeasureC
 /// The option table `measure` reads for a target format.
 fn option_specs(format: Format) -> Vec<Spec> {
     let mut specs: Vec<Spec> = match format {
-        Format::Qcow2 => [QCOW2_OPTIONS, SIZE_NEUTRAL].concat(),
+        // Options create also takes are listed once.
+        Format::Qcow2 => QCOW2_OPTIONS
+            .iter()
+            .chain(
+                SIZE_NEUTRAL
+                    .iter()
+                    .filter(|n| !QCOW2_OPTIONS.iter().any(|s| s.name == n.name)),
+            )
+            .copied()
+            .collect(),
         Format::Raw => RAW_OPTIONS.to_vec(),
     };
     specs.extend_from_slice(FILE_HINTS);

@@ -106,6 +106,8 @@ pub enum RebaseError {
 struct Target {
     name: Option<String>,
     format: Option<Format>,
+    /// With `-u`, a format QEMU has and we do not read, recorded as named.
+    other_format: Option<String>,
 }
 
 /// Reads -b, -F and -u into what is recorded, refusing what QEMU refuses (but before
@@ -119,10 +121,26 @@ fn target(args: &RebaseArgs) -> Result<Target, RebaseError> {
     };
     let format = match (&name, &args.backing_format) {
         (Some(n), None) => return Err(RebaseError::NoBackingFormat(n.clone())),
+        // Unsafe mode opens nothing, so any format QEMU knows may be recorded.
+        (Some(_), Some(f))
+            if args.unsafe_mode
+                && engine_run::parse_format(f).is_err()
+                && engine_run::QEMU_DRIVERS.contains(&f.as_str()) =>
+        {
+            return Ok(Target {
+                name,
+                format: None,
+                other_format: Some(f.clone()),
+            });
+        }
         (Some(_), Some(f)) => Some(engine_run::parse_format(f)?),
         (None, _) => None,
     };
-    Ok(Target { name, format })
+    Ok(Target {
+        name,
+        format,
+        other_format: None,
+    })
 }
 
 /// Everything a compare request needs.
@@ -408,8 +426,9 @@ async fn rebase(args: &RebaseArgs) -> Result<(), RebaseError> {
     };
     if args.unsafe_mode {
         let image = open_image(args, &t, true).await?;
+        let format = t.other_format.as_deref().or(t.format.map(Format::name));
         image
-            .set_backing_file(t.name.as_deref(), t.format)
+            .set_backing_file_format_name(t.name.as_deref(), format)
             .await
             .map_err(rename_err)?;
         return image.close().await.map_err(rename_err);

@@ -41,14 +41,14 @@ pub struct SnapshotArgs {
     delete: Option<String>,
     /// Format of FILENAME (only qcow2 holds snapshots; default: probed).
     #[arg(short = 'f', long = "format", value_name = "FMT")]
-    format: Option<String>,
+    pub(crate) format: Option<String>,
     /// Quiet: print nothing but errors (and the list, which is what -l asks for).
     #[arg(short = 'q', long = "quiet")]
     quiet: bool,
     #[command(flatten)]
     force_share: ForceShare,
     /// The image.
-    filename: PathBuf,
+    pub(crate) filename: PathBuf,
 }
 
 /// What the command was asked to do.

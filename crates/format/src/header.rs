@@ -797,7 +797,9 @@ impl Header {
         self.extensions
             .retain(|e| !matches!(e, HeaderExtension::BackingFormat(_)));
         if let (Some(_), Some(f)) = (&name, format) {
-            self.extensions.push(HeaderExtension::BackingFormat(f));
+            // First, where QEMU puts it whenever it writes a header, so the extensions of
+            // an image we rewrite come in QEMU's order.
+            self.extensions.insert(0, HeaderExtension::BackingFormat(f));
         }
         self.backing_file = name;
     }

@@ -9,8 +9,8 @@ use super::load::Format;
 use super::open::OpenOptions;
 use crate::format::extensions::{FeatureNameEntry, FeatureNameTable};
 use crate::format::features::{
-    known_feature_name, FeatureKind, COMPAT_LAZY_REFCOUNTS, INCOMPAT_COMPRESSION,
-    INCOMPAT_EXTENDED_L2,
+    known_feature_name, FeatureKind, AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS,
+    INCOMPAT_COMPRESSION, INCOMPAT_DATA_FILE, INCOMPAT_EXTENDED_L2,
 };
 use crate::format::{be, limits, refcount, Geometry, Header, HeaderExtension};
 use storage::{IoBuf, Opener, Storage};
@@ -63,6 +63,12 @@ pub struct CreateOptions {
     pub preallocation: Preallocation,
     /// Backing file name as it is stored, and its format.
     pub backing: Option<(String, Format)>,
+    /// External data file name, stored as given; the file is created (replacing any file
+    /// there) as QEMU creates it: relative to the working directory, sized to the disk.
+    pub data_file: Option<String>,
+    /// The data file stays a valid raw image of the disk (`data_file_raw`): every cluster is
+    /// mapped to the same offset up front, so `Off` preallocation becomes `Metadata`.
+    pub data_file_raw: bool,
 }
 
 impl Default for CreateOptions {
@@ -77,6 +83,8 @@ impl Default for CreateOptions {
             version: 3,
             preallocation: Preallocation::Off,
             backing: None,
+            data_file: None,
+            data_file_raw: false,
         }
     }
 }
@@ -89,6 +97,15 @@ fn invalid(what: impl Into<String>) -> EngineError {
 }
 
 impl CreateOptions {
+    /// The preallocation the image gets: `data_file_raw` needs every cluster mapped.
+    pub fn effective_preallocation(&self) -> Preallocation {
+        if self.data_file_raw && self.preallocation == Preallocation::Off {
+            Preallocation::Metadata
+        } else {
+            self.preallocation
+        }
+    }
+
     /// The checks `qemu-img create` makes, with its messages' substance.
     fn validate(&self) -> Result<(u32, u32)> {
         let cs = self.cluster_size;
@@ -130,6 +147,17 @@ impl CreateOptions {
             return Err(invalid(format!(
                 "extended L2 entries with {cs}-byte clusters (they need at least 16k)"
             )));
+        }
+        if self.data_file.is_some() && !v3 {
+            return Err(invalid(
+                "an external data file with compat=0.10 (use compat=1.1)",
+            ));
+        }
+        if self.data_file_raw && self.data_file.is_none() {
+            return Err(invalid("data_file_raw without a data file"));
+        }
+        if self.data_file_raw && self.backing.is_some() {
+            return Err(invalid("data_file_raw together with a backing file"));
         }
         if let Some((name, _)) = &self.backing {
             if name.len() > limits::MAX_BACKING_FILE_NAME as usize {
@@ -253,6 +281,12 @@ fn new_header(
         if opts.lazy_refcounts {
             h.compatible_features |= COMPAT_LAZY_REFCOUNTS;
         }
+        if opts.data_file.is_some() {
+            h.incompatible_features |= INCOMPAT_DATA_FILE;
+        }
+        if opts.data_file_raw {
+            h.autoclear_features |= AUTOCLEAR_DATA_FILE_RAW;
+        }
     }
     if let Some((name, fmt)) = &opts.backing {
         let fmt = match fmt {
@@ -262,6 +296,10 @@ fn new_header(
         h.extensions
             .push(HeaderExtension::BackingFormat(fmt.as_bytes().to_vec()));
         h.backing_file = Some(name.as_bytes().to_vec());
+    }
+    if let Some(name) = &opts.data_file {
+        h.extensions
+            .push(HeaderExtension::ExternalDataFile(name.as_bytes().to_vec()));
     }
     if opts.version >= 3 {
         h.extensions
@@ -364,9 +402,14 @@ where
             path: path.display().to_string(),
             source,
         })?;
+    opts.validate()?;
+    if let Some(name) = &opts.data_file {
+        create_data_file(opener, std::path::Path::new(name), opts.size).await?;
+    }
     create(&file, opts).await?;
     drop(file);
-    if opts.preallocation != Preallocation::Off {
+    let preallocation = opts.effective_preallocation();
+    if preallocation != Preallocation::Off {
         let img = Image::open(
             opener,
             path,
@@ -376,8 +419,48 @@ where
             },
         )
         .await?;
-        img.preallocate(opts.preallocation).await?;
+        img.preallocate(preallocation).await?;
         img.close().await?;
     }
+    Ok(())
+}
+
+/// Creates an external data file as QEMU's `file` driver creates one: emptied, then sized to
+/// the disk (sparse).
+async fn create_data_file<O>(opener: &O, path: &std::path::Path, size: u64) -> Result<()>
+where
+    O: Opener,
+{
+    let open_err = |source| EngineError::Open {
+        path: path.display().to_string(),
+        source,
+    };
+    let file = opener
+        .open(
+            path,
+            storage::OpenOptions {
+                read_only: false,
+                create: true,
+                ..storage::OpenOptions::default()
+            },
+        )
+        .await
+        .map_err(open_err)?;
+    let size = size.div_ceil(512) * 512;
+    let io = |what: &'static str| {
+        move |source| EngineError::Io {
+            image: path.display().to_string(),
+            what,
+            offset: 0,
+            source,
+        }
+    };
+    file.set_len(0)
+        .await
+        .map_err(io("truncating the data file"))?;
+    file.set_len(size)
+        .await
+        .map_err(io("sizing the data file"))?;
+    file.flush().await.map_err(io("flushing the data file"))?;
     Ok(())
 }

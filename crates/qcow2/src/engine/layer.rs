@@ -144,6 +144,17 @@ pub(crate) async fn write_zero_data<S: Storage + 'static>(
     offset: u64,
     len: u64,
 ) -> Result<()> {
+    write_zeros_into(layer, &layer.file, offset, len).await
+}
+
+/// Writes zeros over `[offset, offset + len)` of `file`, one of `layer`'s files (the image
+/// or its external data file), in bounded chunks.
+pub(crate) async fn write_zeros_into<S: Storage + 'static>(
+    layer: &Layer<S>,
+    file: &S,
+    offset: u64,
+    len: u64,
+) -> Result<()> {
     let end = offset
         .checked_add(len)
         .ok_or_else(|| layer.corrupt(format!("zeroing {len:#x} bytes at {offset:#x} overflows")))?;
@@ -151,10 +162,7 @@ pub(crate) async fn write_zero_data<S: Storage + 'static>(
     while pos < end {
         let n = (end - pos).min(ZERO_CHUNK);
         // n <= 1 MiB, so the cast is exact.
-        let (res, _) = layer
-            .file
-            .write_at(IoBuf::zeroed(n as usize).into(), pos)
-            .await;
+        let (res, _) = file.write_at(IoBuf::zeroed(n as usize).into(), pos).await;
         res.map_err(|e| layer.io_error("writing zeros", pos, e))?;
         pos += n;
     }

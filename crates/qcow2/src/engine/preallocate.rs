@@ -11,7 +11,7 @@
 use super::create::Preallocation;
 use super::error::{EngineError, Result};
 use super::image::{Image, Inner};
-use super::layer::write_zero_data;
+use super::layer::{write_zero_data, write_zeros_into};
 use crate::format::{l2, GuestOffset};
 use storage::Storage;
 
@@ -82,6 +82,9 @@ impl<S: Storage + 'static> Inner<S> {
             .expect("qcow2 checked by the caller")
             .geom
             .cluster_size();
+        if top.qcow2().is_some_and(|m| m.data_file.is_some()) {
+            return self.preallocate_data_file_run(first, n, mode).await;
+        }
         let host = {
             let _g = w.meta_lock.lock().await;
             w.alloc_clusters(n).await?.0
@@ -111,6 +114,52 @@ impl<S: Storage + 'static> Inner<S> {
         }
         w.physical_len.set(w.physical_len.get().max(end));
         self.refcounts_before_l2().await?;
+        for i in 0..n {
+            w.set_l2_entry(first + i * cs, l2::owned_word(host + i * cs), 0)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::preallocate_run`] for an image with an external data file: there every guest
+    /// cluster lives at its own offset of the data file (as QEMU maps them), so nothing is
+    /// allocated in the image file and no refcount changes; the data file reaches the run.
+    async fn preallocate_data_file_run(
+        &self,
+        first: GuestOffset,
+        n: u64,
+        mode: Preallocation,
+    ) -> Result<()> {
+        let w = self.alloc()?;
+        let top = self.chain.top();
+        let cs = top
+            .qcow2()
+            .expect("qcow2 checked by the caller")
+            .geom
+            .cluster_size();
+        let data = top.data_storage();
+        let host = first.0;
+        let len = n * cs;
+        let end = host
+            .checked_add(len)
+            .ok_or_else(|| top.corrupt(format!("a run of {n} clusters at {host:#x} overflows")))?;
+        match mode {
+            Preallocation::Falloc => data
+                .write_zeroes_at(host, len, false)
+                .await
+                .map_err(|e| top.io_error("preallocating the data file", host, e))?,
+            Preallocation::Full => write_zeros_into(top, data, host, len).await?,
+            Preallocation::Metadata | Preallocation::Off => {}
+        }
+        let data_len = data
+            .len()
+            .await
+            .map_err(|e| top.io_error("getting the data file size", 0, e))?;
+        if data_len < end {
+            data.set_len(end)
+                .await
+                .map_err(|e| top.io_error("extending the data file", end, e))?;
+        }
         for i in 0..n {
             w.set_l2_entry(first + i * cs, l2::owned_word(host + i * cs), 0)
                 .await?;

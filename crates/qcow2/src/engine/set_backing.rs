@@ -13,12 +13,24 @@ impl<S: Storage + 'static> Image<S> {
     /// file. This open keeps reading through the chain it opened; later opens follow the new
     /// name.
     pub async fn set_backing_file(&self, name: Option<&str>, format: Option<Format>) -> Result<()> {
+        self.inner
+            .set_backing_file(name, format.map(|f| f.name()))
+            .await
+    }
+
+    /// Records a backing file with a format given by name, one this engine may not read
+    /// (as `qemu-img rebase -u -F host_device` records one): only the header changes.
+    pub async fn set_backing_file_format_name(
+        &self,
+        name: Option<&str>,
+        format: Option<&str>,
+    ) -> Result<()> {
         self.inner.set_backing_file(name, format).await
     }
 }
 
 impl<S: Storage + 'static> Inner<S> {
-    async fn set_backing_file(&self, name: Option<&str>, format: Option<Format>) -> Result<()> {
+    async fn set_backing_file(&self, name: Option<&str>, format: Option<&str>) -> Result<()> {
         self.check_writable()?;
         let top = self.chain.top();
         let meta = top.qcow2().ok_or_else(|| EngineError::Unsupported {
@@ -30,7 +42,7 @@ impl<S: Storage + 'static> Inner<S> {
         let mut h = meta.header.borrow().clone();
         h.set_backing(
             name.map(|n| n.as_bytes().to_vec()),
-            format.map(|f| f.name().as_bytes().to_vec()),
+            format.map(|f| f.as_bytes().to_vec()),
         );
         let bytes = h
             .encode(meta.geom.cluster_size())

@@ -1,0 +1,671 @@
+//! Image names as qemu-img takes them: a plain path, a path behind the `file:` protocol
+//! prefix, a `json:{...}` pseudo-filename, or (with `--image-opts`) a `key=value,...` list of
+//! block-layer options. All of them come down to a file, the format driver to read it with,
+//! and the driver options left over for the subcommand. Only the drivers this tool has are
+//! accepted (`qcow2`, `raw`, and the `file` protocol); QEMU's other block drivers and
+//! protocols are refused with the words QEMU uses for a driver it lacks.
+//!
+//! A name is untrusted input: `json:` text is bounded in size and nesting, and every refusal
+//! is a typed error naming what is wrong.
+
+use std::collections::BTreeMap;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use crate::options;
+
+/// The longest `json:` text accepted (QEMU has no limit; this only bounds memory).
+pub const MAX_JSON_LEN: usize = 1 << 20;
+
+/// The deepest nesting of objects and arrays accepted in `json:` text.
+pub const MAX_JSON_DEPTH: usize = 16;
+
+/// Runtime options of the qcow2 driver that tune QEMU's caches, checks or locking: they
+/// change no data, and this tool sizes and checks on its own terms, so they are accepted and
+/// have no effect.
+const QCOW2_NOOP_OPTIONS: &[&str] = &[
+    "l2-cache-size",
+    "l2-cache-entry-size",
+    "refcount-cache-size",
+    "cache-size",
+    "cache-clean-interval",
+    "lazy-refcounts",
+    "pass-discard-request",
+    "pass-discard-snapshot",
+    "pass-discard-other",
+    "discard-no-unref",
+    "overlap-check",
+    "overlap-check.template",
+    "overlap-check.main-header",
+    "overlap-check.active-l1",
+    "overlap-check.active-l2",
+    "overlap-check.refcount-table",
+    "overlap-check.refcount-block",
+    "overlap-check.snapshot-table",
+    "overlap-check.inactive-l1",
+    "overlap-check.inactive-l2",
+    "overlap-check.bitmap-directory",
+];
+
+/// Options every node takes in QEMU; none changes what this tool reads or writes.
+const NODE_NOOP_OPTIONS: &[&str] = &[
+    "node-name",
+    "cache.direct",
+    "cache.no-flush",
+    "discard",
+    "detect-zeroes",
+    "read-only",
+    "auto-read-only",
+    "force-share",
+];
+
+/// Options of the `file` protocol that change no data.
+const FILE_NOOP_OPTIONS: &[&str] = &[
+    "aio",
+    "aio-max-batch",
+    "drop-cache",
+    "x-check-cache-dropped",
+    "locking",
+];
+
+/// Driver options kept for the subcommand rather than checked here (see [`driver_options`]).
+/// A feature that takes a driver option adds its key here.
+const PASS_THROUGH: &[&str] = &[];
+
+/// Why an image name was refused. The texts after `Could not open` are QEMU's.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NameError {
+    /// The name could not be read as QEMU would read it.
+    #[error("Could not open '{name}': {reason}")]
+    Open {
+        /// The name as given.
+        name: String,
+        /// Why.
+        reason: Reason,
+    },
+    /// `--image-opts` with `-f`.
+    #[error("--image-opts and --format are mutually exclusive")]
+    FormatWithImageOpts,
+    /// The name is not valid UTF-8 (options and JSON are text).
+    #[error("Could not open '{0}': the name is not valid UTF-8")]
+    NotUtf8(String),
+}
+
+/// What is wrong with a name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Reason {
+    /// `json:` text that does not parse.
+    #[error("Could not parse the JSON options: {0}")]
+    Json(String),
+    /// `json:` text that is not an object.
+    #[error("Invalid JSON object given")]
+    NotObject,
+    /// `json:` text longer than [`MAX_JSON_LEN`].
+    #[error("Could not parse the JSON options: longer than {MAX_JSON_LEN} bytes")]
+    TooLong,
+    /// `json:` text nested deeper than [`MAX_JSON_DEPTH`].
+    #[error("Could not parse the JSON options: nested deeper than {MAX_JSON_DEPTH} levels")]
+    TooDeep,
+    /// A driver this tool does not have.
+    #[error("Unknown driver '{0}'")]
+    UnknownDriver(String),
+    /// A `PROTOCOL:` prefix this tool does not have.
+    #[error("Unknown protocol '{0}'")]
+    UnknownProtocol(String),
+    /// A format driver option this tool does not know or does not implement.
+    #[error("Block format '{driver}' does not support the option '{option}'")]
+    FormatOption {
+        /// The format driver.
+        driver: String,
+        /// The option.
+        option: String,
+    },
+    /// A `file` protocol option this tool does not know.
+    #[error("Block protocol 'file' doesn't support the option '{0}'")]
+    FileOption(String),
+    /// Neither a driver nor a file.
+    #[error("Must specify either driver or file")]
+    Nothing,
+    /// A format driver without its `file` node.
+    #[error("A block device must be specified for \"file\"")]
+    NoFileNode,
+    /// `file` given as a string: in QEMU, the name of another node.
+    #[error("Cannot find device='{0}' nor node-name='{0}'")]
+    NodeRef(String),
+    /// The `file` protocol without a file name.
+    #[error("The 'file' block driver requires a file name")]
+    NoFilename,
+    /// An option given both as a value and as an object with members.
+    #[error("Option '{0}' is given both as a value and as an object")]
+    Conflict(String),
+}
+
+/// An image name, read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageName {
+    /// The file to open.
+    pub path: PathBuf,
+    /// The format driver named, if any (`None`: probe).
+    pub format: Option<String>,
+    /// Driver options in [`PASS_THROUGH`] that were given (flattened `a.b` keys).
+    pub options: BTreeMap<String, String>,
+}
+
+/// A flattened option value: JSON `null` is kept apart from text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Val {
+    Text(String),
+    Null,
+}
+
+/// Reads `name` as qemu-img would: an option list with `image_opts`, else a `json:` name, a
+/// `file:`-prefixed path or a plain path.
+pub fn parse(name: &OsStr, image_opts: bool) -> Result<ImageName, NameError> {
+    let shown = name.to_string_lossy().into_owned();
+    let text = || {
+        name.to_str()
+            .ok_or_else(|| NameError::NotUtf8(shown.clone()))
+    };
+    let open_err = |reason| NameError::Open {
+        name: shown.clone(),
+        reason,
+    };
+    if image_opts {
+        let flat = flatten_list(text()?);
+        return interpret(flat).map_err(open_err);
+    }
+    match name.to_str().and_then(|s| s.strip_prefix("json:")) {
+        Some(json) => {
+            let flat = flatten_json(json).map_err(open_err)?;
+            interpret(flat).map_err(open_err)
+        }
+        None => Ok(ImageName {
+            path: protocol_path(name).map_err(open_err)?,
+            format: None,
+            options: BTreeMap::new(),
+        }),
+    }
+}
+
+/// The file a plain name stands for: a colon before the first slash is a protocol prefix, as
+/// in QEMU; `file:` is the only protocol here, and a path behind it that itself looks
+/// prefixed is made relative with `./` (as QEMU shows it) so that it is never read as one.
+pub fn protocol_path(name: &OsStr) -> Result<PathBuf, Reason> {
+    let bytes = name.as_encoded_bytes();
+    let Some(colon) = protocol_colon(bytes) else {
+        return Ok(PathBuf::from(name));
+    };
+    let protocol = String::from_utf8_lossy(&bytes[..colon]).into_owned();
+    if protocol != "file" {
+        return Err(Reason::UnknownProtocol(protocol));
+    }
+    let rest = &name.to_string_lossy()[colon + 1..];
+    if protocol_colon(rest.as_bytes()).is_some() {
+        return Ok(PathBuf::from(format!("./{rest}")));
+    }
+    Ok(PathBuf::from(rest))
+}
+
+/// Where a protocol prefix ends: the first `:` if it comes before any `/`.
+fn protocol_colon(bytes: &[u8]) -> Option<usize> {
+    let i = bytes.iter().position(|&b| b == b':' || b == b'/')?;
+    (bytes[i] == b':').then_some(i)
+}
+
+/// A `key=value,...` list as `--image-opts` takes it: `,,` escapes a comma, a first item
+/// without `=` names the file, and a later bare key means `on`.
+fn flatten_list(list: &str) -> BTreeMap<String, Val> {
+    let mut flat = BTreeMap::new();
+    for (i, (key, value)) in options::split(list).into_iter().enumerate() {
+        let (key, value) = match value {
+            Some(v) => (key, v),
+            None if i == 0 => ("file".to_string(), key),
+            None => (key, "on".to_string()),
+        };
+        flat.insert(key, Val::Text(value));
+    }
+    flat
+}
+
+/// Parses `json:` text (QEMU's JSON, which also takes single-quoted strings) into flattened
+/// `a.b.c` keys.
+fn flatten_json(json: &str) -> Result<BTreeMap<String, Val>, Reason> {
+    if json.len() > MAX_JSON_LEN {
+        return Err(Reason::TooLong);
+    }
+    let standard = requote(json)?;
+    let value: serde_json::Value =
+        serde_json::from_str(&standard).map_err(|e| Reason::Json(e.to_string()))?;
+    let serde_json::Value::Object(map) = value else {
+        return Err(Reason::NotObject);
+    };
+    let mut flat = BTreeMap::new();
+    for (k, v) in map {
+        flatten_value(&k, v, 1, &mut flat)?;
+    }
+    Ok(flat)
+}
+
+fn flatten_value(
+    key: &str,
+    v: serde_json::Value,
+    depth: usize,
+    flat: &mut BTreeMap<String, Val>,
+) -> Result<(), Reason> {
+    use serde_json::Value as J;
+    if depth > MAX_JSON_DEPTH {
+        return Err(Reason::TooDeep);
+    }
+    let leaf = match v {
+        J::Object(map) => {
+            for (k, v) in map {
+                flatten_value(&format!("{key}.{k}"), v, depth + 1, flat)?;
+            }
+            return Ok(());
+        }
+        J::Array(items) => {
+            for (i, v) in items.into_iter().enumerate() {
+                flatten_value(&format!("{key}.{i}"), v, depth + 1, flat)?;
+            }
+            return Ok(());
+        }
+        J::Null => Val::Null,
+        J::Bool(b) => Val::Text(if b { "on" } else { "off" }.to_string()),
+        J::Number(n) => Val::Text(n.to_string()),
+        J::String(s) => Val::Text(s),
+    };
+    if flat.insert(key.to_string(), leaf).is_some() {
+        return Err(Reason::Conflict(key.to_string()));
+    }
+    Ok(())
+}
+
+/// Rewrites QEMU's JSON dialect into standard JSON: single-quoted strings become
+/// double-quoted ones (a `"` inside is escaped, `\'` becomes `'`).
+fn requote(json: &str) -> Result<String, Reason> {
+    let mut out = String::with_capacity(json.len() + 16);
+    let mut chars = json.chars();
+    let mut quote: Option<char> = None;
+    while let Some(c) = chars.next() {
+        match (quote, c) {
+            (None, '\'') => {
+                quote = Some('\'');
+                out.push('"');
+            }
+            (None, '"') => {
+                quote = Some('"');
+                out.push('"');
+            }
+            (None, c) => out.push(c),
+            (Some(q), '\\') => {
+                let Some(next) = chars.next() else {
+                    return Err(Reason::Json("unterminated escape at the end".into()));
+                };
+                if q == '\'' && next == '\'' {
+                    out.push('\'');
+                } else {
+                    out.push('\\');
+                    out.push(next);
+                }
+            }
+            (Some(q), c) if c == q => {
+                quote = None;
+                out.push('"');
+            }
+            (Some('\''), '"') => out.push_str("\\\""),
+            (Some(_), c) => out.push(c),
+        }
+    }
+    Ok(out)
+}
+
+/// Takes `key` and every `key.*` member out of `flat`: the value given directly, and the
+/// members with the prefix removed.
+fn take_node(
+    flat: &mut BTreeMap<String, Val>,
+    key: &str,
+) -> Result<(Option<Val>, BTreeMap<String, Val>), Reason> {
+    let direct = flat.remove(key);
+    let prefix = format!("{key}.");
+    let keys: Vec<String> = flat
+        .keys()
+        .filter(|k| k.starts_with(&prefix))
+        .cloned()
+        .collect();
+    let mut members = BTreeMap::new();
+    for k in keys {
+        if let Some(v) = flat.remove(&k) {
+            members.insert(k[prefix.len()..].to_string(), v);
+        }
+    }
+    if direct.is_some() && !members.is_empty() {
+        return Err(Reason::Conflict(key.to_string()));
+    }
+    Ok((direct, members))
+}
+
+fn text(v: Option<Val>) -> Option<String> {
+    match v {
+        Some(Val::Text(s)) => Some(s),
+        _ => None,
+    }
+}
+
+/// The `file` node: the `file` protocol's options (a plain string would name another node,
+/// and there are no other nodes here).
+fn file_node(direct: Option<Val>, mut members: BTreeMap<String, Val>) -> Result<PathBuf, Reason> {
+    match direct {
+        Some(Val::Text(name)) => return Err(Reason::NodeRef(name)),
+        Some(Val::Null) | None if members.is_empty() => return Err(Reason::NoFileNode),
+        _ => {}
+    }
+    if let Some(d) = text(members.remove("driver")) {
+        if d != "file" {
+            return Err(Reason::UnknownDriver(d));
+        }
+    }
+    let name = text(members.remove("filename")).ok_or(Reason::NoFilename)?;
+    check_leftover(&members, "file", FILE_NOOP_OPTIONS)?;
+    // A file name given to the `file` driver itself is taken as it is, colons and all.
+    Ok(PathBuf::from(name))
+}
+
+/// Turns flattened options into the file, the format and the options left for the
+/// subcommand.
+fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
+    let driver = text(flat.remove("driver"));
+    let (file_direct, file_members) = take_node(&mut flat, "file")?;
+    let format = match driver.as_deref() {
+        None if file_direct.is_none() && file_members.is_empty() => return Err(Reason::Nothing),
+        None => None,
+        Some("qcow2") | Some("raw") => driver.clone(),
+        Some("file") => {
+            // The protocol node on its own: its bytes are the image.
+            let name = text(flat.remove("filename")).ok_or(Reason::NoFilename)?;
+            check_leftover(&flat, "file", FILE_NOOP_OPTIONS)?;
+            return Ok(ImageName {
+                path: PathBuf::from(name),
+                format: Some("raw".into()),
+                options: BTreeMap::new(),
+            });
+        }
+        Some(other) => return Err(Reason::UnknownDriver(other.to_string())),
+    };
+    let path = file_node(file_direct, file_members)?;
+    let mut options = BTreeMap::new();
+    for key in PASS_THROUGH {
+        if let Some(Val::Text(v)) = flat.remove(*key) {
+            options.insert(key.to_string(), v);
+        }
+    }
+    let shown_driver = format.as_deref().unwrap_or("qcow2");
+    let noops: &[&str] = if shown_driver == "qcow2" {
+        QCOW2_NOOP_OPTIONS
+    } else {
+        &[]
+    };
+    check_leftover(&flat, shown_driver, noops)?;
+    Ok(ImageName {
+        path,
+        format,
+        options,
+    })
+}
+
+/// Refuses any option left that is neither a node option nor one of `noops`.
+fn check_leftover(
+    flat: &BTreeMap<String, Val>,
+    driver: &str,
+    noops: &[&str],
+) -> Result<(), Reason> {
+    match flat
+        .keys()
+        .find(|k| !noops.contains(&k.as_str()) && !NODE_NOOP_OPTIONS.contains(&k.as_str()))
+    {
+        Some(k) if driver == "file" => Err(Reason::FileOption(k.clone())),
+        Some(k) => Err(Reason::FormatOption {
+            driver: driver.to_string(),
+            option: k.clone(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The names read in this run, for [`driver_options`].
+static READ: Mutex<Vec<ImageName>> = Mutex::new(Vec::new());
+
+/// Reads `name` (as [`parse`]) and puts what it names in place: `path` becomes the file, and
+/// `format` the driver it names (with `--image-opts`, `-f` is refused as qemu-img refuses it).
+pub fn resolve(
+    path: &mut PathBuf,
+    format: &mut Option<String>,
+    image_opts: bool,
+) -> Result<(), NameError> {
+    if image_opts && format.is_some() {
+        return Err(NameError::FormatWithImageOpts);
+    }
+    let read = parse(path.as_os_str(), image_opts)?;
+    *path = read.path.clone();
+    if read.format.is_some() {
+        format.clone_from(&read.format);
+    }
+    if let Ok(mut all) = READ.lock() {
+        all.push(read);
+    }
+    Ok(())
+}
+
+/// [`resolve`] for a name that may be absent.
+pub fn resolve_opt(
+    path: &mut Option<PathBuf>,
+    format: &mut Option<String>,
+    image_opts: bool,
+) -> Result<(), NameError> {
+    match path {
+        Some(p) => resolve(p, format, image_opts),
+        None => Ok(()),
+    }
+}
+
+/// The driver options (those in the pass-through list) given with the image that resolved to
+/// `path` in this run.
+#[allow(dead_code)]
+pub fn driver_options(path: &Path) -> BTreeMap<String, String> {
+    READ.lock()
+        .ok()
+        .and_then(|all| {
+            all.iter()
+                .find(|n| n.path == path)
+                .map(|n| n.options.clone())
+        })
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(s: &str, opts: bool) -> Result<ImageName, NameError> {
+        parse(OsStr::new(s), opts)
+    }
+
+    fn reason(s: &str, opts: bool) -> Reason {
+        match p(s, opts) {
+            Err(NameError::Open { reason, .. }) => reason,
+            other => panic!("{s}: expected a refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn plain_and_file_prefixed_paths() {
+        assert_eq!(
+            p("/a/b:c.qcow2", false).unwrap().path,
+            Path::new("/a/b:c.qcow2")
+        );
+        assert_eq!(p("file:/a/b:c", false).unwrap().path, Path::new("/a/b:c"));
+        assert_eq!(p("file:x:y", false).unwrap().path, Path::new("./x:y"));
+        assert_eq!(p("file:x", false).unwrap().path, Path::new("x"));
+        assert_eq!(
+            reason("blkdebug:conf:img", false),
+            Reason::UnknownProtocol("blkdebug".into())
+        );
+        assert_eq!(
+            reason("null-co://", false),
+            Reason::UnknownProtocol("null-co".into())
+        );
+    }
+
+    #[test]
+    fn json_names_in_both_quotings() {
+        let n = p(
+            r#"json:{'driver':'qcow2','file':{'driver':'file','filename':'/t/it''s'}}"#,
+            false,
+        );
+        // A doubled quote is not an escape in QEMU's JSON: this does not parse.
+        assert!(matches!(
+            n,
+            Err(NameError::Open {
+                reason: Reason::Json(_),
+                ..
+            })
+        ));
+        let n = p(
+            r#"json:{'driver':'qcow2','file':{'driver':'file','filename':'/t/a "b\'c'}}"#,
+            false,
+        )
+        .unwrap();
+        assert_eq!(n.path, Path::new("/t/a \"b'c"));
+        assert_eq!(n.format.as_deref(), Some("qcow2"));
+        let n = p(r#"json:{"driver":"raw","file.filename":"/t/r"}"#, false).unwrap();
+        assert_eq!(
+            (n.path.as_path(), n.format.as_deref()),
+            (Path::new("/t/r"), Some("raw"))
+        );
+        let n = p(r#"json:{"file":{"filename":"/t/q"}}"#, false).unwrap();
+        assert_eq!((n.path.as_path(), n.format), (Path::new("/t/q"), None));
+        let n = p(r#"json:{"driver":"file","filename":"/t/f"}"#, false).unwrap();
+        assert_eq!(
+            (n.path.as_path(), n.format.as_deref()),
+            (Path::new("/t/f"), Some("raw"))
+        );
+    }
+
+    #[test]
+    fn json_refusals() {
+        assert_eq!(reason("json:[1]", false), Reason::NotObject);
+        assert!(matches!(reason("json:{", false), Reason::Json(_)));
+        assert!(matches!(reason("json:{'a':'\\", false), Reason::Json(_)));
+        assert_eq!(reason("json:{}", false), Reason::Nothing);
+        assert_eq!(
+            reason("json:{'driver':'blkdebug','image':{'filename':'x'}}", false),
+            Reason::UnknownDriver("blkdebug".into())
+        );
+        assert_eq!(
+            reason(
+                "json:{'driver':'qcow2','file':{'driver':'null-co','size':1}}",
+                false
+            ),
+            Reason::UnknownDriver("null-co".into())
+        );
+        assert_eq!(
+            reason(
+                "json:{'driver':'qcow2','file.filename':'x','bogus':1}",
+                false
+            ),
+            Reason::FormatOption {
+                driver: "qcow2".into(),
+                option: "bogus".into()
+            }
+        );
+        assert_eq!(
+            reason(
+                "json:{'driver':'qcow2','file':'x','file.filename':'y'}",
+                false
+            ),
+            Reason::Conflict("file".into())
+        );
+        assert_eq!(
+            reason("json:{'driver':'qcow2','file':'x'}", false),
+            Reason::NodeRef("x".into())
+        );
+        assert_eq!(reason("json:{'driver':'qcow2'}", false), Reason::NoFileNode);
+        assert_eq!(
+            reason("json:{'driver':'qcow2','filename':'x'}", false),
+            Reason::NoFileNode
+        );
+        let deep = format!(
+            "json:{{'driver':'qcow2','file.filename':'x','a':{}1{}}}",
+            "[".repeat(40),
+            "]".repeat(40)
+        );
+        assert_eq!(reason(&deep, false), Reason::TooDeep);
+        let long = format!("json:{{'file.filename':'{}'}}", "x".repeat(MAX_JSON_LEN));
+        assert_eq!(reason(&long, false), Reason::TooLong);
+        // serde_json's own recursion limit answers first for very deep text: still an error.
+        let deeper = format!("json:{}", "[".repeat(100_000));
+        assert!(matches!(reason(&deeper, false), Reason::Json(_)));
+    }
+
+    #[test]
+    fn option_lists() {
+        let n = p("driver=qcow2,file.driver=file,file.filename=/t/a,,b", true).unwrap();
+        assert_eq!(
+            (n.path.as_path(), n.format.as_deref()),
+            (Path::new("/t/a,b"), Some("qcow2"))
+        );
+        let n = p("driver=raw,file.filename=/t/x", true).unwrap();
+        assert_eq!(
+            (n.path.as_path(), n.format.as_deref()),
+            (Path::new("/t/x"), Some("raw"))
+        );
+        // A first item without `=` is the `file` option: a node name, which QEMU looks up.
+        assert_eq!(
+            reason("/t/x,driver=raw", true),
+            Reason::NodeRef("/t/x".into())
+        );
+        let n = p(
+            "driver=qcow2,file.filename=/t/y,l2-cache-entry-size=4096",
+            true,
+        )
+        .unwrap();
+        assert_eq!(n.path, Path::new("/t/y"));
+        assert_eq!(
+            reason("driver=qcow2,file.filename=/t/y,encrypt.key-secret=s", true),
+            Reason::FormatOption {
+                driver: "qcow2".into(),
+                option: "encrypt.key-secret".into()
+            }
+        );
+        assert_eq!(
+            reason("driver=nbd,host=127.0.0.1", true),
+            Reason::UnknownDriver("nbd".into())
+        );
+        assert_eq!(reason("driver=qcow2", true), Reason::NoFileNode);
+        assert_eq!(
+            reason("driver=qcow2,file.driver=file", true),
+            Reason::NoFilename
+        );
+        assert_eq!(
+            reason("driver=qcow2,file.filename=x,file.bogus=1", true),
+            Reason::FileOption("bogus".into())
+        );
+    }
+
+    #[test]
+    fn resolve_refuses_format_with_image_opts() {
+        let mut path = PathBuf::from("driver=qcow2,file.filename=/t/z");
+        // Only the image's own format: -f with --image-opts is refused before the name is read.
+        let mut format = Some("qcow2".to_string());
+        assert_eq!(
+            resolve(&mut path, &mut format, true),
+            Err(NameError::FormatWithImageOpts)
+        );
+        let mut format = None;
+        resolve(&mut path, &mut format, true).unwrap();
+        assert_eq!(
+            (path.as_path(), format.as_deref()),
+            (Path::new("/t/z"), Some("qcow2"))
+        );
+    }
+}

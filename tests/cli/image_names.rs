@@ -1,0 +1,237 @@
+//! Image names as qemu-img reads them, side by side with qemu-img: `--image-opts` option
+//! lists, `json:{...}` pseudo-filenames and the `file:` protocol prefix must name the same
+//! image and print the same lines, and names of drivers we do not have must be refused with
+//! QEMU's words.
+
+use test_support::Dir;
+
+use crate::qemu_img_options::Pair;
+
+/// A chain base <- top, with data in both.
+fn chain(d: &Dir) {
+    d.create("base.qcow2", "qcow2", "", None, "64M");
+    d.qemu_io("qcow2", "base.qcow2", &["write -P 0x11 0 1M"]);
+    d.create(
+        "top.qcow2",
+        "qcow2",
+        "",
+        Some(("base.qcow2", "qcow2")),
+        "64M",
+    );
+    d.qemu_io("qcow2", "top.qcow2", &["write -P 0x22 2M 64k"]);
+    d.create("r.raw", "raw", "", None, "1M");
+}
+
+#[test]
+fn image_opts_on_every_reading_subcommand() {
+    let p = Pair::new(chain);
+    let top = "driver=qcow2,file.driver=file,file.filename=top.qcow2";
+    for args in [
+        &["info", "--image-opts", top][..],
+        &["info", "--backing-chain", "--image-opts", top],
+        &["map", "--image-opts", top],
+        &["map", "--output=json", "--image-opts", top],
+        &["check", "--image-opts", top],
+        &[
+            "compare",
+            "--image-opts",
+            top,
+            "driver=qcow2,file.filename=top.qcow2",
+        ],
+        &["info", "--image-opts", "driver=raw,file.filename=r.raw"],
+        // Cache tuning changes no data and is taken.
+        &[
+            "info",
+            "--image-opts",
+            "driver=qcow2,file.filename=top.qcow2,l2-cache-entry-size=4096",
+        ],
+        // Probed when no driver is named.
+        &["info", "--image-opts", "file.filename=top.qcow2"],
+    ] {
+        p.same(args);
+    }
+}
+
+#[test]
+fn image_opts_refusals_use_qemus_words() {
+    let p = Pair::new(chain);
+    for args in [
+        &[
+            "info",
+            "--image-opts",
+            "-f",
+            "qcow2",
+            "driver=qcow2,file.filename=top.qcow2",
+        ][..],
+        &["info", "--image-opts", "driver=qcow2"],
+        &[
+            "info",
+            "--image-opts",
+            "driver=nosuch,file.filename=top.qcow2",
+        ],
+        &["info", "--image-opts", "top.qcow2,driver=qcow2"],
+        &[
+            "info",
+            "--image-opts",
+            "driver=qcow2,file.filename=top.qcow2,bogus=1",
+        ],
+        &[
+            "info",
+            "--image-opts",
+            "driver=qcow2,file.filename=top.qcow2,file.bogus=1",
+        ],
+    ] {
+        p.same(args);
+    }
+}
+
+#[test]
+fn json_pseudo_filenames() {
+    let p = Pair::new(chain);
+    for name in [
+        "json:{'driver':'qcow2','file':{'driver':'file','filename':'top.qcow2'}}",
+        r#"json:{"driver":"qcow2","file.filename":"top.qcow2"}"#,
+        r#"json:{"file":{"filename":"top.qcow2"}}"#,
+        "json:{'driver':'raw','file':{'filename':'r.raw'}}",
+    ] {
+        p.same(&["info", name]);
+        p.same(&["map", name]);
+    }
+    for bad in [
+        "json:[1]",
+        "json:{}",
+        "json:{'driver':'nosuch','file':{'filename':'top.qcow2'}}",
+        "json:{'driver':'qcow2','file':'top.qcow2'}",
+        "json:{'driver':'qcow2','file':{'filename':'top.qcow2'},'bogus':1}",
+    ] {
+        p.same(&["info", bad]);
+    }
+}
+
+#[test]
+fn hostile_json_names_are_refused_without_a_crash() {
+    let d = Dir::new();
+    // Deeper than any JSON parser should follow (a command-line argument holds at most
+    // 128 KiB, so the length bound is exercised by the unit tests).
+    let deep = format!("json:{}", "[".repeat(100_000));
+    let nested = format!(
+        "json:{{'driver':'qcow2','file.filename':'x','a':{}1{}}}",
+        "{'b':".repeat(40),
+        "}".repeat(40)
+    );
+    for name in [
+        deep.as_str(),
+        nested.as_str(),
+        "json:{'a':'\\",
+        "json:\u{1}",
+    ] {
+        let out = d.run(crate::common::BIN, &["info", name]);
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{}",
+            &name[..20.min(name.len())]
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("Could not parse the JSON options"),
+            "unexpected message: {err}"
+        );
+    }
+}
+
+/// Images whose names have a colon before any slash, as a `file:` prefix allows.
+fn colon_names(d: &Dir) {
+    chain(d);
+    d.create(
+        "image:top.qcow2",
+        "qcow2",
+        "",
+        Some(("base.qcow2", "qcow2")),
+        "64M",
+    );
+}
+
+#[test]
+fn the_file_protocol_prefix() {
+    let p = Pair::new(colon_names);
+    p.same(&["info", "file:top.qcow2"]);
+    // A colon before any slash is a protocol prefix; behind `file:` it is part of the name.
+    p.same(&["info", "file:image:top.qcow2"]);
+    p.same(&["check", "file:image:top.qcow2"]);
+    p.same(&["map", "file:image:top.qcow2"]);
+    p.same(&["info", "image:top.qcow2"]);
+    p.same(&["info", "nosuch:top.qcow2"]);
+    // create takes the prefix too, and announces the name as given.
+    for args in [
+        &["create", "-f", "qcow2", "file:new:a.qcow2", "1M"][..],
+        &[
+            "create",
+            "-f",
+            "qcow2",
+            "-b",
+            "base.qcow2",
+            "-F",
+            "qcow2",
+            "file:new:b.qcow2",
+        ],
+    ] {
+        let (q, o) = p.run(args);
+        assert_eq!(
+            (o.status.code(), String::from_utf8_lossy(&o.stdout)),
+            (q.status.code(), String::from_utf8_lossy(&q.stdout)),
+            "{args:?}"
+        );
+        assert!(
+            o.stderr.is_empty(),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    for name in ["new:a.qcow2", "new:b.qcow2"] {
+        let (q, o) = p.run(&["info", "--output=json", &format!("file:{name}")]);
+        let field = |out: &std::process::Output, key: &str| {
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+            v[key].clone()
+        };
+        for key in ["filename", "virtual-size", "backing-filename"] {
+            assert_eq!(field(&o, key), field(&q, key), "{name}: {key}");
+        }
+    }
+}
+
+/// The first cluster of a file: the qcow2 header and its extensions.
+fn header(d: &Dir, name: &str) -> Vec<u8> {
+    let mut bytes = std::fs::read(d.path(name)).expect("read the image");
+    bytes.truncate(65536);
+    bytes
+}
+
+#[test]
+fn an_unsafe_rebase_records_any_format_qemu_has() {
+    let p = Pair::new(|d| {
+        d.create("a.qcow2", "qcow2", "", None, "1M");
+        d.create("v2.qcow2", "qcow2", "compat=0.10", None, "1M");
+    });
+    for image in ["a.qcow2", "v2.qcow2"] {
+        p.same(&[
+            "rebase",
+            "-u",
+            "-b",
+            "/some/path",
+            "-F",
+            "host_device",
+            image,
+        ]);
+        // The same header, down to the order of its extensions.
+        assert_eq!(
+            header(&p.ours, image),
+            header(&p.qemu, image),
+            "{image}: headers differ"
+        );
+        p.same(&["rebase", "-u", "-b", "", image]);
+        assert_eq!(header(&p.ours, image), header(&p.qemu, image), "{image}");
+        p.same(&["rebase", "-u", "-b", "b.qcow2", "-F", "qcow2", image]);
+        assert_eq!(header(&p.ours, image), header(&p.qemu, image), "{image}");
+    }
+}
