@@ -256,7 +256,9 @@ impl Job {
             let at = off + a as u64;
             if at >= self.old_end {
                 // Flags even without an old backing file: the new one must not show through.
-                self.image.write_zero_flags(at, (b - a) as u64).await?;
+                self.image
+                    .write_zero_flags(at, (b - a) as u64, false)
+                    .await?;
             } else {
                 self.image
                     .write(at, IoBuf::from_slice(&old[a..b]), false)

@@ -8,6 +8,7 @@ mod bitmap;
 mod commit_rebase;
 mod compare_measure;
 mod convert_map_interop;
+mod convert_options;
 mod convert_qcow2;
 mod create;
 mod drop_in;
