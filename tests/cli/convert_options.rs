@@ -43,7 +43,7 @@ fn map(d: &Dir, fmt: &str, image: &str) -> Vec<Run> {
 
 /// Runs `args` in both directories with the same outcome; on success the `target` (of
 /// format `fmt`) must map the same in both, pass `qemu-img check` (qcow2) and read the same.
-fn same_target(p: &Pair, args: &[&str], target: &str, fmt: &str) {
+pub fn same_target(p: &Pair, args: &[&str], target: &str, fmt: &str) {
     let out = p.same(args);
     if !out.status.success() {
         return;

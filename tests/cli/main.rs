@@ -14,6 +14,7 @@ mod create;
 mod drop_in;
 mod interop_writes;
 mod qemu_img_options;
+mod rebase_compress;
 mod resize;
 mod snapshot;
 mod space;
