@@ -8,6 +8,7 @@ mod compare;
 mod convert;
 mod create;
 mod ctl;
+mod dd;
 mod engine_run;
 mod export;
 mod inflight;
@@ -69,6 +70,8 @@ enum Command {
     Convert(convert::ConvertArgs),
     /// Compare what a guest sees of two images, like `qemu-img compare`.
     Compare(compare::CompareArgs),
+    /// Copy an image block by block into a new image, like `qemu-img dd`.
+    Dd(dd::DdArgs),
     /// Calculate the file size a new image needs, like `qemu-img measure`.
     Measure(measure::MeasureArgs),
     /// Export an image over NBD, like `qemu-nbd`.
@@ -119,6 +122,7 @@ fn main() -> ExitCode {
         Command::Map(args) => return map::main(args),
         Command::Convert(args) => return convert::main(args),
         Command::Compare(args) => return compare::main(args),
+        Command::Dd(args) => return dd::main(args),
         Command::Measure(args) => return measure::main(args),
         Command::Serve(args) => return serve::run(args),
         Command::Ctl(args) => return ctl::main(args),
