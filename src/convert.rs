@@ -28,7 +28,7 @@ use crate::create::{self, option_table, CreateError};
 use crate::engine_run::{self, OpenError};
 use crate::inflight::BufferPool;
 use crate::options::{self, OptionsError, Parsed};
-use crate::progress::{self, Progress};
+use crate::progress::Progress;
 use plan::{Chunk, Planner, Settings, Source, Status};
 use sparse::SECTOR;
 
@@ -595,7 +595,7 @@ async fn copy_all(
     job: Rc<Job>,
     settings: Settings,
     parallel: usize,
-    progress: &Progress<std::io::Stderr>,
+    progress: &Progress<Box<dyn std::io::Write>>,
 ) -> Result<(), ConvertError> {
     let mut tasks: JoinSet<Result<(), EngineError>> = JoinSet::new();
     let mut seq = 0u64;
@@ -785,9 +785,10 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
     for s in &mut sources {
         s.len = s.len.min(s.image.size());
     }
-    let progress = Progress::stderr(
+    let progress = Progress::for_tool(
         work_total(&sources, settings).await?,
-        progress::wanted(args.progress, args.quiet),
+        args.progress,
+        args.quiet,
     );
     let job = Rc::new(Job {
         sources,

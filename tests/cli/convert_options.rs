@@ -301,3 +301,28 @@ fn convert_concatenates_several_sources() {
         "x.qcow2",
     ]);
 }
+
+#[test]
+fn convert_p_prints_qemu_img_progress_lines() {
+    let p = Pair::new(|d| {
+        d.create("s.qcow2", "qcow2", "", None, "128M");
+        d.qemu_io(
+            "qcow2",
+            "s.qcow2",
+            &["write 0 1M", "write 2M 1M", "write 4M 1M", "write 32M 1M"],
+        );
+        d.create("e.qcow2", "qcow2", "", None, "16M");
+    });
+    for args in [
+        &["convert", "-p", "-O", "qcow2", "s.qcow2", "o.qcow2"][..],
+        &["convert", "-p", "s.qcow2", "o.raw"],
+        &[
+            "convert", "-p", "-S", "0", "-O", "qcow2", "e.qcow2", "f.qcow2",
+        ],
+        &["convert", "-p", "e.qcow2", "e.raw"],
+        &["convert", "-p", "-q", "s.qcow2", "q.raw"],
+        &["convert", "-O", "qcow2", "s.qcow2", "n.qcow2"],
+    ] {
+        p.same(args);
+    }
+}
