@@ -11,7 +11,7 @@ mod tools;
 
 use daemon::{ctl, serve};
 use tools::{
-    amend, bitmap, check, commit, compare, convert, create, info, map, measure, rebase, resize,
+    amend, bitmap, check, commit, compare, convert, create, dd, info, map, measure, rebase, resize,
     snapshot,
 };
 
@@ -64,6 +64,8 @@ enum Command {
     Convert(convert::ConvertArgs),
     /// Compare what a guest sees of two images, like `qemu-img compare`.
     Compare(compare::CompareArgs),
+    /// Copy an image block by block into a new image, like `qemu-img dd`.
+    Dd(dd::DdArgs),
     /// Calculate the file size a new image needs, like `qemu-img measure`.
     Measure(measure::MeasureArgs),
     /// Export an image over NBD, like `qemu-nbd`.
@@ -92,7 +94,19 @@ fn resolve_image_names(cmd: &mut Command, opts: bool) -> Result<(), image_name::
         Command::Info(a) => resolve(&mut a.image, &mut a.format, opts),
         Command::Check(a) => resolve(&mut a.image, &mut a.format, opts),
         Command::Map(a) => resolve(&mut a.image, &mut a.format, opts),
-        Command::Convert(a) => resolve(&mut a.source, &mut a.source_format, opts),
+        Command::Convert(a) => {
+            // Every name but the last is a source; each is read with the formats given.
+            let sources = a.files.len().saturating_sub(1);
+            let given = a.source_format.clone();
+            for file in &mut a.files[..sources] {
+                let mut format = given.clone();
+                resolve(file, &mut format, opts)?;
+                if format.is_some() {
+                    a.source_format = format;
+                }
+            }
+            Ok(())
+        }
         Command::Compare(a) => {
             resolve(&mut a.first, &mut a.a_format, opts)?;
             resolve(&mut a.second, &mut a.b_format, opts)
@@ -104,7 +118,7 @@ fn resolve_image_names(cmd: &mut Command, opts: bool) -> Result<(), image_name::
         Command::Commit(a) => resolve(&mut a.top, &mut a.format, opts),
         Command::Rebase(a) => resolve(&mut a.image, &mut a.format, opts),
         Command::Snapshot(a) => resolve(&mut a.filename, &mut a.format, opts),
-        Command::Create(_) | Command::Serve(_) | Command::Ctl(_) => Ok(()),
+        Command::Create(_) | Command::Dd(_) | Command::Serve(_) | Command::Ctl(_) => Ok(()),
     }
 }
 
@@ -142,6 +156,7 @@ fn main() -> ExitCode {
         Command::Map(args) => return map::main(args),
         Command::Convert(args) => return convert::main(args),
         Command::Compare(args) => return compare::main(args),
+        Command::Dd(args) => return dd::main(args),
         Command::Measure(args) => return measure::main(args),
         Command::Serve(args) => return serve::run(args),
         Command::Ctl(args) => return ctl::main(args),

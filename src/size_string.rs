@@ -33,6 +33,21 @@ pub enum ParseSizeError {
     },
 }
 
+/// Reads a numeric command-line argument the way qemu-img's commands do (a size string,
+/// at most `i64::MAX`), with its messages; `what` names the argument in them.
+pub fn cvtnum(what: &str, value: &str) -> Result<u64, String> {
+    match parse_size(value) {
+        Ok(v) if i64::try_from(v).is_ok() => Ok(v),
+        Err(ParseSizeError::InvalidSize { .. }) => {
+            Err(format!("Invalid {what} specified: '{value}'."))
+        }
+        _ => Err(format!(
+            "Invalid {what} specified. Must be between 0 and {}.",
+            i64::MAX
+        )),
+    }
+}
+
 /// What went wrong, before it is turned into a [`ParseSizeError`] naming the input.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Failure {

@@ -1,11 +1,15 @@
-//! `qcow2-nbd convert`: copy what a guest sees of an image (its whole backing chain, or an
-//! internal snapshot) into a new raw or qcow2 image, optionally compressed.
+//! `qcow2-nbd convert`: copy what a guest sees of one or more images (each with its whole
+//! backing chain, or an internal snapshot; several are concatenated) into a new or existing
+//! raw or qcow2 image, optionally compressed or with a backing file of its own.
 //!
-//! Only data is copied: block status says which ranges are data, and of those, blocks that
-//! read as all zeros are skipped too (qemu-img's `-S 4k` behaviour), because a new raw file
-//! (sparse after truncation) and a new qcow2 image without a backing file both read as zeros
-//! where nothing was written. Data goes in large requests, several in flight, each aligned
-//! to the target's cluster so that zero detection and `-c` work on whole clusters.
+//! What is copied follows qemu-img (see `plan`): data ranges are read, and of those, runs of
+//! zeros are not written (`-S`, see `sparse`) because a new target without a backing file
+//! already reads zeros there; an existing target (`-n`) or one with a backing file gets
+//! them as zero writes. Data goes in large requests, several in flight, written in guest
+//! order so that a qcow2 target's clusters follow guest order as qemu-img's do.
+
+mod plan;
+mod sparse;
 
 use std::cell::Cell;
 use std::path::{Path, PathBuf};
@@ -24,20 +28,22 @@ use crate::engine_run::{self, OpenError};
 use crate::options::{self, OptionsError, Parsed};
 use crate::tools::create::{self, option_table, CreateError};
 use crate::tools::inflight::BufferPool;
-use crate::tools::progress::{self, Progress};
+use crate::tools::progress::Progress;
+use plan::{Chunk, Planner, Settings, Source, Status};
+use sparse::SECTOR;
 
-/// How much of the source one block-status query covers.
-const QUERY_BYTES: u64 = 1 << 30;
 /// Largest copy request: big enough for sequential throughput, small enough that eight in
-/// flight stay cheap in memory.
+/// flight stay cheap in memory (qemu-img's buffer size too).
 const REQUEST_BYTES: u64 = 2 << 20;
-/// Zero-detection unit for raw targets (qemu-img's default `-S 4k`).
-const RAW_GRAIN: u64 = 4096;
+/// qemu-img's default sparse-detection size (`-S 4k`).
+const DEFAULT_SPARSE: u64 = 4096;
+/// Largest `-S` qemu-img takes.
+const MAX_SPARSE: u64 = 16 << 20;
 
 /// Arguments of `convert`.
 #[derive(Args, Debug)]
 pub struct ConvertArgs {
-    /// Format of the source (qcow2 or raw); probed when not given.
+    /// Format of the sources (qcow2 or raw); probed when not given.
     #[arg(short = 'f', long = "source-format")]
     pub source_format: Option<String>,
     #[command(flatten)]
@@ -54,6 +60,31 @@ pub struct ConvertArgs {
     /// Copy an internal snapshot: its id or name, or `snapshot.id=ID` / `snapshot.name=NAME`.
     #[arg(short = 'l', long = "source-snapshot")]
     pub snapshot: Option<String>,
+    /// Do not create the target: write into the existing image TARGET (opened as -O says),
+    /// which must be at least as large as the sources; ranges that read as zeros are
+    /// zeroed in it.
+    #[arg(short = 'n', long = "no-create")]
+    pub no_create: bool,
+    /// Give the new target this backing file (stored as given; -F names its format): only
+    /// what the source's own top layer holds is copied, the rest is left to the backing
+    /// file, which should read as the source's backing chain does.
+    #[arg(short = 'B', long = "backing")]
+    pub backing: Option<String>,
+    /// Format of the -B backing file (required with -B, as in qemu-img 10).
+    #[arg(short = 'F', long = "backing-format")]
+    pub backing_format: Option<String>,
+    /// Sparse detection: runs of zeros at least SIZE long (a multiple of 512, up to 16M;
+    /// default 4k) are not written as data; 0 writes everything, fully allocating the target.
+    #[arg(
+        short = 'S',
+        long = "sparse-size",
+        value_name = "SIZE",
+        allow_hyphen_values = true
+    )]
+    pub sparse: Option<String>,
+    /// With -n: the existing target already reads as zeros, so zero ranges are skipped.
+    #[arg(long = "target-is-zero")]
+    pub target_is_zero: bool,
     /// Show progress even when stderr is not a terminal.
     #[arg(short = 'p', long = "progress")]
     pub progress: bool,
@@ -76,10 +107,22 @@ pub struct ConvertArgs {
     #[arg(short = 'm', long = "parallel", default_value_t = 8,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub parallel: u16,
-    /// The image to copy.
-    pub source: PathBuf,
-    /// The image to write (replaced if it exists).
-    pub target: PathBuf,
+    /// The images to copy (several are concatenated, in order), then the image to write
+    /// (replaced if it exists, unless -n).
+    #[arg(required = true, num_args = 2.., value_name = "SOURCE... TARGET")]
+    pub files: Vec<PathBuf>,
+}
+
+impl ConvertArgs {
+    /// The source images, in order.
+    fn sources(&self) -> &[PathBuf] {
+        &self.files[..self.files.len().saturating_sub(1)]
+    }
+
+    /// The image written.
+    fn target(&self) -> &Path {
+        self.files.last().map_or(Path::new(""), PathBuf::as_path)
+    }
 }
 
 /// Why `convert` failed.
@@ -88,19 +131,52 @@ pub enum ConvertError {
     /// A bad `-o` list or value.
     #[error("{0}")]
     Options(#[from] OptionsError),
-    /// `-c` with a raw target.
+    /// `-c` with a target that cannot hold compressed clusters.
     #[error("Compression not supported for this file format")]
     CompressRaw,
-    /// An option that makes no sense for a full copy.
-    #[error("Parameter '{0}' is not supported by convert (the target is always a complete copy)")]
-    TargetOption(&'static str),
+    /// `-c` with preallocation.
+    #[error("Compression and preallocation not supported at the same time")]
+    CompressPrealloc,
+    /// A bad `-S`.
+    #[error("{0}")]
+    Sparse(String),
+    /// `-o` with `-n`.
+    #[error("-o has no effect when skipping image creation")]
+    OptionsWithoutCreate,
+    /// `--target-is-zero` without `-n`.
+    #[error("--target-is-zero requires use of -n flag")]
+    TargetIsZeroNeedsN,
+    /// `--target-is-zero` with a target backing file.
+    #[error("Cannot use --target-is-zero when the destination image has a backing file")]
+    TargetIsZeroWithBacking,
+    /// A target backing file with several sources.
+    #[error("Having a backing file for the target makes no sense when concatenating multiple input images")]
+    BackingWithConcatenation,
+    /// `-l` with several sources.
+    #[error("No support for concatenating multiple snapshot")]
+    SnapshotWithConcatenation,
+    /// `--bitmaps` with several sources.
+    #[error("Copying bitmaps only possible with single source")]
+    BitmapsWithConcatenation,
+    /// A target backing file without its format.
+    #[error("Use of backing file requires explicit backing format")]
+    BackingWithoutFormat,
+    /// `-B` for a format without backing files.
+    #[error("Backing file not supported for file format '{0}'")]
+    NoBackingInFormat(&'static str),
+    /// `-F` for a format without backing files.
+    #[error("Backing file format not supported for file format '{0}'")]
+    NoBackingFormatInFormat(&'static str),
+    /// `-n` with a target smaller than the sources.
+    #[error("output file is smaller than input file")]
+    TargetTooSmall,
     /// A `-l` parameter we cannot read.
     #[error("Invalid snapshot parameter '{0}' (expected ID_OR_NAME, snapshot.id=ID or snapshot.name=NAME)")]
     SnapshotParam(String),
     /// Source and target are one file.
     #[error("{0}: the source and the target are the same file")]
     SameFile(String),
-    /// The source could not be opened.
+    /// A source could not be opened.
     #[error(transparent)]
     Source(#[from] OpenError),
     /// The target could not be created.
@@ -141,6 +217,23 @@ impl From<EngineError> for ConvertError {
     }
 }
 
+/// Reads `-S`: bytes, a multiple of 512 up to 16 MiB (0 turns sparse detection off).
+pub fn sparse_size(text: Option<&str>) -> Result<u64, ConvertError> {
+    let Some(text) = text else {
+        return Ok(DEFAULT_SPARSE);
+    };
+    let v = crate::size_string::cvtnum("buffer size for sparse output", text)
+        .map_err(ConvertError::Sparse)?;
+    if v % SECTOR != 0 || v > MAX_SPARSE {
+        return Err(ConvertError::Sparse(format!(
+            "Invalid buffer size for sparse output specified. Valid sizes are multiples of \
+             {SECTOR} up to {MAX_SPARSE}. Select 0 to disable sparse detection (fully \
+             allocates output)."
+        )));
+    }
+    Ok(v)
+}
+
 /// Reads `-l`: a plain id or name, `snapshot.id=ID` or `snapshot.name=NAME`.
 pub fn snapshot_param(s: &str) -> Result<String, ConvertError> {
     let bad = || ConvertError::SnapshotParam(s.to_string());
@@ -166,20 +259,43 @@ pub fn is_zero(data: &[u8]) -> bool {
 /// A write under way.
 type Write = tokio::task::JoinHandle<Result<(), EngineError>>;
 
+/// What a request does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Work {
+    /// Read from the sources and written.
+    Data,
+    /// Zeros written as data (`-S 0`), nothing read.
+    ZeroData,
+    /// Made to read as zeros, unless the target already does.
+    Zero,
+}
+
 /// A request's data, ready to be written.
 enum Prepared {
-    /// As read: its non-zero grains are written as they are.
+    /// As read: its data runs are written as they are.
     Data(IoBuf),
-    /// Compressed clusters and where they go.
-    Packed(Vec<(u64, PackedCluster)>),
+    /// Compressed clusters and where they go, and the all-zero clusters in between.
+    Packed(Vec<(u64, PackedCluster)>, Vec<(u64, u64)>),
+    /// Nothing to read.
+    Zero,
 }
 
 /// Everything a copy task needs.
 struct Job {
-    src: Image<AnyStorage>,
+    sources: Vec<Source>,
     dst: Image<AnyStorage>,
-    /// Zero-detection (and, with `compress`, compression) unit: a power of two.
-    grain: u64,
+    /// Target cluster size: the unit of compression.
+    cluster: u64,
+    /// The target is qcow2: data is written in whole clusters.
+    qcow2_target: bool,
+    /// Sparse-detection size in bytes; 0 writes everything.
+    min_sparse: u64,
+    /// The target reads zeros wherever nothing is written (a new image without a backing
+    /// file, or `--target-is-zero`): zero ranges need no write.
+    zero_init: bool,
+    /// The target is qcow2 version 3: zeroing writes zero flags, even where nothing is
+    /// allocated (as QEMU's driver does), rather than leaving such clusters alone.
+    zero_flags: bool,
     /// With `-c`: compresses clusters on the blocking thread pool, so every core compresses
     /// while the engine's thread keeps reading and writing.
     compress: Option<ClusterCompressor>,
@@ -194,22 +310,35 @@ struct Job {
     /// Request buffers for reuse: a fresh multi-MiB buffer per request costs more in page
     /// faults and zeroing than the copy itself.
     buffers: BufferPool,
-    progress: Rc<Progress<std::io::Stderr>>,
 }
 
 impl Job {
-    /// Copies `[off, off + len)` (request number `seq`), skipping grains that read as zeros.
-    async fn copy(self: Rc<Self>, seq: u64, off: u64, len: u64) -> Result<(), EngineError> {
-        // len <= REQUEST_BYTES (or one grain), which fits in memory by construction.
-        let (read, buf) = self
-            .src
-            .read_into(off, self.buffers.take(len as usize))
-            .await;
-        let prepared = match read {
-            Ok(()) => self.prepare(off, buf).await,
-            Err(e) => {
-                self.buffers.give(buf);
-                Err(e)
+    /// Carries out request number `seq`: `[off, off + len)` of the target.
+    async fn run(
+        self: Rc<Self>,
+        seq: u64,
+        off: u64,
+        len: u64,
+        work: Work,
+    ) -> Result<(), EngineError> {
+        let prepared = match work {
+            Work::Zero => Ok(Prepared::Zero),
+            Work::ZeroData => {
+                let mut buf = self.buffers.take(len as usize);
+                buf.fill(0);
+                self.prepare(off, buf).await
+            }
+            Work::Data => {
+                // len <= REQUEST_BYTES, which fits in memory by construction.
+                let buf = self.buffers.take(len as usize);
+                let (read, buf) = self.read(off, buf).await;
+                match read {
+                    Ok(()) => self.prepare(off, buf).await,
+                    Err(e) => {
+                        self.buffers.give(buf);
+                        Err(e)
+                    }
+                }
             }
         };
         if self.ordered {
@@ -221,7 +350,8 @@ impl Job {
         // Even a failed read passes the turn on, so no later request waits forever.
         let started = match prepared {
             Ok(Prepared::Data(buf)) => Ok(self.start_writes(off, buf).await),
-            Ok(Prepared::Packed(packed)) => self.write_packed(packed).await.map(|()| Vec::new()),
+            Ok(Prepared::Packed(packed, zeros)) => self.write_packed(packed, zeros).await,
+            Ok(Prepared::Zero) => Ok(self.start_zero(off, len).await.into_iter().collect()),
             Err(e) => Err(e),
         };
         if self.ordered {
@@ -241,64 +371,134 @@ impl Job {
             });
             res = res.and(done);
         }
-        if res.is_ok() {
-            self.progress.advance(len);
-        }
         res
     }
 
-    /// What `buf` (read at `off`) becomes before its turn to write: with `-c`, its clusters
-    /// compressed (so requests compress in parallel even when they write in order) and the
-    /// buffer back in the pool; otherwise the buffer itself.
+    /// Reads target range `[off, off + buf.len())` from the sources that cover it; what lies
+    /// past a source's own end (up to its whole sector) reads as zeros.
+    async fn read(&self, off: u64, mut buf: IoBuf) -> (Result<(), EngineError>, IoBuf) {
+        let (first, start) = plan::locate(&self.sources, off);
+        let src = &self.sources[first];
+        let end = off + buf.len() as u64;
+        if end <= start + src.len {
+            // The whole request from one source: read straight into the buffer.
+            return src.image.read_into(off - start, buf).await;
+        }
+        let mut pos = off;
+        let mut index = first;
+        let mut src_start = start;
+        while pos < end {
+            let Some(src) = self.sources.get(index) else {
+                buf[(pos - off) as usize..].fill(0);
+                break;
+            };
+            let src_end = (src_start + src.span).min(end);
+            let readable = (src_start + src.len).min(src_end);
+            if pos < readable {
+                match src
+                    .image
+                    .read(pos - src_start, (readable - pos) as usize)
+                    .await
+                {
+                    Ok(data) => {
+                        let at = (pos - off) as usize;
+                        buf[at..at + data.len()].copy_from_slice(&data);
+                    }
+                    Err(e) => return (Err(e), buf),
+                }
+                pos = readable;
+            }
+            if pos < src_end {
+                buf[(pos - off) as usize..(src_end - off) as usize].fill(0);
+                pos = src_end;
+            }
+            src_start += src.span;
+            index += 1;
+        }
+        (Ok(()), buf)
+    }
+
+    /// What `buf` (target offset `off`) becomes before its turn to write: with `-c`, its
+    /// clusters compressed (so requests compress in parallel even when they write in order)
+    /// and the buffer back in the pool; otherwise the buffer itself.
     async fn prepare(&self, off: u64, buf: IoBuf) -> Result<Prepared, EngineError> {
         let Some(compressor) = self.compress else {
             return Ok(Prepared::Data(buf));
         };
         let packed = self.pack(compressor, off, &buf).await;
         self.buffers.give(buf);
-        Ok(Prepared::Packed(packed?))
+        let (packed, zeros) = packed?;
+        Ok(Prepared::Packed(packed, zeros))
     }
 
-    /// Starts writing the non-zero grains of `buf` (read at `off`), one task per run of
-    /// them. In ordered mode each task runs until it first waits for the disk, by which time
-    /// the target has allocated its clusters, before the next starts: the layout follows
-    /// guest order while the data of several requests is copied at once. The buffer goes
-    /// back to the pool once written (or once its runs are copied out).
+    /// Starts writing `buf` (target offset `off`): all of it with `-S 0`, else its data runs,
+    /// with its zero runs zeroed unless the target reads zeros already. In ordered mode each
+    /// task runs until it first waits for the disk, by which time the target has allocated
+    /// its clusters, before the next starts: the layout follows guest order while the data
+    /// of several requests is copied at once. The buffer goes back to the pool once written
+    /// (or once its runs are copied out).
     async fn start_writes(self: &Rc<Self>, off: u64, buf: IoBuf) -> Vec<Write> {
-        let grain = self.grain as usize;
-        let nonzero: Vec<bool> = buf.chunks(grain).map(|b| !is_zero(b)).collect();
+        let runs = if self.min_sparse == 0 {
+            vec![sparse::Run {
+                start: 0,
+                len: buf.len(),
+                data: true,
+            }]
+        } else if self.qcow2_target {
+            sparse::widen(
+                &sparse::runs(&buf, off, self.min_sparse),
+                off,
+                self.cluster,
+                buf.len(),
+            )
+        } else {
+            sparse::runs(&buf, off, self.min_sparse)
+        };
         let mut writes = Vec::new();
-        if nonzero.iter().all(|&nz| nz) {
-            let job = Rc::clone(self);
-            writes.push(tokio::task::spawn_local(async move {
-                let (res, buf) = job.dst.write(off, buf, false).await;
-                job.buffers.give(buf);
-                res
-            }));
-            self.let_it_allocate().await;
-            return writes;
+        if let [only] = runs.as_slice() {
+            if only.data {
+                let job = Rc::clone(self);
+                writes.push(tokio::task::spawn_local(async move {
+                    let (res, buf) = job.dst.write(off, buf, false).await;
+                    job.buffers.give(buf);
+                    res
+                }));
+                self.let_it_allocate().await;
+                return writes;
+            }
         }
-        let mut i = 0;
-        while i < nonzero.len() {
-            if !nonzero[i] {
-                i += 1;
+        for run in &runs {
+            let at = off + run.start as u64;
+            if !run.data {
+                writes.extend(self.start_zero(at, run.len as u64).await);
                 continue;
             }
-            let j = nonzero[i..]
-                .iter()
-                .position(|&nz| !nz)
-                .map_or(nonzero.len(), |k| i + k);
-            let (a, b) = (i * grain, (j * grain).min(buf.len()));
-            let piece = IoBuf::from_slice(&buf[a..b]);
+            let piece = IoBuf::from_slice(&buf[run.start..run.start + run.len]);
             let job = Rc::clone(self);
             writes.push(tokio::task::spawn_local(async move {
-                job.dst.write(off + a as u64, piece, false).await.0
+                job.dst.write(at, piece, false).await.0
             }));
             self.let_it_allocate().await;
-            i = j;
         }
         self.buffers.give(buf);
         writes
+    }
+
+    /// Starts making `[off, off + len)` read as zeros, unless it does already.
+    async fn start_zero(self: &Rc<Self>, off: u64, len: u64) -> Option<Write> {
+        if self.zero_init || len == 0 {
+            return None;
+        }
+        let job = Rc::clone(self);
+        let task = tokio::task::spawn_local(async move {
+            if job.zero_flags {
+                job.dst.write_zero_flags(off, len, true).await
+            } else {
+                job.dst.write_zeroes(off, len, true, false).await
+            }
+        });
+        self.let_it_allocate().await;
+        Some(task)
     }
 
     /// In ordered mode, lets the write just spawned run up to its first wait.
@@ -308,30 +508,32 @@ impl Job {
         }
     }
 
-    /// Compresses the non-zero grains (clusters) of `buf`, read at `off`, on the blocking
-    /// thread pool: their offsets and packed contents, in order.
+    /// Compresses the clusters of `buf` (target offset `off`) on the blocking thread pool:
+    /// their offsets and packed contents, in order, and the all-zero clusters, which are not
+    /// compressed unless `-S 0` asks for every cluster to be written.
     async fn pack(
         &self,
         compressor: ClusterCompressor,
         off: u64,
         buf: &IoBuf,
-    ) -> Result<Vec<(u64, PackedCluster)>, EngineError> {
-        let grain = self.grain as usize;
+    ) -> Result<(Vec<(u64, PackedCluster)>, Vec<(u64, u64)>), EngineError> {
+        let grain = self.cluster as usize;
         // The target may be a little longer than the source (sizes round up to 512): a
         // short last cluster is padded to the target's end.
         let dst_size = self.dst.size();
-        let clusters: Vec<(u64, IoBuf)> = buf
-            .chunks(grain)
-            .enumerate()
-            .filter(|(_, block)| !is_zero(block))
-            .map(|(i, block)| {
-                let at = off + (i * grain) as u64;
-                let want = self.grain.min(dst_size - at) as usize;
-                let mut data = IoBuf::zeroed(want.max(block.len()));
-                data[..block.len()].copy_from_slice(block);
-                (at, data)
-            })
-            .collect();
+        let mut zeros = Vec::new();
+        let mut clusters: Vec<(u64, IoBuf)> = Vec::new();
+        for (i, block) in buf.chunks(grain).enumerate() {
+            let at = off + (i * grain) as u64;
+            if self.min_sparse != 0 && is_zero(block) {
+                zeros.push((at, block.len() as u64));
+                continue;
+            }
+            let want = self.cluster.min(dst_size - at) as usize;
+            let mut data = IoBuf::zeroed(want.max(block.len()));
+            data[..block.len()].copy_from_slice(block);
+            clusters.push((at, data));
+        }
         let packed = tokio::task::spawn_blocking(move || {
             clusters
                 .into_iter()
@@ -348,18 +550,28 @@ impl Job {
             image: self.target.clone(),
             what: format!("compression task failed: {e}"),
         })?;
-        packed.map_err(|(offset, source)| EngineError::Compressed {
+        let packed = packed.map_err(|(offset, source)| EngineError::Compressed {
             image: self.target.clone(),
             offset,
             source,
-        })
+        })?;
+        Ok((packed, zeros))
     }
 
-    async fn write_packed(&self, packed: Vec<(u64, PackedCluster)>) -> Result<(), EngineError> {
+    /// Writes compressed clusters in order and starts zeroing the zero clusters between.
+    async fn write_packed(
+        self: &Rc<Self>,
+        packed: Vec<(u64, PackedCluster)>,
+        zeros: Vec<(u64, u64)>,
+    ) -> Result<Vec<Write>, EngineError> {
         for (at, p) in packed {
             self.dst.write_packed(at, p).await?;
         }
-        Ok(())
+        let mut writes = Vec::new();
+        for (at, len) in zeros {
+            writes.extend(self.start_zero(at, len).await);
+        }
+        Ok(writes)
     }
 }
 
@@ -372,53 +584,68 @@ async fn reap(tasks: &mut JoinSet<Result<(), EngineError>>) -> Result<(), Conver
     }
 }
 
-/// Copies every data range of the first `size` bytes of `job.src` into `job.dst`.
-async fn copy_all(job: Rc<Job>, size: u64, parallel: usize) -> Result<(), ConvertError> {
-    let grain = job.grain;
-    let request = REQUEST_BYTES.max(grain);
+/// True when `chunk` counts as copying work for the progress shown (qemu-img counts what it
+/// reads or writes as data).
+fn counts(chunk: &Chunk, settings: &Settings) -> bool {
+    chunk.status == Status::Data || (settings.full_allocation && chunk.status == Status::Zero)
+}
+
+/// Copies the sources into `job.dst` as the plan says, `parallel` requests at a time.
+async fn copy_all(
+    job: Rc<Job>,
+    settings: Settings,
+    parallel: usize,
+    progress: &Progress<Box<dyn std::io::Write>>,
+) -> Result<(), ConvertError> {
     let mut tasks: JoinSet<Result<(), EngineError>> = JoinSet::new();
-    // Everything below `issued` is either skipped (counted at once) or in a request.
-    let mut issued = 0u64;
     let mut seq = 0u64;
-    let mut pos = 0u64;
     let result: Result<(), ConvertError> = async {
-        while pos < size {
-            let len = (QUERY_BYTES - pos % QUERY_BYTES).min(size - pos);
-            let extents = job.src.block_status(pos, len).await?;
-            pos += len;
-            // Grain-aligned data ranges, merged. Query ends are grain-aligned too, so no
-            // range reaches into the next query.
-            let mut ranges: Vec<(u64, u64)> = Vec::new();
-            for e in extents.iter().filter(|e| e.data) {
-                let s = e.start - e.start % grain;
-                let end = (e.start + e.len)
-                    .div_ceil(grain)
-                    .saturating_mul(grain)
-                    .min(size);
-                match ranges.last_mut() {
-                    Some((_, pe)) if s <= *pe => *pe = (*pe).max(end),
-                    _ => ranges.push((s, end)),
+        let mut planner = Planner::new(&job.sources, settings);
+        // Consecutive clusters to compress go in one request; each is still handled alone.
+        let mut pending: Option<(u64, u64, Work)> = None;
+        loop {
+            let chunk = planner.next().await?;
+            if let Some(c) = &chunk {
+                if counts(c, &settings) {
+                    progress.advance(c.len);
                 }
             }
-            for (s, e) in ranges {
-                job.progress.advance(s.saturating_sub(issued));
-                issued = e;
-                let mut off = s;
-                while off < e {
-                    let n = (request - off % request).min(e - off);
-                    while tasks.len() >= parallel {
-                        reap(&mut tasks).await?;
-                    }
-                    tasks.spawn_local(job.clone().copy(seq, off, n));
-                    seq += 1;
-                    off += n;
+            let work = chunk.map(|c| {
+                let w = match c.status {
+                    Status::Data => Some(Work::Data),
+                    Status::Zero if settings.full_allocation => Some(Work::ZeroData),
+                    Status::Zero => Some(Work::Zero),
+                    Status::Backing => None,
+                };
+                (c, w)
+            });
+            if let (Some((p_off, p_len, p_work)), Some((c, Some(w)))) = (pending, work) {
+                if job.compress.is_some()
+                    && p_work == w
+                    && w != Work::Zero
+                    && p_off + p_len == c.start
+                    && p_len + c.len <= REQUEST_BYTES
+                {
+                    pending = Some((p_off, p_len + c.len, p_work));
+                    continue;
                 }
+            }
+            if let Some((off, len, w)) = pending.take() {
+                while tasks.len() >= parallel {
+                    reap(&mut tasks).await?;
+                }
+                tasks.spawn_local(job.clone().run(seq, off, len, w));
+                seq += 1;
+            }
+            match work {
+                None => break,
+                Some((c, Some(w))) => pending = Some((c.start, c.len, w)),
+                Some((_, None)) => {}
             }
         }
         while !tasks.is_empty() {
             reap(&mut tasks).await?;
         }
-        job.progress.advance(size.saturating_sub(issued));
         Ok(())
     }
     .await;
@@ -426,6 +653,18 @@ async fn copy_all(job: Rc<Job>, size: u64, parallel: usize) -> Result<(), Conver
     tasks.abort_all();
     while tasks.join_next().await.is_some() {}
     result
+}
+
+/// How many bytes of the plan count for progress (a first pass, as qemu-img makes one).
+async fn work_total(sources: &[Source], settings: Settings) -> Result<u64, EngineError> {
+    let mut planner = Planner::new(sources, settings);
+    let mut total = 0u64;
+    while let Some(c) = planner.next().await? {
+        if counts(&c, &settings) {
+            total += c.len;
+        }
+    }
+    Ok(total)
 }
 
 /// True when `a` and `b` are the same existing file.
@@ -436,7 +675,32 @@ fn same_file(a: &Path, b: &Path) -> bool {
     }
 }
 
+/// The target's backing file and its format, from `-B`/`-F` or `-o backing_file/backing_fmt`
+/// (`-B` and `-F` win, as they are applied last in qemu-img).
+fn target_backing(args: &ConvertArgs, parsed: &Parsed) -> (Option<String>, Option<String>) {
+    let name = args
+        .backing
+        .clone()
+        .or_else(|| parsed.str("backing_file").map(str::to_string));
+    let fmt = args
+        .backing_format
+        .clone()
+        .or_else(|| parsed.str("backing_fmt").map(str::to_string));
+    (name, fmt)
+}
+
 async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
+    // qemu-img's order of checks, so that the same mistakes get the same message.
+    let min_sparse = sparse_size(args.sparse.as_deref())?;
+    if args.skip_broken_bitmaps && !args.bitmaps {
+        return Err(ConvertError::SkipWithoutBitmaps);
+    }
+    if args.no_create && !args.options.is_empty() {
+        return Err(ConvertError::OptionsWithoutCreate);
+    }
+    if args.target_is_zero && !args.no_create {
+        return Err(ConvertError::TargetIsZeroNeedsN);
+    }
     let target_format = engine_run::parse_format(&args.target_format)?;
     let (specs, _) = option_table(target_format);
     let list = options::join_lists(&args.options)?;
@@ -444,33 +708,107 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
         print!("{}", options::help_text(specs));
         return Ok(());
     }
-    if args.compress && target_format == Format::Raw {
-        return Err(ConvertError::CompressRaw);
-    }
     let parsed = target_options(target_format, list.as_deref())?;
-    let (src, size) = open_source(args).await?;
-    let bitmaps = bitmaps_to_copy(args, &src, target_format, &parsed).await?;
-    let copy_len = src.size().min(size);
-    let (dst, grain) = create_target(args, target_format, &parsed, size).await?;
-    let progress = Rc::new(Progress::stderr(
-        copy_len,
-        progress::wanted(args.progress, args.quiet),
-    ));
+    let (mut sources, size) = open_sources(args).await?;
+    let (backing, backing_fmt) = match args.no_create {
+        true => (args.backing.clone(), None),
+        false => target_backing(args, &parsed),
+    };
+    if target_format == Format::Raw && !args.no_create {
+        if args.backing.is_some() {
+            return Err(ConvertError::NoBackingInFormat("raw"));
+        }
+        if args.backing_format.is_some() {
+            return Err(ConvertError::NoBackingFormatInFormat("raw"));
+        }
+    }
+    if args.target_is_zero && backing.is_some() {
+        return Err(ConvertError::TargetIsZeroWithBacking);
+    }
+    if sources.len() > 1 && backing.is_some() {
+        return Err(ConvertError::BackingWithConcatenation);
+    }
+    let backing = match (&backing, &backing_fmt, args.no_create) {
+        (Some(name), Some(fmt), false) => Some((name.clone(), engine_run::parse_format(fmt)?)),
+        (Some(_), None, false) => return Err(ConvertError::BackingWithoutFormat),
+        _ => None,
+    };
+    if args.compress {
+        if target_format == Format::Raw && !args.no_create {
+            return Err(ConvertError::CompressRaw);
+        }
+        if parsed.str("preallocation").is_some_and(|p| p != "off") {
+            return Err(ConvertError::CompressPrealloc);
+        }
+    }
+    if args.bitmaps && sources.len() > 1 {
+        return Err(ConvertError::BitmapsWithConcatenation);
+    }
+    let src0 = sources[0].image.clone();
+    let bitmaps = bitmaps_to_copy(args, &src0, target_format, &parsed).await?;
+    let total = plan::total_span(&sources);
+    let dst = match args.no_create {
+        true => open_target(args.target(), target_format, min_sparse).await?,
+        false => create_target(args, target_format, &parsed, total, backing, min_sparse).await?,
+    };
+    if args.no_create {
+        if args.bitmaps && !dst.supports_persistent_bitmaps() {
+            return Err(ConvertError::TargetWithoutBitmaps(engine_run::format_name(
+                target_format,
+            )));
+        }
+        if args.compress && !dst.facts().qcow2 {
+            return Err(ConvertError::CompressRaw);
+        }
+        if dst.size() < total {
+            return Err(ConvertError::TargetTooSmall);
+        }
+    }
+    let target_has_backing =
+        args.backing.is_some() || (!args.no_create && parsed.has("backing_file"));
+    let cluster = dst.facts().cluster_size;
+    let settings = Settings {
+        target_backing: target_has_backing,
+        target_backing_len: match args.no_create {
+            false => dst.chain_sizes().get(1).copied(),
+            true => None,
+        },
+        compress_cluster: args.compress.then_some(cluster),
+        request: if args.compress {
+            cluster
+        } else {
+            REQUEST_BYTES
+        },
+        full_allocation: min_sparse == 0,
+    };
+    // A source shorter than its span (the size -l keeps) reads zeros past its end.
+    for s in &mut sources {
+        s.len = s.len.min(s.image.size());
+    }
+    let progress = Progress::for_tool(
+        work_total(&sources, settings).await?,
+        args.progress,
+        args.quiet,
+    );
     let job = Rc::new(Job {
-        src: src.clone(),
+        sources,
         dst: dst.clone(),
-        grain,
+        cluster,
+        qcow2_target: dst.facts().qcow2,
+        min_sparse,
+        zero_init: args.target_is_zero
+            || (!args.no_create && min_sparse != 0 && !target_has_backing),
+        zero_flags: dst.supports_persistent_bitmaps(),
         compress: args.compress.then(|| dst.compressor()).transpose()?,
-        target: args.target.display().to_string(),
-        ordered: target_format == Format::Qcow2 && !args.unordered,
+        target: args.target().display().to_string(),
+        ordered: dst.facts().qcow2 && !args.unordered,
         turn: Cell::new(0),
         turn_changed: Notify::new(),
         buffers: BufferPool::default(),
-        progress: progress.clone(),
     });
-    copy_all(job, copy_len, usize::from(args.parallel)).await?;
+    copy_all(job, settings, usize::from(args.parallel), &progress).await?;
     // After the copy, whose writes would otherwise mark them.
-    copy_bitmaps(&src, &dst, &bitmaps, size).await?;
+    copy_bitmaps(&src0, &dst, &bitmaps, size).await?;
     dst.close().await?;
     progress.finish();
     Ok(())
@@ -486,10 +824,7 @@ async fn bitmaps_to_copy(
     parsed: &Parsed,
 ) -> Result<Vec<BitmapInfo>, ConvertError> {
     if !args.bitmaps {
-        return match args.skip_broken_bitmaps {
-            true => Err(ConvertError::SkipWithoutBitmaps),
-            false => Ok(Vec::new()),
-        };
+        return Ok(Vec::new());
     }
     if !src.facts().qcow2 {
         return Err(ConvertError::SourceWithoutBitmaps);
@@ -509,7 +844,7 @@ async fn bitmaps_to_copy(
     let v2 = parsed
         .str("compat")
         .is_some_and(|c| c == "0.10" || c == "v2");
-    if target == Format::Raw || v2 {
+    if !args.no_create && (target == Format::Raw || v2) {
         return Err(ConvertError::TargetWithoutBitmaps(engine_run::format_name(
             target,
         )));
@@ -532,109 +867,117 @@ async fn copy_bitmaps(
     Ok(())
 }
 
-/// Parses the target's `-o` list, refusing the options a complete copy decides itself.
+/// Parses the target's `-o` list (its `size` is the sources' total, whatever it says).
 fn target_options(format: Format, list: Option<&str>) -> Result<Parsed, ConvertError> {
     let (specs, unsupported) = option_table(format);
-    let parsed = match list {
+    Ok(match list {
         Some(l) => Parsed::parse(l, specs, unsupported)?,
         None => Parsed::default(),
-    };
-    for name in ["backing_file", "backing_fmt", "size"] {
-        if parsed.has(name) {
-            let spec = specs
-                .iter()
-                .find(|s| s.name == name)
-                .map_or("size", |s| s.name);
-            return Err(ConvertError::TargetOption(spec));
-        }
-    }
-    Ok(parsed)
+    })
 }
 
-/// Opens the source (at the snapshot `-l` names, if any) and returns it with the size of
-/// the target.
-async fn open_source(args: &ConvertArgs) -> Result<(Image<AnyStorage>, u64), ConvertError> {
+/// Opens the sources (the first at the snapshot `-l` names, if any), each placed after the
+/// ones before it; returns them with the size of the first as the target sees it.
+async fn open_sources(args: &ConvertArgs) -> Result<(Vec<Source>, u64), ConvertError> {
     let snapshot = args.snapshot.as_deref().map(snapshot_param).transpose()?;
     let source_format = args
         .source_format
         .as_deref()
         .map(engine_run::parse_format)
         .transpose()?;
-    if same_file(&args.source, &args.target) {
-        return Err(ConvertError::SameFile(args.target.display().to_string()));
-    }
-    let src = engine_run::open_read_only(
-        &args.source,
-        source_format,
-        snapshot.clone(),
-        args.share.force_share,
-    )
-    .await?;
-    // qemu-img convert -l swaps in the snapshot's L1 table but keeps the active disk's size:
-    // the copy is that long, reading zeros past the snapshot's own end (or dropping what the
-    // snapshot has past the active end).
-    let size = match snapshot {
-        Some(_) => {
-            engine_run::open_read_only(&args.source, source_format, None, args.share.force_share)
-                .await?
-                .size()
+    for path in args.sources() {
+        if same_file(path, args.target()) {
+            return Err(ConvertError::SameFile(args.target().display().to_string()));
         }
-        None => src.size(),
-    };
-    Ok((src, size))
+    }
+    let mut out = Vec::new();
+    for path in args.sources() {
+        let image =
+            engine_run::open_read_only(path, source_format, None, args.share.force_share).await?;
+        let size = image.size();
+        out.push(Source::new(image, size));
+    }
+    if let Some(snap) = snapshot {
+        if out.len() > 1 {
+            return Err(ConvertError::SnapshotWithConcatenation);
+        }
+        // qemu-img convert -l swaps in the snapshot's L1 table but keeps the active disk's
+        // size: the copy is that long, reading zeros past the snapshot's own end (or
+        // dropping what the snapshot has past the active end).
+        let image = engine_run::open_read_only(
+            &args.sources()[0],
+            source_format,
+            Some(snap),
+            args.share.force_share,
+        )
+        .await?;
+        let active = out[0].span;
+        let mut s = Source::new(image, active);
+        s.span = active;
+        out[0] = s;
+    }
+    let size = out[0].span;
+    Ok((out, size))
 }
 
-/// Creates the target image of `size` bytes and opens it for the copy; returns it with its
-/// zero-detection grain (the cluster size of a qcow2 target).
+/// Opens an existing target (`-n`) for writing, with its backing chain.
+async fn open_target(
+    path: &Path,
+    format: Format,
+    min_sparse: u64,
+) -> Result<Image<AnyStorage>, ConvertError> {
+    Ok(Image::open(
+        &engine_run::opener(),
+        path,
+        &OpenOptions {
+            format: Some(format),
+            discard_passthrough: min_sparse != 0,
+            ..OpenOptions::default()
+        },
+    )
+    .await
+    .map_err(OpenError::from)?)
+}
+
+/// Creates the target image of `size` bytes (with `backing`, if any) and opens it for the
+/// copy, with its backing file.
 async fn create_target(
     args: &ConvertArgs,
     format: Format,
     parsed: &Parsed,
     size: u64,
-) -> Result<(Image<AnyStorage>, u64), ConvertError> {
-    let target = args.target.display().to_string();
+    backing: Option<(String, Format)>,
+    min_sparse: u64,
+) -> Result<Image<AnyStorage>, ConvertError> {
+    let path = args.target();
+    let target = path.display().to_string();
     let invalid = CreateError::invalid(&target);
-    let grain = match format {
+    match format {
         Format::Raw => {
             let prealloc =
                 create::raw_preallocation(parsed.str("preallocation")).map_err(&invalid)?;
-            create::create_raw(&args.target, size, prealloc)
+            create::create_raw(path, size, prealloc)
                 .await
                 .map_err(|source| CreateError::Io {
                     image: target.clone(),
                     what: "creating the raw image",
                     source,
                 })?;
-            RAW_GRAIN
         }
         Format::Qcow2 => {
-            let mut plan = create::qcow2_plan(parsed, false).map_err(&invalid)?;
+            let mut plan = create::qcow2_plan(parsed, backing.is_some()).map_err(&invalid)?;
             plan.opts.size = size;
+            plan.opts.backing = backing;
             create::check_qcow2_size(&plan.opts).map_err(&invalid)?;
-            create::create_qcow2(&args.target, &plan.opts)
+            create::create_qcow2(path, &plan.opts)
                 .await
                 .map_err(|source| CreateError::Engine {
                     image: target.clone(),
                     source: Box::new(source),
                 })?;
-            plan.opts.cluster_size
         }
-    };
-    let dst = Image::open(
-        &engine_run::opener(),
-        &args.target,
-        &OpenOptions {
-            format: Some(format),
-            no_backing: true,
-            ..OpenOptions::default()
-        },
-    )
-    .await
-    .map_err(|source| CreateError::Engine {
-        image: target.clone(),
-        source: Box::new(source),
-    })?;
-    Ok((dst, grain))
+    }
+    open_target(path, format, min_sparse).await
 }
 
 /// Runs `convert` and returns the exit status.

@@ -1,6 +1,6 @@
 //! The image tools: one module per `qemu-img`-like subcommand (`info`, `check`, `create`,
 //! `map`, `convert`, `compare`, `measure`, `bitmap`, `snapshot`, `resize`, `amend`, `commit`,
-//! `rebase`), each taking that subcommand's arguments and running it to an exit code; and
+//! `rebase`, `dd`), each taking that subcommand's arguments and running it to an exit code; and
 //! what several of them share to copy data between images: `inflight` (requests in flight)
 //! and `progress` (`-p`).
 
@@ -11,6 +11,7 @@ pub mod commit;
 pub mod compare;
 pub mod convert;
 pub mod create;
+pub mod dd;
 pub mod inflight;
 pub mod info;
 pub mod map;

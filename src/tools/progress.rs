@@ -1,6 +1,10 @@
 //! A progress bar for long copies (`convert`). Shown when stderr is a terminal, or always with
 //! `-p` as in qemu-img, never with `-q`; redrawn in place with `\r` only when the shown value
 //! changes, so a forced bar into a log file stays small.
+//!
+//! Invoked as `qemu-img`, `convert -p` prints qemu-img's own lines instead, where scripts
+//! that parse them expect them: `    (xx.xx/100%)` and a carriage return on stdout, each time
+//! the value moves by more than a point, at 0 and at 100 (twice at the end), then a newline.
 
 use std::cell::{Cell, RefCell};
 use std::io::{IsTerminal, Write};
@@ -20,6 +24,30 @@ pub struct Progress<W: Write> {
     /// Last value drawn, in hundredths of a percent (`None` before the first draw).
     shown: Cell<Option<u64>>,
     out: RefCell<Option<W>>,
+    /// qemu-img's lines instead of the bar: the percentage last printed.
+    qemu: Option<Cell<f32>>,
+}
+
+impl Progress<Box<dyn Write>> {
+    /// Progress as the name the binary was invoked by shows it: qemu-img's lines on stdout,
+    /// only when asked for (`-p`, unless `-q`); else the bar on stderr ([`wanted`]).
+    pub fn for_tool(total: u64, force: bool, quiet: bool) -> Self {
+        if crate::prog::current() == crate::prog::Personality::QemuImg {
+            let out: Option<Box<dyn Write>> =
+                (force && !quiet).then(|| Box::new(std::io::stdout()) as Box<dyn Write>);
+            let p = Progress {
+                total,
+                done: Cell::new(0),
+                shown: Cell::new(None),
+                out: RefCell::new(out),
+                qemu: Some(Cell::new(0.0)),
+            };
+            p.print_qemu(0.0);
+            return p;
+        }
+        let out = wanted(force, quiet).then(|| Box::new(std::io::stderr()) as Box<dyn Write>);
+        Progress::new(total, out)
+    }
 }
 
 impl Progress<std::io::Stderr> {
@@ -37,6 +65,7 @@ impl<W: Write> Progress<W> {
             done: Cell::new(0),
             shown: Cell::new(None),
             out: RefCell::new(out),
+            qemu: None,
         };
         p.draw();
         p
@@ -51,6 +80,14 @@ impl<W: Write> Progress<W> {
 
     /// Draws the final state and ends the line.
     pub fn finish(&self) {
+        if self.qemu.is_some() {
+            self.print_qemu(100.0);
+            if let Some(out) = self.out.borrow_mut().as_mut() {
+                let _ = writeln!(out);
+                let _ = out.flush();
+            }
+            return;
+        }
         self.draw();
         if let Some(out) = self.out.borrow_mut().as_mut() {
             // Progress is a courtesy: a closed stderr must not fail the copy.
@@ -69,7 +106,31 @@ impl<W: Write> Progress<W> {
         u64::try_from(h).unwrap_or(10_000)
     }
 
+    /// qemu-img's line for `current` percent, if it moved by more than a point since the
+    /// last one or is 0 or 100.
+    fn print_qemu(&self, current: f32) {
+        let Some(last) = &self.qemu else {
+            return;
+        };
+        let moved = current > last.get() + 1.0 || current < last.get() - 1.0;
+        if !(moved || current == 0.0 || current == 100.0) {
+            return;
+        }
+        last.set(current);
+        if let Some(out) = self.out.borrow_mut().as_mut() {
+            let _ = write!(out, "    ({current:.2}/100%)\r");
+            let _ = out.flush();
+        }
+    }
+
     fn draw(&self) {
+        if self.qemu.is_some() {
+            let current = match self.total {
+                0 => 100.0,
+                t => (100.0 * self.done.get() as f64 / t as f64) as f32,
+            };
+            return self.print_qemu(current);
+        }
         let h = self.hundredths();
         if self.shown.get() == Some(h) {
             return;

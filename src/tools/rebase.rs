@@ -4,7 +4,8 @@
 //! a range itself and the old chain reads differently from the new backing file, the old
 //! contents are copied into the image, in whole subclusters (clusters without extended L2
 //! entries) so that no write copies a partial unit from the old chain. Only then, once the
-//! copies are durable, is the new name written. `-u` (unsafe) only rewrites the name.
+//! copies are durable, is the new name written. `-u` (unsafe) only rewrites the name. With
+//! `-c` the copies are written compressed, so the unit is the whole cluster.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -45,6 +46,9 @@ pub struct RebaseArgs {
     /// backing file need not exist. Right only when it reads like the old one.
     #[arg(short = 'u', long = "unsafe")]
     pub unsafe_mode: bool,
+    /// Write the copied clusters compressed (whole clusters are compared and copied).
+    #[arg(short = 'c', long = "compress")]
+    pub compress: bool,
     /// Show progress even when stderr is not a terminal.
     #[arg(short = 'p', long = "progress")]
     pub progress: bool,
@@ -64,6 +68,9 @@ pub enum RebaseError {
     /// A backing file name without -F.
     #[error("Could not change the backing file to '{0}': backing format must be specified")]
     NoBackingFormat(String),
+    /// `-c` for an image that cannot hold compressed clusters.
+    #[error("Compression not supported for this file format")]
+    CompressUnsupported,
     /// A raw image, which cannot name a backing file.
     #[error("Could not change the backing file to '{0}': Operation not supported")]
     RawImage(String),
@@ -149,8 +156,10 @@ struct Job {
     image: Image<AnyStorage>,
     /// The new backing file (`None`: reads as zeros).
     new: Option<Image<AnyStorage>>,
-    /// Compare and write unit: the image's subcluster.
+    /// Compare and write unit: the image's subcluster, or with `compress` its cluster.
     unit: u64,
+    /// Write what is copied compressed, a cluster at a time.
+    compress: bool,
     /// The old backing file's size (0 without one): past it the old chain reads zeros.
     old_end: u64,
     buffers: BufferPool,
@@ -274,7 +283,17 @@ impl Job {
             let at = off + a as u64;
             if at >= self.old_end {
                 // Flags even without an old backing file: the new one must not show through.
-                self.image.write_zero_flags(at, (b - a) as u64).await?;
+                self.image
+                    .write_zero_flags(at, (b - a) as u64, false)
+                    .await?;
+            } else if self.compress {
+                // Units are clusters here; the last one may end with the disk.
+                for (k, cluster) in old[a..b].chunks(unit).enumerate() {
+                    let cat = at + (k * unit) as u64;
+                    self.image
+                        .write_compressed(cat, IoBuf::from_slice(cluster))
+                        .await?;
+                }
             } else {
                 self.image
                     .write(at, IoBuf::from_slice(&old[a..b]), false)
@@ -373,6 +392,10 @@ async fn open_image(
         Some(f) => engine_run::parse_format(f)?,
         None => engine_run::probe_format(&args.image)?,
     };
+    // qemu-img refuses compression before anything else it could refuse.
+    if args.compress && format == Format::Raw {
+        return Err(RebaseError::CompressUnsupported);
+    }
     if format == Format::Raw {
         return Err(RebaseError::RawImage(t.name.clone().unwrap_or_default()));
     }
@@ -434,6 +457,9 @@ async fn rebase(args: &RebaseArgs) -> Result<(), RebaseError> {
         return image.close().await.map_err(rename_err);
     }
     let image = open_image(args, &t, false).await?;
+    if args.compress && image.compressor().is_err() {
+        return Err(RebaseError::CompressUnsupported);
+    }
     let new = open_new_backing(args, &t).await?;
     let same_from = new
         .as_ref()
@@ -441,7 +467,11 @@ async fn rebase(args: &RebaseArgs) -> Result<(), RebaseError> {
     let job = Rc::new(Job {
         image: image.clone(),
         new: new.map(|(img, _)| img),
-        unit: image.facts().subcluster_size,
+        unit: match args.compress {
+            true => image.facts().cluster_size,
+            false => image.facts().subcluster_size,
+        },
+        compress: args.compress,
         old_end: image.chain_sizes().get(1).copied().unwrap_or(0),
         buffers: BufferPool::default(),
         progress: Progress::stderr(image.size(), progress::wanted(args.progress, args.quiet)),

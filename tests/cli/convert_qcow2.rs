@@ -328,7 +328,7 @@ fn errors_say_what_is_wrong() {
             "src.raw",
             "x",
         ],
-        "backing_file",
+        "Use of backing file requires explicit backing format",
     );
     fail(
         &["convert", "-O", "raw", "missing.raw", "x"],

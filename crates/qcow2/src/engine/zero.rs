@@ -29,11 +29,11 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.write_zeroes(offset, len, may_unmap, fast).await
     }
 
-    /// Like [`Image::write_zeroes`] (no unmapping, never fast), but where nothing is
-    /// allocated and no backing file shows through, zero flags are written all the same, as
-    /// QEMU writes them: for a caller that is about to give the image a backing file whose
-    /// data must not show through there (`rebase`).
-    pub async fn write_zero_flags(&self, offset: u64, len: u64) -> Result<()> {
+    /// Like [`Image::write_zeroes`] (never fast), but where nothing is allocated and no
+    /// backing file shows through, zero flags are written all the same, as QEMU writes them:
+    /// for a caller that is about to give the image a backing file whose data must not show
+    /// through there (`rebase`), or that wants the image QEMU would leave (`convert`).
+    pub async fn write_zero_flags(&self, offset: u64, len: u64, may_unmap: bool) -> Result<()> {
         let inner = &self.inner;
         inner.check_writable()?;
         inner.check_range(offset, len)?;
@@ -41,7 +41,7 @@ impl<S: Storage + 'static> Image<S> {
             return Ok(());
         }
         inner.track(offset, len);
-        inner.zero_range(offset, len, false, false, true).await
+        inner.zero_range(offset, len, may_unmap, false, true).await
     }
 }
 

@@ -11,9 +11,10 @@ use super::ResizeError;
 use crate::engine::create::Preallocation;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::image::Inner;
+use crate::engine::layer::write_zero_data;
 use crate::engine::layer::Qcow2Meta;
 use crate::engine::overlap::MetaKind;
-use crate::format::{be, header, limits, Geometry, HostOffset};
+use crate::format::{be, header, l2, limits, Geometry, GuestOffset, HostOffset};
 use storage::Storage;
 
 impl<S: Storage + 'static> Inner<S> {
@@ -42,15 +43,69 @@ impl<S: Storage + 'static> Inner<S> {
             self.grow_l1(needed).await?;
         }
         let cs = meta.geom.cluster_size();
-        // The partial cluster at the old end already belongs to the disk: it keeps what it has.
+        // The partial cluster at the old end already belongs to the disk: it keeps what it has,
+        // but the file space of its tail, now part of the disk, is reserved as asked.
         let first_new = old_size.div_ceil(cs) * cs;
         self.preallocate_range(first_new, new_size, prealloc)
             .await?;
+        if first_new != old_size {
+            self.reserve_partial_tail(old_size, prealloc).await?;
+        }
         if hide_backing {
             self.zero_new_space(old_size, new_size).await?;
         }
         self.flush().await?;
         self.set_qcow2_size(new_size).await
+    }
+
+    /// With `falloc` or `full`, reserves (or writes zeros into) the host space of the cluster
+    /// at the old end from `old_size` on: QEMU gives that cluster a freshly reserved host
+    /// cluster, so that writes into the grown space never make the file take more room.
+    /// Reserving the tail of its host cluster in place has the same effect; an unallocated
+    /// one is preallocated whole when nothing shows through it.
+    async fn reserve_partial_tail(&self, old_size: u64, prealloc: Preallocation) -> Result<()> {
+        if !matches!(prealloc, Preallocation::Falloc | Preallocation::Full) {
+            return Ok(());
+        }
+        let top = self.chain.top();
+        let cs = top.qcow2_required()?.geom.cluster_size();
+        let cluster = old_size - old_size % cs;
+        let w = self.alloc()?;
+        let Some(e) = w
+            .l2_entries(GuestOffset(cluster), cs)
+            .await?
+            .first()
+            .copied()
+        else {
+            return Ok(());
+        };
+        let host = l2::host_of(e.word);
+        if (e.word, e.bitmap) == (0, 0) {
+            // Unallocated: a reserved cluster of zeros reads as it did, unless a backing file
+            // shows through its head (then it is left as it is).
+            let hidden = self
+                .chain
+                .layers
+                .get(1)
+                .is_none_or(|b| b.size.get() <= cluster);
+            if hidden {
+                self.preallocate_range(cluster, cluster + cs, prealloc)
+                    .await?;
+            }
+            return Ok(());
+        }
+        if host == 0 || l2::is_compressed(e.word) {
+            return Ok(());
+        }
+        let (at, len) = (host + old_size % cs, cs - old_size % cs);
+        match prealloc {
+            Preallocation::Full => write_zero_data(top, at, len).await,
+            _ => top
+                .file
+                .write_zeroes_at(at, len, false)
+                .await
+                .map_err(|e| top.io_error("preallocating", at, e)),
+        }
     }
 
     /// Zeroes `[old_size, new_size)` before the header shows it. The zeroing code works on
