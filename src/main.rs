@@ -8,6 +8,7 @@ mod options;
 mod prog;
 mod size_string;
 mod tools;
+mod zeroes;
 
 use daemon::{ctl, serve};
 use tools::{

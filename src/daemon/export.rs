@@ -22,7 +22,7 @@ use qcow2::format::BitmapData;
 use storage::{AnyStorage, IoBuf};
 
 use crate::daemon::stats::{Command, ExportStats};
-use crate::tools::convert::is_zero;
+use crate::zeroes::is_zero;
 
 /// Largest block size we advertise as preferred: a write of this many bytes never needs a
 /// copy-on-write of the rest of its (sub)cluster, and it stays far below the 32 MiB payload.

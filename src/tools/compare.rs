@@ -21,9 +21,9 @@ use storage::{AnyStorage, IoBuf};
 use tokio::task::JoinHandle;
 
 use crate::engine_run::{self, OpenError};
-use crate::tools::convert::is_zero;
 use crate::tools::inflight::BufferPool;
 use crate::tools::progress::Progress;
+use crate::zeroes::is_zero;
 
 /// How much of the disk one block-status query covers: bounds the extent lists' memory.
 const QUERY_BYTES: u64 = 1 << 30;

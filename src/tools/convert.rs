@@ -29,6 +29,7 @@ use crate::options::{self, OptionsError, Parsed};
 use crate::tools::create::{self, option_table, CreateError};
 use crate::tools::inflight::BufferPool;
 use crate::tools::progress::Progress;
+use crate::zeroes::is_zero;
 use plan::{Chunk, Planner, Settings, Source, Status};
 use sparse::SECTOR;
 
@@ -247,13 +248,6 @@ pub fn snapshot_param(s: &str) -> Result<String, ConvertError> {
         }
         _ => Err(bad()),
     }
-}
-
-/// True when `data` is all zero bytes. OR-folding fixed-size chunks lets the compiler
-/// vectorize the scan while still stopping early at the first chunk with data.
-pub fn is_zero(data: &[u8]) -> bool {
-    data.chunks(256)
-        .all(|c| c.iter().fold(0u8, |acc, &b| acc | b) == 0)
 }
 
 /// A write under way.

@@ -17,9 +17,9 @@ use qcow2::engine::{EngineError, Format, Image, OpenOptions};
 use storage::{AnyStorage, IoBuf};
 
 use crate::engine_run::{self, OpenError};
-use crate::tools::convert::is_zero;
 use crate::tools::inflight::{BufferPool, CopyError, InFlight};
 use crate::tools::progress::{self, Progress};
+use crate::zeroes::is_zero;
 
 /// How much of the image one block-status query covers.
 const QUERY_BYTES: u64 = 1 << 30;
