@@ -594,6 +594,7 @@ async fn create_target(
 ) -> Result<(Image<AnyStorage>, u64), ConvertError> {
     let target = args.target.display().to_string();
     let invalid = CreateError::invalid(&target);
+    let mut plan_passwords = qcow2::crypto::Passwords::default();
     let grain = match format {
         Format::Raw => {
             let prealloc =
@@ -611,6 +612,7 @@ async fn create_target(
             let mut plan = create::qcow2_plan(parsed, false).map_err(&invalid)?;
             plan.opts.size = size;
             create::check_qcow2_size(&plan.opts).map_err(&invalid)?;
+            plan_passwords = plan.opts.passwords();
             create::create_qcow2(&args.target, &plan.opts)
                 .await
                 .map_err(|source| CreateError::Engine {
@@ -626,6 +628,7 @@ async fn create_target(
         &OpenOptions {
             format: Some(format),
             no_backing: true,
+            passwords: plan_passwords,
             ..OpenOptions::default()
         },
     )

@@ -20,6 +20,7 @@ mod prog;
 mod progress;
 mod rebase;
 mod resize;
+mod secrets;
 mod serve;
 mod size_string;
 mod snapshot;
@@ -97,10 +98,17 @@ fn main() -> ExitCode {
     let personality = prog::Personality::from_argv0(args.first());
     prog::set(personality);
     let name = personality.name();
+    let args = match secrets::take_from_args(personality.native_args(args)) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let parsed = Cli::command()
         .name(name)
         .bin_name(name)
-        .try_get_matches_from(personality.native_args(args))
+        .try_get_matches_from(args)
         .and_then(|m| Cli::from_arg_matches(&m).map(|cli| (m, cli)));
     let (matches, cli) = match parsed {
         Ok(p) => p,

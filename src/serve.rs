@@ -235,6 +235,8 @@ impl Plan {
             direct,
             discard_passthrough: discard == DiscardMode::Unmap,
             force_share: false,
+            // Per image: see `ImageSpec::open_options`.
+            passwords: Default::default(),
             open_bound: storage::OpenBound {
                 timeout: Duration::from_secs(args.open_timeout),
                 max_stuck: usize::try_from(args.open_stuck_max).unwrap_or(usize::MAX),

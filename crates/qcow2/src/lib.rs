@@ -2,6 +2,7 @@
 //! that decodes an image's metadata for `qcow2-nbd info` ([`inspect`]) and the async image
 //! engine ([`engine`]); and what a new image of a given shape costs on disk ([`measure`]).
 
+pub mod crypto;
 pub mod engine;
 pub mod format;
 pub mod inspect;

@@ -42,6 +42,8 @@ pub struct OpenOptions {
     /// How long opening each file of the chain may take, and how many given-up opens may
     /// stay stuck (see [`storage::bounded`]).
     pub open_bound: storage::OpenBound,
+    /// Passwords of the encrypted layers, by depth in the chain.
+    pub passwords: crate::crypto::Passwords,
 }
 
 impl<S: Storage + 'static> Image<S> {
@@ -68,6 +70,7 @@ impl<S: Storage + 'static> Image<S> {
             access,
             opts.snapshot.as_deref(),
             true,
+            opts.passwords.get(0),
         )
         .await?;
         let mut layers = vec![top];
@@ -110,7 +113,16 @@ impl<S: Storage + 'static> Image<S> {
                 read_only: true,
                 ..access
             };
-            let layer = open_layer(opener, &next_path, fmt, backing, None, false).await?;
+            let layer = open_layer(
+                opener,
+                &next_path,
+                fmt,
+                backing,
+                None,
+                false,
+                opts.passwords.get(layers.len()),
+            )
+            .await?;
             layers.push(layer);
             paths.push(next_path);
         }

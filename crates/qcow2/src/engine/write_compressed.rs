@@ -109,6 +109,10 @@ impl<S: Storage + 'static> Inner<S> {
                 self.unsupported("compressed writes to an image with an external data file")
             );
         }
+        if meta.crypto.is_some() {
+            // QEMU's words: compressed clusters are stored in plain text.
+            return Err(self.unsupported("Compression can't be used with encryption"));
+        }
         Ok(meta)
     }
 
