@@ -23,10 +23,10 @@ use clap::Args;
 use qcow2::engine::{EngineError, Format, Image, OpenOptions, Preallocation};
 use storage::AnyStorage;
 
-use crate::secrets;
 use crate::engine_run::{self, OpenError};
 use crate::inflight::{BufferPool, CopyError, InFlight};
 use crate::progress::{self, Progress};
+use crate::secrets;
 use crate::serve::CacheMode;
 use crate::size_string::parse_size;
 
@@ -253,7 +253,14 @@ async fn open_base(
     size: u64,
     cache: CacheMode,
 ) -> Result<Image<AnyStorage>, CommitError> {
-    let base = open_rw(&o.base_path, o.base_format, false, cache, o.base_keys.clone()).await?;
+    let base = open_rw(
+        &o.base_path,
+        o.base_format,
+        false,
+        cache,
+        o.base_keys.clone(),
+    )
+    .await?;
     if base.size() >= size {
         return Ok(base);
     }

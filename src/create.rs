@@ -116,12 +116,7 @@ pub const QCOW2_OPTIONS: &[Spec] = &[
 ];
 
 /// qcow2 options QEMU has that we do not implement (refused by name, not as unknown).
-pub const QCOW2_UNSUPPORTED: &[&str] = &[
-    "data_file",
-    "data_file_raw",
-    "extent_size_hint",
-    "nocow",
-];
+pub const QCOW2_UNSUPPORTED: &[&str] = &["data_file", "data_file_raw", "extent_size_hint", "nocow"];
 
 /// Options of raw images.
 pub const RAW_OPTIONS: &[Spec] = &[
@@ -691,14 +686,23 @@ async fn create_luks_image(args: &CreateArgs) -> Result<(), CreateError> {
     };
     let invalid = CreateError::invalid(&image);
     let size = match (&args.size, parsed.num("size")) {
-        (Some(s), _) => size_string::parse_size(s)
-            .map_err(|_| CreateError::InvalidSize(s.clone()))?,
+        (Some(s), _) => {
+            size_string::parse_size(s).map_err(|_| CreateError::InvalidSize(s.clone()))?
+        }
         (None, Some(n)) => n,
         (None, None) => return Err(invalid("Image creation needs a size parameter".into())),
     };
     if !args.quiet {
         let mut line = format!("Formatting '{image}', fmt=luks size={size}");
-        for name in ["key-secret", "cipher-alg", "cipher-mode", "ivgen-alg", "ivgen-hash-alg", "hash-alg", "iter-time"] {
+        for name in [
+            "key-secret",
+            "cipher-alg",
+            "cipher-mode",
+            "ivgen-alg",
+            "ivgen-hash-alg",
+            "hash-alg",
+            "iter-time",
+        ] {
             if let Some(v) = parsed.raw_text(name) {
                 line.push_str(&format!(" {name}={v}"));
             }
@@ -707,7 +711,10 @@ async fn create_luks_image(args: &CreateArgs) -> Result<(), CreateError> {
     }
     // The qcow2 option names, so that one reading serves both.
     let mut prefixed = Parsed::default();
-    for spec in QCOW2_OPTIONS.iter().filter(|s| s.name.starts_with("encrypt.")) {
+    for spec in QCOW2_OPTIONS
+        .iter()
+        .filter(|s| s.name.starts_with("encrypt."))
+    {
         if let Some(v) = parsed.raw_text(&spec.name["encrypt.".len()..]) {
             prefixed.set_raw(spec, &v);
         }
@@ -731,8 +738,8 @@ async fn create_luks_image(args: &CreateArgs) -> Result<(), CreateError> {
             source,
         }
     };
-    let (area, _) = qcow2::crypto::luks::create(&password, &opts)
-        .map_err(|e| invalid(e.to_string()))?;
+    let (area, _) =
+        qcow2::crypto::luks::create(&password, &opts).map_err(|e| invalid(e.to_string()))?;
     let size = size.div_ceil(512) * 512;
     let file = engine_run::opener()
         .open(image_path, storage::OpenOptions::create())
@@ -899,11 +906,20 @@ async fn set_backing(
         image: image.to_string(),
         source: OpenError::from(EngineError::Backing(e)),
     })?;
-    let backing = engine_run::open_read_only(&resolved, Some(fmt), None, false)
+    // Only its size is needed: an encrypted backing file opens without its password, as
+    // QEMU opens it without I/O.
+    let opts = engine::OpenOptions {
+        read_only: true,
+        format: Some(fmt),
+        no_io: true,
+        passwords: crate::secrets::passwords_for(&resolved),
+        ..engine::OpenOptions::default()
+    };
+    let backing = Image::open(&engine_run::opener(), &resolved, &opts)
         .await
         .map_err(|source| CreateError::Backing {
             image: image.to_string(),
-            source,
+            source: OpenError::from(source),
         })?;
     Ok(size.or(Some(backing.size())))
 }

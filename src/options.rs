@@ -224,7 +224,11 @@ impl Parsed {
     /// Sets an option from its text as if it had been given (typed as `spec` says; a value
     /// that does not parse is left out).
     pub fn set_raw(&mut self, spec: &Spec, text: &str) {
-        if let Ok(p) = Parsed::parse(&format!("{}={}", spec.name, text.replace(',', ",,")), std::slice::from_ref(spec), &[]) {
+        if let Ok(p) = Parsed::parse(
+            &format!("{}={}", spec.name, text.replace(',', ",,")),
+            std::slice::from_ref(spec),
+            &[],
+        ) {
             self.values.extend(p.values);
         }
     }

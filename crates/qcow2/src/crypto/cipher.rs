@@ -168,7 +168,9 @@ impl std::fmt::Debug for SectorCipher {
     }
 }
 
-fn xts<C: KeyInit + BlockCipherEncrypt<BlockSize = aes::cipher::consts::U16>>(key: &[u8]) -> Option<Box<Xts128<C>>> {
+fn xts<C: KeyInit + BlockCipherEncrypt<BlockSize = aes::cipher::consts::U16>>(
+    key: &[u8],
+) -> Option<Box<Xts128<C>>> {
     let (k1, k2) = key.split_at(key.len() / 2);
     Some(Box::new(Xts128::new(
         C::new_from_slice(k1).ok()?,

@@ -147,15 +147,18 @@ impl LuksHeader {
             .ok_or_else(|| unsupported("cipher mode", mode_name))?;
         let ivgen =
             IvGen::from_name(ivgen_name).ok_or_else(|| unsupported("IV generator", ivgen_name))?;
-        let hash =
-            HashAlg::from_name(&hash_name).ok_or_else(|| unsupported("hash", &hash_name))?;
+        let hash = HashAlg::from_name(&hash_name).ok_or_else(|| unsupported("hash", &hash_name))?;
         if cipher_name != "aes" {
             return Err(unsupported("cipher", &cipher_name));
         }
         let cipher = [CipherAlg::Aes128, CipherAlg::Aes192, CipherAlg::Aes256]
             .into_iter()
             .find(|a| mode.key_len(*a) as u64 == u64::from(key_len))
-            .ok_or_else(|| corrupt(format!("master key length {key_len} fits no AES {mode_name}")))?;
+            .ok_or_else(|| {
+                corrupt(format!(
+                    "master key length {key_len} fits no AES {mode_name}"
+                ))
+            })?;
         if mk_iterations == 0 {
             return Err(corrupt("LUKS key iteration count is zero"));
         }
@@ -269,7 +272,11 @@ impl LuksHeader {
         put_text(&mut b, 168, &self.uuid);
         for (i, s) in self.slots.iter().enumerate() {
             let at = 208 + 48 * i;
-            let state = if s.active { SLOT_ENABLED } else { SLOT_DISABLED };
+            let state = if s.active {
+                SLOT_ENABLED
+            } else {
+                SLOT_DISABLED
+            };
             b[at..at + 4].copy_from_slice(&state.to_be_bytes());
             b[at + 4..at + 8].copy_from_slice(&s.iterations.to_be_bytes());
             b[at + 8..at + 40].copy_from_slice(&s.salt);
@@ -291,12 +298,18 @@ impl LuksHeader {
     /// Whether `key` is the master key (its digest matches).
     fn is_master_key(&self, key: &[u8]) -> bool {
         let mut d = [0u8; DIGEST_LEN];
-        self.hash.pbkdf2(key, &self.mk_salt, self.mk_iterations, &mut d);
+        self.hash
+            .pbkdf2(key, &self.mk_salt, self.mk_iterations, &mut d);
         d == self.mk_digest
     }
 
     /// The master key slot `i` holds, if `password` opens it.
-    fn try_slot(&self, area: &[u8], i: usize, password: &[u8]) -> Result<Option<Vec<u8>>, CryptoError> {
+    fn try_slot(
+        &self,
+        area: &[u8],
+        i: usize,
+        password: &[u8],
+    ) -> Result<Option<Vec<u8>>, CryptoError> {
         let slot = &self.slots[i];
         if !slot.active {
             return Ok(None);
@@ -350,7 +363,10 @@ impl LuksHeader {
         let mut material = af::split(self.hash, master, stripes as usize)?;
         let range = {
             let s = &self.slots[i];
-            self.material_range(&KeySlot { stripes, ..s.clone() })
+            self.material_range(&KeySlot {
+                stripes,
+                ..s.clone()
+            })
         };
         if range.end > area.len() {
             return Err(corrupt("key material past the LUKS area"));

@@ -172,10 +172,34 @@ impl Passwords {
     }
 }
 
+/// What unlocks a layer on open.
+#[derive(Clone, Copy, Debug)]
+pub enum Unlock<'a> {
+    /// This password.
+    With(&'a [u8]),
+    /// Nothing: an encrypted layer is refused.
+    Missing,
+    /// Nothing, and the data will not be read (QEMU's "no I/O" opens, e.g. to learn a
+    /// backing file's size): an encrypted layer opens locked, and any data I/O fails.
+    Locked,
+}
+
+impl Passwords {
+    /// What unlocks the layer at `depth`; `no_io` opens without a password locked.
+    pub fn unlock(&self, depth: usize, no_io: bool) -> Unlock<'_> {
+        match (self.get(depth), no_io) {
+            (Some(p), _) => Unlock::With(p),
+            (None, true) => Unlock::Locked,
+            (None, false) => Unlock::Missing,
+        }
+    }
+}
+
 /// An unlocked image's data cipher: what the engine calls on every data cluster.
 #[derive(Debug)]
 pub struct DataCrypto {
-    cipher: SectorCipher,
+    /// `None` for a layer opened locked.
+    cipher: Option<SectorCipher>,
     /// Sectors are numbered by their place in the image file (LUKS), not in the guest disk
     /// (legacy AES).
     by_host: bool,
@@ -191,7 +215,7 @@ impl DataCrypto {
         let cipher = SectorCipher::new(CipherAlg::Aes128, CipherMode::Cbc, IvGen::Plain64, &key)
             .expect("a 16-byte key fits AES-128");
         DataCrypto {
-            cipher,
+            cipher: Some(cipher),
             by_host: false,
         }
     }
@@ -199,9 +223,21 @@ impl DataCrypto {
     /// LUKS: the master key's cipher, IVs from host sector numbers.
     pub fn luks(cipher: SectorCipher) -> DataCrypto {
         DataCrypto {
-            cipher,
+            cipher: Some(cipher),
             by_host: true,
         }
+    }
+
+    /// An encrypted layer opened without its password: every data I/O fails.
+    pub fn locked() -> DataCrypto {
+        DataCrypto {
+            cipher: None,
+            by_host: true,
+        }
+    }
+
+    fn cipher(&self) -> Result<&SectorCipher, CryptoError> {
+        self.cipher.as_ref().ok_or(CryptoError::MissingSecret)
     }
 
     fn first_sector(&self, host: u64, guest: u64) -> Result<u64, CryptoError> {
@@ -214,12 +250,12 @@ impl DataCrypto {
 
     /// Decrypts `buf`, read from file offset `host`, guest offset `guest`.
     pub fn decrypt(&self, host: u64, guest: u64, buf: &mut [u8]) -> Result<(), CryptoError> {
-        self.cipher.decrypt(self.first_sector(host, guest)?, buf)
+        self.cipher()?.decrypt(self.first_sector(host, guest)?, buf)
     }
 
     /// Encrypts `buf`, to be written at file offset `host`, guest offset `guest`.
     pub fn encrypt(&self, host: u64, guest: u64, buf: &mut [u8]) -> Result<(), CryptoError> {
-        self.cipher.encrypt(self.first_sector(host, guest)?, buf)
+        self.cipher()?.encrypt(self.first_sector(host, guest)?, buf)
     }
 }
 
@@ -243,8 +279,8 @@ mod tests {
     #[test]
     fn sectors_round_trip_and_depend_on_their_number() {
         let key = [7u8; 64];
-        let c = SectorCipher::new(CipherAlg::Aes256, CipherMode::Xts, IvGen::Plain64, &key)
-            .unwrap();
+        let c =
+            SectorCipher::new(CipherAlg::Aes256, CipherMode::Xts, IvGen::Plain64, &key).unwrap();
         let plain = vec![0x5au8; 1024];
         let mut a = plain.clone();
         c.encrypt(3, &mut a).unwrap();

@@ -7,13 +7,13 @@ use super::error::{EngineError, Result};
 use super::image::Image;
 use super::load::Format;
 use super::open::OpenOptions;
+use crate::crypto::LuksCreate;
+use crate::format::extensions::FdeHeaderPointer;
 use crate::format::extensions::{FeatureNameEntry, FeatureNameTable};
 use crate::format::features::{
     known_feature_name, FeatureKind, COMPAT_LAZY_REFCOUNTS, INCOMPAT_COMPRESSION,
     INCOMPAT_EXTENDED_L2,
 };
-use crate::crypto::LuksCreate;
-use crate::format::extensions::FdeHeaderPointer;
 use crate::format::header::{CRYPT_AES, CRYPT_LUKS};
 use crate::format::{be, limits, refcount, Geometry, Header, HeaderExtension};
 use storage::{IoBuf, Opener, Storage};

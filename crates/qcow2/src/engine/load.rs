@@ -6,10 +6,10 @@ use super::backing_name;
 use super::compress::Codec;
 use super::error::{EngineError, Result};
 use super::layer::{read_exact, Layer, LayerFormat, Qcow2Meta};
+use crate::crypto::{CryptoError, DataCrypto, LuksHeader, Unlock, SECTOR_SIZE};
+use crate::format::header::{CRYPT_AES, CRYPT_NONE};
 use crate::format::{Geometry, Header, SnapshotTableEntry, Structure};
 use crate::metadata::{Loader, MetadataError, StorageSource, Strictness, L1_TABLE};
-use crate::crypto::{CryptoError, DataCrypto, LuksHeader, SECTOR_SIZE};
-use crate::format::header::{CRYPT_AES, CRYPT_NONE};
 use std::cell::{Cell, RefCell};
 use std::path::Path;
 use storage::{Opener, Storage};
@@ -54,7 +54,7 @@ pub(crate) async fn open_layer<O>(
     access: storage::OpenOptions,
     snapshot: Option<&str>,
     top: bool,
-    password: Option<&[u8]>,
+    key: Unlock<'_>,
 ) -> Result<Layer<O::Storage>>
 where
     O: Opener,
@@ -108,7 +108,7 @@ where
         len: file_len,
         src: StorageSource::new(&file, file_len),
     };
-    let (meta, size) = open_qcow2(opener, &at, path, access, snapshot, password).await?;
+    let (meta, size) = open_qcow2(opener, &at, path, access, snapshot, key).await?;
     Ok(Layer {
         name,
         file,
@@ -169,7 +169,7 @@ async fn open_qcow2<O>(
     path: &Path,
     access: storage::OpenOptions,
     snapshot: Option<&str>,
-    password: Option<&[u8]>,
+    key: Unlock<'_>,
 ) -> Result<(Qcow2Meta<O::Storage>, u64)>
 where
     O: Opener,
@@ -186,7 +186,7 @@ where
     let (regions, snapshots) = metadata_regions(at, &header, &geom).await?;
     let (l1_offset, l1_entries, size) = l1_in_use(at, &header, &snapshots, snapshot, &geom)?;
     let l1 = read_l1(at, &geom, l1_offset, l1_entries, size, &regions).await?;
-    let crypto = unlock(at, &header, password).await?;
+    let crypto = unlock(at, &header, key).await?;
     let data_file = open_data_file(opener, at, &header, path, access).await?;
     let data_raw = header.data_file_is_raw();
     let geom = geom.with_data_file(data_file.is_some());
@@ -218,7 +218,7 @@ async fn read_header<S: Storage + 'static>(at: &LayerFile<'_, S>) -> Result<Head
 async fn unlock<S: Storage + 'static>(
     at: &LayerFile<'_, S>,
     header: &Header,
-    password: Option<&[u8]>,
+    key: Unlock<'_>,
 ) -> Result<Option<DataCrypto>> {
     let fail = |source| EngineError::Crypto {
         image: at.name.to_string(),
@@ -233,6 +233,11 @@ async fn unlock<S: Storage + 'static>(
             header.size
         )));
     }
+    let password = match key {
+        Unlock::With(p) => Some(p),
+        Unlock::Missing => None,
+        Unlock::Locked => return Ok(Some(DataCrypto::locked())),
+    };
     if header.crypt_method == CRYPT_AES {
         let password = password.ok_or_else(|| fail(CryptoError::MissingSecret))?;
         return Ok(Some(DataCrypto::legacy_aes(password)));

@@ -44,6 +44,9 @@ pub struct OpenOptions {
     pub open_bound: storage::OpenBound,
     /// Passwords of the encrypted layers, by depth in the chain.
     pub passwords: crate::crypto::Passwords,
+    /// Open to read metadata only (QEMU's "no I/O" opens): encrypted layers without a
+    /// password open locked instead of being refused.
+    pub no_io: bool,
 }
 
 impl<S: Storage + 'static> Image<S> {
@@ -70,7 +73,7 @@ impl<S: Storage + 'static> Image<S> {
             access,
             opts.snapshot.as_deref(),
             true,
-            opts.passwords.get(0),
+            opts.passwords.unlock(0, opts.no_io),
         )
         .await?;
         let mut layers = vec![top];
@@ -120,7 +123,7 @@ impl<S: Storage + 'static> Image<S> {
                 backing,
                 None,
                 false,
-                opts.passwords.get(layers.len()),
+                opts.passwords.unlock(layers.len(), opts.no_io),
             )
             .await?;
             layers.push(layer);

@@ -96,7 +96,10 @@ impl<S: Storage + 'static> Inner<S> {
         }
         let size = self.chain.top().size.get();
         let from = offset - offset % SECTOR_SIZE;
-        let to = end.div_ceil(SECTOR_SIZE).saturating_mul(SECTOR_SIZE).min(size);
+        let to = end
+            .div_ceil(SECTOR_SIZE)
+            .saturating_mul(SECTOR_SIZE)
+            .min(size);
         Some((from, to))
     }
 

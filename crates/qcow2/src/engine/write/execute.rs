@@ -93,7 +93,10 @@ impl<S: Storage + 'static> Inner<S> {
             }
             let (res, _) = top.data_storage().write_at(sealed.into(), host.0).await;
             self.note_written(host + (to - from));
-            return (res.map_err(|e| top.io_error("writing data", host.0, e)), buf);
+            return (
+                res.map_err(|e| top.io_error("writing data", host.0, e)),
+                buf,
+            );
         }
         let (res, slice) = top.data_storage().write_at(buf.slice(range), host.0).await;
         self.note_written(host + (to - from));
