@@ -595,6 +595,7 @@ async fn create_target(
     let target = args.target.display().to_string();
     let invalid = CreateError::invalid(&target);
     let mut plan_passwords = qcow2::crypto::Passwords::default();
+    let mut noise = false;
     let grain = match format {
         Format::Raw => {
             let prealloc =
@@ -613,6 +614,11 @@ async fn create_target(
             plan.opts.size = size;
             create::check_qcow2_size(&plan.opts).map_err(&invalid)?;
             plan_passwords = plan.opts.passwords();
+            // Preallocated clusters of an encrypted image read as noise, not zeros (QEMU
+            // calls such a target not zero-initialized): they are zeroed before the copy,
+            // which then skips zeros as usual.
+            noise = plan.opts.encryption.is_some()
+                && plan.opts.preallocation != qcow2::engine::Preallocation::Off;
             create::create_qcow2(&args.target, &plan.opts)
                 .await
                 .map_err(|source| CreateError::Engine {
@@ -637,6 +643,14 @@ async fn create_target(
         image: target.clone(),
         source: Box::new(source),
     })?;
+    if noise {
+        dst.write_zeroes(0, dst.size(), false, false)
+            .await
+            .map_err(|source| CreateError::Engine {
+                image: target.clone(),
+                source: Box::new(source),
+            })?;
+    }
     Ok((dst, grain))
 }
 

@@ -11,6 +11,7 @@ mod convert_map_interop;
 mod convert_qcow2;
 mod create;
 mod drop_in;
+mod encryption;
 mod interop_writes;
 mod qemu_img_options;
 mod resize;
