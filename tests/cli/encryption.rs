@@ -297,3 +297,86 @@ fn raw_luks_volumes_are_created_for_qemu() {
     );
     assert!(!out.contains("failed"), "{out}");
 }
+
+#[test]
+fn amend_adds_and_erases_key_slots_qemu_then_honours() {
+    let d = Dir::new();
+    qemu_create(&d, "e.qcow2", LUKS, "1M");
+    qemu_io(&d, "e.qcow2", &["write -P 0x42 0 64k"]);
+    let path = d.s("e.qcow2");
+    let s1 = "secret,id=sec1,data=furby";
+    let with = |id: &str| format!("driver=qcow2,file.filename={path},encrypt.key-secret={id}");
+    let amend = |spec: &str, opts: &str, force: bool| {
+        let mut args = vec![
+            "amend",
+            "--object",
+            SECRET,
+            "--object",
+            s1,
+            "--image-opts",
+            spec,
+        ];
+        args.extend(["-o", opts]);
+        if force {
+            args.push("--force");
+        }
+        d.run(BIN, &args)
+    };
+    let opens = |id: &str| {
+        let spec = with(id);
+        let out = d.run(
+            "qemu-io",
+            &[
+                "--object",
+                SECRET,
+                "--object",
+                s1,
+                "-c",
+                "read -P 0x42 0 64k",
+                "--image-opts",
+                &spec,
+            ],
+        );
+        let all = text(&out);
+        out.status.success() && !all.contains("can't open") && !all.contains("failed")
+    };
+    let out = amend(
+        &with("sec0"),
+        "encrypt.state=active,encrypt.new-secret=sec1,encrypt.iter-time=10,encrypt.keyslot=3",
+        false,
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(opens("sec0") && opens("sec1"));
+    // The slot is taken now: QEMU's refusal, unless forced.
+    let out = amend(
+        &with("sec0"),
+        "encrypt.state=active,encrypt.new-secret=sec1,encrypt.iter-time=10,encrypt.keyslot=3",
+        false,
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("Refusing to overwrite active keyslot 3 - please erase it first"),
+        "{}",
+        text(&out)
+    );
+    let out = amend(
+        &with("sec1"),
+        "encrypt.state=inactive,encrypt.old-secret=sec0",
+        false,
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!opens("sec0") && opens("sec1"));
+    // The last key is only erased by force.
+    let out = amend(
+        &with("sec1"),
+        "encrypt.state=inactive,encrypt.keyslot=3",
+        false,
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("Attempt to erase the only active keyslot 3"),
+        "{}",
+        text(&out)
+    );
+    assert!(opens("sec1"));
+}

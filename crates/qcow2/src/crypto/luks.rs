@@ -602,3 +602,136 @@ mod tests {
         ));
     }
 }
+
+/// A change of key slots (`amend -o encrypt.state=...`), as QEMU's amend takes it.
+#[derive(Clone, Debug, Default)]
+pub struct SlotChange {
+    /// `state=active` (add a key) or `inactive` (erase keys).
+    pub activate: bool,
+    /// `new-secret`: the password to add.
+    pub new_password: Option<Vec<u8>>,
+    /// `old-secret`: erase the slots this password opens.
+    pub old_password: Option<Vec<u8>>,
+    /// `keyslot`: the slot to add to or erase.
+    pub keyslot: Option<u64>,
+    /// `iter-time` in milliseconds for a new key.
+    pub iter_time_ms: Option<u64>,
+    /// `--force`: overwrite an active slot, or erase the last one.
+    pub force: bool,
+}
+
+fn refuse(s: impl Into<String>) -> CryptoError {
+    CryptoError::Slots(s.into())
+}
+
+impl LuksHeader {
+    fn active_count(&self) -> usize {
+        self.slots.iter().filter(|s| s.active).count()
+    }
+
+    fn slot_index(&self, k: u64) -> Result<usize, CryptoError> {
+        usize::try_from(k)
+            .ok()
+            .filter(|&i| i < self.slots.len())
+            .ok_or_else(|| {
+                refuse(format!(
+                    "Invalid keyslot {k} specified, must be between 0 and {}",
+                    self.slots.len() - 1
+                ))
+            })
+    }
+
+    /// Applies `c` to the header and the key material in `area`; `password` is the one the
+    /// image was opened with (it unlocks the master key a new slot stores). The messages are
+    /// QEMU's.
+    pub fn change_slots(
+        &mut self,
+        area: &mut [u8],
+        password: &[u8],
+        c: &SlotChange,
+    ) -> Result<(), CryptoError> {
+        if c.activate {
+            let new = c
+                .new_password
+                .as_deref()
+                .ok_or_else(|| refuse("'new-secret' is required to activate a keyslot"))?;
+            if c.old_password.is_some() {
+                return Err(refuse(
+                    "'old-secret' must not be given when activating keyslots",
+                ));
+            }
+            let slot = match c.keyslot {
+                Some(k) => self.slot_index(k)?,
+                None => self
+                    .slots
+                    .iter()
+                    .position(|s| !s.active)
+                    .ok_or_else(|| refuse("Can't add a keyslot - all keyslots are in use"))?,
+            };
+            if !c.force && self.slots[slot].active {
+                return Err(refuse(format!(
+                    "Refusing to overwrite active keyslot {slot} - please erase it first"
+                )));
+            }
+            let (_, master) = self.unlock(area, password)?;
+            let iters = iterations_for(self.hash, c.iter_time_ms.unwrap_or(2000), 1);
+            return self.store_key(area, slot, new, &master, iters);
+        }
+        if c.new_password.is_some() {
+            return Err(refuse(
+                "'new-secret' must not be given when erasing keyslots",
+            ));
+        }
+        if c.iter_time_ms.is_some() {
+            return Err(refuse(
+                "'iter-time' must not be given when erasing keyslots",
+            ));
+        }
+        if let Some(k) = c.keyslot {
+            let slot = self.slot_index(k)?;
+            if let Some(old) = &c.old_password {
+                if self.try_slot(area, slot, old)?.is_none() {
+                    return Err(refuse(format!(
+                        "Given keyslot {slot} doesn't contain the given old password for erase operation"
+                    )));
+                }
+            }
+            if !c.force && !self.slots[slot].active {
+                return Err(refuse(format!(
+                    "Given keyslot {slot} is already erased (inactive) "
+                )));
+            }
+            if !c.force && self.active_count() == 1 {
+                return Err(refuse(format!(
+                    "Attempt to erase the only active keyslot {slot} which will erase all the data in the image irreversibly - refusing operation"
+                )));
+            }
+            return self.erase_slot(area, slot);
+        }
+        let Some(old) = &c.old_password else {
+            return Err(refuse(
+                "To erase keyslot(s), either explicit keyslot index or the password currently contained in them must be given",
+            ));
+        };
+        let mut matching = Vec::new();
+        for i in 0..self.slots.len() {
+            if self.try_slot(area, i, old)?.is_some() {
+                matching.push(i);
+            }
+        }
+        if matching.is_empty() {
+            return Err(refuse(
+                "No keyslots match given (old) password for erase operation",
+            ));
+        }
+        if !c.force && matching.len() == self.active_count() {
+            return Err(refuse(
+                "All the active keyslots match the (old) password that was given and erasing them will erase all the data in the image irreversibly - refusing operation",
+            ));
+        }
+        for i in matching {
+            self.erase_slot(area, i)?;
+        }
+        Ok(())
+    }
+}

@@ -16,7 +16,7 @@ mod cipher;
 pub mod luks;
 
 pub use cipher::{CipherAlg, CipherMode, IvGen, SectorCipher, SECTOR_SIZE};
-pub use luks::{LuksCreate, LuksHeader, LuksInfo, LuksSlotInfo};
+pub use luks::{LuksCreate, LuksHeader, LuksInfo, LuksSlotInfo, SlotChange};
 
 /// Why encryption could not be set up or used. The messages of the ones users meet follow
 /// QEMU's wording.

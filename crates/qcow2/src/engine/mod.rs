@@ -27,6 +27,7 @@ mod error;
 mod flush;
 mod image;
 mod join_all;
+mod key_slots;
 mod layer;
 mod load;
 mod make_empty;
