@@ -6,7 +6,7 @@ use super::{CryptoError, HashAlg};
 /// Replaces `block` by its diffusion: each digest-sized piece `i` becomes
 /// `H(be32(i) || piece)`, the last (shorter) piece truncated.
 fn diffuse(hash: HashAlg, block: &mut [u8]) {
-    let ds = hash.len();
+    let ds = hash.digest_len();
     for (i, piece) in block.chunks_mut(ds).enumerate() {
         let d = hash.digest(&[&(i as u32).to_be_bytes(), piece]);
         let n = piece.len();

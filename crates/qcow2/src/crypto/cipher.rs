@@ -150,7 +150,7 @@ enum Engine {
     Xts128(Box<Xts128<Aes128>>),
     Xts192(Box<Xts128<Aes192>>),
     Xts256(Box<Xts128<Aes256>>),
-    Cbc(Aes),
+    Cbc(Box<Aes>),
 }
 
 /// A keyed sector cipher: encrypts and decrypts whole sectors in place.
@@ -200,7 +200,7 @@ impl SectorCipher {
             (CipherMode::Xts, CipherAlg::Aes128) => Engine::Xts128(xts(key).ok_or_else(bad)?),
             (CipherMode::Xts, CipherAlg::Aes192) => Engine::Xts192(xts(key).ok_or_else(bad)?),
             (CipherMode::Xts, CipherAlg::Aes256) => Engine::Xts256(xts(key).ok_or_else(bad)?),
-            (CipherMode::Cbc, _) => Engine::Cbc(Aes::new(alg, key)?),
+            (CipherMode::Cbc, _) => Engine::Cbc(Box::new(Aes::new(alg, key)?)),
         };
         Ok(SectorCipher { engine, ivgen })
     }
@@ -221,9 +221,11 @@ impl SectorCipher {
                 Engine::Xts128(x) => x.encrypt_sector(sector, iv.into()),
                 Engine::Xts192(x) => x.encrypt_sector(sector, iv.into()),
                 Engine::Xts256(x) => x.encrypt_sector(sector, iv.into()),
-                Engine::Cbc(Aes::A128(c)) => cbc_encrypt(c, &iv, sector),
-                Engine::Cbc(Aes::A192(c)) => cbc_encrypt(c, &iv, sector),
-                Engine::Cbc(Aes::A256(c)) => cbc_encrypt(c, &iv, sector),
+                Engine::Cbc(a) => match a.as_ref() {
+                    Aes::A128(c) => cbc_encrypt(c, &iv, sector),
+                    Aes::A192(c) => cbc_encrypt(c, &iv, sector),
+                    Aes::A256(c) => cbc_encrypt(c, &iv, sector),
+                },
             }
         }
         Ok(())
@@ -238,9 +240,11 @@ impl SectorCipher {
                 Engine::Xts128(x) => x.decrypt_sector(sector, iv.into()),
                 Engine::Xts192(x) => x.decrypt_sector(sector, iv.into()),
                 Engine::Xts256(x) => x.decrypt_sector(sector, iv.into()),
-                Engine::Cbc(Aes::A128(c)) => cbc_decrypt(c, &iv, sector),
-                Engine::Cbc(Aes::A192(c)) => cbc_decrypt(c, &iv, sector),
-                Engine::Cbc(Aes::A256(c)) => cbc_decrypt(c, &iv, sector),
+                Engine::Cbc(a) => match a.as_ref() {
+                    Aes::A128(c) => cbc_decrypt(c, &iv, sector),
+                    Aes::A192(c) => cbc_decrypt(c, &iv, sector),
+                    Aes::A256(c) => cbc_decrypt(c, &iv, sector),
+                },
             }
         }
         Ok(())

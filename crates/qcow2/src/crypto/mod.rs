@@ -99,7 +99,7 @@ impl HashAlg {
     }
 
     /// Digest bytes.
-    pub fn len(self) -> usize {
+    pub fn digest_len(self) -> usize {
         match self {
             HashAlg::Sha1 => 20,
             HashAlg::Sha256 => 32,

@@ -213,33 +213,6 @@ impl ImageInfo {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes_match_qemu_size_to_str() {
-        // Expected strings are what qemu-img 10.0 prints for these sizes.
-        assert_eq!(human_size(0), "0 B");
-        assert_eq!(human_size(67_108_864), "64 MiB");
-        assert_eq!(human_size(1_347_584), "1.29 MiB");
-        assert_eq!(human_size(200_704), "196 KiB");
-        assert_eq!(human_size(1_769_984), "1.69 MiB");
-        assert_eq!(human_size(1_073_741_824), "1 GiB");
-        assert_eq!(human_size(1000 * 1024), "0.977 MiB");
-        assert_eq!(human_size(999), "999 B");
-        assert_eq!(human_size(u64::MAX), "16 EiB");
-        assert_eq!(human_size(10_235), "10 KiB");
-    }
-
-    #[test]
-    fn dates_are_utc_civil_time() {
-        assert_eq!(format_date(0), "1970-01-01 00:00:00");
-        assert_eq!(format_date(1_795_315_716), "2026-11-22 02:48:36");
-        assert_eq!(format_date(951_782_400), "2000-02-29 00:00:00");
-    }
-}
-
 /// The encrypt block, in qemu-img's order.
 fn encrypt(out: &mut String, e: &super::report::EncryptInfo) {
     let _ = writeln!(out, "    encrypt:");
@@ -287,5 +260,32 @@ fn encrypt(out: &mut String, e: &super::report::EncryptInfo) {
     }
     if let Some(v) = e.master_key_iters {
         line("master key iters", &v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_match_qemu_size_to_str() {
+        // Expected strings are what qemu-img 10.0 prints for these sizes.
+        assert_eq!(human_size(0), "0 B");
+        assert_eq!(human_size(67_108_864), "64 MiB");
+        assert_eq!(human_size(1_347_584), "1.29 MiB");
+        assert_eq!(human_size(200_704), "196 KiB");
+        assert_eq!(human_size(1_769_984), "1.69 MiB");
+        assert_eq!(human_size(1_073_741_824), "1 GiB");
+        assert_eq!(human_size(1000 * 1024), "0.977 MiB");
+        assert_eq!(human_size(999), "999 B");
+        assert_eq!(human_size(u64::MAX), "16 EiB");
+        assert_eq!(human_size(10_235), "10 KiB");
+    }
+
+    #[test]
+    fn dates_are_utc_civil_time() {
+        assert_eq!(format_date(0), "1970-01-01 00:00:00");
+        assert_eq!(format_date(1_795_315_716), "2026-11-22 02:48:36");
+        assert_eq!(format_date(951_782_400), "2000-02-29 00:00:00");
     }
 }
