@@ -312,7 +312,7 @@ const ENCRYPT_OPTIONS: &[&str] = &[
 
 /// The encryption the options ask for, with qemu-img's messages; the secret must have been
 /// defined with `--object secret`.
-fn encryption_settings(p: &Parsed) -> Result<Option<NewEncryption>, String> {
+pub fn encryption_settings(p: &Parsed) -> Result<Option<NewEncryption>, String> {
     use qcow2::crypto::{CipherAlg, CipherMode, HashAlg, IvGen, LuksCreate};
     let format = match (p.bool("encryption"), p.str("encrypt.format")) {
         (Some(true), Some(_)) => {

@@ -380,3 +380,26 @@ fn amend_adds_and_erases_key_slots_qemu_then_honours() {
     );
     assert!(opens("sec1"));
 }
+
+#[test]
+fn measure_counts_the_luks_header_as_qemu_img_does() {
+    let d = Dir::new();
+    d.create("p.qcow2", "qcow2", "", None, "4M");
+    d.qemu_io("qcow2", "p.qcow2", &["write -P 1 0 1M"]);
+    let p = d.s("p.qcow2");
+    for opts in [
+        "encrypt.format=luks,encrypt.key-secret=sec0",
+        "encrypt.format=luks,encrypt.key-secret=sec0,encrypt.cipher-alg=aes-128,cluster_size=512",
+        "encryption=on,encrypt.key-secret=sec0",
+    ] {
+        for source in [vec!["--size", "16M"], vec![p.as_str()]] {
+            let mut args = vec!["measure", "-O", "qcow2", "--object", SECRET, "-o", opts];
+            args.extend(&source);
+            assert_eq!(
+                d.ok(BIN, &args),
+                d.ok("qemu-img", &args),
+                "{opts} {source:?}"
+            );
+        }
+    }
+}

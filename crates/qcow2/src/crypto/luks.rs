@@ -494,6 +494,23 @@ pub fn iterations_for(hash: HashAlg, ms: u64, divisor: u64) -> u32 {
     iters.clamp(u128::from(MIN_ITERS), u128::from(MAX_ITERS)) as u32
 }
 
+/// Sectors of one key slot's material for a `key_len`-byte master key, rounded to the 4 KiB
+/// alignment QEMU keeps.
+fn slot_sectors(key_len: usize) -> u64 {
+    let header_sectors = KEY_SLOT_OFFSET / SECTOR_SIZE;
+    material_len(key_len as u32, STRIPES)
+        .div_ceil(SECTOR_SIZE)
+        .div_ceil(header_sectors)
+        * header_sectors
+}
+
+/// Bytes of the LUKS area a new header with `opts` takes (header and eight key slots), as
+/// `measure` counts it.
+pub fn area_len(opts: &LuksCreate) -> u64 {
+    let slots = slot_sectors(opts.mode.key_len(opts.cipher));
+    (KEY_SLOT_OFFSET / SECTOR_SIZE + SLOT_COUNT as u64 * slots) * SECTOR_SIZE
+}
+
 /// A new LUKS area (header plus eight key material regions, QEMU's layout) with `password`
 /// in slot 0, and its master key.
 pub fn create(password: &[u8], opts: &LuksCreate) -> Result<(Vec<u8>, Vec<u8>), CryptoError> {
@@ -507,11 +524,7 @@ pub fn create(password: &[u8], opts: &LuksCreate) -> Result<(Vec<u8>, Vec<u8>), 
     opts.hash
         .pbkdf2(&master, &mk_salt, mk_iterations, &mut mk_digest);
     let header_sectors = KEY_SLOT_OFFSET / SECTOR_SIZE;
-    // Each slot's material in whole sectors, rounded to the 4 KiB alignment QEMU keeps.
-    let split_sectors = material_len(key_len as u32, STRIPES)
-        .div_ceil(SECTOR_SIZE)
-        .div_ceil(header_sectors)
-        * header_sectors;
+    let split_sectors = slot_sectors(key_len);
     let slots = (0..SLOT_COUNT as u64)
         .map(|i| KeySlot {
             active: false,
@@ -572,6 +585,12 @@ mod tests {
     fn a_new_header_unlocks_with_its_password_only() {
         let (area, master) = create(b"astrochicken", &fast()).unwrap();
         assert_eq!(area.len(), 2068480, "QEMU's layout for aes-256-xts");
+        assert_eq!(area_len(&fast()), 2068480);
+        let aes128 = LuksCreate {
+            cipher: CipherAlg::Aes128,
+            ..fast()
+        };
+        assert_eq!(area_len(&aes128), 1052672);
         let h = LuksHeader::parse(&area).unwrap();
         assert_eq!(h.unlock(&area, b"astrochicken").unwrap(), (0, master));
         assert!(matches!(
