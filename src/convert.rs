@@ -91,6 +91,9 @@ pub enum ConvertError {
     /// `-c` with a raw target.
     #[error("Compression not supported for this file format")]
     CompressRaw,
+    /// `-c` with an encrypted target.
+    #[error("Compression and encryption not supported at the same time")]
+    CompressEncrypted,
     /// An option that makes no sense for a full copy.
     #[error("Parameter '{0}' is not supported by convert (the target is always a complete copy)")]
     TargetOption(&'static str),
@@ -448,6 +451,11 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
         return Err(ConvertError::CompressRaw);
     }
     let parsed = target_options(target_format, list.as_deref())?;
+    let encrypted = parsed.has("encrypt.format") || parsed.bool("encryption") == Some(true);
+    if args.compress && encrypted {
+        // Compressed clusters are stored in plain text.
+        return Err(ConvertError::CompressEncrypted);
+    }
     let (src, size) = open_source(args).await?;
     let bitmaps = bitmaps_to_copy(args, &src, target_format, &parsed).await?;
     let copy_len = src.size().min(size);

@@ -263,6 +263,43 @@ fn convert_into_a_preallocated_encrypted_image_reads_back_the_source() {
 }
 
 #[test]
+fn compressed_copies_into_encrypted_images_are_refused_as_qemu_img_refuses_them() {
+    // Compressed clusters would be stored in plain text.
+    let d = Dir::new();
+    d.create("p.qcow2", "qcow2", "", None, "1M");
+    let p = d.s("p.qcow2");
+    let args = |out: &str| {
+        vec![
+            "convert".to_string(),
+            "--object".into(),
+            SECRET.into(),
+            "-c".into(),
+            "-O".into(),
+            "qcow2".into(),
+            "-o".into(),
+            LUKS.into(),
+            p.clone(),
+            d.s(out),
+        ]
+    };
+    let ours: Vec<String> = args("o.qcow2");
+    let ours: Vec<&str> = ours.iter().map(String::as_str).collect();
+    let theirs: Vec<String> = args("q.qcow2");
+    let theirs: Vec<&str> = theirs.iter().map(String::as_str).collect();
+    let o = d.run(BIN, &ours);
+    let q = d.run("qemu-img", &theirs);
+    assert_eq!(o.status.code(), q.status.code(), "{}", text(&o));
+    let reason = |out: &std::process::Output| {
+        let e = String::from_utf8_lossy(&out.stderr).into_owned();
+        e.split_once(": ")
+            .map(|(_, r)| r.trim().to_string())
+            .unwrap_or(e)
+    };
+    assert_eq!(reason(&o), reason(&q));
+    assert!(!d.path("o.qcow2").exists());
+}
+
+#[test]
 fn raw_luks_volumes_are_created_for_qemu() {
     let d = Dir::new();
     let path = d.s("v.luks");

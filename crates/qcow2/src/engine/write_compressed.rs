@@ -110,8 +110,8 @@ impl<S: Storage + 'static> Inner<S> {
             );
         }
         if meta.crypto.is_some() {
-            // QEMU's words: compressed clusters are stored in plain text.
-            return Err(self.unsupported("Compression can't be used with encryption"));
+            // Compressed clusters are stored in plain text, so QEMU refuses them too.
+            return Err(self.unsupported("compressed writes to an encrypted image"));
         }
         Ok(meta)
     }
