@@ -8,6 +8,7 @@ For each target it writes inputs in the layout the target expects (see fuzz_targ
   snapshot_table    nb_snapshots (u16 BE) + cluster_bits-9 + snapshot table bytes
   bitmap_directory  nb_bitmaps (u16 BE) + cluster_bits-9 + bitmap directory bytes
   open_info         whole image files (small clusters keep them small)
+  luks_header       the fixed LUKS header of encrypted images (the target pads the rest)
 
 Usage: make_corpus.py CORPUS_DIR   (needs qemu-img and qemu-io; binary corpora are not
 committed, this script recreates them).
@@ -136,6 +137,34 @@ def seeds_for(data, name, out):
 REQUEST_MAGIC, EXTENDED_REQUEST_MAGIC = 0x25609513, 0x21E41C71
 
 
+def luks_seeds(d, out):
+    """The LUKS headers of encrypted images, default and other ciphers and hashes."""
+    os.makedirs(os.path.join(out, "luks_header"), exist_ok=True)
+    specs = [
+        ("xts256", ""),
+        ("cbc128-sha1", ",encrypt.cipher-alg=aes-128,encrypt.cipher-mode=cbc,encrypt.hash-alg=sha1"),
+        ("plain-sha512", ",encrypt.ivgen-alg=plain,encrypt.hash-alg=sha512"),
+    ]
+    for name, extra in specs:
+        path = f"luks-{name}.qcow2"
+        run("qemu-img", "create", "-q", "-f", "qcow2", "--object", "secret,id=s,data=password", "-o",
+            "encrypt.format=luks,encrypt.key-secret=s,encrypt.iter-time=1" + extra, path, "1M", cwd=d)
+        with open(os.path.join(d, path), "rb") as f:
+            data = f.read()
+        # The full-disk-encryption extension (0x0537be77) says where the LUKS area is.
+        pos = u32(data, 100)
+        while pos + 8 <= len(data):
+            kind, length = u32(data, pos), u32(data, pos + 4)
+            if kind == 0:
+                break
+            if kind == 0x0537BE77:
+                offset = u64(data, pos + 8)
+                with open(os.path.join(out, "luks_header", f"seed-{name}"), "wb") as f:
+                    f.write(data[offset:offset + 592])
+                break
+            pos += 8 + (length + 7) // 8 * 8
+
+
 def nbd_request(cmd, offset, length, flags=0, cookie=1, extended=False, payload=b""):
     if extended:
         head = struct.pack(">IHHQQQ", EXTENDED_REQUEST_MAGIC, flags, cmd, cookie, offset, length)
@@ -203,6 +232,7 @@ def main():
         for image in make_images(d):
             with open(os.path.join(d, image), "rb") as f:
                 seeds_for(f.read(), image.removesuffix(".qcow2"), out)
+        luks_seeds(d, out)
     nbd_seeds(out)
     counts = {t: len(os.listdir(os.path.join(out, t))) for t in sorted(os.listdir(out))
               if os.path.isdir(os.path.join(out, t))}

@@ -200,6 +200,7 @@ pub async fn open_read_only(
         format: Some(format),
         snapshot,
         force_share,
+        passwords: crate::secrets::passwords_for(path),
         ..OpenOptions::default()
     };
     Ok(Image::open(&opener(), path, &opts).await?)

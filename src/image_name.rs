@@ -73,6 +73,15 @@ const FILE_NOOP_OPTIONS: &[&str] = &[
 /// A feature that takes a driver option adds its key here.
 const PASS_THROUGH: &[&str] = &[];
 
+/// True for `encrypt.key-secret` of the image or of a layer below it (`backing.` repeated).
+fn is_key_secret(key: &str) -> bool {
+    let mut rest = key;
+    while let Some(r) = rest.strip_prefix("backing.") {
+        rest = r;
+    }
+    rest == "encrypt.key-secret"
+}
+
 /// Why an image name was refused. The texts after `Could not open` are QEMU's.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NameError {
@@ -394,6 +403,14 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
     };
     let path = file_node(file_direct, file_members)?;
     let mut options = BTreeMap::new();
+    // A layer's encryption key (`encrypt.key-secret`, `backing.encrypt.key-secret`, ...) is
+    // read from the command line by `secrets`, which gives it to the open.
+    let keys: Vec<String> = flat.keys().filter(|k| is_key_secret(k)).cloned().collect();
+    for key in keys {
+        if let Some(Val::Text(v)) = flat.remove(&key) {
+            options.insert(key, v);
+        }
+    }
     for key in PASS_THROUGH {
         if let Some(Val::Text(v)) = flat.remove(*key) {
             options.insert(key.to_string(), v);

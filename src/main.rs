@@ -6,6 +6,7 @@ mod image_name;
 mod malloc_tuning;
 mod options;
 mod prog;
+mod secrets;
 mod size_string;
 mod tools;
 mod zeroes;
@@ -119,7 +120,16 @@ fn resolve_image_names(cmd: &mut Command, opts: bool) -> Result<(), image_name::
         Command::Commit(a) => resolve(&mut a.top, &mut a.format, opts),
         Command::Rebase(a) => resolve(&mut a.image, &mut a.format, opts),
         Command::Snapshot(a) => resolve(&mut a.filename, &mut a.format, opts),
-        Command::Create(_) | Command::Dd(_) | Command::Serve(_) | Command::Ctl(_) => Ok(()),
+        Command::Serve(a) => {
+            let Some(image) = a.image.as_mut() else {
+                return Ok(());
+            };
+            let mut format = a.format.map(|f| f.name().to_string());
+            resolve(image, &mut format, opts)?;
+            a.format = format.as_deref().and_then(serve::FormatArg::from_name);
+            Ok(())
+        }
+        Command::Create(_) | Command::Dd(_) | Command::Ctl(_) => Ok(()),
     }
 }
 
@@ -131,10 +141,17 @@ fn main() -> ExitCode {
     let personality = prog::Personality::from_argv0(args.first());
     prog::set(personality);
     let name = personality.name();
+    let args = match secrets::take_from_args(personality.native_args(args)) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let parsed = Cli::command()
         .name(name)
         .bin_name(name)
-        .try_get_matches_from(personality.native_args(args))
+        .try_get_matches_from(args)
         .and_then(|m| Cli::from_arg_matches(&m).map(|cli| (m, cli)));
     let (matches, mut cli) = match parsed {
         Ok(p) => p,

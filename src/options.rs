@@ -211,9 +211,26 @@ impl Parsed {
         }
     }
 
+    /// An option's value exactly as given (`on` for a bare key).
+    pub fn raw_text(&self, name: &str) -> Option<String> {
+        self.values.get(name).map(|(_, text)| text.clone())
+    }
+
     /// True when the option was given.
     pub fn has(&self, name: &str) -> bool {
         self.values.contains_key(name)
+    }
+
+    /// Sets an option from its text as if it had been given (typed as `spec` says; a value
+    /// that does not parse is left out).
+    pub fn set_raw(&mut self, spec: &Spec, text: &str) {
+        if let Ok(p) = Parsed::parse(
+            &format!("{}={}", spec.name, text.replace(',', ",,")),
+            std::slice::from_ref(spec),
+            &[],
+        ) {
+            self.values.extend(p.values);
+        }
     }
 
     /// Sets a string option as if it had been given (qemu-img turns `-b`/`-F` into options).

@@ -40,7 +40,7 @@ use nbd::{Server, ServerConfig};
 use qcow2::engine::{CacheOptions, OpenOptions};
 use storage::FileOpener;
 
-pub use args::{CacheMode, ServeArgs};
+pub use args::{CacheMode, FormatArg, ServeArgs};
 pub(crate) use control::qmp;
 pub use error::ServeError;
 
@@ -132,6 +132,9 @@ impl Plan {
             direct,
             discard_passthrough: discard == DiscardMode::Unmap,
             force_share: false,
+            // Per image: see `ImageSpec::open_options`.
+            passwords: Default::default(),
+            no_io: false,
             open_bound: storage::OpenBound {
                 timeout: Duration::from_secs(args.open_timeout),
                 max_stuck: usize::try_from(args.open_stuck_max).unwrap_or(usize::MAX),

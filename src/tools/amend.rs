@@ -7,11 +7,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
+use qcow2::crypto::SlotChange;
 use qcow2::engine::{AmendOptions, EngineError, Format, Image, OpenOptions};
 use storage::AnyStorage;
 
 use crate::engine_run::{self, OpenError};
-use crate::options::{self, OptionsError, Parsed, Spec};
+use crate::options::{self, Kind, OptionsError, Parsed, Spec};
 use crate::tools::create::{QCOW2_OPTIONS, QCOW2_UNSUPPORTED};
 
 /// The options `amend` changes, as qemu-img lists them for qcow2.
@@ -24,25 +25,83 @@ const AMEND_NAMES: &[&str] = &[
     "size",
 ];
 
-/// The specs of [`AMEND_NAMES`]: each option's kind and help text are `create`'s.
+/// The key slot options of a LUKS-encrypted image, with qemu-img's help texts.
+const KEY_SLOT_OPTIONS: &[Spec] = &[
+    Spec {
+        name: "encrypt.iter-time",
+        kind: Kind::Number,
+        help: "Time to spend in PBKDF in milliseconds",
+    },
+    Spec {
+        name: "encrypt.keyslot",
+        kind: Kind::Number,
+        help: "Select a single keyslot to modify explicitly",
+    },
+    Spec {
+        name: "encrypt.new-secret",
+        kind: Kind::Str,
+        help: "New secret to set in the matching keyslots. Empty string to erase",
+    },
+    Spec {
+        name: "encrypt.old-secret",
+        kind: Kind::Str,
+        help: "Select all keyslots that match this password",
+    },
+    Spec {
+        name: "encrypt.state",
+        kind: Kind::Str,
+        help: "Select new state of affected keyslots (active/inactive)",
+    },
+];
+
+/// The specs of [`AMEND_NAMES`] (each option's kind and help text are `create`'s) and of
+/// the key slot options.
 fn amend_options() -> Vec<Spec> {
-    QCOW2_OPTIONS
+    let mut specs: Vec<Spec> = QCOW2_OPTIONS
         .iter()
         .filter(|s| AMEND_NAMES.contains(&s.name))
         .copied()
-        .collect()
+        .chain(KEY_SLOT_OPTIONS.iter().copied())
+        .collect();
+    specs.sort_by_key(|s| s.name);
+    specs
 }
 
 /// Amend options qemu-img has that qcow2-nbd does not change.
-const AMEND_UNSUPPORTED: &[&str] = &[
-    "data_file",
-    "data_file_raw",
-    "encrypt.iter-time",
-    "encrypt.keyslot",
-    "encrypt.new-secret",
-    "encrypt.old-secret",
-    "encrypt.state",
-];
+const AMEND_UNSUPPORTED: &[&str] = &["data_file", "data_file_raw"];
+
+/// The key slot change the options ask for, if any; secrets are looked up by id.
+fn slot_change(list: &str, force: bool) -> Result<Option<SlotChange>, AmendCliError> {
+    let parsed =
+        Parsed::parse(list, &amend_options(), AMEND_UNSUPPORTED).map_err(AmendCliError::Options)?;
+    if !KEY_SLOT_OPTIONS.iter().any(|s| parsed.has(s.name)) {
+        return Ok(None);
+    }
+    let secret = |name: &str| -> Result<Option<Vec<u8>>, AmendCliError> {
+        parsed
+            .str(name)
+            .map(|id| crate::secrets::secret(id).map_err(AmendCliError::Slots))
+            .transpose()
+    };
+    let activate = match parsed.str("encrypt.state") {
+        Some("active") => true,
+        Some("inactive") => false,
+        Some(other) => {
+            return Err(AmendCliError::Slots(format!(
+                "Parameter 'state' does not accept value '{other}'"
+            )))
+        }
+        None => return Err(AmendCliError::Slots("Parameter 'state' is missing".into())),
+    };
+    Ok(Some(SlotChange {
+        activate,
+        new_password: secret("encrypt.new-secret")?,
+        old_password: secret("encrypt.old-secret")?,
+        keyslot: parsed.num("encrypt.keyslot"),
+        iter_time_ms: parsed.num("encrypt.iter-time"),
+        force,
+    }))
+}
 
 /// Arguments of `amend`.
 #[derive(Args, Debug)]
@@ -72,8 +131,8 @@ pub struct AmendArgs {
     /// Quiet (amend prints nothing on success anyway).
     #[arg(short = 'q', long)]
     pub quiet: bool,
-    /// Accepted for qemu-img compatibility, which needs it only for encryption changes
-    /// (not offered here); it allows nothing unsafe.
+    /// With encrypt.state: overwrite an active key slot, or erase the last one (which
+    /// makes the data unreadable for ever).
     #[arg(long)]
     pub force: bool,
     /// The image to change.
@@ -101,6 +160,9 @@ enum AmendCliError {
     Engine(EngineError),
     #[error("{0}")]
     Runtime(std::io::Error),
+    /// A key slot change refused, in QEMU's words.
+    #[error("{0}")]
+    Slots(String),
 }
 
 /// QEMU's reason alone where it has one, anything else in full.
@@ -109,6 +171,7 @@ fn engine_reason(e: &EngineError) -> String {
         EngineError::Amend { source, .. } => source.to_string(),
         EngineError::Resize { source, .. } => source.to_string(),
         EngineError::Bitmap { source, .. } => source.to_string(),
+        EngineError::Crypto { source, .. } => source.to_string(),
         other => other.to_string(),
     }
 }
@@ -171,6 +234,7 @@ async fn run(args: &AmendArgs) -> Result<(), AmendCliError> {
     }
     let open = OpenOptions {
         format: Some(Format::Qcow2),
+        passwords: crate::secrets::passwords_for(path),
         ..OpenOptions::default()
     };
     // Opened before the options are read, as qemu-img does: a dirty lazy-refcount image is
@@ -178,10 +242,23 @@ async fn run(args: &AmendArgs) -> Result<(), AmendCliError> {
     let img: Image<AnyStorage> = Image::open(&engine_run::opener(), path, &open)
         .await
         .map_err(OpenError::from)?;
-    let outcome = match parse(&list) {
-        Ok(opts) => img.amend(&opts).await.map_err(AmendCliError::Engine),
-        Err(e) => Err(e),
-    };
+    let outcome = async {
+        let opts = parse(&list)?;
+        if let Some(change) = slot_change(&list, args.force)? {
+            let passwords = crate::secrets::passwords_for(path);
+            let password = passwords.get(0).ok_or_else(|| {
+                AmendCliError::Slots("Parameter 'encrypt.key-secret' is required for cipher".into())
+            })?;
+            img.change_key_slots(password, &change)
+                .await
+                .map_err(AmendCliError::Engine)?;
+            if opts == AmendOptions::default() {
+                return Ok(());
+            }
+        }
+        img.amend(&opts).await.map_err(AmendCliError::Engine)
+    }
+    .await;
     let closed = img.close().await.map_err(AmendCliError::Engine);
     outcome.and(closed)
 }

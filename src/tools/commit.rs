@@ -25,6 +25,7 @@ use storage::AnyStorage;
 
 use crate::daemon::serve::CacheMode;
 use crate::engine_run::{self, OpenError};
+use crate::secrets;
 use crate::size_string::parse_size;
 use crate::tools::inflight::{BufferPool, CopyError, InFlight};
 use crate::tools::progress::{self, Progress};
@@ -132,6 +133,8 @@ struct Opened {
     /// The base's file and format.
     base_path: PathBuf,
     base_format: Format,
+    /// The passwords of the base's chain.
+    base_keys: qcow2::crypto::Passwords,
 }
 
 /// Copies `args.rate` bytes per second at most.
@@ -156,11 +159,13 @@ async fn open_rw(
     format: Format,
     no_backing: bool,
     cache: CacheMode,
+    passwords: qcow2::crypto::Passwords,
 ) -> Result<Image<AnyStorage>, OpenError> {
     let opts = OpenOptions {
         format: Some(format),
         no_backing,
         direct: cache.direct(),
+        passwords,
         ..OpenOptions::default()
     };
     Ok(Image::open(&engine_run::opener(), path, &opts).await?)
@@ -172,12 +177,14 @@ async fn open_ro(
     format: Format,
     no_backing: bool,
     shared: bool,
+    passwords: qcow2::crypto::Passwords,
 ) -> Result<Image<AnyStorage>, OpenError> {
     let opts = OpenOptions {
         read_only: true,
         format: Some(format),
         no_backing,
         force_share: shared,
+        passwords,
         ..OpenOptions::default()
     };
     Ok(Image::open(&engine_run::opener(), path, &opts).await?)
@@ -212,8 +219,9 @@ async fn open_chain(args: &CommitArgs) -> Result<Opened, CommitError> {
     if format == Format::Raw {
         return Err(CommitError::NoBackingFile);
     }
-    let top = open_rw(&args.top, format, true, args.cache).await?;
-    let reader = open_ro(&args.top, format, false, true).await?;
+    let keys = |depth| secrets::passwords_below(&args.top, depth);
+    let top = open_rw(&args.top, format, true, args.cache, keys(0)).await?;
+    let reader = open_ro(&args.top, format, false, true, keys(0)).await?;
     let chain = reader.facts().chain;
     let formats = reader.chain_formats();
     let base_depth = match &args.base {
@@ -226,7 +234,7 @@ async fn open_chain(args: &CommitArgs) -> Result<Opened, CommitError> {
     };
     let mut between = Vec::new();
     for i in 1..base_depth {
-        between.push(open_ro(Path::new(&chain[i]), formats[i], true, false).await?);
+        between.push(open_ro(Path::new(&chain[i]), formats[i], true, false, keys(i)).await?);
     }
     Ok(Opened {
         top,
@@ -235,6 +243,7 @@ async fn open_chain(args: &CommitArgs) -> Result<Opened, CommitError> {
         base_depth,
         base_path: PathBuf::from(&chain[base_depth]),
         base_format: formats[base_depth],
+        base_keys: keys(base_depth),
     })
 }
 
@@ -244,7 +253,14 @@ async fn open_base(
     size: u64,
     cache: CacheMode,
 ) -> Result<Image<AnyStorage>, CommitError> {
-    let base = open_rw(&o.base_path, o.base_format, false, cache).await?;
+    let base = open_rw(
+        &o.base_path,
+        o.base_format,
+        false,
+        cache,
+        o.base_keys.clone(),
+    )
+    .await?;
     if base.size() >= size {
         return Ok(base);
     }

@@ -135,6 +135,9 @@ pub enum ConvertError {
     /// `-c` with a target that cannot hold compressed clusters.
     #[error("Compression not supported for this file format")]
     CompressRaw,
+    /// `-c` with an encrypted target.
+    #[error("Compression and encryption not supported at the same time")]
+    CompressEncrypted,
     /// `-c` with preallocation.
     #[error("Compression and preallocation not supported at the same time")]
     CompressPrealloc,
@@ -734,6 +737,10 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
         if parsed.str("preallocation").is_some_and(|p| p != "off") {
             return Err(ConvertError::CompressPrealloc);
         }
+        if parsed.has("encrypt.format") || parsed.bool("encryption") == Some(true) {
+            // Compressed clusters are stored in plain text.
+            return Err(ConvertError::CompressEncrypted);
+        }
     }
     if args.bitmaps && sources.len() > 1 {
         return Err(ConvertError::BitmapsWithConcatenation);
@@ -920,12 +927,29 @@ async fn open_target(
     format: Format,
     min_sparse: u64,
 ) -> Result<Image<AnyStorage>, ConvertError> {
+    open_target_with(
+        path,
+        format,
+        min_sparse,
+        crate::secrets::passwords_for(path),
+    )
+    .await
+}
+
+/// Opens the target with the passwords of its encryption, if any.
+async fn open_target_with(
+    path: &Path,
+    format: Format,
+    min_sparse: u64,
+    passwords: qcow2::crypto::Passwords,
+) -> Result<Image<AnyStorage>, ConvertError> {
     Ok(Image::open(
         &engine_run::opener(),
         path,
         &OpenOptions {
             format: Some(format),
             discard_passthrough: min_sparse != 0,
+            passwords,
             ..OpenOptions::default()
         },
     )
@@ -946,6 +970,8 @@ async fn create_target(
     let path = args.target();
     let target = path.display().to_string();
     let invalid = CreateError::invalid(&target);
+    let mut passwords = qcow2::crypto::Passwords::default();
+    let mut noise = false;
     match format {
         Format::Raw => {
             let prealloc =
@@ -969,9 +995,27 @@ async fn create_target(
                     image: target.clone(),
                     source: Box::new(source),
                 })?;
+            // Preallocated clusters of an encrypted image read as noise, not zeros (QEMU
+            // calls such a target not zero-initialized): they are zeroed before the copy,
+            // which then skips zeros as usual.
+            noise = plan.opts.encryption.is_some()
+                && plan.opts.preallocation != qcow2::engine::Preallocation::Off;
+            passwords = plan.opts.passwords();
         }
     }
-    open_target(path, format, min_sparse).await
+    if passwords.is_empty() {
+        passwords = crate::secrets::passwords_for(path);
+    }
+    let dst = open_target_with(path, format, min_sparse, passwords).await?;
+    if noise {
+        dst.write_zeroes(0, dst.size(), false, false)
+            .await
+            .map_err(|source| CreateError::Engine {
+                image: target.clone(),
+                source: Box::new(source),
+            })?;
+    }
+    Ok(dst)
 }
 
 /// Runs `convert` and returns the exit status.

@@ -7,7 +7,9 @@ use std::process::ExitCode;
 
 use clap::Args;
 use qcow2::engine::compress::Codec;
-use qcow2::engine::{self as engine, CreateOptions, EngineError, Format, Image, Preallocation};
+use qcow2::engine::{
+    self as engine, CreateOptions, EngineError, Format, Image, NewEncryption, Preallocation,
+};
 use storage::{IoBuf, Opener, Storage};
 
 use crate::engine_run::{self, format_name, OpenError};
@@ -52,6 +54,51 @@ pub const QCOW2_OPTIONS: &[Spec] = &[
         help: "The external data file must stay valid as a raw image",
     },
     Spec {
+        name: "encrypt.cipher-alg",
+        kind: Kind::Str,
+        help: "Name of encryption cipher algorithm",
+    },
+    Spec {
+        name: "encrypt.cipher-mode",
+        kind: Kind::Str,
+        help: "Name of encryption cipher mode",
+    },
+    Spec {
+        name: "encrypt.format",
+        kind: Kind::Str,
+        help: "Encrypt the image, format choices: 'aes', 'luks'",
+    },
+    Spec {
+        name: "encrypt.hash-alg",
+        kind: Kind::Str,
+        help: "Name of encryption hash algorithm",
+    },
+    Spec {
+        name: "encrypt.iter-time",
+        kind: Kind::Number,
+        help: "Time to spend in PBKDF in milliseconds",
+    },
+    Spec {
+        name: "encrypt.ivgen-alg",
+        kind: Kind::Str,
+        help: "Name of IV generator algorithm",
+    },
+    Spec {
+        name: "encrypt.ivgen-hash-alg",
+        kind: Kind::Str,
+        help: "Name of IV generator hash algorithm",
+    },
+    Spec {
+        name: "encrypt.key-secret",
+        kind: Kind::Str,
+        help: "ID of secret providing qcow AES key or LUKS passphrase",
+    },
+    Spec {
+        name: "encryption",
+        kind: Kind::Bool,
+        help: "Encrypt the image with format 'aes'. (Deprecated in favor of encrypt.format=aes)",
+    },
+    Spec {
         name: "extended_l2",
         kind: Kind::Bool,
         help: "Extended L2 tables",
@@ -79,19 +126,7 @@ pub const QCOW2_OPTIONS: &[Spec] = &[
 ];
 
 /// qcow2 options QEMU has that we do not implement (refused by name, not as unknown).
-pub const QCOW2_UNSUPPORTED: &[&str] = &[
-    "encryption",
-    "encrypt.format",
-    "encrypt.key-secret",
-    "encrypt.cipher-alg",
-    "encrypt.cipher-mode",
-    "encrypt.hash-alg",
-    "encrypt.ivgen-alg",
-    "encrypt.ivgen-hash-alg",
-    "encrypt.iter-time",
-    "extent_size_hint",
-    "nocow",
-];
+pub const QCOW2_UNSUPPORTED: &[&str] = &["extent_size_hint", "nocow"];
 
 /// Options of raw images.
 pub const RAW_OPTIONS: &[Spec] = &[
@@ -99,6 +134,50 @@ pub const RAW_OPTIONS: &[Spec] = &[
         name: "preallocation",
         kind: Kind::Str,
         help: "Preallocation mode (allowed values: off, falloc, full)",
+    },
+    Spec {
+        name: "size",
+        kind: Kind::Size,
+        help: "Virtual disk size",
+    },
+];
+
+/// Options of raw LUKS volumes (`-f luks`): the `encrypt.*` options of qcow2, unprefixed.
+pub const LUKS_OPTIONS: &[Spec] = &[
+    Spec {
+        name: "cipher-alg",
+        kind: Kind::Str,
+        help: "Name of encryption cipher algorithm",
+    },
+    Spec {
+        name: "cipher-mode",
+        kind: Kind::Str,
+        help: "Name of encryption cipher mode",
+    },
+    Spec {
+        name: "hash-alg",
+        kind: Kind::Str,
+        help: "Name of encryption hash algorithm",
+    },
+    Spec {
+        name: "iter-time",
+        kind: Kind::Number,
+        help: "Time to spend in PBKDF in milliseconds",
+    },
+    Spec {
+        name: "ivgen-alg",
+        kind: Kind::Str,
+        help: "Name of IV generator algorithm",
+    },
+    Spec {
+        name: "ivgen-hash-alg",
+        kind: Kind::Str,
+        help: "Name of IV generator hash algorithm",
+    },
+    Spec {
+        name: "key-secret",
+        kind: Kind::Str,
+        help: "ID of secret providing LUKS passphrase",
     },
     Spec {
         name: "size",
@@ -226,6 +305,81 @@ pub struct Qcow2Plan {
     pub prealloc_text: Option<String>,
     /// `data_file_raw` if given, for the "Formatting" line.
     pub data_file_raw_given: Option<bool>,
+    /// The `encrypt.*` and `encryption` options as given, in the "Formatting" line's order.
+    pub encrypt_text: Vec<(&'static str, String)>,
+}
+
+/// The options of encryption, in the order qemu-img's "Formatting" line shows them.
+const ENCRYPT_OPTIONS: &[&str] = &[
+    "encryption",
+    "encrypt.format",
+    "encrypt.key-secret",
+    "encrypt.cipher-alg",
+    "encrypt.cipher-mode",
+    "encrypt.ivgen-alg",
+    "encrypt.ivgen-hash-alg",
+    "encrypt.hash-alg",
+    "encrypt.iter-time",
+];
+
+/// The encryption the options ask for, with qemu-img's messages; the secret must have been
+/// defined with `--object secret`.
+pub fn encryption_settings(p: &Parsed) -> Result<Option<NewEncryption>, String> {
+    use qcow2::crypto::{CipherAlg, CipherMode, HashAlg, IvGen, LuksCreate};
+    let format = match (p.bool("encryption"), p.str("encrypt.format")) {
+        (Some(true), Some(_)) => {
+            return Err(
+                "Options \"encryption\" and \"encrypt.format\" are mutually exclusive".into(),
+            )
+        }
+        (Some(true), None) => "aes",
+        (_, Some(f)) => f,
+        (_, None) => {
+            if let Some(name) = ENCRYPT_OPTIONS[2..].iter().find(|n| p.has(n)) {
+                return Err(format!(
+                    "Parameter '{name}' is unexpected without encrypt.format"
+                ));
+            }
+            return Ok(None);
+        }
+    };
+    let password = || -> Result<Vec<u8>, String> {
+        let id = p
+            .str("encrypt.key-secret")
+            .ok_or("Parameter 'encrypt.key-secret' is required for cipher")?;
+        crate::secrets::secret(id)
+    };
+    let bad = |name: &str, v: &str| format!("Invalid parameter '{v}' for {name}");
+    match format {
+        "aes" => Ok(Some(NewEncryption::LegacyAes {
+            password: password()?,
+        })),
+        "luks" => {
+            let mut opts = LuksCreate::default();
+            if let Some(v) = p.str("encrypt.cipher-alg") {
+                opts.cipher = CipherAlg::from_name(v).ok_or_else(|| bad("cipher-alg", v))?;
+            }
+            if let Some(v) = p.str("encrypt.cipher-mode") {
+                opts.mode = CipherMode::from_name(v).ok_or_else(|| bad("cipher-mode", v))?;
+            }
+            if let Some(v) = p.str("encrypt.ivgen-alg") {
+                opts.ivgen = IvGen::from_name(v).ok_or_else(|| bad("ivgen-alg", v))?;
+            }
+            if let Some(v) = p.str("encrypt.hash-alg") {
+                opts.hash = HashAlg::from_name(v).ok_or_else(|| bad("hash-alg", v))?;
+            }
+            if let Some(ms) = p.num("encrypt.iter-time") {
+                opts.iter_time_ms = ms.max(1);
+            }
+            Ok(Some(NewEncryption::Luks {
+                password: password()?,
+                opts,
+            }))
+        }
+        other => Err(format!(
+            "Parameter 'encrypt.format' does not accept value '{other}'"
+        )),
+    }
 }
 
 /// Decides the qcow2 settings from parsed options, with qemu-img's checks and messages (size
@@ -275,6 +429,11 @@ fn qcow2_settings(p: &Parsed) -> Result<Qcow2Plan, String> {
     let lazy_refcounts = p.bool("lazy_refcounts").unwrap_or(false);
     let cluster_size = p.num("cluster_size").unwrap_or(65536);
     let refcount_bits = p.num("refcount_bits").unwrap_or(16);
+    let encryption = encryption_settings(p)?;
+    let encrypt_text = ENCRYPT_OPTIONS
+        .iter()
+        .filter_map(|&n| p.raw_text(n).map(|v| (n, v)))
+        .collect();
     Ok(Qcow2Plan {
         opts: CreateOptions {
             size: 0,
@@ -289,10 +448,12 @@ fn qcow2_settings(p: &Parsed) -> Result<Qcow2Plan, String> {
             backing: None,
             data_file: p.str("data_file").map(str::to_string),
             data_file_raw: p.bool("data_file_raw").unwrap_or(false),
+            encryption,
         },
         compat: p.str("compat").map(str::to_string),
         prealloc_text: p.str("preallocation").map(str::to_string),
         data_file_raw_given: p.bool("data_file_raw"),
+        encrypt_text,
     })
 }
 
@@ -412,11 +573,15 @@ pub fn formatting_line(
     };
     let o = &plan.opts;
     let onoff = |b: bool| if b { "on" } else { "off" };
-    let mut s = format!(
-        "Formatting '{image}', fmt=qcow2 cluster_size={} extended_l2={}",
+    let mut s = format!("Formatting '{image}', fmt=qcow2");
+    for (name, value) in &plan.encrypt_text {
+        s.push_str(&format!(" {name}={value}"));
+    }
+    s.push_str(&format!(
+        " cluster_size={} extended_l2={}",
         o.cluster_size,
         onoff(o.extended_l2)
-    );
+    ));
     if let Some(p) = &plan.prealloc_text {
         s.push_str(&format!(" preallocation={p}"));
     }
@@ -466,6 +631,7 @@ pub async fn create_qcow2(path: &Path, opts: &CreateOptions) -> Result<(), Engin
             &engine::OpenOptions {
                 no_backing: true,
                 format: Some(Format::Qcow2),
+                passwords: opts.passwords(),
                 ..engine::OpenOptions::default()
             },
         )
@@ -506,6 +672,9 @@ pub async fn create_raw(path: &Path, size: u64, prealloc: Preallocation) -> std:
 }
 
 async fn create(args: &CreateArgs) -> Result<(), CreateError> {
+    if args.format == "luks" {
+        return create_luks_image(args).await;
+    }
     let format = engine_run::parse_format(&args.format)?;
     let (specs, _) = option_table(format);
     let list = options::join_lists(&args.options).map_err(|source| CreateError::Options {
@@ -535,6 +704,95 @@ async fn create(args: &CreateArgs) -> Result<(), CreateError> {
         Format::Raw => create_raw_image(args, image_path, &image, &parsed, size).await,
         Format::Qcow2 => create_qcow2_image(args, image_path, &image, &parsed, size).await,
     }
+}
+
+/// Creates a raw LUKS volume (`-f luks`): the LUKS header and key material, then the
+/// payload. Only created here, never opened: the encryption this project serves is
+/// qcow2's own.
+async fn create_luks_image(args: &CreateArgs) -> Result<(), CreateError> {
+    let image_path = args.image.as_ref().ok_or(CreateError::NoImage)?;
+    let image = image_path.display().to_string();
+    let options_error = |source| CreateError::Options {
+        image: image.clone(),
+        source,
+    };
+    let list = options::join_lists(&args.options).map_err(options_error)?;
+    if list.as_deref().is_some_and(options::wants_help) {
+        print!("{}", options::help_text(LUKS_OPTIONS));
+        return Ok(());
+    }
+    let parsed = match list.as_deref() {
+        Some(l) => Parsed::parse(l, LUKS_OPTIONS, &[]).map_err(options_error)?,
+        None => Parsed::default(),
+    };
+    let invalid = CreateError::invalid(&image);
+    let size = match (&args.size, parsed.num("size")) {
+        (Some(s), _) => {
+            size_string::parse_size(s).map_err(|_| CreateError::InvalidSize(s.clone()))?
+        }
+        (None, Some(n)) => n,
+        (None, None) => return Err(invalid("Image creation needs a size parameter".into())),
+    };
+    if !args.quiet {
+        let mut line = format!("Formatting '{image}', fmt=luks size={size}");
+        for name in [
+            "key-secret",
+            "cipher-alg",
+            "cipher-mode",
+            "ivgen-alg",
+            "ivgen-hash-alg",
+            "hash-alg",
+            "iter-time",
+        ] {
+            if let Some(v) = parsed.raw_text(name) {
+                line.push_str(&format!(" {name}={v}"));
+            }
+        }
+        println!("{line}");
+    }
+    // The qcow2 option names, so that one reading serves both.
+    let mut prefixed = Parsed::default();
+    for spec in QCOW2_OPTIONS
+        .iter()
+        .filter(|s| s.name.starts_with("encrypt."))
+    {
+        if let Some(v) = parsed.raw_text(&spec.name["encrypt.".len()..]) {
+            prefixed.set_raw(spec, &v);
+        }
+    }
+    prefixed.set_raw(
+        QCOW2_OPTIONS
+            .iter()
+            .find(|s| s.name == "encrypt.format")
+            .expect("listed"),
+        "luks",
+    );
+    let luks = encryption_settings(&prefixed).map_err(|e| invalid(e.replace("encrypt.", "")))?;
+    let Some(NewEncryption::Luks { password, opts }) = luks else {
+        return Err(invalid("LUKS options expected".into()));
+    };
+    let io = |what| {
+        let image = image.clone();
+        move |source| CreateError::Io {
+            image: image.clone(),
+            what,
+            source,
+        }
+    };
+    let (area, _) =
+        qcow2::crypto::luks::create(&password, &opts).map_err(|e| invalid(e.to_string()))?;
+    let size = size.div_ceil(512) * 512;
+    let file = engine_run::opener()
+        .open(image_path, storage::OpenOptions::create())
+        .await
+        .map_err(io("creating the LUKS volume"))?;
+    file.set_len(0).await.map_err(io("truncating"))?;
+    let (res, _) = file.write_at(IoBuf::from_slice(&area).into(), 0).await;
+    res.map_err(io("writing the LUKS header"))?;
+    file.set_len(area.len() as u64 + size)
+        .await
+        .map_err(io("sizing the LUKS volume"))?;
+    file.flush().await.map_err(io("flushing"))
 }
 
 /// Parses the `-o` list and lets `-b` and `-F` override it, as qemu-img does.
@@ -689,11 +947,20 @@ async fn set_backing(
         image: image.to_string(),
         source: OpenError::from(EngineError::Backing(e)),
     })?;
-    let backing = engine_run::open_read_only(&resolved, Some(fmt), None, false)
+    // Only its size is needed: an encrypted backing file opens without its password, as
+    // QEMU opens it without I/O.
+    let opts = engine::OpenOptions {
+        read_only: true,
+        format: Some(fmt),
+        no_io: true,
+        passwords: crate::secrets::passwords_for(&resolved),
+        ..engine::OpenOptions::default()
+    };
+    let backing = Image::open(&engine_run::opener(), &resolved, &opts)
         .await
         .map_err(|source| CreateError::Backing {
             image: image.to_string(),
-            source,
+            source: OpenError::from(source),
         })?;
     Ok(size.or(Some(backing.size())))
 }

@@ -23,9 +23,8 @@ use crate::tools::create::{self, CreateError, QCOW2_OPTIONS, RAW_OPTIONS};
 /// How much of the source one block-status query covers.
 const QUERY_BYTES: u64 = 1 << 30;
 
-/// QEMU options that do not change the measured size (file-system hints, the external data
-/// file, AES encryption); accepted and ignored, as qemu-img accepts them. LUKS encryption does
-/// change it and is refused.
+/// QEMU options that do not change the measured size (the external data file); accepted and
+/// ignored, as qemu-img accepts them. Encryption is `create`'s options: LUKS adds its header.
 const SIZE_NEUTRAL: &[Spec] = &[
     Spec {
         name: "data_file",
@@ -36,21 +35,6 @@ const SIZE_NEUTRAL: &[Spec] = &[
         name: "data_file_raw",
         kind: Kind::Bool,
         help: "The external data file must stay valid as a raw image",
-    },
-    Spec {
-        name: "encrypt.format",
-        kind: Kind::Str,
-        help: "Encrypt the image, format choices: 'aes' ('luks' is not supported)",
-    },
-    Spec {
-        name: "encrypt.key-secret",
-        kind: Kind::Str,
-        help: "ID of secret providing qcow AES key or LUKS passphrase",
-    },
-    Spec {
-        name: "encryption",
-        kind: Kind::Bool,
-        help: "Encrypt the image with format 'aes'. (Deprecated in favor of encrypt.format=aes)",
     },
 ];
 
@@ -136,9 +120,6 @@ pub enum MeasureCliError {
     /// A value of an option the measurement reads is refused.
     #[error("{0}")]
     Invalid(String),
-    /// LUKS encryption, whose header size depends on a key we do not derive.
-    #[error("LUKS encryption (encrypt.format=luks) is not supported by qcow2-nbd")]
-    Luks,
     /// The size cannot be measured.
     #[error("{0}")]
     Measure(#[from] MeasureError),
@@ -206,6 +187,8 @@ struct Qcow2Settings {
     version: u32,
     preallocation: Preallocation,
     has_backing: bool,
+    /// Bytes of a LUKS header's clusters (0 without LUKS).
+    luks_len: u64,
 }
 
 fn qcow2_settings(p: &Parsed) -> Result<Qcow2Settings, MeasureCliError> {
@@ -241,9 +224,13 @@ fn qcow2_settings(p: &Parsed) -> Result<Qcow2Settings, MeasureCliError> {
         Some(s) => Preallocation::from_name(s)
             .ok_or_else(|| MeasureCliError::Invalid(format!("invalid parameter value: {s}")))?,
     };
-    if p.str("encrypt.format") == Some("luks") {
-        return Err(MeasureCliError::Luks);
-    }
+    // A LUKS header takes clusters of its own; its size follows from the cipher.
+    let luks_len = match crate::create::encryption_settings(p).map_err(MeasureCliError::Invalid)? {
+        Some(qcow2::engine::NewEncryption::Luks { opts, .. }) => {
+            qcow2::crypto::luks::area_len(&opts).next_multiple_of(cluster_size)
+        }
+        _ => 0,
+    };
     Ok(Qcow2Settings {
         target: Target {
             cluster_size,
@@ -253,6 +240,7 @@ fn qcow2_settings(p: &Parsed) -> Result<Qcow2Settings, MeasureCliError> {
         version,
         preallocation,
         has_backing: p.has("backing_file"),
+        luks_len,
     })
 }
 
@@ -309,7 +297,7 @@ async fn measure_qcow2(
     if matches!(s.preallocation, Preallocation::Full | Preallocation::Falloc) {
         required = virtual_size;
     }
-    let fully_allocated = s.target.fully_allocated(virtual_size)?;
+    let fully_allocated = s.target.fully_allocated(virtual_size)? + s.luks_len;
     // QEMU keeps the fully allocated metadata in the required size (an overestimate).
     let required = fully_allocated - virtual_size + required;
     let bitmaps = match source {

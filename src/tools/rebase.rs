@@ -402,6 +402,7 @@ async fn open_image(
     let opts = OpenOptions {
         format: Some(format),
         no_backing,
+        passwords: crate::secrets::passwords_for(&args.image),
         ..OpenOptions::default()
     };
     Image::open(&engine_run::opener(), &args.image, &opts)

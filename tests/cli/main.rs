@@ -14,6 +14,7 @@ mod create;
 mod data_file;
 mod dd;
 mod drop_in;
+mod encryption;
 mod image_names;
 mod interop_writes;
 mod qemu_img_options;

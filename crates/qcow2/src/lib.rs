@@ -3,6 +3,7 @@
 //! what a new image of a given shape costs on disk ([`measure`]). The format itself, as pure
 //! I/O-free types, is the `qcow2-format` crate ([`format`]).
 
+pub mod crypto;
 pub mod engine;
 /// The on-disk format as pure types: the `qcow2-format` crate, re-exported so that
 /// `qcow2::format` and the engine's `crate::format` name one thing.

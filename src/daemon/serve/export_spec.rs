@@ -148,6 +148,25 @@ pub enum FormatArg {
     Raw,
 }
 
+impl FormatArg {
+    /// The format's name, as `-f` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            FormatArg::Qcow2 => "qcow2",
+            FormatArg::Raw => "raw",
+        }
+    }
+
+    /// The format `name` names, if it is one `serve` exports.
+    pub fn from_name(name: &str) -> Option<FormatArg> {
+        match name {
+            "qcow2" => Some(FormatArg::Qcow2),
+            "raw" => Some(FormatArg::Raw),
+            _ => None,
+        }
+    }
+}
+
 impl From<FormatArg> for Format {
     fn from(f: FormatArg) -> Format {
         match f {

@@ -102,6 +102,7 @@ impl ImageSpec {
         OpenOptions {
             read_only: self.read_only,
             format: self.format,
+            passwords: crate::secrets::passwords_for(&self.path),
             ..server.clone()
         }
     }

@@ -94,10 +94,12 @@ impl<S: Storage + 'static> Image<S> {
                     let layer = &inner.chain.layers[p.layer];
                     let raw = layer.qcow2().is_none();
                     if !raw && !inner.metadata_preallocated(p.layer).await {
+                        // Ciphertext is no copy of the guest's data: like QEMU, no offset.
+                        let encrypted = layer.qcow2().is_some_and(|m| m.crypto.is_some());
                         push(Extent {
                             data: true,
                             zero: false,
-                            offset: Some(host),
+                            offset: (!encrypted).then_some(host),
                             ..base
                         });
                         continue;

@@ -7,11 +7,14 @@ use super::error::{EngineError, Result};
 use super::image::Image;
 use super::load::Format;
 use super::open::OpenOptions;
+use crate::crypto::LuksCreate;
+use crate::format::extensions::FdeHeaderPointer;
 use crate::format::extensions::{FeatureNameEntry, FeatureNameTable};
 use crate::format::features::{
     known_feature_name, FeatureKind, AUTOCLEAR_DATA_FILE_RAW, COMPAT_LAZY_REFCOUNTS,
     INCOMPAT_COMPRESSION, INCOMPAT_DATA_FILE, INCOMPAT_EXTENDED_L2,
 };
+use crate::format::header::{CRYPT_AES, CRYPT_LUKS};
 use crate::format::{be, limits, refcount, Geometry, Header, HeaderExtension};
 use storage::{IoBuf, Opener, Storage};
 
@@ -69,6 +72,56 @@ pub struct CreateOptions {
     /// The data file stays a valid raw image of the disk (`data_file_raw`): every cluster is
     /// mapped to the same offset up front, so `Off` preallocation becomes `Metadata`.
     pub data_file_raw: bool,
+    /// Encryption of the new image's data.
+    pub encryption: Option<NewEncryption>,
+}
+
+/// How a new image is encrypted.
+#[derive(Clone)]
+pub enum NewEncryption {
+    /// LUKS (`encrypt.format=luks`), `password` in key slot 0.
+    Luks {
+        /// The key slot's password.
+        password: Vec<u8>,
+        /// Cipher, hash and PBKDF2 time.
+        opts: LuksCreate,
+    },
+    /// The legacy AES-CBC method (`encryption=on`, `encrypt.format=aes`).
+    LegacyAes {
+        /// The password (the key itself), for preallocation only.
+        password: Vec<u8>,
+    },
+}
+
+impl std::fmt::Debug for NewEncryption {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the password.
+        match self {
+            NewEncryption::Luks { opts, .. } => f.debug_struct("Luks").field("opts", opts).finish(),
+            NewEncryption::LegacyAes { .. } => f.write_str("LegacyAes"),
+        }
+    }
+}
+
+impl CreateOptions {
+    /// The password a new encrypted image opens with, as open options take it.
+    pub fn passwords(&self) -> crate::crypto::Passwords {
+        let mut p = crate::crypto::Passwords::default();
+        if let Some(e) = &self.encryption {
+            p.set(0, e.password().to_vec());
+        }
+        p
+    }
+}
+
+impl NewEncryption {
+    fn password(&self) -> &[u8] {
+        match self {
+            NewEncryption::Luks { password, .. } | NewEncryption::LegacyAes { password } => {
+                password
+            }
+        }
+    }
 }
 
 impl Default for CreateOptions {
@@ -85,6 +138,7 @@ impl Default for CreateOptions {
             backing: None,
             data_file: None,
             data_file_raw: false,
+            encryption: None,
         }
     }
 }
@@ -200,12 +254,16 @@ struct Layout {
     rt: u64,
     /// Refcount blocks.
     rb: u64,
-    /// Clusters of all the metadata (the L1 table included).
+    /// L1 table clusters.
+    l1_clusters: u64,
+    /// Encryption header clusters (after the L1 table).
+    crypt_clusters: u64,
+    /// Clusters of all the metadata (the L1 table and encryption header included).
     total: u64,
 }
 
 impl Layout {
-    fn plan(geom: &Geometry) -> Result<Layout> {
+    fn plan(geom: &Geometry, crypt_bytes: u64) -> Result<Layout> {
         let cs = geom.cluster_size();
         let l1_entries = geom.l1_entries_needed();
         if l1_entries * 8 > limits::MAX_L1_SIZE_BYTES {
@@ -215,11 +273,12 @@ impl Layout {
             )));
         }
         let l1_clusters = (l1_entries * 8).div_ceil(cs).max(1);
+        let crypt_clusters = crypt_bytes.div_ceil(cs);
         let epb = geom.refcount_block_entries();
         // Enough blocks to count the blocks themselves and the table that points to them.
         let (mut rt, mut rb) = (1u64, 1u64);
         loop {
-            let total = 1 + rt + rb + l1_clusters;
+            let total = 1 + rt + rb + l1_clusters + crypt_clusters;
             let need_rb = total.div_ceil(epb);
             let need_rt = (need_rb * 8).div_ceil(cs);
             if need_rb <= rb && need_rt <= rt {
@@ -233,7 +292,9 @@ impl Layout {
             l1_entries,
             rt,
             rb,
-            total: 1 + rt + rb + l1_clusters,
+            l1_clusters,
+            crypt_clusters,
+            total: 1 + rt + rb + l1_clusters + crypt_clusters,
         })
     }
 
@@ -247,6 +308,10 @@ impl Layout {
 
     fn l1_offset(&self) -> u64 {
         (1 + self.rt + self.rb) * self.cluster_size
+    }
+
+    fn crypt_offset(&self) -> u64 {
+        (1 + self.rt + self.rb + self.l1_clusters) * self.cluster_size
     }
 }
 
@@ -263,6 +328,7 @@ fn new_header(
     geom: &Geometry,
     refcount_order: u32,
     layout: &Layout,
+    luks_len: Option<u64>,
 ) -> Result<Header> {
     let mut h = Header::new(opts.version, geom.cluster_bits(), geom.virtual_size());
     h.refcount_order = refcount_order;
@@ -300,6 +366,18 @@ fn new_header(
     if let Some(name) = &opts.data_file {
         h.extensions
             .push(HeaderExtension::ExternalDataFile(name.as_bytes().to_vec()));
+    }
+    match &opts.encryption {
+        None => {}
+        Some(NewEncryption::LegacyAes { .. }) => h.crypt_method = CRYPT_AES,
+        Some(NewEncryption::Luks { .. }) => {
+            h.crypt_method = CRYPT_LUKS;
+            h.extensions
+                .push(HeaderExtension::FullDiskEncryption(FdeHeaderPointer {
+                    offset: layout.crypt_offset(),
+                    length: luks_len.unwrap_or(0),
+                }));
+        }
     }
     if opts.version >= 3 {
         h.extensions
@@ -358,8 +436,19 @@ pub async fn create<S: Storage + 'static>(file: &S, opts: &CreateOptions) -> Res
     let size = opts.size.div_ceil(512) * 512;
     let geom = Geometry::new(cluster_bits, opts.extended_l2, refcount_order, size)
         .map_err(new_image_format_error)?;
-    let layout = Layout::plan(&geom)?;
-    let header = new_header(opts, &geom, refcount_order, &layout)?;
+    // A new LUKS area (key slot 0 filled) goes into clusters of its own after the L1 table.
+    let luks = match &opts.encryption {
+        Some(NewEncryption::Luks { password, opts }) => Some(
+            crate::crypto::luks::create(password, opts).map_err(|source| EngineError::Crypto {
+                image: "new image".into(),
+                source,
+            })?,
+        ),
+        _ => None,
+    };
+    let luks_len = luks.as_ref().map(|(area, _)| area.len() as u64);
+    let layout = Layout::plan(&geom, luks_len.unwrap_or(0))?;
+    let header = new_header(opts, &geom, refcount_order, &layout, luks_len)?;
     let header = encode_header(header, layout.cluster_size)?;
     let meta = first_clusters(&header, &layout, &geom, refcount_order)?;
     let io = |what: &'static str, offset: u64| {
@@ -378,6 +467,14 @@ pub async fn create<S: Storage + 'static>(file: &S, opts: &CreateOptions) -> Res
     file.set_len(l1_off + layout.l1_entries * 8)
         .await
         .map_err(io("sizing the file", l1_off))?;
+    if let Some((area, _)) = &luks {
+        let at = layout.crypt_offset();
+        // Whole clusters, zero past the area, as QEMU leaves them.
+        let mut bytes = area.clone();
+        bytes.resize((layout.crypt_clusters * layout.cluster_size) as usize, 0);
+        let (res, _) = file.write_at(IoBuf::from_slice(&bytes).into(), at).await;
+        res.map_err(io("writing the encryption header", at))?;
+    }
     file.flush().await.map_err(io("flushing", 0))?;
     Ok(())
 }
@@ -410,11 +507,13 @@ where
     drop(file);
     let preallocation = opts.effective_preallocation();
     if preallocation != Preallocation::Off {
+        let passwords = opts.passwords();
         let img = Image::open(
             opener,
             path,
             &OpenOptions {
                 no_backing: true,
+                passwords,
                 ..OpenOptions::default()
             },
         )

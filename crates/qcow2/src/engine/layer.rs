@@ -59,6 +59,8 @@ pub(crate) struct Qcow2Meta<S> {
     /// Bytes of the file known to hold clusters; pointers at or past it are corrupt. For the
     /// writable layer the allocator keeps this up to date.
     pub file_end: Cell<u64>,
+    /// The unlocked cipher of an encrypted image: data clusters pass through it.
+    pub crypto: Option<crate::crypto::DataCrypto>,
     /// Whether this layer looks made with `preallocation=metadata` (decided on first use, by
     /// one request while the others wait).
     pub metadata_prealloc: tokio::sync::OnceCell<bool>,

@@ -6,6 +6,8 @@ use super::backing_name;
 use super::compress::Codec;
 use super::error::{EngineError, Result};
 use super::layer::{read_exact, Layer, LayerFormat, Qcow2Meta};
+use crate::crypto::{CryptoError, DataCrypto, LuksHeader, Unlock, SECTOR_SIZE};
+use crate::format::header::{CRYPT_AES, CRYPT_NONE};
 use crate::format::{Geometry, Header, SnapshotTableEntry, Structure};
 use crate::metadata::{Loader, MetadataError, StorageSource, Strictness, L1_TABLE};
 use std::cell::{Cell, RefCell};
@@ -52,6 +54,7 @@ pub(crate) async fn open_layer<O>(
     access: storage::OpenOptions,
     snapshot: Option<&str>,
     top: bool,
+    key: Unlock<'_>,
 ) -> Result<Layer<O::Storage>>
 where
     O: Opener,
@@ -105,7 +108,7 @@ where
         len: file_len,
         src: StorageSource::new(&file, file_len),
     };
-    let (meta, size) = open_qcow2(opener, &at, path, access, snapshot).await?;
+    let (meta, size) = open_qcow2(opener, &at, path, access, snapshot, key).await?;
     Ok(Layer {
         name,
         file,
@@ -166,6 +169,7 @@ async fn open_qcow2<O>(
     path: &Path,
     access: storage::OpenOptions,
     snapshot: Option<&str>,
+    key: Unlock<'_>,
 ) -> Result<(Qcow2Meta<O::Storage>, u64)>
 where
     O: Opener,
@@ -182,6 +186,7 @@ where
     let (regions, snapshots) = metadata_regions(at, &header, &geom).await?;
     let (l1_offset, l1_entries, size) = l1_in_use(at, &header, &snapshots, snapshot, &geom)?;
     let l1 = read_l1(at, &geom, l1_offset, l1_entries, size, &regions).await?;
+    let crypto = unlock(at, &header, key).await?;
     let data_file = open_data_file(opener, at, &header, path, access).await?;
     let data_raw = header.data_file_is_raw();
     let geom = geom.with_data_file(data_file.is_some());
@@ -197,6 +202,7 @@ where
             codec,
             file_end: Cell::new(at.len),
             metadata_prealloc: tokio::sync::OnceCell::new(),
+            crypto,
         },
         size,
     ))
@@ -204,11 +210,76 @@ where
 
 /// The header, refusing what the engine cannot serve.
 async fn read_header<S: Storage + 'static>(at: &LayerFile<'_, S>) -> Result<Header> {
-    let header = at.loader().header().await.map_err(|e| at.load_error(e))?;
-    if header.crypt_method != 0 {
-        return Err(at.unsupported("an encrypted image".into()));
+    at.loader().header().await.map_err(|e| at.load_error(e))
+}
+
+/// The data cipher of an encrypted image, unlocked with `password`: for LUKS, the key slots
+/// in the encryption header are tried; the legacy method keys with the password itself.
+async fn unlock<S: Storage + 'static>(
+    at: &LayerFile<'_, S>,
+    header: &Header,
+    key: Unlock<'_>,
+) -> Result<Option<DataCrypto>> {
+    let fail = |source| EngineError::Crypto {
+        image: at.name.to_string(),
+        source,
+    };
+    if header.crypt_method == CRYPT_NONE {
+        return Ok(None);
     }
-    Ok(header)
+    if header.size % SECTOR_SIZE != 0 {
+        return Err(at.corrupt(format!(
+            "encrypted image of {} bytes, not a whole number of 512-byte sectors",
+            header.size
+        )));
+    }
+    let password = match key {
+        Unlock::With(p) => Some(p),
+        Unlock::Missing => None,
+        Unlock::Locked => return Ok(Some(DataCrypto::locked())),
+    };
+    if header.crypt_method == CRYPT_AES {
+        let password = password.ok_or_else(|| fail(CryptoError::MissingSecret))?;
+        return Ok(Some(DataCrypto::legacy_aes(password)));
+    }
+    let fde = header.fde_pointer().ok_or_else(|| {
+        at.corrupt(format!(
+            "Missing CRYPTO header for crypt method {}",
+            header.crypt_method
+        ))
+    })?;
+    let area = read_luks_area(at, fde.offset, fde.length).await?;
+    let luks = LuksHeader::parse(&area).map_err(fail)?;
+    let password = password.ok_or_else(|| fail(CryptoError::MissingSecret))?;
+    let (_, master) = luks.unlock(&area, password).map_err(fail)?;
+    let cipher = luks.data_cipher(&master).map_err(fail)?;
+    Ok(Some(DataCrypto::luks(cipher)))
+}
+
+/// The LUKS area of an image (header and key material), bounded in size.
+async fn read_luks_area<S: Storage + 'static>(
+    at: &LayerFile<'_, S>,
+    offset: u64,
+    length: u64,
+) -> Result<Vec<u8>> {
+    if length > crate::crypto::luks::MAX_AREA {
+        return Err(at.corrupt(format!(
+            "encryption header of {length} bytes exceeds the limit of {} bytes",
+            crate::crypto::luks::MAX_AREA
+        )));
+    }
+    use crate::metadata::MetaSource;
+    let buf = at
+        .src
+        .read(offset, length as usize)
+        .await
+        .map_err(|source| EngineError::Io {
+            image: at.name.to_string(),
+            what: "reading the encryption header",
+            offset,
+            source,
+        })?;
+    Ok(buf.to_vec())
 }
 
 fn codec_of<S: Storage + 'static>(at: &LayerFile<'_, S>, header: &Header) -> Result<Codec> {

@@ -27,6 +27,7 @@ mod error;
 mod flush;
 mod image;
 mod join_all;
+mod key_slots;
 mod layer;
 mod load;
 mod make_empty;
@@ -54,7 +55,7 @@ pub use cache_sizing::{
     DEFAULT_CACHE_CLEAN_INTERVAL, DEFAULT_L2_CACHE_MAX_SIZE, MAX_CACHE_ENTRIES, MAX_CLUSTER_SIZE,
     MIN_CLUSTER_SIZE, MIN_L2_CACHE_ENTRIES, MIN_REFCOUNT_CACHE_CLUSTERS, SMALL_L2_ENTRY_SIZE,
 };
-pub use create::{create, create_file, CreateOptions, Preallocation};
+pub use create::{create, create_file, CreateOptions, NewEncryption, Preallocation};
 pub use error::{libc_errno, EngineError, Result};
 pub use image::{Image, ImageFacts};
 pub use load::Format;

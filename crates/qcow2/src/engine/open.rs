@@ -42,6 +42,11 @@ pub struct OpenOptions {
     /// How long opening each file of the chain may take, and how many given-up opens may
     /// stay stuck (see [`storage::bounded`]).
     pub open_bound: storage::OpenBound,
+    /// Passwords of the encrypted layers, by depth in the chain.
+    pub passwords: crate::crypto::Passwords,
+    /// Open to read metadata only (QEMU's "no I/O" opens): encrypted layers without a
+    /// password open locked instead of being refused.
+    pub no_io: bool,
 }
 
 impl<S: Storage + 'static> Image<S> {
@@ -68,6 +73,7 @@ impl<S: Storage + 'static> Image<S> {
             access,
             opts.snapshot.as_deref(),
             true,
+            opts.passwords.unlock(0, opts.no_io),
         )
         .await?;
         let mut layers = vec![top];
@@ -110,7 +116,16 @@ impl<S: Storage + 'static> Image<S> {
                 read_only: true,
                 ..access
             };
-            let layer = open_layer(opener, &next_path, fmt, backing, None, false).await?;
+            let layer = open_layer(
+                opener,
+                &next_path,
+                fmt,
+                backing,
+                None,
+                false,
+                opts.passwords.unlock(layers.len(), opts.no_io),
+            )
+            .await?;
             layers.push(layer);
             paths.push(next_path);
         }

@@ -24,6 +24,11 @@ impl<S: Storage + 'static> Inner<S> {
         let Some(meta) = layer.qcow2() else {
             return false;
         };
+        if meta.crypto.is_some() {
+            // A hole under an encrypted cluster deciphers to noise, not zeros: its data is
+            // data (QEMU does not ask the file either, as it maps no offsets for them).
+            return false;
+        }
         let decide = || async { self.detect(index, layer).await.unwrap_or(false) };
         *meta.metadata_prealloc.get_or_init(decide).await
     }

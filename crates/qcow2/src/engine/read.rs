@@ -7,6 +7,7 @@ use super::error::{EngineError, Result};
 use super::image::{Decompressed, Image, Inner};
 use super::join_all::join_all;
 use super::range_lock::LockMode;
+use crate::crypto::SECTOR_SIZE;
 use crate::format::{CompressedDescriptor, Location, Structure};
 use std::rc::Rc;
 use storage::{IoBuf, Storage};
@@ -50,14 +51,71 @@ impl<S: Storage + 'static> Inner<S> {
         if len == 0 {
             return (Ok(()), buf);
         }
+        if let Some((from, to)) = self.sector_aligned(offset, len) {
+            // Encrypted data is deciphered in whole sectors: read those, hand back the part.
+            let _guard = self.lock_range(from, to - from, LockMode::Shared).await;
+            let (res, whole) = self
+                .read_unlocked(from, IoBuf::zeroed((to - from) as usize))
+                .await;
+            if res.is_ok() {
+                let at = (offset - from) as usize;
+                buf.copy_from_slice(&whole[at..at + len as usize]);
+            }
+            return (res, buf);
+        }
         // Shared: no cluster under us may be freed and reused while we read it.
         let _guard = self.lock_range(offset, len, LockMode::Shared).await;
+        self.read_unlocked(offset, buf).await
+    }
+
+    /// Reads with the caller holding a lock on the range.
+    pub(crate) async fn read_unlocked(&self, offset: u64, mut buf: IoBuf) -> (Result<()>, IoBuf) {
+        let len = buf.len() as u64;
         let mut pieces = Vec::new();
         if let Err(e) = self.chain.resolve(offset, len, 0, &mut pieces).await {
             return (Err(e), buf);
         }
         let res = self.fill(offset, &pieces, &mut buf).await;
         (res, buf)
+    }
+
+    /// Whether the chain holds encrypted data.
+    pub(crate) fn encrypted(&self) -> bool {
+        self.chain
+            .layers
+            .iter()
+            .any(|l| l.qcow2().is_some_and(|m| m.crypto.is_some()))
+    }
+
+    /// For a chain with encrypted layers, the whole sectors around `[offset, offset + len)`
+    /// when it is not made of whole sectors (clipped to the disk); otherwise `None`.
+    pub(crate) fn sector_aligned(&self, offset: u64, len: u64) -> Option<(u64, u64)> {
+        let end = offset + len;
+        if (offset | end) % SECTOR_SIZE == 0 || !self.encrypted() {
+            return None;
+        }
+        let size = self.chain.top().size.get();
+        let from = offset - offset % SECTOR_SIZE;
+        let to = end
+            .div_ceil(SECTOR_SIZE)
+            .saturating_mul(SECTOR_SIZE)
+            .min(size);
+        Some((from, to))
+    }
+
+    /// Deciphers `buf`, just read from `host` of layer `li` for guest offset `guest`, when
+    /// that layer is encrypted.
+    pub(crate) fn decrypt(&self, li: usize, host: u64, guest: u64, buf: &mut [u8]) -> Result<()> {
+        let layer = &self.chain.layers[li];
+        match layer.qcow2().and_then(|m| m.crypto.as_ref()) {
+            Some(c) => c
+                .decrypt(host, guest, buf)
+                .map_err(|source| EngineError::Crypto {
+                    image: layer.name.clone(),
+                    source,
+                }),
+            None => Ok(()),
+        }
     }
 
     /// Copies the pieces (in guest order) into `buf`. Bytes of `buf` that no piece covers may
@@ -126,7 +184,9 @@ impl<S: Storage + 'static> Inner<S> {
                 .read_at(owned.slice(at..at + len as usize), host)
                 .await;
             *buf = slice.into_inner();
-            return res.map_err(|e| layer.io_error("reading data", host, e));
+            res.map_err(|e| layer.io_error("reading data", host, e))?;
+            let run = &mut buf[at..at + len as usize];
+            return self.decrypt(li, host, base + at as u64, run);
         }
         let reads = runs.iter().map(|&(_, len, li, host)| async move {
             let layer = &self.chain.layers[li];
@@ -141,8 +201,9 @@ impl<S: Storage + 'static> Inner<S> {
             )
         });
         let done = join_all(reads.collect()).await;
-        for (&(at, len, _, _), (res, tmp)) in runs.iter().zip(done) {
+        for (&(at, len, li, host), (res, mut tmp)) in runs.iter().zip(done) {
             res?;
+            self.decrypt(li, host, base + at as u64, &mut tmp[..len as usize])?;
             buf[at..at + len as usize].copy_from_slice(&tmp[..len as usize]);
         }
         Ok(())

@@ -109,6 +109,10 @@ impl<S: Storage + 'static> Inner<S> {
                 self.unsupported("compressed writes to an image with an external data file")
             );
         }
+        if meta.crypto.is_some() {
+            // Compressed clusters are stored in plain text, so QEMU refuses them too.
+            return Err(self.unsupported("compressed writes to an encrypted image"));
+        }
         Ok(meta)
     }
 

@@ -122,8 +122,7 @@ fn specific(out: &mut String, d: &Qcow2Specific) {
     };
     line("refcount bits", &d.refcount_bits);
     if let Some(e) = &d.encrypt {
-        let _ = writeln!(out, "    encrypt:");
-        let _ = writeln!(out, "        format: {}", e.format);
+        encrypt(out, e);
     }
     let mut line = |key: &str, value: &dyn std::fmt::Display| {
         let _ = writeln!(out, "    {key}: {value}");
@@ -175,11 +174,11 @@ impl ImageInfo {
             .actual_size
             .map_or_else(|| "unavailable".to_owned(), human_size);
         let _ = writeln!(out, "disk size: {disk}");
-        if let Some(cs) = self.cluster_size {
-            let _ = writeln!(out, "cluster_size: {cs}");
-        }
         if self.encrypted == Some(true) {
             let _ = writeln!(out, "encrypted: yes");
+        }
+        if let Some(cs) = self.cluster_size {
+            let _ = writeln!(out, "cluster_size: {cs}");
         }
         if self.dirty_flag {
             let _ = writeln!(out, "cleanly shut down: no");
@@ -211,6 +210,56 @@ impl ImageInfo {
             child(&mut out, c);
         }
         out
+    }
+}
+
+/// The encrypt block, in qemu-img's order.
+fn encrypt(out: &mut String, e: &super::report::EncryptInfo) {
+    let _ = writeln!(out, "    encrypt:");
+    let mut line = |key: &str, value: &dyn std::fmt::Display| {
+        let _ = writeln!(out, "        {key}: {value}");
+    };
+    if let Some(v) = &e.ivgen_alg {
+        line("ivgen alg", v);
+    }
+    if let Some(v) = e.detached_header {
+        line("detached header", &v);
+    }
+    if let Some(v) = &e.hash_alg {
+        line("hash alg", v);
+    }
+    if let Some(v) = &e.cipher_alg {
+        line("cipher alg", v);
+    }
+    if let Some(v) = &e.uuid {
+        line("uuid", v);
+    }
+    line("format", &e.format);
+    if let Some(v) = &e.cipher_mode {
+        line("cipher mode", v);
+    }
+    if let Some(slots) = &e.slots {
+        let _ = writeln!(out, "        slots:");
+        for (i, s) in slots.iter().enumerate() {
+            let _ = writeln!(out, "            [{i}]:");
+            let _ = writeln!(out, "                active: {}", s.active);
+            if let Some(n) = s.iters {
+                let _ = writeln!(out, "                iters: {n}");
+            }
+            let _ = writeln!(out, "                key offset: {}", s.key_offset);
+            if let Some(n) = s.stripes {
+                let _ = writeln!(out, "                stripes: {n}");
+            }
+        }
+    }
+    let mut line = |key: &str, value: &dyn std::fmt::Display| {
+        let _ = writeln!(out, "        {key}: {value}");
+    };
+    if let Some(v) = e.payload_offset {
+        line("payload offset", &v);
+    }
+    if let Some(v) = e.master_key_iters {
+        line("master key iters", &v);
     }
 }
 

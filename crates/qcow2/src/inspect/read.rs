@@ -1,6 +1,7 @@
 //! Reading an image's metadata for `info` over a [`ByteSource`], through the one loader at
 //! open strictness.
 
+use crate::crypto::{LuksHeader, LuksInfo};
 use crate::format::bitmap::BitmapDirectoryEntry;
 use crate::format::error::{FormatError, Location, Structure};
 use crate::format::geometry::{Geometry, HostOffset};
@@ -8,6 +9,7 @@ use crate::format::header::Header;
 use crate::format::l1::L1Entry;
 use crate::format::refcount::RefcountTableEntry;
 use crate::format::snapshot::SnapshotTableEntry;
+use crate::metadata::MetaSource;
 use crate::metadata::{
     run_ready, ByteSource, Loader, MetadataError, Strictness, SyncSource, L1_TABLE, REFCOUNT_TABLE,
 };
@@ -28,6 +30,8 @@ pub struct ImageMetadata {
     pub snapshots: Vec<SnapshotTableEntry>,
     /// Persistent bitmaps (empty unless the bitmaps extension is present and consistent).
     pub bitmaps: Vec<BitmapDirectoryEntry>,
+    /// The LUKS header of a LUKS-encrypted image, when it is readable and sound.
+    pub luks: Option<LuksInfo>,
 }
 
 fn source<S: ByteSource + ?Sized>(src: &S) -> Result<SyncSource<'_, S>, InspectError> {
@@ -55,7 +59,17 @@ pub fn inspect<S: ByteSource + ?Sized>(src: &S) -> Result<ImageMetadata, Inspect
         let geometry = header.geometry()?;
         let snapshots = loader.snapshot_table(&header, &geometry).await?;
         let bitmaps = loader.bitmap_directory(&header, &geometry).await?;
+        let luks = match header.fde_pointer() {
+            Some(p) if p.length <= crate::crypto::luks::MAX_AREA => src
+                .read(p.offset, p.length as usize)
+                .await
+                .ok()
+                .and_then(|area| LuksHeader::parse(&area).ok())
+                .map(|h| h.info()),
+            _ => None,
+        };
         Ok(ImageMetadata {
+            luks,
             file_len: loader.file_len(),
             snapshots: snapshots.into_iter().map(|(entry, _)| entry).collect(),
             header,

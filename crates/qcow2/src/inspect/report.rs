@@ -111,6 +111,9 @@ pub struct Qcow2Specific {
     pub bitmaps: Option<Vec<BitmapInfo>>,
     /// Refcount width.
     pub refcount_bits: u32,
+    /// Encryption format, and the LUKS header's facts (serialized where qemu-img puts it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub encrypt: Option<EncryptInfo>,
     /// Corrupt bit (version 3 only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub corrupt: Option<bool>,
@@ -123,16 +126,101 @@ pub struct Qcow2Specific {
     /// Whether the external data file is raw (only with an external data file).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub data_file_raw: Option<bool>,
-    /// Encryption format (details of the LUKS header are not decoded).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub encrypt: Option<EncryptInfo>,
 }
 
-/// Encryption format.
+/// Encryption: its format and, for LUKS, the header's facts (in qemu-img's key order).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct EncryptInfo {
+    /// IV generator.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ivgen_alg: Option<String>,
+    /// Always false: the header lives inside the qcow2 file.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detached_header: Option<bool>,
+    /// PBKDF2 hash.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hash_alg: Option<String>,
+    /// Cipher.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cipher_alg: Option<String>,
+    /// The volume UUID.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
     /// `aes` or `luks`.
     pub format: String,
+    /// Cipher mode.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cipher_mode: Option<String>,
+    /// Key slots.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slots: Option<Vec<EncryptSlot>>,
+    /// Payload offset in bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payload_offset: Option<u64>,
+    /// Master key digest iterations.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub master_key_iters: Option<u32>,
+}
+
+/// One LUKS key slot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct EncryptSlot {
+    /// Holds a key.
+    pub active: bool,
+    /// PBKDF2 iterations (active slots).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub iters: Option<u32>,
+    /// Key material offset in bytes.
+    pub key_offset: u64,
+    /// AF stripes (active slots).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stripes: Option<u32>,
+}
+
+impl EncryptInfo {
+    /// Just the format (legacy AES, or a LUKS header that could not be read).
+    pub fn format_only(format: &str) -> EncryptInfo {
+        EncryptInfo {
+            ivgen_alg: None,
+            detached_header: None,
+            hash_alg: None,
+            cipher_alg: None,
+            uuid: None,
+            format: format.into(),
+            cipher_mode: None,
+            slots: None,
+            payload_offset: None,
+            master_key_iters: None,
+        }
+    }
+
+    /// A LUKS header's facts.
+    pub fn luks(l: &crate::crypto::LuksInfo) -> EncryptInfo {
+        EncryptInfo {
+            ivgen_alg: Some(l.ivgen_alg.clone()),
+            detached_header: Some(false),
+            hash_alg: Some(l.hash_alg.clone()),
+            cipher_alg: Some(l.cipher_alg.clone()),
+            uuid: Some(l.uuid.clone()),
+            format: "luks".into(),
+            cipher_mode: Some(l.cipher_mode.clone()),
+            slots: Some(
+                l.slots
+                    .iter()
+                    .map(|s| EncryptSlot {
+                        active: s.active,
+                        iters: s.iters,
+                        key_offset: s.key_offset,
+                        stripes: s.stripes,
+                    })
+                    .collect(),
+            ),
+            payload_offset: Some(l.payload_offset),
+            master_key_iters: Some(l.master_key_iters),
+        }
+    }
 }
 
 /// One persistent bitmap.
@@ -238,12 +326,12 @@ impl ImageInfo {
             .map(SnapshotInfo::from_entry)
             .collect();
         let encrypt = match h.crypt_method {
-            CRYPT_AES => Some(EncryptInfo {
-                format: "aes".into(),
-            }),
-            CRYPT_LUKS => Some(EncryptInfo {
-                format: "luks".into(),
-            }),
+            CRYPT_AES => Some(EncryptInfo::format_only("aes")),
+            CRYPT_LUKS => Some(
+                meta.luks
+                    .as_ref()
+                    .map_or_else(|| EncryptInfo::format_only("luks"), EncryptInfo::luks),
+            ),
             _ => None,
         };
         let data = Qcow2Specific {

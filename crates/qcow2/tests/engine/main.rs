@@ -8,6 +8,7 @@ mod concurrency;
 mod crash;
 mod crash_amend_refcount;
 mod crash_snapshots;
+mod encryption;
 mod grow_ahead;
 mod io_errors;
 mod open_duties;

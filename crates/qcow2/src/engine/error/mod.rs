@@ -32,6 +32,15 @@ pub enum EngineError {
         #[source]
         source: io::Error,
     },
+    /// An encrypted image could not be unlocked, or its encryption header is bad.
+    #[error("Could not open '{image}': {source}")]
+    Crypto {
+        /// The image.
+        image: String,
+        /// What is wrong.
+        #[source]
+        source: crate::crypto::CryptoError,
+    },
     /// A file could not be opened.
     #[error("could not open {path}: {source}")]
     Open {

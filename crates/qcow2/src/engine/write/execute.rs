@@ -81,6 +81,23 @@ impl<S: Storage + 'static> Inner<S> {
         }
         let top = self.chain.top();
         let range = (from - offset) as usize..(to - offset) as usize;
+        if let Some(c) = top.qcow2().and_then(|m| m.crypto.as_ref()) {
+            // The caller's buffer stays plain: a copy is enciphered and written.
+            let mut sealed = IoBuf::from_slice(&buf[range]);
+            if let Err(source) = c.encrypt(host.0, from.0, &mut sealed) {
+                let e = EngineError::Crypto {
+                    image: top.name.clone(),
+                    source,
+                };
+                return (Err(e), buf);
+            }
+            let (res, _) = top.data_storage().write_at(sealed.into(), host.0).await;
+            self.note_written(host + (to - from));
+            return (
+                res.map_err(|e| top.io_error("writing data", host.0, e)),
+                buf,
+            );
+        }
         let (res, slice) = top.data_storage().write_at(buf.slice(range), host.0).await;
         self.note_written(host + (to - from));
         (
@@ -286,7 +303,11 @@ impl<S: Storage + 'static> Inner<S> {
         host: HostOffset,
         fresh: bool,
     ) -> (Result<()>, IoBuf) {
-        let cs = self.chain.top().qcow2().expect("qcow2").geom.cluster_size();
+        let meta = self.chain.top().qcow2().expect("qcow2");
+        let cs = meta.geom.cluster_size();
+        // A fresh cluster of an encrypted image reads as ciphertext, not zeros: every byte
+        // of it must be written, zeros enciphered like any data.
+        let fresh = fresh && meta.crypto.is_none();
         let first = plans[0].start;
         let end = offset + buf.len() as u64;
         let data_from = offset.max(first);

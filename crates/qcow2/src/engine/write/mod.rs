@@ -53,6 +53,13 @@ impl<S: Storage + 'static> Inner<S> {
                 slice.into_inner(),
             );
         }
+        if let Some((from, to)) = self.sector_aligned(offset, len) {
+            // Encrypted data is written in whole sectors: the partial ones are read,
+            // patched and written back, under an exclusive lock so that nothing else
+            // writes them in between.
+            let _exclusive = self.lock_range(from, to - from, LockMode::Exclusive).await;
+            return self.write_unlocked(offset, buf).await;
+        }
         let generation = match self.alloc() {
             Ok(a) => a.mapping_generation(),
             Err(e) => return (Err(e), buf),
@@ -87,6 +94,23 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Writes with the caller holding an exclusive lock on the range (qcow2 layer 0 only).
     pub(crate) async fn write_unlocked(&self, offset: u64, buf: IoBuf) -> (Result<()>, IoBuf) {
+        if let Some((from, to)) = self.sector_aligned(offset, buf.len() as u64) {
+            let (res, mut whole) = self
+                .read_unlocked(from, IoBuf::zeroed((to - from) as usize))
+                .await;
+            if let Err(e) = res {
+                return (Err(e), buf);
+            }
+            let at = (offset - from) as usize;
+            whole[at..at + buf.len()].copy_from_slice(&buf);
+            let (res, _) = self.write_aligned(from, whole).await;
+            return (res, buf);
+        }
+        self.write_aligned(offset, buf).await
+    }
+
+    /// [`Inner::write_unlocked`] of whole sectors (any range, for an unencrypted image).
+    async fn write_aligned(&self, offset: u64, buf: IoBuf) -> (Result<()>, IoBuf) {
         let offset = GuestOffset(offset);
         match self.plan(offset, buf.len() as u64).await {
             Err(e) => (Err(e), buf),

@@ -1,0 +1,223 @@
+//! Passwords of encrypted images, given as QEMU's tools take them: `--object
+//! secret,id=ID,data=TEXT` (or `file=PATH`) defines a secret, and an image names the one
+//! that opens it with `encrypt.key-secret=ID` (its backing file's with
+//! `backing.encrypt.key-secret=ID`) in an `--image-opts` option string, or in `-o` when it is
+//! being created.
+//!
+//! The command line is read once at start ([`take_from_args`]): secret objects and the
+//! encryption keys of option strings are taken out, and each option string is replaced by
+//! its file name, so the subcommands see plain file names and ask [`passwords_for`] when
+//! they open one.
+
+use qcow2::crypto::Passwords;
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+/// What the command line defined.
+#[derive(Default, Debug)]
+struct Registry {
+    /// Secret id to its bytes.
+    secrets: HashMap<String, Vec<u8>>,
+    /// Images named in option strings, with the secret ids of their layers by depth.
+    images: Vec<(PathBuf, Vec<Option<String>>)>,
+}
+
+static REGISTRY: OnceLock<Registry> = OnceLock::new();
+
+/// Splits a QEMU option string at single commas (`,,` is a literal comma).
+fn split_opts(s: &str) -> Vec<String> {
+    let mut out = vec![String::new()];
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == ',' {
+            if chars.peek() == Some(&',') {
+                chars.next();
+                out.last_mut().expect("non-empty").push(',');
+            } else {
+                out.push(String::new());
+            }
+        } else {
+            out.last_mut().expect("non-empty").push(c);
+        }
+    }
+    out
+}
+
+/// Parses `secret,id=ID,data=TEXT|file=PATH[,format=raw]`; `Ok(None)` for other objects.
+fn parse_secret(spec: &str) -> Result<Option<(String, Vec<u8>)>, String> {
+    let parts = split_opts(spec);
+    let mut kind = None;
+    let (mut id, mut data, mut file) = (None, None, None);
+    for (i, p) in parts.iter().enumerate() {
+        match p.split_once('=') {
+            None if i == 0 => kind = Some(p.as_str()),
+            Some(("qom-type", v)) => kind = Some(v),
+            Some(("id", v)) => id = Some(v.to_string()),
+            Some(("data", v)) => data = Some(v.as_bytes().to_vec()),
+            Some(("file", v)) => file = Some(v.to_string()),
+            Some(("format", "raw")) => {}
+            Some((k, v)) if kind == Some("secret") => {
+                return Err(format!(
+                    "--object secret: option '{k}={v}' is not supported (only id, data, file, format=raw)"
+                ))
+            }
+            _ => {}
+        }
+    }
+    if kind != Some("secret") {
+        return Ok(None);
+    }
+    let id = id.ok_or_else(|| "Parameter 'id' is missing".to_string())?;
+    let bytes = match (data, file) {
+        (Some(d), None) => d,
+        (None, Some(f)) => std::fs::read(&f)
+            .map_err(|e| format!("Unable to read {f}: {}", crate::engine_run::plain_io(&e)))?,
+        _ => return Err("Either 'data' or 'file' must be provided".to_string()),
+    };
+    Ok(Some((id, bytes)))
+}
+
+/// The file name and layer key ids of an `--image-opts` option string, if it names any.
+fn parse_image_opts(spec: &str) -> Option<(PathBuf, Vec<Option<String>>)> {
+    let mut file = None;
+    let mut keys: Vec<Option<String>> = Vec::new();
+    for (i, p) in split_opts(spec).iter().enumerate() {
+        match p.split_once('=') {
+            None if i == 0 => file = Some(p.clone()),
+            Some(("file.filename" | "file", v)) => file = Some(v.to_string()),
+            Some((k, v)) => {
+                let mut depth = 0;
+                let mut rest = k;
+                while let Some(r) = rest.strip_prefix("backing.") {
+                    depth += 1;
+                    rest = r;
+                }
+                if rest == "encrypt.key-secret" {
+                    if keys.len() <= depth {
+                        keys.resize(depth + 1, None);
+                    }
+                    keys[depth] = Some(v.to_string());
+                }
+            }
+            None => return None,
+        }
+    }
+    file.map(|f| (PathBuf::from(f), keys))
+}
+
+/// Takes secret objects out of the command line and notes the encryption keys that
+/// `--image-opts` strings name for each file (the strings themselves stay, for the image-name
+/// reader); every other argument is kept.
+pub fn take_from_args(args: Vec<OsString>) -> Result<Vec<OsString>, String> {
+    let mut reg = Registry::default();
+    let image_opts = args.iter().any(|a| a == "--image-opts");
+    let mut out = Vec::with_capacity(args.len());
+    let mut it = args.into_iter().peekable();
+    let mut prev: Option<OsString> = None;
+    while let Some(a) = it.next() {
+        let text = a.to_str().map(str::to_owned);
+        let object = match text.as_deref() {
+            Some("--object") => it.peek().and_then(|v| v.to_str()).map(str::to_owned),
+            Some(t) => t.strip_prefix("--object=").map(str::to_owned),
+            None => None,
+        };
+        if let Some(spec) = object {
+            if let Some((id, bytes)) = parse_secret(&spec)? {
+                if text.as_deref() == Some("--object") {
+                    it.next();
+                }
+                reg.secrets.insert(id, bytes);
+                continue;
+            }
+        }
+        let after_o = prev
+            .as_ref()
+            .is_some_and(|p| p == "-o" || p == "--options" || p == "--object");
+        if let (true, false, Some(t)) = (image_opts, after_o, text.as_deref()) {
+            if !t.starts_with('-') && t.contains('=') {
+                if let Some((file, keys)) = parse_image_opts(t) {
+                    reg.images.push((file, keys));
+                }
+            }
+        }
+        prev = Some(a.clone());
+        out.push(a);
+    }
+    let _ = REGISTRY.set(reg);
+    Ok(out)
+}
+
+/// The bytes of secret `id`, as QEMU's error says when there is none.
+pub fn secret(id: &str) -> Result<Vec<u8>, String> {
+    REGISTRY
+        .get()
+        .and_then(|r| r.secrets.get(id).cloned())
+        .ok_or_else(|| format!("No secret with id '{id}'"))
+}
+
+/// The passwords the command line gave for the chain of the image at `path`.
+pub fn passwords_for(path: &Path) -> Passwords {
+    let mut out = Passwords::default();
+    let Some(reg) = REGISTRY.get() else {
+        return out;
+    };
+    let same = |p: &Path| {
+        p == path
+            || matches!(
+                (p.canonicalize(), path.canonicalize()),
+                (Ok(a), Ok(b)) if a == b
+            )
+    };
+    if let Some((_, keys)) = reg.images.iter().find(|(p, _)| same(p)) {
+        for (depth, id) in keys.iter().enumerate() {
+            if let Some(bytes) = id.as_ref().and_then(|id| reg.secrets.get(id)) {
+                out.set(depth, bytes.clone());
+            }
+        }
+    }
+    out
+}
+
+/// The passwords for the layer at `depth` of `top`'s chain opened as an image of its own
+/// (its own backing files below it).
+pub fn passwords_below(top: &Path, depth: usize) -> Passwords {
+    let all = passwords_for(top);
+    let mut out = Passwords::default();
+    for d in depth..depth + qcow2::engine::backing_name::MAX_CHAIN_DEPTH {
+        if let Some(p) = all.get(d) {
+            out.set(d - depth, p.to_vec());
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn option_strings_name_the_file_and_the_keys_by_depth() {
+        let (f, k) = parse_image_opts(
+            "driver=qcow2,file.filename=/t/a,,b.qcow2,backing.encrypt.key-secret=s0,encrypt.key-secret=s1",
+        )
+        .unwrap();
+        assert_eq!(f, PathBuf::from("/t/a,b.qcow2"));
+        assert_eq!(k, vec![Some("s1".into()), Some("s0".into())]);
+        let (f, k) = parse_image_opts("/t/x.qcow2,encrypt.key-secret=sec0").unwrap();
+        assert_eq!(f, PathBuf::from("/t/x.qcow2"));
+        assert_eq!(k, vec![Some("sec0".into())]);
+    }
+
+    #[test]
+    fn secrets_parse_and_other_objects_are_left_alone() {
+        assert_eq!(
+            parse_secret("secret,id=sec0,data=astro,,chicken").unwrap(),
+            Some(("sec0".into(), b"astro,chicken".to_vec()))
+        );
+        assert_eq!(parse_secret("tls-creds-x509,id=t0,dir=/x").unwrap(), None);
+        assert!(parse_secret("secret,id=s").is_err());
+        assert!(parse_secret("secret,id=s,data=x,keyid=k").is_err());
+    }
+}
