@@ -2,6 +2,7 @@
 //! runtime the engine expects, format names and probing, and opening images; and what every
 //! subcommand shares about image locks (`--locking`, `-U`).
 
+pub use crate::os_error::plain_io;
 use std::fmt::Display;
 use std::future::Future;
 use std::io::Read;
@@ -163,24 +164,6 @@ pub fn probe_format(path: &Path) -> Result<Format, OpenError> {
     } else {
         Format::Raw
     })
-}
-
-/// An I/O error's text as C tools print it: strerror's words, without Rust's
-/// " (os error N)" suffix or the storage layer's "opening PATH: " context.
-pub fn plain_io(e: &std::io::Error) -> String {
-    use std::io::ErrorKind;
-    let strerror = match (e.raw_os_error(), e.kind()) {
-        (Some(code), _) => Some(std::io::Error::from_raw_os_error(code).to_string()),
-        (None, ErrorKind::NotFound) => Some("No such file or directory".to_string()),
-        (None, ErrorKind::PermissionDenied) => Some("Permission denied".to_string()),
-        (None, ErrorKind::IsADirectory) => Some("Is a directory".to_string()),
-        _ => None,
-    };
-    let s = strerror.unwrap_or_else(|| e.to_string());
-    match s.rfind(" (os error ") {
-        Some(i) => s[..i].to_string(),
-        None => s,
-    }
 }
 
 /// Opens `path` read-only with its backing chain; `format` `None` probes it; `force_share`

@@ -5,6 +5,7 @@ mod engine_run;
 mod image_name;
 mod malloc_tuning;
 mod options;
+mod os_error;
 mod prog;
 mod secrets;
 mod size_string;

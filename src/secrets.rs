@@ -73,7 +73,7 @@ fn parse_secret(spec: &str) -> Result<Option<(String, Vec<u8>)>, String> {
     let bytes = match (data, file) {
         (Some(d), None) => d,
         (None, Some(f)) => std::fs::read(&f)
-            .map_err(|e| format!("Unable to read {f}: {}", crate::engine_run::plain_io(&e)))?,
+            .map_err(|e| format!("Unable to read {f}: {}", crate::os_error::plain_io(&e)))?,
         _ => return Err("Either 'data' or 'file' must be provided".to_string()),
     };
     Ok(Some((id, bytes)))

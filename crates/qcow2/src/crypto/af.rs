@@ -1,7 +1,8 @@
 //! LUKS's anti-forensic splitter: a key is stored as `stripes` blocks, all of which are needed
 //! to recover it, so wiping any part of a key slot destroys the key.
 
-use super::{CryptoError, HashAlg};
+use super::error::CryptoError;
+use super::hash::HashAlg;
 
 /// Replaces `block` by its diffusion: each digest-sized piece `i` becomes
 /// `H(be32(i) || piece)`, the last (shorter) piece truncated.

@@ -1,7 +1,7 @@
 //! The sector ciphers of encrypted data: AES in XTS or CBC mode, each 512-byte sector with its
 //! own IV (its sector number, as QEMU's `plain64` and `plain` IV generators make it).
 
-use super::CryptoError;
+use super::error::CryptoError;
 use aes::cipher::{Array, BlockCipherDecrypt, BlockCipherEncrypt, KeyInit};
 use aes::{Aes128, Aes192, Aes256};
 use cbc::cipher::{BlockModeDecrypt, BlockModeEncrypt, InnerIvInit};

@@ -9,7 +9,8 @@
 
 use super::af;
 use super::cipher::{CipherAlg, CipherMode, IvGen, SectorCipher, SECTOR_SIZE};
-use super::{CryptoError, HashAlg};
+use super::error::CryptoError;
+use super::hash::HashAlg;
 
 const MAGIC: [u8; 6] = *b"LUKS\xba\xbe";
 /// Bytes of the fixed header (the part before the key material).

@@ -13,126 +13,14 @@
 
 mod af;
 mod cipher;
+mod error;
+mod hash;
 pub mod luks;
 
 pub use cipher::{CipherAlg, CipherMode, IvGen, SectorCipher, SECTOR_SIZE};
+pub use error::CryptoError;
+pub use hash::HashAlg;
 pub use luks::{LuksCreate, LuksHeader, LuksInfo, LuksSlotInfo, SlotChange};
-
-/// Why encryption could not be set up or used. The messages of the ones users meet follow
-/// QEMU's wording.
-#[derive(Debug, thiserror::Error)]
-pub enum CryptoError {
-    /// The magic is not LUKS's.
-    #[error("Volume is not in LUKS format")]
-    NotLuks,
-    /// A LUKS version other than 1.
-    #[error("LUKS version {0} is not supported")]
-    Version(u16),
-    /// A LUKS header field that is out of range or inconsistent.
-    #[error("LUKS header is corrupt: {0}")]
-    Header(String),
-    /// A cipher, mode, IV generator or hash we do not implement.
-    #[error("Unsupported LUKS {what} '{name}'")]
-    Unsupported {
-        /// Which field.
-        what: &'static str,
-        /// Its value.
-        name: String,
-    },
-    /// No key slot opens with the password.
-    #[error("Invalid password, cannot unlock any keyslot")]
-    InvalidPassword,
-    /// An encrypted image opened for I/O without a secret.
-    #[error("Parameter 'encrypt.key-secret' is required for cipher")]
-    MissingSecret,
-    /// A key of the wrong size for its cipher.
-    #[error("{alg}: key of {len} bytes is the wrong size")]
-    KeyLength {
-        /// The cipher.
-        alg: &'static str,
-        /// The key length given.
-        len: usize,
-    },
-    /// Data that is not whole sectors.
-    #[error("encrypted I/O of {len} bytes is not a whole number of 512-byte sectors")]
-    Unaligned {
-        /// The length.
-        len: usize,
-    },
-    /// The operating system's random source failed.
-    #[error("could not get random bytes: {0}")]
-    Random(String),
-    /// Key slot management (amend) refused.
-    #[error("{0}")]
-    Slots(String),
-}
-
-/// The hash of LUKS's PBKDF2 and anti-forensic splitter.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HashAlg {
-    /// SHA-1.
-    Sha1,
-    /// SHA-256.
-    Sha256,
-    /// SHA-512.
-    Sha512,
-}
-
-impl HashAlg {
-    /// The name in LUKS headers and `info`.
-    pub fn name(self) -> &'static str {
-        match self {
-            HashAlg::Sha1 => "sha1",
-            HashAlg::Sha256 => "sha256",
-            HashAlg::Sha512 => "sha512",
-        }
-    }
-
-    /// Parses the name.
-    pub fn from_name(name: &str) -> Option<HashAlg> {
-        match name {
-            "sha1" => Some(HashAlg::Sha1),
-            "sha256" => Some(HashAlg::Sha256),
-            "sha512" => Some(HashAlg::Sha512),
-            _ => None,
-        }
-    }
-
-    /// Digest bytes.
-    pub fn digest_len(self) -> usize {
-        match self {
-            HashAlg::Sha1 => 20,
-            HashAlg::Sha256 => 32,
-            HashAlg::Sha512 => 64,
-        }
-    }
-
-    /// PBKDF2-HMAC with this hash.
-    pub fn pbkdf2(self, password: &[u8], salt: &[u8], rounds: u32, out: &mut [u8]) {
-        match self {
-            HashAlg::Sha1 => pbkdf2::pbkdf2_hmac::<sha1::Sha1>(password, salt, rounds, out),
-            HashAlg::Sha256 => pbkdf2::pbkdf2_hmac::<sha2::Sha256>(password, salt, rounds, out),
-            HashAlg::Sha512 => pbkdf2::pbkdf2_hmac::<sha2::Sha512>(password, salt, rounds, out),
-        }
-    }
-
-    /// The digest of `parts` concatenated.
-    pub fn digest(self, parts: &[&[u8]]) -> Vec<u8> {
-        use sha2::Digest;
-        fn run<D: Digest>(parts: &[&[u8]]) -> Vec<u8> {
-            let mut d = D::new();
-            for p in parts {
-                d.update(p);
-            }
-            d.finalize().to_vec()
-        }
-        match self {
-            HashAlg::Sha1 => run::<sha1::Sha1>(parts),
-            HashAlg::Sha256 => run::<sha2::Sha256>(parts),
-            HashAlg::Sha512 => run::<sha2::Sha512>(parts),
-        }
-    }
-}
 
 /// Fills `buf` from the operating system's random source.
 pub fn random(buf: &mut [u8]) -> Result<(), CryptoError> {
