@@ -13,6 +13,7 @@ mod create;
 mod drop_in;
 mod interop_writes;
 mod qemu_img_options;
+mod qemu_img_outputs;
 mod resize;
 mod snapshot;
 mod space;
