@@ -37,3 +37,44 @@ fn map_json_gives_the_offset_of_allocated_zero_clusters() {
         p.same(&["map", "--output=json", "-s", "96k", "--max-length=48k", img]);
     }
 }
+
+/// The "Formatting" line lists the options in qemu-img's order with its defaults, values as
+/// qemu-img reads them (numbers signed, commas in text doubled), also when the driver then
+/// refuses a value.
+#[test]
+fn create_formatting_line_is_qemu_imgs() {
+    let p = Pair::new(|d: &Dir| {
+        d.create("b,x.qcow2", "qcow2", "", None, "1M");
+    });
+    for opts in [
+        "refcount_bits=-1",
+        "refcount_bits=0x8,lazy_refcounts=yes,compat=1.1",
+        "preallocation=bogus",
+        "compat=bogus",
+        "compression_type=nope",
+        "cluster_size=4k,extended_l2=on,preallocation=metadata",
+        "lazy_refcounts,compat=v3,compression_type=zstd",
+    ] {
+        p.same(&["create", "-f", "qcow2", "-o", opts, "x.qcow2", "64M"]);
+    }
+    p.same(&[
+        "create",
+        "-f",
+        "qcow2",
+        "-b",
+        "b,x.qcow2",
+        "-F",
+        "qcow2",
+        "t.qcow2",
+    ]);
+    p.same(&[
+        "create",
+        "-f",
+        "raw",
+        "-o",
+        "preallocation=falloc",
+        "r",
+        "1000",
+    ]);
+    p.same(&["create", "-f", "raw", "r2", "1M"]);
+}
