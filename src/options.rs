@@ -211,9 +211,9 @@ impl Parsed {
         }
     }
 
-    /// An option's value exactly as given (`on` for a bare key).
-    pub fn raw_text(&self, name: &str) -> Option<String> {
-        self.values.get(name).map(|(_, text)| text.clone())
+    /// The value of an option with the text it was given as (`,,` unescaped).
+    pub fn given(&self, name: &str) -> Option<(&Value, &str)> {
+        self.values.get(name).map(|(v, t)| (v, t.as_str()))
     }
 
     /// True when the option was given.
@@ -251,11 +251,21 @@ pub fn parse_bool(s: &str) -> Option<bool> {
     }
 }
 
-/// An unsigned number the way QEMU's number options read it: decimal, or hexadecimal with
-/// `0x`, or octal with a leading `0`.
+/// An unsigned number the way QEMU's number options read it (C's `strtoull`): decimal, or
+/// hexadecimal with `0x`, or octal with a leading `0`; a leading `-` negates modulo 2^64, so
+/// `-1` is the largest value (which the option's own check then refuses, with its message).
 pub fn parse_number(s: &str) -> Option<u64> {
     let s = s.trim_start();
-    let s = s.strip_prefix('+').unwrap_or(s);
+    if let Some(rest) = s.strip_prefix('-') {
+        return parse_magnitude(rest).map(u64::wrapping_neg);
+    }
+    parse_magnitude(s.strip_prefix('+').unwrap_or(s))
+}
+
+fn parse_magnitude(s: &str) -> Option<u64> {
+    if s.starts_with(['+', '-']) {
+        return None;
+    }
     if let Some(hex) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
         return u64::from_str_radix(hex, 16).ok();
     }
@@ -383,7 +393,10 @@ mod tests {
         assert_eq!(parse_number("16"), Some(16));
         assert_eq!(parse_number("0x40"), Some(64));
         assert_eq!(parse_number("010"), Some(8));
-        assert_eq!(parse_number("-1"), None);
+        assert_eq!(parse_number("-1"), Some(u64::MAX));
+        assert_eq!(parse_number("-0x10"), Some(16u64.wrapping_neg()));
+        assert_eq!(parse_number("--1"), None);
+        assert_eq!(parse_number("-"), None);
         assert_eq!(parse_number("1k"), None);
         for (s, b) in [
             ("on", true),

@@ -299,14 +299,6 @@ impl CreateError {
 pub struct Qcow2Plan {
     /// The engine's creation options (size and backing filled in by the caller).
     pub opts: CreateOptions,
-    /// `compat` exactly as given, for the "Formatting" line.
-    pub compat: Option<String>,
-    /// `preallocation` exactly as given.
-    pub prealloc_text: Option<String>,
-    /// `data_file_raw` if given, for the "Formatting" line.
-    pub data_file_raw_given: Option<bool>,
-    /// The `encrypt.*` and `encryption` options as given, in the "Formatting" line's order.
-    pub encrypt_text: Vec<(&'static str, String)>,
 }
 
 /// The options of encryption, in the order qemu-img's "Formatting" line shows them.
@@ -430,10 +422,6 @@ fn qcow2_settings(p: &Parsed) -> Result<Qcow2Plan, String> {
     let cluster_size = p.num("cluster_size").unwrap_or(65536);
     let refcount_bits = p.num("refcount_bits").unwrap_or(16);
     let encryption = encryption_settings(p)?;
-    let encrypt_text = ENCRYPT_OPTIONS
-        .iter()
-        .filter_map(|&n| p.raw_text(n).map(|v| (n, v)))
-        .collect();
     Ok(Qcow2Plan {
         opts: CreateOptions {
             size: 0,
@@ -450,10 +438,6 @@ fn qcow2_settings(p: &Parsed) -> Result<Qcow2Plan, String> {
             data_file_raw: p.bool("data_file_raw").unwrap_or(false),
             encryption,
         },
-        compat: p.str("compat").map(str::to_string),
-        prealloc_text: p.str("preallocation").map(str::to_string),
-        data_file_raw_given: p.bool("data_file_raw"),
-        encrypt_text,
     })
 }
 
@@ -557,59 +541,65 @@ pub fn parse_image_size(s: &str) -> Result<u64, CreateError> {
     }
 }
 
-/// The line qemu-img prints before creating an image.
-pub fn formatting_line(
-    image: &str,
-    size: u64,
-    plan: Option<&Qcow2Plan>,
-    raw_prealloc: Option<&str>,
-) -> String {
-    let Some(plan) = plan else {
-        let mut s = format!("Formatting '{image}', fmt=raw size={size}");
-        if let Some(p) = raw_prealloc {
-            s.push_str(&format!(" preallocation={p}"));
-        }
-        return s;
+/// The options of qcow2 images in the order qemu-img lists them in its "Formatting" line (the
+/// qcow2 driver's table, then the file protocol's), with the defaults it shows when an option
+/// is not given.
+const QCOW2_LINE_ORDER: &[(&str, Option<&str>)] = &[
+    ("encryption", None),
+    ("encrypt.format", None),
+    ("encrypt.key-secret", None),
+    ("encrypt.cipher-alg", None),
+    ("encrypt.cipher-mode", None),
+    ("encrypt.ivgen-alg", None),
+    ("encrypt.ivgen-hash-alg", None),
+    ("encrypt.hash-alg", None),
+    ("encrypt.iter-time", None),
+    ("cluster_size", Some("65536")),
+    ("extended_l2", Some("off")),
+    ("preallocation", None),
+    ("compression_type", Some("zlib")),
+    ("size", None),
+    ("compat", None),
+    ("backing_file", None),
+    ("backing_fmt", None),
+    ("data_file", None),
+    ("data_file_raw", None),
+    ("lazy_refcounts", Some("off")),
+    ("refcount_bits", Some("16")),
+    ("nocow", None),
+    ("extent_size_hint", None),
+];
+
+/// The same for raw images: the raw driver's `size`, then the file protocol's options.
+const RAW_LINE_ORDER: &[(&str, Option<&str>)] = &[
+    ("size", None),
+    ("nocow", None),
+    ("preallocation", None),
+    ("extent_size_hint", None),
+];
+
+/// The line qemu-img prints before creating an image: every option given or with a default,
+/// in the format's order; text with `,` doubled, numbers and sizes as the signed value read
+/// (as QEMU prints them), booleans as written. `size` is the size the image gets.
+pub fn formatting_line(image: &str, format: Format, parsed: &Parsed, size: u64) -> String {
+    let order = match format {
+        Format::Qcow2 => QCOW2_LINE_ORDER,
+        Format::Raw => RAW_LINE_ORDER,
     };
-    let o = &plan.opts;
-    let onoff = |b: bool| if b { "on" } else { "off" };
-    let mut s = format!("Formatting '{image}', fmt=qcow2");
-    for (name, value) in &plan.encrypt_text {
+    let mut s = format!("Formatting '{image}', fmt={}", format_name(format));
+    for &(name, default) in order {
+        let value = match (name, parsed.given(name)) {
+            ("size", _) => (size as i64).to_string(),
+            (_, Some((options::Value::Num(n), _))) => (*n as i64).to_string(),
+            (_, Some((options::Value::Str(t), _))) => t.replace(',', ",,"),
+            (_, Some((options::Value::Bool(_), text))) => text.to_string(),
+            (_, None) => match default {
+                Some(d) => d.to_string(),
+                None => continue,
+            },
+        };
         s.push_str(&format!(" {name}={value}"));
     }
-    s.push_str(&format!(
-        " cluster_size={} extended_l2={}",
-        o.cluster_size,
-        onoff(o.extended_l2)
-    ));
-    if let Some(p) = &plan.prealloc_text {
-        s.push_str(&format!(" preallocation={p}"));
-    }
-    let codec = match o.compression {
-        Codec::Zlib => "zlib",
-        Codec::Zstd => "zstd",
-    };
-    s.push_str(&format!(" compression_type={codec} size={size}"));
-    if let Some(c) = &plan.compat {
-        s.push_str(&format!(" compat={c}"));
-    }
-    if let Some((name, fmt)) = &o.backing {
-        s.push_str(&format!(
-            " backing_file={name} backing_fmt={}",
-            format_name(*fmt)
-        ));
-    }
-    if let Some(d) = &o.data_file {
-        s.push_str(&format!(" data_file={d}"));
-    }
-    if let Some(raw) = plan.data_file_raw_given {
-        s.push_str(&format!(" data_file_raw={}", onoff(raw)));
-    }
-    s.push_str(&format!(
-        " lazy_refcounts={} refcount_bits={}",
-        onoff(o.lazy_refcounts),
-        o.refcount_bits
-    ));
     s
 }
 
@@ -744,7 +734,7 @@ async fn create_luks_image(args: &CreateArgs) -> Result<(), CreateError> {
             "hash-alg",
             "iter-time",
         ] {
-            if let Some(v) = parsed.raw_text(name) {
+            if let Some(v) = parsed.given(name).map(|(_, t)| t.to_string()) {
                 line.push_str(&format!(" {name}={v}"));
             }
         }
@@ -756,7 +746,10 @@ async fn create_luks_image(args: &CreateArgs) -> Result<(), CreateError> {
         .iter()
         .filter(|s| s.name.starts_with("encrypt."))
     {
-        if let Some(v) = parsed.raw_text(&spec.name["encrypt.".len()..]) {
+        if let Some(v) = parsed
+            .given(&spec.name["encrypt.".len()..])
+            .map(|(_, t)| t.to_string())
+        {
             prefixed.set_raw(spec, &v);
         }
     }
@@ -863,7 +856,7 @@ async fn create_raw_image(
     let prealloc_text = parsed.str("preallocation");
     let size = size.ok_or_else(|| invalid("Image creation needs a size parameter".into()))?;
     if !args.quiet {
-        println!("{}", formatting_line(image, size, None, prealloc_text));
+        println!("{}", formatting_line(image, Format::Raw, parsed, size));
     }
     let prealloc = raw_preallocation(prealloc_text).map_err(&invalid)?;
     create_raw(path, size, prealloc)
@@ -883,15 +876,17 @@ async fn create_qcow2_image(
     size: Option<u64>,
 ) -> Result<(), CreateError> {
     let invalid = CreateError::invalid(image);
-    let mut plan = qcow2_settings(parsed).map_err(&invalid)?;
-    let size = set_backing(args, path, image, parsed, &mut plan.opts, size).await?;
+    let mut with_backing = CreateOptions::default();
+    let size = set_backing(args, path, image, parsed, &mut with_backing, size).await?;
     let size = size.ok_or_else(|| invalid("Image creation needs a size parameter".into()))?;
-    plan.opts.size = size;
-    // qemu-img announces the image before its driver checks the settings, so a refused
-    // combination still prints the line.
+    // qemu-img announces the image before its driver reads and checks the settings, so a
+    // refused value or combination still prints the line.
     if !args.quiet {
-        println!("{}", formatting_line(image, size, Some(&plan), None));
+        println!("{}", formatting_line(image, Format::Qcow2, parsed, size));
     }
+    let mut plan = qcow2_settings(parsed).map_err(&invalid)?;
+    plan.opts.backing = with_backing.backing;
+    plan.opts.size = size;
     check_qcow2_plan(&plan, parsed.str("backing_file").is_some()).map_err(&invalid)?;
     check_qcow2_size(&plan.opts).map_err(&invalid)?;
     create_qcow2(path, &plan.opts)
@@ -1094,14 +1089,23 @@ mod tests {
 
     #[test]
     fn formatting_line_matches_qemu_img() {
-        let mut p = plan("preallocation=metadata,extended_l2=on", true).unwrap();
-        p.opts.backing = Some(("b.qcow2".into(), Format::Qcow2));
+        let p = Parsed::parse(
+            "preallocation=metadata,extended_l2=on,backing_file=b.qcow2,backing_fmt=qcow2",
+            QCOW2_OPTIONS,
+            &[],
+        )
+        .unwrap();
         assert_eq!(
-            formatting_line("t.qcow2", 2097152, Some(&p), None),
+            formatting_line("t.qcow2", Format::Qcow2, &p, 2097152),
             "Formatting 't.qcow2', fmt=qcow2 cluster_size=65536 extended_l2=on preallocation=metadata compression_type=zlib size=2097152 backing_file=b.qcow2 backing_fmt=qcow2 lazy_refcounts=off refcount_bits=16"
         );
         assert_eq!(
-            formatting_line("r", 1000, None, Some("falloc")),
+            formatting_line(
+                "r",
+                Format::Raw,
+                &Parsed::parse("preallocation=falloc", RAW_OPTIONS, &[]).unwrap(),
+                1000
+            ),
             "Formatting 'r', fmt=raw size=1000 preallocation=falloc"
         );
     }

@@ -40,10 +40,10 @@ pub struct MapArgs {
     #[command(flatten)]
     pub share: crate::engine_run::ForceShare,
     /// First guest byte to map (size suffixes allowed).
-    #[arg(long = "start-offset", value_parser = parse_size_arg)]
+    #[arg(short = 's', long = "start-offset", value_parser = parse_size_arg)]
     pub start_offset: Option<u64>,
     /// Map at most this many bytes (size suffixes allowed).
-    #[arg(long = "max-length", value_parser = parse_size_arg)]
+    #[arg(short = 'l', long = "max-length", value_parser = parse_size_arg)]
     pub max_length: Option<u64>,
 }
 

@@ -80,7 +80,11 @@ impl<S: Storage + 'static> Image<S> {
                 offset: None,
             };
             match p.src {
-                Source::Zero => push(base),
+                // A zero cluster that keeps its host cluster has an offset, as in QEMU.
+                Source::Zero { host } => push(Extent {
+                    offset: host,
+                    ..base
+                }),
                 Source::Compressed { .. } => push(Extent {
                     data: true,
                     zero: false,

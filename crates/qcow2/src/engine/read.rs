@@ -140,7 +140,7 @@ impl<S: Storage + 'static> Inner<S> {
             let p = pieces[i];
             let at = (p.start - base) as usize;
             match p.src {
-                Source::Zero => {
+                Source::Zero { .. } => {
                     buf[at..at + p.len as usize].fill(0);
                     i += 1;
                 }

@@ -50,7 +50,7 @@ impl<S: Storage + 'static> Image<S> {
         let mut classified: Vec<Piece> = Vec::with_capacity(pieces.len());
         for p in pieces {
             match p.src {
-                Source::Zero | Source::Compressed { .. } => classified.push(p),
+                Source::Zero { .. } | Source::Compressed { .. } => classified.push(p),
                 Source::Data { host } => {
                     let layer = &inner.chain.layers[p.layer];
                     let ask = layer.qcow2().is_none()
@@ -64,7 +64,7 @@ impl<S: Storage + 'static> Image<S> {
                         let src = if stored {
                             Source::Data { host: host + pos }
                         } else {
-                            Source::Zero
+                            Source::Zero { host: None }
                         };
                         let part = Piece {
                             start: p.start + pos,
@@ -79,7 +79,7 @@ impl<S: Storage + 'static> Image<S> {
             }
         }
 
-        let zero = |p: &Piece| p.src == Source::Zero;
+        let zero = |p: &Piece| p.src.is_zero();
         let mut out = Vec::new();
         let mut i = 0;
         while i < classified.len() {

@@ -4,7 +4,6 @@
 //! and are otherwise written as zero data. A fast-zero request fails with `ZeroNotFast`
 //! before changing anything if any part would need data written.
 
-use super::chain::Source;
 use super::error::{EngineError, Result};
 use super::image::{Image, Inner};
 use super::range_lock::LockMode;
@@ -254,7 +253,7 @@ impl<S: Storage + 'static> Inner<S> {
         }
         let mut pieces = Vec::new();
         self.chain.resolve(offset, len, 0, &mut pieces).await?;
-        Ok(pieces.iter().all(|p| p.src == Source::Zero))
+        Ok(pieces.iter().all(|p| p.src.is_zero()))
     }
 }
 

@@ -34,6 +34,8 @@ const ABSENT: u64 = 1;
 const ZERO: u64 = 2;
 const DATA: u64 = 3;
 const DESCEND: u64 = 4;
+/// Zeros whose cluster keeps a host cluster, at the offset stored with it.
+const ZERO_AT: u64 = 5;
 
 /// Computes map slots by walking the backing chain.
 pub(crate) struct MapBackend<S: Storage + 'static> {
@@ -82,8 +84,11 @@ impl<S: Storage + 'static> cache::Backend<u64> for MapBackend<S> {
             let out = &mut buf[i as usize * GRANULE_BYTES..(i as usize + 1) * GRANULE_BYTES];
             match pieces.get(p) {
                 Some(q) if q.start <= gs && q.start + q.len >= ge => match q.src {
-                    Source::Zero if q.present => encode(ZERO, q.layer, 0, out),
-                    Source::Zero => encode(ABSENT, q.layer, 0, out),
+                    Source::Zero { host: Some(h) } => {
+                        encode(ZERO_AT, q.layer, h + (gs - q.start), out)
+                    }
+                    Source::Zero { host: None } if q.present => encode(ZERO, q.layer, 0, out),
+                    Source::Zero { host: None } => encode(ABSENT, q.layer, 0, out),
                     Source::Data { host } => encode(DATA, q.layer, host + (gs - q.start), out),
                     Source::Compressed { .. } => encode(DESCEND, q.layer, 0, out),
                 },
@@ -162,8 +167,14 @@ impl<S: Storage + 'static> BackingMap<S> {
                             decode(&bytes[i * GRANULE_BYTES..(i + 1) * GRANULE_BYTES]);
                         let g0 = (at >> bits) << bits;
                         let piece = match kind {
-                            ABSENT => Some((Source::Zero, false)),
-                            ZERO => Some((Source::Zero, true)),
+                            ABSENT => Some((Source::Zero { host: None }, false)),
+                            ZERO => Some((Source::Zero { host: None }, true)),
+                            ZERO_AT => Some((
+                                Source::Zero {
+                                    host: Some(host + (gs - g0)),
+                                },
+                                true,
+                            )),
                             DATA => Some((
                                 Source::Data {
                                     host: host + (gs - g0),
@@ -229,7 +240,9 @@ fn push_piece(out: &mut Vec<Piece>, p: Piece) {
     if let Some(last) = out.last_mut() {
         if last.start + last.len == p.start && last.layer == p.layer && last.present == p.present {
             let merge = match (last.src, p.src) {
-                (Source::Zero, Source::Zero) => true,
+                (Source::Zero { host: a }, Source::Zero { host: b }) => {
+                    super::piece::host_continues(a, last.len, b)
+                }
                 (Source::Data { host: a }, Source::Data { host: b }) => a + last.len == b,
                 _ => false,
             };

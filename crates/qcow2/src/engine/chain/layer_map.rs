@@ -15,8 +15,9 @@ use storage::{IoBuf, Storage};
 pub(crate) enum RunKind {
     /// Not allocated here: the layer below decides.
     Unallocated,
-    /// Reads as zeros (zero flag, zero subclusters).
-    Zero,
+    /// Reads as zeros (zero flag, zero subclusters); `host` is where the run's first byte
+    /// would be when the cluster keeps a host cluster allocated.
+    Zero { host: Option<u64> },
     /// Data at this offset of the layer's data storage (for the run's first byte).
     Data { host: u64 },
     /// Part of a compressed cluster: the raw L2 word and the guest offset where the cluster
@@ -50,8 +51,9 @@ pub(crate) fn push_run(out: &mut Vec<Run>, start: u64, len: u64, kind: RunKind) 
     if let Some(last) = out.last_mut() {
         if last.end() == start {
             let merge = match (last.kind, kind) {
-                (RunKind::Unallocated, RunKind::Unallocated) | (RunKind::Zero, RunKind::Zero) => {
-                    true
+                (RunKind::Unallocated, RunKind::Unallocated) => true,
+                (RunKind::Zero { host: a }, RunKind::Zero { host: b }) => {
+                    super::piece::host_continues(a, last.len, b)
                 }
                 (RunKind::Data { host: a }, RunKind::Data { host: b }) => a + last.len == b,
                 _ => false,
@@ -188,7 +190,9 @@ fn decode_slice<S>(
                             .min(cluster_start + (u64::from(sc) + u64::from(count)) * scs);
                         let kind = match state {
                             SubclusterState::Unallocated => RunKind::Unallocated,
-                            SubclusterState::Zero => RunKind::Zero,
+                            SubclusterState::Zero => RunKind::Zero {
+                                host: host.map(|h| h + (pos - cluster_start)),
+                            },
                             SubclusterState::Allocated => RunKind::Data {
                                 // Allocated subclusters imply a host offset (decode checked).
                                 host: host.unwrap_or(0) + (pos - cluster_start),
@@ -204,7 +208,9 @@ fn decode_slice<S>(
             let e = L2Entry::decode(word, g, index, HostOffset(table)).map_err(fmt)?;
             let kind = match e {
                 L2Entry::Unallocated => RunKind::Unallocated,
-                L2Entry::Zero { .. } => RunKind::Zero,
+                L2Entry::Zero { preallocated, .. } => RunKind::Zero {
+                    host: preallocated.map(|h| h.0 + (pos - cluster_start)),
+                },
                 L2Entry::Normal { host, .. } => {
                     check_data_cluster(layer, meta, table, index, Some(host.0), cluster_start)?;
                     RunKind::Data {
@@ -263,8 +269,8 @@ mod tests {
         push_run(&mut v, 0, 512, RunKind::Data { host: 4096 });
         push_run(&mut v, 512, 512, RunKind::Data { host: 4608 });
         push_run(&mut v, 1024, 512, RunKind::Data { host: 8192 });
-        push_run(&mut v, 1536, 10, RunKind::Zero);
-        push_run(&mut v, 1546, 10, RunKind::Zero);
+        push_run(&mut v, 1536, 10, RunKind::Zero { host: None });
+        push_run(&mut v, 1546, 10, RunKind::Zero { host: None });
         push_run(&mut v, 1556, 0, RunKind::Unallocated);
         let c = RunKind::Compressed { raw: 1, cluster: 0 };
         push_run(&mut v, 1556, 4, c);
@@ -285,7 +291,7 @@ mod tests {
                 Run {
                     start: 1536,
                     len: 20,
-                    kind: RunKind::Zero
+                    kind: RunKind::Zero { host: None }
                 },
                 Run {
                     start: 1556,

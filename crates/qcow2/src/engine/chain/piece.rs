@@ -4,8 +4,9 @@
 /// Where the bytes of a piece come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Source {
-    /// Zeros (a zero cluster or subcluster, or nothing allocated anywhere).
-    Zero,
+    /// Zeros (a zero cluster or subcluster, or nothing allocated anywhere); `host` is the
+    /// host cluster a zero cluster keeps allocated (for the start of the piece), if any.
+    Zero { host: Option<u64> },
     /// Bytes at `host` of the layer's data storage.
     Data { host: u64 },
     /// Part of a compressed cluster (raw L2 word, guest offset of the cluster's start).
@@ -28,6 +29,23 @@ pub(crate) struct Piece {
     pub present: bool,
 }
 
+/// True when a run of `len` bytes at host offset `a` is followed by host offset `b` (both
+/// absent counts as continuing, for zeros with no host cluster).
+pub(crate) fn host_continues(a: Option<u64>, len: u64, b: Option<u64>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => a.checked_add(len) == Some(b),
+        _ => false,
+    }
+}
+
+impl Source {
+    /// Reads as zeros.
+    pub(crate) fn is_zero(&self) -> bool {
+        matches!(self, Source::Zero { .. })
+    }
+}
+
 impl Piece {
     /// True when `next` is data that continues this data piece in the same file, in guest
     /// and host order alike, so one I/O can read both.
@@ -46,7 +64,7 @@ pub(crate) fn absent(start: u64, len: u64, deepest: usize) -> Piece {
     Piece {
         start,
         len,
-        src: Source::Zero,
+        src: Source::Zero { host: None },
         layer: deepest,
         present: false,
     }

@@ -86,7 +86,7 @@ pub(crate) async fn step<S: Storage + 'static>(
                         below.push((r.start, r.len));
                         continue;
                     }
-                    RunKind::Zero => Source::Zero,
+                    RunKind::Zero { host } => Source::Zero { host },
                     RunKind::Data { host } => Source::Data { host },
                     RunKind::Compressed { raw, cluster } => Source::Compressed { raw, cluster },
                 };

@@ -3,7 +3,7 @@
 //! as one I/O, then their L2 entries pointed at them and the old clusters released.
 
 use super::plan::{Action, ClusterPlan, GuestRange, Old};
-use crate::engine::chain::{Piece, Source};
+use crate::engine::chain::Piece;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::image::Inner;
 use crate::engine::span_pool::{zero_uncovered, SpanBuf};
@@ -323,7 +323,7 @@ impl<S: Storage + 'static> Inner<S> {
                 if let Err(e) = self.chain.resolve(s.0, t - s, 0, &mut pieces).await {
                     return (Err(e), buf);
                 }
-                if fresh && pieces.iter().all(|q| q.src == Source::Zero) {
+                if fresh && pieces.iter().all(|q| q.src.is_zero()) {
                     continue;
                 }
                 fills.push((s, t, pieces));
