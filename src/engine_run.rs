@@ -66,9 +66,46 @@ pub enum OpenError {
         /// The error.
         source: std::io::Error,
     },
+    /// The image needs incompatible features we do not implement; the list is worded as
+    /// qemu-img words it (named features, then the mask of the unnamed ones in hex).
+    #[error("Could not open '{path}': Unsupported qcow2 feature(s): {features}")]
+    UnsupportedFeatures {
+        /// The image.
+        path: String,
+        /// The features.
+        features: String,
+    },
     /// The engine refused the image.
     #[error(transparent)]
     Engine(Box<EngineError>),
+}
+
+/// The qemu-img wording of `e` when it refuses unsupported incompatible features.
+pub fn unsupported_features(e: &qcow2::format::error::FormatError) -> Option<String> {
+    match e {
+        qcow2::format::error::FormatError::UnsupportedIncompatibleFeatures { features } => {
+            Some(qemu_feature_list_of(features))
+        }
+        _ => None,
+    }
+}
+
+/// qemu-img's list of unsupported incompatible features: the names the image's feature
+/// table gives (at most 46 characters each), then `Unknown incompatible feature: MASK` for
+/// the bits without a name.
+fn qemu_feature_list_of(features: &[qcow2::format::error::UnknownFeature]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut unnamed = 0u64;
+    for f in features {
+        match &f.name {
+            Some(name) => parts.push(name.chars().take(46).collect()),
+            None => unnamed |= 1u64.checked_shl(f.bit).unwrap_or(0),
+        }
+    }
+    if unnamed != 0 {
+        parts.push(format!("Unknown incompatible feature: {unnamed:x}"));
+    }
+    parts.join(", ")
 }
 
 impl From<EngineError> for OpenError {
@@ -76,6 +113,14 @@ impl From<EngineError> for OpenError {
         match e {
             // A file that cannot be opened reads as qemu-img says it.
             EngineError::Open { path, source } => OpenError::Probe { path, source },
+            EngineError::Format {
+                image,
+                source:
+                    qcow2::format::error::FormatError::UnsupportedIncompatibleFeatures { features },
+            } => OpenError::UnsupportedFeatures {
+                path: image,
+                features: qemu_feature_list_of(&features),
+            },
             other => OpenError::Engine(Box::new(other)),
         }
     }

@@ -56,6 +56,9 @@ enum CheckCliError {
     /// `-f` names a format we do not have (qemu-img's words for a driver it lacks).
     #[error("Could not open '{path}': Unknown driver '{format}'")]
     UnknownDriver { path: String, format: String },
+    /// The image needs incompatible features we do not implement (qemu-img's words).
+    #[error("Could not open '{path}': Unsupported qcow2 feature(s): {features}")]
+    Unsupported { path: String, features: String },
     /// `-f qcow2` on a file that is not qcow2.
     #[error("Could not open '{path}': Image is not in qcow2 format")]
     NotQcow2 { path: String },
@@ -134,6 +137,12 @@ fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
             source,
             ..
         }) => return Err(CheckCliError::OpenFile { path, source }),
+        Err(CheckError::Open { source })
+            if crate::engine_run::unsupported_features(&source).is_some() =>
+        {
+            let features = crate::engine_run::unsupported_features(&source).unwrap_or_default();
+            return Err(CheckCliError::Unsupported { path, features });
+        }
         Err(e @ CheckError::Open { .. }) => {
             return Err(CheckCliError::Open { path, source: e });
         }

@@ -68,6 +68,14 @@ pub enum InfoError {
         /// The name given.
         format: String,
     },
+    /// The image needs incompatible features we do not implement (qemu-img's words).
+    #[error("Could not open '{path}': Unsupported qcow2 feature(s): {features}")]
+    Unsupported {
+        /// The file.
+        path: String,
+        /// The features, as qemu-img lists them.
+        features: String,
+    },
     /// `-f qcow2` on a file that is not qcow2 (qemu-img's words).
     #[error("Could not open '{0}': Image is not in qcow2 format")]
     NotQcow2(String),
@@ -119,9 +127,23 @@ fn describe(path: &Path, format: Format, force_share: bool) -> Result<ImageInfo,
     let name = path.display().to_string();
     let mut info = match format {
         Format::Qcow2 => {
-            let meta = inspect::inspect(&file).map_err(|source| InfoError::Inspect {
-                path: name.clone(),
-                source,
+            let meta = inspect::inspect(&file).map_err(|source| {
+                let unsupported = match &source {
+                    qcow2::metadata::MetadataError::Format(f) => {
+                        crate::engine_run::unsupported_features(f)
+                    }
+                    _ => None,
+                };
+                match unsupported {
+                    Some(features) => InfoError::Unsupported {
+                        path: name.clone(),
+                        features,
+                    },
+                    None => InfoError::Inspect {
+                        path: name.clone(),
+                        source,
+                    },
+                }
             })?;
             let mut info = ImageInfo::from_metadata(&meta, &name);
             if let Some(backing) = &info.backing_filename {

@@ -78,3 +78,43 @@ fn create_formatting_line_is_qemu_imgs() {
     ]);
     p.same(&["create", "-f", "raw", "r2", "1M"]);
 }
+
+/// Sets incompatible feature bits 62 and 63 in a v3 image and renames the feature table's
+/// first incompatible entry to bit 62, so one bit has a name and one has none.
+fn unknown_features(d: &Dir) {
+    d.create("f.qcow2", "qcow2", "", None, "1M");
+    let path = d.path("f.qcow2");
+    let mut b = std::fs::read(&path).expect("read image");
+    b[72..80].copy_from_slice(&(3u64 << 62).to_be_bytes());
+    let header_len = u32::from_be_bytes(b[100..104].try_into().unwrap()) as usize;
+    let mut at = header_len;
+    loop {
+        let magic = u32::from_be_bytes(b[at..at + 4].try_into().unwrap());
+        let len = u32::from_be_bytes(b[at + 4..at + 8].try_into().unwrap()) as usize;
+        assert_ne!(magic, 0, "qemu-img wrote no feature name table");
+        if magic == 0x6803_f857 {
+            let entry = (0..len / 48)
+                .map(|i| at + 8 + i * 48)
+                .find(|&e| b[e] == 0)
+                .expect("an incompatible feature entry");
+            b[entry + 1] = 62;
+            break;
+        }
+        at += 8 + len.next_multiple_of(8);
+    }
+    std::fs::write(&path, b).expect("write image");
+}
+
+/// Unknown incompatible features are refused with qemu-img's words: names from the image's
+/// feature table, then the mask of the unnamed bits.
+#[test]
+fn unsupported_features_are_listed_as_qemu_img_does() {
+    let p = Pair::new(unknown_features);
+    for args in [
+        &["info", "f.qcow2"][..],
+        &["check", "f.qcow2"],
+        &["map", "f.qcow2"],
+    ] {
+        p.same(args);
+    }
+}
