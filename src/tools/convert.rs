@@ -110,7 +110,9 @@ pub struct ConvertArgs {
     pub parallel: u16,
     /// The images to copy (several are concatenated, in order), then the image to write
     /// (replaced if it exists, unless -n).
-    #[arg(required = true, num_args = 2.., value_name = "SOURCE... TARGET")]
+    // Options may come between the names (`convert SRC -O qcow2 DST`), so the names are one
+    // list that may take several occurrences; fewer than two is refused in QEMU's words.
+    #[arg(required = true, value_name = "SOURCE... TARGET")]
     pub files: Vec<PathBuf>,
 }
 
@@ -129,6 +131,9 @@ impl ConvertArgs {
 /// Why `convert` failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ConvertError {
+    /// One name only: the target, and nothing to copy.
+    #[error("Must specify image file name")]
+    NoSource,
     /// A bad `-o` list or value.
     #[error("{0}")]
     Options(#[from] OptionsError),
@@ -688,6 +693,9 @@ fn target_backing(args: &ConvertArgs, parsed: &Parsed) -> (Option<String>, Optio
 
 async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
     // qemu-img's order of checks, so that the same mistakes get the same message.
+    if args.files.len() < 2 {
+        return Err(ConvertError::NoSource);
+    }
     let min_sparse = sparse_size(args.sparse.as_deref())?;
     if args.skip_broken_bitmaps && !args.bitmaps {
         return Err(ConvertError::SkipWithoutBitmaps);

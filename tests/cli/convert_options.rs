@@ -326,3 +326,27 @@ fn convert_p_prints_qemu_img_progress_lines() {
         p.same(args);
     }
 }
+
+#[test]
+fn options_may_come_between_the_image_names() {
+    let p = Pair::new(|d| {
+        d.qemu_img(&["create", "-q", "-f", "qcow2", "s.qcow2", "1M"]);
+        d.qemu_io("qcow2", "s.qcow2", &["write -P 7 0 64k"]);
+        d.qemu_img(&["snapshot", "-c", "sn1", "s.qcow2"]);
+        d.qemu_io("qcow2", "s.qcow2", &["write -P 8 0 64k"]);
+    });
+    same_target(
+        &p,
+        &["convert", "s.qcow2", "-l", "sn1", "-O", "qcow2", "t.qcow2"],
+        "t.qcow2",
+        "qcow2",
+    );
+    same_target(
+        &p,
+        &["convert", "s.qcow2", "-O", "raw", "t.raw"],
+        "t.raw",
+        "raw",
+    );
+    // One name only: nothing to copy.
+    p.same(&["convert", "s.qcow2"]);
+}
