@@ -648,11 +648,27 @@ mod tests {
         .unwrap();
         assert_eq!(n.path, Path::new("/t/y"));
         assert_eq!(
-            reason("driver=qcow2,file.filename=/t/y,encrypt.key-secret=s", true),
+            reason("driver=qcow2,file.filename=/t/y,l2-cache-entries=s", true),
             Reason::FormatOption {
                 driver: "qcow2".into(),
-                option: "encrypt.key-secret".into()
+                option: "l2-cache-entries".into()
             }
+        );
+        // A layer's key is kept for the open, at any depth of the chain.
+        let n = p(
+            "driver=qcow2,file.filename=/t/y,encrypt.key-secret=s,backing.encrypt.key-secret=b",
+            true,
+        )
+        .unwrap();
+        assert_eq!(
+            n.options.get("encrypt.key-secret").map(String::as_str),
+            Some("s")
+        );
+        assert_eq!(
+            n.options
+                .get("backing.encrypt.key-secret")
+                .map(String::as_str),
+            Some("b")
         );
         assert_eq!(
             reason("driver=nbd,host=127.0.0.1", true),
