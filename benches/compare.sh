@@ -83,12 +83,7 @@ esac
 
 # ---------------------------------------------------------------------------------------------
 # Build
-if [ "${SKIP_BUILD:-0}" != 1 ]; then
-    log "building release binary"
-    (cd "$REPO" && cargo build --release --quiet --bin qcow2-nbd)
-fi
-BIN=${QCOW2_NBD_BIN:-${CARGO_TARGET_DIR:-$REPO/target}/release/qcow2-nbd}
-[ -x "$BIN" ] || die "no release binary at $BIN"
+build_binary
 
 # ---------------------------------------------------------------------------------------------
 # Scratch space and cleanup: no server and no image outlives the script.

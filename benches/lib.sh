@@ -9,6 +9,16 @@
 log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
+# Builds the release binary unless SKIP_BUILD=1 and sets BIN to it (QCOW2_NBD_BIN overrides).
+build_binary() {
+    if [ "${SKIP_BUILD:-0}" != 1 ]; then
+        log "building release binary"
+        (cd "$REPO" && cargo build --release --quiet --bin qcow2-nbd)
+    fi
+    BIN=${QCOW2_NBD_BIN:-${CARGO_TARGET_DIR:-$REPO/target}/release/qcow2-nbd}
+    [ -x "$BIN" ] || die "no release binary at $BIN"
+}
+
 # ---------------------------------------------------------------------------------------------
 # Servers. start_server KIND IMAGE [SETTINGS...]: KIND is qemu, ours or raw (our server with
 # -f raw); SETTINGS are key=value pairs applied to both servers the same way: l2=SIZE,

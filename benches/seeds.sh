@@ -88,12 +88,7 @@ fio --enghelp=nbd >/dev/null 2>&1 || die "fio lacks the nbd engine (needs libnbd
 # A 1000-deep chain is 1000 open files per server.
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 
-if [ "$SKIP_BUILD" != 1 ]; then
-    log "building release binary"
-    (cd "$REPO" && cargo build --release --quiet --bin qcow2-nbd)
-fi
-BIN=${QCOW2_NBD_BIN:-${CARGO_TARGET_DIR:-$REPO/target}/release/qcow2-nbd}
-[ -x "$BIN" ] || die "no release binary at $BIN"
+build_binary
 
 WORK=$(mktemp -d "$BENCH_DIR/qcow2-nbd-seeds.XXXXXX")
 TMPW=""

@@ -479,26 +479,29 @@ pub async fn create<S: Storage + 'static>(file: &S, opts: &CreateOptions) -> Res
     Ok(())
 }
 
+/// Opens `path` for writing through `opener`, creating it if it does not exist.
+async fn open_to_create<O: Opener>(opener: &O, path: &std::path::Path) -> Result<O::Storage> {
+    let options = storage::OpenOptions {
+        read_only: false,
+        create: true,
+        ..storage::OpenOptions::default()
+    };
+    opener
+        .open(path, options)
+        .await
+        .map_err(|source| EngineError::Open {
+            path: path.display().to_string(),
+            source,
+        })
+}
+
 /// Creates `path` with `opts` through `opener` and, if asked, preallocates it.
 pub async fn create_file<O>(opener: &O, path: &std::path::Path, opts: &CreateOptions) -> Result<()>
 where
     O: Opener,
     O::Storage: 'static,
 {
-    let file = opener
-        .open(
-            path,
-            storage::OpenOptions {
-                read_only: false,
-                create: true,
-                ..storage::OpenOptions::default()
-            },
-        )
-        .await
-        .map_err(|source| EngineError::Open {
-            path: path.display().to_string(),
-            source,
-        })?;
+    let file = open_to_create(opener, path).await?;
     opts.validate()?;
     if let Some(name) = &opts.data_file {
         create_data_file(opener, std::path::Path::new(name), opts.size).await?;
@@ -530,21 +533,7 @@ async fn create_data_file<O>(opener: &O, path: &std::path::Path, size: u64) -> R
 where
     O: Opener,
 {
-    let open_err = |source| EngineError::Open {
-        path: path.display().to_string(),
-        source,
-    };
-    let file = opener
-        .open(
-            path,
-            storage::OpenOptions {
-                read_only: false,
-                create: true,
-                ..storage::OpenOptions::default()
-            },
-        )
-        .await
-        .map_err(open_err)?;
+    let file = open_to_create(opener, path).await?;
     let size = size.div_ceil(512) * 512;
     let io = |what: &'static str| {
         move |source| EngineError::Io {
