@@ -205,6 +205,11 @@ fn ours_writes_encrypted_data_qemu_reads() {
             &top_spec,
         ],
     );
+    // Ours takes each layer's key by its place in the chain; the backing node itself is the
+    // one the image names (describing it again, `backing.driver=`..., is refused).
+    let our_spec = format!(
+        "driver=qcow2,file.filename={top},encrypt.key-secret=sec1,backing.encrypt.key-secret=sec0"
+    );
     let out = d.run(
         BIN,
         &[
@@ -214,7 +219,7 @@ fn ours_writes_encrypted_data_qemu_reads() {
             "--object",
             s1,
             "--image-opts",
-            &top_spec,
+            &our_spec,
         ],
     );
     assert!(out.status.success(), "{}", text(&out));
