@@ -118,6 +118,55 @@ fn a_lazy_refcounts_image_is_left_clean_after_shutdown() {
 /// The same client against the nbd crate's server over an in-memory export, which reports what
 /// each command arrived as: FUA writes, TRIM, flushes, zeroing with and without unmap, the
 /// allocation each left behind, and read errors; over a Unix socket and over TCP.
+/// An encrypted image is served as qemu-nbd serves it: the secret comes as `--object
+/// secret` and the image names it in `--image-opts`; what a client writes is stored
+/// encrypted, so QEMU reads it back only with the key.
+#[test]
+fn an_encrypted_image_is_served_with_its_secret() {
+    let images = Dir::new();
+    let secret = "secret,id=sec0,data=astrochicken";
+    let image = images.s("enc.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "--object",
+        secret,
+        "-o",
+        "encrypt.format=luks,encrypt.key-secret=sec0,encrypt.iter-time=10",
+        &image,
+        "4M",
+    ]);
+    let opts = format!("driver=qcow2,file.filename={image},encrypt.key-secret=sec0");
+    let qemu_io_enc = |cmds: &[&str]| {
+        let mut args = vec!["--object", secret, "--image-opts", &opts];
+        for c in cmds {
+            args.extend(["-c", c]);
+        }
+        let out = images.ok("qemu-io", &args);
+        assert!(!out.contains("failed"), "qemu-io {cmds:?}: {out}");
+    };
+    qemu_io_enc(&["write -P 0x5a 0 64k"]);
+
+    let server = Server::unix(&["--object", secret, "--image-opts", &opts]);
+    qemu_io(
+        "raw",
+        &server.uri(),
+        &["read -P 0x5a 0 64k", "write -P 0x33 1M 64k", "flush"],
+    );
+    server.stop_ok();
+
+    qemu_io_enc(&["read -P 0x5a 0 64k", "read -P 0x33 1M 64k"]);
+    let plain = std::fs::read(&image).unwrap();
+    assert!(
+        !plain.windows(4096).any(|w| w.iter().all(|&b| b == 0x33)),
+        "the written data is stored encrypted"
+    );
+    let refused = crate::support::serve_fails(&["-k", "/nonexistent/e.sock", &image]);
+    assert!(refused.contains("encrypt.key-secret"), "{refused}");
+}
+
 mod mem_export {
     use nbd::{Extent, MemExport};
     use std::process::Command;

@@ -667,8 +667,8 @@ fn bad_credentials_and_flags_are_refused_at_start_naming_the_problem() {
             "no --object has this id".into(),
         ),
         (
-            vec!["--object".into(), "secret,id=s0,data=x".into()],
-            "not supported".into(),
+            vec!["--object".into(), "iothread,id=io0".into()],
+            "object type \"iothread\" is not supported".into(),
         ),
     ];
     for (args, expected) in cases {

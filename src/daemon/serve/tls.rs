@@ -253,7 +253,7 @@ fn objects_by_id(specs: &[String]) -> Result<HashMap<String, QemuObject>, TlsArg
                     spec: spec.clone(),
                     reason: format!(
                         "object type {other:?} is not supported (qcow2-nbd knows \
-                         tls-creds-x509, tls-creds-psk and authz-simple)"
+                         secret, tls-creds-x509, tls-creds-psk and authz-simple)"
                     ),
                 })
             }
