@@ -119,6 +119,44 @@ fn an_image_left_open_with_its_file_grown_ahead_checks_clean_and_reopens() {
     assert_reads_back(&path, 0..48);
 }
 
+/// Subclusters exist to save disk space: a 4 KiB write into a fresh 64 KiB cluster of an
+/// extended-L2 image fills one subcluster and leaves the rest of the cluster a hole. Growing
+/// ahead would reserve every cluster whole, so such images are not grown ahead.
+#[test]
+fn subcluster_writes_stay_sparse_because_extended_l2_images_are_not_grown_ahead() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = dir.path().join("ext.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "extended_l2=on,cluster_size=64k",
+        path.to_str().unwrap(),
+        "256M",
+    ]);
+    run(async {
+        let img = open_direct(&path).await;
+        write_spread(&img, 0..32).await;
+        assert!(
+            file_len(&path) < 64 * MIB,
+            "not grown ahead: {} bytes",
+            file_len(&path)
+        );
+        img.close().await.expect("close");
+    });
+    assert_check_clean(&path);
+    assert_reads_back(&path, 0..32);
+    let on_disk = std::fs::metadata(&path).unwrap().blocks() * 512;
+    // 32 clusters of 64 KiB hold 4 KiB of data each: whole clusters would take 2 MiB.
+    assert!(
+        on_disk < MIB,
+        "each write takes its subcluster only: {on_disk} bytes on disk"
+    );
+}
+
 /// Opens the one image file the fault tests use, through a fault-injecting wrapper.
 struct FaultyFile(FaultStorage<AnyStorage>);
 

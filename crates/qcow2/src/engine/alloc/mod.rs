@@ -123,7 +123,7 @@ impl<S: Storage + 'static> Allocator<S> {
             bitmaps: RefCell::new(bitmaps),
             free_byte_offset: Cell::new(0),
             mapping_generation: Cell::new(0),
-            grow: GrowAhead::new(&layer.file, meta.file_end.get()),
+            grow: GrowAhead::new(&layer.file, meta.file_end.get(), h.has_extended_l2()),
         })
     }
 

@@ -25,10 +25,13 @@ pub(crate) struct GrowAhead {
 
 impl GrowAhead {
     /// Growing ahead for a file of `len` bytes, off where it does not pay: buffered files
-    /// (the page cache already absorbs the allocation) and file systems without cheap
-    /// zeroing (growing would write the zeros).
-    pub(crate) fn new<S: Storage>(file: &S, len: u64) -> Self {
-        let on = file.alignment() > 1 && file.zeroes_are_cheap();
+    /// (the page cache already absorbs the allocation), file systems without cheap
+    /// zeroing (growing would write the zeros), and images with subclusters: a write there
+    /// fills only its subclusters and leaves the rest of the cluster a hole in the file,
+    /// which is the disk space subclusters exist to save, while a range grown ahead keeps
+    /// its blocks reserved for the whole cluster once the cluster is in use.
+    pub(crate) fn new<S: Storage>(file: &S, len: u64, subclusters: bool) -> Self {
+        let on = file.alignment() > 1 && file.zeroes_are_cheap() && !subclusters;
         GrowAhead {
             to: Cell::new(if on { len.max(1) } else { 0 }),
         }
