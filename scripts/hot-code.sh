@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Writes build/hot-code.txt: the functions of the release binary that run when it starts,
+# opens an image and serves a client, so that build.rs can have the linker place them side
+# by side at the start of the code.
+#
+# Why: the kernel maps a program's code into memory 64 KiB around each first touch
+# (fault-around), and a statically linked Rust binary's start-up and request path touch
+# code spread over all of its text, so nearly all of it became resident. Placed together,
+# that code fills a few such windows (benches/seeds.sh reports the peak RSS it leads to).
+#
+# The list names mangled symbols; a stale entry (code renamed or removed since) is skipped
+# by the linker and only costs memory, never correctness. Run it again after large changes.
+# Needs valgrind (callgrind) and qemu-io; takes about a minute.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+command -v valgrind >/dev/null || { echo "hot-code.sh: valgrind is needed (apt-get install -y valgrind)" >&2; exit 1; }
+command -v qemu-io >/dev/null || { echo "hot-code.sh: qemu-io is needed (qemu-utils)" >&2; exit 1; }
+cargo build --release --manifest-path "$repo/Cargo.toml" --bin qcow2-nbd
+bin="$repo/target/release/qcow2-nbd"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+cg() { valgrind --tool=callgrind --demangle=no --callgrind-out-file="$work/cg.$1" "${@:2}"; }
+
+qemu-img create -q -f qcow2 "$work/base.qcow2" 64M
+qemu-io -f qcow2 -c 'write -P 0x11 0 4M' "$work/base.qcow2" >/dev/null
+qemu-img create -q -f qcow2 -b "$work/base.qcow2" -F qcow2 "$work/top.qcow2" 64M
+cg info "$bin" info "$work/top.qcow2" >/dev/null 2>&1
+valgrind --tool=callgrind --demangle=no --callgrind-out-file="$work/cg.serve" \
+    "$bin" serve -k "$work/s.sock" -t "$work/top.qcow2" 2>/dev/null &
+pid=$!
+for _ in $(seq 120); do [ -S "$work/s.sock" ] && break; sleep 0.5; done
+uri="nbd+unix:///?socket=$work/s.sock"
+qemu-io -f raw -c 'read -P 0x11 0 64k' -c 'write -P 0x22 1M 64k' -c 'write -P 0x33 4M 8k' \
+    -c 'write -z 8M 1M' -c 'discard 1M 64k' -c 'flush' -c 'read 0 8M' "$uri" >/dev/null
+qemu-img map --output=json -f raw "$uri" >/dev/null
+kill -TERM "$pid"
+wait "$pid" || true
+
+# Every function of the binary that ran, in the order callgrind first lists it.
+python3 - "$work" "$repo/build/hot-code.txt" <<'PY'
+import glob, re, sys
+work, out = sys.argv[1], sys.argv[2]
+seen, order = set(), []
+for path in sorted(glob.glob(work + "/cg.*")):
+    objs, names, current = {}, {}, None
+    for line in open(path, errors="replace"):
+        m = re.match(r"^c?ob=\((\d+)\)(?: (.*))?", line)
+        if m and m.group(2):
+            objs[m.group(1)] = m.group(2).strip()
+        m = re.match(r"^ob=\((\d+)\)", line)
+        if m:
+            current = objs.get(m.group(1), "")
+        m = re.match(r"^c?fn=\((\d+)\)(?: (.*))?", line)
+        if m and m.group(2):
+            names[m.group(1)] = m.group(2).strip()
+        m = re.match(r"^fn=\((\d+)\)", line)
+        if m and current and current.endswith("/qcow2-nbd"):
+            name = names.get(m.group(1))
+            if name and not name.startswith("0x") and name not in seen:
+                seen.add(name)
+                order.append(name)
+with open(out, "w") as f:
+    f.write("\n".join(order) + "\n")
+print(f"hot-code.sh: {len(order)} functions written to {out}")
+PY
