@@ -149,6 +149,8 @@ impl Plan {
             multi_conn: args.shared != 1,
             allocation_depth: args.allocation_depth,
             offset: args.offset.unwrap_or(0),
+            // Per image: see `registry::entry`.
+            probed_raw: false,
         };
         let config = ServerConfig {
             persistent: args.persistent,

@@ -15,7 +15,7 @@ pub const DEFAULT_CLIENTS: u16 = 16;
 /// Export an image over NBD, like `qemu-nbd`.
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
-    /// Image to export (qcow2, or raw with `-f raw`); or give `--export` instead.
+    /// Image to export (qcow2 or raw); or give `--export` instead.
     #[arg(required_unless_present_any = ["exports", "list"])]
     pub image: Option<PathBuf>,
 
@@ -186,7 +186,9 @@ pub struct ServeArgs {
     #[arg(short = 'l', long = "load-snapshot", value_name = "SNAPSHOT")]
     pub load_snapshot: Option<String>,
 
-    /// Image format; without it only qcow2 is accepted (a raw file must be named as such).
+    /// Image format; without it the format is probed (the qcow2 magic, else raw). A probed
+    /// raw image is served in whole sectors and no write may put another format's header
+    /// into its first sector, as qemu-nbd serves one; give `-f raw` to lift that.
     #[arg(short = 'f', long, value_enum, value_name = "FORMAT")]
     pub format: Option<FormatArg>,
 
