@@ -19,14 +19,16 @@ pub struct ServeArgs {
     #[arg(required_unless_present_any = ["exports", "list"])]
     pub image: Option<PathBuf>,
 
-    /// List the exports of the server at -k (or -b and -p) and exit, like `qemu-nbd -L`:
-    /// a client, nothing is served.
+    /// List the exports of the server at -k (or -b and -p; the default host is localhost)
+    /// and exit, like `qemu-nbd -L`: a client, nothing is served. With --tls-creds, over TLS
+    /// (credentials objects with endpoint=client).
     #[arg(
         short = 'L',
         long = "list",
         conflicts_with_all = ["image", "exports", "export_name", "description", "offset",
                               "format", "bitmaps", "snapshot", "load_snapshot", "fork",
-                              "read_only", "allocation_depth", "control", "tls_creds"]
+                              "read_only", "allocation_depth", "control", "tls_authz",
+                              "tls_certificates", "tls_psk", "tls_verify_peer"]
     )]
     pub list: bool,
 
@@ -238,9 +240,15 @@ pub struct ServeArgs {
     pub objects: Vec<String>,
 
     /// Require TLS with the credentials object ID: every client must start TLS
-    /// (NBD_OPT_STARTTLS) before anything else; plaintext clients are refused.
+    /// (NBD_OPT_STARTTLS) before anything else; plaintext clients are refused. With -L,
+    /// the credentials the listing connects with.
     #[arg(long = "tls-creds", value_name = "ID")]
     pub tls_creds: Option<String>,
+
+    /// With -L: the host name the server's x509 certificate must name, instead of the -b
+    /// host (over a Unix socket there is none otherwise).
+    #[arg(long = "tls-hostname", value_name = "NAME", requires = "list")]
+    pub tls_hostname: Option<String>,
 
     /// After the TLS handshake, admit only the identity of the authz-simple object ID;
     /// other clients have every option refused (NBD_REP_ERR_POLICY).
