@@ -459,6 +459,113 @@ mod tests {
         assert_eq!((name.as_str(), rest), ("a", &b"d"[..]));
     }
 
+    /// A scripted server: replies `input` whatever is asked, and keeps what it is sent.
+    struct Scripted<'a> {
+        input: &'a [u8],
+        sent: Vec<u8>,
+    }
+
+    impl Read for Scripted<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            self.input.read(buf)
+        }
+    }
+
+    impl Write for Scripted<'_> {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.sent.extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn rep(option: u32, kind: u32, data: &[u8]) -> Vec<u8> {
+        let mut v = OPTION_REPLY_MAGIC.to_be_bytes().to_vec();
+        for w in [option, kind, data.len() as u32] {
+            v.extend_from_slice(&w.to_be_bytes());
+        }
+        v.extend_from_slice(data);
+        v
+    }
+
+    fn greeting() -> Vec<u8> {
+        let mut v = NBDMAGIC.to_be_bytes().to_vec();
+        v.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        v.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+        v
+    }
+
+    #[test]
+    fn a_listing_is_read_from_the_replies() {
+        let mut input = greeting();
+        input.extend(rep(OPT_EXTENDED_HEADERS, REP_ACK, &[]));
+        input.extend(rep(OPT_LIST, REP_SERVER, b"\0\0\0\x04diska disk"));
+        input.extend(rep(OPT_LIST, REP_ACK, &[]));
+        let mut export = INFO_EXPORT.to_be_bytes().to_vec();
+        export.extend_from_slice(&(1u64 << 20).to_be_bytes());
+        export.extend_from_slice(&0x4edu16.to_be_bytes());
+        input.extend(rep(OPT_INFO, REP_INFO, &export));
+        let mut sizes = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+        for w in [512u32, 4096, 1 << 25] {
+            sizes.extend_from_slice(&w.to_be_bytes());
+        }
+        input.extend(rep(OPT_INFO, REP_INFO, &sizes));
+        input.extend(rep(OPT_INFO, REP_ACK, &[]));
+        input.extend(rep(
+            OPT_LIST_META_CONTEXT,
+            REP_META_CONTEXT,
+            b"\0\0\0\0qemu:allocation-depth",
+        ));
+        input.extend(rep(OPT_LIST_META_CONTEXT, REP_ACK, &[]));
+        let mut server = Scripted {
+            input: &input,
+            sent: Vec::new(),
+        };
+        let (mode, exports) = list_exports(&mut server, None).unwrap();
+        assert_eq!(mode, Mode::Extended);
+        assert_eq!(
+            exports,
+            [ExportInfo {
+                name: "disk".into(),
+                description: "a disk".into(),
+                size_flags: Some((1 << 20, 0x4ed)),
+                block_sizes: Some((512, 4096, 1 << 25)),
+                contexts: vec!["qemu:allocation-depth".into()],
+            }]
+        );
+        // Every prefix of the replies is an error, never a panic or a listing.
+        for n in 0..input.len() {
+            let mut cut = Scripted {
+                input: &input[..n],
+                sent: Vec::new(),
+            };
+            assert!(list_exports(&mut cut, None).is_err(), "{n} bytes");
+        }
+    }
+
+    #[test]
+    fn a_server_requiring_tls_is_told_in_qemus_words() {
+        let mut input = greeting();
+        input.extend(rep(OPT_EXTENDED_HEADERS, REP_ERR_TLS_REQD, &[]));
+        input.extend(rep(OPT_STRUCTURED_REPLY, REP_ERR_TLS_REQD, &[]));
+        input.extend(rep(OPT_LIST, REP_ERR_TLS_REQD, b"no"));
+        let mut server = Scripted {
+            input: &input,
+            sent: Vec::new(),
+        };
+        let e = list_exports(&mut server, None).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "TLS negotiation required before option 3 (list)"
+        );
+        assert_eq!(
+            e.hints().last().map(String::as_str),
+            Some("server reported: no")
+        );
+    }
+
     #[test]
     fn refusals_are_told_in_qemus_words() {
         let e = |option, kind| {
