@@ -220,8 +220,22 @@ impl Client<'_> {
         Ok(())
     }
 
+    /// After a refusal, tells the server the client is leaving (NBD_OPT_ABORT), as QEMU's
+    /// client does, rather than just hanging up.
+    fn abort_on_refusal<T>(&mut self, r: Result<T, ListError>) -> Result<T, ListError> {
+        if let Err(ListError::Refused { .. }) = &r {
+            let _ = self.send_option(OPT_ABORT, &[]);
+        }
+        r
+    }
+
     /// NBD_OPT_STARTTLS, which must be acknowledged before the TLS handshake.
     fn starttls(&mut self) -> Result<(), ListError> {
+        let r = self.starttls_inner();
+        self.abort_on_refusal(r)
+    }
+
+    fn starttls_inner(&mut self) -> Result<(), ListError> {
         self.send_option(OPT_STARTTLS, &[])?;
         let r = self.reply(OPT_STARTTLS)?;
         match r.kind {
@@ -235,6 +249,11 @@ impl Client<'_> {
 
     /// The whole listing, after the greeting (and TLS).
     fn list(&mut self) -> Result<(Mode, Vec<ExportInfo>), ListError> {
+        let r = self.list_inner();
+        self.abort_on_refusal(r)
+    }
+
+    fn list_inner(&mut self) -> Result<(Mode, Vec<ExportInfo>), ListError> {
         let mode = self.reply_mode()?;
         let mut exports = self.list_names()?;
         for e in &mut exports {
@@ -560,6 +579,11 @@ mod tests {
             e.to_string(),
             "TLS negotiation required before option 3 (list)"
         );
+        // The client said goodbye: its last message is NBD_OPT_ABORT.
+        let mut abort = IHAVEOPT.to_be_bytes().to_vec();
+        abort.extend_from_slice(&OPT_ABORT.to_be_bytes());
+        abort.extend_from_slice(&0u32.to_be_bytes());
+        assert!(server.sent.ends_with(&abort));
         assert_eq!(
             e.hints().last().map(String::as_str),
             Some("server reported: no")
