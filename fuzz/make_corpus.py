@@ -207,6 +207,19 @@ def nbd_seeds(out):
     put("nbd_wire", "info_request", bytes([4]) + info)
     put("nbd_wire", "meta_request", bytes([5]) + meta)
     put("nbd_wire", "block_status", bytes([10]) + struct.pack(">IIIII", 1, 4096, 0, 8192, 3))
+    # A server's side of a listing, as ours answers `-L` (first byte: read size): greeting,
+    # extended headers acknowledged, one export, its information and its contexts.
+    rep = lambda o, t, d=b"": struct.pack(">QIII", 0x0003E889045565A9, o, t, len(d)) + d
+    greeting = struct.pack(">QQH", 0x4E42444D41474943, 0x49484156454F5054, 3)
+    export = struct.pack(">I", 4) + b"disk" + b"a disk"
+    listing = (greeting + rep(11, 1) + rep(3, 2, export) + rep(3, 1)
+               + rep(6, 3, struct.pack(">HQH", 0, 1 << 20, 0x4ED))
+               + rep(6, 3, struct.pack(">HIII", 3, 1, 4096, 1 << 25)) + rep(6, 1)
+               + rep(9, 4, struct.pack(">I", 0) + b"base:allocation") + rep(9, 1))
+    put("nbd_list_reply", "listing", bytes([255]) + listing)
+    put("nbd_list_reply", "bytewise", bytes([1]) + listing)
+    put("nbd_list_reply", "tls_required", bytes([64]) + greeting + rep(11, 0x80000005)
+        + rep(8, 0x80000005) + rep(3, 0x80000005, b"Option 0x3 not permitted before TLS"))
     # Key files as psktool writes them, and with the variations the parser accepts.
     put("tls_psk_file", "psktool", b"alice:" + b"6f" * 32 + b"\n")
     put("tls_psk_file", "several", b"alice:00ff\r\n\nhost:port:0102\nbob:ABCD\n")

@@ -1,17 +1,16 @@
 //! Passwords of encrypted images, given as QEMU's tools take them: `--object
 //! secret,id=ID,data=TEXT` (or `file=PATH`) defines a secret, and an image names the one
 //! that opens it with `encrypt.key-secret=ID` (its backing file's with
-//! `backing.encrypt.key-secret=ID`) in an `--image-opts` option string, or in `-o` when it is
-//! being created.
+//! `backing.encrypt.key-secret=ID`) in an `--image-opts` option string or a `json:{...}` name
+//! (flat or nested keys, as QEMU takes both), or in `-o` when it is being created.
 //!
 //! The command line is read once at start ([`take_from_args`]): secret objects and the
-//! encryption keys of option strings are taken out, and each option string is replaced by
-//! its file name, so the subcommands see plain file names and ask [`passwords_for`] when
-//! they open one.
+//! encryption keys of image names are noted by file, so the subcommands, which see the file
+//! names the image-name reader gives them, ask [`passwords_for`] when they open one.
 
 use qcow2::crypto::Passwords;
 use std::collections::HashMap;
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -79,36 +78,33 @@ fn parse_secret(spec: &str) -> Result<Option<(String, Vec<u8>)>, String> {
     Ok(Some((id, bytes)))
 }
 
-/// The file name and layer key ids of an `--image-opts` option string, if it names any.
-fn parse_image_opts(spec: &str) -> Option<(PathBuf, Vec<Option<String>>)> {
-    let mut file = None;
+/// The file an image name opens and the secret ids of its layers by depth, read by the
+/// image-name reader the subcommands use (so an option string and a `json:` name give their
+/// keys alike); `None` for a name it refuses, which the subcommand then reports.
+fn layer_keys(name: &OsStr, image_opts: bool) -> Option<(PathBuf, Vec<Option<String>>)> {
+    let read = crate::image_name::parse(name, image_opts).ok()?;
     let mut keys: Vec<Option<String>> = Vec::new();
-    for (i, p) in split_opts(spec).iter().enumerate() {
-        match p.split_once('=') {
-            None if i == 0 => file = Some(p.clone()),
-            Some(("file.filename" | "file", v)) => file = Some(v.to_string()),
-            Some((k, v)) => {
-                let mut depth = 0;
-                let mut rest = k;
-                while let Some(r) = rest.strip_prefix("backing.") {
-                    depth += 1;
-                    rest = r;
-                }
-                if rest == "encrypt.key-secret" {
-                    if keys.len() <= depth {
-                        keys.resize(depth + 1, None);
-                    }
-                    keys[depth] = Some(v.to_string());
-                }
-            }
-            None => return None,
+    for (key, id) in &read.options {
+        let mut depth = 0;
+        let mut rest = key.as_str();
+        while let Some(r) = rest.strip_prefix("backing.") {
+            depth += 1;
+            rest = r;
         }
+        // A chain is never deeper than the engine opens, so neither is the list.
+        if rest != "encrypt.key-secret" || depth >= qcow2::engine::backing_name::MAX_CHAIN_DEPTH {
+            continue;
+        }
+        if keys.len() <= depth {
+            keys.resize(depth + 1, None);
+        }
+        keys[depth] = Some(id.clone());
     }
-    file.map(|f| (PathBuf::from(f), keys))
+    Some((read.path, keys))
 }
 
 /// Takes secret objects out of the command line and notes the encryption keys that
-/// `--image-opts` strings name for each file (the strings themselves stay, for the image-name
+/// `--image-opts` strings and `json:` names give for each file (the strings themselves stay, for the image-name
 /// reader); every other argument is kept.
 pub fn take_from_args(args: Vec<OsString>) -> Result<Vec<OsString>, String> {
     let mut reg = Registry::default();
@@ -135,11 +131,14 @@ pub fn take_from_args(args: Vec<OsString>) -> Result<Vec<OsString>, String> {
         let after_o = prev
             .as_ref()
             .is_some_and(|p| p == "-o" || p == "--options" || p == "--object");
-        if let (true, false, Some(t)) = (image_opts, after_o, text.as_deref()) {
-            if !t.starts_with('-') && t.contains('=') {
-                if let Some((file, keys)) = parse_image_opts(t) {
-                    reg.images.push((file, keys));
-                }
+        let image_name = match text.as_deref() {
+            Some(t) if image_opts => !after_o && !t.starts_with('-') && t.contains('='),
+            Some(t) => t.starts_with("json:"),
+            None => false,
+        };
+        if image_name {
+            if let Some((file, keys)) = layer_keys(&a, image_opts) {
+                reg.images.push((file, keys));
             }
         }
         prev = Some(a.clone());
@@ -198,16 +197,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn option_strings_name_the_file_and_the_keys_by_depth() {
-        let (f, k) = parse_image_opts(
+    fn option_strings_and_json_names_name_the_file_and_the_keys_by_depth() {
+        let keys = |name: &str, opts| layer_keys(OsStr::new(name), opts).unwrap();
+        let (f, k) = keys(
             "driver=qcow2,file.filename=/t/a,,b.qcow2,backing.encrypt.key-secret=s0,encrypt.key-secret=s1",
-        )
-        .unwrap();
+            true,
+        );
         assert_eq!(f, PathBuf::from("/t/a,b.qcow2"));
         assert_eq!(k, vec![Some("s1".into()), Some("s0".into())]);
-        let (f, k) = parse_image_opts("/t/x.qcow2,encrypt.key-secret=sec0").unwrap();
-        assert_eq!(f, PathBuf::from("/t/x.qcow2"));
-        assert_eq!(k, vec![Some("sec0".into())]);
+        // A name the reader refuses gives no keys; the subcommand reports the refusal.
+        let refused = "driver=qcow2,file=/t/x.qcow2,encrypt.key-secret=sec0";
+        assert!(layer_keys(OsStr::new(refused), true).is_none());
+        for name in [
+            r#"json:{"driver":"qcow2","file":{"driver":"file","filename":"/t/j"},"encrypt.key-secret":"a","backing.backing.encrypt.key-secret":"c"}"#,
+            r#"json:{"driver":"qcow2","file.filename":"/t/j","encrypt":{"key-secret":"a"},"backing":{"backing":{"encrypt":{"key-secret":"c"}}}}"#,
+        ] {
+            let (f, k) = keys(name, false);
+            assert_eq!(f, PathBuf::from("/t/j"), "{name}");
+            assert_eq!(k, vec![Some("a".into()), None, Some("c".into())], "{name}");
+        }
+        assert!(layer_keys(OsStr::new("json:{"), false).is_none());
     }
 
     #[test]

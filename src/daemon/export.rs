@@ -85,6 +85,12 @@ pub struct ExportPolicy {
     pub allocation_depth: bool,
     /// The export starts this many bytes into the image (`--offset`): clients see the rest.
     pub offset: u64,
+    /// The image was given without a format and probing guessed raw. As QEMU does for such
+    /// an image, the export works in whole sectors (minimum block size 512, block status
+    /// per sector) and refuses a write that would leave a header of another format in the
+    /// file's first sector: otherwise a guest could make the next probe open its disk as,
+    /// say, a qcow2 image whose backing file is any file of the host.
+    pub probed_raw: bool,
 }
 
 /// A request or reply payload: the engine's aligned [`IoBuf`], moved (never copied) between
@@ -122,6 +128,10 @@ pub struct ImageExport {
     bitmaps: Vec<ExportedBitmap>,
     /// Where requests are counted, when statistics are on.
     stats: Option<Rc<ExportStats>>,
+    /// Held from the check of a probed raw image's first sector to the end of the change
+    /// checked, so that two changes to the sector cannot pass their checks apart and
+    /// together leave a header.
+    first_sector: tokio::sync::Mutex<()>,
 }
 
 /// A persistent bitmap an export offers.
@@ -210,7 +220,7 @@ impl ImageExport {
             multi_conn: policy.multi_conn || !writable,
             rotational: false,
             block_size: BlockSize {
-                minimum: 1,
+                minimum: if policy.probed_raw { SECTOR as u32 } else { 1 },
                 preferred,
                 maximum: nbd::wire::MAX_PAYLOAD,
             },
@@ -227,6 +237,7 @@ impl ImageExport {
             status_limit,
             bitmaps: Vec::new(),
             stats: None,
+            first_sector: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -296,6 +307,44 @@ impl ImageExport {
         self.write_image(self.at(offset), Payload(data), fua).await
     }
 
+    /// For a probed raw image, checks the first sector as a change of `len` bytes at
+    /// `offset` (the bytes of `data`, or zeroes without it) would leave it, and refuses the
+    /// change (EPERM, as QEMU) if it would then start as an image of another format. The
+    /// guard returned is held until the change is done.
+    async fn check_first_sector(
+        &self,
+        offset: u64,
+        len: u64,
+        data: Option<&[u8]>,
+    ) -> Result<Option<tokio::sync::MutexGuard<'_, ()>>, Errno> {
+        let at = self.at(offset);
+        if !self.policy.probed_raw || at >= SECTOR || len == 0 {
+            return Ok(None);
+        }
+        let guard = self.first_sector.lock().await;
+        let have = usize::try_from(self.image.size().min(SECTOR)).unwrap_or(0);
+        let (res, current) = self.image.read_into(0, IoBuf::zeroed(have)).await;
+        res.map_err(|e| errno("read (first sector)", &e))?;
+        let mut sector = [0u8; SECTOR as usize];
+        sector[..have].copy_from_slice(&current[..have]);
+        let start = usize::try_from(at).unwrap_or(0);
+        let n = usize::try_from(len.min(SECTOR - at)).unwrap_or(0);
+        match data {
+            Some(d) => sector[start..start + n].copy_from_slice(&d[..n.min(d.len())]),
+            None => sector[start..start + n].fill(0),
+        }
+        if let Some(format) = foreign_header(&sector) {
+            tracing::warn!(
+                offset,
+                format,
+                "write refused: it would put a {format} header into the first sector of an \
+                 image whose format was probed as raw"
+            );
+            return Err(Errno::Perm);
+        }
+        Ok(Some(guard))
+    }
+
     /// Where a client's `offset` is in the image. The NBD layer has checked the request
     /// against [`Export::size`], which leaves room for the offset.
     fn at(&self, offset: u64) -> u64 {
@@ -331,6 +380,98 @@ impl ImageExport {
         }
         Ok(out)
     }
+}
+
+/// Whether `sector` (the first sector of a raw image) starts as an image of another format
+/// does, one that QEMU would probe as that format: the magic numbers of the formats QEMU
+/// recognises by their first sector.
+fn foreign_header(sector: &[u8]) -> Option<&'static str> {
+    // qcow and qcow2 share a magic and tell themselves apart by the version after it;
+    // version 0 is neither.
+    if sector.starts_with(b"QFI\xfb") && sector.get(4..8).is_some_and(|v| v != [0; 4]) {
+        return Some("qcow/qcow2");
+    }
+    const AT_START: &[(&[u8], &str)] = &[
+        (b"QED\0", "qed"),
+        (b"LUKS\xba\xbe", "luks"),
+        (b"KDMV", "vmdk"),
+        (b"COWD", "vmdk"),
+        (b"# Disk DescriptorFile", "vmdk"),
+        (b"conectix", "vpc"),
+        (b"vhdxfile", "vhdx"),
+        (b"WithoutFreeSpace", "parallels"),
+        (b"WithouFreSpacExt", "parallels"),
+        (b"Bochs Virtual HD Image", "bochs"),
+    ];
+    /// VDI's signature, little-endian at byte 64.
+    const VDI_SIGNATURE: [u8; 4] = 0xbeda_107f_u32.to_le_bytes();
+    if let Some((_, name)) = AT_START.iter().find(|(m, _)| sector.starts_with(m)) {
+        return Some(name);
+    }
+    (sector.get(64..68) == Some(&VDI_SIGNATURE[..])).then_some("vdi")
+}
+
+/// `extents` (from `offset` on) in whole sectors: a sector whose bytes have different
+/// states is one extent, data if any of it is, zero only if all of it is.
+fn whole_sectors(offset: u64, extents: Vec<Extent>) -> Vec<Extent> {
+    let mut spans = Vec::with_capacity(extents.len());
+    let mut at = offset;
+    for e in extents.into_iter().filter(|e| e.len > 0) {
+        let end = at.saturating_add(e.len);
+        spans.push((end, e));
+        at = end;
+    }
+    let end_all = at;
+    let mut out: Vec<Extent> = Vec::with_capacity(spans.len());
+    let mut push = |len: u64, hole: bool, zero: bool, depth: u32| match out.last_mut() {
+        Some(last) if (last.hole, last.zero, last.depth) == (hole, zero, depth) => {
+            last.len = last.len.saturating_add(len);
+        }
+        _ => out.push(Extent {
+            len,
+            hole,
+            zero,
+            depth,
+        }),
+    };
+    let (mut pos, mut i) = (offset, 0);
+    while pos < end_all {
+        while spans[i].0 <= pos {
+            i += 1;
+        }
+        let (e_end, e) = spans[i];
+        let next = (pos / SECTOR)
+            .saturating_add(1)
+            .saturating_mul(SECTOR)
+            .min(end_all);
+        if e_end >= next {
+            // This extent reaches the next sector boundary: it keeps the whole sectors it
+            // covers; the sector it ends inside is combined with what follows.
+            let stop = if e_end == end_all || e_end % SECTOR == 0 {
+                e_end
+            } else {
+                e_end / SECTOR * SECTOR
+            };
+            push(stop - pos, e.hole, e.zero, e.depth);
+            pos = stop;
+        } else {
+            let (mut hole, mut zero, mut depth) = (true, true, 0);
+            // Every extent with bytes in [pos, next): the spans end after pos from i on.
+            for (end, part) in &spans[i..] {
+                hole &= part.hole;
+                zero &= part.zero;
+                if part.depth != 0 && (depth == 0 || part.depth < depth) {
+                    depth = part.depth;
+                }
+                if *end >= next {
+                    break;
+                }
+            }
+            push(next - pos, hole, zero, depth);
+            pos = next;
+        }
+    }
+    out
 }
 
 /// The NBD error for an engine error. Failures the client did not cause are logged: they
@@ -510,9 +651,12 @@ impl Export for ImageExport {
     async fn write(&self, offset: u64, data: Payload, fua: bool) -> Result<(), Errno> {
         let bytes = u64::try_from(data.0.len()).unwrap_or(u64::MAX);
         let start = self.start();
-        let result = match self.data_part(offset, bytes) {
-            n if n == bytes => self.write_image(self.at(offset), data, fua).await,
-            n => self.write_with_tail(offset, n, data, fua).await,
+        let result = match self.check_first_sector(offset, bytes, Some(&data.0)).await {
+            Err(e) => Err(e),
+            Ok(_guard) => match self.data_part(offset, bytes) {
+                n if n == bytes => self.write_image(self.at(offset), data, fua).await,
+                n => self.write_with_tail(offset, n, data, fua).await,
+            },
         };
         self.count(start, Command::Write, bytes, &result);
         result
@@ -527,7 +671,10 @@ impl Export for ImageExport {
         let start = self.start();
         // The sector tail past the data already reads as zeroes.
         let data = self.data_part(offset, len);
-        let result = self.write_zeroes_image(self.at(offset), data, flags).await;
+        let result = match self.check_first_sector(offset, len, None).await {
+            Err(e) => Err(e),
+            Ok(_guard) => self.write_zeroes_image(self.at(offset), data, flags).await,
+        };
         self.count(start, Command::WriteZeroes, len, &result);
         result
     }
@@ -535,7 +682,11 @@ impl Export for ImageExport {
     async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
         let start = self.start();
         let data = self.data_part(offset, len);
-        let result = self.trim_image(self.at(offset), data, fua).await;
+        // Trimmed bytes may read as zeroes after, as zeroed ones do.
+        let result = match self.check_first_sector(offset, len, None).await {
+            Err(e) => Err(e),
+            Ok(_guard) => self.trim_image(self.at(offset), data, fua).await,
+        };
         self.count(start, Command::Trim, len, &result);
         result
     }
@@ -564,6 +715,23 @@ impl Export for ImageExport {
                 zero: true,
                 depth: 0,
             }]),
+            data if self.policy.probed_raw => {
+                self.block_status_image(self.at(offset), data)
+                    .await
+                    .map(|mut extents| {
+                        // The sector tail past the data, then whole sectors, as QEMU
+                        // reports a probed raw image.
+                        if data < len {
+                            extents.push(Extent {
+                                len: len - data,
+                                hole: true,
+                                zero: true,
+                                depth: 0,
+                            });
+                        }
+                        whole_sectors(offset, extents)
+                    })
+            }
             data => self.block_status_image(self.at(offset), data).await,
         };
         self.count(start, Command::BlockStatus, len, &result);
@@ -602,6 +770,60 @@ mod remote_model;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ext(len: u64, data: bool) -> Extent {
+        Extent {
+            len,
+            hole: !data,
+            zero: !data,
+            depth: u32::from(data),
+        }
+    }
+
+    #[test]
+    fn extents_become_whole_sectors_data_where_any_byte_is() {
+        let lens = |v: &[Extent]| v.iter().map(|e| (e.len, e.hole)).collect::<Vec<_>>();
+        // 1000 bytes of data and a 24-byte tail: one data sector after the first.
+        assert_eq!(
+            lens(&whole_sectors(0, vec![ext(1000, true), ext(24, false)])),
+            [(1024, false)]
+        );
+        // A hole that starts inside a sector keeps only its whole sectors.
+        assert_eq!(
+            lens(&whole_sectors(
+                0,
+                vec![ext(100, true), ext(2000, false), ext(460, true)]
+            )),
+            [(512, false), (1536, true), (512, false)]
+        );
+        // Many small extents inside one sector, then aligned ones.
+        let mut v: Vec<Extent> = (0..8).map(|i| ext(64, i % 2 == 0)).collect();
+        v.push(ext(512, false));
+        assert_eq!(lens(&whole_sectors(512, v)), [(512, false), (512, true)]);
+        // Lengths are kept whatever the request.
+        let total: u64 = whole_sectors(7, vec![ext(3, true), ext(1000, false)])
+            .iter()
+            .map(|e| e.len)
+            .sum();
+        assert_eq!(total, 1003);
+        assert!(whole_sectors(0, Vec::new()).is_empty());
+    }
+
+    #[test]
+    fn foreign_headers_are_recognised_by_their_magic() {
+        let mut s = [0u8; 512];
+        assert_eq!(foreign_header(&s), None);
+        s[..8].copy_from_slice(b"QFI\xfb\0\0\0\x03");
+        assert_eq!(foreign_header(&s), Some("qcow/qcow2"));
+        s[7] = 0;
+        assert_eq!(foreign_header(&s), None, "version 0 is no qcow");
+        s[..8].copy_from_slice(b"conectix");
+        assert_eq!(foreign_header(&s), Some("vpc"));
+        s[..8].fill(0);
+        s[64..68].copy_from_slice(&[0x7f, 0x10, 0xda, 0xbe]);
+        assert_eq!(foreign_header(&s), Some("vdi"));
+        assert_eq!(foreign_header(&s[..10]), None);
+    }
 
     #[test]
     fn zero_detection_looks_at_every_byte_whatever_the_alignment() {

@@ -64,14 +64,26 @@ pub fn run(args: &ServeArgs) -> ExitCode {
 
 /// `-L`: prints the exports of the server the address flags name.
 fn list_exports(args: &ServeArgs) -> ExitCode {
-    let endpoint = listen::Endpoint::from_flags(args.socket.clone(), args.bind.clone(), args.port);
-    match list::list(&endpoint) {
+    // As qemu-nbd's client: the server is looked for on localhost by default.
+    let bind = args.bind.clone().or_else(|| Some("localhost".to_owned()));
+    let endpoint = listen::Endpoint::from_flags(args.socket.clone(), bind, args.port);
+    let tls = match tls::tls_client(&args.tls_flags()) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("{}: {e}", crate::prog::name());
+            return ExitCode::FAILURE;
+        }
+    };
+    match list::list(&endpoint, tls.as_ref(), args.tls_hostname.as_deref()) {
         Ok((mode, exports)) => {
             print!("{}", list::render(mode, &exports));
             ExitCode::SUCCESS
         }
         Err(e) => {
             eprintln!("{}: {e}", crate::prog::name());
+            for hint in e.hints() {
+                eprintln!("{hint}");
+            }
             ExitCode::FAILURE
         }
     }
@@ -149,6 +161,8 @@ impl Plan {
             multi_conn: args.shared != 1,
             allocation_depth: args.allocation_depth,
             offset: args.offset.unwrap_or(0),
+            // Per image: see `registry::entry`.
+            probed_raw: false,
         };
         let config = ServerConfig {
             persistent: args.persistent,

@@ -445,3 +445,88 @@ fn measure_counts_the_luks_header_as_qemu_img_does() {
         }
     }
 }
+
+#[test]
+fn json_names_give_their_layers_keys_as_option_strings_do() {
+    // A LUKS base under a LUKS overlay, each with its own secret; QEMU writes a pattern
+    // through the chain, and ours must read it given the keys in a `json:` name, flat
+    // (`"encrypt.key-secret"`) or nested (`{"encrypt": {"key-secret": ...}}`), the backing
+    // layer's under `"backing"`.
+    let d = Dir::new();
+    qemu_create(&d, "base.qcow2", LUKS, "1M");
+    qemu_io(&d, "base.qcow2", &["write -P 0x3c 0 64k"]);
+    let (base, top) = (d.s("base.qcow2"), d.s("top.qcow2"));
+    let s1 = "secret,id=sec1,data=furby";
+    d.ok(
+        "qemu-img",
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "--object",
+            s1,
+            "-o",
+            "encrypt.format=luks,encrypt.key-secret=sec1,encrypt.iter-time=10",
+            "-b",
+            &base,
+            "-F",
+            "qcow2",
+            &top,
+        ],
+    );
+    d.create("p.qcow2", "qcow2", "", None, "1M");
+    d.qemu_io("qcow2", "p.qcow2", &["write -P 0x3c 0 64k"]);
+    let plain = d.s("p.qcow2");
+    let file = |path: &str| format!(r#""file":{{"driver":"file","filename":"{path}"}}"#);
+    for (what, top_key, base_key) in [
+        (
+            "flat",
+            r#""encrypt.key-secret":"sec1""#,
+            r#""backing.encrypt.key-secret":"sec0""#,
+        ),
+        (
+            "nested",
+            r#""encrypt":{"key-secret":"sec1"}"#,
+            r#""backing":{"encrypt":{"key-secret":"sec0"}}"#,
+        ),
+    ] {
+        let name = format!(
+            r#"json:{{"driver":"qcow2",{},{top_key},{base_key}}}"#,
+            file(&top)
+        );
+        let out = d.run(
+            BIN,
+            &["compare", "--object", SECRET, "--object", s1, &name, &plain],
+        );
+        assert!(out.status.success(), "{what}: {}", text(&out));
+        assert!(text(&out).contains("Images are identical."), "{what}");
+    }
+    // The single-layer image given to the server: a client reads the guest data back.
+    let name = format!(
+        r#"json:{{"driver":"qcow2",{},"encrypt.key-secret":"sec0"}}"#,
+        file(&base)
+    );
+    let sock = d.s("s.sock");
+    let mut server = std::process::Command::new(BIN)
+        .args(["serve", "--object", SECRET, "-k", &sock, &name])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let uri = format!("nbd+unix:///?socket={sock}");
+    let mut read = None;
+    for _ in 0..100 {
+        if std::path::Path::new(&sock).exists() {
+            read = Some(d.run("qemu-io", &["-f", "raw", "-c", "read -P 0x3c 0 64k", &uri]));
+            break;
+        }
+        if let Ok(Some(_)) = server.try_wait() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let _ = server.kill();
+    let out = server.wait_with_output().unwrap();
+    let read = read.unwrap_or_else(|| panic!("the server did not start: {}", text(&out)));
+    assert!(text(&read).contains("read 65536/65536"), "{}", text(&read));
+}

@@ -259,3 +259,120 @@ fn an_unaligned_raw_file_is_exported_in_whole_sectors_like_qemu_nbd() {
     want.extend(vec![0x11; 488]);
     assert_eq!(images.read("disk.raw"), want, "the file keeps its size");
 }
+
+/// A raw file given without `-f`: qemu-nbd probes it, warns that it guessed raw, and exports
+/// it in whole sectors (minimum block 512, the sector holding the end of the data mapped as
+/// data), refusing writes that would put another format's header into the first sector.
+/// Ours does all of that alike.
+#[test]
+fn a_raw_file_given_without_a_format_is_probed_and_guarded_like_qemu_nbd() {
+    let images = Dir::new();
+    let raw = images.path("disk.raw");
+    let list = |socket: &std::path::Path| {
+        let out = qemu("qemu-nbd")
+            .arg("-L")
+            .arg("-k")
+            .arg(socket)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // The flags differ in one ours adds (block-status-payload); the sizes are the point.
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .filter(|l| !l.starts_with("  flags:"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let map = |uri: &str| {
+        let out = qemu("qemu-img")
+            .args(["map", "--output=json", "-f", "raw", uri])
+            .output()
+            .unwrap();
+        let mut v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        for e in v.as_array_mut().unwrap() {
+            e.as_object_mut().unwrap().remove("offset");
+        }
+        v
+    };
+    // A sector that would make the file a qcow2 image, and an ordinary one.
+    let mut header = b"QFI\xfb\0\0\0\x03".to_vec();
+    header.resize(512, 0);
+    std::fs::write(images.path("header"), &header).unwrap();
+    let attempt = |uri: &str, cmd: &str| {
+        let out = qemu("qemu-io")
+            .args(["-f", "raw", "-c", cmd, uri])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+    };
+    let header_write = format!("write -s {} 0 512", images.s("header"));
+    let mut seen = Vec::new();
+    for ours in [false, true] {
+        std::fs::write(&raw, vec![0x5a; 1000]).unwrap();
+        let (uri, listing, mapped, refused, allowed, stop): (
+            _,
+            _,
+            _,
+            _,
+            _,
+            Box<dyn FnOnce() -> String>,
+        );
+        if ours {
+            let s = Server::unix(&["-t", images.s("disk.raw").as_str()]);
+            uri = s.uri();
+            listing = list(&s.socket);
+            mapped = map(&uri);
+            refused = attempt(&uri, &header_write);
+            allowed = attempt(&uri, "write -P 0x11 0 512");
+            stop = Box::new(move || s.stop_ok());
+        } else {
+            let q = QemuNbd::unix(&[], &raw);
+            uri = q.uri_of("");
+            listing = list(&q.socket);
+            mapped = map(&uri);
+            refused = attempt(&uri, &header_write);
+            allowed = attempt(&uri, "write -P 0x11 0 512");
+            stop = Box::new(move || q.stop_stderr());
+        }
+        let _ = uri;
+        assert!(
+            refused.contains("Operation not permitted"),
+            "ours={ours}: {refused}"
+        );
+        assert!(allowed.contains("wrote 512/512"), "ours={ours}: {allowed}");
+        let stderr = stop();
+        let warning = stderr
+            .lines()
+            .filter(|l| l.starts_with("WARNING") || l.starts_with("         "))
+            .map(str::to_owned)
+            .collect::<Vec<_>>();
+        assert_eq!(
+            &images.read("disk.raw")[..512],
+            &[0x11; 512][..],
+            "ours={ours}"
+        );
+        seen.push((listing, mapped, warning));
+    }
+    let theirs = &seen[0];
+    assert!(
+        theirs.0.contains("min block: 512"),
+        "qemu-nbd changed: {}",
+        theirs.0
+    );
+    assert_eq!(
+        theirs.2.len(),
+        3,
+        "qemu-nbd's warning changed: {:?}",
+        theirs.2
+    );
+    assert_eq!(seen[1], seen[0], "ours (right) against qemu-nbd (left)");
+    // Read-only, nothing is restricted, so nothing is said.
+    let s = Server::unix(&["-t", "-r", images.s("disk.raw").as_str()]);
+    let stderr = s.stop_ok();
+    assert!(!stderr.contains("WARNING"), "{stderr}");
+}

@@ -678,3 +678,133 @@ fn bad_credentials_and_flags_are_refused_at_start_naming_the_problem() {
         assert!(err.contains(&expected), "{args:?}: {err}");
     }
 }
+
+/// `serve -L` with `--object tls-creds-*,endpoint=client --tls-creds`, against one of our
+/// TLS servers, says what `qemu-nbd -L` with the same arguments says: the listing, or the
+/// same refusal (only the program name before the first colon differs).
+#[test]
+fn list_mode_over_tls_says_what_qemu_nbd_says() {
+    let pki = Pki::new();
+    let d = Dir::new();
+    d.create("disk.qcow2", "qcow2", "", None, "4M");
+    let disk = d.s("disk.qcow2");
+    let client_obj = |dir: &Path| {
+        format!(
+            "tls-creds-x509,id=tls0,dir={},endpoint=client",
+            dir.display()
+        )
+    };
+    let psk_obj = |dir: &Path, user: &str| {
+        format!(
+            "tls-creds-psk,id=tls0,dir={},username={user},endpoint=client",
+            dir.display()
+        )
+    };
+    let both = |args: &[&str]| -> (String, String) {
+        let run = |mut cmd: Command| {
+            let out = cmd.args(args).output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            let err: Vec<&str> = err
+                .lines()
+                .map(|l| l.split_once(": ").map_or(l, |(_, rest)| rest))
+                .collect();
+            format!(
+                "{}{}\n{}",
+                if out.status.success() {
+                    "ok\n"
+                } else {
+                    "failed\n"
+                },
+                String::from_utf8_lossy(&out.stdout),
+                err.join("\n")
+            )
+        };
+        let mut ours = Command::new(BIN);
+        ours.arg("serve");
+        (run(qemu("qemu-nbd")), run(ours))
+    };
+    let check = |what: &str, args: &[&str], want: &str| {
+        let (theirs, ours) = both(args);
+        assert!(theirs.contains(want), "{what}: qemu-nbd changed: {theirs}");
+        assert_eq!(ours, theirs, "{what}: ours (left) against qemu-nbd (right)");
+    };
+    let client = client_obj(&pki.client());
+    let wrong_ca = client_obj(&pki.wrong_ca_client());
+    let x509_server = x509(&pki.server(), ",verify-peer=on");
+    let tcp = Server::tcp(&["--object", &x509_server, "--tls-creds", "tls0", "-t", &disk]);
+    let port = tcp.port.unwrap().to_string();
+    let at_tcp = ["-L", "-b", "127.0.0.1", "-p", port.as_str()];
+    let with = |base: &[&str], obj: &str, more: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = base.iter().map(|s| s.to_string()).collect();
+        v.extend(["--object", obj, "--tls-creds", "tls0"].map(str::to_owned));
+        v.extend(more.iter().map(|s| s.to_string()));
+        v
+    };
+    check(
+        "x509 over TCP",
+        &strs(&with(&at_tcp, &client, &[])),
+        "export: ''",
+    );
+    check(
+        "a certificate for another host",
+        &strs(&with(&at_tcp, &client, &["--tls-hostname=example.invalid"])),
+        "Certificate does not match the hostname example.invalid",
+    );
+    check(
+        "another CA",
+        &strs(&with(&at_tcp, &wrong_ca, &[])),
+        "The certificate hasn't got a known issuer",
+    );
+    check(
+        "no TLS",
+        &at_tcp,
+        "TLS negotiation required before option 3 (list)",
+    );
+    tcp.stop_ok();
+    let unix = Server::unix(&["--object", &x509_server, "--tls-creds", "tls0", "-t", &disk]);
+    let sock = unix.socket.to_str().unwrap().to_owned();
+    let at_unix = ["-L", "-k", sock.as_str()];
+    check(
+        "x509 over a Unix socket",
+        &strs(&with(&at_unix, &client, &[])),
+        "No hostname for certificate validation",
+    );
+    check(
+        "x509 over a Unix socket with a host name",
+        &strs(&with(&at_unix, &client, &["--tls-hostname", "localhost"])),
+        "export: ''",
+    );
+    unix.stop_ok();
+    // QEMU takes verify-peer on any credentials object (iotest 233 gives it to PSK).
+    let psk_server = format!("{},verify-peer=on", psk(&pki.psk_dir()));
+    let unix = Server::unix(&["--object", &psk_server, "--tls-creds", "tls0", "-t", &disk]);
+    let sock = unix.socket.to_str().unwrap().to_owned();
+    let at_unix = ["-L", "-k", sock.as_str()];
+    check(
+        "PSK",
+        &strs(&with(&at_unix, &psk_obj(&pki.psk_dir(), PSK_USER), &[])),
+        "export: ''",
+    );
+    check(
+        "a wrong PSK",
+        &strs(&with(
+            &at_unix,
+            &psk_obj(&pki.wrong_psk_dir(), PSK_USER),
+            &[],
+        )),
+        "TLS handshake failed",
+    );
+    unix.stop_ok();
+    let plain = Server::unix(&["-t", &disk]);
+    let sock = plain.socket.to_str().unwrap().to_owned();
+    check(
+        "TLS to a server without it",
+        &strs(&with(
+            &["-L", "-k", sock.as_str()],
+            &client,
+            &["--tls-hostname", "localhost"],
+        )),
+        "Denied by server for option 5 (starttls)",
+    );
+    plain.stop_ok();
+}

@@ -23,6 +23,7 @@ pub mod control;
 pub mod errno;
 pub mod export;
 pub mod exports;
+pub mod list;
 pub mod mem_export;
 mod mirror;
 pub mod negotiate;

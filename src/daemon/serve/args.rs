@@ -15,18 +15,20 @@ pub const DEFAULT_CLIENTS: u16 = 16;
 /// Export an image over NBD, like `qemu-nbd`.
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
-    /// Image to export (qcow2, or raw with `-f raw`); or give `--export` instead.
+    /// Image to export (qcow2 or raw); or give `--export` instead.
     #[arg(required_unless_present_any = ["exports", "list"])]
     pub image: Option<PathBuf>,
 
-    /// List the exports of the server at -k (or -b and -p) and exit, like `qemu-nbd -L`:
-    /// a client, nothing is served.
+    /// List the exports of the server at -k (or -b and -p; the default host is localhost)
+    /// and exit, like `qemu-nbd -L`: a client, nothing is served. With --tls-creds, over TLS
+    /// (credentials objects with endpoint=client).
     #[arg(
         short = 'L',
         long = "list",
         conflicts_with_all = ["image", "exports", "export_name", "description", "offset",
                               "format", "bitmaps", "snapshot", "load_snapshot", "fork",
-                              "read_only", "allocation_depth", "control", "tls_creds"]
+                              "read_only", "allocation_depth", "control", "tls_authz",
+                              "tls_certificates", "tls_psk", "tls_verify_peer"]
     )]
     pub list: bool,
 
@@ -186,7 +188,9 @@ pub struct ServeArgs {
     #[arg(short = 'l', long = "load-snapshot", value_name = "SNAPSHOT")]
     pub load_snapshot: Option<String>,
 
-    /// Image format; without it only qcow2 is accepted (a raw file must be named as such).
+    /// Image format; without it the format is probed (the qcow2 magic, else raw). A probed
+    /// raw image is served in whole sectors and no write may put another format's header
+    /// into its first sector, as qemu-nbd serves one; give `-f raw` to lift that.
     #[arg(short = 'f', long, value_enum, value_name = "FORMAT")]
     pub format: Option<FormatArg>,
 
@@ -236,9 +240,15 @@ pub struct ServeArgs {
     pub objects: Vec<String>,
 
     /// Require TLS with the credentials object ID: every client must start TLS
-    /// (NBD_OPT_STARTTLS) before anything else; plaintext clients are refused.
+    /// (NBD_OPT_STARTTLS) before anything else; plaintext clients are refused. With -L,
+    /// the credentials the listing connects with.
     #[arg(long = "tls-creds", value_name = "ID")]
     pub tls_creds: Option<String>,
+
+    /// With -L: the host name the server's x509 certificate must name, instead of the -b
+    /// host (over a Unix socket there is none otherwise).
+    #[arg(long = "tls-hostname", value_name = "NAME", requires = "list")]
+    pub tls_hostname: Option<String>,
 
     /// After the TLS handshake, admit only the identity of the authz-simple object ID;
     /// other clients have every option refused (NBD_REP_ERR_POLICY).

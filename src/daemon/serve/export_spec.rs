@@ -122,11 +122,11 @@ impl Fields {
             None => false,
             Some(v) => options::parse_bool(&v).ok_or(ExportSpecError::BadBool(v))?,
         };
-        let format = match self.format.as_deref() {
+        let format = match self.format {
             None => None,
-            Some("qcow2") => Some(FormatArg::Qcow2),
-            Some("raw") => Some(FormatArg::Raw),
-            Some(other) => return Err(ExportSpecError::BadFormat(other.to_owned())),
+            Some(name) => {
+                Some(FormatArg::from_name(&name).ok_or(ExportSpecError::BadFormat(name))?)
+            }
         };
         Ok(ExportSpec {
             name,

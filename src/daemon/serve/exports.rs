@@ -23,6 +23,10 @@ pub struct ImageSpec {
     pub read_only: bool,
     /// The format; `None` accepts qcow2 only.
     pub format: Option<Format>,
+    /// The format was not given and probing guessed raw (the positional IMAGE only, as
+    /// qemu-nbd probes): the export then guards its first sector (see
+    /// [`crate::daemon::export::ExportPolicy::probed_raw`]).
+    pub probed: bool,
     /// The `-B` / `bitmap=` bitmaps offered.
     pub bitmaps: Vec<String>,
     /// The `-s` overlay over `path`, which is opened instead.
@@ -52,16 +56,46 @@ pub fn image_specs(
     let Some(image) = &args.image else {
         return from_export_specs(&args.exports);
     };
+    let read_only = args.read_only || internal_snapshot;
+    let (format, probed) = match args.format {
+        Some(f) => (Some(Format::from(f)), false),
+        None => probe(image, read_only),
+    };
     Ok(vec![ImageSpec {
         name: args.export_name.clone(),
         description: args.description.clone(),
         path: image.clone(),
-        read_only: args.read_only || internal_snapshot,
-        format: args.format.map(Format::from),
+        read_only,
+        format,
+        probed,
         bitmaps: args.bitmaps.clone(),
         overlay: None,
         origin: Origin::Image,
     }])
+}
+
+/// The format of an image given without one, guessed as qemu-nbd guesses it: qcow2 by its
+/// magic, otherwise raw, with QEMU's warning when the export is writable (a guest could
+/// write a format header into a raw image and have it read as that format next time, so
+/// the export refuses such writes). A file that cannot be read is left to the open, which
+/// says why.
+fn probe(path: &Path, read_only: bool) -> (Option<Format>, bool) {
+    match crate::engine_run::probe_format(path) {
+        Ok(Format::Raw) => {
+            if !read_only {
+                eprintln!(
+                    "WARNING: Image format was not specified for '{}' and probing guessed raw.\n         \
+                     Automatically detecting the format is dangerous for raw images, write \
+                     operations on block 0 will be restricted.\n         \
+                     Specify the 'raw' format explicitly to remove the restrictions.",
+                    path.display()
+                );
+            }
+            (Some(Format::Raw), true)
+        }
+        Ok(f) => (Some(f), false),
+        Err(_) => (None, false),
+    }
 }
 
 /// The `--export` definitions, checked as a whole: at least one, at most [`MAX_EXPORTS`],
@@ -89,6 +123,7 @@ fn from_export_specs(specs: &[ExportSpec]) -> Result<Vec<ImageSpec>, ServeError>
             path: s.file.clone(),
             read_only: s.read_only,
             format: s.format.map(Format::from),
+            probed: false,
             bitmaps: s.bitmaps.clone(),
             overlay: None,
             origin: Origin::ExportFlag,

@@ -361,7 +361,12 @@ async fn entry(
     let bitmaps = crate::daemon::export::exported_bitmaps(&open.image, &spec.bitmaps)
         .await
         .map_err(|reason| spec.bitmap_error(reason))?;
-    let mut export = ImageExport::new(open.image.clone(), settings.policy).with_bitmaps(bitmaps);
+    let policy = ExportPolicy {
+        // Writes under `-s` go to the overlay, whose format is known.
+        probed_raw: spec.probed && spec.overlay.is_none(),
+        ..settings.policy
+    };
+    let mut export = ImageExport::new(open.image.clone(), policy).with_bitmaps(bitmaps);
     let state = Arc::new(ExportState::new());
     if let Some(stats) = &settings.stats {
         let (image, state) = (open.image.clone(), Arc::clone(&state));

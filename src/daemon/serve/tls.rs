@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use nbd::tls::{Authz, TlsError, TlsServer};
+use nbd::tls::{Authz, TlsClient, TlsError, TlsServer};
 
 /// The flags that decide TLS.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -188,6 +188,17 @@ impl<'a> Props<'a> {
         }
     }
 
+    /// QEMU's default endpoint is the client, which a listing (`-L`) needs.
+    fn client_endpoint(&mut self) -> Result<(), TlsArgError> {
+        match self.take("endpoint") {
+            None | Some("client") => Ok(()),
+            Some(other) => Err(self.error(format!(
+                "endpoint={other}: listing is a client, so the credentials need \
+                 endpoint=client"
+            ))),
+        }
+    }
+
     /// QEMU's default endpoint is the client; a server needs `endpoint=server`.
     fn server_endpoint(&mut self) -> Result<(), TlsArgError> {
         match self.take("endpoint") {
@@ -315,8 +326,40 @@ fn creds(
         props.finish()?;
         Ok(TlsServer::x509(&dir, verify_peer, authz)?)
     } else {
+        // QEMU takes verify-peer for every credentials type; keys verify both ends.
+        props.bool("verify-peer", true)?;
         props.finish()?;
         Ok(TlsServer::psk(&psk_file(&dir), authz)?)
+    }
+}
+
+/// The credentials a listing (`-L`) connects with: the `--tls-creds` object, which must
+/// have `endpoint=client` (QEMU's default). x509 reads `ca-cert.pem` (and
+/// `client-cert.pem`, `client-key.pem` when present) from its `dir` and verifies the
+/// server unless `verify-peer=off`; PSK reads the key of `username` (QEMU's default
+/// `qemu`) from `dir/keys.psk`.
+pub fn tls_client(flags: &TlsFlags) -> Result<Option<TlsClient>, TlsArgError> {
+    let Some(id) = flags.creds.as_deref() else {
+        return Ok(None);
+    };
+    let objects = objects_by_id(&flags.objects)?;
+    let object = lookup(
+        &objects,
+        "--tls-creds",
+        id,
+        &["tls-creds-x509", "tls-creds-psk"],
+    )?;
+    let mut props = Props::new(object);
+    props.client_endpoint()?;
+    let dir = PathBuf::from(props.required("dir")?);
+    let verify_peer = props.bool("verify-peer", true)?;
+    if object.qom_type == "tls-creds-x509" {
+        props.finish()?;
+        Ok(Some(TlsClient::x509(&dir, verify_peer)?))
+    } else {
+        let username = props.take("username").unwrap_or("qemu").to_owned();
+        props.finish()?;
+        Ok(Some(TlsClient::psk(&psk_file(&dir), &username)?))
     }
 }
 

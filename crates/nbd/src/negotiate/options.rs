@@ -224,7 +224,7 @@ impl OptionState {
             }
             return Some(refuse(
                 REP_ERR_TLS_REQD,
-                format!("option {option} is not permitted before TLS"),
+                format!("Option {option:#x} not permitted before TLS"),
             ));
         }
         self.denied

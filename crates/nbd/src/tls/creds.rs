@@ -28,7 +28,7 @@ pub const CA_CRL: &str = "ca-crl.pem";
 
 /// TLS 1.2 suites for PSK (TLS 1.3 negotiates PSK with its own suites); forward-secret
 /// ones first, nothing without encryption or with broken ciphers.
-const PSK_CIPHERS: &str = "ECDHE-PSK:DHE-PSK:PSK:!eNULL:!aNULL:!3DES:!RC4:!MD5:!SHA1";
+pub(super) const PSK_CIPHERS: &str = "ECDHE-PSK:DHE-PSK:PSK:!eNULL:!aNULL:!3DES:!RC4:!MD5:!SHA1";
 
 /// Settings every context shares: TLS 1.2 or newer, no renegotiation, no resumption (each
 /// connection proves its identity afresh, so authz always sees a full handshake).

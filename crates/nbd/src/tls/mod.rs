@@ -6,6 +6,7 @@
 //! STARTTLS; the negotiation then continues inside the TLS stream (see
 //! [`crate::negotiate`]).
 
+mod client;
 mod creds;
 mod error;
 mod psk;
@@ -19,6 +20,7 @@ use openssl::x509::X509NameRef;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_openssl::SslStream;
 
+pub use client::{ClientHandshakeError, TlsClient, CLIENT_CERT, CLIENT_KEY};
 pub use error::{PskFileError, TlsError};
 pub use psk::parse_psk_file;
 

@@ -125,6 +125,7 @@ fn add_arguments(args: &mut Args) -> Result<(String, ImageSpec), QmpError> {
         path: PathBuf::from(file),
         read_only: !args.opt_bool("writable")?.unwrap_or(false),
         format,
+        probed: false,
         bitmaps: args.opt_strings("bitmaps")?.unwrap_or_default(),
         overlay: None,
         origin: Origin::Command,

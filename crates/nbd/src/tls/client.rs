@@ -1,0 +1,243 @@
+//! The client side of `NBD_OPT_STARTTLS`, for the tools that talk to a server (qemu-nbd's
+//! `--list`): credentials from the files QEMU's `tls-creds-x509` / `tls-creds-psk` objects
+//! read with `endpoint=client`, and a blocking handshake whose failures are told in the
+//! words QEMU's client uses, which scripts compare.
+
+use std::io::{Read, Write};
+use std::path::Path;
+
+use openssl::ssl::{
+    HandshakeError, SslConnector, SslFiletype, SslMethod, SslOptions, SslStream, SslVerifyMode,
+    SslVersion,
+};
+use openssl::x509::X509VerifyResult;
+
+use super::creds::CA_CERT;
+use super::error::TlsError;
+
+/// A client's certificate in a `tls-creds-x509` directory (optional).
+pub const CLIENT_CERT: &str = "client-cert.pem";
+/// The client's private key (with [`CLIENT_CERT`]).
+pub const CLIENT_KEY: &str = "client-key.pem";
+
+/// OpenSSL's `X509_V_ERR_*` verification results that QEMU's client tells apart.
+mod verify {
+    pub const UNABLE_TO_GET_ISSUER_CERT: i32 = 2;
+    pub const CERT_NOT_YET_VALID: i32 = 9;
+    pub const CERT_HAS_EXPIRED: i32 = 10;
+    pub const DEPTH_ZERO_SELF_SIGNED_CERT: i32 = 18;
+    pub const SELF_SIGNED_CERT_IN_CHAIN: i32 = 19;
+    pub const UNABLE_TO_GET_ISSUER_CERT_LOCALLY: i32 = 20;
+    pub const UNABLE_TO_VERIFY_LEAF_SIGNATURE: i32 = 21;
+    pub const CERT_REVOKED: i32 = 23;
+    pub const HOSTNAME_MISMATCH: i32 = 62;
+    pub const IP_ADDRESS_MISMATCH: i32 = 64;
+}
+
+/// Why the client's TLS handshake failed, in QEMU's words.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientHandshakeError {
+    /// x509 credentials verify the server's certificate against a host name, and there is
+    /// none (a Unix socket without `--tls-hostname`).
+    #[error("No hostname for certificate validation")]
+    NoHostname,
+    /// The server's certificate names another host.
+    #[error("Certificate does not match the hostname {0}")]
+    HostnameMismatch(String),
+    /// The server's certificate was not issued by the CA of the credentials.
+    #[error("The certificate hasn't got a known issuer")]
+    UnknownIssuer,
+    /// The server's certificate was revoked.
+    #[error("The certificate has been revoked")]
+    Revoked,
+    /// The server's certificate has expired or is not valid yet.
+    #[error("The certificate has expired or is not yet active")]
+    Expired,
+    /// Another certificate problem.
+    #[error("The certificate is not trusted: {0}")]
+    Untrusted(String),
+    /// The handshake itself failed: the server hung up or sent an alert (a PSK it does not
+    /// know, no common cipher).
+    #[error("TLS handshake failed: {0}")]
+    Failed(String),
+}
+
+/// What the client proves itself with.
+enum Kind {
+    X509 { verify_peer: bool },
+    Psk,
+}
+
+/// A client's TLS setup, loaded once.
+pub struct TlsClient {
+    connector: SslConnector,
+    kind: Kind,
+}
+
+impl std::fmt::Debug for TlsClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.kind {
+            Kind::X509 { verify_peer } => format!("x509 (verify-peer={verify_peer})"),
+            Kind::Psk => "psk".to_owned(),
+        };
+        f.debug_struct("TlsClient").field("kind", &kind).finish()
+    }
+}
+
+fn base() -> Result<openssl::ssl::SslConnectorBuilder, TlsError> {
+    let mut b = SslConnector::builder(SslMethod::tls_client())?;
+    b.set_min_proto_version(Some(SslVersion::TLS1_2))?;
+    b.set_options(SslOptions::NO_RENEGOTIATION | SslOptions::NO_COMPRESSION);
+    Ok(b)
+}
+
+impl TlsClient {
+    /// x509 credentials from QEMU's file names in `dir`: `ca-cert.pem` to verify the server
+    /// with, and `client-cert.pem` with `client-key.pem` if present. `verify_peer` off
+    /// accepts any server certificate, as QEMU's `verify-peer=off`.
+    pub fn x509(dir: &Path, verify_peer: bool) -> Result<Self, TlsError> {
+        let mut b = base()?;
+        let ca = dir.join(CA_CERT);
+        std::fs::metadata(&ca).map_err(|source| TlsError::Read {
+            path: ca.clone(),
+            source,
+        })?;
+        b.set_ca_file(&ca).map_err(|e| TlsError::Invalid {
+            path: ca.clone(),
+            reason: format!("not PEM certificates: {e}"),
+        })?;
+        let (cert, key) = (dir.join(CLIENT_CERT), dir.join(CLIENT_KEY));
+        if cert.exists() {
+            b.set_certificate_chain_file(&cert)
+                .map_err(|e| TlsError::Invalid {
+                    path: cert.clone(),
+                    reason: format!("not a PEM certificate: {e}"),
+                })?;
+            b.set_private_key_file(&key, SslFiletype::PEM)
+                .map_err(|e| TlsError::Invalid {
+                    path: key.clone(),
+                    reason: format!("not a PEM private key: {e}"),
+                })?;
+            b.check_private_key().map_err(|e| TlsError::Invalid {
+                path: key.clone(),
+                reason: format!("does not match {CLIENT_CERT}: {e}"),
+            })?;
+        }
+        b.set_verify(if verify_peer {
+            SslVerifyMode::PEER
+        } else {
+            SslVerifyMode::NONE
+        });
+        Ok(Self {
+            connector: b.build(),
+            kind: Kind::X509 { verify_peer },
+        })
+    }
+
+    /// Pre-shared key credentials: the key of `username` in `file` (`psktool` lines of
+    /// `identity:hexkey`, QEMU's `DIR/keys.psk`).
+    pub fn psk(file: &Path, username: &str) -> Result<Self, TlsError> {
+        let keys = super::psk::load_keys(file)?;
+        let key = keys
+            .get(username.as_bytes())
+            .cloned()
+            .ok_or_else(|| TlsError::Invalid {
+                path: file.to_owned(),
+                reason: format!("no key for the user {username:?}"),
+            })?;
+        let mut b = base()?;
+        b.set_cipher_list(super::creds::PSK_CIPHERS)?;
+        b.set_verify(SslVerifyMode::NONE);
+        let identity = username.as_bytes().to_vec();
+        b.set_psk_client_callback(move |_ssl, _hint, id_out, key_out| {
+            // The identity goes out NUL-terminated; both must fit OpenSSL's buffers.
+            if identity.len() >= id_out.len() || key.len() > key_out.len() {
+                return Ok(0);
+            }
+            id_out[..identity.len()].copy_from_slice(&identity);
+            id_out[identity.len()] = 0;
+            key_out[..key.len()].copy_from_slice(&key);
+            Ok(key.len())
+        });
+        Ok(Self {
+            connector: b.build(),
+            kind: Kind::Psk,
+        })
+    }
+
+    /// Runs the client side of the TLS handshake on `stream`. `hostname` is what the
+    /// server's certificate must name (a host name or an IP address); x509 credentials that
+    /// verify the server need one.
+    pub fn connect<S: Read + Write>(
+        &self,
+        stream: S,
+        hostname: Option<&str>,
+    ) -> Result<SslStream<S>, ClientHandshakeError> {
+        let fail = |e: &dyn std::fmt::Display| ClientHandshakeError::Failed(e.to_string());
+        let mut config = self.connector.configure().map_err(|e| fail(&e))?;
+        let host = match self.kind {
+            Kind::X509 { verify_peer: true } => hostname.ok_or(ClientHandshakeError::NoHostname)?,
+            Kind::X509 { verify_peer: false } | Kind::Psk => {
+                config = config
+                    .verify_hostname(false)
+                    .use_server_name_indication(false);
+                hostname.unwrap_or("")
+            }
+        };
+        match config.connect(host, stream) {
+            Ok(s) => Ok(s),
+            Err(HandshakeError::Failure(mid)) => {
+                let result = mid.ssl().verify_result();
+                Err(verify_error(result, host).unwrap_or_else(|| handshake_error(mid.error())))
+            }
+            Err(HandshakeError::SetupFailure(e)) => Err(fail(&e)),
+            Err(HandshakeError::WouldBlock(_)) => Err(fail(&"the socket would block")),
+        }
+    }
+}
+
+/// The error for a failed certificate check, `None` if the certificate was not the problem.
+fn verify_error(result: X509VerifyResult, host: &str) -> Option<ClientHandshakeError> {
+    use verify::*;
+    if result == X509VerifyResult::OK {
+        return None;
+    }
+    Some(match result.as_raw() {
+        HOSTNAME_MISMATCH | IP_ADDRESS_MISMATCH => {
+            ClientHandshakeError::HostnameMismatch(host.to_owned())
+        }
+        UNABLE_TO_GET_ISSUER_CERT
+        | UNABLE_TO_GET_ISSUER_CERT_LOCALLY
+        | UNABLE_TO_VERIFY_LEAF_SIGNATURE
+        | DEPTH_ZERO_SELF_SIGNED_CERT
+        | SELF_SIGNED_CERT_IN_CHAIN => ClientHandshakeError::UnknownIssuer,
+        CERT_REVOKED => ClientHandshakeError::Revoked,
+        CERT_HAS_EXPIRED | CERT_NOT_YET_VALID => ClientHandshakeError::Expired,
+        _ => ClientHandshakeError::Untrusted(result.error_string().to_owned()),
+    })
+}
+
+/// A handshake that failed without a certificate to blame, told as QEMU's client (GnuTLS)
+/// tells it, since scripts match those sentences: a server that hangs up mid-handshake
+/// "non-properly terminated" the connection, one that refuses with an alert (an unknown
+/// PSK identity, a wrong key) sent "a TLS fatal alert". Other failures (no common cipher,
+/// a protocol error) keep OpenSSL's reason.
+fn handshake_error(e: &openssl::ssl::Error) -> ClientHandshakeError {
+    let alerted = e
+        .ssl_error()
+        .and_then(|stack| stack.errors().first())
+        .and_then(|err| err.reason())
+        .is_some_and(|r| r.contains("alert"));
+    let hung_up = matches!(
+        e.code(),
+        openssl::ssl::ErrorCode::SYSCALL | openssl::ssl::ErrorCode::ZERO_RETURN
+    );
+    let text = if alerted {
+        "A TLS fatal alert has been received.".to_owned()
+    } else if hung_up {
+        "The TLS connection was non-properly terminated.".to_owned()
+    } else {
+        e.to_string()
+    };
+    ClientHandshakeError::Failed(text)
+}
