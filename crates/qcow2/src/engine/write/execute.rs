@@ -113,9 +113,7 @@ impl<S: Storage + 'static> Inner<S> {
             return;
         }
         if let Some(w) = &self.alloc {
-            if end.0 > w.physical_len.get() {
-                w.physical_len.set(end.0);
-            }
+            w.note_file_end(end.0);
         }
     }
 
@@ -190,7 +188,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// refcounts) or refcounts first (when clusters were allocated), and data first.
     async fn before_l2_update(&self, allocated: bool) -> Result<()> {
         let w = self.alloc()?;
-        if w.lazy_refcounts.get() {
+        if w.lazy_refcounts() {
             w.mark_dirty().await?;
         } else if allocated {
             self.refcounts_before_l2().await?;
@@ -224,7 +222,7 @@ impl<S: Storage + 'static> Inner<S> {
         };
         // 1. Writable L2 tables and host clusters.
         let alloc = async {
-            let _g = w.meta_lock.lock().await;
+            let _g = w.exclusive().await;
             let mut last_l1 = None;
             for p in plans {
                 let l1i = g.l1_index(p.start);
@@ -233,7 +231,7 @@ impl<S: Storage + 'static> Inner<S> {
                     last_l1 = Some(l1i);
                 }
             }
-            let fresh_from = w.physical_len.get();
+            let fresh_from = w.physical_len();
             Ok::<_, EngineError>(match preset {
                 Some(h) => (h, false, false),
                 // The data file mirrors the guest's layout.
@@ -251,7 +249,7 @@ impl<S: Storage + 'static> Inner<S> {
         let (res, buf) = self.fill_and_write(offset, buf, plans, host, fresh).await;
         if let Err(e) = res {
             if allocated {
-                let _g = w.meta_lock.lock().await;
+                let _g = w.exclusive().await;
                 if let Err(e2) = w.free_clusters(host, n, false).await {
                     tracing::warn!("could not release clusters after a failed write: {e2}");
                 }
@@ -274,7 +272,7 @@ impl<S: Storage + 'static> Inner<S> {
                 w.set_l2_entry(p.start, l2::owned_word(h.0), bitmap).await?;
             }
             // 3. Release what the entries no longer use.
-            let _g = w.meta_lock.lock().await;
+            let _g = w.exclusive().await;
             for p in plans {
                 match p.action {
                     Action::Fill {
