@@ -37,11 +37,6 @@ impl<S: Storage + 'static> Allocator<S> {
         self.lazy_refcounts.set(false);
     }
 
-    /// Bytes of the file that may hold non-zero data (see [`Allocator::note_file_end`]).
-    pub(crate) fn physical_len(&self) -> u64 {
-        self.physical_len.get()
-    }
-
     /// Records that the file may hold data up to `end`: clusters below it no longer read
     /// as zeros without being written.
     pub(crate) fn note_file_end(&self, end: u64) {

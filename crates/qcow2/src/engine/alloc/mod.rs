@@ -16,10 +16,12 @@ pub(crate) mod l2_entry;
 mod l2_table;
 mod prealloc;
 mod refcount;
+mod run;
 mod shrink;
 mod snapshots;
 
 use prealloc::{GrowAhead, PausedGrowth};
+pub(crate) use run::Replaced;
 pub(crate) use snapshots::RefCounts;
 
 use crate::engine::bitmaps::Bitmaps;
