@@ -22,15 +22,14 @@ impl<S: Storage + 'static> Image<S> {
     ) -> Result<()> {
         self.inner.check_writable()?;
         let a = self.inner.alloc()?;
-        let mut set = a.bitmaps.borrow_mut();
-        f(&mut set).map_err(|e| self.bitmap_error(e))
+        a.change_bitmaps(f).map_err(|e| self.bitmap_error(e))
     }
 
     /// The persistent bitmaps, in directory order: as held in memory when the image is
     /// writable, as stored otherwise.
     pub async fn bitmaps(&self) -> Result<Vec<BitmapInfo>> {
         if let Some(a) = &self.inner.alloc {
-            return Ok(a.bitmaps.borrow().infos());
+            return Ok(a.with_bitmaps(|set| set.infos()));
         }
         let top = self.inner.chain.top();
         let Some(meta) = top.qcow2() else {
@@ -86,8 +85,9 @@ impl<S: Storage + 'static> Image<S> {
     /// A bitmap left in use by a crash has no trustworthy data and is refused.
     pub async fn bitmap_data(&self, name: &str) -> Result<BitmapData> {
         if let Some(a) = &self.inner.alloc {
-            let set = a.bitmaps.borrow();
-            return set.data(name).cloned().map_err(|e| self.bitmap_error(e));
+            return a
+                .with_bitmaps(|set| set.data(name).cloned())
+                .map_err(|e| self.bitmap_error(e));
         }
         let top = self.inner.chain.top();
         let not_found = || self.bitmap_error(BitmapError::NotFound(name.to_string()));
@@ -107,8 +107,7 @@ impl<S: Storage + 'static> Image<S> {
     /// `[offset, offset + len)`, as tracked up to now (no copy of the bitmap is made).
     pub fn live_bitmap_runs(&self, name: &str, offset: u64, len: u64) -> Result<Vec<(u64, bool)>> {
         let a = self.inner.alloc()?;
-        let set = a.bitmaps.borrow();
-        let data = set.data(name).map_err(|e| self.bitmap_error(e))?;
-        Ok(data.runs(offset, len))
+        a.with_bitmaps(|set| set.data(name).map(|data| data.runs(offset, len)))
+            .map_err(|e| self.bitmap_error(e))
     }
 }

@@ -95,7 +95,7 @@ impl<S: Storage + 'static> Inner<S> {
     pub(crate) async fn replace_entry(&self, e: &RawEntry, word: u64, bitmap: u64) -> Result<()> {
         let w = self.alloc()?;
         self.chain.l2.set_flush_before_writeback();
-        if w.lazy_refcounts.get() {
+        if w.lazy_refcounts() {
             w.mark_dirty().await?;
         }
         w.set_l2_entry(e.cluster, word, bitmap).await?;
@@ -110,7 +110,7 @@ impl<S: Storage + 'static> Inner<S> {
             return Ok(());
         }
         let w = self.alloc()?;
-        let _g = w.meta_lock.lock().await;
+        let _g = w.exclusive().await;
         if l2::is_compressed(old_word) {
             w.free_compressed(old_word).await
         } else if l2::host_of(old_word) != 0 {

@@ -46,7 +46,7 @@ impl<S: Storage + 'static> Inner<S> {
         if let Some(w) = &self.alloc {
             // L2 first: its dependency on the refcount cache makes refcounts go out before it.
             self.chain.l2.flush().await.map_err(cache_err)?;
-            w.refcounts.flush().await.map_err(cache_err)?;
+            w.flush_refcounts().await?;
         }
         // Guest data written in place touches no cache: sync explicitly.
         super::metacache::flush_layer(top)

@@ -144,7 +144,7 @@ impl<S: Storage + 'static> Image<S> {
                 .inner
                 .alloc
                 .as_ref()
-                .map(|w| MetaCacheCounters::from_cache(&w.refcounts))
+                .map(|w| w.refcount_cache_counters())
                 .unwrap_or_default(),
         }
     }
@@ -164,13 +164,7 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.spans.clear();
         self.inner.chain.clean_idle().await?;
         if let Some(w) = &self.inner.alloc {
-            w.refcounts
-                .clean_idle()
-                .await
-                .map_err(|source| EngineError::Cache {
-                    image: self.inner.chain.top().name.clone(),
-                    source,
-                })?;
+            w.clean_idle_refcounts().await?;
         }
         self.inner
             .chain
@@ -257,7 +251,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// data, so it is marked too, as QEMU marks it.
     pub(crate) fn track(&self, offset: u64, len: u64) {
         if let Some(a) = &self.alloc {
-            a.bitmaps.borrow_mut().mark(offset, len);
+            a.mark_bitmaps(offset, len);
         }
     }
 

@@ -49,7 +49,7 @@ impl<S: Storage + 'static> Inner<S> {
         // the file, so count through the cache.
         let writer = self.alloc.as_ref().filter(|_| index == 0);
         let reftable: Vec<u64> = match writer {
-            Some(w) => w.reftable.borrow().clone(),
+            Some(w) => w.refcount_table(),
             None => {
                 let h = meta.header.borrow().clone();
                 let len = u64::from(h.refcount_table_clusters) * cs;
@@ -80,7 +80,10 @@ impl<S: Storage + 'static> Inner<S> {
             }
             let n = usize::try_from((end_cluster - first).min(per_block)).ok()?;
             counted += match writer {
-                Some(w) => w.refcounts.read(block, |b| count_block(b, n)).await.ok()?,
+                Some(w) => w
+                    .read_refcount_block(block, |b| count_block(b, n))
+                    .await
+                    .ok()?,
                 None => {
                     let b = layer
                         .read_file("reading a refcount block", block, usize::try_from(cs).ok()?)

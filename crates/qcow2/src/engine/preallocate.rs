@@ -51,7 +51,7 @@ impl<S: Storage + 'static> Inner<S> {
         while pos < to {
             let table_end = (pos - pos % per_table).saturating_add(per_table).min(to);
             {
-                let _g = w.meta_lock.lock().await;
+                let _g = w.exclusive().await;
                 w.l2_for_write(g.l1_index(GuestOffset(pos))).await?;
             }
             let entries = w.l2_entries(GuestOffset(pos), table_end - pos).await?;
@@ -86,7 +86,7 @@ impl<S: Storage + 'static> Inner<S> {
             return self.preallocate_data_file_run(first, n, mode).await;
         }
         let host = {
-            let _g = w.meta_lock.lock().await;
+            let _g = w.exclusive().await;
             w.alloc_clusters(n).await?.0
         };
         let len = n * cs;
@@ -112,7 +112,7 @@ impl<S: Storage + 'static> Inner<S> {
                 .await
                 .map_err(|e| top.io_error("extending the file", end, e))?;
         }
-        w.physical_len.set(w.physical_len.get().max(end));
+        w.note_file_end(end);
         self.refcounts_before_l2().await?;
         for i in 0..n {
             w.set_l2_entry(first + i * cs, l2::owned_word(host + i * cs), 0)

@@ -83,7 +83,7 @@ impl<S: Storage + 'static> Image<S> {
             .inner
             .lock_range(0, self.size(), LockMode::Exclusive)
             .await;
-        let _meta = t.alloc.meta_lock.lock().await;
+        let _meta = t.alloc.exclusive().await;
         let table = self.snapshots().await?;
         if table.len() >= limits::MAX_SNAPSHOTS as usize {
             return Err(self.snapshot_error(SnapshotError::TooMany(table.len())));
@@ -128,7 +128,7 @@ impl<S: Storage + 'static> Image<S> {
             source,
         };
         self.inner.chain.l2.flush().await.map_err(cache_err)?;
-        t.alloc.refcounts.flush().await.map_err(cache_err)?;
+        t.alloc.flush_refcounts().await?;
         t.alloc.sync().await
     }
 
@@ -155,14 +155,14 @@ impl<S: Storage + 'static> Image<S> {
     /// up), including the disk size it had. The snapshot stays.
     pub async fn apply_snapshot(&self, id_or_name: &str) -> Result<()> {
         let t = self.snapshot_target()?;
-        if !t.alloc.bitmaps.borrow().list.is_empty() {
+        if t.alloc.has_bitmaps() {
             return Err(self.snapshot_error(SnapshotError::ActiveBitmaps));
         }
         let _range = self
             .inner
             .lock_range(0, self.size(), LockMode::Exclusive)
             .await;
-        let _meta = t.alloc.meta_lock.lock().await;
+        let _meta = t.alloc.exclusive().await;
         let table = self.snapshots().await?;
         let wanted = id_or_name.as_bytes();
         let sn = table
@@ -234,13 +234,11 @@ impl<S: Storage + 'static> Image<S> {
             h.l1_table_offset = l1_offset;
         }
         let cs = t.meta.geom.cluster_size();
-        {
-            let mut index = t.alloc.meta.borrow_mut();
-            for &w in &words {
-                let table = w & l1::L1_OFFSET_MASK;
-                if table != 0 {
-                    index.insert(HostOffset(table), cs, MetaKind::L2Table);
-                }
+        for &w in &words {
+            let table = w & l1::L1_OFFSET_MASK;
+            if table != 0 {
+                t.alloc
+                    .record_metadata(HostOffset(table), cs, MetaKind::L2Table);
             }
         }
         t.meta.l1_offset.set(l1_offset);
@@ -258,7 +256,7 @@ impl<S: Storage + 'static> Image<S> {
             .inner
             .lock_range(0, self.size(), LockMode::Exclusive)
             .await;
-        let _meta = t.alloc.meta_lock.lock().await;
+        let _meta = t.alloc.exclusive().await;
         let table = self.snapshots().await?;
         let Some(pos) = table.iter().position(|s| s.id == id && s.name == name) else {
             let wanted = String::from_utf8_lossy(name).into_owned();

@@ -163,7 +163,7 @@ impl<S: Storage + 'static> Inner<S> {
         }
         let w = self.alloc()?;
         let host = {
-            let _g = w.meta_lock.lock().await;
+            let _g = w.exclusive().await;
             w.l2_for_write(g.l1_index(cluster)).await?;
             w.alloc_bytes(packed.len() as u64).await?.0
         };
@@ -175,7 +175,7 @@ impl<S: Storage + 'static> Inner<S> {
             .await;
         res.map_err(|e| top.io_error("writing a compressed cluster", host, e))?;
         if let Some(wr) = &self.alloc {
-            wr.physical_len.set(wr.physical_len.get().max(host + plen));
+            wr.note_file_end(host + plen);
         }
         let desc = CompressedDescriptor {
             host_offset: host,
@@ -189,7 +189,7 @@ impl<S: Storage + 'static> Inner<S> {
         })?);
         self.refcounts_before_l2().await?;
         self.chain.l2.set_flush_before_writeback();
-        if w.lazy_refcounts.get() {
+        if w.lazy_refcounts() {
             w.mark_dirty().await?;
         }
         w.set_l2_entry(cluster, word, 0).await

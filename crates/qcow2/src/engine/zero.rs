@@ -230,10 +230,10 @@ impl<S: Storage + 'static> Inner<S> {
             return Ok(());
         }
         {
-            let _g = w.meta_lock.lock().await;
+            let _g = w.exclusive().await;
             w.l2_for_write(z.geom.l1_index(e.cluster)).await?;
         }
-        if w.lazy_refcounts.get() {
+        if w.lazy_refcounts() {
             w.mark_dirty().await?;
         }
         w.set_l2_entry(e.cluster, word, bitmap).await?;

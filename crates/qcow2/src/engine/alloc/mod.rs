@@ -10,15 +10,18 @@
 //!
 //! Write, zero, discard, compressed write and resize plan what to change and call these.
 
+mod access;
 mod bitmaps;
 pub(crate) mod l2_entry;
 mod l2_table;
 mod prealloc;
 mod refcount;
+mod run;
 mod shrink;
 mod snapshots;
 
 use prealloc::{GrowAhead, PausedGrowth};
+pub(crate) use run::Replaced;
 pub(crate) use snapshots::RefCounts;
 
 use crate::engine::bitmaps::Bitmaps;
@@ -45,29 +48,29 @@ pub(crate) struct Allocator<S: Storage + 'static> {
     /// The chain's L2 cache (the allocator updates layer 0's entries through it).
     l2: Rc<L2Cache<S>>,
     /// Refcount blocks by file offset.
-    pub refcounts: Rc<RefcountCache<S>>,
+    refcounts: Rc<RefcountCache<S>>,
     /// The refcount table: block offset per entry (0 = no block).
-    pub reftable: RefCell<Vec<u64>>,
+    reftable: RefCell<Vec<u64>>,
     /// First cluster index worth looking at for a free cluster.
-    pub free_hint: Cell<HostCluster>,
+    free_hint: Cell<HostCluster>,
     /// Bytes of the file that may hold non-zero data; clusters allocated past it read as
     /// zeros without being written.
-    pub physical_len: Cell<u64>,
+    physical_len: Cell<u64>,
     /// Serializes allocation and table growth (never held across guest data I/O).
-    pub meta_lock: tokio::sync::Mutex<()>,
+    meta_lock: tokio::sync::Mutex<()>,
     /// Set once an inconsistency was found while writing: every later write fails.
-    pub corrupt: Cell<bool>,
+    corrupt: Cell<bool>,
     /// Lazy refcounts: the dirty bit is set before the first L2 update and refcounts are not
     /// ordered before L2 writes.
-    pub lazy_refcounts: Cell<bool>,
+    lazy_refcounts: Cell<bool>,
     /// The dirty bit is set on disk (by us, for lazy refcounts).
-    pub dirty_on_disk: Cell<bool>,
+    dirty_on_disk: Cell<bool>,
     /// Metadata ranges that data writes must never touch.
-    pub meta: RefCell<MetaIndex>,
+    meta: RefCell<MetaIndex>,
     /// The persistent dirty bitmaps, loaded on open and stored on close.
-    pub bitmaps: RefCell<Bitmaps>,
+    bitmaps: RefCell<Bitmaps>,
     /// Where the next compressed cluster may start (0 = start a new cluster).
-    pub free_byte_offset: Cell<u64>,
+    free_byte_offset: Cell<u64>,
     /// Bumped whenever a layer-0 L2 entry, L2 table or header field changes, so a write that
     /// planned under a shared lock can tell whether its plan still holds once it has the
     /// exclusive one.

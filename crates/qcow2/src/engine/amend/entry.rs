@@ -128,7 +128,7 @@ impl<S: Storage + 'static> Inner<S> {
         let meta = self.chain.top().qcow2_required()?;
         if !on {
             // No write may set the dirty bit again once it is cleared.
-            w.lazy_refcounts.set(false);
+            w.disable_lazy_refcounts();
             self.flush().await?;
             w.mark_clean().await?;
         }

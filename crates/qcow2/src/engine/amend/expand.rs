@@ -98,7 +98,7 @@ impl<S: Storage + 'static> Inner<S> {
                 continue;
             }
             {
-                let _g = w.meta_lock.lock().await;
+                let _g = w.exclusive().await;
                 w.l2_for_write(l1i).await?;
             }
             self.chain.l2.set_flush_before_writeback();
@@ -125,14 +125,14 @@ impl<S: Storage + 'static> Inner<S> {
         }
         // A new cluster of zeros: over a backing file, or instead of a shared one.
         let new = {
-            let _g = w.meta_lock.lock().await;
+            let _g = w.exclusive().await;
             w.alloc_clusters(1).await?.0
         };
         self.zero_host(new, cs).await?;
         self.refcounts_before_l2().await?;
         w.set_l2_entry(cluster, l2::owned_word(new), 0).await?;
         if host != 0 {
-            let _g = w.meta_lock.lock().await;
+            let _g = w.exclusive().await;
             w.free_clusters(HostOffset(host), 1, false).await?;
         }
         Ok(())

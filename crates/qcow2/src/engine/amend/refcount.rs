@@ -14,7 +14,7 @@ use crate::engine::error::{EngineError, Result};
 use crate::engine::image::Inner;
 use crate::engine::overlap::{MetaIndex, MetaKind};
 use crate::engine::range_lock::LockMode;
-use crate::format::{HostCluster, HostOffset};
+use crate::format::HostOffset;
 use storage::Storage;
 
 impl<S: Storage + 'static> Inner<S> {
@@ -34,7 +34,7 @@ impl<S: Storage + 'static> Inner<S> {
         let _range = self
             .lock_range(0, top.size.get(), LockMode::Exclusive)
             .await;
-        let _meta = w.meta_lock.lock().await;
+        let _meta = w.exclusive().await;
         self.flush().await?;
         w.mark_clean().await?;
         let new = match check::change_refcount_order(&top.file, order).await {
@@ -57,22 +57,15 @@ impl<S: Storage + 'static> Inner<S> {
         };
         let cs = meta.geom.cluster_size();
         let old_table = meta.header.borrow().refcount_table_offset;
-        w.refcounts.forget(|_| true);
-        reindex(
-            &mut w.meta.borrow_mut(),
-            (old_table, &w.reftable.borrow()),
-            new,
-            cs,
-        );
-        *w.reftable.borrow_mut() = new.table.clone();
+        w.adopt_refcount_table(new.table.clone(), |index, old| {
+            reindex(index, (old_table, old), new, cs)
+        });
         {
             let mut h = meta.header.borrow_mut();
             h.refcount_table_offset = new.table_offset;
             h.refcount_table_clusters = new.table_clusters;
             h.refcount_order = order;
         }
-        w.free_hint.set(HostCluster(0));
-        w.free_byte_offset.set(0);
         // The new structure may lie past what the allocator knew of the file.
         let end = new
             .table
@@ -81,7 +74,7 @@ impl<S: Storage + 'static> Inner<S> {
             .chain([new.table_offset + u64::from(new.table_clusters) * cs])
             .max()
             .unwrap_or(0);
-        w.physical_len.set(w.physical_len.get().max(end));
+        w.note_file_end(end);
         meta.file_end.set(meta.file_end.get().max(end));
         w.mapping_changed();
     }
@@ -92,7 +85,7 @@ impl<S: Storage + 'static> Inner<S> {
     async fn width_failed(&self, e: CheckError) -> EngineError {
         let top = self.chain.top();
         if let (Some(w), Ok(len)) = (&self.alloc, top.file.len().await) {
-            w.physical_len.set(w.physical_len.get().max(len));
+            w.note_file_end(len);
         }
         self.width_error(e)
     }

@@ -88,7 +88,7 @@ impl<S: Storage + 'static> Inner<S> {
         if other != 0 {
             return refuse(AmendError::DowngradeFeatures(other));
         }
-        if !self.alloc()?.bitmaps.borrow().list.is_empty() {
+        if self.alloc()?.has_bitmaps() {
             return refuse(AmendError::DowngradeBitmaps);
         }
         let scan = self.scan_snapshot_tables().await?;
@@ -124,7 +124,7 @@ impl<S: Storage + 'static> Inner<S> {
         let meta = self.chain.top().qcow2_required()?;
         self.expand_zero_clusters().await?;
         let w = self.alloc()?;
-        w.lazy_refcounts.set(false);
+        w.disable_lazy_refcounts();
         self.flush().await?;
         w.mark_clean().await?;
         let mut h = meta.header.borrow().clone();

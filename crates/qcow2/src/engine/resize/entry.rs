@@ -58,7 +58,7 @@ impl<S: Storage + 'static> Inner<S> {
         w.sync().await?;
         meta.header.borrow_mut().size = new_size;
         top.size.set(new_size);
-        w.bitmaps.borrow_mut().resize(new_size);
+        w.change_bitmaps(|b| b.resize(new_size));
         Ok(())
     }
 
@@ -82,9 +82,7 @@ impl<S: Storage + 'static> Inner<S> {
             });
         }
         self.alloc()?
-            .bitmaps
-            .borrow()
-            .check_resize(new_size)
+            .with_bitmaps(|b| b.check_resize(new_size))
             .map_err(|source| EngineError::Bitmap {
                 image: top.name.clone(),
                 source,

@@ -39,7 +39,7 @@ impl<S: Storage + 'static> Inner<S> {
         }
         let w = self.alloc()?;
         if needed > meta.l1.borrow().len() as u64 {
-            let _g = w.meta_lock.lock().await;
+            let _g = w.exclusive().await;
             self.grow_l1(needed).await?;
         }
         let cs = meta.geom.cluster_size();
@@ -136,13 +136,7 @@ impl<S: Storage + 'static> Inner<S> {
         let clusters = (len * 8).div_ceil(cs);
         let new_off = w.alloc_clusters(clusters).await?.0;
         // Its refcounts must be durable before the header points to it.
-        w.refcounts
-            .flush()
-            .await
-            .map_err(|source| EngineError::Cache {
-                image: top.name.clone(),
-                source,
-            })?;
+        w.flush_refcounts().await?;
         let table = be::table_bytes(&old, (clusters * cs) as usize);
         w.write_meta("writing the L1 table", new_off, &table)
             .await?;
@@ -158,11 +152,8 @@ impl<S: Storage + 'static> Inner<S> {
             h.l1_size = len as u32;
             h.l1_table_offset = new_off;
         }
-        {
-            let mut m = w.meta.borrow_mut();
-            m.remove(HostOffset(old_off));
-            m.insert(HostOffset(new_off), clusters * cs, MetaKind::L1Table);
-        }
+        w.forget_metadata(HostOffset(old_off));
+        w.record_metadata(HostOffset(new_off), clusters * cs, MetaKind::L1Table);
         if old_clusters > 0 {
             w.free_clusters(HostOffset(old_off), old_clusters, false)
                 .await?;

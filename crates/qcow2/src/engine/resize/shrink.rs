@@ -34,7 +34,7 @@ impl<S: Storage + 'static> Inner<S> {
         let keep = super::grow::l1_entries_for(meta, &top.name, new_size)?;
         let w = self.alloc()?;
         {
-            let _g = w.meta_lock.lock().await;
+            let _g = w.exclusive().await;
             self.clear_l1_tail(keep).await?;
             self.flush().await?;
             w.drop_unused_refblocks().await?;
@@ -62,10 +62,10 @@ impl<S: Storage + 'static> Inner<S> {
             if !used.is_empty() {
                 {
                     // A table shared with a snapshot is copied first; the snapshot keeps its own.
-                    let _g = w.meta_lock.lock().await;
+                    let _g = w.exclusive().await;
                     w.l2_for_write(g.l1_index(GuestOffset(pos))).await?;
                 }
-                if w.lazy_refcounts.get() {
+                if w.lazy_refcounts() {
                     w.mark_dirty().await?;
                 }
                 for e in used {

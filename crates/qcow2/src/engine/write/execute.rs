@@ -3,6 +3,7 @@
 //! as one I/O, then their L2 entries pointed at them and the old clusters released.
 
 use super::plan::{Action, ClusterPlan, GuestRange, Old};
+use crate::engine::alloc::Replaced;
 use crate::engine::chain::Piece;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::image::Inner;
@@ -113,9 +114,7 @@ impl<S: Storage + 'static> Inner<S> {
             return;
         }
         if let Some(w) = &self.alloc {
-            if end.0 > w.physical_len.get() {
-                w.physical_len.set(end.0);
-            }
+            w.note_file_end(end.0);
         }
     }
 
@@ -190,7 +189,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// refcounts) or refcounts first (when clusters were allocated), and data first.
     async fn before_l2_update(&self, allocated: bool) -> Result<()> {
         let w = self.alloc()?;
-        if w.lazy_refcounts.get() {
+        if w.lazy_refcounts() {
             w.mark_dirty().await?;
         } else if allocated {
             self.refcounts_before_l2().await?;
@@ -223,39 +222,17 @@ impl<S: Storage + 'static> Inner<S> {
             Action::InPlace { .. } => unreachable!("fill_run is given filling clusters"),
         };
         // 1. Writable L2 tables and host clusters.
-        let alloc = async {
-            let _g = w.meta_lock.lock().await;
-            let mut last_l1 = None;
-            for p in plans {
-                let l1i = g.l1_index(p.start);
-                if last_l1 != Some(l1i) {
-                    w.l2_for_write(l1i).await?;
-                    last_l1 = Some(l1i);
-                }
-            }
-            let fresh_from = w.physical_len.get();
-            Ok::<_, EngineError>(match preset {
-                Some(h) => (h, false, false),
-                // The data file mirrors the guest's layout.
-                None if meta.data_file.is_some() => (HostOffset(first.0), false, false),
-                None => {
-                    let h = w.alloc_clusters(n).await?;
-                    (h, true, h.0 >= fresh_from)
-                }
-            })
-        };
-        let (host, allocated, fresh) = match alloc.await {
-            Ok(v) => v,
+        let l1_indexes = plans.iter().map(|p| g.l1_index(p.start));
+        let allocation = match w.allocate(l1_indexes, first, n, preset).await {
+            Ok(a) => a,
             Err(e) => return (Err(e), buf),
         };
-        let (res, buf) = self.fill_and_write(offset, buf, plans, host, fresh).await;
+        let (host, allocated) = (allocation.host, allocation.allocated);
+        let (res, buf) = self
+            .fill_and_write(offset, buf, plans, host, allocation.fresh)
+            .await;
         if let Err(e) = res {
-            if allocated {
-                let _g = w.meta_lock.lock().await;
-                if let Err(e2) = w.free_clusters(host, n, false).await {
-                    tracing::warn!("could not release clusters after a failed write: {e2}");
-                }
-            }
+            w.abandon(&allocation).await;
             return (Err(e), buf);
         }
         // 2. Point the entries at the data.
@@ -274,21 +251,18 @@ impl<S: Storage + 'static> Inner<S> {
                 w.set_l2_entry(p.start, l2::owned_word(h.0), bitmap).await?;
             }
             // 3. Release what the entries no longer use.
-            let _g = w.meta_lock.lock().await;
-            for p in plans {
-                match p.action {
-                    Action::Fill {
-                        old: Old::Shared { host },
-                        ..
-                    } => w.free_clusters(host, 1, false).await?,
-                    Action::Fill {
-                        old: Old::Compressed { raw },
-                        ..
-                    } => w.free_compressed(raw).await?,
-                    _ => {}
-                }
-            }
-            Ok(())
+            w.release(plans.iter().filter_map(|p| match p.action {
+                Action::Fill {
+                    old: Old::Shared { host },
+                    ..
+                } => Some(Replaced::Shared(host)),
+                Action::Fill {
+                    old: Old::Compressed { raw },
+                    ..
+                } => Some(Replaced::Compressed(raw)),
+                _ => None,
+            }))
+            .await
         }
         .await;
         (res, buf)
