@@ -197,7 +197,7 @@ impl<S> Qcow2Meta<S> {
     pub fn l2_table(&self, index: u64) -> Option<u64> {
         let l1 = self.l1.borrow();
         let word = *l1.get(usize::try_from(index).ok()?)?;
-        match word & l1::L1_OFFSET_MASK {
+        match l1::table_of(word) {
             0 => None,
             off => Some(off),
         }

@@ -60,7 +60,7 @@ impl<S: Storage + 'static> Inner<S> {
                     .await
                     .ok()?
                     .into_iter()
-                    .map(|w| w & !refcount::REFTABLE_RESERVED_MASK)
+                    .map(refcount::block_of)
                     .collect()
             }
         };

@@ -237,7 +237,7 @@ impl<S: Storage + 'static> Image<S> {
         {
             let mut index = t.alloc.meta.borrow_mut();
             for &w in &words {
-                let table = w & l1::L1_OFFSET_MASK;
+                let table = l1::table_of(w);
                 if table != 0 {
                     index.insert(HostOffset(table), cs, MetaKind::L2Table);
                 }

@@ -8,8 +8,7 @@ use super::Allocator;
 use crate::engine::error::Result;
 use crate::engine::metacache::L2Key;
 use crate::engine::overlap::MetaKind;
-use crate::format::l1::{L1_COPIED, L1_OFFSET_MASK};
-use crate::format::{be, HostOffset};
+use crate::format::{be, l1, HostOffset};
 use storage::{IoBuf, Storage};
 
 impl<S: Storage + 'static> Allocator<S> {
@@ -25,8 +24,8 @@ impl<S: Storage + 'static> Allocator<S> {
             .get(l1i as usize)
             .copied()
             .ok_or_else(|| top.corrupt(format!("L1 index {l1i} is beyond the L1 table")))?;
-        let old = word & L1_OFFSET_MASK;
-        if old != 0 && word & L1_COPIED != 0 {
+        let old = l1::table_of(word);
+        if old != 0 && l1::is_copied(word) {
             return Ok(old);
         }
         let cs = meta.geom.cluster_size();
@@ -66,7 +65,7 @@ impl<S: Storage + 'static> Allocator<S> {
         self.meta
             .borrow_mut()
             .insert(HostOffset(new), cs, MetaKind::L2Table);
-        let entry = new | L1_COPIED;
+        let entry = l1::owned_word(new);
         meta.l1.borrow_mut()[l1i as usize] = entry;
         self.mapping_changed();
         self.write_meta(

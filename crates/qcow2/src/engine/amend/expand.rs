@@ -37,8 +37,7 @@ impl<S: Storage + 'static> Inner<S> {
                 )
                 .await?;
             for entry in l1.chunks_exact(8) {
-                let table =
-                    u64::from_be_bytes(entry.try_into().expect("8 bytes")) & l1::L1_OFFSET_MASK;
+                let table = l1::table_of(u64::from_be_bytes(entry.try_into().expect("8 bytes")));
                 if table == 0 {
                     continue;
                 }
@@ -115,10 +114,12 @@ impl<S: Storage + 'static> Inner<S> {
         let top = self.chain.top();
         let cs = top.qcow2_required()?.geom.cluster_size();
         let host = l2::host_of(word);
-        let owned = word & l2::L2_COPIED != 0;
+        let owned = l2::is_copied(word);
         if host != 0 && owned {
             self.zero_host(host, cs).await?;
-            return w.set_l2_entry(cluster, word & !l2::L2_ZERO, 0).await;
+            return w
+                .set_l2_entry(cluster, l2::without_zero_flag(word), 0)
+                .await;
         }
         if host == 0 && !backed {
             return w.set_l2_entry(cluster, 0, 0).await;

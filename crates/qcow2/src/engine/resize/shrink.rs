@@ -102,7 +102,7 @@ impl<S: Storage + 'static> Inner<S> {
         meta.l1.borrow_mut()[keep..].fill(0);
         w.mapping_changed();
         for word in &old[keep..] {
-            let table = word & l1::L1_OFFSET_MASK;
+            let table = l1::table_of(*word);
             if table != 0 {
                 w.free_clusters(HostOffset(table), 1, true).await?;
             }
