@@ -50,7 +50,9 @@ impl<S: Storage + 'static> Inner<S> {
         let w = self.alloc()?;
         let g = self.chain.top().qcow2_required()?.geom;
         let per_table = g.l2_entries() * g.cluster_size();
-        let _guard = self.lock_range(from, to - from, LockMode::Exclusive).await;
+        let _guard = self
+            .lock_range(GuestOffset(from), to - from, LockMode::Exclusive)
+            .await;
         let mut pos = from;
         while pos < to {
             let table_end = (pos - pos % per_table).saturating_add(per_table).min(to);
