@@ -8,6 +8,7 @@
 
 use super::image::Inner;
 use super::layer::Layer;
+use crate::format::HostOffset;
 use crate::format::{refcount, Structure};
 use crate::metadata::{Loader, StorageSource, Strictness, REFCOUNT_TABLE};
 use storage::Storage;
@@ -80,7 +81,11 @@ impl<S: Storage + 'static> Inner<S> {
             }
             let n = usize::try_from((end_cluster - first).min(per_block)).ok()?;
             counted += match writer {
-                Some(w) => w.refcounts.read(block, |b| count_block(b, n)).await.ok()?,
+                Some(w) => w
+                    .refcounts
+                    .read(HostOffset(block), |b| count_block(b, n))
+                    .await
+                    .ok()?,
                 None => {
                     let b = layer
                         .read_file("reading a refcount block", block, usize::try_from(cs).ok()?)

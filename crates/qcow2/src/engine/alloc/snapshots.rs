@@ -45,7 +45,7 @@ impl<S: Storage + 'static> Allocator<S> {
         let (_, per_slice) = self.l2_slicing();
         let key = L2Key {
             layer: 0,
-            table,
+            table: HostOffset(table),
             // At most cluster size / 512 slices.
             slice: slice as u32,
         };
@@ -223,7 +223,7 @@ impl<S: Storage + 'static> Allocator<S> {
         let ext = self.meta().geom.extended_l2();
         let key = L2Key {
             layer: 0,
-            table,
+            table: HostOffset(table),
             slice: slice as u32,
         };
         self.l2

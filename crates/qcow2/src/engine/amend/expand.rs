@@ -9,6 +9,7 @@
 
 use crate::engine::error::Result;
 use crate::engine::image::Inner;
+use crate::format::L1Index;
 use crate::format::{l1, l2, GuestOffset, HostOffset};
 use storage::Storage;
 
@@ -61,7 +62,7 @@ impl<S: Storage + 'static> Inner<S> {
         let meta = self.chain.top().qcow2_required()?;
         let per_table = meta.geom.l2_entries() * meta.geom.cluster_size();
         let l1_len = meta.l1.borrow().len() as u64;
-        for l1i in (0..l1_len).filter(|&i| meta.l2_table(i).is_some()) {
+        for l1i in (0..l1_len).filter(|&i| meta.l2_table(L1Index(i)).is_some()) {
             let entries = w
                 .l2_entries(GuestOffset(l1i * per_table), per_table)
                 .await?;
@@ -83,7 +84,7 @@ impl<S: Storage + 'static> Inner<S> {
         let per_table = g.l2_entries() * cs;
         let l1_len = meta.l1.borrow().len() as u64;
         for l1i in 0..l1_len {
-            if meta.l2_table(l1i).is_none() {
+            if meta.l2_table(L1Index(l1i)).is_none() {
                 continue;
             }
             let start = GuestOffset(l1i * per_table);
@@ -98,7 +99,7 @@ impl<S: Storage + 'static> Inner<S> {
             }
             {
                 let _g = w.meta_lock.lock().await;
-                w.l2_for_write(l1i).await?;
+                w.l2_for_write(L1Index(l1i)).await?;
             }
             self.chain.l2.set_flush_before_writeback();
             for e in zeros {
