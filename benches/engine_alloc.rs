@@ -10,6 +10,7 @@ mod support;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use qcow2::engine::{create_file, CacheOptions, CreateOptions, Format, Image};
+use qcow2::format::GuestOffset;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use storage::AnyStorage;
@@ -106,7 +107,7 @@ impl Filler<'_> {
             let mut buf = block_4k(0xa5);
             let start = Instant::now();
             for off in offsets {
-                let (res, back) = ov.image.write(off, buf, false).await;
+                let (res, back) = ov.image.write(GuestOffset(off), buf, false).await;
                 res.expect("allocating write");
                 buf = back;
             }

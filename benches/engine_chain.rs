@@ -9,6 +9,7 @@ mod support;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use qcow2::engine::{create_file, CacheOptions, CreateOptions, Format};
+use qcow2::format::GuestOffset;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use storage::IoBuf;
@@ -58,7 +59,7 @@ async fn build_chain(dir: &Path, depth: u64, size: u64) -> PathBuf {
             let byte = u8::try_from(i % 251).expect("below 251") + 1;
             let (res, _) = img
                 .write(
-                    i * CLUSTER,
+                    GuestOffset(i * CLUSTER),
                     IoBuf::from_slice(&[byte; CLUSTER as usize]),
                     false,
                 )
@@ -95,7 +96,7 @@ fn chains(c: &mut Criterion) {
                         let start = Instant::now();
                         let mut pos = 0;
                         while pos < size {
-                            let (res, back) = image.read_into(pos, buf).await;
+                            let (res, back) = image.read_into(GuestOffset(pos), buf).await;
                             res.expect("chain read");
                             buf = back;
                             pos += REQUEST as u64;

@@ -9,6 +9,7 @@ mod support;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use qcow2::engine::{create_file, CacheOptions, CreateOptions, Preallocation};
+use qcow2::format::GuestOffset;
 use std::time::{Duration, Instant};
 use storage::IoBuf;
 use support::{direct_opener, open_direct, scratch_dir, Runner, SplitMix64};
@@ -64,7 +65,7 @@ fn l2_cache(c: &mut Criterion<support::IoTime>) {
                         let start = Instant::now();
                         for _ in 0..iters {
                             let off = rng.below(blocks) * 4096;
-                            let (res, back) = image.read_into(off, buf).await;
+                            let (res, back) = image.read_into(GuestOffset(off), buf).await;
                             res.expect("random read");
                             buf = back;
                         }

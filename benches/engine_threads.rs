@@ -14,6 +14,7 @@
 
 mod support;
 
+use qcow2::format::GuestOffset;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -71,7 +72,7 @@ impl Export for Engine {
     async fn read(&self, offset: u64, len: usize) -> Result<Vec<ReadChunk<Buf>>, Errno> {
         let parts = self
             .0
-            .read_sparse(offset, len)
+            .read_sparse(GuestOffset(offset), len)
             .await
             .map_err(|_| Errno::Io)?;
         Ok(parts
@@ -85,7 +86,7 @@ impl Export for Engine {
 
     async fn write(&self, offset: u64, data: Buf, fua: bool) -> Result<(), Errno> {
         self.0
-            .write(offset, data.0, fua)
+            .write(GuestOffset(offset), data.0, fua)
             .await
             .0
             .map_err(|_| Errno::Io)
@@ -140,7 +141,11 @@ async fn engine() -> Rc<Engine> {
     let chunk = 1 << 20;
     for at in (0..SIZE).step_by(chunk) {
         let (res, _) = image
-            .write(at, IoBuf::from_slice(&vec![0x5a; chunk]), false)
+            .write(
+                GuestOffset(at),
+                IoBuf::from_slice(&vec![0x5a; chunk]),
+                false,
+            )
             .await;
         res.expect("fill");
     }

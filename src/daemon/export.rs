@@ -13,6 +13,7 @@
 //! client a chunk header instead of the zero bytes, which is what makes sequential reads of a
 //! sparse image fast.
 
+use qcow2::format::GuestOffset;
 use std::rc::Rc;
 use std::time::Instant;
 
@@ -323,7 +324,7 @@ impl ImageExport {
         }
         let guard = self.first_sector.lock().await;
         let have = usize::try_from(self.image.size().min(SECTOR)).unwrap_or(0);
-        let (res, current) = self.image.read_into(0, IoBuf::zeroed(have)).await;
+        let (res, current) = self.image.read_into(GuestOffset(0), IoBuf::zeroed(have)).await;
         res.map_err(|e| errno("read (first sector)", &e))?;
         let mut sector = [0u8; SECTOR as usize];
         sector[..have].copy_from_slice(&current[..have]);
@@ -362,7 +363,7 @@ impl ImageExport {
     /// Block status of `[offset, offset + len)`, merged into NBD's coarser view.
     async fn extents(&self, offset: u64, len: u64) -> Result<Vec<Extent>, EngineError> {
         let mut out: Vec<Extent> = Vec::new();
-        for e in self.image.block_status(offset, len).await? {
+        for e in self.image.block_status(GuestOffset(offset), len).await? {
             let next = Extent {
                 len: e.len,
                 hole: !e.data,
@@ -515,7 +516,7 @@ impl ImageExport {
         }
         let parts = self
             .image
-            .read_sparse(offset, len)
+            .read_sparse(GuestOffset(offset), len)
             .await
             .map_err(|e| errno("read", &e))?;
         Ok(parts
@@ -539,13 +540,16 @@ impl ImageExport {
             let unmap = self.policy.detect_zeroes == DetectZeroes::Unmap
                 && self.policy.discard == DiscardMode::Unmap;
             self.image
-                .write_zeroes(offset, len, unmap, false)
+                .write_zeroes(GuestOffset(offset), len, unmap, false)
                 .await
                 .map_err(|e| errno("write (detected zeroes)", &e))?;
             return self.after_write(fua).await;
         }
         let writethrough = self.policy.writethrough && !self.policy.ignore_flush;
-        let (res, _buf) = self.image.write(offset, data, fua || writethrough).await;
+        let (res, _buf) = self
+            .image
+            .write(GuestOffset(offset), data, fua || writethrough)
+            .await;
         res.map_err(|e| errno("write", &e))
     }
 
@@ -557,7 +561,7 @@ impl ImageExport {
     ) -> Result<(), Errno> {
         let may_unmap = flags.may_unmap && self.policy.discard == DiscardMode::Unmap;
         self.image
-            .write_zeroes(offset, len, may_unmap, flags.fast)
+            .write_zeroes(GuestOffset(offset), len, may_unmap, flags.fast)
             .await
             .map_err(|e| errno("write zeroes", &e))?;
         self.after_write(flags.fua).await
@@ -566,7 +570,7 @@ impl ImageExport {
     async fn trim_image(&self, offset: u64, len: u64, fua: bool) -> Result<(), Errno> {
         if self.policy.discard == DiscardMode::Unmap {
             self.image
-                .discard(offset, len)
+                .discard(GuestOffset(offset), len)
                 .await
                 .map_err(|e| errno("trim", &e))?;
         }
@@ -585,7 +589,7 @@ impl ImageExport {
         if self.policy.direct {
             // O_DIRECT bypasses the page cache: only the metadata lookup can be warmed.
             self.image
-                .block_status(offset, len)
+                .block_status(GuestOffset(offset), len)
                 .await
                 .map_err(|e| errno("cache", &e))?;
             return Ok(());
@@ -597,7 +601,7 @@ impl ImageExport {
         while at < end {
             let n = usize::try_from(end - at).map_or(CACHE_CHUNK, |n| n.min(CACHE_CHUNK));
             buf.resize(n);
-            let (res, back) = self.image.read_into(at, buf).await;
+            let (res, back) = self.image.read_into(GuestOffset(at), buf).await;
             buf = back;
             res.map_err(|e| errno("cache", &e))?;
             at += n as u64;

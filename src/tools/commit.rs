@@ -14,6 +14,7 @@
 //! top and base do not lock us out. Another process holding any of them the way QEMU would
 //! refuse makes the commit fail before anything is written.
 
+use qcow2::format::GuestOffset;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::rc::Rc;
@@ -289,11 +290,11 @@ impl Job {
         // len <= REQUEST_BYTES by construction.
         let (read, buf) = self
             .reader
-            .read_into(off, self.buffers.take(len as usize))
+            .read_into(GuestOffset(off), self.buffers.take(len as usize))
             .await;
         let res = match read {
             Ok(()) => {
-                let (res, buf) = self.base.write(off, buf, false).await;
+                let (res, buf) = self.base.write(GuestOffset(off), buf, false).await;
                 self.buffers.give(buf);
                 res
             }
@@ -310,7 +311,9 @@ impl Job {
 
     /// Makes `[off, off + len)` of the base read as zeros, in metadata where it can.
     async fn zero(self: Rc<Self>, off: u64, len: u64) -> Result<(), EngineError> {
-        self.base.write_zeroes(off, len, true, false).await?;
+        self.base
+            .write_zeroes(GuestOffset(off), len, true, false)
+            .await?;
         self.progress.advance(len);
         Ok(())
     }
@@ -329,7 +332,7 @@ async fn copy_above_base(
     let mut pos = 0u64;
     while pos < size {
         let len = QUERY_BYTES.min(size - pos);
-        let extents = job.reader.block_status(pos, len).await?;
+        let extents = job.reader.block_status(GuestOffset(pos), len).await?;
         pos += len;
         for e in extents.iter().filter(|e| e.present && e.depth < base_depth) {
             job.progress.advance(e.start.saturating_sub(issued));

@@ -9,6 +9,7 @@
 //! in flight; results are taken in guest order, so the first difference (or error) reported is
 //! the one qemu-img's sequential walk reports.
 
+use qcow2::format::GuestOffset;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -198,7 +199,7 @@ impl Images {
     async fn read(&self, side: Side, offset: u64, len: usize) -> Result<IoBuf, CompareError> {
         let (res, buf) = self
             .image(side)
-            .read_into(offset, self.buffers.take(len))
+            .read_into(GuestOffset(offset), self.buffers.take(len))
             .await;
         match res {
             Ok(()) => Ok(buf),
@@ -357,7 +358,7 @@ async fn status(
 ) -> Result<Vec<Extent>, CompareError> {
     images
         .image(side)
-        .block_status(offset, len)
+        .block_status(GuestOffset(offset), len)
         .await
         .map_err(|e| CompareError::BlockStatus {
             file: images.name(side).to_string(),

@@ -11,6 +11,7 @@
 mod plan;
 mod sparse;
 
+use qcow2::format::GuestOffset;
 use std::cell::Cell;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -384,7 +385,7 @@ impl Job {
         let end = off + buf.len() as u64;
         if end <= start + src.len {
             // The whole request from one source: read straight into the buffer.
-            return src.image.read_into(off - start, buf).await;
+            return src.image.read_into(GuestOffset(off - start), buf).await;
         }
         let mut pos = off;
         let mut index = first;
@@ -399,7 +400,7 @@ impl Job {
             if pos < readable {
                 match src
                     .image
-                    .read(pos - src_start, (readable - pos) as usize)
+                    .read(GuestOffset(pos - src_start), (readable - pos) as usize)
                     .await
                 {
                     Ok(data) => {
@@ -461,7 +462,7 @@ impl Job {
             if only.data {
                 let job = Rc::clone(self);
                 writes.push(tokio::task::spawn_local(async move {
-                    let (res, buf) = job.dst.write(off, buf, false).await;
+                    let (res, buf) = job.dst.write(GuestOffset(off), buf, false).await;
                     job.buffers.give(buf);
                     res
                 }));
@@ -478,7 +479,7 @@ impl Job {
             let piece = IoBuf::from_slice(&buf[run.start..run.start + run.len]);
             let job = Rc::clone(self);
             writes.push(tokio::task::spawn_local(async move {
-                job.dst.write(at, piece, false).await.0
+                job.dst.write(GuestOffset(at), piece, false).await.0
             }));
             self.let_it_allocate().await;
         }
@@ -494,9 +495,11 @@ impl Job {
         let job = Rc::clone(self);
         let task = tokio::task::spawn_local(async move {
             if job.zero_flags {
-                job.dst.write_zero_flags(off, len, true).await
+                job.dst.write_zero_flags(GuestOffset(off), len, true).await
             } else {
-                job.dst.write_zeroes(off, len, true, false).await
+                job.dst
+                    .write_zeroes(GuestOffset(off), len, true, false)
+                    .await
             }
         });
         self.let_it_allocate().await;
@@ -567,7 +570,7 @@ impl Job {
         zeros: Vec<(u64, u64)>,
     ) -> Result<Vec<Write>, EngineError> {
         for (at, p) in packed {
-            self.dst.write_packed(at, p).await?;
+            self.dst.write_packed(GuestOffset(at), p).await?;
         }
         let mut writes = Vec::new();
         for (at, len) in zeros {
@@ -1016,7 +1019,7 @@ async fn create_target(
     }
     let dst = open_target_with(path, format, min_sparse, passwords).await?;
     if noise {
-        dst.write_zeroes(0, dst.size(), false, false)
+        dst.write_zeroes(GuestOffset(0), dst.size(), false, false)
             .await
             .map_err(|source| CreateError::Engine {
                 image: target.clone(),

@@ -4,6 +4,7 @@
 //! (`-O`, raw by default) with the size that remains to copy, and every block is written,
 //! zeros included, as qemu-img writes them.
 
+use qcow2::format::GuestOffset;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -119,7 +120,7 @@ fn operands(list: &[String]) -> Result<Operands, DdError> {
 async fn read_padded(img: &Image<AnyStorage>, pos: u64, len: u64) -> Result<IoBuf, EngineError> {
     let have = img.size().saturating_sub(pos).min(len);
     let mut buf = if have > 0 {
-        img.read(pos, have as usize).await?
+        img.read(GuestOffset(pos), have as usize).await?
     } else {
         IoBuf::zeroed(0)
     };
@@ -218,7 +219,7 @@ async fn dd(args: &DdArgs) -> Result<(), DdError> {
         let buf = read_padded(&src, pos, n)
             .await
             .map_err(|e| DdError::Read(Box::new(e)))?;
-        dst.write(out_pos, buf, false)
+        dst.write(GuestOffset(out_pos), buf, false)
             .await
             .0
             .map_err(|e| DdError::Write(Box::new(e)))?;

@@ -1,6 +1,7 @@
 //! `qcow2-nbd map`: what every guest byte of an image is (data, zeros, nothing) and which
 //! layer of the chain provides it, in `qemu-img map`'s human and JSON layouts.
 
+use qcow2::format::GuestOffset;
 use std::io::{self, BufWriter, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -217,7 +218,7 @@ pub async fn walk(
     while pos < end {
         // Queries end on QUERY_BYTES boundaries so that runs split the same way every time.
         let len = (QUERY_BYTES - pos % QUERY_BYTES).min(end - pos);
-        for ext in img.block_status(pos, len).await? {
+        for ext in img.block_status(GuestOffset(pos), len).await? {
             let e = MapEntry::from(&ext);
             if !pending.as_mut().is_some_and(|p| p.try_merge(&e)) {
                 if let Some(p) = pending.replace(e) {

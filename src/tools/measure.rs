@@ -6,6 +6,7 @@
 //! image, walks its allocation: data clusters count, zeros and holes do not (the target has no
 //! backing file, so they read as zeros there too).
 
+use qcow2::format::GuestOffset;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -260,7 +261,7 @@ async fn required_data(src: &Source, cluster_size: u64) -> Result<u64, MeasureCl
         let len = QUERY_BYTES.min(end - pos);
         let extents = src
             .img
-            .block_status(pos, len)
+            .block_status(GuestOffset(pos), len)
             .await
             .map_err(MeasureCliError::BlockStatus)?;
         for e in extents.iter().filter(|e| e.present && e.data && !e.zero) {

@@ -7,6 +7,7 @@
 //! copies are durable, is the new name written. `-u` (unsafe) only rewrites the name. With
 //! `-c` the copies are written compressed, so the unit is the whole cluster.
 
+use qcow2::format::GuestOffset;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::rc::Rc;
@@ -234,7 +235,7 @@ impl Job {
         }
         // The read fills the first `valid` bytes; only the rest is zeroed below.
         let buf = self.buffers.take(valid);
-        let (res, mut buf) = img.read_into(off, buf).await;
+        let (res, mut buf) = img.read_into(GuestOffset(off), buf).await;
         if let Err(e) = res {
             self.buffers.give(buf);
             return Err(e);
@@ -284,19 +285,19 @@ impl Job {
             if at >= self.old_end {
                 // Flags even without an old backing file: the new one must not show through.
                 self.image
-                    .write_zero_flags(at, (b - a) as u64, false)
+                    .write_zero_flags(GuestOffset(at), (b - a) as u64, false)
                     .await?;
             } else if self.compress {
                 // Units are clusters here; the last one may end with the disk.
                 for (k, cluster) in old[a..b].chunks(unit).enumerate() {
                     let cat = at + (k * unit) as u64;
                     self.image
-                        .write_compressed(cat, IoBuf::from_slice(cluster))
+                        .write_compressed(GuestOffset(cat), IoBuf::from_slice(cluster))
                         .await?;
                 }
             } else {
                 self.image
-                    .write(at, IoBuf::from_slice(&old[a..b]), false)
+                    .write(GuestOffset(at), IoBuf::from_slice(&old[a..b]), false)
                     .await
                     .0?;
             }
@@ -308,7 +309,11 @@ impl Job {
 
 /// True when block status says `[off, off + len)` of `img` reads as zeros.
 async fn reads_zero(img: &Image<AnyStorage>, off: u64, len: u64) -> Result<bool, EngineError> {
-    Ok(img.block_status(off, len).await?.iter().all(|e| !e.data))
+    Ok(img
+        .block_status(GuestOffset(off), len)
+        .await?
+        .iter()
+        .all(|e| !e.data))
 }
 
 /// The ranges of `[pos, pos + len)` to compare, unit-aligned: what the image does not
@@ -326,7 +331,7 @@ async fn ranges_to_compare(
 ) -> Result<Vec<(u64, u64)>, EngineError> {
     let size = image.size();
     let mut ranges: Vec<(u64, u64)> = Vec::new();
-    for e in image.block_status(pos, len).await? {
+    for e in image.block_status(GuestOffset(pos), len).await? {
         let own = e.present && e.depth == 0;
         let shared = same_from.is_some_and(|k| e.depth >= k);
         if own || shared {

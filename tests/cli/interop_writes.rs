@@ -5,6 +5,7 @@
 //! and `qemu-img compare` finds the image equal to a raw model of the operations; our
 //! `convert -O raw` of it equals the model too.
 
+use qcow2::format::GuestOffset;
 use std::path::Path;
 
 use crate::common::BIN;
@@ -271,15 +272,24 @@ fn apply_ours(path: &Path, ops: &[Op], cs: u64) {
         for op in ops {
             let res = match *op {
                 Op::Write { off, len, byte } => {
-                    img.write(off, IoBuf::from_slice(&vec![byte; len as usize]), false)
-                        .await
-                        .0
+                    img.write(
+                        GuestOffset(off),
+                        IoBuf::from_slice(&vec![byte; len as usize]),
+                        false,
+                    )
+                    .await
+                    .0
                 }
-                Op::Zero { off, len, unmap } => img.write_zeroes(off, len, unmap, false).await,
-                Op::Discard { off, len } => img.discard(off, len).await,
+                Op::Zero { off, len, unmap } => {
+                    img.write_zeroes(GuestOffset(off), len, unmap, false).await
+                }
+                Op::Discard { off, len } => img.discard(GuestOffset(off), len).await,
                 Op::Compressed { off, byte } => {
-                    img.write_compressed(off, IoBuf::from_slice(&vec![byte; cs as usize]))
-                        .await
+                    img.write_compressed(
+                        GuestOffset(off),
+                        IoBuf::from_slice(&vec![byte; cs as usize]),
+                    )
+                    .await
                 }
             };
             res.unwrap_or_else(|e| panic!("{op:?} on {}: {e}", path.display()));

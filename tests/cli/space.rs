@@ -10,6 +10,7 @@
 //! `QCOW2_NBD_SPACE_WRITES_2M` asks for more. Each configuration is a test of its own and
 //! prints its row of the table (run with `--nocapture` to see them).
 
+use qcow2::format::GuestOffset;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
@@ -68,7 +69,11 @@ fn ours(path: &Path, w: &[(u64, u8)]) {
             let img = img.clone();
             tasks.spawn_local(async move {
                 let (res, _) = img
-                    .write(off, IoBuf::from_slice(&[byte; WRITE as usize]), false)
+                    .write(
+                        GuestOffset(off),
+                        IoBuf::from_slice(&[byte; WRITE as usize]),
+                        false,
+                    )
                     .await;
                 res.unwrap_or_else(|e| panic!("write at {off:#x}: {e}"));
             });

@@ -440,9 +440,27 @@ pub fn encode_directory(entries: &[BitmapDirectoryEntry]) -> Result<Vec<u8>, For
 }
 
 /// Bits 9-55 of a bitmap table entry: the data cluster offset.
-pub const BITMAP_TABLE_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+pub(crate) const BITMAP_TABLE_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 /// Bits 1-8 and 56-63 are reserved.
-pub const BITMAP_TABLE_RESERVED_MASK: u64 = 0xff00_0000_0000_01fe;
+pub(crate) const BITMAP_TABLE_RESERVED_MASK: u64 = 0xff00_0000_0000_01fe;
+/// Bit 0 of a bitmap table entry without a cluster: the data reads as all ones.
+const BITMAP_TABLE_ALL_ONES: u64 = 1;
+
+/// The data cluster a raw bitmap table word points to (0: none), reserved bits ignored.
+pub fn table_data_of(word: u64) -> u64 {
+    word & BITMAP_TABLE_OFFSET_MASK
+}
+
+/// The reserved bits set in a raw bitmap table word (0 for a valid entry).
+pub fn table_reserved_bits(word: u64) -> u64 {
+    word & BITMAP_TABLE_RESERVED_MASK
+}
+
+/// True when a raw bitmap table word has bit 0 set: without a cluster the data reads as all
+/// ones; with one the entry is invalid.
+pub fn table_all_ones(word: u64) -> bool {
+    word & BITMAP_TABLE_ALL_ONES != 0
+}
 
 /// One bitmap table entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -474,13 +492,13 @@ impl BitmapTableEntry {
         }
         let offset = raw & BITMAP_TABLE_OFFSET_MASK;
         if offset == 0 {
-            return Ok(if raw & 1 != 0 {
+            return Ok(if table_all_ones(raw) {
                 BitmapTableEntry::Ones
             } else {
                 BitmapTableEntry::Zeros
             });
         }
-        if raw & 1 != 0 {
+        if table_all_ones(raw) {
             return Err(FormatError::ReservedBits {
                 at,
                 field: "bitmap table entry bit 0 with an offset",
@@ -502,7 +520,7 @@ impl BitmapTableEntry {
     pub fn encode(&self) -> Result<u64, FormatError> {
         match *self {
             BitmapTableEntry::Zeros => Ok(0),
-            BitmapTableEntry::Ones => Ok(1),
+            BitmapTableEntry::Ones => Ok(BITMAP_TABLE_ALL_ONES),
             BitmapTableEntry::Cluster(HostOffset(o))
                 if o != 0 && o & !BITMAP_TABLE_OFFSET_MASK == 0 =>
             {
@@ -515,5 +533,33 @@ impl BitmapTableEntry {
                 reason: "must be a non-zero multiple of 512 below 2^56",
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_word_accessors_agree_with_decode() {
+        let g = Geometry::new(16, false, 4, 0).unwrap();
+        let word = BitmapTableEntry::Cluster(HostOffset(3 << 16))
+            .encode()
+            .unwrap();
+        assert_eq!(table_data_of(word), 3 << 16);
+        assert_eq!(table_reserved_bits(word), 0);
+        assert!(!table_all_ones(word));
+        let ones = BitmapTableEntry::Ones.encode().unwrap();
+        assert!(table_all_ones(ones));
+        assert_eq!(table_data_of(ones), 0);
+        assert_eq!(
+            BitmapTableEntry::decode(ones, &g, 0, HostOffset(0)).unwrap(),
+            BitmapTableEntry::Ones
+        );
+        // Reserved bits are reported and kept out of the offset; decode refuses them.
+        let bad = word | 0x0100_0000_0000_0002;
+        assert_eq!(table_reserved_bits(bad), 0x0100_0000_0000_0002);
+        assert_eq!(table_data_of(bad), 3 << 16);
+        assert!(BitmapTableEntry::decode(bad, &g, 0, HostOffset(0)).is_err());
     }
 }

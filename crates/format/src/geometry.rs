@@ -20,6 +20,10 @@ pub struct GuestCluster(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct HostCluster(pub u64);
 
+/// An index into the L1 table (the L2 table that maps a guest offset).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct L1Index(pub u64);
+
 /// Byte arithmetic on offsets: an offset plus a length is an offset of the same space, and
 /// the distance between two offsets of one space is a length. Offsets of different spaces
 /// (guest and host) cannot be subtracted from each other.
@@ -237,8 +241,8 @@ impl Geometry {
     }
 
     /// Index into the L1 table for a guest offset.
-    pub fn l1_index(&self, offset: GuestOffset) -> u64 {
-        offset.0 >> (self.cluster_bits + self.l2_bits)
+    pub fn l1_index(&self, offset: GuestOffset) -> L1Index {
+        L1Index(offset.0 >> (self.cluster_bits + self.l2_bits))
     }
 
     /// Index into the L2 table for a guest offset.
@@ -366,7 +370,7 @@ mod tests {
         assert_eq!(g.cluster_size(), 65536);
         assert_eq!(g.l2_entries(), 8192);
         let off = GuestOffset((3 << 29) + (5 << 16) + 123);
-        assert_eq!(g.l1_index(off), 3);
+        assert_eq!(g.l1_index(off), L1Index(3));
         assert_eq!(g.l2_index(off), 5);
         assert_eq!(g.subcluster_index(off), 0);
         assert_eq!(g.offset_in_cluster(off.0), 123);

@@ -5,15 +5,15 @@ use super::error::{FormatError, Location, Structure};
 use super::geometry::{Geometry, HostOffset};
 
 /// Bit 63: the cluster's refcount is exactly one.
-pub const L2_COPIED: u64 = 1 << 63;
+pub(crate) const L2_COPIED: u64 = 1 << 63;
 /// Bit 62: the cluster is compressed.
-pub const L2_COMPRESSED: u64 = 1 << 62;
+pub(crate) const L2_COMPRESSED: u64 = 1 << 62;
 /// Bit 0 of a standard descriptor: the cluster reads as zeros.
-pub const L2_ZERO: u64 = 1;
+pub(crate) const L2_ZERO: u64 = 1;
 /// Bits 9-55 of a standard descriptor: the host cluster offset.
-pub const L2_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+pub(crate) const L2_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 /// Bits 1-8 and 56-61 of a standard descriptor must be zero.
-pub const L2_STANDARD_RESERVED_MASK: u64 = 0x3f00_0000_0000_01fe;
+pub(crate) const L2_STANDARD_RESERVED_MASK: u64 = 0x3f00_0000_0000_01fe;
 
 /// The host cluster a raw entry word points to (0: none). Compressed words hold a descriptor
 /// instead; test [`is_compressed`] first.
@@ -50,6 +50,31 @@ pub fn zeroed_word(word: u64) -> u64 {
 /// True when a standard entry word has the zero flag (reads as zeros, version 3 only).
 pub fn has_zero_flag(word: u64) -> bool {
     word & L2_ZERO != 0 && !is_compressed(word)
+}
+
+/// `word` with the zero flag cleared, every other bit kept.
+pub fn without_zero_flag(word: u64) -> u64 {
+    word & !L2_ZERO
+}
+
+/// True when a raw entry word has the COPIED flag (its cluster's refcount is exactly one).
+pub fn is_copied(word: u64) -> bool {
+    word & L2_COPIED != 0
+}
+
+/// `word` with the COPIED flag set or cleared, every other bit kept.
+pub fn with_copied(word: u64, copied: bool) -> u64 {
+    if copied {
+        word | L2_COPIED
+    } else {
+        word & !L2_COPIED
+    }
+}
+
+/// The reserved bits set in a standard (not compressed) entry word; the zero flag is not
+/// among them (extended entries reserve it too: see [`L2Entry::decode`]).
+pub fn standard_reserved_bits(word: u64) -> u64 {
+    word & L2_STANDARD_RESERVED_MASK
 }
 
 /// One decoded L2 entry (the first 64 bits of an extended entry decode the same way).
@@ -250,5 +275,62 @@ impl L2Entry {
             L2Entry::Zero { preallocated, .. } => preallocated,
             L2Entry::Unallocated | L2Entry::Compressed(_) => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn raw_word_accessors_split_offset_and_flags() {
+        let host = 0x0000_0042_0000_0000;
+        let word = owned_word(host);
+        assert_eq!(host_of(word), host);
+        assert!(is_copied(word));
+        assert!(!is_copied(with_copied(word, false)));
+        assert_eq!(with_copied(with_copied(word, false), true), word);
+        assert!(holds_cluster(word));
+        assert!(!is_compressed(word));
+        let zeroed = zeroed_word(word);
+        assert!(has_zero_flag(zeroed));
+        assert_eq!(host_of(zeroed), host);
+        assert_eq!(without_zero_flag(zeroed), word);
+        assert!(has_zero_flag(zeroed_word(0)));
+        assert!(!holds_cluster(zeroed_word(0)));
+    }
+
+    #[test]
+    fn reserved_bits_exclude_offset_flags_and_zero_bit() {
+        assert_eq!(standard_reserved_bits(zeroed_word(owned_word(1 << 16))), 0);
+        assert_eq!(
+            standard_reserved_bits(0x0100_0000_0000_0002),
+            0x0100_0000_0000_0002
+        );
+        // A compressed word is never read as having the zero flag.
+        let compressed = compressed_word(1);
+        assert!(is_compressed(compressed));
+        assert!(!has_zero_flag(compressed));
+        assert!(holds_cluster(compressed));
+    }
+
+    #[test]
+    fn accessors_agree_with_decode() {
+        let g = Geometry::new(16, false, 4, 1 << 30).unwrap();
+        let word = owned_word(7 << 16);
+        assert_eq!(
+            L2Entry::decode(word, &g, 0, HostOffset(0)).unwrap(),
+            L2Entry::Normal {
+                host: HostOffset(host_of(word)),
+                copied: is_copied(word),
+            }
+        );
+        assert_eq!(
+            L2Entry::decode(zeroed_word(0), &g, 0, HostOffset(0)).unwrap(),
+            L2Entry::Zero {
+                preallocated: None,
+                copied: false,
+            }
+        );
     }
 }

@@ -25,7 +25,7 @@ pub use compressed::CompressedDescriptor;
 pub use error::{FormatError, Location, Structure};
 pub use extensions::{FdeHeaderPointer, FeatureNameEntry, FeatureNameTable, HeaderExtension};
 pub use features::FeatureKind;
-pub use geometry::{Geometry, GuestCluster, GuestOffset, HostCluster, HostOffset};
+pub use geometry::{Geometry, GuestCluster, GuestOffset, HostCluster, HostOffset, L1Index};
 pub use header::Header;
 pub use l1::L1Entry;
 pub use l2::L2Entry;

@@ -7,10 +7,21 @@ use super::geometry::{Geometry, HostOffset};
 use super::limits;
 
 /// Bits 0-8 of a refcount table entry must be zero.
-pub const REFTABLE_RESERVED_MASK: u64 = 0x1ff;
+pub(crate) const REFTABLE_RESERVED_MASK: u64 = 0x1ff;
 /// Bits 9-63 of a refcount table entry hold the refcount block's offset. A checker reads the
 /// offset through this mask without refusing the entry's reserved bits, as QEMU does.
-pub const REFTABLE_OFFSET_MASK: u64 = !REFTABLE_RESERVED_MASK;
+pub(crate) const REFTABLE_OFFSET_MASK: u64 = !REFTABLE_RESERVED_MASK;
+
+/// The refcount block offset a raw refcount table word points to (0: none), with its reserved
+/// bits dropped rather than refused, as a checker reads it (and QEMU does).
+pub fn block_of(word: u64) -> u64 {
+    word & REFTABLE_OFFSET_MASK
+}
+
+/// The reserved bits set in a raw refcount table word (0 for a valid entry).
+pub fn reserved_bits(word: u64) -> u64 {
+    word & REFTABLE_RESERVED_MASK
+}
 
 /// Largest refcount representable with `order` (2^(2^order) - 1), or `None` if order > 6.
 pub fn max_value(order: u32) -> Option<u64> {
@@ -178,6 +189,22 @@ impl RefcountTableEntry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn table_word_accessors_split_offset_and_reserved_bits() {
+        let block = 0x0000_0001_0000_0000;
+        assert_eq!(block_of(block), block);
+        assert_eq!(reserved_bits(block), 0);
+        // A checker reads the offset of a word with reserved bits set; decode refuses it.
+        let bad = block | 0x101;
+        assert_eq!(block_of(bad), block);
+        assert_eq!(reserved_bits(bad), 0x101);
+        let g = Geometry::new(16, false, 4, 0).unwrap();
+        assert!(RefcountTableEntry::decode(bad, &g, 0, HostOffset(0)).is_err());
+        let entry = RefcountTableEntry::decode(block, &g, 0, HostOffset(0)).unwrap();
+        assert_eq!(entry.block_offset, Some(HostOffset(block_of(block))));
+        assert_eq!(entry.encode().unwrap(), block);
+    }
 
     #[test]
     fn sub_byte_widths_are_lsb_first() {

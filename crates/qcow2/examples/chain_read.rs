@@ -7,6 +7,7 @@
 //! ```
 
 use qcow2::engine::{create_file, CreateOptions, Format, Image, OpenOptions};
+use qcow2::format::GuestOffset;
 use std::path::Path;
 use std::time::Instant;
 use storage::{Aio, FileOpener, IoBuf};
@@ -64,7 +65,7 @@ async fn build(dir: &Path, depth: u64, size: u64) {
             let byte = (i % 251) as u8 + 1;
             let (r, _) = img
                 .write(
-                    i * STRETCH,
+                    GuestOffset(i * STRETCH),
                     IoBuf::from_slice(&vec![byte; STRETCH as usize]),
                     false,
                 )
@@ -94,7 +95,7 @@ async fn read(path: &Path) {
     let mut pos = 0;
     let mut sum = 0u64;
     while pos < size {
-        let buf = img.read(pos, STRETCH as usize).await.unwrap();
+        let buf = img.read(GuestOffset(pos), STRETCH as usize).await.unwrap();
         sum = sum.wrapping_add(buf.iter().map(|&b| u64::from(b)).sum::<u64>());
         pos += STRETCH;
     }

@@ -9,6 +9,7 @@
 //! every request is one target cluster (a partly allocated cluster is copied whole).
 
 use qcow2::engine::{EngineError, Extent, Image};
+use qcow2::format::GuestOffset;
 use storage::AnyStorage;
 
 use super::sparse::SECTOR;
@@ -200,7 +201,7 @@ impl<'a> Planner<'a> {
         });
         if !cached {
             let len = QUERY_BYTES.min(src.len - off);
-            let extents = src.image.block_status(off, len).await?;
+            let extents = src.image.block_status(GuestOffset(off), len).await?;
             let mut runs: Vec<(u64, Raw)> = Vec::new();
             for e in &extents {
                 for (end, raw) in classify(e, src, self.settings.target_backing) {

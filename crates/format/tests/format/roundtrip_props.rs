@@ -320,7 +320,7 @@ proptest! {
     fn geometry_indices_recompose_the_offset(bits in cluster_bits(), extended in any::<bool>(), order in 0u32..=6, offset in any::<u64>()) {
         let Ok(g) = Geometry::new(bits, extended, order, u64::MAX) else { return Ok(()); };
         let o = GuestOffset(offset);
-        let rebuilt = (g.l1_index(o) << (bits + g.l2_bits())) | ((g.l2_index(o) as u64) << bits) | g.offset_in_cluster(offset);
+        let rebuilt = (g.l1_index(o).0 << (bits + g.l2_bits())) | ((g.l2_index(o) as u64) << bits) | g.offset_in_cluster(offset);
         prop_assert_eq!(rebuilt, offset);
         prop_assert!(g.subcluster_index(o) < g.subclusters_per_cluster());
         prop_assert_eq!(

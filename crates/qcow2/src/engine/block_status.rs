@@ -5,6 +5,7 @@ use super::chain::Source;
 use super::error::Result;
 use super::image::Image;
 use super::range_lock::LockMode;
+use crate::format::GuestOffset;
 use storage::Storage;
 
 /// A run of guest bytes with the same status.
@@ -57,9 +58,9 @@ impl Extent {
 
 impl<S: Storage + 'static> Image<S> {
     /// The status of `[offset, offset + len)`, as extents in guest order covering it exactly.
-    pub async fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+    pub async fn block_status(&self, offset: GuestOffset, len: u64) -> Result<Vec<Extent>> {
         let inner = &self.inner;
-        inner.check_range(offset, len)?;
+        inner.check_range(offset.0, len)?;
         let _guard = inner.lock_range(offset, len, LockMode::Shared).await;
         let mut pieces = Vec::new();
         inner.chain.resolve(offset, len, 0, &mut pieces).await?;

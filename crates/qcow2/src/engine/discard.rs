@@ -13,8 +13,8 @@ use storage::Storage;
 
 impl<S: Storage + 'static> Image<S> {
     /// Discards `[offset, offset + len)`: advisory, so unaligned edges are simply kept.
-    pub async fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.inner.discard(offset, len).await
+    pub async fn discard(&self, offset: GuestOffset, len: u64) -> Result<()> {
+        self.inner.discard(offset.0, len).await
     }
 }
 
@@ -55,7 +55,7 @@ impl<S: Storage + 'static> Inner<S> {
             return Ok(());
         }
         let _guard = self
-            .lock_range(start, end - start, LockMode::Exclusive)
+            .lock_range(GuestOffset(start), end - start, LockMode::Exclusive)
             .await;
         if meta.data_raw {
             // Discarded clusters read as zeros, so the raw data file must too.

@@ -8,6 +8,7 @@ use super::load::Format;
 use super::metacache::{MetaCacheCounters, MetaCacheStats};
 use super::range_lock::{LockMode, RangeGuard, RangeLocks};
 use super::span_pool::SpanPool;
+use crate::format::GuestOffset;
 use std::cell::RefCell;
 use std::rc::Rc;
 use storage::Storage;
@@ -192,7 +193,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// nothing, so they need no locks.
     pub(crate) async fn lock_range(
         &self,
-        offset: u64,
+        offset: GuestOffset,
         len: u64,
         mode: LockMode,
     ) -> Option<RangeGuard<'_>> {
@@ -204,8 +205,8 @@ impl<S: Storage + 'static> Inner<S> {
             .top()
             .qcow2()
             .map_or(9, |m| m.geom.cluster_bits());
-        let first = offset >> bits;
-        let last = (offset + len - 1) >> bits;
+        let first = offset.0 >> bits;
+        let last = (offset.0 + len - 1) >> bits;
         Some(self.locks.lock(first, last + 1, mode).await)
     }
 

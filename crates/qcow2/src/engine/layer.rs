@@ -4,7 +4,7 @@
 
 use super::compress::Codec;
 use super::error::{EngineError, Result};
-use crate::format::{l1, Geometry, Header, HostOffset, L1Entry};
+use crate::format::{l1, Geometry, Header, HostOffset, L1Entry, L1Index};
 use std::cell::{Cell, RefCell};
 use storage::{IoBuf, Storage};
 
@@ -194,12 +194,12 @@ impl<S> Layer<S> {
 impl<S> Qcow2Meta<S> {
     /// The L2 table offset for L1 index `index`, `None` when unallocated or out of the table.
     /// Entries were validated when the table was loaded or written.
-    pub fn l2_table(&self, index: u64) -> Option<u64> {
+    pub fn l2_table(&self, index: L1Index) -> Option<HostOffset> {
         let l1 = self.l1.borrow();
-        let word = *l1.get(usize::try_from(index).ok()?)?;
-        match word & l1::L1_OFFSET_MASK {
+        let word = *l1.get(usize::try_from(index.0).ok()?)?;
+        match l1::table_of(word) {
             0 => None,
-            off => Some(off),
+            off => Some(HostOffset(off)),
         }
     }
 

@@ -399,7 +399,7 @@ async fn read_l1<S: Storage + 'static>(
     let l1 = Qcow2Meta::<S>::validate_l1(words, geom, l1_offset, at.len, at.name)?;
     let cs = geom.cluster_size();
     for (i, &word) in l1.iter().enumerate() {
-        let off = word & crate::format::l1::L1_OFFSET_MASK;
+        let off = crate::format::l1::table_of(word);
         if off == 0 {
             continue;
         }

@@ -41,7 +41,9 @@ impl<S: Storage + 'static> Inner<S> {
             return Ok(());
         }
         self.track(0, size);
-        let _guard = self.lock_range(0, size, LockMode::Exclusive).await;
+        let _guard = self
+            .lock_range(GuestOffset(0), size, LockMode::Exclusive)
+            .await;
         let w = self.alloc()?;
         let step = STEP_CLUSTERS.saturating_mul(meta.geom.cluster_size());
         let mut pos = 0;

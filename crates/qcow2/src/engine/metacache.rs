@@ -2,6 +2,7 @@
 //! memory budget for the whole chain), refcount blocks of the writable layer have their own.
 
 use super::layer::{read_exact, Layer};
+use crate::format::HostOffset;
 use std::io;
 use std::rc::Rc;
 use storage::{IoBuf, Storage};
@@ -12,7 +13,7 @@ pub(crate) struct L2Key {
     /// Layer index (0 = the opened image).
     pub layer: u32,
     /// File offset of the L2 table.
-    pub table: u64,
+    pub table: HostOffset,
     /// Which slice of the table.
     pub slice: u32,
 }
@@ -73,7 +74,7 @@ pub(crate) struct L2Backend<S> {
 }
 
 /// A refcount block of the writable layer, by file offset.
-pub(crate) type RefcountKey = u64;
+pub(crate) type RefcountKey = HostOffset;
 
 /// Loads and writes back refcount blocks of layer 0.
 pub(crate) struct RefcountBackend<S> {
@@ -157,7 +158,7 @@ impl<S: Storage + 'static> cache::Backend<L2Key> for L2Backend<S> {
 fn slice_offset(key: L2Key, slice_bytes: usize) -> io::Result<u64> {
     (key.slice as u64)
         .checked_mul(slice_bytes as u64)
-        .and_then(|o| o.checked_add(key.table))
+        .and_then(|o| o.checked_add(key.table.0))
         .ok_or_else(|| io::Error::other("L2 slice offset overflows"))
 }
 
@@ -169,7 +170,7 @@ impl<S: Storage + 'static> cache::Backend<RefcountKey> for RefcountBackend<S> {
             &layer.file,
             &layer.name,
             "reading refcount block",
-            key,
+            key.0,
             buf.len(),
         )
         .await
@@ -179,7 +180,7 @@ impl<S: Storage + 'static> cache::Backend<RefcountKey> for RefcountBackend<S> {
     }
 
     async fn write_back(&self, key: RefcountKey, data: &[u8]) -> io::Result<()> {
-        write_all(&self.layers[0].file, data, key).await
+        write_all(&self.layers[0].file, data, key.0).await
     }
 
     async fn flush(&self) -> io::Result<()> {

@@ -8,6 +8,7 @@
 
 use super::image::Inner;
 use super::layer::Layer;
+use crate::format::HostOffset;
 use crate::format::{refcount, Structure};
 use crate::metadata::{Loader, StorageSource, Strictness, REFCOUNT_TABLE};
 use storage::Storage;
@@ -60,7 +61,7 @@ impl<S: Storage + 'static> Inner<S> {
                     .await
                     .ok()?
                     .into_iter()
-                    .map(|w| w & !refcount::REFTABLE_RESERVED_MASK)
+                    .map(refcount::block_of)
                     .collect()
             }
         };
@@ -81,7 +82,7 @@ impl<S: Storage + 'static> Inner<S> {
             let n = usize::try_from((end_cluster - first).min(per_block)).ok()?;
             counted += match writer {
                 Some(w) => w
-                    .read_refcount_block(block, |b| count_block(b, n))
+                    .read_refcount_block(HostOffset(block), |b| count_block(b, n))
                     .await
                     .ok()?,
                 None => {

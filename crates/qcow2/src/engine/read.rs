@@ -8,20 +8,20 @@ use super::image::{Decompressed, Image, Inner};
 use super::join_all::join_all;
 use super::range_lock::LockMode;
 use crate::crypto::SECTOR_SIZE;
-use crate::format::{CompressedDescriptor, Location, Structure};
+use crate::format::{CompressedDescriptor, GuestOffset, Location, Structure};
 use std::rc::Rc;
 use storage::{IoBuf, Storage};
 
 impl<S: Storage + 'static> Image<S> {
     /// Reads `len` guest bytes at `offset` into a new buffer.
-    pub async fn read(&self, offset: u64, len: usize) -> Result<IoBuf> {
+    pub async fn read(&self, offset: GuestOffset, len: usize) -> Result<IoBuf> {
         let (res, buf) = self.read_into(offset, IoBuf::zeroed(len)).await;
         res.map(|()| buf)
     }
 
     /// Reads `buf.len()` guest bytes at `offset` into `buf`, which is handed back either way.
-    pub async fn read_into(&self, offset: u64, buf: IoBuf) -> (Result<()>, IoBuf) {
-        self.inner.read_into(offset, buf).await
+    pub async fn read_into(&self, offset: GuestOffset, buf: IoBuf) -> (Result<()>, IoBuf) {
+        self.inner.read_into(offset.0, buf).await
     }
 }
 
@@ -53,7 +53,9 @@ impl<S: Storage + 'static> Inner<S> {
         }
         if let Some((from, to)) = self.sector_aligned(offset, len) {
             // Encrypted data is deciphered in whole sectors: read those, hand back the part.
-            let _guard = self.lock_range(from, to - from, LockMode::Shared).await;
+            let _guard = self
+                .lock_range(GuestOffset(from), to - from, LockMode::Shared)
+                .await;
             let (res, whole) = self
                 .read_unlocked(from, IoBuf::zeroed((to - from) as usize))
                 .await;
@@ -64,7 +66,9 @@ impl<S: Storage + 'static> Inner<S> {
             return (res, buf);
         }
         // Shared: no cluster under us may be freed and reused while we read it.
-        let _guard = self.lock_range(offset, len, LockMode::Shared).await;
+        let _guard = self
+            .lock_range(GuestOffset(offset), len, LockMode::Shared)
+            .await;
         self.read_unlocked(offset, buf).await
     }
 
@@ -72,7 +76,11 @@ impl<S: Storage + 'static> Inner<S> {
     pub(crate) async fn read_unlocked(&self, offset: u64, mut buf: IoBuf) -> (Result<()>, IoBuf) {
         let len = buf.len() as u64;
         let mut pieces = Vec::new();
-        if let Err(e) = self.chain.resolve(offset, len, 0, &mut pieces).await {
+        if let Err(e) = self
+            .chain
+            .resolve(GuestOffset(offset), len, 0, &mut pieces)
+            .await
+        {
             return (Err(e), buf);
         }
         let res = self.fill(offset, &pieces, &mut buf).await;

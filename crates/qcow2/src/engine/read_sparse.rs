@@ -16,6 +16,7 @@ use super::error::Result;
 use super::image::{Image, Inner};
 use super::join_all::join_all;
 use super::range_lock::LockMode;
+use crate::format::GuestOffset;
 use storage::{IoBuf, Storage};
 
 /// A part of a sparse read, in guest order.
@@ -29,10 +30,10 @@ pub enum ReadPart {
 
 impl<S: Storage + 'static> Image<S> {
     /// Reads `len` guest bytes at `offset` as data and holes covering the range exactly.
-    pub async fn read_sparse(&self, offset: u64, len: usize) -> Result<Vec<ReadPart>> {
+    pub async fn read_sparse(&self, offset: GuestOffset, len: usize) -> Result<Vec<ReadPart>> {
         let inner = &self.inner;
         let len64 = len as u64;
-        inner.check_range(offset, len64)?;
+        inner.check_range(offset.0, len64)?;
         if len == 0 {
             return Ok(Vec::new());
         }

@@ -26,6 +26,7 @@ use super::layer::{Layer, Qcow2Meta};
 use super::overlap::MetaKind;
 use super::range_lock::LockMode;
 pub use crate::engine::error::SnapshotError;
+use crate::format::GuestOffset;
 use crate::format::{be, header, l1, limits, Geometry, HostOffset, SnapshotTableEntry};
 use storage::Storage;
 
@@ -81,7 +82,7 @@ impl<S: Storage + 'static> Image<S> {
         let t = self.snapshot_target()?;
         let _range = self
             .inner
-            .lock_range(0, self.size(), LockMode::Exclusive)
+            .lock_range(GuestOffset(0), self.size(), LockMode::Exclusive)
             .await;
         let _meta = t.alloc.exclusive().await;
         let table = self.snapshots().await?;
@@ -160,7 +161,7 @@ impl<S: Storage + 'static> Image<S> {
         }
         let _range = self
             .inner
-            .lock_range(0, self.size(), LockMode::Exclusive)
+            .lock_range(GuestOffset(0), self.size(), LockMode::Exclusive)
             .await;
         let _meta = t.alloc.exclusive().await;
         let table = self.snapshots().await?;
@@ -235,7 +236,7 @@ impl<S: Storage + 'static> Image<S> {
         }
         let cs = t.meta.geom.cluster_size();
         for &w in &words {
-            let table = w & l1::L1_OFFSET_MASK;
+            let table = l1::table_of(w);
             if table != 0 {
                 t.alloc
                     .record_metadata(HostOffset(table), cs, MetaKind::L2Table);
@@ -254,7 +255,7 @@ impl<S: Storage + 'static> Image<S> {
         let t = self.snapshot_target()?;
         let _range = self
             .inner
-            .lock_range(0, self.size(), LockMode::Exclusive)
+            .lock_range(GuestOffset(0), self.size(), LockMode::Exclusive)
             .await;
         let _meta = t.alloc.exclusive().await;
         let table = self.snapshots().await?;

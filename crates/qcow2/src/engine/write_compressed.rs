@@ -62,16 +62,16 @@ impl ClusterCompressor {
 impl<S: Storage + 'static> Image<S> {
     /// Writes one cluster at the cluster-aligned `offset` compressed (the last cluster may be
     /// shorter when the disk ends inside it). Like QEMU, the cluster must be unallocated.
-    pub async fn write_compressed(&self, offset: u64, data: IoBuf) -> Result<()> {
+    pub async fn write_compressed(&self, offset: GuestOffset, data: IoBuf) -> Result<()> {
         let compressor = self.inner.compressor()?;
         // Before the work of compressing: the data must be one cluster.
         self.inner
-            .check_cluster(compressor, offset, data.len() as u64)?;
+            .check_cluster(compressor, offset.0, data.len() as u64)?;
         let packed = compressor
             .compress(data)
             .map_err(|source| EngineError::Compressed {
                 image: self.inner.chain.top().name.clone(),
-                offset,
+                offset: offset.0,
                 source,
             })?;
         self.write_packed(offset, packed).await
@@ -85,8 +85,8 @@ impl<S: Storage + 'static> Image<S> {
 
     /// Writes a cluster [`ClusterCompressor::compress`] packed, at the cluster-aligned
     /// `offset`; the cluster must be unallocated.
-    pub async fn write_packed(&self, offset: u64, packed: PackedCluster) -> Result<()> {
-        self.inner.write_packed(offset, packed).await
+    pub async fn write_packed(&self, offset: GuestOffset, packed: PackedCluster) -> Result<()> {
+        self.inner.write_packed(offset.0, packed).await
     }
 }
 
@@ -155,7 +155,9 @@ impl<S: Storage + 'static> Inner<S> {
         let g = &meta.geom;
         self.track(offset, len);
         let unsupported = |what: &str| self.unsupported(what);
-        let _guard = self.lock_range(offset, len, LockMode::Exclusive).await;
+        let _guard = self
+            .lock_range(GuestOffset(offset), len, LockMode::Exclusive)
+            .await;
         let cluster = GuestOffset(offset);
         let e = self.alloc()?.l2_entries(cluster, 1).await?[0];
         if e.word != 0 || unpack_bitmap(e.bitmap).0 != 0 {

@@ -20,27 +20,36 @@ impl<S: Storage + 'static> Image<S> {
     /// freed; with `fast`, fail with [`EngineError::ZeroNotFast`] rather than write data.
     pub async fn write_zeroes(
         &self,
-        offset: u64,
+        offset: GuestOffset,
         len: u64,
         may_unmap: bool,
         fast: bool,
     ) -> Result<()> {
-        self.inner.write_zeroes(offset, len, may_unmap, fast).await
+        self.inner
+            .write_zeroes(offset.0, len, may_unmap, fast)
+            .await
     }
 
     /// Like [`Image::write_zeroes`] (never fast), but where nothing is allocated and no
     /// backing file shows through, zero flags are written all the same, as QEMU writes them:
     /// for a caller that is about to give the image a backing file whose data must not show
     /// through there (`rebase`), or that wants the image QEMU would leave (`convert`).
-    pub async fn write_zero_flags(&self, offset: u64, len: u64, may_unmap: bool) -> Result<()> {
+    pub async fn write_zero_flags(
+        &self,
+        offset: GuestOffset,
+        len: u64,
+        may_unmap: bool,
+    ) -> Result<()> {
         let inner = &self.inner;
         inner.check_writable()?;
-        inner.check_range(offset, len)?;
+        inner.check_range(offset.0, len)?;
         if len == 0 {
             return Ok(());
         }
-        inner.track(offset, len);
-        inner.zero_range(offset, len, may_unmap, false, true).await
+        inner.track(offset.0, len);
+        inner
+            .zero_range(offset.0, len, may_unmap, false, true)
+            .await
     }
 }
 
@@ -116,7 +125,11 @@ impl<S: Storage + 'static> Inner<S> {
         let lock_from = offset - offset % unit;
         let lock_to = end.div_ceil(unit).saturating_mul(unit).min(z.size);
         let _guard = self
-            .lock_range(lock_from, lock_to - lock_from, LockMode::Exclusive)
+            .lock_range(
+                GuestOffset(lock_from),
+                lock_to - lock_from,
+                LockMode::Exclusive,
+            )
             .await;
         let (mut explicit, ms, me) = self.split_zero_range(&z, offset, end).await?;
         // Partial clusters of a compressed cluster cannot take zero bits.
@@ -252,7 +265,9 @@ impl<S: Storage + 'static> Inner<S> {
             return Ok(true);
         }
         let mut pieces = Vec::new();
-        self.chain.resolve(offset, len, 0, &mut pieces).await?;
+        self.chain
+            .resolve(GuestOffset(offset), len, 0, &mut pieces)
+            .await?;
         Ok(pieces.iter().all(|p| p.src.is_zero()))
     }
 }

@@ -12,6 +12,7 @@
 use crate::common::{our_check, Patch};
 use qcow2::engine::check::Repair;
 use qcow2::engine::{Image, OpenOptions};
+use qcow2::format::GuestOffset;
 use std::path::Path;
 use storage::{Aio, AnyStorage, FileOpener};
 use test_support::{qemu_img, Dir};
@@ -36,7 +37,7 @@ fn open_chain(path: &Path) -> Result<(), String> {
         let img: Image<AnyStorage> = Image::open(&opener, path, &opts)
             .await
             .map_err(|e| e.to_string())?;
-        img.read(0, img.size() as usize)
+        img.read(GuestOffset(0), img.size() as usize)
             .await
             .map(|_| ())
             .map_err(|e| e.to_string())

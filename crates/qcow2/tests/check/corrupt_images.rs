@@ -14,6 +14,7 @@
 use crate::common::{assert_agree, Patch};
 use qcow2::engine::check::Repair;
 use qcow2::engine::{Image, OpenOptions};
+use qcow2::format::GuestOffset;
 use std::path::Path;
 use storage::{Aio, AnyStorage, FileOpener};
 use test_support::{create_image, qemu, qemu_img, qemu_io, Dir};
@@ -45,11 +46,15 @@ fn engine_outcome(path: &Path) -> Result<(), String> {
             .await
             .map_err(|e| e.to_string())?;
         let size = img.size();
-        img.block_status(0, size).await.map_err(|e| e.to_string())?;
+        img.block_status(GuestOffset(0), size)
+            .await
+            .map_err(|e| e.to_string())?;
         let mut pos = 0;
         while pos < size {
             let n = (size - pos).min(1 << 20);
-            img.read(pos, n as usize).await.map_err(|e| e.to_string())?;
+            img.read(GuestOffset(pos), n as usize)
+                .await
+                .map_err(|e| e.to_string())?;
             pos += n;
         }
         Ok(())

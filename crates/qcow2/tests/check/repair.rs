@@ -9,6 +9,7 @@
 use crate::common::{assert_agree, our_check, qemu_check, Patch};
 use qcow2::engine::check::{self, Repair};
 use qcow2::engine::{Image, OpenOptions};
+use qcow2::format::GuestOffset;
 use std::path::{Path, PathBuf};
 use storage::{
     Aio, AnyStorage, CrashPlan, FaultStorage, FileOpener, InjectedError, MemFs, MemStorage,
@@ -218,11 +219,15 @@ fn opening_a_dirty_image_for_writing_repairs_it() {
         let img: Image<AnyStorage> = Image::open(&opener, &p, &OpenOptions::default())
             .await
             .expect("a dirty image opens read-write after repair");
-        let got = img.read(0, img.size() as usize).await.unwrap();
+        let got = img.read(GuestOffset(0), img.size() as usize).await.unwrap();
         assert!(got[..] == before[..], "the repair changed guest data");
         // The repaired image takes writes, and stays consistent.
         let (r, _) = img
-            .write(2 << 20, storage::IoBuf::from_slice(&[7u8; 65536]), false)
+            .write(
+                GuestOffset(2 << 20),
+                storage::IoBuf::from_slice(&[7u8; 65536]),
+                false,
+            )
             .await;
         r.unwrap();
         img.close().await.unwrap();
@@ -271,7 +276,7 @@ async fn read_guest(mem: &MemStorage) -> Vec<u8> {
     )
     .await
     .expect("the image opens");
-    img.read(0, img.size() as usize)
+    img.read(GuestOffset(0), img.size() as usize)
         .await
         .expect("the image reads")
         .to_vec()

@@ -2,6 +2,7 @@
 //! reads (qemu-nbd -B and nbdinfo); what QEMU tracked, we go on tracking and the other way
 //! round; a crash leaves bitmaps in use, as QEMU leaves them.
 
+use qcow2::format::GuestOffset;
 use std::path::Path;
 
 use qcow2::engine::{Image, OpenOptions};
@@ -57,7 +58,11 @@ fn image_with_bitmaps(d: &Dir) -> std::path::PathBuf {
 
 async fn write(img: &Image<AnyStorage>, offset: u64, len: usize) {
     let (res, _) = img
-        .write(offset, IoBuf::from_slice(&vec![0x5a; len]), false)
+        .write(
+            GuestOffset(offset),
+            IoBuf::from_slice(&vec![0x5a; len]),
+            false,
+        )
         .await;
     res.unwrap();
 }
@@ -69,8 +74,10 @@ fn writes_zeroes_and_trims_are_tracked_where_qemu_reads_them() {
     run(async {
         let img = open(&path, false).await;
         write(&img, M + 512, 4096).await;
-        img.write_zeroes(8 * M, 64 * K, false, false).await.unwrap();
-        img.discard(16 * M, 128 * K).await.unwrap();
+        img.write_zeroes(GuestOffset(8 * M), 64 * K, false, false)
+            .await
+            .unwrap();
+        img.discard(GuestOffset(16 * M), 128 * K).await.unwrap();
         img.close().await.unwrap();
     });
     assert_check_clean(&path);

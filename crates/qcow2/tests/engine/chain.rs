@@ -5,6 +5,7 @@
 use crate::support::{open_ro, opener, read_all, read_all_sparse, FaultFs};
 use qcow2::engine::ReadPart;
 use qcow2::engine::{create_file, CreateOptions, Format, Image, OpenOptions};
+use qcow2::format::GuestOffset;
 use std::path::PathBuf;
 use storage::{Aio, FaultStorage, InjectedError, IoBuf, MemStorage, OpKind};
 use test_support::{assert_same_bytes, qemu_contents, qemu_img, qemu_io, run, Dir};
@@ -109,13 +110,23 @@ fn build_chain(d: &Dir, depth: usize, qemu: bool) -> PathBuf {
                 for w in &writes {
                     match *w {
                         W::Data(o, l, v) => img
-                            .write(o, IoBuf::from_slice(&vec![v; l as usize]), false)
+                            .write(
+                                GuestOffset(o),
+                                IoBuf::from_slice(&vec![v; l as usize]),
+                                false,
+                            )
                             .await
                             .0
                             .unwrap(),
-                        W::Zero(o, l) => img.write_zeroes(o, l, false, false).await.unwrap(),
+                        W::Zero(o, l) => img
+                            .write_zeroes(GuestOffset(o), l, false, false)
+                            .await
+                            .unwrap(),
                         W::Compressed(o, l, v) => img
-                            .write_compressed(o, IoBuf::from_slice(&vec![v; l as usize]))
+                            .write_compressed(
+                                GuestOffset(o),
+                                IoBuf::from_slice(&vec![v; l as usize]),
+                            )
                             .await
                             .unwrap(),
                     }
@@ -182,7 +193,7 @@ fn check_chain(depth: usize, qemu: bool) {
     run(async {
         let img = open_ro(&top, Aio::Threads).await;
         let mut ours = Vec::new();
-        for e in img.block_status(0, SIZE).await.unwrap() {
+        for e in img.block_status(GuestOffset(0), SIZE).await.unwrap() {
             let t = (e.data, e.zero, e.present, e.depth as u64);
             ours.extend(std::iter::repeat_n(t, (e.len / 512) as usize));
         }
@@ -221,7 +232,7 @@ fn check_chain(depth: usize, qemu: bool) {
             model[off as usize..(off + len) as usize].fill(0xA0 + k as u8);
             let (r, _) = img
                 .write(
-                    off,
+                    GuestOffset(off),
                     IoBuf::from_slice(&vec![0xA0 + k as u8; len as usize]),
                     false,
                 )
@@ -229,7 +240,7 @@ fn check_chain(depth: usize, qemu: bool) {
             r.unwrap();
         }
         assert_same_bytes(
-            &img.read(0, SIZE as usize).await.unwrap(),
+            &img.read(GuestOffset(0), SIZE as usize).await.unwrap(),
             &model,
             "after writes",
         );
@@ -297,7 +308,7 @@ fn sparse_reads_through_a_chain_fail_cleanly_on_read_errors() {
                 let mut bytes = Vec::new();
                 for pos in (0..SIZE).step_by(1 << 20) {
                     let parts = img
-                        .read_sparse(pos, 1 << 20)
+                        .read_sparse(GuestOffset(pos), 1 << 20)
                         .await
                         .map_err(|e| e.to_string())?;
                     for part in parts {

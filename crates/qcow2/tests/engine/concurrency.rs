@@ -5,6 +5,7 @@
 
 use crate::support::opener;
 use qcow2::engine::{create_file, CreateOptions, Format, Image, OpenOptions};
+use qcow2::format::GuestOffset;
 use std::rc::Rc;
 use storage::{Aio, IoBuf};
 use test_support::{assert_same_bytes, qemu_contents, run, Dir, Rng};
@@ -80,22 +81,28 @@ fn campaign(name: &str, cs: u64, ext: bool, backing: bool, batches: usize) {
                 tasks.push(tokio::task::spawn_local(async move {
                     match r {
                         Req::Write(o, l, v) => {
-                            img.write(o, IoBuf::from_slice(&vec![v; l as usize]), false)
-                                .await
-                                .0
-                                .unwrap();
+                            img.write(
+                                GuestOffset(o),
+                                IoBuf::from_slice(&vec![v; l as usize]),
+                                false,
+                            )
+                            .await
+                            .0
+                            .unwrap();
                             None
                         }
                         Req::Zero(o, l, unmap) => {
-                            img.write_zeroes(o, l, unmap, false).await.unwrap();
+                            img.write_zeroes(GuestOffset(o), l, unmap, false)
+                                .await
+                                .unwrap();
                             None
                         }
                         Req::Discard(o, l) => {
-                            img.discard(o, l).await.unwrap();
-                            Some(img.read(o, l as usize).await.unwrap().to_vec())
+                            img.discard(GuestOffset(o), l).await.unwrap();
+                            Some(img.read(GuestOffset(o), l as usize).await.unwrap().to_vec())
                         }
                         Req::Read(o, l) => {
-                            let got = img.read(o, l as usize).await.unwrap();
+                            let got = img.read(GuestOffset(o), l as usize).await.unwrap();
                             assert!(
                                 got[..] == expect_read[..],
                                 "concurrent read at {o:#x}+{l:#x} saw another request's bytes"
@@ -130,7 +137,7 @@ fn campaign(name: &str, cs: u64, ext: bool, backing: bool, batches: usize) {
             if b % 10 == 9 {
                 img.flush().await.unwrap();
             }
-            let all = img.read(0, size as usize).await.unwrap();
+            let all = img.read(GuestOffset(0), size as usize).await.unwrap();
             assert_same_bytes(&all, &model, &format!("{name}: after batch {b}"));
         }
         img.close().await.unwrap();

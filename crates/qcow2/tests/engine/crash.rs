@@ -10,6 +10,7 @@
 
 use crate::support::{self, crash_plan, FaultFs};
 use qcow2::engine::{create, CreateOptions, Format, Image, OpenOptions, Preallocation};
+use qcow2::format::GuestOffset;
 use std::path::Path;
 use storage::{FaultStorage, InjectedError, IoBuf, MemFs, MemStorage};
 use test_support::{run, Rng};
@@ -225,7 +226,7 @@ async fn run_workload(c: &Config, ops: &[Op], fail_after: Option<u64>) -> (Fault
                 fua,
             } => {
                 let buf = IoBuf::from_slice(&vec![byte; len as usize]);
-                let r = img.write(off, buf, fua).await.0;
+                let r = img.write(GuestOffset(off), buf, fua).await.0;
                 if r.is_ok() {
                     model[off as usize..(off + len) as usize].fill(byte);
                     if fua {
@@ -236,16 +237,16 @@ async fn run_workload(c: &Config, ops: &[Op], fail_after: Option<u64>) -> (Fault
                 r
             }
             Op::Zero { off, len, unmap } => {
-                let r = img.write_zeroes(off, len, unmap, false).await;
+                let r = img.write_zeroes(GuestOffset(off), len, unmap, false).await;
                 if r.is_ok() {
                     model[off as usize..(off + len) as usize].fill(0);
                 }
                 r
             }
             Op::Discard { off, len } => {
-                let r = img.discard(off, len).await;
+                let r = img.discard(GuestOffset(off), len).await;
                 if r.is_ok() {
-                    match img.read(off, len as usize).await {
+                    match img.read(GuestOffset(off), len as usize).await {
                         Ok(now) => model[off as usize..(off + len) as usize].copy_from_slice(&now),
                         Err(e) => return finish(fs, expect, Some(e.to_string())),
                     }
@@ -330,7 +331,7 @@ async fn verify(c: &Config, crash: MemStorage, expect: &Expect, what: &str, qemu
     .unwrap_or_else(|e| panic!("{what}: the crash image does not open: {e}"));
     let size = img.size().min(expect.durable.len() as u64);
     let got = img
-        .read(0, size as usize)
+        .read(GuestOffset(0), size as usize)
         .await
         .unwrap_or_else(|e| panic!("{what}: read: {e}"));
     for i in 0..size as usize {
@@ -366,7 +367,7 @@ async fn verify(c: &Config, crash: MemStorage, expect: &Expect, what: &str, qemu
         let len = (c.cluster * 3).min(img.size() / 2);
         let (r, _) = img
             .write(
-                img.size() / 3,
+                GuestOffset(img.size() / 3),
                 IoBuf::from_slice(&vec![0xee; len as usize]),
                 true,
             )

@@ -9,6 +9,7 @@
 use crate::crash_snapshots::with_a_snapshot;
 use crate::support::{self, crash_plan, FaultFs};
 use qcow2::engine::{create, AmendOptions, CreateOptions, Image, OpenOptions};
+use qcow2::format::GuestOffset;
 use std::path::Path;
 use storage::{CrashPlan, FaultStorage, InjectedError, IoBuf, MemFs, MemStorage};
 use test_support::{run, Rng};
@@ -53,7 +54,10 @@ async fn disk(image: &MemStorage, snapshot: Option<&str>) -> Vec<u8> {
         ..OpenOptions::default()
     };
     let img = Image::open(&fs, Path::new(TOP), &opts).await.unwrap();
-    img.read(0, img.size() as usize).await.unwrap().to_vec()
+    img.read(GuestOffset(0), img.size() as usize)
+        .await
+        .unwrap()
+        .to_vec()
 }
 
 fn amend_to(bits: u32) -> AmendOptions {
@@ -167,12 +171,22 @@ fn writes_after_the_change_use_the_new_width() {
             }
             narrowing.unwrap();
             let data = IoBuf::from_slice(&vec![7u8; 3 * 4096 + 512]);
-            img.write(SIZE / 4 + 512, data, false).await.0.unwrap();
-            img.write_compressed(SIZE - 3 * 4096, IoBuf::from_slice(&vec![8u8; 4096]))
+            img.write(GuestOffset(SIZE / 4 + 512), data, false)
                 .await
+                .0
                 .unwrap();
+            img.write_compressed(
+                GuestOffset(SIZE - 3 * 4096),
+                IoBuf::from_slice(&vec![8u8; 4096]),
+            )
+            .await
+            .unwrap();
             img.delete_snapshot(b"1", b"base").await.unwrap();
-            let back = img.read(SIZE / 4, 4 * 4096).await.unwrap().to_vec();
+            let back = img
+                .read(GuestOffset(SIZE / 4), 4 * 4096)
+                .await
+                .unwrap()
+                .to_vec();
             let written = 512..512 + 3 * 4096 + 512;
             let ok = back
                 .iter()
@@ -220,12 +234,28 @@ fn a_lazy_refcount_image_written_in_the_same_session_changes_width_cleanly() {
             .await
             .unwrap();
         let data = IoBuf::from_slice(&vec![5u8; 40 * 1024]);
-        img.write(12345 * 8, data, false).await.0.unwrap();
-        let disk_before = img.read(0, SIZE as usize).await.unwrap().to_vec();
+        img.write(GuestOffset(12345 * 8), data, false)
+            .await
+            .0
+            .unwrap();
+        let disk_before = img
+            .read(GuestOffset(0), SIZE as usize)
+            .await
+            .unwrap()
+            .to_vec();
         img.amend(&amend_to(8)).await.unwrap();
-        assert!(img.read(0, SIZE as usize).await.unwrap().to_vec() == disk_before);
+        assert!(
+            img.read(GuestOffset(0), SIZE as usize)
+                .await
+                .unwrap()
+                .to_vec()
+                == disk_before
+        );
         let more = IoBuf::from_slice(&vec![6u8; 8192]);
-        img.write(SIZE / 2, more, false).await.0.unwrap();
+        img.write(GuestOffset(SIZE / 2), more, false)
+            .await
+            .0
+            .unwrap();
         img.close().await.unwrap();
         top
     });

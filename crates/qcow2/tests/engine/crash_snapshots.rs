@@ -9,6 +9,7 @@
 
 use crate::support::{self, crash_plan, FaultFs};
 use qcow2::engine::{create, CreateOptions, Image, OpenOptions};
+use qcow2::format::GuestOffset;
 use std::path::Path;
 use storage::{CrashPlan, FaultStorage, InjectedError, IoBuf, MemFs, MemStorage};
 use test_support::{run, Rng};
@@ -34,16 +35,19 @@ pub(crate) async fn with_a_snapshot(opts: &CreateOptions) -> (MemStorage, Image<
         .await
         .unwrap();
     let (size, cluster) = (opts.size, opts.cluster_size);
-    img.write(0, fill(1, 3 * cluster), false).await.0.unwrap();
-    img.write(size / 2, fill(2, cluster), false)
+    img.write(GuestOffset(0), fill(1, 3 * cluster), false)
         .await
         .0
         .unwrap();
-    img.write_compressed(size - cluster, fill(3, cluster))
+    img.write(GuestOffset(size / 2), fill(2, cluster), false)
+        .await
+        .0
+        .unwrap();
+    img.write_compressed(GuestOffset(size - cluster), fill(3, cluster))
         .await
         .unwrap();
     img.create_snapshot(b"base", (1, 0)).await.unwrap();
-    img.write(cluster, fill(4, cluster / 2), false)
+    img.write(GuestOffset(cluster), fill(4, cluster / 2), false)
         .await
         .0
         .unwrap();
@@ -63,19 +67,22 @@ async fn before(cluster: u64, extended: bool) -> MemStorage {
         ..CreateOptions::default()
     };
     let (top, img) = with_a_snapshot(&opts).await;
-    img.write(SIZE / 4, fill(5, cluster), false)
+    img.write(GuestOffset(SIZE / 4), fill(5, cluster), false)
         .await
         .0
         .unwrap();
     img.create_snapshot(b"later", (2, 0)).await.unwrap();
-    img.write(0, fill(6, 512), false).await.0.unwrap();
+    img.write(GuestOffset(0), fill(6, 512), false)
+        .await
+        .0
+        .unwrap();
     img.close().await.unwrap();
     top
 }
 
 /// The guest disk and the snapshot IDs of an image.
 async fn state(img: &Image<MemStorage>) -> (Vec<u8>, Vec<String>) {
-    let disk = img.read(0, img.size() as usize).await.unwrap();
+    let disk = img.read(GuestOffset(0), img.size() as usize).await.unwrap();
     let ids = img
         .snapshots()
         .await

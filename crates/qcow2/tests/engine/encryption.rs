@@ -6,6 +6,7 @@
 use crate::support::opener;
 use qcow2::crypto::{LuksCreate, Passwords};
 use qcow2::engine::{create_file, CreateOptions, Image, NewEncryption, OpenOptions};
+use qcow2::format::GuestOffset;
 use std::path::Path;
 use storage::{Aio, IoBuf};
 use test_support::{assert_same_bytes, run, Dir, Rng};
@@ -50,22 +51,22 @@ async fn exercise(path: &Path, model: &mut [u8], depths: usize, seed: u64) {
             0..=3 => {
                 let buf = IoBuf::from_slice(&rng.bytes(len as usize));
                 model[offset as usize..(offset + len) as usize].copy_from_slice(&buf);
-                let (res, _) = img.write(offset, buf, false).await;
+                let (res, _) = img.write(GuestOffset(offset), buf, false).await;
                 res.unwrap_or_else(|e| panic!("{ctx}: write: {e}"));
             }
             4 => {
-                img.write_zeroes(offset, len, rng.below(2) == 0, false)
+                img.write_zeroes(GuestOffset(offset), len, rng.below(2) == 0, false)
                     .await
                     .unwrap_or_else(|e| panic!("{ctx}: zero: {e}"));
                 model[offset as usize..(offset + len) as usize].fill(0);
             }
             _ => {
-                let got = img.read(offset, len as usize).await.unwrap();
+                let got = img.read(GuestOffset(offset), len as usize).await.unwrap();
                 assert_same_bytes(&got, &model[offset as usize..(offset + len) as usize], &ctx);
             }
         }
     }
-    let all = img.read(0, size as usize).await.unwrap();
+    let all = img.read(GuestOffset(0), size as usize).await.unwrap();
     assert_same_bytes(&all, model, "end of run");
     img.close().await.unwrap();
 }

@@ -4,6 +4,7 @@
 //! zeros left behind. A file system that refuses to grow the file only turns growing ahead
 //! off, and a crash in the middle of it leaves an image without corruption.
 
+use qcow2::format::GuestOffset;
 use std::path::{Path, PathBuf};
 
 use qcow2::engine::{Image, OpenOptions};
@@ -47,7 +48,10 @@ async fn open_direct(path: &Path) -> Image<AnyStorage> {
 async fn write_spread<S: storage::Storage + 'static>(img: &Image<S>, range: std::ops::Range<u64>) {
     for i in range {
         let buf = IoBuf::from_slice(&[i as u8 + 1; 4096]);
-        img.write(i * MIB, buf, false).await.0.expect("write");
+        img.write(GuestOffset(i * MIB), buf, false)
+            .await
+            .0
+            .expect("write");
     }
 }
 
@@ -227,7 +231,10 @@ fn a_crash_while_growing_ahead_leaves_an_image_that_checks_without_corruption() 
         let (img, faulty) = open_faulty(&path).await;
         for i in 0..12u64 {
             let buf = IoBuf::from_slice(&[i as u8 + 1; 4096]);
-            img.write(i * MIB, buf, false).await.0.expect("write");
+            img.write(GuestOffset(i * MIB), buf, false)
+                .await
+                .0
+                .expect("write");
         }
         assert_eq!(faulty.stats().write_zeroes, 1, "the file was grown ahead");
         for seed in 0..24 {

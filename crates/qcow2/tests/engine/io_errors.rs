@@ -1,6 +1,7 @@
 //! I/O errors that must not be lost: a failed fdatasync stays failed, and a full disk is
 //! reported as ENOSPC while the image stays consistent.
 
+use qcow2::format::GuestOffset;
 use std::path::Path;
 
 use qcow2::engine::{libc_errno, Image, OpenOptions};
@@ -36,11 +37,13 @@ fn a_failed_fdatasync_fails_every_later_flush_and_leaves_the_image_dirty() {
     let (fs, st, path) = image(&d, "lazy_refcounts=on");
     run(async {
         let img = open_rw(&fs, &path).await;
-        let (r, _) = img.write(0, data(1, 65536), false).await;
+        let (r, _) = img.write(GuestOffset(0), data(1, 65536), false).await;
         r.unwrap();
         img.flush().await.expect("a healthy flush");
 
-        let (r, _) = img.write(MIB as u64, data(2, 65536), false).await;
+        let (r, _) = img
+            .write(GuestOffset(MIB as u64), data(2, 65536), false)
+            .await;
         r.unwrap();
         st.fail_nth(OpKind::Flush, 1, InjectedError::Eio);
         let err = img
@@ -57,7 +60,9 @@ fn a_failed_fdatasync_fails_every_later_flush_and_leaves_the_image_dirty() {
             err.to_string().contains("earlier fdatasync failed"),
             "{err}"
         );
-        let (r, _) = img.write(2 * MIB as u64, data(3, 4096), true).await;
+        let (r, _) = img
+            .write(GuestOffset(2 * MIB as u64), data(3, 4096), true)
+            .await;
         let err = r.expect_err("a FUA write must fail as well");
         assert_eq!(err.errno(), libc_errno::EIO, "{err}");
         assert!(img.close().await.is_err(), "close cannot claim durability");
@@ -74,21 +79,23 @@ fn a_full_disk_is_enospc_and_the_image_goes_on_serving() {
     let (fs, st, path) = image(&d, "cluster_size=65536");
     run(async {
         let img = open_rw(&fs, &path).await;
-        let (r, _) = img.write(0, data(7, 65536), false).await;
+        let (r, _) = img.write(GuestOffset(0), data(7, 65536), false).await;
         r.unwrap();
         img.flush().await.unwrap();
 
         // Every write fails with ENOSPC for a while: an allocating write is refused as such.
         st.fail_after(0, InjectedError::Enospc);
-        let (r, _) = img.write(4 * MIB as u64, data(8, 65536), false).await;
+        let (r, _) = img
+            .write(GuestOffset(4 * MIB as u64), data(8, 65536), false)
+            .await;
         let err = r.expect_err("allocation on a full disk");
         assert_eq!(err.errno(), libc_errno::ENOSPC, "{err}");
         st.clear_faults();
 
         // Reads and writes that allocate nothing still work.
-        let back = img.read(0, 65536).await.unwrap();
+        let back = img.read(GuestOffset(0), 65536).await.unwrap();
         assert!(back.as_ref().iter().all(|&b| b == 7));
-        let (r, _) = img.write(0, data(9, 4096), false).await;
+        let (r, _) = img.write(GuestOffset(0), data(9, 4096), false).await;
         r.expect("an overwrite of allocated data");
         img.flush().await.expect("flush after space returned");
         img.close().await.expect("close");

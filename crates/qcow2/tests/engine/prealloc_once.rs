@@ -6,6 +6,7 @@
 use crate::support::opener;
 use qcow2::engine::{Image, OpenOptions, ReadPart};
 use qcow2::format::header::Header;
+use qcow2::format::GuestOffset;
 use std::cell::Cell;
 use std::io;
 use std::path::Path;
@@ -115,7 +116,10 @@ fn concurrent_sparse_reads_guess_preallocation_once() {
             .map(|i| {
                 let image = image.clone();
                 tokio::task::spawn_local(async move {
-                    image.read_sparse(i * (2 << 20), 4096).await.unwrap()
+                    image
+                        .read_sparse(GuestOffset(i * (2 << 20)), 4096)
+                        .await
+                        .unwrap()
                 })
             })
             .collect();

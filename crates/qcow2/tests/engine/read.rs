@@ -2,6 +2,7 @@
 //! exactly as `qemu-img convert -O raw` reads it.
 
 use crate::support::{open_ro, opener, read_all, read_all_sparse};
+use qcow2::format::GuestOffset;
 use std::path::Path;
 use storage::Aio;
 use test_support::{assert_same_bytes, qemu_contents, qemu_img, qemu_io, run, Dir};
@@ -77,7 +78,7 @@ fn sparse_reads_report_raw_holes() {
             holes >= (8 << 20) - (256 << 10),
             "only {holes} bytes of holes"
         );
-        let parts = image.read_sparse(1 << 20, 4096).await.unwrap();
+        let parts = image.read_sparse(GuestOffset(1 << 20), 4096).await.unwrap();
         assert!(
             matches!(&parts[..], [qcow2::engine::ReadPart::Data(b)] if b.iter().all(|&x| x == 0x5a)),
             "written data not read as data: {parts:?}"
@@ -293,7 +294,10 @@ fn check_map(img: &Path, what: &str) {
     let expected = qemu_map(img);
     run(async {
         let image = open_ro(img, Aio::Threads).await;
-        let extents = image.block_status(0, image.size()).await.unwrap();
+        let extents = image
+            .block_status(GuestOffset(0), image.size())
+            .await
+            .unwrap();
         let mut ours = Vec::new();
         for e in extents {
             let t = (e.data, e.zero, e.present, e.depth as u64);

@@ -3,6 +3,7 @@
 
 use proptest::prelude::*;
 use qcow2::engine::{Image, OpenOptions};
+use qcow2::format::GuestOffset;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use storage::{Aio, FileOpener, MemFs, MemStorage};
@@ -107,7 +108,10 @@ async fn read_file(path: &Path, aio: Aio, direct: bool, off: u64, len: u64) -> V
     )
     .await
     .unwrap();
-    img.read(off, len as usize).await.unwrap().to_vec()
+    img.read(GuestOffset(off), len as usize)
+        .await
+        .unwrap()
+        .to_vec()
 }
 
 async fn read_mem(top: &Path, base: &Path, off: u64, len: u64) -> Vec<u8> {
@@ -119,7 +123,10 @@ async fn read_mem(top: &Path, base: &Path, off: u64, len: u64) -> Vec<u8> {
         ..OpenOptions::default()
     };
     let img = Image::open(&fs, top, &opts).await.unwrap();
-    img.read(off, len as usize).await.unwrap().to_vec()
+    img.read(GuestOffset(off), len as usize)
+        .await
+        .unwrap()
+        .to_vec()
 }
 
 /// Offsets near 512-byte, 2 KiB (subcluster), 4 KiB and 64 KiB edges, or anywhere.

@@ -3,6 +3,7 @@
 
 use crate::support::{opener, FaultFs};
 use qcow2::engine::{create_file, CreateOptions, Format, Image, OpenOptions, Preallocation};
+use qcow2::format::GuestOffset;
 use std::path::{Path, PathBuf};
 use storage::{Aio, FaultStorage, IoBuf, MemStorage};
 use test_support::{
@@ -42,12 +43,12 @@ async fn exercise(path: &Path, model: &mut [u8], seed: u64, ops: usize, unit: u6
                     *b = byte.wrapping_add((i / 512) as u8);
                 }
                 model[offset as usize..(offset + len) as usize].copy_from_slice(&buf);
-                let (res, _) = img.write(offset, buf, rng.below(8) == 0).await;
+                let (res, _) = img.write(GuestOffset(offset), buf, rng.below(8) == 0).await;
                 res.unwrap_or_else(|e| panic!("{ctx}: write: {e}"));
             }
             6 | 7 => {
                 let unmap = rng.below(2) == 0;
-                img.write_zeroes(offset, len, unmap, false)
+                img.write_zeroes(GuestOffset(offset), len, unmap, false)
                     .await
                     .unwrap_or_else(|e| panic!("{ctx}: zero: {e}"));
                 model[offset as usize..(offset + len) as usize].fill(0);
@@ -55,10 +56,10 @@ async fn exercise(path: &Path, model: &mut [u8], seed: u64, ops: usize, unit: u6
             8 => {
                 // Discarded bytes may read as before or as zeros: learn which from us, and
                 // check that it is one of the two.
-                img.discard(offset, len)
+                img.discard(GuestOffset(offset), len)
                     .await
                     .unwrap_or_else(|e| panic!("{ctx}: discard: {e}"));
-                let now = img.read(offset, len as usize).await.unwrap();
+                let now = img.read(GuestOffset(offset), len as usize).await.unwrap();
                 for (i, (&m, &n)) in model[offset as usize..(offset + len) as usize]
                     .iter()
                     .zip(now.iter())
@@ -77,11 +78,11 @@ async fn exercise(path: &Path, model: &mut [u8], seed: u64, ops: usize, unit: u6
                 .unwrap_or_else(|e| panic!("{ctx}: flush: {e}")),
         }
         if step % 16 == 0 {
-            let all = img.read(0, size as usize).await.unwrap();
+            let all = img.read(GuestOffset(0), size as usize).await.unwrap();
             assert_same_bytes(&all, model, &ctx);
         }
     }
-    let all = img.read(0, size as usize).await.unwrap();
+    let all = img.read(GuestOffset(0), size as usize).await.unwrap();
     assert_same_bytes(&all, model, "end of run");
     img.close().await.unwrap();
 }
@@ -332,7 +333,7 @@ fn copy_on_write_reads_head_and_tail_in_one_request_around_small_writes() {
                 .await
                 .unwrap();
             let before = backing_reads();
-            let (res, _) = img.write(offset, data, false).await;
+            let (res, _) = img.write(GuestOffset(offset), data, false).await;
             res.unwrap();
             let during = backing_reads() - before;
             img.close().await.unwrap();
@@ -377,7 +378,7 @@ fn reused_span_buffers_leave_no_old_bytes_behind() {
             .unwrap();
         for (i, (offset, len)) in writes.into_iter().enumerate() {
             let data = IoBuf::from_slice(&vec![0xC0 + i as u8; len]);
-            let (res, _) = img.write(offset, data, false).await;
+            let (res, _) = img.write(GuestOffset(offset), data, false).await;
             res.unwrap();
         }
         img.close().await.unwrap();
@@ -415,9 +416,12 @@ fn an_allocating_write_plans_its_clusters_once() {
             buf
         };
         // The first write creates the L2 table; the second only allocates a cluster in it.
-        img.write(0, filled(1), false).await.0.unwrap();
+        img.write(GuestOffset(0), filled(1), false).await.0.unwrap();
         let before = img.l2_cache_stats();
-        img.write(cs as u64, filled(2), false).await.0.unwrap();
+        img.write(GuestOffset(cs as u64), filled(2), false)
+            .await
+            .0
+            .unwrap();
         let after = img.l2_cache_stats();
         let lookups = (after.hits + after.misses) - (before.hits + before.misses);
         assert_eq!(
@@ -459,7 +463,7 @@ fn a_data_write_over_metadata_marks_the_image_corrupt() {
             .unwrap();
         let mut buf = IoBuf::zeroed(512);
         buf.fill(7);
-        let (res, _) = img.write(0, buf, false).await;
+        let (res, _) = img.write(GuestOffset(0), buf, false).await;
         res.expect_err("a write over the L1 table").to_string()
     });
     assert!(

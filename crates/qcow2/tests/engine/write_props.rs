@@ -6,6 +6,7 @@
 
 use proptest::prelude::*;
 use qcow2::engine::{create, CreateOptions, Format, Image, OpenOptions};
+use qcow2::format::GuestOffset;
 use std::path::Path;
 use storage::{IoBuf, MemFs, MemStorage};
 use test_support::{run, Dir};
@@ -66,18 +67,20 @@ fn run_case(cs: u64, ext: bool, backing: bool, ops: &[Op]) -> Result<(), TestCas
             match *op {
                 Op::Write(o, l, b, fua) => {
                     let (r, _) = img
-                        .write(o, IoBuf::from_slice(&vec![b; l as usize]), fua)
+                        .write(GuestOffset(o), IoBuf::from_slice(&vec![b; l as usize]), fua)
                         .await;
                     r.unwrap();
                     model[o as usize..(o + l) as usize].fill(b);
                 }
                 Op::Zero(o, l, unmap) => {
-                    img.write_zeroes(o, l, unmap, false).await.unwrap();
+                    img.write_zeroes(GuestOffset(o), l, unmap, false)
+                        .await
+                        .unwrap();
                     model[o as usize..(o + l) as usize].fill(0);
                 }
                 Op::Discard(o, l) => {
-                    img.discard(o, l).await.unwrap();
-                    let now = img.read(o, l as usize).await.unwrap();
+                    img.discard(GuestOffset(o), l).await.unwrap();
+                    let now = img.read(GuestOffset(o), l as usize).await.unwrap();
                     for (&m, &n) in model[o as usize..(o + l) as usize].iter().zip(now.iter()) {
                         prop_assert!(m == n || n == 0, "step {i}: discard exposed other data");
                     }
@@ -85,7 +88,7 @@ fn run_case(cs: u64, ext: bool, backing: bool, ops: &[Op]) -> Result<(), TestCas
                 }
                 Op::Flush => img.flush().await.unwrap(),
             }
-            let all = img.read(0, SIZE as usize).await.unwrap();
+            let all = img.read(GuestOffset(0), SIZE as usize).await.unwrap();
             prop_assert!(
                 all[..] == model[..],
                 "step {i} ({op:?}): image differs from the model"

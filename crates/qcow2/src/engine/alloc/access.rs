@@ -81,7 +81,7 @@ impl<S: Storage + 'static> Allocator<S> {
     /// newer in the cache than in the file).
     pub(crate) async fn read_refcount_block<R>(
         &self,
-        block: u64,
+        block: HostOffset,
         f: impl FnOnce(&[u8]) -> R,
     ) -> std::result::Result<R, cache::CacheError> {
         self.refcounts.read(block, f).await

@@ -28,7 +28,7 @@ impl RawEntry {
 }
 
 impl<S: Storage + 'static> Allocator<S> {
-    fn l2_key(&self, table: u64, cluster: GuestOffset) -> (L2Key, usize) {
+    fn l2_key(&self, table: HostOffset, cluster: GuestOffset) -> (L2Key, usize) {
         let g = self.meta().geom;
         let per_slice = self.l2.entry_size() as u64 / g.l2_entry_size();
         let index = g.l2_index(cluster) as u64;
@@ -89,7 +89,7 @@ impl<S: Storage + 'static> Allocator<S> {
                                 cluster: base + i * cs,
                                 word,
                                 bitmap,
-                                table: Some(HostOffset(table)),
+                                table: Some(table),
                             }
                         })
                         .collect::<Vec<_>>()

@@ -8,26 +8,25 @@ use super::Allocator;
 use crate::engine::error::Result;
 use crate::engine::metacache::L2Key;
 use crate::engine::overlap::MetaKind;
-use crate::format::l1::{L1_COPIED, L1_OFFSET_MASK};
-use crate::format::{be, HostOffset};
+use crate::format::{be, l1, HostOffset, L1Index};
 use storage::{IoBuf, Storage};
 
 impl<S: Storage + 'static> Allocator<S> {
     /// The offset of a writable (COPIED) L2 table for L1 index `l1i`, creating one if needed.
     /// The caller holds the meta lock.
-    pub(crate) async fn l2_for_write(&self, l1i: u64) -> Result<u64> {
+    pub(crate) async fn l2_for_write(&self, l1i: L1Index) -> Result<HostOffset> {
         let top = self.top();
         let meta = self.meta();
         self.ensure_usable()?;
         let word = meta
             .l1
             .borrow()
-            .get(l1i as usize)
+            .get(l1i.0 as usize)
             .copied()
-            .ok_or_else(|| top.corrupt(format!("L1 index {l1i} is beyond the L1 table")))?;
-        let old = word & L1_OFFSET_MASK;
-        if old != 0 && word & L1_COPIED != 0 {
-            return Ok(old);
+            .ok_or_else(|| top.corrupt(format!("L1 index {} is beyond the L1 table", l1i.0)))?;
+        let old = l1::table_of(word);
+        if old != 0 && l1::is_copied(word) {
+            return Ok(HostOffset(old));
         }
         let cs = meta.geom.cluster_size();
         let new = self.alloc_clusters(1).await?.0;
@@ -46,7 +45,7 @@ impl<S: Storage + 'static> Allocator<S> {
             for s in 0..(cs as usize / slice) {
                 let key = L2Key {
                     layer: 0,
-                    table: old,
+                    table: HostOffset(old),
                     slice: s as u32,
                 };
                 let dst = &mut table[s * slice..(s + 1) * slice];
@@ -59,19 +58,20 @@ impl<S: Storage + 'static> Allocator<S> {
                     })?;
             }
         }
-        self.l2.forget(|k| k.layer == 0 && k.table == new);
+        self.l2
+            .forget(|k| k.layer == 0 && k.table == HostOffset(new));
         self.write_meta("writing a new L2 table", new, &table)
             .await?;
         self.sync().await?;
         self.meta
             .borrow_mut()
             .insert(HostOffset(new), cs, MetaKind::L2Table);
-        let entry = new | L1_COPIED;
-        meta.l1.borrow_mut()[l1i as usize] = entry;
+        let entry = l1::owned_word(new);
+        meta.l1.borrow_mut()[l1i.0 as usize] = entry;
         self.mapping_changed();
         self.write_meta(
             "updating the L1 table",
-            meta.l1_offset.get() + l1i * 8,
+            meta.l1_offset.get() + l1i.0 * 8,
             &be::word_bytes(entry),
         )
         .await?;
@@ -81,6 +81,6 @@ impl<S: Storage + 'static> Allocator<S> {
             self.sync().await?;
             self.free_clusters(HostOffset(old), 1, false).await?;
         }
-        Ok(new)
+        Ok(HostOffset(new))
     }
 }

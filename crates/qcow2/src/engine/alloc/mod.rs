@@ -378,7 +378,7 @@ fn index_tables<S>(meta: &Qcow2Meta<S>, h: &crate::format::Header, index: &mut M
         MetaKind::L1Table,
     );
     for &w in meta.l1.borrow().iter() {
-        let off = w & l1::L1_OFFSET_MASK;
+        let off = l1::table_of(w);
         if off != 0 {
             index.insert(HostOffset(off), cs, MetaKind::L2Table);
         }

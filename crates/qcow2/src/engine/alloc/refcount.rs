@@ -71,7 +71,7 @@ impl<S: Storage + 'static> Allocator<S> {
         };
         let idx = (cluster.0 % epb) as usize;
         self.refcounts
-            .read(block, |b| refcount::get(b, order, idx))
+            .read(HostOffset(block), |b| refcount::get(b, order, idx))
             .await
             .map_err(|e| self.cache_err(e))?
             .map_err(|e| self.fmt_err(e))
@@ -102,7 +102,7 @@ impl<S: Storage + 'static> Allocator<S> {
         let max = refcount::max_value(order).unwrap_or(u64::MAX);
         let res = self
             .refcounts
-            .modify(block, |b| -> std::result::Result<u64, String> {
+            .modify(HostOffset(block), |b| -> std::result::Result<u64, String> {
                 let old = refcount::get(b, order, idx).map_err(|e| e.to_string())?;
                 let new = if delta < 0 {
                     old.checked_sub(delta.unsigned_abs())
@@ -160,7 +160,7 @@ impl<S: Storage + 'static> Allocator<S> {
                     let from = (c % epb) as usize;
                     let (found, new_start, new_run) = self
                         .refcounts
-                        .read(block, |b| {
+                        .read(HostOffset(block), |b| {
                             let (mut s, mut r) = (start, run);
                             for i in from..epb as usize {
                                 let free =
@@ -227,8 +227,9 @@ impl<S: Storage + 'static> Allocator<S> {
             let left = self.update_refcount(HostCluster(c), -1).await?;
             if left == 0 {
                 let off = self.offset_of(HostCluster(c)).0;
-                self.l2.forget(|k| k.layer == 0 && k.table == off);
-                self.refcounts.forget(|&k| k == off);
+                self.l2
+                    .forget(|k| k.layer == 0 && k.table == HostOffset(off));
+                self.refcounts.forget(|&k| k == HostOffset(off));
                 self.meta.borrow_mut().remove(HostOffset(off));
                 if punch {
                     let top = self.top();
@@ -285,8 +286,9 @@ impl<S: Storage + 'static> Allocator<S> {
             let bti = b.0 / epb;
             let block_off = self.offset_of(b).0;
             // Nothing cached may describe the old contents of this cluster.
-            self.l2.forget(|k| k.layer == 0 && k.table == block_off);
-            self.refcounts.forget(|&k| k == block_off);
+            self.l2
+                .forget(|k| k.layer == 0 && k.table == HostOffset(block_off));
+            self.refcounts.forget(|&k| k == HostOffset(block_off));
             let mut block = IoBuf::zeroed(cs as usize);
             if bti == ti {
                 // The block describes itself.
@@ -369,8 +371,9 @@ impl<S: Storage + 'static> Allocator<S> {
                     .map_err(|e| self.fmt_err(e))?;
             }
             let off = (area + j) * cs;
-            self.l2.forget(|k| k.layer == 0 && k.table == off);
-            self.refcounts.forget(|&k| k == off);
+            self.l2
+                .forget(|k| k.layer == 0 && k.table == HostOffset(off));
+            self.refcounts.forget(|&k| k == HostOffset(off));
             self.write_meta("writing a refcount block", off, &block)
                 .await?;
         }

@@ -3,7 +3,7 @@
 
 use super::Allocator;
 use crate::engine::error::Result;
-use crate::format::{GuestOffset, HostOffset};
+use crate::format::{GuestOffset, HostOffset, L1Index};
 use storage::Storage;
 
 /// Host clusters given to a run of guest clusters, not yet referenced by any L2 entry.
@@ -33,7 +33,7 @@ impl<S: Storage + 'static> Allocator<S> {
     /// metadata lock only while it allocates (never across the data I/O that follows).
     pub(crate) async fn allocate(
         &self,
-        l1_indexes: impl IntoIterator<Item = u64>,
+        l1_indexes: impl IntoIterator<Item = L1Index>,
         first: GuestOffset,
         n: u64,
         preset: Option<HostOffset>,

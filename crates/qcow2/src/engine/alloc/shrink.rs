@@ -46,7 +46,7 @@ impl<S: Storage + 'static> Allocator<S> {
         self.sync().await?;
         *self.reftable.borrow_mut() = table;
         for u in &unused {
-            self.refcounts.forget(|&k| k == u.offset);
+            self.refcounts.forget(|&k| k == HostOffset(u.offset));
             self.meta.borrow_mut().remove(HostOffset(u.offset));
             // A block counted by itself left with its own count; any other is counted in
             // a block that stays.
@@ -73,7 +73,7 @@ impl<S: Storage + 'static> Allocator<S> {
             let own_slot = (own % epb) as usize;
             let empty = self
                 .refcounts
-                .read(offset, |b| {
+                .read(HostOffset(offset), |b| {
                     (0..epb as usize).all(|i| {
                         let v = refcount::get(b, order, i).unwrap_or(1);
                         v == 0 || (self_counted && i == own_slot)

@@ -45,7 +45,7 @@ impl<S: Storage + 'static> Allocator<S> {
         let (_, per_slice) = self.l2_slicing();
         let key = L2Key {
             layer: 0,
-            table,
+            table: HostOffset(table),
             // At most cluster size / 512 slices.
             slice: slice as u32,
         };
@@ -64,7 +64,7 @@ impl<S: Storage + 'static> Allocator<S> {
         let mut refs = RefCounts::new();
         let (slices, _) = self.l2_slicing();
         for &word in l1 {
-            let table = word & l1::L1_OFFSET_MASK;
+            let table = l1::table_of(word);
             if table == 0 {
                 continue;
             }
@@ -171,7 +171,7 @@ impl<S: Storage + 'static> Allocator<S> {
         let mut out = Vec::with_capacity(l1.len());
         let (slices, _) = self.l2_slicing();
         for &word in l1 {
-            let table = word & l1::L1_OFFSET_MASK;
+            let table = l1::table_of(word);
             if table == 0 {
                 out.push(word);
                 continue;
@@ -182,7 +182,7 @@ impl<S: Storage + 'static> Allocator<S> {
             let owned = self
                 .sole_reference(self.cluster_index(table), pending)
                 .await?;
-            out.push(flagged(word, l1::L1_COPIED, owned));
+            out.push(l1::with_copied(word, owned));
         }
         Ok(out)
     }
@@ -212,7 +212,7 @@ impl<S: Storage + 'static> Allocator<S> {
                     r => self.sole_reference(r.start, pending).await?,
                 }
             };
-            let new = flagged(word, l2::L2_COPIED, owned);
+            let new = l2::with_copied(word, owned);
             if new != word {
                 changes.push((i, new));
             }
@@ -223,7 +223,7 @@ impl<S: Storage + 'static> Allocator<S> {
         let ext = self.meta().geom.extended_l2();
         let key = L2Key {
             layer: 0,
-            table,
+            table: HostOffset(table),
             slice: slice as u32,
         };
         self.l2
@@ -326,14 +326,5 @@ impl<S: Storage + 'static> Allocator<S> {
                 .await?;
         }
         Ok(())
-    }
-}
-
-/// `word` with `flag` set or cleared.
-fn flagged(word: u64, flag: u64, set: bool) -> u64 {
-    if set {
-        word | flag
-    } else {
-        word & !flag
     }
 }

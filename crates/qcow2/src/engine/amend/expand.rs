@@ -9,6 +9,7 @@
 
 use crate::engine::error::Result;
 use crate::engine::image::Inner;
+use crate::format::L1Index;
 use crate::format::{l1, l2, GuestOffset, HostOffset};
 use storage::Storage;
 
@@ -37,8 +38,7 @@ impl<S: Storage + 'static> Inner<S> {
                 )
                 .await?;
             for entry in l1.chunks_exact(8) {
-                let table =
-                    u64::from_be_bytes(entry.try_into().expect("8 bytes")) & l1::L1_OFFSET_MASK;
+                let table = l1::table_of(u64::from_be_bytes(entry.try_into().expect("8 bytes")));
                 if table == 0 {
                     continue;
                 }
@@ -62,7 +62,7 @@ impl<S: Storage + 'static> Inner<S> {
         let meta = self.chain.top().qcow2_required()?;
         let per_table = meta.geom.l2_entries() * meta.geom.cluster_size();
         let l1_len = meta.l1.borrow().len() as u64;
-        for l1i in (0..l1_len).filter(|&i| meta.l2_table(i).is_some()) {
+        for l1i in (0..l1_len).filter(|&i| meta.l2_table(L1Index(i)).is_some()) {
             let entries = w
                 .l2_entries(GuestOffset(l1i * per_table), per_table)
                 .await?;
@@ -84,7 +84,7 @@ impl<S: Storage + 'static> Inner<S> {
         let per_table = g.l2_entries() * cs;
         let l1_len = meta.l1.borrow().len() as u64;
         for l1i in 0..l1_len {
-            if meta.l2_table(l1i).is_none() {
+            if meta.l2_table(L1Index(l1i)).is_none() {
                 continue;
             }
             let start = GuestOffset(l1i * per_table);
@@ -99,7 +99,7 @@ impl<S: Storage + 'static> Inner<S> {
             }
             {
                 let _g = w.exclusive().await;
-                w.l2_for_write(l1i).await?;
+                w.l2_for_write(L1Index(l1i)).await?;
             }
             self.chain.l2.set_flush_before_writeback();
             for e in zeros {
@@ -115,10 +115,12 @@ impl<S: Storage + 'static> Inner<S> {
         let top = self.chain.top();
         let cs = top.qcow2_required()?.geom.cluster_size();
         let host = l2::host_of(word);
-        let owned = word & l2::L2_COPIED != 0;
+        let owned = l2::is_copied(word);
         if host != 0 && owned {
             self.zero_host(host, cs).await?;
-            return w.set_l2_entry(cluster, word & !l2::L2_ZERO, 0).await;
+            return w
+                .set_l2_entry(cluster, l2::without_zero_flag(word), 0)
+                .await;
         }
         if host == 0 && !backed {
             return w.set_l2_entry(cluster, 0, 0).await;

@@ -14,6 +14,7 @@ use crate::engine::error::{EngineError, Result};
 use crate::engine::image::Inner;
 use crate::engine::overlap::{MetaIndex, MetaKind};
 use crate::engine::range_lock::LockMode;
+use crate::format::GuestOffset;
 use crate::format::HostOffset;
 use storage::Storage;
 
@@ -32,7 +33,7 @@ impl<S: Storage + 'static> Inner<S> {
                 source,
             })?;
         let _range = self
-            .lock_range(0, top.size.get(), LockMode::Exclusive)
+            .lock_range(GuestOffset(0), top.size.get(), LockMode::Exclusive)
             .await;
         let _meta = w.exclusive().await;
         self.flush().await?;

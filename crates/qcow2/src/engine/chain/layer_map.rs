@@ -113,12 +113,30 @@ pub(crate) async fn map_layer<S: Storage + 'static>(
                 };
                 let first_index = l2_index - l2_index % per_slice;
                 if let Some(bytes) = pre.and_then(|p| p.get(&key)) {
-                    decode_slice(layer, meta, bytes, table, first_index, pos, chunk_end, out)?;
+                    decode_slice(
+                        layer,
+                        meta,
+                        bytes,
+                        table.0,
+                        first_index,
+                        pos,
+                        chunk_end,
+                        out,
+                    )?;
                     pos = chunk_end;
                     continue;
                 }
                 l2.read(key, |bytes| {
-                    decode_slice(layer, meta, bytes, table, first_index, pos, chunk_end, out)
+                    decode_slice(
+                        layer,
+                        meta,
+                        bytes,
+                        table.0,
+                        first_index,
+                        pos,
+                        chunk_end,
+                        out,
+                    )
                 })
                 .await
                 .map_err(|source| EngineError::Cache {

@@ -20,6 +20,7 @@ pub(crate) use piece::{Piece, Source};
 use super::error::Result;
 use super::layer::Layer;
 use super::metacache::L2Cache;
+use crate::format::GuestOffset;
 use backing_map::BackingMap;
 use std::rc::Rc;
 use storage::Storage;
@@ -70,11 +71,12 @@ impl<S: Storage + 'static> Chain<S> {
     /// to the backing chain are answered by the merged backing map when there is one.
     pub async fn resolve(
         &self,
-        start: u64,
+        start: GuestOffset,
         len: u64,
         from: usize,
         out: &mut Vec<Piece>,
     ) -> Result<()> {
+        let start = start.0;
         match &self.backing_map {
             Some(map) if from == 0 => {
                 let first = out.len();

@@ -115,7 +115,7 @@ async fn prefetch<S: Storage + 'static>(
                     if !pre.contains_key(&key) && !known {
                         let offset = u64::from(key.slice)
                             .checked_mul(slice_bytes as u64)
-                            .and_then(|o| o.checked_add(table));
+                            .and_then(|o| o.checked_add(table.0));
                         // An offset that overflows is left to the L2 cache to report.
                         if let Some(offset) = offset {
                             keys.push((li, key, offset));

@@ -5,7 +5,7 @@ use super::bitmaps::{entry_ok, for_each_entry};
 use super::error::CheckError;
 use super::imrt::Imrt;
 use super::pass::Pass;
-use crate::format::bitmap::{BitmapDirectoryEntry, BITMAP_TABLE_OFFSET_MASK};
+use crate::format::bitmap::{self, BitmapDirectoryEntry};
 use storage::Storage;
 
 impl<S: Storage> Pass<'_, S> {
@@ -44,8 +44,8 @@ impl<S: Storage> Pass<'_, S> {
         let read = for_each_entry(file, e, |entry| {
             if !entry_ok(entry, cs) {
                 bad += 1;
-            } else if entry & BITMAP_TABLE_OFFSET_MASK != 0 {
-                clusters.push(entry & BITMAP_TABLE_OFFSET_MASK);
+            } else if bitmap::table_data_of(entry) != 0 {
+                clusters.push(bitmap::table_data_of(entry));
             }
             Ok(())
         })

@@ -5,24 +5,20 @@
 use super::error::CheckError;
 use super::io;
 use crate::format::be::words;
-use crate::format::bitmap::{
-    BitmapDirectoryEntry, BITMAP_TABLE_OFFSET_MASK, BITMAP_TABLE_RESERVED_MASK,
-};
+use crate::format::bitmap::{self, BitmapDirectoryEntry};
 use crate::format::error::{Location, Structure};
 use crate::format::{Geometry, Header};
 use crate::metadata::{Loader, MetaSource, MetadataError};
 use storage::Storage;
 
-/// Bit 0 of a bitmap table entry without a cluster: the bitmap data reads as all ones.
-const ALL_ONES: u64 = 1;
 /// Bitmap tables are read this many entries at a time, so a large table costs little memory.
 const TABLE_CHUNK: u64 = 8192;
 
 /// Whether a bitmap table entry is valid (QEMU's `check_table_entry`).
 pub(super) fn entry_ok(entry: u64, cluster_size: u64) -> bool {
-    let offset = entry & BITMAP_TABLE_OFFSET_MASK;
-    entry & BITMAP_TABLE_RESERVED_MASK == 0
-        && (offset == 0 || (entry & ALL_ONES == 0 && offset % cluster_size == 0))
+    let offset = bitmap::table_data_of(entry);
+    bitmap::table_reserved_bits(entry) == 0
+        && (offset == 0 || (!bitmap::table_all_ones(entry) && offset % cluster_size == 0))
 }
 
 /// Calls `f` with every entry of a bitmap's table, reading it a chunk at a time.

@@ -8,7 +8,7 @@ use super::pass::Pass;
 use super::report::FindingKind;
 use super::tables::Which;
 use crate::format::limits;
-use crate::format::refcount::{REFTABLE_OFFSET_MASK, REFTABLE_RESERVED_MASK};
+use crate::format::refcount;
 use storage::Storage;
 
 impl<S: Storage> Pass<'_, S> {
@@ -83,9 +83,9 @@ impl<S: Storage> Pass<'_, S> {
         let bits = self.meta.cluster_bits;
         for i in 0..self.meta.reftable.len() {
             let raw = self.meta.reftable[i];
-            let offset = raw & REFTABLE_OFFSET_MASK;
+            let offset = refcount::block_of(raw);
             let cluster = offset >> bits;
-            if raw & REFTABLE_RESERVED_MASK != 0 {
+            if refcount::reserved_bits(raw) != 0 {
                 self.log(
                     FindingKind::Error,
                     format!("ERROR refcount table entry {i} has reserved bits set"),

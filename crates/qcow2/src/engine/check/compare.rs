@@ -7,7 +7,7 @@ use super::imrt::Imrt;
 use super::ondisk::Refblocks;
 use super::pass::{Fix, Pass};
 use super::report::FindingKind;
-use crate::format::refcount::{self, REFTABLE_OFFSET_MASK};
+use crate::format::refcount;
 use storage::Storage;
 
 /// What comparing the stored refcounts with the computed ones found.
@@ -147,7 +147,7 @@ impl<S: Storage> Pass<'_, S> {
             || usize::try_from(index)
                 .ok()
                 .and_then(|i| self.meta.reftable.get(i))
-                .is_some_and(|&raw| raw & REFTABLE_OFFSET_MASK == 0);
+                .is_some_and(|&raw| refcount::block_of(raw) == 0);
         if !no_block {
             return None;
         }

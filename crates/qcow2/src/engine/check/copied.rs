@@ -11,8 +11,7 @@ use super::report::FindingKind;
 use super::tables::{cluster_type, ClusterType};
 use crate::engine::overlap::MetaKind;
 use crate::format::be;
-use crate::format::l1::{L1_COPIED, L1_OFFSET_MASK};
-use crate::format::l2::{self, L2_COPIED, L2_OFFSET_MASK};
+use crate::format::{l1, l2};
 use storage::{IoBuf, Storage};
 
 /// QEMU writes one L1 entry as the 512-byte sector around it.
@@ -30,7 +29,7 @@ impl<S: Storage> Pass<'_, S> {
                 && self.res.leaks == 0);
         let mut rb = Refblocks::default();
         for i in 0..self.meta.l1.len() {
-            let l2_offset = self.meta.l1[i] & L1_OFFSET_MASK;
+            let l2_offset = l1::table_of(self.meta.l1[i]);
             if l2_offset == 0 {
                 continue;
             }
@@ -72,7 +71,7 @@ impl<S: Storage> Pass<'_, S> {
         repair: bool,
     ) -> Result<bool, CheckError> {
         let l1_entry = self.meta.l1[i];
-        let l2_offset = l1_entry & L1_OFFSET_MASK;
+        let l2_offset = l1::table_of(l1_entry);
         // A refcount that cannot be read was reported already.
         let Ok(refcount) = self
             .copied_refcount(rb, known, l2_offset >> self.meta.cluster_bits)
@@ -80,7 +79,7 @@ impl<S: Storage> Pass<'_, S> {
         else {
             return Ok(false);
         };
-        if (refcount == 1) == (l1_entry & L1_COPIED != 0) {
+        if (refcount == 1) == l1::is_copied(l1_entry) {
             return Ok(true);
         }
         self.copied_mismatch(
@@ -89,9 +88,9 @@ impl<S: Storage> Pass<'_, S> {
         );
         if repair {
             self.meta.l1[i] = if refcount == 1 {
-                l1_entry | L1_COPIED
+                l1::with_copied(l1_entry, true)
             } else {
-                l1_entry & !L1_COPIED
+                l1::with_copied(l1_entry, false)
             };
             if let Err(e) = self.write_l1_entry(i).await {
                 self.res.check_errors += 1;
@@ -182,13 +181,13 @@ impl<S: Storage> Pass<'_, S> {
             let refcount = if data_file {
                 1
             } else {
-                let k = (entry & L2_OFFSET_MASK) >> self.meta.cluster_bits;
+                let k = l2::host_of(entry) >> self.meta.cluster_bits;
                 if k >= imrt.len() {
                     return from + n;
                 }
                 imrt.get(k)
             };
-            if (refcount == 1) != (entry & L2_COPIED != 0) {
+            if (refcount == 1) != l2::is_copied(entry) {
                 return from + n;
             }
         }
@@ -217,13 +216,13 @@ impl<S: Storage> Pass<'_, S> {
         let refcount = if data_file {
             1
         } else {
-            let cluster = (entry & L2_OFFSET_MASK) >> self.meta.cluster_bits;
+            let cluster = l2::host_of(entry) >> self.meta.cluster_bits;
             match self.copied_refcount(rb, known, cluster).await {
                 Ok(r) => r,
                 Err(_) => return false,
             }
         };
-        if (refcount == 1) == (entry & L2_COPIED != 0) {
+        if (refcount == 1) == l2::is_copied(entry) {
             return false;
         }
         self.copied_mismatch(
@@ -234,9 +233,9 @@ impl<S: Storage> Pass<'_, S> {
             return false;
         }
         let entry = if refcount == 1 {
-            entry | L2_COPIED
+            l2::with_copied(entry, true)
         } else {
-            entry & !L2_COPIED
+            l2::with_copied(entry, false)
         };
         l2::set_entry_at(table, j, extended, entry, bitmap);
         true

@@ -5,9 +5,8 @@
 
 use super::error::CheckError;
 use crate::format::features::INCOMPAT_CORRUPT;
-use crate::format::refcount::REFTABLE_OFFSET_MASK;
 use crate::format::{
-    BitmapDirectoryEntry, BitmapsExtension, FormatError, Geometry, Header, Structure,
+    refcount, BitmapDirectoryEntry, BitmapsExtension, FormatError, Geometry, Header, Structure,
 };
 use crate::metadata::{Loader, MetadataError, StorageSource, Strictness, L1_TABLE, REFCOUNT_TABLE};
 use storage::Storage;
@@ -112,7 +111,7 @@ impl Meta {
         usize::try_from(k >> self.refblock_bits)
             .ok()
             .and_then(|i| self.reftable.get(i))
-            .map_or(0, |&raw| raw & REFTABLE_OFFSET_MASK)
+            .map_or(0, |&raw| refcount::block_of(raw))
     }
 
     /// Refcounts one refcount block holds.

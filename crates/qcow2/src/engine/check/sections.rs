@@ -3,9 +3,7 @@
 
 use super::meta::Meta;
 use crate::engine::overlap::{MetaIndex, MetaKind};
-use crate::format::l1::L1_OFFSET_MASK;
-use crate::format::refcount::REFTABLE_OFFSET_MASK;
-use crate::format::HostOffset;
+use crate::format::{l1, refcount, HostOffset};
 
 impl Meta {
     /// Indexes the header cluster, the active L1 table and its L2 tables, the refcount table
@@ -36,13 +34,13 @@ impl Meta {
             );
         }
         for &entry in &self.l1 {
-            let offset = entry & L1_OFFSET_MASK;
+            let offset = l1::table_of(entry);
             if offset != 0 {
                 add(offset, cs, MetaKind::L2Table);
             }
         }
         for &entry in &self.reftable {
-            let offset = entry & REFTABLE_OFFSET_MASK;
+            let offset = refcount::block_of(entry);
             if offset != 0 {
                 add(offset, cs, MetaKind::RefcountBlock);
             }

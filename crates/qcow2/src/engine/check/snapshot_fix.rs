@@ -15,7 +15,7 @@ use super::io;
 use super::meta::Snapshot;
 use super::ondisk::Refblocks;
 use super::pass::{Fix, Pass};
-use crate::format::refcount::REFTABLE_OFFSET_MASK;
+use crate::format::refcount;
 use crate::format::snapshot::encode_qemu_table;
 use crate::format::{header, FormatError, SnapshotTableEntry};
 use storage::Storage;
@@ -102,7 +102,7 @@ impl<S: Storage> Pass<'_, S> {
             .ok()
             .and_then(|i| self.meta.reftable.get(i))
             .is_some_and(|&raw| {
-                let block = raw & REFTABLE_OFFSET_MASK;
+                let block = refcount::block_of(raw);
                 block != 0 && self.meta.in_cluster(block) == 0
             })
     }

@@ -9,16 +9,16 @@ use super::pass::Pass;
 use super::report::FindingKind;
 use crate::engine::overlap::MetaKind;
 use crate::format::be::words;
-use crate::format::l1::{L1_OFFSET_MASK, L1_RESERVED_MASK};
-use crate::format::l2::{
-    self, L2_COMPRESSED, L2_COPIED, L2_OFFSET_MASK, L2_STANDARD_RESERVED_MASK, L2_ZERO,
-};
-use crate::format::l2_extended::ALL_ZERO_BITMAP;
+use crate::format::l2_extended::{pack_bitmap, unpack_bitmap};
 use crate::format::limits;
+use crate::format::{l1, l2};
 use storage::{IoBuf, Storage};
 
-/// Allocation bits of an extended L2 bitmap (the low 32).
-pub(crate) const BITMAP_ALL_ALLOC: u64 = 0xffff_ffff;
+/// Whether an extended L2 bitmap marks some subcluster both allocated and zero (corrupt).
+fn alloc_and_zero(bitmap: u64) -> bool {
+    let (alloc, zero) = unpack_bitmap(bitmap);
+    alloc & zero != 0
+}
 
 /// How QEMU classifies an L2 entry (`qcow2_get_cluster_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,16 +33,16 @@ pub(crate) enum ClusterType {
 /// Classifies an L2 entry's first word. With extended L2 entries the zero flag means nothing
 /// (zeros live in the bitmap); with an external data file, offset 0 plus COPIED is data.
 pub(crate) fn cluster_type(entry: u64, extended: bool, data_file: bool) -> ClusterType {
-    if entry & L2_COMPRESSED != 0 {
+    if l2::is_compressed(entry) {
         ClusterType::Compressed
-    } else if entry & L2_ZERO != 0 && !extended {
-        if entry & L2_OFFSET_MASK != 0 {
+    } else if l2::has_zero_flag(entry) && !extended {
+        if l2::host_of(entry) != 0 {
             ClusterType::ZeroAlloc
         } else {
             ClusterType::ZeroPlain
         }
-    } else if entry & L2_OFFSET_MASK == 0 {
-        if data_file && entry & L2_COPIED != 0 {
+    } else if l2::host_of(entry) == 0 {
+        if data_file && l2::is_copied(entry) {
             ClusterType::Normal
         } else {
             ClusterType::Unallocated
@@ -105,14 +105,14 @@ impl<S: Storage> Pass<'_, S> {
             if entry == 0 {
                 continue;
             }
-            if entry & L1_RESERVED_MASK != 0 {
+            if l1::reserved_bits(entry) != 0 {
                 self.log(
                     FindingKind::Error,
                     format!("ERROR found L1 entry with reserved bits set: {entry:x}"),
                 );
                 self.res.corruptions += 1;
             }
-            let l2_offset = entry & L1_OFFSET_MASK;
+            let l2_offset = l1::table_of(entry);
             self.inc(imrt, l2_offset, self.meta.cluster_size)?;
             if self.meta.in_cluster(l2_offset) != 0 {
                 self.log(
@@ -176,7 +176,7 @@ impl<S: Storage> Pass<'_, S> {
         let (extended, data_file) = (self.meta.extended, self.meta.data_file);
         let (entry, bitmap) = l2::entry_at(&walk.table, i, extended).unwrap_or((0, 0));
         let kind = cluster_type(entry, extended, data_file);
-        if kind != ClusterType::Compressed && entry & L2_STANDARD_RESERVED_MASK != 0 {
+        if kind != ClusterType::Compressed && l2::standard_reserved_bits(entry) != 0 {
             self.log(
                 FindingKind::Error,
                 format!("ERROR found l2 entry with reserved bits set: {entry:x}"),
@@ -229,20 +229,20 @@ impl<S: Storage> Pass<'_, S> {
                 Some(&b) if extended => u64::from_be_bytes(b),
                 _ => 0,
             };
-            if entry & (L2_COMPRESSED | L2_STANDARD_RESERVED_MASK) != 0 {
+            if l2::is_compressed(entry) || l2::standard_reserved_bits(entry) != 0 {
                 return from + n;
             }
-            let offset = entry & L2_OFFSET_MASK;
+            let offset = l2::host_of(entry);
             if offset == 0 {
                 // Unallocated or a plain zero cluster: nothing to count, unless its bitmap
                 // claims allocated subclusters.
-                if bitmap & BITMAP_ALL_ALLOC != 0 {
+                if unpack_bitmap(bitmap).0 != 0 {
                     return from + n;
                 }
                 continue;
             }
             let k = offset >> bits;
-            if (bitmap >> 32) & bitmap != 0
+            if alloc_and_zero(bitmap)
                 || offset & (cs - 1) != 0
                 || offset + cs >= end_bound
                 || k >= imrt.len()
@@ -263,7 +263,7 @@ impl<S: Storage> Pass<'_, S> {
 
     /// An unallocated cluster has no allocated subclusters.
     fn check_unallocated(&mut self, bitmap: u64) {
-        if bitmap & BITMAP_ALL_ALLOC != 0 {
+        if unpack_bitmap(bitmap).0 != 0 {
             self.res.corruptions += 1;
             self.log(
                 FindingKind::Error,
@@ -283,7 +283,7 @@ impl<S: Storage> Pass<'_, S> {
         bitmap: u64,
         which: Which,
     ) -> Result<(), CheckError> {
-        if entry & L2_COPIED != 0 {
+        if l2::is_copied(entry) {
             self.log(
                 FindingKind::Error,
                 format!(
@@ -291,7 +291,7 @@ impl<S: Storage> Pass<'_, S> {
                     entry & self.meta.coffset_mask
                 ),
             );
-            entry &= !L2_COPIED;
+            entry = l2::with_copied(entry, false);
             self.res.corruptions += 1;
         }
         if self.meta.data_file {
@@ -335,8 +335,8 @@ impl<S: Storage> Pass<'_, S> {
         entry: u64,
         bitmap: u64,
     ) -> Result<(), CheckError> {
-        let offset = entry & L2_OFFSET_MASK;
-        if (bitmap >> 32) & bitmap != 0 {
+        let offset = l2::host_of(entry);
+        if alloc_and_zero(bitmap) {
             self.res.corruptions += 1;
             self.log(
                 FindingKind::Error,
@@ -371,12 +371,12 @@ impl<S: Storage> Pass<'_, S> {
         entry: u64,
         bitmap: u64,
     ) -> Result<bool, CheckError> {
-        let offset = entry & L2_OFFSET_MASK;
+        let offset = l2::host_of(entry);
         self.res.corruptions += 1;
         let has_data = if self.meta.extended {
-            bitmap & BITMAP_ALL_ALLOC != 0
+            unpack_bitmap(bitmap).0 != 0
         } else {
-            entry & L2_ZERO == 0
+            !l2::has_zero_flag(entry)
         };
         if has_data {
             self.log(
@@ -402,9 +402,10 @@ impl<S: Storage> Pass<'_, S> {
             return Ok(false);
         };
         let (word, bitmap) = if extended {
-            (0, (bitmap | (bitmap << 32)) & ALL_ZERO_BITMAP)
+            let (alloc, zero) = unpack_bitmap(bitmap);
+            (0, pack_bitmap(0, alloc | zero))
         } else {
-            (L2_ZERO, 0)
+            (l2::zeroed_word(0), 0)
         };
         l2::set_entry_at(&mut walk.table, index, extended, word, bitmap);
         let esize = self.meta.l2_entry_size as usize;

@@ -21,7 +21,7 @@ use super::meta;
 use super::pass::{Fix, Pass};
 use super::report::{Finding, FindingKind};
 use crate::format::header;
-use crate::format::refcount::{self, REFTABLE_OFFSET_MASK};
+use crate::format::refcount;
 use std::collections::BTreeSet;
 use storage::Storage;
 
@@ -95,7 +95,7 @@ impl<S: Storage> Pass<'_, S> {
             .meta
             .reftable
             .iter()
-            .map(|&raw| raw & REFTABLE_OFFSET_MASK)
+            .map(|&raw| refcount::block_of(raw))
             .filter(|&offset| offset != 0)
             .map(|offset| offset >> bits);
         (table..table + table_clusters).chain(blocks).collect()

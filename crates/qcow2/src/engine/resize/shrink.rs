@@ -50,7 +50,9 @@ impl<S: Storage + 'static> Inner<S> {
         let w = self.alloc()?;
         let g = self.chain.top().qcow2_required()?.geom;
         let per_table = g.l2_entries() * g.cluster_size();
-        let _guard = self.lock_range(from, to - from, LockMode::Exclusive).await;
+        let _guard = self
+            .lock_range(GuestOffset(from), to - from, LockMode::Exclusive)
+            .await;
         let mut pos = from;
         while pos < to {
             let table_end = (pos - pos % per_table).saturating_add(per_table).min(to);
@@ -102,7 +104,7 @@ impl<S: Storage + 'static> Inner<S> {
         meta.l1.borrow_mut()[keep..].fill(0);
         w.mapping_changed();
         for word in &old[keep..] {
-            let table = word & l1::L1_OFFSET_MASK;
+            let table = l1::table_of(*word);
             if table != 0 {
                 w.free_clusters(HostOffset(table), 1, true).await?;
             }

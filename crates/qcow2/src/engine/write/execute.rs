@@ -294,7 +294,7 @@ impl<S: Storage + 'static> Inner<S> {
                     continue;
                 }
                 let mut pieces = Vec::new();
-                if let Err(e) = self.chain.resolve(s.0, t - s, 0, &mut pieces).await {
+                if let Err(e) = self.chain.resolve(s, t - s, 0, &mut pieces).await {
                     return (Err(e), buf);
                 }
                 if fresh && pieces.iter().all(|q| q.src.is_zero()) {

@@ -23,8 +23,8 @@ use storage::{IoBuf, Storage};
 impl<S: Storage + 'static> Image<S> {
     /// Writes `buf` at guest `offset`; with `fua` the data (and the metadata that makes it
     /// reachable) is durable before this returns. The buffer is handed back either way.
-    pub async fn write(&self, offset: u64, buf: IoBuf, fua: bool) -> (Result<()>, IoBuf) {
-        let (res, buf) = self.inner.write(offset, buf).await;
+    pub async fn write(&self, offset: GuestOffset, buf: IoBuf, fua: bool) -> (Result<()>, IoBuf) {
+        let (res, buf) = self.inner.write(offset.0, buf).await;
         if res.is_ok() && fua {
             return (self.flush().await, buf);
         }
@@ -57,7 +57,9 @@ impl<S: Storage + 'static> Inner<S> {
             // Encrypted data is written in whole sectors: the partial ones are read,
             // patched and written back, under an exclusive lock so that nothing else
             // writes them in between.
-            let _exclusive = self.lock_range(from, to - from, LockMode::Exclusive).await;
+            let _exclusive = self
+                .lock_range(GuestOffset(from), to - from, LockMode::Exclusive)
+                .await;
             return self.write_unlocked(offset, buf).await;
         }
         let generation = match self.alloc() {
@@ -67,7 +69,7 @@ impl<S: Storage + 'static> Inner<S> {
         let offset = GuestOffset(offset);
         // Most writes land in clusters we own: try that under a shared lock first.
         let plans = {
-            let _shared = self.lock_range(offset.0, len, LockMode::Shared).await;
+            let _shared = self.lock_range(offset, len, LockMode::Shared).await;
             match self.plan(offset, len).await {
                 Err(e) => return (Err(e), buf),
                 Ok(plans)
@@ -80,7 +82,7 @@ impl<S: Storage + 'static> Inner<S> {
                 Ok(plans) => plans,
             }
         };
-        let _exclusive = self.lock_range(offset.0, len, LockMode::Exclusive).await;
+        let _exclusive = self.lock_range(offset, len, LockMode::Exclusive).await;
         // The plan holds unless some mapping changed while we waited for the lock; only then
         // is it made again.
         match self.alloc() {

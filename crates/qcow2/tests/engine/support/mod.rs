@@ -2,6 +2,7 @@
 //! engine (QEMU's tools and the runtime come from test_support).
 
 use qcow2::engine::{Image, OpenOptions, ReadPart};
+use qcow2::format::GuestOffset;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::io;
@@ -38,7 +39,7 @@ pub async fn read_all(img: &Image<AnyStorage>, chunk: usize) -> Vec<u8> {
     while pos < size {
         let n = chunk.min((size - pos) as usize);
         let buf = img
-            .read(pos, n)
+            .read(GuestOffset(pos), n)
             .await
             .unwrap_or_else(|e| panic!("read at {pos:#x}: {e}"));
         out.extend_from_slice(&buf);
@@ -57,7 +58,7 @@ pub async fn read_all_sparse(img: &Image<AnyStorage>, chunk: usize) -> (Vec<u8>,
     while pos < size {
         let n = chunk.min((size - pos) as usize);
         let parts = img
-            .read_sparse(pos, n)
+            .read_sparse(GuestOffset(pos), n)
             .await
             .unwrap_or_else(|e| panic!("sparse read at {pos:#x}: {e}"));
         let mut at = pos;
@@ -68,7 +69,7 @@ pub async fn read_all_sparse(img: &Image<AnyStorage>, chunk: usize) -> (Vec<u8>,
                     at += buf.len() as u64;
                 }
                 ReadPart::Hole(len) => {
-                    for e in img.block_status(at, len as u64).await.unwrap() {
+                    for e in img.block_status(GuestOffset(at), len as u64).await.unwrap() {
                         assert!(
                             e.zero,
                             "hole at {:#x}+{:#x} is not zero: {e:?}",
