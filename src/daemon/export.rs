@@ -324,7 +324,10 @@ impl ImageExport {
         }
         let guard = self.first_sector.lock().await;
         let have = usize::try_from(self.image.size().min(SECTOR)).unwrap_or(0);
-        let (res, current) = self.image.read_into(GuestOffset(0), IoBuf::zeroed(have)).await;
+        let (res, current) = self
+            .image
+            .read_into(GuestOffset(0), IoBuf::zeroed(have))
+            .await;
         res.map_err(|e| errno("read (first sector)", &e))?;
         let mut sector = [0u8; SECTOR as usize];
         sector[..have].copy_from_slice(&current[..have]);
