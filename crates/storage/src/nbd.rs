@@ -113,8 +113,10 @@ impl Storage for NbdStorage {
         Ok(self.size)
     }
 
+    /// An export's size is fixed: shrinking leaves it as it is (as QEMU's client, the
+    /// bytes past `len` stay), growing fails.
     async fn set_len(&self, len: u64) -> io::Result<()> {
-        if len == self.size {
+        if len <= self.size {
             return Ok(());
         }
         Err(io::Error::new(
