@@ -2,8 +2,10 @@
 //! prefix, a `json:{...}` pseudo-filename, or (with `--image-opts`) a `key=value,...` list of
 //! block-layer options. All of them come down to a file, the format driver to read it with,
 //! and the driver options left over for the subcommand. Only the drivers this tool has are
-//! accepted (`qcow2`, `raw`, and the `file` protocol); QEMU's other block drivers and
-//! protocols are refused with the words QEMU uses for a driver it lacks.
+//! accepted (`qcow2`, `raw`, the `file` protocol, and NBD exports: the `nbd` driver and the
+//! NBD names `nbd://`, `nbd+unix://`, `nbd:...`, which become one normalized NBD name the
+//! storage opener connects by); QEMU's other block drivers and protocols are refused with
+//! the words QEMU uses for a driver it lacks.
 //!
 //! A name is untrusted input: `json:` text is bounded in size and nesting, and every refusal
 //! is a typed error naming what is wrong.
@@ -729,9 +731,35 @@ mod tests {
             Some("b")
         );
         assert_eq!(
-            reason("driver=nbd,host=127.0.0.1", true),
-            Reason::UnknownDriver("nbd".into())
+            reason("driver=quorum,children.0.file.filename=a", true),
+            Reason::UnknownDriver("quorum".into())
         );
+        // NBD: the export's name, as the opener connects by it and QEMU shows it.
+        let nbd = p("driver=nbd,host=127.0.0.1", true).unwrap();
+        assert_eq!(nbd.path, PathBuf::from("nbd://127.0.0.1:10809"));
+        assert_eq!(nbd.format.as_deref(), Some("raw"));
+        let nbd = p(
+            "driver=qcow2,file.driver=nbd,file.server.type=unix,file.server.path=/s,file.export=e",
+            true,
+        )
+        .unwrap();
+        assert_eq!(nbd.path, PathBuf::from("nbd+unix:///e?socket=/s"));
+        assert_eq!(nbd.format.as_deref(), Some("qcow2"));
+        assert_eq!(
+            p("nbd:unix:/s:exportname=x", false).unwrap().path,
+            PathBuf::from("nbd+unix:///x?socket=/s")
+        );
+        assert_eq!(
+            reason(
+                "driver=nbd,server.type=unix,server.path=/s,tls-creds=t",
+                true
+            ),
+            Reason::NbdOption("tls-creds".into())
+        );
+        assert!(matches!(
+            reason("driver=nbd,server.type=unix", true),
+            Reason::Nbd(_)
+        ));
         assert_eq!(reason("driver=qcow2", true), Reason::NoFileNode);
         assert_eq!(
             reason("driver=qcow2,file.driver=file", true),

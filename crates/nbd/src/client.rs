@@ -299,6 +299,8 @@ pub struct NbdClient<S = Box<dyn ReadWrite>> {
     /// The id the server gave `base:allocation`, when it offers it.
     allocation: Option<u32>,
     max_request: u32,
+    /// The server's minimum block size (1 when it sent none).
+    min_block: u32,
     next_handle: u64,
 }
 
@@ -385,6 +387,7 @@ impl<S: Read + Write> NbdClient<S> {
         o.send_option(OPT_GO, &data)?;
         let mut size_flags = None;
         let mut max_request = MAX_REQUEST;
+        let mut min_block = 1;
         loop {
             let r = o.reply(OPT_GO)?;
             match r.kind {
@@ -400,7 +403,12 @@ impl<S: Read + Write> NbdClient<S> {
                             size_flags = Some((size, u16::from_be_bytes([d[10], d[11]])));
                         }
                         (Some(INFO_BLOCK_SIZE), 14) => {
+                            let min = u32::from_be_bytes(d[2..6].try_into().unwrap_or([0; 4]));
                             let max = u32::from_be_bytes(d[10..14].try_into().unwrap_or([0; 4]));
+                            // Only a power of two up to 64 KiB is a minimum to honour.
+                            if min.is_power_of_two() && min <= 1 << 16 {
+                                min_block = min;
+                            }
                             // A maximum under one sector is not one to follow.
                             if max >= 512 {
                                 max_request = max.min(MAX_REQUEST);
@@ -427,6 +435,7 @@ impl<S: Read + Write> NbdClient<S> {
             structured,
             allocation,
             max_request,
+            min_block,
             next_handle: 1,
         })
     }
@@ -751,9 +760,27 @@ impl<S: Read + Write> NbdClient<S> {
             .first()
             .copied()
             .ok_or_else(|| proto("block status reply without extents"))?;
+        // A server whose extents do not follow its own minimum block (an unaligned file
+        // end) is read in whole blocks, as QEMU's client reads it: a short extent grows
+        // to a block and counts as data, a long one is cut back to whole blocks.
+        let min = u64::from(self.min_block);
+        let status = if first.len % min == 0 {
+            first
+        } else if first.len > min {
+            Status {
+                len: first.len / min * min,
+                ..first
+            }
+        } else {
+            Status {
+                len: min,
+                hole: false,
+                zero: false,
+            }
+        };
         Ok(Status {
-            len: first.len.min(len),
-            ..first
+            len: status.len.min(len),
+            ..status
         })
     }
 
