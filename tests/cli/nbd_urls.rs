@@ -179,3 +179,45 @@ fn an_unreachable_server_is_refused_with_qemu_imgs_reason() {
         assert!(text(&o.stderr).starts_with("qcow2-nbd: Could not open 'nbd+unix://"));
     }
 }
+
+#[test]
+fn check_dd_and_measure_of_an_nbd_export_match_qemu_img() {
+    let d = Dir::new();
+    let image = raw_image(&d);
+    let server = QemuNbd::unix(&["-f", "raw", "-r"], &image);
+    let name = server.uri_of("");
+    assert_same(&d, &["check", &name]);
+    assert_same(&d, &["check", "-f", "raw", &name]);
+    assert_same(&d, &["measure", "-O", "qcow2", &name]);
+    let (q, o) = (d.s("q.raw"), d.s("o.raw"));
+    d.ok(
+        "qemu-img",
+        &["dd", &format!("if={name}"), &format!("of={q}"), "bs=64k"],
+    );
+    d.ok(
+        BIN,
+        &["dd", &format!("if={name}"), &format!("of={o}"), "bs=64k"],
+    );
+    assert_eq!(d.read("o.raw"), d.read("q.raw"));
+}
+
+#[test]
+fn an_unaligned_export_maps_in_the_servers_blocks_as_qemu_img_maps_it() {
+    let d = Dir::new();
+    std::fs::write(d.path("u.raw"), vec![b'0'; 1000]).unwrap();
+    // Without -f qemu-nbd probes and serves whole 512-byte blocks; with it, single bytes.
+    for args in [&[][..], &["-f", "raw"][..]] {
+        let server = QemuNbd::unix(args, &d.path("u.raw"));
+        let sock = server.socket.display().to_string();
+        assert_same(
+            &d,
+            &[
+                "map",
+                "-f",
+                "raw",
+                "--output=json",
+                &format!("nbd:unix:{sock}"),
+            ],
+        );
+    }
+}
