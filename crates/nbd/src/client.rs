@@ -21,6 +21,10 @@ pub const DEFAULT_PORT: u16 = 10809;
 /// Largest request sent: bigger reads and writes are split. QEMU's servers take 32 MiB.
 pub const MAX_REQUEST: u32 = 32 << 20;
 
+/// Largest zero, trim or block status request: the biggest 32-bit length in whole 4 KiB
+/// blocks, so a split never leaves the rest unaligned.
+pub const MAX_RANGE: u32 = 0xffff_f000;
+
 /// Most extents accepted in one block status chunk (each is 8 bytes): bounds a reply.
 pub const MAX_EXTENTS: u32 = 1 << 16;
 
@@ -696,7 +700,7 @@ impl<S: Read + Write> NbdClient<S> {
         self.check_range(offset, len)?;
         let mut done = 0;
         while done < len {
-            let n = (len - done).min(u64::from(u32::MAX & !0xfff)) as u32;
+            let n = (len - done).min(u64::from(MAX_RANGE)) as u32;
             let h = self.send(cmd, flags, offset + done, n, &[])?;
             self.reply(h, None, None)?;
             done += u64::from(n);
@@ -752,7 +756,7 @@ impl<S: Read + Write> NbdClient<S> {
         if self.allocation.is_none() || len == 0 {
             return Ok(all_data);
         }
-        let n = len.min(u64::from(u32::MAX & !0xfff)).max(1) as u32;
+        let n = len.min(u64::from(MAX_RANGE)).max(1) as u32;
         let h = self.send(CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, offset, n, &[])?;
         let mut out = Vec::new();
         self.reply(h, None, Some(&mut out))?;
