@@ -49,6 +49,14 @@ pub enum InfoError {
         /// The error.
         source: io::Error,
     },
+    /// An NBD export could not be reached or negotiated (qemu-img's words).
+    #[error("Could not open '{path}': {source}")]
+    OpenNbd {
+        /// The NBD name.
+        path: String,
+        /// The error.
+        source: io::Error,
+    },
     /// The image is not valid qcow2 (or a read failed).
     #[error("{path}: {source}")]
     Inspect {
@@ -140,11 +148,11 @@ fn open(path: &Path, force_share: bool) -> Result<Source, InfoError> {
         path: path.display().to_string(),
         source,
     };
-    if let Some(name) = path.to_str().filter(|n| nbd::client::is_nbd_name(n)) {
-        let target = nbd::client::NbdTarget::parse(name)
-            .map_err(|e| open_err(io::Error::new(io::ErrorKind::InvalidInput, e)))?;
-        let client = nbd::client::NbdClient::connect(&target, nbd::client::DEFAULT_IO_TIMEOUT)
-            .map_err(|e| open_err(e.into()))?;
+    if let Some(client) = crate::engine_run::nbd_connect(path) {
+        let client = client.map_err(|source| InfoError::OpenNbd {
+            path: path.display().to_string(),
+            source,
+        })?;
         return Ok(Source::Nbd(std::sync::Mutex::new(client)));
     }
     let file = File::open(path).map_err(open_err)?;

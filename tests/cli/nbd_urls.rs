@@ -166,7 +166,7 @@ fn create_takes_the_size_of_an_nbd_backing_file() {
 fn an_unreachable_server_is_refused_with_qemu_imgs_reason() {
     let d = Dir::new();
     let name = format!("nbd+unix:///?socket={}", d.s("nobody.sock"));
-    for cmd in ["map", "compare"] {
+    for cmd in ["info", "map", "compare"] {
         let mut args = vec![cmd, name.as_str()];
         if cmd == "compare" {
             args.push(name.as_str());

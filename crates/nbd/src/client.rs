@@ -214,7 +214,7 @@ fn percent_decode(s: &str) -> Option<String> {
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// The server could not be reached.
-    #[error("Failed to connect to '{target}': {source}")]
+    #[error("Failed to connect to '{target}': {}", os_text(source))]
     Connect {
         /// Where.
         target: String,
@@ -795,6 +795,15 @@ impl<S: Read + Write> NbdClient<S> {
 }
 
 const BASE_ALLOC: &str = "base:allocation";
+
+/// An OS error as QEMU words it: its text without Rust's `(os error N)`.
+fn os_text(e: &std::io::Error) -> String {
+    let text = e.to_string();
+    match text.find(" (os error ") {
+        Some(i) => text[..i].to_string(),
+        None => text,
+    }
+}
 
 fn proto(msg: impl Into<String>) -> ClientError {
     ClientError::Protocol(msg.into())
