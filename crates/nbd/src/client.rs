@@ -25,6 +25,10 @@ pub const MAX_REQUEST: u32 = 32 << 20;
 /// blocks, so a split never leaves the rest unaligned.
 pub const MAX_RANGE: u32 = 0xffff_f000;
 
+/// Most chunks accepted in one structured reply: a 32 MiB read in 512-byte pieces is
+/// 65536; a server that never ends a reply is cut off here.
+pub const MAX_CHUNKS: u32 = 1 << 17;
+
 /// Most extents accepted in one block status chunk (each is 8 bytes): bounds a reply.
 pub const MAX_EXTENTS: u32 = 1 << 16;
 
@@ -533,14 +537,28 @@ impl<S: Read + Write> NbdClient<S> {
             STRUCTURED_REPLY_MAGIC if self.structured => {
                 let mut error = None;
                 let mut covered = 0u64;
+                let mut chunks = 0u32;
                 loop {
+                    chunks += 1;
+                    if chunks > MAX_CHUNKS {
+                        return Err(proto("reply of too many chunks"));
+                    }
                     let mut h = [0; 16];
                     self.read_exact(&mut h)?;
                     let flags = u16::from_be_bytes([h[0], h[1]]);
                     let kind = u16::from_be_bytes([h[2], h[3]]);
                     self.check_handle(handle, &h[4..12])?;
                     let len = u32::from_be_bytes(h[12..16].try_into().unwrap_or([0; 4]));
-                    self.chunk(kind, len, &mut read, &mut status, &mut error, &mut covered)?;
+                    let done = flags & REPLY_FLAG_DONE != 0;
+                    self.chunk(
+                        kind,
+                        len,
+                        done,
+                        &mut read,
+                        &mut status,
+                        &mut error,
+                        &mut covered,
+                    )?;
                     if flags & REPLY_FLAG_DONE != 0 {
                         break;
                     }
@@ -577,13 +595,14 @@ impl<S: Read + Write> NbdClient<S> {
         &mut self,
         kind: u16,
         len: u32,
+        done: bool,
         read: &mut Option<(&mut [u8], u64)>,
         status: &mut Option<&mut Vec<Status>>,
         error: &mut Option<u32>,
         covered: &mut u64,
     ) -> Result<(), ClientError> {
         match kind {
-            REPLY_TYPE_NONE if len == 0 => Ok(()),
+            REPLY_TYPE_NONE if len == 0 && done => Ok(()),
             REPLY_TYPE_OFFSET_DATA | REPLY_TYPE_OFFSET_HOLE => {
                 let Some((buf, base)) = read.as_mut() else {
                     return Err(proto("data chunk in a reply that is not a read"));
@@ -618,6 +637,9 @@ impl<S: Read + Write> NbdClient<S> {
                     dest.fill(0);
                 }
                 *covered += n;
+                if *covered > buf.len() as u64 {
+                    return Err(proto("read reply covers more than the request"));
+                }
                 Ok(())
             }
             REPLY_TYPE_BLOCK_STATUS => {
@@ -639,6 +661,9 @@ impl<S: Read + Write> NbdClient<S> {
                     let flags = u32::from_be_bytes(e[4..].try_into().unwrap_or([0; 4]));
                     if elen == 0 {
                         return Err(proto("empty extent"));
+                    }
+                    if out.len() >= MAX_EXTENTS as usize {
+                        return Err(proto("too many extents"));
                     }
                     out.push(Status {
                         len: u64::from(elen),
@@ -910,12 +935,9 @@ mod tests {
             }
             let mut req = [0; 28];
             s.read_exact(&mut req)?;
-            let mut r = reply;
-            // The request's handle, so only the reply's content is wrong.
-            if r.len() >= 16 && u32be(&r[..4]) == STRUCTURED_REPLY_MAGIC {
-                r[8..16].copy_from_slice(&req[8..16]);
-            }
-            s.write_all(&r)?;
+            // The replies are built for the first request's handle.
+            assert_eq!(&req[8..16], &1u64.to_be_bytes());
+            s.write_all(&reply)?;
             Ok(())
         });
         client
@@ -925,7 +947,8 @@ mod tests {
         let mut m = STRUCTURED_REPLY_MAGIC.to_be_bytes().to_vec();
         m.extend_from_slice(&flags.to_be_bytes());
         m.extend_from_slice(&kind.to_be_bytes());
-        m.extend_from_slice(&0u64.to_be_bytes());
+        // The handle of a client's first request, so only the reply's content is wrong.
+        m.extend_from_slice(&1u64.to_be_bytes());
         m.extend_from_slice(&len.to_be_bytes());
         m.extend_from_slice(payload);
         m
@@ -1024,6 +1047,23 @@ mod tests {
         assert!(matches!(c.flush().unwrap_err(), ClientError::Protocol(_)));
         let mut c = connect(fake_server(1 << 20, None, vec![0xff; 64])).unwrap();
         assert!(matches!(c.flush().unwrap_err(), ClientError::Protocol(_)));
+
+        // A chunk that says nothing but does not end the reply, and holes covering the
+        // request twice over.
+        let mut c = connect(fake_server(
+            1 << 20,
+            None,
+            chunk(0, REPLY_TYPE_NONE, 0, &[]),
+        ))
+        .unwrap();
+        assert!(matches!(c.flush().unwrap_err(), ClientError::Protocol(_)));
+        let mut hole = 0u64.to_be_bytes().to_vec();
+        hole.extend_from_slice(&512u32.to_be_bytes());
+        let mut twice = chunk(0, REPLY_TYPE_OFFSET_HOLE, 12, &hole);
+        twice.extend(chunk(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_HOLE, 12, &hole));
+        let mut c = connect(fake_server(1 << 20, None, twice)).unwrap();
+        let e = c.read(&mut [0; 512], 0).unwrap_err();
+        assert!(matches!(e, ClientError::Protocol(_)), "{e:?}");
 
         // Past the end of the export: refused before anything is sent.
         let mut c = connect(fake_server(4096, None, vec![])).unwrap();
