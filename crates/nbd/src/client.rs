@@ -316,6 +316,15 @@ pub struct NbdClient<S = Box<dyn ReadWrite>> {
 pub trait ReadWrite: Read + Write + Send {}
 impl<T: Read + Write + Send> ReadWrite for T {}
 
+/// What the chunks of one structured reply have said so far.
+#[derive(Default)]
+struct Sofar {
+    /// The first error a chunk reported.
+    error: Option<u32>,
+    /// Bytes of the read that data and hole chunks have filled.
+    covered: u64,
+}
+
 /// One stretch of block status: its length and whether it is a hole / reads as zeros.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Status {
@@ -535,8 +544,7 @@ impl<S: Read + Write> NbdClient<S> {
                 Ok(())
             }
             STRUCTURED_REPLY_MAGIC if self.structured => {
-                let mut error = None;
-                let mut covered = 0u64;
+                let mut sofar = Sofar::default();
                 let mut chunks = 0u32;
                 loop {
                     chunks += 1;
@@ -550,15 +558,7 @@ impl<S: Read + Write> NbdClient<S> {
                     self.check_handle(handle, &h[4..12])?;
                     let len = u32::from_be_bytes(h[12..16].try_into().unwrap_or([0; 4]));
                     let done = flags & REPLY_FLAG_DONE != 0;
-                    self.chunk(
-                        kind,
-                        len,
-                        done,
-                        &mut read,
-                        &mut status,
-                        &mut error,
-                        &mut covered,
-                    )?;
+                    self.chunk(kind, len, done, &mut read, &mut status, &mut sofar)?;
                     if flags & REPLY_FLAG_DONE != 0 {
                         break;
                     }
@@ -568,11 +568,11 @@ impl<S: Read + Write> NbdClient<S> {
                         return Err(proto("bad structured reply magic"));
                     }
                 }
-                if let Some(errno) = error {
+                if let Some(errno) = sofar.error {
                     return Err(ClientError::Server { errno });
                 }
                 if let Some((buf, _)) = read {
-                    if covered != buf.len() as u64 {
+                    if sofar.covered != buf.len() as u64 {
                         return Err(proto("read reply does not cover the request"));
                     }
                 }
@@ -598,8 +598,7 @@ impl<S: Read + Write> NbdClient<S> {
         done: bool,
         read: &mut Option<(&mut [u8], u64)>,
         status: &mut Option<&mut Vec<Status>>,
-        error: &mut Option<u32>,
-        covered: &mut u64,
+        sofar: &mut Sofar,
     ) -> Result<(), ClientError> {
         match kind {
             REPLY_TYPE_NONE if len == 0 && done => Ok(()),
@@ -636,8 +635,8 @@ impl<S: Read + Write> NbdClient<S> {
                 } else {
                     dest.fill(0);
                 }
-                *covered += n;
-                if *covered > buf.len() as u64 {
+                sofar.covered += n;
+                if sofar.covered > buf.len() as u64 {
                     return Err(proto("read reply covers more than the request"));
                 }
                 Ok(())
@@ -681,7 +680,9 @@ impl<S: Read + Write> NbdClient<S> {
                 self.read_exact(&mut payload)?;
                 let errno = u32::from_be_bytes(payload[..4].try_into().unwrap_or([0; 4]));
                 // A zero errno in an error chunk is itself a protocol error; report EIO.
-                error.get_or_insert(if errno == 0 { libc::EIO as u32 } else { errno });
+                sofar
+                    .error
+                    .get_or_insert(if errno == 0 { libc::EIO as u32 } else { errno });
                 Ok(())
             }
             k => Err(proto(format!(
