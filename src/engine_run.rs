@@ -186,6 +186,20 @@ pub fn format_name(f: Format) -> &'static str {
     }
 }
 
+/// A connection to the export `path` names when it is an NBD name (`None`: a file), for
+/// the tools that read an image without the engine.
+pub fn nbd_connect(path: &Path) -> Option<std::io::Result<nbd::client::NbdClient>> {
+    let name = path.to_str().filter(|n| nbd::client::is_nbd_name(n))?;
+    Some(
+        nbd::client::NbdTarget::parse(name)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
+            .and_then(|target| {
+                nbd::client::NbdClient::connect(&target, nbd::client::DEFAULT_IO_TIMEOUT)
+                    .map_err(std::io::Error::from)
+            }),
+    )
+}
+
 /// Guesses a file's format the way qemu-img does for the formats we know: the qcow2 magic,
 /// otherwise raw. Only used for images opened read-only, where guessing raw is harmless.
 pub fn probe_format(path: &Path) -> Result<Format, OpenError> {
@@ -194,6 +208,22 @@ pub fn probe_format(path: &Path) -> Result<Format, OpenError> {
         source,
     };
     let mut magic = [0u8; 4];
+    if let Some(name) = path.to_str().filter(|n| nbd::client::is_nbd_name(n)) {
+        let target = nbd::client::NbdTarget::parse(name)
+            .map_err(|e| probe_err(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?;
+        let mut client = nbd::client::NbdClient::connect(&target, nbd::client::DEFAULT_IO_TIMEOUT)
+            .map_err(|e| probe_err(e.into()))?;
+        let got = client.size().min(4) as usize;
+        client
+            .read(&mut magic[..got], 0)
+            .map_err(|e| probe_err(e.into()))?;
+        client.disconnect();
+        return Ok(if got == 4 && magic == *b"QFI\xfb" {
+            Format::Qcow2
+        } else {
+            Format::Raw
+        });
+    }
     let mut f = std::fs::File::open(path).map_err(probe_err)?;
     let mut got = 0;
     while got < magic.len() {

@@ -2,8 +2,10 @@
 //! prefix, a `json:{...}` pseudo-filename, or (with `--image-opts`) a `key=value,...` list of
 //! block-layer options. All of them come down to a file, the format driver to read it with,
 //! and the driver options left over for the subcommand. Only the drivers this tool has are
-//! accepted (`qcow2`, `raw`, and the `file` protocol); QEMU's other block drivers and
-//! protocols are refused with the words QEMU uses for a driver it lacks.
+//! accepted (`qcow2`, `raw`, the `file` protocol, and NBD exports: the `nbd` driver and the
+//! NBD names `nbd://`, `nbd+unix://`, `nbd:...`, which become one normalized NBD name the
+//! storage opener connects by); QEMU's other block drivers and protocols are refused with
+//! the words QEMU uses for a driver it lacks.
 //!
 //! A name is untrusted input: `json:` text is bounded in size and nesting, and every refusal
 //! is a typed error naming what is wrong.
@@ -145,6 +147,12 @@ pub enum Reason {
     /// The `file` protocol without a file name.
     #[error("The 'file' block driver requires a file name")]
     NoFilename,
+    /// An NBD name or `nbd` driver options that do not name an export.
+    #[error("{0}")]
+    Nbd(#[from] nbd::client::NameError),
+    /// An `nbd` driver option this tool does not know or does not implement.
+    #[error("Block protocol 'nbd' doesn't support the option '{0}'")]
+    NbdOption(String),
     /// An option given both as a value and as an object with members.
     #[error("Option '{0}' is given both as a value and as an object")]
     Conflict(String),
@@ -201,6 +209,11 @@ pub fn parse(name: &OsStr, image_opts: bool) -> Result<ImageName, NameError> {
 /// in QEMU; `file:` is the only protocol here, and a path behind it that itself looks
 /// prefixed is made relative with `./` (as QEMU shows it) so that it is never read as one.
 pub fn protocol_path(name: &OsStr) -> Result<PathBuf, Reason> {
+    if let Some(text) = name.to_str().filter(|n| nbd::client::is_nbd_name(n)) {
+        // The storage opener connects by this name; it is also how QEMU shows the export.
+        let target = nbd::client::NbdTarget::parse(text)?;
+        return Ok(PathBuf::from(target.display_name()));
+    }
     let bytes = name.as_encoded_bytes();
     let Some(colon) = protocol_colon(bytes) else {
         return Ok(PathBuf::from(name));
@@ -380,6 +393,37 @@ fn file_node(direct: Option<Val>, mut members: BTreeMap<String, Val>) -> Result<
     Ok(PathBuf::from(name))
 }
 
+/// Options of the `nbd` protocol that change nothing here.
+const NBD_NOOP_OPTIONS: &[&str] = &["reconnect-delay", "open-timeout", "x-dirty-bitmap"];
+
+/// The `nbd` protocol node (`server.type`, `server.path`, `server.host`, `server.port`,
+/// `export`, or the legacy `path`, `host`, `port`): the NBD name the opener connects by.
+fn nbd_node(mut members: BTreeMap<String, Val>) -> Result<PathBuf, Reason> {
+    use nbd::client::{NameError, NbdTarget, ServerAddr, DEFAULT_PORT};
+    let export = text(members.remove("export")).unwrap_or_default();
+    let kind = text(members.remove("server.type"));
+    let path = text(members.remove("server.path")).or_else(|| text(members.remove("path")));
+    let host = text(members.remove("server.host")).or_else(|| text(members.remove("host")));
+    let port = text(members.remove("server.port")).or_else(|| text(members.remove("port")));
+    if let Some(k) = members.keys().find(|k| {
+        !NBD_NOOP_OPTIONS.contains(&k.as_str()) && !NODE_NOOP_OPTIONS.contains(&k.as_str())
+    }) {
+        return Err(Reason::NbdOption(k.clone()));
+    }
+    let server = match (kind.as_deref(), path, host) {
+        (Some("unix") | None, Some(path), None) => ServerAddr::Unix(PathBuf::from(path)),
+        (Some("inet") | None, None, Some(host)) => {
+            let port = match port {
+                None => DEFAULT_PORT,
+                Some(p) => p.parse().map_err(|_| NameError::BadPort(p))?,
+            };
+            ServerAddr::Inet { host, port }
+        }
+        _ => return Err(Reason::Nbd(NameError::NoServer("nbd".into()))),
+    };
+    Ok(PathBuf::from(NbdTarget { server, export }.display_name()))
+}
+
 /// Turns flattened options into the file, the format and the options left for the
 /// subcommand.
 fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
@@ -399,9 +443,25 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
                 options: BTreeMap::new(),
             });
         }
+        Some("nbd") => {
+            // The NBD node on its own: the export's bytes are the image.
+            let path = nbd_node(flat)?;
+            return Ok(ImageName {
+                path,
+                format: Some("raw".into()),
+                options: BTreeMap::new(),
+            });
+        }
         Some(other) => return Err(Reason::UnknownDriver(other.to_string())),
     };
-    let path = file_node(file_direct, file_members)?;
+    let path = match file_members.get("driver") {
+        Some(Val::Text(d)) if d == "nbd" && file_direct.is_none() => {
+            let mut members = file_members;
+            members.remove("driver");
+            nbd_node(members)?
+        }
+        _ => file_node(file_direct, file_members)?,
+    };
     let mut options = BTreeMap::new();
     // A layer's encryption key (`encrypt.key-secret`, `backing.encrypt.key-secret`, ...) is
     // read from the command line by `secrets`, which gives it to the open.
@@ -671,9 +731,35 @@ mod tests {
             Some("b")
         );
         assert_eq!(
-            reason("driver=nbd,host=127.0.0.1", true),
-            Reason::UnknownDriver("nbd".into())
+            reason("driver=quorum,children.0.file.filename=a", true),
+            Reason::UnknownDriver("quorum".into())
         );
+        // NBD: the export's name, as the opener connects by it and QEMU shows it.
+        let nbd = p("driver=nbd,host=127.0.0.1", true).unwrap();
+        assert_eq!(nbd.path, PathBuf::from("nbd://127.0.0.1:10809"));
+        assert_eq!(nbd.format.as_deref(), Some("raw"));
+        let nbd = p(
+            "driver=qcow2,file.driver=nbd,file.server.type=unix,file.server.path=/s,file.export=e",
+            true,
+        )
+        .unwrap();
+        assert_eq!(nbd.path, PathBuf::from("nbd+unix:///e?socket=/s"));
+        assert_eq!(nbd.format.as_deref(), Some("qcow2"));
+        assert_eq!(
+            p("nbd:unix:/s:exportname=x", false).unwrap().path,
+            PathBuf::from("nbd+unix:///x?socket=/s")
+        );
+        assert_eq!(
+            reason(
+                "driver=nbd,server.type=unix,server.path=/s,tls-creds=t",
+                true
+            ),
+            Reason::NbdOption("tls-creds".into())
+        );
+        assert!(matches!(
+            reason("driver=nbd,server.type=unix", true),
+            Reason::Nbd(_)
+        ));
         assert_eq!(reason("driver=qcow2", true), Reason::NoFileNode);
         assert_eq!(
             reason("driver=qcow2,file.driver=file", true),

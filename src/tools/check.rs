@@ -100,6 +100,26 @@ fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
         );
         Ok(63)
     };
+    if let Some(client) = crate::engine_run::nbd_connect(&args.image) {
+        // An export opens like a file; checks read qcow2 metadata from files only, so a
+        // qcow2 image over NBD is refused rather than reported clean.
+        client.map_err(|source| CheckCliError::OpenFile {
+            path: path.clone(),
+            source,
+        })?;
+        return match crate::engine_run::probe_format(&args.image) {
+            Ok(qcow2::engine::Format::Qcow2) if args.format.as_deref() != Some("raw") => {
+                Err(CheckCliError::OpenFile {
+                    path: path.clone(),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::Unsupported,
+                        "checking a qcow2 image over NBD is not supported",
+                    ),
+                })
+            }
+            _ => not_checkable(),
+        };
+    }
     let qcow2_given = match args.format.as_deref() {
         None => false,
         Some("qcow2") => true,

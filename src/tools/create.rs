@@ -926,7 +926,12 @@ async fn set_backing(
     };
     let fmt = engine_run::parse_format(fmt_name)?;
     opts.backing = Some((name.to_string(), fmt));
-    let resolved = engine::backing_name::resolve(path, name);
+    // An NBD name given here is the user's own choice, so its export is read for the size
+    // (names stored in images are still not followed: see `backing_name`).
+    let resolved = match nbd::client::NbdTarget::parse(name) {
+        Ok(target) if nbd::client::is_nbd_name(name) => Ok(PathBuf::from(target.display_name())),
+        _ => engine::backing_name::resolve(path, name),
+    };
     if let Ok(r) = &resolved {
         if same_file(r, path) {
             return Err(invalid(

@@ -49,6 +49,14 @@ pub enum InfoError {
         /// The error.
         source: io::Error,
     },
+    /// An NBD export could not be reached or negotiated (qemu-img's words).
+    #[error("Could not open '{path}': {source}")]
+    OpenNbd {
+        /// The NBD name.
+        path: String,
+        /// The error.
+        source: io::Error,
+    },
     /// The image is not valid qcow2 (or a read failed).
     #[error("{path}: {source}")]
     Inspect {
@@ -102,22 +110,63 @@ enum Format {
     Raw,
 }
 
+/// What an image is read from: a file, or an NBD export (an NBD name).
+enum Source {
+    File(File),
+    Nbd(std::sync::Mutex<nbd::client::NbdClient>),
+}
+
+impl ByteSource for Source {
+    fn byte_len(&self) -> io::Result<u64> {
+        match self {
+            Source::File(f) => f.byte_len(),
+            Source::Nbd(c) => Ok(c.lock().map_err(|_| io::Error::other("poisoned"))?.size()),
+        }
+    }
+
+    fn read_exact_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        match self {
+            Source::File(f) => f.read_exact_at(offset, buf),
+            Source::Nbd(c) => {
+                let mut c = c.lock().map_err(|_| io::Error::other("poisoned"))?;
+                match c.read(buf, offset) {
+                    Err(nbd::client::ClientError::OutOfRange { .. }) => {
+                        Err(io::ErrorKind::UnexpectedEof.into())
+                    }
+                    r => Ok(r?),
+                }
+            }
+        }
+    }
+}
+
 /// Opens an image file read-only, holding the read lock QEMU would (shared with every
-/// writer when `force_share`) for as long as the file is open.
-fn open(path: &Path, force_share: bool) -> Result<File, InfoError> {
+/// writer when `force_share`) for as long as the file is open; an NBD name connects to its
+/// export instead.
+fn open(path: &Path, force_share: bool) -> Result<Source, InfoError> {
     let open_err = |source| InfoError::Open {
         path: path.display().to_string(),
         source,
     };
+    if let Some(client) = crate::engine_run::nbd_connect(path) {
+        let client = client.map_err(|source| InfoError::OpenNbd {
+            path: path.display().to_string(),
+            source,
+        })?;
+        return Ok(Source::Nbd(std::sync::Mutex::new(client)));
+    }
     let file = File::open(path).map_err(open_err)?;
     let perms = storage::Permissions::for_open(true, force_share);
     storage::lock::lock(&file, path, perms, crate::engine_run::locking())
         .map_err(|e| open_err(e.into()))?;
-    Ok(file)
+    Ok(Source::File(file))
 }
 
 /// Bytes the file occupies on disk, as `qemu-img info` reports `actual-size`.
-fn allocated_size(file: &File) -> Option<u64> {
+fn allocated_size(source: &Source) -> Option<u64> {
+    let Source::File(file) = source else {
+        return None;
+    };
     file.metadata().ok().map(|m| m.blocks().saturating_mul(512))
 }
 
@@ -166,6 +215,9 @@ fn describe(path: &Path, format: Format, force_share: bool) -> Result<ImageInfo,
     };
     if let Some(actual) = allocated_size(&file) {
         info.set_actual_size(actual);
+    }
+    if matches!(file, Source::Nbd(_)) {
+        info.set_nbd();
     }
     Ok(info)
 }

@@ -17,6 +17,7 @@ mod drop_in;
 mod encryption;
 mod image_names;
 mod interop_writes;
+mod nbd_urls;
 mod qemu_img_options;
 mod qemu_img_outputs;
 mod rebase_compress;

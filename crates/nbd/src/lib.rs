@@ -18,6 +18,7 @@
 //! threads reach it through [`remote::Remote`].
 
 mod accept;
+pub mod client;
 pub mod connection;
 pub mod control;
 pub mod errno;

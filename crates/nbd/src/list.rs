@@ -140,7 +140,7 @@ pub struct ListTls<'a> {
     pub hostname: Option<&'a str>,
 }
 
-trait Stream: Read + Write {}
+pub(crate) trait Stream: Read + Write {}
 impl<T: Read + Write> Stream for T {}
 
 /// Lists the exports of the server at the other end of `stream`, after starting TLS on it
@@ -160,12 +160,12 @@ pub fn list_exports<S: Read + Write>(
     }
 }
 
-struct Client<'a> {
-    s: &'a mut dyn Stream,
+pub(crate) struct Client<'a> {
+    pub(crate) s: &'a mut dyn Stream,
 }
 
 /// The error for an error reply `r` to `option`.
-fn refused(option: u32, r: Reply) -> ListError {
+pub(crate) fn refused(option: u32, r: Reply) -> ListError {
     ListError::Refused {
         option,
         kind: r.kind,
@@ -174,9 +174,9 @@ fn refused(option: u32, r: Reply) -> ListError {
 }
 
 /// One option reply: its type and data.
-struct Reply {
-    kind: u32,
-    data: Vec<u8>,
+pub(crate) struct Reply {
+    pub(crate) kind: u32,
+    pub(crate) data: Vec<u8>,
 }
 
 impl Client<'_> {
@@ -199,7 +199,7 @@ impl Client<'_> {
     }
 
     /// The greeting and the client flags.
-    fn greet(&mut self) -> Result<(), ListError> {
+    pub(crate) fn greet(&mut self) -> Result<(), ListError> {
         if self.read_u64()? != NBDMAGIC {
             return Err(ListError::Protocol("not an NBD server".into()));
         }
@@ -230,7 +230,7 @@ impl Client<'_> {
     }
 
     /// NBD_OPT_STARTTLS, which must be acknowledged before the TLS handshake.
-    fn starttls(&mut self) -> Result<(), ListError> {
+    pub(crate) fn starttls(&mut self) -> Result<(), ListError> {
         let r = self.starttls_inner();
         self.abort_on_refusal(r)
     }
@@ -282,7 +282,7 @@ impl Client<'_> {
         Ok(Mode::Simple)
     }
 
-    fn send_option(&mut self, option: u32, data: &[u8]) -> Result<(), ListError> {
+    pub(crate) fn send_option(&mut self, option: u32, data: &[u8]) -> Result<(), ListError> {
         let len = u32::try_from(data.len())
             .map_err(|_| ListError::Protocol("option data too long".into()))?;
         let mut msg = Vec::with_capacity(16 + data.len());
@@ -295,7 +295,7 @@ impl Client<'_> {
         Ok(())
     }
 
-    fn reply(&mut self, option: u32) -> Result<Reply, ListError> {
+    pub(crate) fn reply(&mut self, option: u32) -> Result<Reply, ListError> {
         if self.read_u64()? != OPTION_REPLY_MAGIC {
             return Err(ListError::Protocol("bad option reply magic".into()));
         }
@@ -316,7 +316,7 @@ impl Client<'_> {
     }
 
     /// An option without data that is either acknowledged (true) or refused (false).
-    fn simple_option(&mut self, option: u32) -> Result<bool, ListError> {
+    pub(crate) fn simple_option(&mut self, option: u32) -> Result<bool, ListError> {
         self.send_option(option, &[])?;
         let r = self.reply(option)?;
         match r.kind {
@@ -444,7 +444,7 @@ impl Client<'_> {
 }
 
 /// A 32-bit length and the bytes of `name`.
-fn name_field(name: &str) -> Result<Vec<u8>, ListError> {
+pub(crate) fn name_field(name: &str) -> Result<Vec<u8>, ListError> {
     let len = u32::try_from(name.len())
         .map_err(|_| ListError::Protocol("export name too long".into()))?;
     let mut out = len.to_be_bytes().to_vec();

@@ -17,7 +17,9 @@
 //! - [`MemStorage`] / [`MemFs`]: copy-on-write memory, for tests and backing-chain tests.
 //! - [`FaultStorage`]: wraps any storage, logs unflushed operations, makes crash images and
 //!   injects errors.
-//! - [`AnyStorage`] / [`FileOpener`]: choose io_uring or threads at run time.
+//! - [`nbd::NbdStorage`]: an NBD export, for names like `nbd+unix:///?socket=PATH`.
+//! - [`AnyStorage`] / [`FileOpener`]: choose io_uring or threads at run time, or NBD for an
+//!   NBD name.
 //!
 //! With `direct: true` (QEMU's `cache=none`) files are opened with `O_DIRECT`; aligned requests
 //! go straight through, unaligned ones use a bounce buffer (reads) or a serialized
@@ -42,6 +44,7 @@ pub mod fault;
 pub mod file;
 pub mod lock;
 mod mem;
+pub mod nbd;
 mod opener;
 mod sys;
 pub mod threads;

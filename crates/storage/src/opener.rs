@@ -35,6 +35,8 @@ pub enum AnyStorage {
     Uring(UringStorage),
     /// Thread-pool backend.
     Threads(ThreadsStorage),
+    /// An NBD export (the file name was an NBD name).
+    Nbd(crate::nbd::NbdStorage),
 }
 
 impl AnyStorage {
@@ -42,7 +44,7 @@ impl AnyStorage {
     pub fn aio(&self) -> Aio {
         match self {
             AnyStorage::Uring(_) => Aio::IoUring,
-            AnyStorage::Threads(_) => Aio::Threads,
+            AnyStorage::Threads(_) | AnyStorage::Nbd(_) => Aio::Threads,
         }
     }
 }
@@ -52,6 +54,7 @@ macro_rules! each {
         match $self {
             AnyStorage::Uring($s) => $e,
             AnyStorage::Threads($s) => $e,
+            AnyStorage::Nbd($s) => $e,
         }
     };
 }
@@ -109,6 +112,9 @@ impl Opener for FileOpener {
     type Storage = AnyStorage;
 
     async fn open(&self, path: &Path, opts: OpenOptions) -> io::Result<AnyStorage> {
+        if let Some(name) = path.to_str().filter(|n| nbd::client::is_nbd_name(n)) {
+            return crate::nbd::NbdStorage::open(name, opts).map(AnyStorage::Nbd);
+        }
         let opts = OpenOptions {
             direct: opts.direct || self.direct,
             locking: self.locking,
@@ -132,6 +138,9 @@ impl Opener for FileOpener {
     /// Resolved on a thread of its own within `opts.bound`: walking a path on a file system
     /// that does not answer blocks like opening a file there.
     async fn canonical(&self, path: &Path, opts: OpenOptions) -> io::Result<PathBuf> {
+        if path.to_str().is_some_and(nbd::client::is_nbd_name) {
+            return Ok(path.to_path_buf());
+        }
         let owned = path.to_path_buf();
         crate::bounded::run("resolving", path, opts.bound, move || {
             Ok(owned.canonicalize().unwrap_or(owned))

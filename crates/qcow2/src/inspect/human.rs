@@ -180,7 +180,7 @@ impl ImageInfo {
         if let Some(cs) = self.cluster_size {
             let _ = writeln!(out, "cluster_size: {cs}");
         }
-        if self.dirty_flag {
+        if self.dirty_flag == Some(true) {
             let _ = writeln!(out, "cleanly shut down: no");
         }
         if let Some(name) = &self.backing_filename {

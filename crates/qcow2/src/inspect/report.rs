@@ -25,8 +25,9 @@ pub struct ImageInfo {
     /// Present (and true) only for encrypted images.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub encrypted: Option<bool>,
-    /// The dirty bit.
-    pub dirty_flag: bool,
+    /// The dirty bit (`None` where QEMU shows none: an image read over NBD).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dirty_flag: Option<bool>,
     /// Backing file name as stored in the image.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backing_filename: Option<String>,
@@ -258,10 +259,12 @@ pub struct FileNodeInfo {
     /// Allocated bytes on disk, when known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub actual_size: Option<u64>,
-    /// `{ "type": "file", "data": {} }`.
-    pub format_specific: FileSpecific,
-    /// Always false.
-    pub dirty_flag: bool,
+    /// `{ "type": "file", "data": {} }` for a file; none for NBD.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub format_specific: Option<FileSpecific>,
+    /// False for a file; none for NBD.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dirty_flag: Option<bool>,
 }
 
 /// The file node's (empty) format-specific facts.
@@ -290,11 +293,11 @@ impl ChildInfo {
                 filename: filename.into(),
                 format: "file".into(),
                 actual_size,
-                format_specific: FileSpecific {
+                format_specific: Some(FileSpecific {
                     kind: "file".into(),
                     data: EmptyData {},
-                },
-                dirty_flag: false,
+                }),
+                dirty_flag: Some(false),
             },
         }
     }
@@ -353,7 +356,7 @@ impl ImageInfo {
             actual_size: None,
             cluster_size: Some(meta.geometry.cluster_size()),
             encrypted: (h.crypt_method != 0).then_some(true),
-            dirty_flag: h.is_dirty(),
+            dirty_flag: Some(h.is_dirty()),
             backing_filename: h
                 .backing_file
                 .as_deref()
@@ -380,13 +383,26 @@ impl ImageInfo {
             actual_size: None,
             cluster_size: None,
             encrypted: None,
-            dirty_flag: false,
+            dirty_flag: Some(false),
             backing_filename: None,
             full_backing_filename: None,
             backing_filename_format: None,
             snapshots: None,
             format_specific: None,
             children: vec![ChildInfo::file(filename, file_len, None)],
+        }
+    }
+
+    /// Marks the image as read over NBD (its file node is the `nbd` protocol), shown as
+    /// QEMU shows one: no dirty flag and no file-specific facts.
+    pub fn set_nbd(&mut self) {
+        if self.format == "raw" {
+            self.dirty_flag = None;
+        }
+        for child in &mut self.children {
+            child.info.format = "nbd".into();
+            child.info.format_specific = None;
+            child.info.dirty_flag = None;
         }
     }
 
