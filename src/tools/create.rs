@@ -919,13 +919,7 @@ async fn set_backing(
         }
         return Ok(size);
     };
-    let Some(fmt_name) = backing_fmt else {
-        return Err(invalid(
-            "Backing file specified without backing format".into(),
-        ));
-    };
-    let fmt = engine_run::parse_format(fmt_name)?;
-    opts.backing = Some((name.to_string(), fmt));
+    let fmt = backing_fmt.map(engine_run::parse_format).transpose()?;
     let resolved = engine::backing_name::resolve(path, name);
     if let Ok(r) = &resolved {
         if same_file(r, path) {
@@ -935,13 +929,33 @@ async fn set_backing(
             ));
         }
     }
+    let without_format = || invalid("Backing file specified without backing format".into());
     if args.backing_unsafe {
+        let fmt = fmt.ok_or_else(without_format)?;
+        opts.backing = Some((name.to_string(), fmt));
         return Ok(size);
     }
     let resolved = resolved.map_err(|e| CreateError::Backing {
         image: image.to_string(),
         source: OpenError::from(EngineError::Backing(e)),
     })?;
+    // Without a format the backing file is still opened first, as qemu-img does: one that
+    // cannot be opened is reported as such, one that can is named by the format found.
+    let fmt = match fmt {
+        Some(fmt) => fmt,
+        None => {
+            let found =
+                engine_run::probe_format(&resolved).map_err(|source| CreateError::Backing {
+                    image: image.to_string(),
+                    source,
+                })?;
+            return Err(invalid(format!(
+                "Backing file specified without backing format\nDetected format of {}.",
+                engine_run::format_name(found)
+            )));
+        }
+    };
+    opts.backing = Some((name.to_string(), fmt));
     // Only its size is needed: an encrypted backing file opens without its password, as
     // QEMU opens it without I/O.
     let opts = engine::OpenOptions {

@@ -118,3 +118,107 @@ fn unsupported_features_are_listed_as_qemu_img_does() {
         p.same(args);
     }
 }
+
+/// Where the feature name table's data starts and how long it is, in the image `b`.
+fn feature_table(b: &[u8]) -> (usize, usize) {
+    let header_len = u32::from_be_bytes(b[100..104].try_into().unwrap()) as usize;
+    let mut at = header_len;
+    loop {
+        let magic = u32::from_be_bytes(b[at..at + 4].try_into().unwrap());
+        let len = u32::from_be_bytes(b[at + 4..at + 8].try_into().unwrap()) as usize;
+        assert_ne!(magic, 0, "qemu-img wrote no feature name table");
+        if magic == 0x6803_f857 {
+            return (at + 8, len);
+        }
+        at += 8 + len.next_multiple_of(8);
+    }
+}
+
+/// Images whose feature tables QEMU reads its own way: `p.qcow2` has one partial entry (a
+/// name shorter than the 46 bytes an entry holds) naming incompatible bit 63; `e.qcow2` has
+/// an entry with an empty name before the one naming bit 62, which ends the table.
+fn odd_feature_tables(d: &Dir) {
+    for (name, entries, bits) in [
+        ("p.qcow2", &b"\x00\x3fTest feature"[..], 1u64 << 63),
+        ("e.qcow2", &[0u8; 48][..], 3u64 << 61),
+    ] {
+        d.create(name, "qcow2", "", None, "1M");
+        let path = d.path(name);
+        let mut b = std::fs::read(&path).expect("read image");
+        b[72..80].copy_from_slice(&bits.to_be_bytes());
+        let (data, len) = feature_table(&b);
+        let mut table = entries.to_vec();
+        if name == "e.qcow2" {
+            table[1] = 61;
+            table.extend_from_slice(b"\x00\x3etest2");
+            table.resize(96, 0);
+        }
+        assert!(
+            table.len() <= len,
+            "the new table fits where the old one was"
+        );
+        b[data - 4..data].copy_from_slice(&(table.len() as u32).to_be_bytes());
+        b[data..data + len].fill(0);
+        b[data..data + table.len()].copy_from_slice(&table);
+        std::fs::write(&path, b).expect("write image");
+    }
+}
+
+/// A feature name table is read as qemu-img reads it: a partial last entry still names its
+/// bit, and an entry without a name ends the table.
+#[test]
+fn feature_table_partial_and_empty_entries_are_read_as_qemu_img_does() {
+    let p = Pair::new(odd_feature_tables);
+    for img in ["p.qcow2", "e.qcow2"] {
+        p.same(&["info", img]);
+        p.same(&["check", img]);
+    }
+}
+
+/// A repairing check opens the image read-write, which drops the autoclear bits nobody
+/// here understands (the header then says the same as after qemu-img's).
+#[test]
+fn repairing_check_clears_unknown_autoclear_bits() {
+    let p = Pair::new(|d: &Dir| {
+        d.create("a.qcow2", "qcow2", "", None, "1M");
+        let path = d.path("a.qcow2");
+        let mut b = std::fs::read(&path).expect("read image");
+        b[88..96].copy_from_slice(&(1u64 << 63).to_be_bytes());
+        std::fs::write(&path, b).expect("write image");
+    });
+    p.same(&["check", "a.qcow2"]);
+    let autoclear = |d: &Dir| d.read("a.qcow2")[88..96].to_vec();
+    assert_eq!(
+        autoclear(&p.ours),
+        autoclear(&p.qemu),
+        "a plain check changes nothing"
+    );
+    assert_eq!(autoclear(&p.ours), (1u64 << 63).to_be_bytes());
+    p.same(&["check", "-r", "all", "a.qcow2"]);
+    assert_eq!(autoclear(&p.ours), autoclear(&p.qemu));
+    assert_eq!(autoclear(&p.ours), [0; 8]);
+}
+
+/// A backing file given without its format is opened all the same before the image is
+/// made: one that cannot be opened is reported so, one that can is refused with the format
+/// qemu-img found in it; with `-u` only the missing format is reported.
+#[test]
+fn create_backing_without_format_opens_it_first() {
+    let p = Pair::new(|d: &Dir| {
+        d.create("b.qcow2", "qcow2", "", None, "1M");
+    });
+    p.same(&["create", "-f", "qcow2", "-b", "nosuch.qcow2", "t.qcow2"]);
+    p.same(&[
+        "create",
+        "-f",
+        "qcow2",
+        "-b",
+        "nosuch.qcow2",
+        "t.qcow2",
+        "1M",
+    ]);
+    p.same(&["create", "-f", "qcow2", "-b", "b.qcow2", "t.qcow2", "1M"]);
+    p.same(&[
+        "create", "-f", "qcow2", "-u", "-b", "b.qcow2", "t.qcow2", "1M",
+    ]);
+}
