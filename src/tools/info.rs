@@ -57,6 +57,17 @@ pub enum InfoError {
         /// The error.
         source: InspectError,
     },
+    /// The header fails a check QEMU makes the same way (QEMU's words).
+    #[error("Could not open '{path}': {message}")]
+    Refused {
+        /// The image.
+        path: String,
+        /// QEMU's words.
+        message: String,
+    },
+    /// Following the backing chain came back to an image already shown (qemu-img's words).
+    #[error("Backing file '{0}' creates an infinite loop.")]
+    Loop(String),
     /// A backing file cannot be followed safely.
     #[error(transparent)]
     Backing(#[from] BackingError),
@@ -128,18 +139,22 @@ fn describe(path: &Path, format: Format, force_share: bool) -> Result<ImageInfo,
     let mut info = match format {
         Format::Qcow2 => {
             let meta = inspect::inspect(&file).map_err(|source| {
-                let unsupported = match &source {
-                    qcow2::metadata::MetadataError::Format(f) => {
-                        crate::engine_run::unsupported_features(f)
-                    }
+                let format = match &source {
+                    qcow2::metadata::MetadataError::Format(f) => Some(f),
                     _ => None,
                 };
-                match unsupported {
-                    Some(features) => InfoError::Unsupported {
+                let unsupported = format.and_then(crate::engine_run::unsupported_features);
+                let refused = format.and_then(|f| f.qemu_open_message());
+                match (unsupported, refused) {
+                    (Some(features), _) => InfoError::Unsupported {
                         path: name.clone(),
                         features,
                     },
-                    None => InfoError::Inspect {
+                    (None, Some(message)) => InfoError::Refused {
+                        path: name.clone(),
+                        message,
+                    },
+                    (None, None) => InfoError::Inspect {
                         path: name.clone(),
                         source,
                     },
@@ -229,7 +244,10 @@ pub fn collect(
             .last()
             .and_then(|last| last.backing_filename_format.clone());
         let next = backing_chain::resolve(&current, &name)?;
-        guard.enter(&current, &next)?;
+        guard.enter(&current, &next).map_err(|e| match e {
+            BackingError::Loop { path, .. } => InfoError::Loop(path),
+            e => InfoError::Backing(e),
+        })?;
         let format = backing_format(&next, recorded.as_deref())?;
         infos.push(describe(&next, format, force_share)?);
         current = next;
@@ -248,11 +266,13 @@ pub fn run(args: &InfoArgs) -> Result<(), InfoError> {
     let mut out = io::stdout().lock();
     match args.output {
         OutputFormat::Json if args.backing_chain => {
-            writeln!(out, "{}", serde_json::to_string_pretty(&infos)?)?
+            let value = serde_json::to_value(&infos)?;
+            writeln!(out, "{}", qcow2::qemu_json::to_pretty(&value))?
         }
         OutputFormat::Json => {
             for info in &infos {
-                writeln!(out, "{}", serde_json::to_string_pretty(info)?)?;
+                let value = serde_json::to_value(info)?;
+                writeln!(out, "{}", qcow2::qemu_json::to_pretty(&value))?;
             }
         }
         OutputFormat::Human => {

@@ -222,3 +222,78 @@ fn create_backing_without_format_opens_it_first() {
         "create", "-f", "qcow2", "-u", "-b", "b.qcow2", "t.qcow2", "1M",
     ]);
 }
+
+/// A header whose tables or size fail the checks QEMU makes when it opens an image is
+/// refused in QEMU's words, by every tool that opens it.
+#[test]
+fn header_table_errors_are_worded_as_qemu_img_words_them() {
+    // (field offset, bytes): L1 too small, disk too big, refcount table too large, refcount
+    // table and L1 table misaligned, no refcount table.
+    let pokes: [(usize, &[u8]); 6] = [
+        (36, &[0; 4]),
+        (24, &(1u64 << 60).to_be_bytes()),
+        (56, &[0xff; 4]),
+        (48, &0x1234_5678_90ab_cdefu64.to_be_bytes()),
+        (40, &0x1234_5678_90ab_cdefu64.to_be_bytes()),
+        (56, &[0; 4]),
+    ];
+    let p = Pair::new(|d: &Dir| {
+        for (i, (at, bytes)) in pokes.iter().enumerate() {
+            let name = format!("h{i}.qcow2");
+            d.create(&name, "qcow2", "", None, "64M");
+            let mut b = d.read(&name);
+            b[*at..at + bytes.len()].copy_from_slice(bytes);
+            std::fs::write(d.path(&name), b).expect("write image");
+        }
+    });
+    for i in 0..pokes.len() {
+        let img = format!("h{i}.qcow2");
+        p.same(&["info", &img]);
+        p.same(&["map", &img]);
+        if i != 5 {
+            // A check opens an image without a refcount table to rebuild one.
+            p.same(&["check", &img]);
+        }
+    }
+}
+
+/// `info --output=json` is laid out as qemu-img lays it out: four spaces per level, empty
+/// containers over two lines, members in the order QEMU's dictionary gives them.
+#[test]
+fn info_json_is_laid_out_as_qemu_img_lays_it_out() {
+    let p = Pair::new(|d: &Dir| {
+        d.create("b.qcow2", "qcow2", "", None, "1M");
+        d.create("t.qcow2", "qcow2", "", Some(("b.qcow2", "qcow2")), "1M");
+        d.qemu_img(&["bitmap", "--add", "t.qcow2", "bm0"]);
+        d.create("r.raw", "raw", "", None, "1M");
+    });
+    p.same(&["info", "--output=json", "t.qcow2"]);
+    p.same(&["info", "--output=json", "--backing-chain", "t.qcow2"]);
+    p.same(&["info", "--output=json", "r.raw"]);
+}
+
+/// A backing chain that comes back to an image already shown is refused with qemu-img's
+/// words, naming the image seen twice.
+#[test]
+fn info_backing_chain_loop_is_reported_as_qemu_img_reports_it() {
+    let p = Pair::new(|d: &Dir| {
+        d.create("self.qcow2", "qcow2", "", None, "1M");
+        d.qemu_img(&[
+            "rebase",
+            "-u",
+            "-b",
+            "self.qcow2",
+            "-F",
+            "qcow2",
+            "self.qcow2",
+        ]);
+        d.create("a.qcow2", "qcow2", "", None, "1M");
+        d.create("b.qcow2", "qcow2", "", Some(("a.qcow2", "qcow2")), "1M");
+        d.create("c.qcow2", "qcow2", "", Some(("b.qcow2", "qcow2")), "1M");
+        d.qemu_img(&["rebase", "-u", "-b", "b.qcow2", "-F", "qcow2", "a.qcow2"]);
+    });
+    for img in ["self.qcow2", "c.qcow2"] {
+        p.same(&["info", "--backing-chain", img]);
+        p.same(&["info", img]);
+    }
+}
