@@ -301,18 +301,14 @@ pub struct Qcow2Plan {
     pub opts: CreateOptions,
 }
 
-/// The options of encryption, in the order qemu-img's "Formatting" line shows them.
-const ENCRYPT_OPTIONS: &[&str] = &[
-    "encryption",
-    "encrypt.format",
-    "encrypt.key-secret",
-    "encrypt.cipher-alg",
-    "encrypt.cipher-mode",
-    "encrypt.ivgen-alg",
-    "encrypt.ivgen-hash-alg",
-    "encrypt.hash-alg",
-    "encrypt.iter-time",
-];
+/// The encryption settings that mean nothing without `encrypt.format`, taken from the
+/// "Formatting" line's order (qemu-img names the first one given).
+fn encrypt_settings() -> impl Iterator<Item = &'static str> {
+    QCOW2_LINE_ORDER
+        .iter()
+        .map(|(name, _)| *name)
+        .filter(|n| n.starts_with("encrypt.") && *n != "encrypt.format")
+}
 
 /// The encryption the options ask for, with qemu-img's messages; the secret must have been
 /// defined with `--object secret`.
@@ -327,7 +323,7 @@ pub fn encryption_settings(p: &Parsed) -> Result<Option<NewEncryption>, String> 
         (Some(true), None) => "aes",
         (_, Some(f)) => f,
         (_, None) => {
-            if let Some(name) = ENCRYPT_OPTIONS[2..].iter().find(|n| p.has(n)) {
+            if let Some(name) = encrypt_settings().find(|n| p.has(n)) {
                 return Err(format!(
                     "Parameter '{name}' is unexpected without encrypt.format"
                 ));

@@ -223,6 +223,23 @@ fn image_format(image: &Path, given: Option<&str>) -> Result<Format, InfoError> 
     }
 }
 
+/// The name QEMU gives an image opened with options a plain file name cannot carry: its
+/// `json:{...}` pseudo-filename. Of the options taken here, only the key secret of a qcow2
+/// image is one QEMU counts as part of what the image is.
+fn pseudo_filename(image: &Path, format: Format) -> Option<String> {
+    if format != Format::Qcow2 {
+        return None;
+    }
+    let options = crate::image_name::driver_options(image);
+    let secret = options.get("encrypt.key-secret")?;
+    let node = serde_json::json!({
+        "driver": "qcow2",
+        "encrypt.key-secret": secret,
+        "file": { "driver": "file", "filename": image.display().to_string() },
+    });
+    Some(format!("json:{}", qcow2::qemu_json::to_compact(&node)))
+}
+
 /// Collects the reports for the image (of format `format`, probed when `None`) and, with
 /// `backing_chain`, every backing file.
 pub fn collect(
@@ -235,6 +252,9 @@ pub fn collect(
     guard.enter(image, image)?;
     let top = image_format(image, format)?;
     let mut infos = vec![describe(image, top, force_share)?];
+    if let Some(name) = pseudo_filename(image, top) {
+        infos[0].filename = name;
+    }
     if !backing_chain {
         return Ok(infos);
     }

@@ -297,3 +297,47 @@ fn info_backing_chain_loop_is_reported_as_qemu_img_reports_it() {
         p.same(&["info", img]);
     }
 }
+
+/// An encrypted image given with its key secret in `--image-opts` is shown under QEMU's
+/// `json:{...}` pseudo-filename; the file below it keeps its plain name.
+#[test]
+fn info_names_an_image_opened_with_its_key_secret_as_qemu_img_does() {
+    let p = Pair::new(|d: &Dir| {
+        d.qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "--object",
+            "secret,id=s0,data=x",
+            "-o",
+            "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10",
+            "e.qcow2",
+            "1M",
+        ]);
+    });
+    let names = |out: &std::process::Output| -> Vec<String> {
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with("image: ") || l.contains("\"filename\": "))
+            .map(str::to_string)
+            .collect()
+    };
+    for output in ["--output=human", "--output=json"] {
+        let (q, o) = p.run(&[
+            "info",
+            output,
+            "--object",
+            "secret,id=s0,data=x",
+            "--image-opts",
+            "driver=qcow2,file.filename=e.qcow2,encrypt.key-secret=s0",
+        ]);
+        assert!(q.status.success() && o.status.success(), "{o:?}");
+        assert_eq!(names(&o), names(&q));
+        assert!(
+            names(&o).iter().any(|n| n.contains("json:{")),
+            "{:?}",
+            names(&o)
+        );
+    }
+}

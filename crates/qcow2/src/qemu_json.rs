@@ -44,16 +44,34 @@ fn bucket(key: &str) -> u32 {
 /// `v` as QEMU's tools print it (no trailing newline).
 pub fn to_pretty(v: &Value) -> String {
     let mut out = String::new();
-    write_value(&mut out, v, 0);
+    write_value(&mut out, v, Some(0));
     out
 }
 
-fn newline(out: &mut String, depth: usize) {
-    out.push('\n');
-    out.extend(std::iter::repeat_n(' ', depth * 4));
+/// `v` on one line, as QEMU writes it inside a `json:{...}` file name: members and items
+/// separated by `, `, in the same order as [`to_pretty`].
+pub fn to_compact(v: &Value) -> String {
+    let mut out = String::new();
+    write_value(&mut out, v, None);
+    out
 }
 
-fn write_value(out: &mut String, v: &Value, depth: usize) {
+/// Starts a member or item: a line of its own at `depth` when pretty, else after a space
+/// unless it is the first.
+fn separate(out: &mut String, depth: Option<usize>, first: bool) {
+    match depth {
+        Some(depth) => {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', depth * 4));
+        }
+        None if !first => out.push(' '),
+        None => {}
+    }
+}
+
+/// Writes `v`; `depth` is the nesting level when pretty, `None` for one line.
+fn write_value(out: &mut String, v: &Value, depth: Option<usize>) {
+    let inner = depth.map(|d| d + 1);
     match v {
         Value::Null => out.push_str("null"),
         Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
@@ -65,10 +83,10 @@ fn write_value(out: &mut String, v: &Value, depth: usize) {
                 if i > 0 {
                     out.push(',');
                 }
-                newline(out, depth + 1);
-                write_value(out, item, depth + 1);
+                separate(out, inner, i == 0);
+                write_value(out, item, inner);
             }
-            newline(out, depth);
+            separate(out, depth, true);
             out.push(']');
         }
         Value::Object(members) => {
@@ -86,12 +104,12 @@ fn write_value(out: &mut String, v: &Value, depth: usize) {
                 if i > 0 {
                     out.push(',');
                 }
-                newline(out, depth + 1);
+                separate(out, inner, i == 0);
                 out.push_str(&string(key));
                 out.push_str(": ");
-                write_value(out, value, depth + 1);
+                write_value(out, value, inner);
             }
-            newline(out, depth);
+            separate(out, depth, true);
             out.push('}');
         }
     }
@@ -141,6 +159,20 @@ mod tests {
         assert_eq!(
             to_pretty(&v),
             "{\n    \"children\": [\n    ],\n    \"backing-filename-format\": \"qcow2\",\n    \"virtual-size\": 1,\n    \"filename\": \"a\\u00E9\\\"\",\n    \"format-specific\": {\n        \"type\": \"file\",\n        \"data\": {\n        }\n    }\n}"
+        );
+    }
+
+    #[test]
+    fn compact_is_one_line_in_the_same_order() {
+        let v = serde_json::json!({
+            "driver": "qcow2",
+            "encrypt.key-secret": "s",
+            "file": {"filename": "a.qcow2", "driver": "file"},
+            "list": [1, 2],
+        });
+        assert_eq!(
+            to_compact(&v),
+            "{\"list\": [1, 2], \"encrypt.key-secret\": \"s\", \"driver\": \"qcow2\", \"file\": {\"driver\": \"file\", \"filename\": \"a.qcow2\"}}"
         );
     }
 }
