@@ -302,7 +302,7 @@ pub struct Qcow2Plan {
 }
 
 /// The encryption settings that mean nothing without `encrypt.format`, taken from the
-/// "Formatting" line's order (qemu-img names the first one given).
+/// "Formatting" line's list.
 fn encrypt_settings() -> impl Iterator<Item = &'static str> {
     QCOW2_LINE_ORDER
         .iter()
@@ -323,10 +323,9 @@ pub fn encryption_settings(p: &Parsed) -> Result<Option<NewEncryption>, String> 
         (Some(true), None) => "aes",
         (_, Some(f)) => f,
         (_, None) => {
-            if let Some(name) = encrypt_settings().find(|n| p.has(n)) {
-                return Err(format!(
-                    "Parameter '{name}' is unexpected without encrypt.format"
-                ));
+            if encrypt_settings().any(|n| p.has(n)) {
+                // QEMU reads the settings as one structure whose kind encrypt.format gives.
+                return Err("Parameter 'encrypt.format' is missing".into());
             }
             return Ok(None);
         }

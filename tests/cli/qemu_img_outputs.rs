@@ -341,3 +341,17 @@ fn info_names_an_image_opened_with_its_key_secret_as_qemu_img_does() {
         );
     }
 }
+
+/// Encryption settings without `encrypt.format` are refused as qemu-img refuses them, after
+/// the "Formatting" line.
+#[test]
+fn encrypt_settings_without_a_format_are_refused_as_qemu_img_refuses_them() {
+    let p = Pair::new(|_: &Dir| {});
+    for opts in [
+        "encrypt.key-secret=s",
+        "encrypt.iter-time=10,encrypt.cipher-alg=aes-128",
+        "encryption=off,encrypt.hash-alg=sha1",
+    ] {
+        p.same(&["create", "-f", "qcow2", "-o", opts, "z.qcow2", "1M"]);
+    }
+}
