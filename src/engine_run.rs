@@ -75,6 +75,14 @@ pub enum OpenError {
         /// The features.
         features: String,
     },
+    /// The image's header fails a check QEMU makes the same way, worded as QEMU words it.
+    #[error("Could not open '{path}': {message}")]
+    Refused {
+        /// The image.
+        path: String,
+        /// QEMU's words.
+        message: String,
+    },
     /// The engine refused the image.
     #[error(transparent)]
     Engine(Box<EngineError>),
@@ -121,6 +129,12 @@ impl From<EngineError> for OpenError {
                 path: image,
                 features: qemu_feature_list_of(&features),
             },
+            EngineError::Format { image, source } if source.qemu_open_message().is_some() => {
+                OpenError::Refused {
+                    path: image,
+                    message: source.qemu_open_message().unwrap_or_default(),
+                }
+            }
             other => OpenError::Engine(Box::new(other)),
         }
     }

@@ -547,7 +547,6 @@ pub fn resolve_opt(
 
 /// The driver options (those in the pass-through list) given with the image that resolved to
 /// `path` in this run.
-#[allow(dead_code)]
 pub fn driver_options(path: &Path) -> BTreeMap<String, String> {
     READ.lock()
         .ok()

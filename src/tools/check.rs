@@ -62,6 +62,14 @@ enum CheckCliError {
     /// `-f qcow2` on a file that is not qcow2.
     #[error("Could not open '{path}': Image is not in qcow2 format")]
     NotQcow2 { path: String },
+    /// The header fails a check QEMU makes the same way (QEMU's words).
+    #[error("Could not open '{path}': {message}")]
+    Refused {
+        /// The image.
+        path: String,
+        /// QEMU's words.
+        message: String,
+    },
     /// `-U` asks to share writes, which a repair cannot allow (qemu-img's words).
     #[error("Could not open '{path}': force-share=on can only be used with read-only images")]
     ForceShareRepair { path: String },
@@ -162,6 +170,10 @@ fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
         {
             let features = crate::engine_run::unsupported_features(&source).unwrap_or_default();
             return Err(CheckCliError::Unsupported { path, features });
+        }
+        Err(CheckError::Open { source }) if source.qemu_open_message().is_some() => {
+            let message = source.qemu_open_message().unwrap_or_default();
+            return Err(CheckCliError::Refused { path, message });
         }
         Err(e @ CheckError::Open { .. }) => {
             return Err(CheckCliError::Open { path, source: e });

@@ -301,18 +301,14 @@ pub struct Qcow2Plan {
     pub opts: CreateOptions,
 }
 
-/// The options of encryption, in the order qemu-img's "Formatting" line shows them.
-const ENCRYPT_OPTIONS: &[&str] = &[
-    "encryption",
-    "encrypt.format",
-    "encrypt.key-secret",
-    "encrypt.cipher-alg",
-    "encrypt.cipher-mode",
-    "encrypt.ivgen-alg",
-    "encrypt.ivgen-hash-alg",
-    "encrypt.hash-alg",
-    "encrypt.iter-time",
-];
+/// The encryption settings that mean nothing without `encrypt.format`, taken from the
+/// "Formatting" line's list.
+fn encrypt_settings() -> impl Iterator<Item = &'static str> {
+    QCOW2_LINE_ORDER
+        .iter()
+        .map(|(name, _)| *name)
+        .filter(|n| n.starts_with("encrypt.") && *n != "encrypt.format")
+}
 
 /// The encryption the options ask for, with qemu-img's messages; the secret must have been
 /// defined with `--object secret`.
@@ -327,10 +323,9 @@ pub fn encryption_settings(p: &Parsed) -> Result<Option<NewEncryption>, String> 
         (Some(true), None) => "aes",
         (_, Some(f)) => f,
         (_, None) => {
-            if let Some(name) = ENCRYPT_OPTIONS[2..].iter().find(|n| p.has(n)) {
-                return Err(format!(
-                    "Parameter '{name}' is unexpected without encrypt.format"
-                ));
+            if encrypt_settings().any(|n| p.has(n)) {
+                // QEMU reads the settings as one structure whose kind encrypt.format gives.
+                return Err("Parameter 'encrypt.format' is missing".into());
             }
             return Ok(None);
         }
@@ -919,13 +914,7 @@ async fn set_backing(
         }
         return Ok(size);
     };
-    let Some(fmt_name) = backing_fmt else {
-        return Err(invalid(
-            "Backing file specified without backing format".into(),
-        ));
-    };
-    let fmt = engine_run::parse_format(fmt_name)?;
-    opts.backing = Some((name.to_string(), fmt));
+    let fmt = backing_fmt.map(engine_run::parse_format).transpose()?;
     // An NBD name given here is the user's own choice, so its export is read for the size
     // (names stored in images are still not followed: see `backing_name`).
     let resolved = match nbd::client::NbdTarget::parse(name) {
@@ -940,13 +929,33 @@ async fn set_backing(
             ));
         }
     }
+    let without_format = || invalid("Backing file specified without backing format".into());
     if args.backing_unsafe {
+        let fmt = fmt.ok_or_else(without_format)?;
+        opts.backing = Some((name.to_string(), fmt));
         return Ok(size);
     }
     let resolved = resolved.map_err(|e| CreateError::Backing {
         image: image.to_string(),
         source: OpenError::from(EngineError::Backing(e)),
     })?;
+    // Without a format the backing file is still opened first, as qemu-img does: one that
+    // cannot be opened is reported as such, one that can is named by the format found.
+    let fmt = match fmt {
+        Some(fmt) => fmt,
+        None => {
+            let found =
+                engine_run::probe_format(&resolved).map_err(|source| CreateError::Backing {
+                    image: image.to_string(),
+                    source,
+                })?;
+            return Err(invalid(format!(
+                "Backing file specified without backing format\nDetected format of {}.",
+                engine_run::format_name(found)
+            )));
+        }
+    };
+    opts.backing = Some((name.to_string(), fmt));
     // Only its size is needed: an encrypted backing file opens without its password, as
     // QEMU opens it without I/O.
     let opts = engine::OpenOptions {

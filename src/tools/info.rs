@@ -65,6 +65,17 @@ pub enum InfoError {
         /// The error.
         source: InspectError,
     },
+    /// The header fails a check QEMU makes the same way (QEMU's words).
+    #[error("Could not open '{path}': {message}")]
+    Refused {
+        /// The image.
+        path: String,
+        /// QEMU's words.
+        message: String,
+    },
+    /// Following the backing chain came back to an image already shown (qemu-img's words).
+    #[error("Backing file '{0}' creates an infinite loop.")]
+    Loop(String),
     /// A backing file cannot be followed safely.
     #[error(transparent)]
     Backing(#[from] BackingError),
@@ -177,18 +188,22 @@ fn describe(path: &Path, format: Format, force_share: bool) -> Result<ImageInfo,
     let mut info = match format {
         Format::Qcow2 => {
             let meta = inspect::inspect(&file).map_err(|source| {
-                let unsupported = match &source {
-                    qcow2::metadata::MetadataError::Format(f) => {
-                        crate::engine_run::unsupported_features(f)
-                    }
+                let format = match &source {
+                    qcow2::metadata::MetadataError::Format(f) => Some(f),
                     _ => None,
                 };
-                match unsupported {
-                    Some(features) => InfoError::Unsupported {
+                let unsupported = format.and_then(crate::engine_run::unsupported_features);
+                let refused = format.and_then(|f| f.qemu_open_message());
+                match (unsupported, refused) {
+                    (Some(features), _) => InfoError::Unsupported {
                         path: name.clone(),
                         features,
                     },
-                    None => InfoError::Inspect {
+                    (None, Some(message)) => InfoError::Refused {
+                        path: name.clone(),
+                        message,
+                    },
+                    (None, None) => InfoError::Inspect {
                         path: name.clone(),
                         source,
                     },
@@ -260,6 +275,23 @@ fn image_format(image: &Path, given: Option<&str>) -> Result<Format, InfoError> 
     }
 }
 
+/// The name QEMU gives an image opened with options a plain file name cannot carry: its
+/// `json:{...}` pseudo-filename. Of the options taken here, only the key secret of a qcow2
+/// image is one QEMU counts as part of what the image is.
+fn pseudo_filename(image: &Path, format: Format) -> Option<String> {
+    if format != Format::Qcow2 {
+        return None;
+    }
+    let options = crate::image_name::driver_options(image);
+    let secret = options.get("encrypt.key-secret")?;
+    let node = serde_json::json!({
+        "driver": "qcow2",
+        "encrypt.key-secret": secret,
+        "file": { "driver": "file", "filename": image.display().to_string() },
+    });
+    Some(format!("json:{}", qcow2::qemu_json::to_compact(&node)))
+}
+
 /// Collects the reports for the image (of format `format`, probed when `None`) and, with
 /// `backing_chain`, every backing file.
 pub fn collect(
@@ -272,6 +304,9 @@ pub fn collect(
     guard.enter(image, image)?;
     let top = image_format(image, format)?;
     let mut infos = vec![describe(image, top, force_share)?];
+    if let Some(name) = pseudo_filename(image, top) {
+        infos[0].filename = name;
+    }
     if !backing_chain {
         return Ok(infos);
     }
@@ -281,7 +316,10 @@ pub fn collect(
             .last()
             .and_then(|last| last.backing_filename_format.clone());
         let next = backing_chain::resolve(&current, &name)?;
-        guard.enter(&current, &next)?;
+        guard.enter(&current, &next).map_err(|e| match e {
+            BackingError::Loop { path, .. } => InfoError::Loop(path),
+            e => InfoError::Backing(e),
+        })?;
         let format = backing_format(&next, recorded.as_deref())?;
         infos.push(describe(&next, format, force_share)?);
         current = next;
@@ -300,11 +338,13 @@ pub fn run(args: &InfoArgs) -> Result<(), InfoError> {
     let mut out = io::stdout().lock();
     match args.output {
         OutputFormat::Json if args.backing_chain => {
-            writeln!(out, "{}", serde_json::to_string_pretty(&infos)?)?
+            let value = serde_json::to_value(&infos)?;
+            writeln!(out, "{}", qcow2::qemu_json::to_pretty(&value))?
         }
         OutputFormat::Json => {
             for info in &infos {
-                writeln!(out, "{}", serde_json::to_string_pretty(info)?)?;
+                let value = serde_json::to_value(info)?;
+                writeln!(out, "{}", qcow2::qemu_json::to_pretty(&value))?;
             }
         }
         OutputFormat::Human => {

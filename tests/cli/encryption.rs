@@ -8,6 +8,8 @@ use test_support::{text, Dir};
 use crate::common::BIN;
 
 const SECRET: &str = "secret,id=sec0,data=astrochicken";
+/// A second secret, for a second layer or key slot.
+const SECRET1: &str = "secret,id=sec1,data=furby";
 
 /// `--image-opts` string of `image` with secret `sec0`.
 fn spec(d: &Dir, image: &str) -> String {
@@ -59,6 +61,27 @@ fn our_create(d: &Dir, image: &str, opts: &str, size: &str) {
 const LUKS: &str = "encrypt.format=luks,encrypt.key-secret=sec0,encrypt.iter-time=10";
 const AES: &str = "encryption=on,encrypt.key-secret=sec0";
 
+/// A new directory with the LUKS image `image` (secret `sec0`) made by qemu-img and
+/// written by qemu-io with `writes`.
+fn qemu_luks(image: &str, size: &str, writes: &[&str]) -> Dir {
+    let d = Dir::new();
+    qemu_create(&d, image, LUKS, size);
+    if !writes.is_empty() {
+        qemu_io(&d, image, writes);
+    }
+    d
+}
+
+/// A new directory with the plain qcow2 image `p.qcow2`, written by qemu-io with `writes`.
+fn plain(size: &str, writes: &[&str]) -> Dir {
+    let d = Dir::new();
+    d.create("p.qcow2", "qcow2", "", None, size);
+    if !writes.is_empty() {
+        d.qemu_io("qcow2", "p.qcow2", writes);
+    }
+    d
+}
+
 #[test]
 fn qemu_made_encrypted_images_read_through_ours() {
     for (opts, name) in [(LUKS, "luks"), (AES, "aes")] {
@@ -88,8 +111,7 @@ fn qemu_made_encrypted_images_read_through_ours() {
 
 #[test]
 fn a_wrong_password_is_refused_with_qemus_words() {
-    let d = Dir::new();
-    qemu_create(&d, "e.qcow2", LUKS, "1M");
+    let d = qemu_luks("e.qcow2", "1M", &[]);
     let e = spec(&d, "e.qcow2");
     let out = d.run(
         BIN,
@@ -165,12 +187,9 @@ fn our_encrypted_images_open_in_qemu_and_check_clean() {
 fn ours_writes_encrypted_data_qemu_reads() {
     // A commit writes into a QEMU-made LUKS base through a LUKS overlay: both layers are
     // deciphered and the base enciphered with its own key.
-    let d = Dir::new();
-    qemu_create(&d, "base.qcow2", LUKS, "4M");
-    qemu_io(&d, "base.qcow2", &["write -P 0xa 0 4M"]);
+    let d = qemu_luks("base.qcow2", "4M", &["write -P 0xa 0 4M"]);
     let base = d.s("base.qcow2");
     let top = d.s("top.qcow2");
-    let s1 = "secret,id=sec1,data=furby";
     d.ok(
         "qemu-img",
         &[
@@ -179,7 +198,7 @@ fn ours_writes_encrypted_data_qemu_reads() {
             "-f",
             "qcow2",
             "--object",
-            s1,
+            SECRET1,
             "-o",
             "encrypt.format=luks,encrypt.key-secret=sec1,encrypt.iter-time=10",
             "-b",
@@ -198,7 +217,7 @@ fn ours_writes_encrypted_data_qemu_reads() {
             "--object",
             SECRET,
             "--object",
-            s1,
+            SECRET1,
             "-c",
             "write -P 0x9 1000 70000",
             "--image-opts",
@@ -217,7 +236,7 @@ fn ours_writes_encrypted_data_qemu_reads() {
             "--object",
             SECRET,
             "--object",
-            s1,
+            SECRET1,
             "--image-opts",
             &our_spec,
         ],
@@ -244,9 +263,7 @@ fn ours_writes_encrypted_data_qemu_reads() {
 fn convert_into_a_preallocated_encrypted_image_reads_back_the_source() {
     // Preallocated clusters of an encrypted image hold noise to the guest: what the copy
     // skips as zeros must read as zeros all the same.
-    let d = Dir::new();
-    d.create("p.qcow2", "qcow2", "", None, "2M");
-    d.qemu_io("qcow2", "p.qcow2", &["write -P 0x5c 4096 70000"]);
+    let d = plain("2M", &["write -P 0x5c 4096 70000"]);
     let out = d.run(
         BIN,
         &[
@@ -270,8 +287,7 @@ fn convert_into_a_preallocated_encrypted_image_reads_back_the_source() {
 #[test]
 fn compressed_copies_into_encrypted_images_are_refused_as_qemu_img_refuses_them() {
     // Compressed clusters would be stored in plain text.
-    let d = Dir::new();
-    d.create("p.qcow2", "qcow2", "", None, "1M");
+    let d = plain("1M", &[]);
     let p = d.s("p.qcow2");
     let args = |out: &str| {
         vec![
@@ -342,11 +358,8 @@ fn raw_luks_volumes_are_created_for_qemu() {
 
 #[test]
 fn amend_adds_and_erases_key_slots_qemu_then_honours() {
-    let d = Dir::new();
-    qemu_create(&d, "e.qcow2", LUKS, "1M");
-    qemu_io(&d, "e.qcow2", &["write -P 0x42 0 64k"]);
+    let d = qemu_luks("e.qcow2", "1M", &["write -P 0x42 0 64k"]);
     let path = d.s("e.qcow2");
-    let s1 = "secret,id=sec1,data=furby";
     let with = |id: &str| format!("driver=qcow2,file.filename={path},encrypt.key-secret={id}");
     let amend = |spec: &str, opts: &str, force: bool| {
         let mut args = vec![
@@ -354,7 +367,7 @@ fn amend_adds_and_erases_key_slots_qemu_then_honours() {
             "--object",
             SECRET,
             "--object",
-            s1,
+            SECRET1,
             "--image-opts",
             spec,
         ];
@@ -372,7 +385,7 @@ fn amend_adds_and_erases_key_slots_qemu_then_honours() {
                 "--object",
                 SECRET,
                 "--object",
-                s1,
+                SECRET1,
                 "-c",
                 "read -P 0x42 0 64k",
                 "--image-opts",
@@ -425,9 +438,7 @@ fn amend_adds_and_erases_key_slots_qemu_then_honours() {
 
 #[test]
 fn measure_counts_the_luks_header_as_qemu_img_does() {
-    let d = Dir::new();
-    d.create("p.qcow2", "qcow2", "", None, "4M");
-    d.qemu_io("qcow2", "p.qcow2", &["write -P 1 0 1M"]);
+    let d = plain("4M", &["write -P 1 0 1M"]);
     let p = d.s("p.qcow2");
     for opts in [
         "encrypt.format=luks,encrypt.key-secret=sec0",

@@ -276,3 +276,35 @@ pub enum FormatError {
         available: u64,
     },
 }
+
+impl FormatError {
+    /// What QEMU's qcow2 driver says when it refuses to open an image for this reason, for
+    /// the header checks it makes the same way (table sizes and placement, the disk size
+    /// against the L1 table); `None` for the rest, which keep our own wording.
+    pub fn qemu_open_message(&self) -> Option<String> {
+        let table = |field: &str| match field {
+            "refcount_table_offset" | "refcount_table_clusters" => Some("Reference count table"),
+            "snapshots_offset" | "nb_snapshots" => Some("Snapshot table"),
+            "l1_table_offset" | "l1_size" => Some("Active L1 table"),
+            _ => None,
+        };
+        let header = |at: &Location| at.structure == Structure::Header;
+        match self {
+            FormatError::LimitExceeded { at, field, .. } if header(at) => match *field {
+                "size" => Some("Image is too big".into()),
+                f => table(f).map(|t| format!("{t} too large")),
+            },
+            FormatError::InvalidValue { at, field, .. } if header(at) => match *field {
+                "l1_size" => Some("L1 table is too small".into()),
+                "refcount_table_clusters" => {
+                    Some("Image does not contain a reference count table".into())
+                }
+                f => table(f).map(|t| format!("{t} offset invalid")),
+            },
+            FormatError::Unaligned { at, field, .. } if header(at) => {
+                table(field).map(|t| format!("{t} offset invalid"))
+            }
+            _ => None,
+        }
+    }
+}

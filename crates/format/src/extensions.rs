@@ -70,10 +70,24 @@ pub struct FeatureNameTable {
 }
 
 impl FeatureNameTable {
-    /// The name the table gives to `bit` of `kind`, if any.
+    /// The name the table gives to `bit` of `kind`, if any. The table is read as QEMU reads
+    /// it: a trailing partial entry counts, padded with zeros, and the first entry with an
+    /// empty name ends the table.
     pub fn name_of(&self, kind: FeatureKind, bit: u32) -> Option<String> {
+        let partial = (self.trailing.len() >= 2).then(|| {
+            let mut name = [0u8; FEATURE_NAME_LEN];
+            let tail = &self.trailing[2..];
+            name[..tail.len()].copy_from_slice(tail);
+            FeatureNameEntry {
+                kind: self.trailing[0],
+                bit: self.trailing[1],
+                name,
+            }
+        });
         self.entries
             .iter()
+            .chain(partial.as_ref())
+            .take_while(|e| e.name[0] != 0)
             .find(|e| e.kind == kind.to_byte() && u32::from(e.bit) == bit)
             .map(FeatureNameEntry::name_lossy)
     }

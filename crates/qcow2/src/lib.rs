@@ -11,3 +11,4 @@ pub use qcow2_format as format;
 pub mod inspect;
 pub mod measure;
 pub mod metadata;
+pub mod qemu_json;

@@ -8,7 +8,7 @@ use super::io;
 use super::meta::Meta;
 use super::report::{CheckReport, Finding, FindingKind};
 use crate::engine::overlap::{MetaIndex, MetaKind};
-use crate::format::features::INCOMPAT_CORRUPT;
+use crate::format::features::{AUTOCLEAR_KNOWN, INCOMPAT_CORRUPT};
 use crate::format::{header, HostOffset};
 use storage::{IoBuf, Storage};
 
@@ -225,6 +225,26 @@ impl<'a, S: Storage> Pass<'a, S> {
                 format!("qcow2: Image is corrupt: {detail}"),
             );
         }
+    }
+
+    /// Drops the autoclear bits we do not understand, as every read-write open does (a
+    /// repairing check opens the image read-write, as qemu-img's does): whoever set such a
+    /// bit must learn that the structure it vouches for may now be stale.
+    pub async fn clear_unknown_autoclear(&mut self) -> Result<(), CheckError> {
+        let bits = self.meta.header.autoclear_features;
+        let known = bits & AUTOCLEAR_KNOWN;
+        if self.meta.header.version < 3 || known == bits {
+            return Ok(());
+        }
+        io::write_header(
+            self.file,
+            "updating the header",
+            header::autoclear_update(known),
+        )
+        .await?;
+        io::flush(self.file).await?;
+        self.meta.header.autoclear_features = known;
+        Ok(())
     }
 
     /// Rewrites the incompatible feature bits (version 3 headers only) and flushes.

@@ -3,6 +3,7 @@
 
 use super::report::CheckReport;
 use super::run::CheckOutcome;
+use crate::qemu_json::string as json_string;
 
 impl CheckReport {
     /// The human summary qemu-img prints on stdout.
@@ -72,34 +73,6 @@ impl CheckReport {
             .collect();
         format!("{{\n{}\n}}\n", body.join(",\n"))
     }
-}
-
-/// A JSON string as QEMU writes one: quotes, backslashes and the usual control characters
-/// escaped by name, anything else outside printable ASCII as `\uXXXX` (surrogate pairs past
-/// the basic plane).
-fn json_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\u{8}' => out.push_str("\\b"),
-            '\u{c}' => out.push_str("\\f"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            ' '..='~' => out.push(c),
-            _ => {
-                let mut units = [0u16; 2];
-                for u in c.encode_utf16(&mut units) {
-                    out.push_str(&format!("\\u{u:04X}"));
-                }
-            }
-        }
-    }
-    out.push('"');
-    out
 }
 
 impl CheckOutcome {

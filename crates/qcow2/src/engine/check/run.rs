@@ -103,6 +103,9 @@ pub(crate) async fn check_pass<S: Storage>(
 
 impl<S: Storage> Pass<'_, S> {
     async fn run(&mut self) -> Result<(), CheckError> {
+        if self.fix.any() {
+            self.clear_unknown_autoclear().await?;
+        }
         // The snapshot table's findings are counted apart and added at the end, without
         // touching the allocation statistics.
         let outer = std::mem::take(&mut self.res);
