@@ -211,6 +211,15 @@ fn startup_failures_say_what_is_wrong_and_exit_1() {
     let sock = images.s("s");
     let i = img.to_str().unwrap();
     assert_fails_with(&["-k", &sock, &images.s("nope.qcow2")], "could not open");
+    // The image tools read NBD exports, but serve does not re-export one.
+    assert_fails_with(
+        &[
+            "-k",
+            &sock,
+            &format!("nbd+unix:///?socket={}", images.s("up.sock")),
+        ],
+        "serve does not export NBD names",
+    );
     assert_fails_with(
         &["-k", &sock, "--detect-zeroes=unmap", i],
         "--detect-zeroes=unmap requires --discard=unmap",

@@ -39,6 +39,11 @@ pub enum ServeError {
     /// Neither an image nor an `--export` was given.
     #[error("nothing to serve: give an IMAGE or --export definitions")]
     NoImage,
+    /// An NBD name given as the image: the image tools read NBD exports, but serve does not
+    /// re-export them (its NBD client waits on the image's own thread, so a slow server
+    /// behind it would stall every export).
+    #[error("{0}: serve does not export NBD names; give it the image file (or use qemu-nbd)")]
+    NbdName(String),
     /// More `--export` definitions than the server takes.
     #[error("{given} --export definitions given; one server offers at most {max}")]
     TooManyExports {

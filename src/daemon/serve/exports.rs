@@ -56,6 +56,7 @@ pub fn image_specs(
     let Some(image) = &args.image else {
         return from_export_specs(&args.exports);
     };
+    refuse_nbd_name(image)?;
     let read_only = args.read_only || internal_snapshot;
     let (format, probed) = match args.format {
         Some(f) => (Some(Format::from(f)), false),
@@ -98,6 +99,14 @@ fn probe(path: &Path, read_only: bool) -> (Option<Format>, bool) {
     }
 }
 
+/// Refuses an NBD name as an image to serve (see [`ServeError::NbdName`]).
+pub fn refuse_nbd_name(path: &Path) -> Result<(), ServeError> {
+    match path.to_str() {
+        Some(name) if nbd::client::is_nbd_name(name) => Err(ServeError::NbdName(name.to_string())),
+        _ => Ok(()),
+    }
+}
+
 /// The `--export` definitions, checked as a whole: at least one, at most [`MAX_EXPORTS`],
 /// names unique (before any image is opened).
 fn from_export_specs(specs: &[ExportSpec]) -> Result<Vec<ImageSpec>, ServeError> {
@@ -111,6 +120,7 @@ fn from_export_specs(specs: &[ExportSpec]) -> Result<Vec<ImageSpec>, ServeError>
         });
     }
     for (i, s) in specs.iter().enumerate() {
+        refuse_nbd_name(&s.file)?;
         if specs[..i].iter().any(|o| o.name == s.name) {
             return Err(ServeError::DuplicateExport(s.name.clone()));
         }

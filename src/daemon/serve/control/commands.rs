@@ -1,14 +1,14 @@
 //! The handler of each control command: arguments checked, the registry asked, the answer
 //! shaped as QEMU shapes it (with our extra fields where we have more to say).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use nbd::CloseMode;
 use serde_json::{json, Map, Value};
 
 use super::args::{Args, Running};
 use super::qmp::{ErrorClass, QmpError};
-use crate::daemon::serve::exports::{ImageSpec, Origin};
+use crate::daemon::serve::exports::{refuse_nbd_name, ImageSpec, Origin};
 use crate::daemon::serve::registry::{ChangeError, Record, Registry};
 use qcow2::engine::Format;
 
@@ -110,6 +110,7 @@ fn add_arguments(args: &mut Args) -> Result<(String, ImageSpec), QmpError> {
         return Err(QmpError::generic("Parameter 'id' must not be empty"));
     }
     let file = args.string("file")?;
+    refuse_nbd_name(Path::new(&file)).map_err(|e| QmpError::generic(e.to_string()))?;
     let format = match args.opt_string("format")?.as_deref() {
         None | Some("qcow2") => None,
         Some("raw") => Some(Format::Raw),
