@@ -1,20 +1,12 @@
-//! `qcow2-nbd create`: new qcow2 (or sparse raw) images with `qemu-img create`'s option
-//! names, size suffixes, defaults, checks and messages. The qcow2 option table and its checks
-//! are shared with `convert -O qcow2`.
+//! What the options of a new image ask for: the option tables of qcow2 and raw (shared with
+//! `convert -O` and `measure`), the qcow2 plan with qemu-img's checks and messages, and the
+//! "Formatting" line qemu-img prints.
 
-use std::path::{Path, PathBuf};
-use std::process::ExitCode;
-
-use clap::Args;
 use qcow2::engine::compress::Codec;
-use qcow2::engine::{
-    self as engine, CreateOptions, EngineError, Format, Image, NewEncryption, Preallocation,
-};
-use storage::{IoBuf, Opener, Storage};
+use qcow2::engine::{CreateOptions, Format, NewEncryption, Preallocation};
 
-use crate::engine_run::{self, format_name, OpenError};
-use crate::options::{self, Kind, OptionsError, Parsed, Spec};
-use crate::size_string::{self, ParseSizeError};
+use crate::engine_run::format_name;
+use crate::options::{Kind, OptionsError, Parsed, Spec, Value};
 
 /// Options of qcow2 images (`-o help` lists them).
 pub const QCOW2_OPTIONS: &[Spec] = &[
@@ -197,103 +189,6 @@ pub fn option_table(format: Format) -> (&'static [Spec], &'static [&'static str]
     }
 }
 
-/// Arguments of `create`.
-#[derive(Args, Debug)]
-pub struct CreateArgs {
-    /// Format of the new image: qcow2 (the default here) or raw.
-    #[arg(short = 'f', long = "format", default_value = "qcow2")]
-    pub format: String,
-    /// Format options, `key=value,...` (`-o help` lists them); may be repeated.
-    #[arg(short = 'o', long = "options")]
-    pub options: Vec<String>,
-    /// Backing file, stored as given (relative names are relative to the new image).
-    #[arg(short = 'b', long = "backing")]
-    pub backing: Option<String>,
-    /// Format of the backing file (required with -b, as in qemu-img 10).
-    #[arg(short = 'F', long = "backing-format")]
-    pub backing_format: Option<String>,
-    /// Do not open the backing file (then SIZE is required).
-    #[arg(short = 'u', long = "backing-unsafe")]
-    pub backing_unsafe: bool,
-    /// Do not print the "Formatting ..." line.
-    #[arg(short = 'q', long)]
-    pub quiet: bool,
-    /// The image to create (replaced if it exists).
-    pub image: Option<PathBuf>,
-    /// Virtual size with an optional suffix (k, M, G, T, P, E); defaults to the backing
-    /// file's size.
-    pub size: Option<String>,
-}
-
-/// Why `create` (or the target side of `convert`) failed. Messages follow qemu-img's.
-#[derive(Debug, thiserror::Error)]
-pub enum CreateError {
-    /// A bad `-o` list or value.
-    #[error("{image}: {source}")]
-    Options {
-        /// The image being created.
-        image: String,
-        /// What is wrong.
-        source: OptionsError,
-    },
-    /// `-o` given without a list to parse (only `-o help` works then).
-    #[error("Expecting one image file name")]
-    NoImage,
-    /// A format we cannot create.
-    #[error(transparent)]
-    Format(#[from] OpenError),
-    /// SIZE that does not parse.
-    #[error("Invalid image size specified: '{0}'.")]
-    InvalidSize(String),
-    /// SIZE beyond what QEMU allows.
-    #[error("Invalid image size specified. Must be between 0 and 9223372036854775807.")]
-    SizeOutOfRange,
-    /// A check on the combination of options failed.
-    #[error("{image}: {detail}")]
-    Invalid {
-        /// The image being created.
-        image: String,
-        /// qemu-img's message.
-        detail: String,
-    },
-    /// The backing file could not be opened to learn its size.
-    #[error("{image}: {source}\nCould not open backing image.")]
-    Backing {
-        /// The image being created.
-        image: String,
-        /// Why.
-        source: OpenError,
-    },
-    /// The engine failed to write the image.
-    #[error("{image}: {source}")]
-    Engine {
-        /// The image being created.
-        image: String,
-        /// What failed.
-        source: Box<EngineError>,
-    },
-    /// Creating a raw file failed.
-    #[error("{image}: {what}: {}", engine_run::plain_io(.source))]
-    Io {
-        /// The image being created.
-        image: String,
-        /// What was being done.
-        what: &'static str,
-        /// The error.
-        source: std::io::Error,
-    },
-}
-
-impl CreateError {
-    /// Builds [`CreateError::Invalid`] for `image` from qemu-img's message, for `map_err`.
-    pub fn invalid(image: &str) -> impl Fn(String) -> CreateError + '_ {
-        move |detail| CreateError::Invalid {
-            image: image.to_string(),
-            detail,
-        }
-    }
-}
-
 /// What a new qcow2 image will be, decided from the options.
 #[derive(Debug, Clone)]
 pub struct Qcow2Plan {
@@ -379,7 +274,7 @@ pub fn qcow2_plan(p: &Parsed, has_backing: bool) -> Result<Qcow2Plan, String> {
 
 /// The qcow2 settings the options name, unchecked: what qemu-img's "Formatting" line shows
 /// before the driver refuses a combination.
-fn qcow2_settings(p: &Parsed) -> Result<Qcow2Plan, String> {
+pub(super) fn qcow2_settings(p: &Parsed) -> Result<Qcow2Plan, String> {
     let version = match p.str("compat") {
         None | Some("1.1") | Some("v3") => 3,
         Some("0.10") | Some("v2") => 2,
@@ -437,7 +332,7 @@ fn qcow2_settings(p: &Parsed) -> Result<Qcow2Plan, String> {
 }
 
 /// qemu-img's checks of a combination of qcow2 settings, with its messages.
-fn check_qcow2_plan(plan: &Qcow2Plan, has_backing: bool) -> Result<(), String> {
+pub(super) fn check_qcow2_plan(plan: &Qcow2Plan, has_backing: bool) -> Result<(), String> {
     let o = &plan.opts;
     let (version, extended_l2, lazy_refcounts) = (o.version, o.extended_l2, o.lazy_refcounts);
     let (cluster_size, refcount_bits) = (o.cluster_size, u64::from(o.refcount_bits));
@@ -526,16 +421,6 @@ pub fn check_qcow2_size(opts: &CreateOptions) -> Result<(), String> {
     Ok(())
 }
 
-/// Reads the SIZE argument as qemu-img does.
-pub fn parse_image_size(s: &str) -> Result<u64, CreateError> {
-    match size_string::parse_size(s) {
-        Ok(v) if v <= i64::MAX as u64 => Ok(v),
-        Ok(_) => Err(CreateError::SizeOutOfRange),
-        Err(ParseSizeError::SizeOutOfRange { .. }) => Err(CreateError::SizeOutOfRange),
-        Err(_) => Err(CreateError::InvalidSize(s.to_string())),
-    }
-}
-
 /// The options of qcow2 images in the order qemu-img lists them in its "Formatting" line (the
 /// qcow2 driver's table, then the file protocol's), with the defaults it shows when an option
 /// is not given.
@@ -585,9 +470,9 @@ pub fn formatting_line(image: &str, format: Format, parsed: &Parsed, size: u64) 
     for &(name, default) in order {
         let value = match (name, parsed.given(name)) {
             ("size", _) => (size as i64).to_string(),
-            (_, Some((options::Value::Num(n), _))) => (*n as i64).to_string(),
-            (_, Some((options::Value::Str(t), _))) => t.replace(',', ",,"),
-            (_, Some((options::Value::Bool(_), text))) => text.to_string(),
+            (_, Some((Value::Num(n), _))) => (*n as i64).to_string(),
+            (_, Some((Value::Str(t), _))) => t.replace(',', ",,"),
+            (_, Some((Value::Bool(_), text))) => text.to_string(),
             (_, None) => match default {
                 Some(d) => d.to_string(),
                 None => continue,
@@ -596,403 +481,6 @@ pub fn formatting_line(image: &str, format: Format, parsed: &Parsed, size: u64) 
         s.push_str(&format!(" {name}={value}"));
     }
     s
-}
-
-/// Writes a new qcow2 image at `path` (replacing any file there) and preallocates it. The
-/// engine refuses preallocation with a backing file, which QEMU allows with extended L2
-/// entries (the clusters are reserved, their subclusters stay unallocated), so the image is
-/// created first and preallocated without opening its backing file.
-pub async fn create_qcow2(path: &Path, opts: &CreateOptions) -> Result<(), EngineError> {
-    let base = CreateOptions {
-        preallocation: Preallocation::Off,
-        ..opts.clone()
-    };
-    // With `data_file_raw` and no preallocation asked for, the engine maps the clusters.
-    engine::create_file(&engine_run::opener(), path, &base).await?;
-    if opts.preallocation != Preallocation::Off {
-        let img = Image::open(
-            &engine_run::opener(),
-            path,
-            &engine::OpenOptions {
-                no_backing: true,
-                format: Some(Format::Qcow2),
-                passwords: opts.passwords(),
-                ..engine::OpenOptions::default()
-            },
-        )
-        .await?;
-        img.preallocate(opts.preallocation).await?;
-        img.close().await?;
-    }
-    Ok(())
-}
-
-/// Writes a new raw image: a sparse file of `size` bytes (rounded up to 512 as QEMU does),
-/// reserved (`falloc`) or written with zeros (`full`) when asked.
-pub async fn create_raw(path: &Path, size: u64, prealloc: Preallocation) -> std::io::Result<()> {
-    let file = engine_run::opener()
-        .open(path, storage::OpenOptions::create())
-        .await?;
-    let size = size
-        .checked_next_multiple_of(512)
-        .ok_or_else(|| std::io::Error::other("size too large"))?;
-    file.set_len(0).await?;
-    file.set_len(size).await?;
-    match prealloc {
-        Preallocation::Off | Preallocation::Metadata => {}
-        Preallocation::Falloc => file.write_zeroes_at(0, size, false).await?,
-        Preallocation::Full => {
-            const CHUNK: u64 = 1 << 20;
-            let mut pos = 0;
-            while pos < size {
-                let n = CHUNK.min(size - pos);
-                // n <= 1 MiB.
-                let (res, _) = file.write_at(IoBuf::zeroed(n as usize).into(), pos).await;
-                res?;
-                pos += n;
-            }
-        }
-    }
-    file.flush().await
-}
-
-async fn create(args: &CreateArgs) -> Result<(), CreateError> {
-    if args.format == "luks" {
-        return create_luks_image(args).await;
-    }
-    let format = engine_run::parse_format(&args.format)?;
-    let (specs, _) = option_table(format);
-    let list = options::join_lists(&args.options).map_err(|source| CreateError::Options {
-        image: args
-            .image
-            .as_ref()
-            .map_or_else(String::new, |p| p.display().to_string()),
-        source,
-    })?;
-    if list.as_deref().is_some_and(options::wants_help) {
-        print!("{}", options::help_text(specs));
-        return Ok(());
-    }
-    let named = args.image.as_ref().ok_or(CreateError::NoImage)?;
-    // Messages show the name as given; the file is what a `file:` prefix leaves.
-    let image = named.display().to_string();
-    let file = crate::image_name::protocol_path(named.as_os_str()).map_err(|reason| {
-        CreateError::Invalid {
-            image: image.clone(),
-            detail: reason.to_string(),
-        }
-    })?;
-    let image_path = &file;
-    let parsed = parse_options(args, format, list.as_deref(), &image)?;
-    let size = requested_size(args, &parsed, &image)?;
-    match format {
-        Format::Raw => create_raw_image(args, image_path, &image, &parsed, size).await,
-        Format::Qcow2 => create_qcow2_image(args, image_path, &image, &parsed, size).await,
-    }
-}
-
-/// Creates a raw LUKS volume (`-f luks`): the LUKS header and key material, then the
-/// payload. Only created here, never opened: the encryption this project serves is
-/// qcow2's own.
-async fn create_luks_image(args: &CreateArgs) -> Result<(), CreateError> {
-    let image_path = args.image.as_ref().ok_or(CreateError::NoImage)?;
-    let image = image_path.display().to_string();
-    let options_error = |source| CreateError::Options {
-        image: image.clone(),
-        source,
-    };
-    let list = options::join_lists(&args.options).map_err(options_error)?;
-    if list.as_deref().is_some_and(options::wants_help) {
-        print!("{}", options::help_text(LUKS_OPTIONS));
-        return Ok(());
-    }
-    let parsed = match list.as_deref() {
-        Some(l) => Parsed::parse(l, LUKS_OPTIONS, &[]).map_err(options_error)?,
-        None => Parsed::default(),
-    };
-    let invalid = CreateError::invalid(&image);
-    let size = match (&args.size, parsed.num("size")) {
-        (Some(s), _) => {
-            size_string::parse_size(s).map_err(|_| CreateError::InvalidSize(s.clone()))?
-        }
-        (None, Some(n)) => n,
-        (None, None) => return Err(invalid("Image creation needs a size parameter".into())),
-    };
-    if !args.quiet {
-        let mut line = format!("Formatting '{image}', fmt=luks size={size}");
-        for name in [
-            "key-secret",
-            "cipher-alg",
-            "cipher-mode",
-            "ivgen-alg",
-            "ivgen-hash-alg",
-            "hash-alg",
-            "iter-time",
-        ] {
-            if let Some(v) = parsed.given(name).map(|(_, t)| t.to_string()) {
-                line.push_str(&format!(" {name}={v}"));
-            }
-        }
-        println!("{line}");
-    }
-    // The qcow2 option names, so that one reading serves both.
-    let mut prefixed = Parsed::default();
-    for spec in QCOW2_OPTIONS
-        .iter()
-        .filter(|s| s.name.starts_with("encrypt."))
-    {
-        if let Some(v) = parsed
-            .given(&spec.name["encrypt.".len()..])
-            .map(|(_, t)| t.to_string())
-        {
-            prefixed.set_raw(spec, &v);
-        }
-    }
-    prefixed.set_raw(
-        QCOW2_OPTIONS
-            .iter()
-            .find(|s| s.name == "encrypt.format")
-            .expect("listed"),
-        "luks",
-    );
-    let luks = encryption_settings(&prefixed).map_err(|e| invalid(e.replace("encrypt.", "")))?;
-    let Some(NewEncryption::Luks { password, opts }) = luks else {
-        return Err(invalid("LUKS options expected".into()));
-    };
-    let io = |what| {
-        let image = image.clone();
-        move |source| CreateError::Io {
-            image: image.clone(),
-            what,
-            source,
-        }
-    };
-    let (area, _) =
-        qcow2::crypto::luks::create(&password, &opts).map_err(|e| invalid(e.to_string()))?;
-    let size = size.div_ceil(512) * 512;
-    let file = engine_run::opener()
-        .open(image_path, storage::OpenOptions::create())
-        .await
-        .map_err(io("creating the LUKS volume"))?;
-    file.set_len(0).await.map_err(io("truncating"))?;
-    let (res, _) = file.write_at(IoBuf::from_slice(&area).into(), 0).await;
-    res.map_err(io("writing the LUKS header"))?;
-    file.set_len(area.len() as u64 + size)
-        .await
-        .map_err(io("sizing the LUKS volume"))?;
-    file.flush().await.map_err(io("flushing"))
-}
-
-/// Parses the `-o` list and lets `-b` and `-F` override it, as qemu-img does.
-fn parse_options(
-    args: &CreateArgs,
-    format: Format,
-    list: Option<&str>,
-    image: &str,
-) -> Result<Parsed, CreateError> {
-    let (specs, unsupported) = option_table(format);
-    let mut parsed = match list {
-        Some(l) => Parsed::parse(l, specs, unsupported).map_err(|source| CreateError::Options {
-            image: image.to_string(),
-            source,
-        })?,
-        None => Parsed::default(),
-    };
-    if format == Format::Qcow2 {
-        if let Some(b) = &args.backing {
-            parsed.set_str(&QCOW2_OPTIONS[0], b);
-        }
-        if let Some(f) = &args.backing_format {
-            parsed.set_str(&QCOW2_OPTIONS[1], f);
-        }
-    } else if args.backing.is_some() || args.backing_format.is_some() {
-        return Err(CreateError::Invalid {
-            image: image.to_string(),
-            detail: "Backing file not supported for file format 'raw'".into(),
-        });
-    }
-    Ok(parsed)
-}
-
-/// The size asked for, by the SIZE argument or `-o size` (not both); `None` leaves it to the
-/// backing file.
-fn requested_size(
-    args: &CreateArgs,
-    parsed: &Parsed,
-    image: &str,
-) -> Result<Option<u64>, CreateError> {
-    let size = match &args.size {
-        Some(s) => Some(parse_image_size(s)?),
-        None => None,
-    };
-    let Some(s) = parsed.num("size") else {
-        return Ok(size);
-    };
-    if size.is_some() {
-        return Err(CreateError::Invalid {
-            image: image.to_string(),
-            detail: "The image size must be specified only once".into(),
-        });
-    }
-    if s > i64::MAX as u64 {
-        return Err(CreateError::SizeOutOfRange);
-    }
-    Ok(Some(s))
-}
-
-async fn create_raw_image(
-    args: &CreateArgs,
-    path: &Path,
-    image: &str,
-    parsed: &Parsed,
-    size: Option<u64>,
-) -> Result<(), CreateError> {
-    let invalid = CreateError::invalid(image);
-    let prealloc_text = parsed.str("preallocation");
-    let size = size.ok_or_else(|| invalid("Image creation needs a size parameter".into()))?;
-    if !args.quiet {
-        println!("{}", formatting_line(image, Format::Raw, parsed, size));
-    }
-    let prealloc = raw_preallocation(prealloc_text).map_err(&invalid)?;
-    create_raw(path, size, prealloc)
-        .await
-        .map_err(|source| CreateError::Io {
-            image: image.to_string(),
-            what: "creating the raw image",
-            source,
-        })
-}
-
-async fn create_qcow2_image(
-    args: &CreateArgs,
-    path: &Path,
-    image: &str,
-    parsed: &Parsed,
-    size: Option<u64>,
-) -> Result<(), CreateError> {
-    let invalid = CreateError::invalid(image);
-    let mut with_backing = CreateOptions::default();
-    let size = set_backing(args, path, image, parsed, &mut with_backing, size).await?;
-    let size = size.ok_or_else(|| invalid("Image creation needs a size parameter".into()))?;
-    // qemu-img announces the image before its driver reads and checks the settings, so a
-    // refused value or combination still prints the line.
-    if !args.quiet {
-        println!("{}", formatting_line(image, Format::Qcow2, parsed, size));
-    }
-    let mut plan = qcow2_settings(parsed).map_err(&invalid)?;
-    plan.opts.backing = with_backing.backing;
-    plan.opts.size = size;
-    check_qcow2_plan(&plan, parsed.str("backing_file").is_some()).map_err(&invalid)?;
-    check_qcow2_size(&plan.opts).map_err(&invalid)?;
-    create_qcow2(path, &plan.opts)
-        .await
-        .map_err(|source| CreateError::Engine {
-            image: image.to_string(),
-            source: Box::new(source),
-        })
-}
-
-/// Puts the backing file (`backing_file` and `backing_fmt`) into `opts`, with qemu-img's
-/// checks, and returns the size of the new image: `size` if given, else the backing file's.
-/// Unless `-u`, the backing file is opened even when the size is known, so that one that
-/// cannot be opened is refused as qemu-img refuses it.
-async fn set_backing(
-    args: &CreateArgs,
-    path: &Path,
-    image: &str,
-    parsed: &Parsed,
-    opts: &mut CreateOptions,
-    size: Option<u64>,
-) -> Result<Option<u64>, CreateError> {
-    let invalid = CreateError::invalid(image);
-    let backing_fmt = parsed.str("backing_fmt");
-    let Some(name) = parsed.str("backing_file") else {
-        if backing_fmt.is_some() {
-            return Err(invalid(
-                "Backing format cannot be used without backing file".into(),
-            ));
-        }
-        return Ok(size);
-    };
-    let fmt = backing_fmt.map(engine_run::parse_format).transpose()?;
-    // An NBD name given here is the user's own choice, so its export is read for the size
-    // (names stored in images are still not followed: see `backing_name`).
-    let resolved = match nbd::client::NbdTarget::parse(name) {
-        Ok(target) if nbd::client::is_nbd_name(name) => Ok(PathBuf::from(target.display_name())),
-        _ => engine::backing_name::resolve(path, name),
-    };
-    if let Ok(r) = &resolved {
-        if same_file(r, path) {
-            return Err(invalid(
-                "Error: Trying to create an image with the same filename as the backing file"
-                    .into(),
-            ));
-        }
-    }
-    let without_format = || invalid("Backing file specified without backing format".into());
-    if args.backing_unsafe {
-        let fmt = fmt.ok_or_else(without_format)?;
-        opts.backing = Some((name.to_string(), fmt));
-        return Ok(size);
-    }
-    let resolved = resolved.map_err(|e| CreateError::Backing {
-        image: image.to_string(),
-        source: OpenError::from(EngineError::Backing(e)),
-    })?;
-    // Without a format the backing file is still opened first, as qemu-img does: one that
-    // cannot be opened is reported as such, one that can is named by the format found.
-    let fmt = match fmt {
-        Some(fmt) => fmt,
-        None => {
-            let found =
-                engine_run::probe_format(&resolved).map_err(|source| CreateError::Backing {
-                    image: image.to_string(),
-                    source,
-                })?;
-            return Err(invalid(format!(
-                "Backing file specified without backing format\nDetected format of {}.",
-                engine_run::format_name(found)
-            )));
-        }
-    };
-    opts.backing = Some((name.to_string(), fmt));
-    // Only its size is needed: an encrypted backing file opens without its password, as
-    // QEMU opens it without I/O.
-    let opts = engine::OpenOptions {
-        read_only: true,
-        format: Some(fmt),
-        no_io: true,
-        passwords: crate::secrets::passwords_for(&resolved),
-        ..engine::OpenOptions::default()
-    };
-    let backing = Image::open(&engine_run::opener(), &resolved, &opts)
-        .await
-        .map_err(|source| CreateError::Backing {
-            image: image.to_string(),
-            source: OpenError::from(source),
-        })?;
-    Ok(size.or(Some(backing.size())))
-}
-
-/// True when `a` and `b` name the same file: equal as written, or equal once canonicalized.
-fn same_file(a: &Path, b: &Path) -> bool {
-    if a == b {
-        return true;
-    }
-    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
-        (Ok(x), Ok(y)) => x == y,
-        _ => false,
-    }
-}
-
-/// Runs `create` and returns the exit status.
-pub fn main(args: &CreateArgs) -> ExitCode {
-    let res = engine_run::block_on(create(args)).map_err(|source| CreateError::Io {
-        image: String::new(),
-        what: "starting the runtime",
-        source,
-    });
-    engine_run::exit_code(res.and_then(|r| r))
 }
 
 #[cfg(test)]
@@ -1090,15 +578,6 @@ mod tests {
         assert!(check_qcow2_size(&o).is_ok());
         o.cluster_size = 512;
         assert!(check_qcow2_size(&o).is_err());
-        assert!(matches!(
-            parse_image_size("1Q"),
-            Err(CreateError::InvalidSize(_))
-        ));
-        assert!(matches!(
-            parse_image_size("100E"),
-            Err(CreateError::SizeOutOfRange)
-        ));
-        assert_eq!(parse_image_size("1G").unwrap(), 1 << 30);
     }
 
     #[test]
