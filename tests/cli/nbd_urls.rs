@@ -221,3 +221,38 @@ fn an_unaligned_export_maps_in_the_servers_blocks_as_qemu_img_maps_it() {
         );
     }
 }
+
+/// An export keeps its size and its old bytes: a new image written over an old one must not
+/// inherit the old L1 table, and metadata preallocation past the export's end fails with
+/// qemu-img's words instead of mapping clusters the export does not have.
+#[test]
+fn create_over_an_export_holding_an_old_image_starts_clean() {
+    let d = Dir::new();
+    d.create("small.raw", "raw", "", None, "1M");
+    let server = QemuNbd::unix(&["-f", "raw"], &d.path("small.raw"));
+    let name = server.uri_of("");
+    let prealloc = [
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "preallocation=metadata",
+        &name,
+        "64M",
+    ];
+    let (q, o) = both(&d, &prealloc);
+    assert!(!q.status.success() && !o.status.success(), "both refuse");
+    let reason = |out: &Output| {
+        let e = text(&out.stderr);
+        e.split_once(": ")
+            .map(|(_, r)| r.trim().to_string())
+            .unwrap_or(e)
+    };
+    assert_eq!(reason(&o), reason(&q), "ours (left) and qemu-img (right)");
+    // qemu-img's failed attempt left its L1 and L2 tables in the export; ours starts over.
+    d.ok(BIN, &["create", "-q", "-f", "qcow2", &name, "64M"]);
+    let check = d.run("qemu-img", &["check", "-f", "qcow2", &name]);
+    assert!(check.status.success(), "{}", text(&check.stdout));
+    assert!(text(&check.stdout).contains("No errors were found"));
+}

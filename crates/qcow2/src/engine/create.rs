@@ -460,11 +460,20 @@ pub async fn create<S: Storage + 'static>(file: &S, opts: &CreateOptions) -> Res
         }
     };
     file.set_len(0).await.map_err(io("truncating", 0))?;
+    // An NBD export keeps its size and its old bytes, so nothing past what is written here
+    // can be taken to read as zeros.
+    let kept_old_bytes = file.len().await.map_err(io("getting the file size", 0))? > 0;
     let (res, _) = file.write_at(IoBuf::from_slice(&meta).into(), 0).await;
     res.map_err(io("writing the metadata", 0))?;
     // The L1 table is all zeros: the file just has to reach its end, as QEMU leaves it.
     let l1_off = layout.l1_offset();
-    file.set_len(l1_off + layout.l1_entries * 8)
+    let l1_len = layout.l1_entries * 8;
+    if kept_old_bytes {
+        file.write_zeroes_at(l1_off, l1_len, false)
+            .await
+            .map_err(io("zeroing the L1 table", l1_off))?;
+    }
+    file.set_len(l1_off + l1_len)
         .await
         .map_err(io("sizing the file", l1_off))?;
     if let Some((area, _)) = &luks {

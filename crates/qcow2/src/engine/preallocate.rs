@@ -110,7 +110,10 @@ impl<S: Storage + 'static> Inner<S> {
             top.file
                 .set_len(end)
                 .await
-                .map_err(|e| top.io_error("extending the file", end, e))?;
+                .map_err(|source| EngineError::GrowFile {
+                    image: top.name.clone(),
+                    source,
+                })?;
         }
         w.note_file_end(end);
         self.refcounts_before_l2().await?;

@@ -50,6 +50,16 @@ pub enum EngineError {
         #[source]
         source: io::Error,
     },
+    /// The file could not be made long enough for clusters being preallocated (QEMU's
+    /// words: a file system out of space, or an NBD export, which cannot grow).
+    #[error("Could not resize image: {source}")]
+    GrowFile {
+        /// Image whose file would have grown (the caller's message names it, as QEMU's does).
+        image: String,
+        /// What the storage said.
+        #[source]
+        source: io::Error,
+    },
     /// A structure failed to decode or broke a limit.
     #[error("{image}: {source}")]
     Format {
