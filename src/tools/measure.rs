@@ -24,21 +24,6 @@ use crate::tools::create::{self, CreateError, QCOW2_OPTIONS, RAW_OPTIONS};
 /// How much of the source one block-status query covers.
 const QUERY_BYTES: u64 = 1 << 30;
 
-/// QEMU options that do not change the measured size (the external data file); accepted and
-/// ignored, as qemu-img accepts them. Encryption is `create`'s options: LUKS adds its header.
-const SIZE_NEUTRAL: &[Spec] = &[
-    Spec {
-        name: "data_file",
-        kind: Kind::Str,
-        help: "File name of an external data file",
-    },
-    Spec {
-        name: "data_file_raw",
-        kind: Kind::Bool,
-        help: "The external data file must stay valid as a raw image",
-    },
-];
-
 /// File options (qemu-img adds the file protocol's) that do not change the size.
 const FILE_HINTS: &[Spec] = &[
     Spec {
@@ -358,16 +343,8 @@ async fn open_source(args: &MeasureArgs, path: &Path) -> Result<Source, MeasureC
 /// The option table `measure` reads for a target format.
 fn option_specs(format: Format) -> Vec<Spec> {
     let mut specs: Vec<Spec> = match format {
-        // Options create also takes are listed once.
-        Format::Qcow2 => QCOW2_OPTIONS
-            .iter()
-            .chain(
-                SIZE_NEUTRAL
-                    .iter()
-                    .filter(|n| !QCOW2_OPTIONS.iter().any(|s| s.name == n.name)),
-            )
-            .copied()
-            .collect(),
+        // create's table, the external data file included (it does not change the size).
+        Format::Qcow2 => QCOW2_OPTIONS.to_vec(),
         Format::Raw => RAW_OPTIONS.to_vec(),
     };
     specs.extend_from_slice(FILE_HINTS);
