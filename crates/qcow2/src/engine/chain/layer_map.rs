@@ -112,21 +112,7 @@ pub(crate) async fn map_layer<S: Storage + 'static>(
                     slice: u32::try_from(l2_index / per_slice).unwrap_or(u32::MAX),
                 };
                 let first_index = l2_index - l2_index % per_slice;
-                if let Some(bytes) = pre.and_then(|p| p.get(&key)) {
-                    decode_slice(
-                        layer,
-                        meta,
-                        bytes,
-                        table.0,
-                        first_index,
-                        pos,
-                        chunk_end,
-                        out,
-                    )?;
-                    pos = chunk_end;
-                    continue;
-                }
-                l2.read(key, |bytes| {
+                let mut decode = |bytes: &[u8]| {
                     decode_slice(
                         layer,
                         meta,
@@ -137,12 +123,18 @@ pub(crate) async fn map_layer<S: Storage + 'static>(
                         chunk_end,
                         out,
                     )
-                })
-                .await
-                .map_err(|source| EngineError::Cache {
-                    image: layer.name.clone(),
-                    source,
-                })??;
+                };
+                if let Some(bytes) = pre.and_then(|p| p.get(&key)) {
+                    decode(bytes)?;
+                    pos = chunk_end;
+                    continue;
+                }
+                l2.read(key, decode)
+                    .await
+                    .map_err(|source| EngineError::Cache {
+                        image: layer.name.clone(),
+                        source,
+                    })??;
             }
         }
         pos = chunk_end;
