@@ -960,6 +960,11 @@ mod tests {
         NbdClient::handshake(s, "")
     }
 
+    /// A client connected to a fake 1 MiB export whose transmission replies are `replies`.
+    fn serving(replies: Vec<u8>) -> NbdClient<UnixStream> {
+        connect(fake_server(1 << 20, None, replies)).expect("the handshake is well formed")
+    }
+
     #[test]
     fn a_hostile_server_gets_typed_errors_not_panics() {
         // An option reply claiming 4 GiB: refused before any allocation.
@@ -974,95 +979,60 @@ mod tests {
         assert!(matches!(e, Some(ClientError::Protocol(_))), "{e:?}");
 
         // A read answered with a 4 GiB data chunk.
-        let mut c = connect(fake_server(
-            1 << 20,
-            None,
-            chunk(
-                REPLY_FLAG_DONE,
-                REPLY_TYPE_OFFSET_DATA,
-                u32::MAX,
-                &0u64.to_be_bytes(),
-            ),
-        ))
-        .unwrap();
+        let mut c = serving(chunk(
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_OFFSET_DATA,
+            u32::MAX,
+            &0u64.to_be_bytes(),
+        ));
         let e = c.read(&mut [0; 512], 0).unwrap_err();
         assert!(matches!(e, ClientError::Protocol(_)), "{e:?}");
 
         // Data placed before the offset asked.
-        let mut c = connect(fake_server(
-            1 << 20,
-            None,
-            chunk(
-                REPLY_FLAG_DONE,
-                REPLY_TYPE_OFFSET_DATA,
-                8 + 512,
-                &0u64.to_be_bytes(),
-            ),
-        ))
-        .unwrap();
+        let mut c = serving(chunk(
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_OFFSET_DATA,
+            8 + 512,
+            &0u64.to_be_bytes(),
+        ));
         let e = c.read(&mut [0; 512], 4096).unwrap_err();
         assert!(matches!(e, ClientError::Protocol(_)), "{e:?}");
 
         // A read whose reply ends before covering the request.
-        let mut c = connect(fake_server(
-            1 << 20,
-            None,
-            chunk(REPLY_FLAG_DONE, 0, 0, &[]),
-        ))
-        .unwrap();
+        let mut c = serving(chunk(REPLY_FLAG_DONE, 0, 0, &[]));
         let e = c.read(&mut [0; 512], 0).unwrap_err();
         assert!(matches!(e, ClientError::Protocol(_)), "{e:?}");
 
         // Block status with a length no extent list fits, and with an empty extent.
-        let mut c = connect(fake_server(
-            1 << 20,
-            None,
-            chunk(
-                REPLY_FLAG_DONE,
-                REPLY_TYPE_BLOCK_STATUS,
-                u32::MAX,
-                &1u32.to_be_bytes(),
-            ),
-        ))
-        .unwrap();
+        let mut c = serving(chunk(
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_BLOCK_STATUS,
+            u32::MAX,
+            &1u32.to_be_bytes(),
+        ));
         let e = c.block_status(0, 4096).unwrap_err();
         assert!(matches!(e, ClientError::Protocol(_)), "{e:?}");
         let mut p = 1u32.to_be_bytes().to_vec();
         p.extend_from_slice(&[0; 8]);
-        let mut c = connect(fake_server(
-            1 << 20,
-            None,
-            chunk(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, 12, &p),
-        ))
-        .unwrap();
+        let mut c = serving(chunk(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, 12, &p));
         let e = c.block_status(0, 4096).unwrap_err();
         assert!(matches!(e, ClientError::Protocol(_)), "{e:?}");
 
         // An error chunk longer than any message, and garbage instead of a reply.
-        let mut c = connect(fake_server(
-            1 << 20,
-            None,
-            chunk(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, u32::MAX, &[]),
-        ))
-        .unwrap();
+        let mut c = serving(chunk(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, u32::MAX, &[]));
         assert!(matches!(c.flush().unwrap_err(), ClientError::Protocol(_)));
-        let mut c = connect(fake_server(1 << 20, None, vec![0xff; 64])).unwrap();
+        let mut c = serving(vec![0xff; 64]);
         assert!(matches!(c.flush().unwrap_err(), ClientError::Protocol(_)));
 
         // A chunk that says nothing but does not end the reply, and holes covering the
         // request twice over.
-        let mut c = connect(fake_server(
-            1 << 20,
-            None,
-            chunk(0, REPLY_TYPE_NONE, 0, &[]),
-        ))
-        .unwrap();
+        let mut c = serving(chunk(0, REPLY_TYPE_NONE, 0, &[]));
         assert!(matches!(c.flush().unwrap_err(), ClientError::Protocol(_)));
         let mut hole = 0u64.to_be_bytes().to_vec();
         hole.extend_from_slice(&512u32.to_be_bytes());
         let mut twice = chunk(0, REPLY_TYPE_OFFSET_HOLE, 12, &hole);
         twice.extend(chunk(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_HOLE, 12, &hole));
-        let mut c = connect(fake_server(1 << 20, None, twice)).unwrap();
+        let mut c = serving(twice);
         let e = c.read(&mut [0; 512], 0).unwrap_err();
         assert!(matches!(e, ClientError::Protocol(_)), "{e:?}");
 
