@@ -25,39 +25,20 @@ struct Registry {
 
 static REGISTRY: OnceLock<Registry> = OnceLock::new();
 
-/// Splits a QEMU option string at single commas (`,,` is a literal comma).
-fn split_opts(s: &str) -> Vec<String> {
-    let mut out = vec![String::new()];
-    let mut chars = s.chars().peekable();
-    while let Some(c) = chars.next() {
-        if c == ',' {
-            if chars.peek() == Some(&',') {
-                chars.next();
-                out.last_mut().expect("non-empty").push(',');
-            } else {
-                out.push(String::new());
-            }
-        } else {
-            out.last_mut().expect("non-empty").push(c);
-        }
-    }
-    out
-}
-
 /// Parses `secret,id=ID,data=TEXT|file=PATH[,format=raw]`; `Ok(None)` for other objects.
 fn parse_secret(spec: &str) -> Result<Option<(String, Vec<u8>)>, String> {
-    let parts = split_opts(spec);
+    let parts = crate::options::split(spec);
     let mut kind = None;
     let (mut id, mut data, mut file) = (None, None, None);
-    for (i, p) in parts.iter().enumerate() {
-        match p.split_once('=') {
-            None if i == 0 => kind = Some(p.as_str()),
-            Some(("qom-type", v)) => kind = Some(v),
-            Some(("id", v)) => id = Some(v.to_string()),
-            Some(("data", v)) => data = Some(v.as_bytes().to_vec()),
-            Some(("file", v)) => file = Some(v.to_string()),
-            Some(("format", "raw")) => {}
-            Some((k, v)) if kind == Some("secret") => {
+    for (i, (key, value)) in parts.iter().enumerate() {
+        match (key.as_str(), value.as_deref()) {
+            (name, None) if i == 0 => kind = Some(name),
+            ("qom-type", Some(v)) => kind = Some(v),
+            ("id", Some(v)) => id = Some(v.to_string()),
+            ("data", Some(v)) => data = Some(v.as_bytes().to_vec()),
+            ("file", Some(v)) => file = Some(v.to_string()),
+            ("format", Some("raw")) => {}
+            (k, Some(v)) if kind == Some("secret") => {
                 return Err(format!(
                     "--object secret: option '{k}={v}' is not supported (only id, data, file, format=raw)"
                 ))
