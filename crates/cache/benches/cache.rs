@@ -37,7 +37,9 @@ impl Backend<u64> for Memory {
         buf[..8].copy_from_slice(&key.to_le_bytes());
         Ok(())
     }
-    async fn write_back(&self, _key: u64, _data: &[u8]) -> io::Result<()> {
+    type Snapshot = ();
+    fn snapshot(&self, _data: &[u8]) {}
+    async fn write_back(&self, _key: u64, _data: ()) -> io::Result<()> {
         Ok(())
     }
     async fn flush(&self) -> io::Result<()> {

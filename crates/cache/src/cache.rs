@@ -18,8 +18,15 @@ use crate::state::{Phase, Room, State};
 pub trait Backend<K> {
     /// Fill `buf` (exactly one entry) with the bytes of `key`.
     async fn load(&self, key: K, buf: &mut [u8]) -> io::Result<()>;
+    /// An entry's bytes as they were when its write-back started, in the form
+    /// [`write_back`](Self::write_back) writes: the entry may change while the write is in
+    /// flight, so the cache hands over a copy, and a backend that needs its bytes in a
+    /// buffer of its own kind (aligned for `O_DIRECT`) makes that one copy the only one.
+    type Snapshot;
+    /// The copy of `data` (one entry) that a write-back takes.
+    fn snapshot(&self, data: &[u8]) -> Self::Snapshot;
     /// Write one entry's bytes back to where `key` lives.
-    async fn write_back(&self, key: K, data: &[u8]) -> io::Result<()>;
+    async fn write_back(&self, key: K, data: Self::Snapshot) -> io::Result<()>;
     /// Make everything written so far durable (fdatasync of the file(s) behind the cache).
     async fn flush(&self) -> io::Result<()>;
 }

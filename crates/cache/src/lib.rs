@@ -36,8 +36,12 @@
 //!         }
 //!         Ok(())
 //!     }
-//!     async fn write_back(&self, key: u64, data: &[u8]) -> std::io::Result<()> {
-//!         self.0.borrow_mut().insert(key, data.to_vec());
+//!     type Snapshot = Vec<u8>;
+//!     fn snapshot(&self, data: &[u8]) -> Vec<u8> {
+//!         data.to_vec()
+//!     }
+//!     async fn write_back(&self, key: u64, data: Vec<u8>) -> std::io::Result<()> {
+//!         self.0.borrow_mut().insert(key, data);
 //!         Ok(())
 //!     }
 //!     async fn flush(&self) -> std::io::Result<()> {

@@ -119,7 +119,7 @@ where
                     slot.writing = true;
                     let version = slot.version;
                     // SAFETY: the slot is Ready and we hold the `state` borrow: see `apply`.
-                    let copy = unsafe { self.arena.slot_mut(idx) }.to_vec();
+                    let copy = self.backend.snapshot(unsafe { self.arena.slot_mut(idx) });
                     Ok((key, copy, version))
                 }
             };
@@ -138,7 +138,7 @@ where
                 version,
                 armed: true,
             };
-            let result = self.backend.write_back(key, &copy).await;
+            let result = self.backend.write_back(key, copy).await;
             guard.armed = false;
             self.state
                 .borrow_mut()

@@ -20,7 +20,9 @@ impl Backend<u64> for Sink {
         buf.fill(0xa5);
         Ok(())
     }
-    async fn write_back(&self, _key: u64, _data: &[u8]) -> io::Result<()> {
+    type Snapshot = ();
+    fn snapshot(&self, _data: &[u8]) {}
+    async fn write_back(&self, _key: u64, _data: ()) -> io::Result<()> {
         self.written.set(self.written.get() + 1);
         Ok(())
     }

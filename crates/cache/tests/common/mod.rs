@@ -237,9 +237,13 @@ impl Backend<u32> for TestBackend {
         Ok(())
     }
 
-    async fn write_back(&self, key: u32, data: &[u8]) -> io::Result<()> {
+    type Snapshot = Vec<u8>;
+    fn snapshot(&self, data: &[u8]) -> Vec<u8> {
+        data.to_vec()
+    }
+    async fn write_back(&self, key: u32, data: Vec<u8>) -> io::Result<()> {
         let disk = &self.disk;
-        let version = match decode(data, key) {
+        let version = match decode(&data, key) {
             Ok(v) => v,
             Err(e) => {
                 disk.violation(format!("cache {} writes back garbage: {e}", self.id));
@@ -270,7 +274,7 @@ impl Backend<u32> for TestBackend {
                     self.id
                 ));
             }
-            disk.data.borrow_mut().insert((self.id, key), data.to_vec());
+            disk.data.borrow_mut().insert((self.id, key), data);
         }
         disk.log(Io::WriteEnd {
             cache: self.id,

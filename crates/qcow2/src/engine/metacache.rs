@@ -93,8 +93,8 @@ fn to_io(e: super::error::EngineError) -> io::Error {
     io::Error::new(kind, e.to_string())
 }
 
-async fn write_all<S: Storage + 'static>(file: &S, data: &[u8], offset: u64) -> io::Result<()> {
-    let (res, _) = file.write_at(IoBuf::from_slice(data).into(), offset).await;
+async fn write_all<S: Storage + 'static>(file: &S, data: IoBuf, offset: u64) -> io::Result<()> {
+    let (res, _) = file.write_at(data.into(), offset).await;
     res
 }
 
@@ -142,7 +142,11 @@ impl<S: Storage + 'static> cache::Backend<L2Key> for L2Backend<S> {
         Ok(())
     }
 
-    async fn write_back(&self, key: L2Key, data: &[u8]) -> io::Result<()> {
+    type Snapshot = IoBuf;
+    fn snapshot(&self, data: &[u8]) -> IoBuf {
+        IoBuf::from_slice(data)
+    }
+    async fn write_back(&self, key: L2Key, data: IoBuf) -> io::Result<()> {
         if key.layer != 0 {
             return Err(io::Error::other("backing layers are read-only"));
         }
@@ -179,7 +183,11 @@ impl<S: Storage + 'static> cache::Backend<RefcountKey> for RefcountBackend<S> {
         Ok(())
     }
 
-    async fn write_back(&self, key: RefcountKey, data: &[u8]) -> io::Result<()> {
+    type Snapshot = IoBuf;
+    fn snapshot(&self, data: &[u8]) -> IoBuf {
+        IoBuf::from_slice(data)
+    }
+    async fn write_back(&self, key: RefcountKey, data: IoBuf) -> io::Result<()> {
         write_all(&self.layers[0].file, data, key.0).await
     }
 

@@ -60,7 +60,7 @@ impl<S: Storage + 'static> Allocator<S> {
         }
         self.l2
             .forget(|k| k.layer == 0 && k.table == HostOffset(new));
-        self.write_meta("writing a new L2 table", new, &table)
+        self.write_meta_buf("writing a new L2 table", new, table)
             .await?;
         self.sync().await?;
         self.meta

@@ -197,13 +197,23 @@ impl<S: Storage + 'static> Allocator<S> {
         offset: u64,
         bytes: &[u8],
     ) -> Result<()> {
+        self.write_meta_buf(what, offset, IoBuf::from_slice(bytes))
+            .await
+    }
+
+    /// As [`write_meta`](Self::write_meta), for a table already in an I/O buffer: a table is
+    /// a whole cluster (2 MiB at most), and a second copy of it would be memory for nothing.
+    pub(crate) async fn write_meta_buf(
+        &self,
+        what: &'static str,
+        offset: u64,
+        buf: IoBuf,
+    ) -> Result<()> {
+        let len = buf.len() as u64;
         let top = self.top();
-        let (res, _) = top
-            .file
-            .write_at(IoBuf::from_slice(bytes).into(), offset)
-            .await;
+        let (res, _) = top.file.write_at(buf.into(), offset).await;
         res.map_err(|e| top.io_error(what, offset, e))?;
-        let end = offset + bytes.len() as u64;
+        let end = offset + len;
         if end > self.physical_len.get() {
             self.physical_len.set(end);
         }

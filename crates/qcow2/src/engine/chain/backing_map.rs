@@ -98,7 +98,9 @@ impl<S: Storage + 'static> cache::Backend<u64> for MapBackend<S> {
         Ok(())
     }
 
-    async fn write_back(&self, _: u64, _: &[u8]) -> io::Result<()> {
+    type Snapshot = ();
+    fn snapshot(&self, _: &[u8]) {}
+    async fn write_back(&self, _: u64, _: ()) -> io::Result<()> {
         Err(io::Error::other("the backing map is never dirty"))
     }
 
