@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Writes build/hot-code.txt: the functions of the release binary that run when it starts,
-# opens an image and serves a client, so that build.rs can have the linker place them side
-# by side at the start of the code.
+# opens an image, converts a chain and serves a client, so that build.rs can have the linker
+# place them side by side at the start of the code.
 #
 # Why: the kernel maps a program's code into memory 64 KiB around each first touch
 # (fault-around), and a statically linked Rust binary's start-up and request path touch
@@ -25,16 +25,26 @@ qemu-img create -q -f qcow2 "$work/base.qcow2" 64M
 qemu-io -f qcow2 -c 'write -P 0x11 0 4M' "$work/base.qcow2" >/dev/null
 qemu-img create -q -f qcow2 -b "$work/base.qcow2" -F qcow2 "$work/top.qcow2" 64M
 cg info "$bin" info "$work/top.qcow2" >/dev/null 2>&1
-valgrind --tool=callgrind --demangle=no --callgrind-out-file="$work/cg.serve" \
-    "$bin" serve -k "$work/s.sock" -t "$work/top.qcow2" 2>/dev/null &
-pid=$!
-for _ in $(seq 120); do [ -S "$work/s.sock" ] && break; sleep 0.5; done
-uri="nbd+unix:///?socket=$work/s.sock"
-qemu-io -f raw -c 'read -P 0x11 0 64k' -c 'write -P 0x22 1M 64k' -c 'write -P 0x33 4M 8k' \
-    -c 'write -z 8M 1M' -c 'discard 1M 64k' -c 'flush' -c 'read 0 8M' "$uri" >/dev/null
-qemu-img map --output=json -f raw "$uri" >/dev/null
-kill -TERM "$pid"
-wait "$pid" || true
+cg convert "$bin" convert -O qcow2 "$work/top.qcow2" "$work/copy.qcow2" >/dev/null 2>&1
+# Each way the server does I/O runs its own code: the default (page cache, a thread pool),
+# and O_DIRECT with io_uring (what a production export and benches/seeds.sh use), each on an
+# image with and one without extended L2 entries.
+qemu-img create -q -f qcow2 -o cluster_size=2M,extended_l2=on "$work/ext.qcow2" 64M
+serve_run() { # NAME IMAGE SERVE-OPTIONS...
+    valgrind --tool=callgrind --demangle=no --callgrind-out-file="$work/cg.$1" \
+        "$bin" serve -k "$work/s.sock" -t "${@:3}" "$2" 2>/dev/null &
+    local pid=$! uri="nbd+unix:///?socket=$work/s.sock"
+    for _ in $(seq 120); do [ -S "$work/s.sock" ] && break; sleep 0.5; done
+    qemu-io -f raw -c 'read 0 64k' -c 'write -P 0x22 1M 64k' -c 'write -P 0x33 4M 8k' \
+        -c 'write -z 8M 1M' -c 'discard 1M 64k' -c 'flush' -c 'read 0 8M' "$uri" >/dev/null
+    qemu-img map --output=json -f raw "$uri" >/dev/null
+    kill -TERM "$pid"
+    wait "$pid" || true
+    rm -f "$work/s.sock"
+}
+serve_run serve "$work/top.qcow2"
+serve_run direct "$work/top.qcow2" --cache=none --aio=io_uring
+serve_run ext "$work/ext.qcow2" --cache=none --aio=io_uring
 
 # Every function of the binary that ran, in the order callgrind first lists it.
 python3 - "$work" "$repo/build/hot-code.txt" <<'PY'
