@@ -24,7 +24,12 @@
 #   --depths "D..."     chain depths ["1 300 1000"]
 #   --rounds N          alternating rounds per measurement [3, 1]
 #   --runtime S         seconds per time-based fio run, plus 1 s of ramp-up [10, 2]
-#   --only "GROUPS"     a subset of: alloc nobacking slices space metadata chain
+#   --only "GROUPS"     a subset of: alloc nobacking slices space metadata chain criterion
+#                       [all; quick mode leaves out criterion]
+#
+# The criterion group runs `cargo bench` of the four engine benches (in-process, no NBD;
+# about 15 minutes with their build) and reports criterion's medians; outside quick mode it
+# also rewrites the criterion table of benches/RESULTS.md, dated with the commit measured.
 #   --no-drop-caches    do not drop the host page cache between the chain's two reads
 #   --skip-build        use the existing release binary (QCOW2_NBD_BIN to name another)
 #
@@ -37,7 +42,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=benches/lib.sh
 . "$REPO/benches/lib.sh"
 
-QUICK=0 OUT="" BENCH_DIR=/var/tmp TMPFS_DIR=/dev/shm ONLY="alloc nobacking slices space metadata chain"
+QUICK=0 OUT="" BENCH_DIR=/var/tmp TMPFS_DIR=/dev/shm ONLY=""
 DROP_CACHES=1 SKIP_BUILD=0
 o_size="" o_ios="" o_noback="" o_space="" o_chain="" o_depths="" o_rounds="" o_runtime=""
 while [ $# -gt 0 ]; do
@@ -73,6 +78,10 @@ else
     SPACE_MB=${o_space:-100} CHAIN_MIB=${o_chain:-1024} ROUNDS=${o_rounds:-3} RUNTIME=${o_runtime:-10}
 fi
 DEPTHS=${o_depths:-"1 300 1000"}
+if [ -z "$ONLY" ]; then
+    ONLY="alloc nobacking slices space metadata chain"
+    [ "$QUICK" = 1 ] || ONLY="$ONLY criterion"
+fi
 for d in $DEPTHS; do [[ $d =~ ^[1-9][0-9]*$ ]] || die "chain depth $d is not a positive integer"; done
 OUT=${OUT:-$REPO/target/seeds/REPORT.md}
 mkdir -p "$(dirname "$OUT")"
@@ -367,6 +376,22 @@ chain_group() {
     rm -rf "$WORK"/chain* "$WORK/stream.qcow2"
 }
 
+# 7. The criterion benches: the engine in-process, without NBD or a second server; criterion's
+# medians of this run only (it keeps older results beside them).
+CRITERION=$WORK/criterion.md
+criterion_group() {
+    local since
+    since=$(date +%s)
+    log "criterion: cargo bench (engine_alloc engine_l2_cache engine_chain engine_threads)"
+    if ! (cd "$REPO" && cargo bench --bench engine_alloc --bench engine_l2_cache \
+        --bench engine_chain --bench engine_threads) >"$WORK/criterion.log" 2>&1; then
+        note "criterion: cargo bench failed: $(grep -m1 -E 'error|panicked' "$WORK/criterion.log")"
+        return
+    fi
+    python3 "$REPO/benches/criterion_table.py" "$REPO/target/criterion" "$since" >"$CRITERION" ||
+        note "criterion: no results were written"
+}
+
 # ---------------------------------------------------------------------------------------------
 START=$(date +%s)
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -374,7 +399,8 @@ for group in $ONLY; do
     case $group in
     alloc) alloc_group ;; nobacking) nobacking_group ;; slices) slices_group ;;
     space) space_group ;; metadata) metadata_group ;; chain) chain_group ;;
-    *) die "unknown group $group (alloc nobacking slices space metadata chain)" ;;
+    criterion) criterion_group ;;
+    *) die "unknown group $group (alloc nobacking slices space metadata chain criterion)" ;;
     esac
 done
 ELAPSED=$(($(date +%s) - START))
@@ -603,6 +629,17 @@ slice_table() { # CLUSTER
         echo "CPU µs/req: the server's CPU time per 1 MiB request of the timed read. Peak RSS in MiB."
         ;;
     esac
+    case " $ONLY " in *" criterion "*)
+        echo
+        echo "## Criterion benches (the engine in-process, no NBD)"
+        echo
+        echo "\`cargo bench\` of engine_alloc (4 KiB random allocating writes over a backing file), engine_l2_cache"
+        echo "(4 KiB random reads, L2 cache and slice sizes), engine_chain (a full read of a chain) and"
+        echo "engine_threads (requests on one and several threads): criterion's medians, ours only."
+        echo
+        if [ -s "$CRITERION" ]; then cat "$CRITERION"; else echo "Not measured: see the notes."; fi
+        ;;
+    esac
     echo
     echo "## Where ours is behind"
     echo
@@ -622,5 +659,13 @@ slice_table() { # CLUSTER
 } >"$OUT"
 
 python3 "$REPO/benches/seeds_plot.py" "$PLOT" "$PLOT_DIR"
+if [ "$QUICK" = 0 ] && [ -s "$CRITERION" ]; then
+    python3 "$REPO/benches/criterion_table.py" "$REPO/target/criterion" "$START" \
+        --results "$REPO/benches/RESULTS.md" --stamp "Measured by \`benches/seeds.sh\` on \
+$(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git -C "$REPO" rev-parse --short HEAD)$(git -C "$REPO" \
+        diff --quiet HEAD -- . 2>/dev/null || echo " with uncommitted changes"), $(nproc) CPUs, load \
+average $LOAD_START at the start of the run and $LOAD_END at its end." >/dev/null
+    log "benches/RESULTS.md: criterion table rewritten"
+fi
 cp "$RESULTS" "${OUT%.md}.tsv"
 log "report: $OUT (plots and raw results beside it), ${ELAPSED} s"
