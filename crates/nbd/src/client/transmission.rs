@@ -1,6 +1,7 @@
 //! One request on the wire and the whole reply to it: simple or structured, every chunk's
 //! length, offset and count checked against the request before anything is read or stored.
 
+use std::collections::BTreeMap;
 use std::io::{Read, Write};
 
 use super::error::{proto, ClientError};
@@ -15,6 +16,41 @@ struct Sofar {
     error: Option<u32>,
     /// Bytes of the read that data and hole chunks have filled.
     covered: u64,
+    /// The stretches of the read filled so far (start to end, request-relative), adjacent
+    /// ones merged. Counting bytes alone is not enough: two chunks over the same bytes would
+    /// add up to the request while part of the buffer was never written. At most one entry
+    /// per chunk (MAX_CHUNKS), and one in all for a server that sends its chunks in order.
+    filled: BTreeMap<u64, u64>,
+}
+
+impl Sofar {
+    /// Records that `[start, end)` of the read was filled; false if any of it already was.
+    fn fill(&mut self, start: u64, end: u64) -> bool {
+        if start == end {
+            return true;
+        }
+        let (mut lo, mut hi) = (start, end);
+        if let Some((&s, &e)) = self.filled.range(..=start).next_back() {
+            if e > start {
+                return false;
+            }
+            if e == start {
+                lo = s;
+            }
+        }
+        if let Some((&s, &e)) = self.filled.range(start..).next() {
+            if s < end {
+                return false;
+            }
+            if s == end {
+                self.filled.remove(&s);
+                hi = e;
+            }
+        }
+        self.filled.insert(lo, hi);
+        self.covered += end - start;
+        true
+    }
 }
 
 impl<S: Read + Write> NbdClient<S> {
@@ -159,15 +195,16 @@ impl<S: Read + Write> NbdClient<S> {
                     .checked_add(n)
                     .filter(|&e| e <= buf.len() as u64)
                     .ok_or_else(|| proto("chunk past the request"))?;
+                if !sofar.fill(start, end) {
+                    return Err(proto(format!(
+                        "chunk at {off} for {n} bytes overlaps an earlier one"
+                    )));
+                }
                 let dest = &mut buf[start as usize..end as usize];
                 if kind == REPLY_TYPE_OFFSET_DATA {
                     self.s.read_exact(dest)?;
                 } else {
                     dest.fill(0);
-                }
-                sofar.covered += n;
-                if sofar.covered > buf.len() as u64 {
-                    return Err(proto("read reply covers more than the request"));
                 }
                 Ok(())
             }
