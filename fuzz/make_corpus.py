@@ -220,6 +220,27 @@ def nbd_seeds(out):
     put("nbd_list_reply", "bytewise", bytes([1]) + listing)
     put("nbd_list_reply", "tls_required", bytes([64]) + greeting + rep(11, 0x80000005)
         + rep(8, 0x80000005) + rep(3, 0x80000005, b"Option 0x3 not permitted before TLS"))
+    # The image tools' client after a handshake (see nbd_client_reply.rs for the layout): a
+    # read answered with a data and a hole chunk, block status, a write refused with an error
+    # chunk, a flush; and the same requests with simple replies only.
+    def client_setup(flags, n_ops, size_sectors=2048, context=1):
+        return (bytes([flags, 9, 0]) + struct.pack(">IB", size_sectors, 0)
+                + struct.pack(">I", context) + bytes([n_ops]))
+    op = lambda kind, offset, length: struct.pack(">BHH", kind, offset // 512, length)
+    chunk = lambda flags, kind, cookie, payload: (struct.pack(">IHHQI", 0x668E33EF, flags, kind,
+                                                               cookie, len(payload)) + payload)
+    simple = lambda cookie, errno=0: struct.pack(">IIQ", 0x67446698, errno, cookie)
+    ops = op(0, 4096, 1024) + op(1, 0, 8) + op(2, 0, 512) + op(5, 0, 0)
+    structured = (chunk(0, 1, 1, struct.pack(">Q", 4096) + bytes(range(256)) * 2)
+                  + chunk(1, 2, 1, struct.pack(">QI", 4096 + 512, 512))
+                  + chunk(1, 5, 2, struct.pack(">IIIII", 1, 1024, 3, 3072, 0))
+                  + chunk(1, 0x8001, 3, struct.pack(">IH", 28, 5) + b"nospc")
+                  + simple(4))
+    put("nbd_client_reply", "structured", bytes([255]) + client_setup(0x47, 4) + ops + structured)
+    put("nbd_client_reply", "bytewise", bytes([1]) + client_setup(0x47, 4) + ops + structured)
+    # Without base:allocation no block status request is sent, so the write is request 2.
+    plain = simple(1) + bytes(1024) + simple(2, 28) + simple(3)
+    put("nbd_client_reply", "simple", bytes([255]) + client_setup(0x40, 4) + ops + plain)
     # Key files as psktool writes them, and with the variations the parser accepts.
     put("tls_psk_file", "psktool", b"alice:" + b"6f" * 32 + b"\n")
     put("tls_psk_file", "several", b"alice:00ff\r\n\nhost:port:0102\nbob:ABCD\n")

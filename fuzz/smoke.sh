@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Smoke-runs every fuzz target for SECONDS each (default 20), seeded with corpora made from
-# real qemu-img images by make_corpus.py. Fails on the first finding (crash, panic, overflow,
+# Smoke-runs every fuzz target (or the TARGETs named) for SECONDS each (default 20), seeded
+# with corpora made from real qemu-img images by make_corpus.py. Fails on the first finding (crash, panic, overflow,
 # hang over 10 s, or more than 2 GiB of memory). Skips, with exit 0, only when this
 # toolchain cannot build libFuzzer targets at all.
 #
-#   fuzz/smoke.sh [SECONDS]
+#   fuzz/smoke.sh [SECONDS] [TARGET...]
 set -euo pipefail
 secs=${1:-20}
+shift || true
 source "$(dirname "$0")/common.sh"
-targets=$(fuzz_targets)
+if [ $# -gt 0 ]; then
+    targets="$*"
+else
+    targets=$(fuzz_targets)
+fi
 build_fuzz_targets
 make_corpora
 

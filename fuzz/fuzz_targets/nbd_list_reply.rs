@@ -3,38 +3,11 @@
 //! byte chooses. The client must never panic, and what it lists stays within its bounds.
 #![no_main]
 
-use std::io::{Read, Write};
-
 use libfuzzer_sys::fuzz_target;
 use nbd::list::{list_exports, MAX_ITEMS, MAX_REPLY};
 
-/// A server that sends the fuzz input, `chunk` bytes at most per read, and takes whatever
-/// the client writes.
-struct Hostile<'a> {
-    input: &'a [u8],
-    chunk: usize,
-    written: usize,
-}
-
-impl Read for Hostile<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let n = buf.len().min(self.chunk).min(self.input.len());
-        buf[..n].copy_from_slice(&self.input[..n]);
-        self.input = &self.input[n..];
-        Ok(n)
-    }
-}
-
-impl Write for Hostile<'_> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.written = self.written.saturating_add(buf.len());
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
+mod hostile;
+use hostile::Hostile;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&chunk, input)) = data.split_first() else {

@@ -1,0 +1,168 @@
+//! Connecting and negotiating: structured replies, `base:allocation` and the export's size,
+//! flags and block sizes, through `list.rs`'s option code.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use super::error::{proto, ClientError};
+use super::limits::MAX_REQUEST;
+use super::name::{NbdTarget, ServerAddr};
+use super::session::{NbdClient, ReadWrite};
+use crate::list::{name_field, refused, Client as OptClient};
+use crate::wire::consts::*;
+
+const BASE_ALLOC: &str = "base:allocation";
+
+/// The socket of a connection.
+enum Conn {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Read for Conn {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Conn::Unix(s) => s.read(buf),
+            Conn::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Conn {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Conn::Unix(s) => s.write(buf),
+            Conn::Tcp(s) => s.write(buf),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Conn::Unix(s) => s.flush(),
+            Conn::Tcp(s) => s.flush(),
+        }
+    }
+}
+
+impl NbdClient {
+    /// Connects to `target` and negotiates; `timeout` bounds every read and write.
+    pub fn connect(target: &NbdTarget, timeout: Duration) -> Result<NbdClient, ClientError> {
+        let conn = match &target.server {
+            ServerAddr::Unix(path) => {
+                let s = UnixStream::connect(path).map_err(|source| ClientError::Connect {
+                    target: path.display().to_string(),
+                    source,
+                })?;
+                s.set_read_timeout(Some(timeout))?;
+                s.set_write_timeout(Some(timeout))?;
+                Conn::Unix(s)
+            }
+            ServerAddr::Inet { host, port } => {
+                let s = TcpStream::connect((host.as_str(), *port)).map_err(|source| {
+                    ClientError::Connect {
+                        target: format!("{host}:{port}"),
+                        source,
+                    }
+                })?;
+                s.set_read_timeout(Some(timeout))?;
+                s.set_write_timeout(Some(timeout))?;
+                let _ = s.set_nodelay(true);
+                Conn::Tcp(s)
+            }
+        };
+        NbdClient::handshake(Box::new(conn) as Box<dyn ReadWrite>, &target.export)
+    }
+}
+
+impl<S: Read + Write> NbdClient<S> {
+    /// Negotiates export `export` over `s`: structured replies and `base:allocation` when
+    /// the server offers them, then NBD_OPT_GO.
+    pub fn handshake(mut s: S, export: &str) -> Result<NbdClient<S>, ClientError> {
+        let mut o = OptClient { s: &mut s };
+        o.greet()?;
+        let structured = o.simple_option(OPT_STRUCTURED_REPLY)?;
+        let mut allocation = None;
+        if structured {
+            let mut data = name_field(export)?;
+            data.extend_from_slice(&1u32.to_be_bytes());
+            data.extend_from_slice(&name_field(BASE_ALLOC)?);
+            o.send_option(OPT_SET_META_CONTEXT, &data)?;
+            loop {
+                let r = o.reply(OPT_SET_META_CONTEXT)?;
+                match r.kind {
+                    REP_ACK => break,
+                    REP_META_CONTEXT => {
+                        let id = r
+                            .data
+                            .get(..4)
+                            .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+                            .ok_or_else(|| proto("short NBD_REP_META_CONTEXT"))?;
+                        if &r.data[4..] == BASE_ALLOC.as_bytes() {
+                            allocation = Some(id);
+                        }
+                    }
+                    k if k & REP_FLAG_ERROR != 0 => break,
+                    k => return Err(proto(format!("reply type {k} to SET_META_CONTEXT"))),
+                }
+            }
+        }
+        let mut data = name_field(export)?;
+        data.extend_from_slice(&1u16.to_be_bytes());
+        data.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
+        o.send_option(OPT_GO, &data)?;
+        let mut size_flags = None;
+        let mut max_request = MAX_REQUEST;
+        let mut min_block = 1;
+        loop {
+            let r = o.reply(OPT_GO)?;
+            match r.kind {
+                REP_ACK => break,
+                REP_INFO => {
+                    let d = &r.data;
+                    match (
+                        d.get(..2).map(|b| u16::from_be_bytes([b[0], b[1]])),
+                        d.len(),
+                    ) {
+                        (Some(INFO_EXPORT), 12) => {
+                            let size = u64::from_be_bytes(d[2..10].try_into().unwrap_or([0; 8]));
+                            size_flags = Some((size, u16::from_be_bytes([d[10], d[11]])));
+                        }
+                        (Some(INFO_BLOCK_SIZE), 14) => {
+                            let min = u32::from_be_bytes(d[2..6].try_into().unwrap_or([0; 4]));
+                            let max = u32::from_be_bytes(d[10..14].try_into().unwrap_or([0; 4]));
+                            // Only a power of two up to 64 KiB is a minimum to honour.
+                            if min.is_power_of_two() && min <= 1 << 16 {
+                                min_block = min;
+                            }
+                            // A maximum under one sector is not one to follow.
+                            if max >= 512 {
+                                max_request = max.min(MAX_REQUEST);
+                            }
+                        }
+                        (Some(INFO_EXPORT | INFO_BLOCK_SIZE), n) => {
+                            return Err(proto(format!("{n}-byte NBD_REP_INFO")));
+                        }
+                        _ => {}
+                    }
+                }
+                k if k & REP_FLAG_ERROR != 0 => return Err(refused(OPT_GO, r).into()),
+                k => return Err(proto(format!("reply type {k} to NBD_OPT_GO"))),
+            }
+        }
+        let (size, flags) = size_flags.ok_or_else(|| proto("no export size sent"))?;
+        if size > i64::MAX as u64 {
+            return Err(proto(format!("export size {size} too large")));
+        }
+        Ok(NbdClient {
+            s,
+            size,
+            flags,
+            structured,
+            allocation,
+            max_request,
+            min_block,
+            next_handle: 1,
+        })
+    }
+}

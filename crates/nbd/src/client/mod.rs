@@ -1,0 +1,26 @@
+//! An NBD client for the image tools: the names QEMU takes for an NBD export, and a
+//! connection that reads, writes, zeroes, trims, flushes and asks block status.
+//!
+//! The server is untrusted: every length, offset and count it sends is checked against
+//! what was asked, a reply never makes us allocate more than the request it answers, and
+//! anything the protocol does not allow is a [`ClientError`], never a panic. Blocking I/O
+//! with timeouts on the socket, so every wait ends; one request is in flight at a time.
+//!
+//! `name` reads the names, `handshake` connects and negotiates, `transmission` sends one
+//! request and parses its reply, `commands` are the operations built on them.
+
+mod commands;
+mod error;
+mod handshake;
+mod limits;
+mod name;
+mod session;
+mod transmission;
+
+pub use error::ClientError;
+pub use limits::{DEFAULT_IO_TIMEOUT, MAX_CHUNKS, MAX_EXTENTS, MAX_RANGE, MAX_REQUEST};
+pub use name::{is_nbd_name, NameError, NbdTarget, ServerAddr, DEFAULT_PORT};
+pub use session::{NbdClient, ReadWrite, Status};
+
+#[cfg(test)]
+mod tests;
