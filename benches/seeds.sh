@@ -394,6 +394,8 @@ criterion_group() {
 
 # ---------------------------------------------------------------------------------------------
 START=$(date +%s)
+# The commit measured, taken before the run (the checkout may move while it runs).
+COMMIT="$(git -C "$REPO" rev-parse --short HEAD)$(git -C "$REPO" diff --quiet HEAD -- . 2>/dev/null || echo "+changes")"
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 for group in $ONLY; do
     case $group in
@@ -473,7 +475,7 @@ slice_table() { # CLUSTER
 {
     echo "# The seeds' study, reproduced"
     echo
-    echo "\`benches/seeds.sh$([ "$QUICK" = 1 ] && echo " --quick")\`, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git -C "$REPO" rev-parse --short HEAD)$(git -C "$REPO" diff --quiet HEAD -- . 2>/dev/null || echo "+changes"), ${ELAPSED} s."
+    echo "\`benches/seeds.sh$([ "$QUICK" = 1 ] && echo " --quick")\`, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $COMMIT, ${ELAPSED} s."
     echo "$(nproc) CPUs, Linux $(uname -r), scratch on $(fsname "$WORK") ($BENCH_DIR), qemu-nbd $(qemu-nbd --version | head -1 | awk '{print $2}'),"
     echo "load average $LOAD_START at the start and $LOAD_END at the end. Rounds $ROUNDS, fio runs ${RUNTIME} s + 1 s ramp-up,"
     echo "allocation images ${ALLOC_GIB} GiB ($ALLOC_IOS writes per run, $NOBACK_IOS without backing), slice images ${SLICE_GIB} GiB,"
@@ -662,8 +664,7 @@ python3 "$REPO/benches/seeds_plot.py" "$PLOT" "$PLOT_DIR"
 if [ "$QUICK" = 0 ] && [ -s "$CRITERION" ]; then
     python3 "$REPO/benches/criterion_table.py" "$REPO/target/criterion" "$START" \
         --results "$REPO/benches/RESULTS.md" --stamp "Measured by \`benches/seeds.sh\` on \
-$(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git -C "$REPO" rev-parse --short HEAD)$(git -C "$REPO" \
-        diff --quiet HEAD -- . 2>/dev/null || echo " with uncommitted changes"), $(nproc) CPUs, load \
+$(date -u '+%Y-%m-%d %H:%M UTC'), commit $COMMIT, $(nproc) CPUs, load \
 average $LOAD_START at the start of the run and $LOAD_END at its end." >/dev/null
     log "benches/RESULTS.md: criterion table rewritten"
 fi
