@@ -2,13 +2,12 @@
 //! afterwards whenever a backing file could otherwise show through, and clusters whose
 //! refcount drops to zero are freed (and punched out of the file with discard passthrough).
 
-use super::alloc::l2_entry::RawEntry;
 use super::error::Result;
 use super::image::{Image, Inner};
 use super::range_lock::LockMode;
 use crate::format::l2;
 use crate::format::l2_extended::ALL_ZERO_BITMAP;
-use crate::format::{GuestOffset, HostOffset};
+use crate::format::GuestOffset;
 use storage::Storage;
 
 impl<S: Storage + 'static> Image<S> {
@@ -84,40 +83,17 @@ impl<S: Storage + 'static> Inner<S> {
             if (word, bitmap) == (e.word, e.bitmap) {
                 continue;
             }
-            self.replace_entry(&e, word, bitmap).await?;
+            // The entry reaches disk before the refcount drops, and after any data
+            // written before it.
+            w.remap(
+                e.cluster,
+                (word, bitmap),
+                e.word,
+                self.discard_passthrough,
+                true,
+            )
+            .await?;
         }
         Ok(())
-    }
-
-    /// Points the guest cluster of `e` at nothing (`word`, `bitmap`: unallocated or zero)
-    /// and releases what the entry held. The L2 entry reaches disk before the refcount drops
-    /// (`release`), and after any data written before it.
-    pub(crate) async fn replace_entry(&self, e: &RawEntry, word: u64, bitmap: u64) -> Result<()> {
-        let w = self.alloc()?;
-        self.chain.l2.set_flush_before_writeback();
-        if w.lazy_refcounts() {
-            w.mark_dirty().await?;
-        }
-        w.set_l2_entry(e.cluster, word, bitmap).await?;
-        self.release(e.word, self.discard_passthrough).await
-    }
-
-    /// Drops the reference an old L2 entry held on its host cluster(s), if any.
-    pub(crate) async fn release(&self, old_word: u64, punch: bool) -> Result<()> {
-        let meta = self.chain.top().qcow2().expect("qcow2");
-        if meta.data_file.is_some() {
-            // Clusters in an external data file are not refcounted.
-            return Ok(());
-        }
-        let w = self.alloc()?;
-        let _g = w.exclusive().await;
-        if l2::is_compressed(old_word) {
-            w.free_compressed(old_word).await
-        } else if l2::host_of(old_word) != 0 {
-            w.free_clusters(HostOffset(l2::host_of(old_word)), 1, punch)
-                .await
-        } else {
-            Ok(())
-        }
     }
 }

@@ -220,20 +220,6 @@ impl<S: Storage + 'static> Inner<S> {
         }
     }
 
-    /// Makes the L2 cache write back only after the refcount cache: the refcounts of clusters
-    /// just allocated reach disk before any L2 entry that points to them.
-    pub(crate) async fn refcounts_before_l2(&self) -> Result<()> {
-        let w = self.alloc()?;
-        self.chain
-            .l2
-            .set_dependency(w.refcounts_flush())
-            .await
-            .map_err(|source| EngineError::Cache {
-                image: self.chain.top().name.clone(),
-                source,
-            })
-    }
-
     /// Refuses writes to a read-only image or one found corrupt.
     pub(crate) fn check_writable(&self) -> Result<()> {
         if self.read_only {
@@ -253,15 +239,6 @@ impl<S: Storage + 'static> Inner<S> {
     pub(crate) fn track(&self, offset: u64, len: u64) {
         if let Some(a) = &self.alloc {
             a.mark_bitmaps(offset, len);
-        }
-    }
-
-    /// Records an inconsistency found while writing (see [`Allocator::mark_corrupt`]); an
-    /// image without an allocator only reports it.
-    pub(crate) async fn mark_corrupt(&self, detail: String) -> EngineError {
-        match &self.alloc {
-            Some(a) => a.mark_corrupt(detail).await,
-            None => self.chain.top().corrupt(detail),
         }
     }
 }

@@ -53,7 +53,8 @@ impl<S: Storage + 'static> Inner<S> {
                 if e.table.is_none() || (e.word, e.bitmap) == (0, 0) {
                     continue;
                 }
-                self.replace_entry(&e, 0, 0).await?;
+                w.remap(e.cluster, (0, 0), e.word, self.discard_passthrough, true)
+                    .await?;
             }
             pos += n;
         }

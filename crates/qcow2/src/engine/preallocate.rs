@@ -116,7 +116,7 @@ impl<S: Storage + 'static> Inner<S> {
                 })?;
         }
         w.note_file_end(end);
-        self.refcounts_before_l2().await?;
+        w.refcounts_before_l2().await?;
         for i in 0..n {
             w.set_l2_entry(first + i * cs, l2::owned_word(host + i * cs), 0)
                 .await?;

@@ -2,6 +2,7 @@
 //! cluster, packed into shared host clusters as QEMU packs them. Data that does not compress
 //! is written as a normal cluster.
 
+use super::alloc::NewEntry;
 use super::compress;
 use super::error::{EngineError, Result};
 use super::image::{Image, Inner};
@@ -163,12 +164,10 @@ impl<S: Storage + 'static> Inner<S> {
         if e.word != 0 || unpack_bitmap(e.bitmap).0 != 0 {
             return Err(unsupported("a compressed write over an allocated cluster"));
         }
+        // Allocate, write the data, commit.
         let w = self.alloc()?;
-        let host = {
-            let _g = w.exclusive().await;
-            w.l2_for_write(g.l1_index(cluster)).await?;
-            w.alloc_bytes(packed.len() as u64).await?.0
-        };
+        let allocation = w.allocate_packed(cluster, packed.len() as u64).await?;
+        let host = allocation.host.0;
         let plen = packed.len() as u64;
         w.check_overlap(HostOffset(host), plen).await?;
         let (res, _) = top
@@ -176,9 +175,7 @@ impl<S: Storage + 'static> Inner<S> {
             .write_at(IoBuf::from_slice(&packed).into(), host)
             .await;
         res.map_err(|e| top.io_error("writing a compressed cluster", host, e))?;
-        if let Some(wr) = &self.alloc {
-            wr.note_file_end(host + plen);
-        }
+        w.note_file_end(host + plen);
         let desc = CompressedDescriptor {
             host_offset: host,
             additional_sectors: (host + plen - 1) / 512 - host / 512,
@@ -189,11 +186,13 @@ impl<S: Storage + 'static> Inner<S> {
                 source,
             }
         })?);
-        self.refcounts_before_l2().await?;
-        self.chain.l2.set_flush_before_writeback();
-        if w.lazy_refcounts() {
-            w.mark_dirty().await?;
-        }
-        w.set_l2_entry(cluster, word, 0).await
+        allocation
+            .commit([NewEntry {
+                cluster,
+                word,
+                bitmap: 0,
+                replaced: None,
+            }])
+            .await
     }
 }

@@ -246,16 +246,10 @@ impl<S: Storage + 'static> Inner<S> {
             let _g = w.exclusive().await;
             w.l2_for_write(z.geom.l1_index(e.cluster)).await?;
         }
-        if w.lazy_refcounts() {
-            w.mark_dirty().await?;
-        }
-        w.set_l2_entry(e.cluster, word, bitmap).await?;
         let released = if !z.v3 || unmap { e.word } else { 0 };
-        if released != 0 {
-            self.release(released, z.may_unmap && self.discard_passthrough)
-                .await?;
-        }
-        Ok(())
+        let punch = z.may_unmap && self.discard_passthrough;
+        w.remap(e.cluster, (word, bitmap), released, punch, false)
+            .await
     }
 
     /// True when `[offset, offset + len)` currently reads as zeros (metadata only, no data

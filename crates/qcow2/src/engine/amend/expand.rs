@@ -28,7 +28,7 @@ impl<S: Storage + 'static> Inner<S> {
         let cs = meta.geom.cluster_size() as usize;
         let ext = meta.geom.extended_l2();
         let mut scan = Scan::default();
-        for s in self.snapshots().await? {
+        for s in self.snapshot_list().await? {
             let l1_len = usize::try_from(s.l1_size).unwrap_or(usize::MAX);
             let l1 = top
                 .read_file(
@@ -131,7 +131,7 @@ impl<S: Storage + 'static> Inner<S> {
             w.alloc_clusters(1).await?.0
         };
         self.zero_host(new, cs).await?;
-        self.refcounts_before_l2().await?;
+        w.refcounts_before_l2().await?;
         w.set_l2_entry(cluster, l2::owned_word(new), 0).await?;
         if host != 0 {
             let _g = w.exclusive().await;

@@ -28,7 +28,7 @@ impl<S: Storage + 'static> Inner<S> {
     }
 
     /// The snapshot table of the writable layer.
-    pub(super) async fn snapshots(&self) -> Result<Vec<SnapshotTableEntry>> {
+    pub(super) async fn snapshot_list(&self) -> Result<Vec<SnapshotTableEntry>> {
         let top = self.chain.top();
         let meta = top.qcow2_required()?;
         let h = meta.header.borrow().clone();
@@ -43,7 +43,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// Version 3 needs each snapshot's disk size in its extra data.
     pub(super) async fn check_upgrade(&self) -> Result<()> {
         let old = self
-            .snapshots()
+            .snapshot_list()
             .await?
             .iter()
             .any(|s| s.extra_data.len() < EXTRA_DISK_SIZE_END);
@@ -70,7 +70,7 @@ impl<S: Storage + 'static> Inner<S> {
             return refuse(AmendError::DowngradeDataFile);
         }
         let size = new_size.unwrap_or(top.size.get());
-        for s in self.snapshots().await? {
+        for s in self.snapshot_list().await? {
             let word = |at: usize| {
                 s.extra_data
                     .get(at..at + 8)

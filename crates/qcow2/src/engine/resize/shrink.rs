@@ -67,12 +67,8 @@ impl<S: Storage + 'static> Inner<S> {
                     let _g = w.exclusive().await;
                     w.l2_for_write(g.l1_index(GuestOffset(pos))).await?;
                 }
-                if w.lazy_refcounts() {
-                    w.mark_dirty().await?;
-                }
                 for e in used {
-                    w.set_l2_entry(e.cluster, 0, 0).await?;
-                    self.release(e.word, true).await?;
+                    w.remap(e.cluster, (0, 0), e.word, true, false).await?;
                 }
             }
             pos = table_end;
