@@ -98,7 +98,7 @@ impl<S: Storage + 'static> Image<S> {
                     // then data over a hole is data that reads as zeros.
                     let layer = &inner.chain.layers[p.layer];
                     let raw = layer.qcow2().is_none();
-                    if !raw && !inner.metadata_preallocated(p.layer).await {
+                    if !raw && !self.metadata_preallocated(p.layer).await {
                         // Ciphertext is no copy of the guest's data: like QEMU, no offset.
                         let encrypted = layer.qcow2().is_some_and(|m| m.crypto.is_some());
                         push(Extent {

@@ -3,7 +3,7 @@
 //! refcount drops to zero are freed (and punched out of the file with discard passthrough).
 
 use super::error::Result;
-use super::image::{Image, Inner};
+use super::image::Image;
 use super::range_lock::LockMode;
 use crate::format::l2;
 use crate::format::l2_extended::ALL_ZERO_BITMAP;
@@ -13,19 +13,14 @@ use storage::Storage;
 impl<S: Storage + 'static> Image<S> {
     /// Discards `[offset, offset + len)`: advisory, so unaligned edges are simply kept.
     pub async fn discard(&self, offset: GuestOffset, len: u64) -> Result<()> {
-        self.inner.discard(offset.0, len).await
-    }
-}
-
-impl<S: Storage + 'static> Inner<S> {
-    pub(crate) async fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.check_writable()?;
-        self.check_range(offset, len)?;
+        let offset = offset.0;
+        self.inner.check_writable()?;
+        self.inner.check_range(offset, len)?;
         // The whole request, as QEMU marks it, even the parts that stay as they were.
-        self.track(offset, len);
-        let top = self.chain.top();
+        self.inner.track(offset, len);
+        let top = self.inner.chain.top();
         let Some(meta) = top.qcow2() else {
-            let punch = self.discard_passthrough;
+            let punch = self.inner.discard_passthrough;
             if punch && len > 0 {
                 top.file
                     .discard_at(offset, len)
@@ -34,11 +29,11 @@ impl<S: Storage + 'static> Inner<S> {
             }
             return Ok(());
         };
-        let w = self.alloc()?;
+        let w = self.inner.alloc()?;
         let g = &meta.geom;
         let cs = g.cluster_size();
         let size = top.size.get();
-        let has_backing = self.chain.layers.len() > 1;
+        let has_backing = self.inner.chain.layers.len() > 1;
         let v3 = meta.header.borrow().version >= 3;
         if !v3 && has_backing {
             // Without the zero flag, freeing would expose the backing file: QEMU declines too.
@@ -54,6 +49,7 @@ impl<S: Storage + 'static> Inner<S> {
             return Ok(());
         }
         let _guard = self
+            .inner
             .lock_range(GuestOffset(start), end - start, LockMode::Exclusive)
             .await;
         if meta.data_raw {
@@ -89,7 +85,7 @@ impl<S: Storage + 'static> Inner<S> {
                 e.cluster,
                 (word, bitmap),
                 e.word,
-                self.discard_passthrough,
+                self.inner.discard_passthrough,
                 true,
             )
             .await?;

@@ -5,7 +5,7 @@
 use super::alloc::NewEntry;
 use super::compress;
 use super::error::{EngineError, Result};
-use super::image::{Image, Inner};
+use super::image::Image;
 use super::layer::Qcow2Meta;
 use super::range_lock::LockMode;
 use crate::format::l2;
@@ -64,10 +64,9 @@ impl<S: Storage + 'static> Image<S> {
     /// Writes one cluster at the cluster-aligned `offset` compressed (the last cluster may be
     /// shorter when the disk ends inside it). Like QEMU, the cluster must be unallocated.
     pub async fn write_compressed(&self, offset: GuestOffset, data: IoBuf) -> Result<()> {
-        let compressor = self.inner.compressor()?;
+        let compressor = self.compressor()?;
         // Before the work of compressing: the data must be one cluster.
-        self.inner
-            .check_cluster(compressor, offset.0, data.len() as u64)?;
+        self.check_cluster(compressor, offset.0, data.len() as u64)?;
         let packed = compressor
             .compress(data)
             .map_err(|source| EngineError::Compressed {
@@ -81,26 +80,15 @@ impl<S: Storage + 'static> Image<S> {
     /// The compressor for this image's clusters, or why it cannot take compressed writes
     /// (read-only, raw, an external data file).
     pub fn compressor(&self) -> Result<ClusterCompressor> {
-        self.inner.compressor()
-    }
-
-    /// Writes a cluster [`ClusterCompressor::compress`] packed, at the cluster-aligned
-    /// `offset`; the cluster must be unallocated.
-    pub async fn write_packed(&self, offset: GuestOffset, packed: PackedCluster) -> Result<()> {
-        self.inner.write_packed(offset.0, packed).await
-    }
-}
-
-impl<S: Storage + 'static> Inner<S> {
-    fn compressor(&self) -> Result<ClusterCompressor> {
         self.compressed_target().map(ClusterCompressor::of)
     }
 
     /// The top layer's qcow2 metadata, if it can take compressed writes: writable, qcow2,
     /// no external data file.
     fn compressed_target(&self) -> Result<&Qcow2Meta<S>> {
-        self.check_writable()?;
+        self.inner.check_writable()?;
         let meta = self
+            .inner
             .chain
             .top()
             .qcow2()
@@ -119,26 +107,29 @@ impl<S: Storage + 'static> Inner<S> {
 
     fn unsupported(&self, what: &str) -> EngineError {
         EngineError::Unsupported {
-            image: self.chain.top().name.clone(),
+            image: self.inner.chain.top().name.clone(),
             what: what.into(),
         }
     }
 
     /// `[offset, offset + len)` is exactly one cluster of the disk (or its short last one).
     fn check_cluster(&self, compressor: ClusterCompressor, offset: u64, len: u64) -> Result<()> {
-        self.check_range(offset, len)?;
+        self.inner.check_range(offset, len)?;
         let cs = compressor.cluster_size;
-        let size = self.chain.top().size.get();
+        let size = self.inner.chain.top().size.get();
         if offset % cs != 0 || (len != cs && offset + len != size) || len == 0 {
             return Err(self.unsupported("a compressed write that is not exactly one cluster"));
         }
         Ok(())
     }
 
-    async fn write_packed(&self, offset: u64, packed: PackedCluster) -> Result<()> {
+    /// Writes a cluster [`ClusterCompressor::compress`] packed, at the cluster-aligned
+    /// `offset`; the cluster must be unallocated.
+    pub async fn write_packed(&self, offset: GuestOffset, packed: PackedCluster) -> Result<()> {
+        let offset = offset.0;
         let meta = self.compressed_target()?;
         let compressor = ClusterCompressor::of(meta);
-        let top = self.chain.top();
+        let top = self.inner.chain.top();
         let len = match &packed {
             PackedCluster::Raw(data) => data.len() as u64,
             PackedCluster::Compressed(_) => compressor
@@ -149,23 +140,24 @@ impl<S: Storage + 'static> Inner<S> {
         let packed = match packed {
             PackedCluster::Compressed(p) => p,
             PackedCluster::Raw(data) => {
-                let (res, _) = self.write(offset, data).await;
+                let (res, _) = self.inner.write(offset, data).await;
                 return res;
             }
         };
         let g = &meta.geom;
-        self.track(offset, len);
+        self.inner.track(offset, len);
         let unsupported = |what: &str| self.unsupported(what);
         let _guard = self
+            .inner
             .lock_range(GuestOffset(offset), len, LockMode::Exclusive)
             .await;
         let cluster = GuestOffset(offset);
-        let e = self.alloc()?.l2_entries(cluster, 1).await?[0];
+        let e = self.inner.alloc()?.l2_entries(cluster, 1).await?[0];
         if e.word != 0 || unpack_bitmap(e.bitmap).0 != 0 {
             return Err(unsupported("a compressed write over an allocated cluster"));
         }
         // Allocate, write the data, commit.
-        let w = self.alloc()?;
+        let w = self.inner.alloc()?;
         let allocation = w.allocate_packed(cluster, packed.len() as u64).await?;
         let host = allocation.host.0;
         let plen = packed.len() as u64;
