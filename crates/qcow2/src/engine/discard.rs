@@ -13,11 +13,11 @@ use storage::Storage;
 impl<S: Storage + 'static> Image<S> {
     /// Discards `[offset, offset + len)`: advisory, so unaligned edges are simply kept.
     pub async fn discard(&self, offset: GuestOffset, len: u64) -> Result<()> {
-        let offset = offset.0;
         self.inner.check_writable()?;
         self.inner.check_range(offset, len)?;
         // The whole request, as QEMU marks it, even the parts that stay as they were.
         self.inner.track(offset, len);
+        let offset = offset.0;
         let top = self.inner.chain.top();
         let Some(meta) = top.qcow2() else {
             let punch = self.inner.discard_passthrough;

@@ -181,11 +181,15 @@ impl<S: Storage + 'static> Image<S> {
 
 impl<S: Storage + 'static> Inner<S> {
     /// Refuses requests that leave the disk.
-    pub(crate) fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+    pub(crate) fn check_range(&self, offset: GuestOffset, len: u64) -> Result<()> {
         let size = self.chain.top().size.get();
-        match offset.checked_add(len) {
+        match offset.0.checked_add(len) {
             Some(end) if end <= size => Ok(()),
-            _ => Err(EngineError::OutOfRange { offset, len, size }),
+            _ => Err(EngineError::OutOfRange {
+                offset: offset.0,
+                len,
+                size,
+            }),
         }
     }
 
@@ -236,9 +240,9 @@ impl<S: Storage + 'static> Inner<S> {
     /// Marks a guest-visible change of `[offset, offset + len)` in every enabled persistent
     /// bitmap, before the change is made: a failed or torn request may still have changed
     /// data, so it is marked too, as QEMU marks it.
-    pub(crate) fn track(&self, offset: u64, len: u64) {
+    pub(crate) fn track(&self, offset: GuestOffset, len: u64) {
         if let Some(a) = &self.alloc {
-            a.mark_bitmaps(offset, len);
+            a.mark_bitmaps(offset.0, len);
         }
     }
 }

@@ -34,7 +34,7 @@ impl<S: Storage + 'static> Image<S> {
         if size == 0 {
             return Ok(());
         }
-        self.inner.track(0, size);
+        self.inner.track(GuestOffset(0), size);
         let _guard = self
             .inner
             .lock_range(GuestOffset(0), size, LockMode::Exclusive)

@@ -12,7 +12,7 @@ use super::create::Preallocation;
 use super::error::{EngineError, Result};
 use super::image::Image;
 use super::layer::{write_zero_data, write_zeros_into};
-use crate::format::{l2, GuestOffset};
+use crate::format::{l2, GuestOffset, HostOffset};
 use storage::Storage;
 
 impl<S: Storage + 'static> Image<S> {
@@ -115,7 +115,7 @@ impl<S: Storage + 'static> Image<S> {
                     source,
                 })?;
         }
-        w.note_file_end(end);
+        w.note_file_end(HostOffset(end));
         w.refcounts_before_l2().await?;
         for i in 0..n {
             w.set_l2_entry(first + i * cs, l2::owned_word(host + i * cs), 0)

@@ -33,7 +33,7 @@ impl<S: Storage + 'static> Image<S> {
     pub async fn read_sparse(&self, offset: GuestOffset, len: usize) -> Result<Vec<ReadPart>> {
         let inner = &self.inner;
         let len64 = len as u64;
-        inner.check_range(offset.0, len64)?;
+        inner.check_range(offset, len64)?;
         if len == 0 {
             return Ok(Vec::new());
         }

@@ -66,7 +66,7 @@ impl<S: Storage + 'static> Image<S> {
     pub async fn write_compressed(&self, offset: GuestOffset, data: IoBuf) -> Result<()> {
         let compressor = self.compressor()?;
         // Before the work of compressing: the data must be one cluster.
-        self.check_cluster(compressor, offset.0, data.len() as u64)?;
+        self.check_cluster(compressor, offset, data.len() as u64)?;
         let packed = compressor
             .compress(data)
             .map_err(|source| EngineError::Compressed {
@@ -113,11 +113,16 @@ impl<S: Storage + 'static> Image<S> {
     }
 
     /// `[offset, offset + len)` is exactly one cluster of the disk (or its short last one).
-    fn check_cluster(&self, compressor: ClusterCompressor, offset: u64, len: u64) -> Result<()> {
+    fn check_cluster(
+        &self,
+        compressor: ClusterCompressor,
+        offset: GuestOffset,
+        len: u64,
+    ) -> Result<()> {
         self.inner.check_range(offset, len)?;
         let cs = compressor.cluster_size;
         let size = self.inner.chain.top().size.get();
-        if offset % cs != 0 || (len != cs && offset + len != size) || len == 0 {
+        if offset.0 % cs != 0 || (len != cs && offset.0 + len != size) || len == 0 {
             return Err(self.unsupported("a compressed write that is not exactly one cluster"));
         }
         Ok(())
@@ -126,7 +131,6 @@ impl<S: Storage + 'static> Image<S> {
     /// Writes a cluster [`ClusterCompressor::compress`] packed, at the cluster-aligned
     /// `offset`; the cluster must be unallocated.
     pub async fn write_packed(&self, offset: GuestOffset, packed: PackedCluster) -> Result<()> {
-        let offset = offset.0;
         let meta = self.compressed_target()?;
         let compressor = ClusterCompressor::of(meta);
         let top = self.inner.chain.top();
@@ -134,7 +138,7 @@ impl<S: Storage + 'static> Image<S> {
             PackedCluster::Raw(data) => data.len() as u64,
             PackedCluster::Compressed(_) => compressor
                 .cluster_size
-                .min(top.size.get().saturating_sub(offset)),
+                .min(top.size.get().saturating_sub(offset.0)),
         };
         self.check_cluster(compressor, offset, len)?;
         let packed = match packed {
@@ -149,9 +153,9 @@ impl<S: Storage + 'static> Image<S> {
         let unsupported = |what: &str| self.unsupported(what);
         let _guard = self
             .inner
-            .lock_range(GuestOffset(offset), len, LockMode::Exclusive)
+            .lock_range(offset, len, LockMode::Exclusive)
             .await;
-        let cluster = GuestOffset(offset);
+        let cluster = offset;
         let e = self.inner.alloc()?.l2_entries(cluster, 1).await?[0];
         if e.word != 0 || unpack_bitmap(e.bitmap).0 != 0 {
             return Err(unsupported("a compressed write over an allocated cluster"));
@@ -167,7 +171,7 @@ impl<S: Storage + 'static> Image<S> {
             .write_at(IoBuf::from_slice(&packed).into(), host)
             .await;
         res.map_err(|e| top.io_error("writing a compressed cluster", host, e))?;
-        w.note_file_end(host + plen);
+        w.note_file_end(HostOffset(host + plen));
         let desc = CompressedDescriptor {
             host_offset: host,
             additional_sectors: (host + plen - 1) / 512 - host / 512,

@@ -25,14 +25,13 @@ impl<S: Storage + 'static> Image<S> {
         may_unmap: bool,
         fast: bool,
     ) -> Result<()> {
-        let offset = offset.0;
         self.inner.check_writable()?;
         self.inner.check_range(offset, len)?;
         if len == 0 {
             return Ok(());
         }
         self.inner.track(offset, len);
-        self.zero_untracked(offset, len, may_unmap, fast).await
+        self.zero_untracked(offset.0, len, may_unmap, fast).await
     }
 
     /// Like [`Image::write_zeroes`] (never fast), but where nothing is allocated and no
@@ -47,11 +46,11 @@ impl<S: Storage + 'static> Image<S> {
     ) -> Result<()> {
         let inner = &self.inner;
         inner.check_writable()?;
-        inner.check_range(offset.0, len)?;
+        inner.check_range(offset, len)?;
         if len == 0 {
             return Ok(());
         }
-        inner.track(offset.0, len);
+        inner.track(offset, len);
         self.zero_range(offset.0, len, may_unmap, false, true).await
     }
 
@@ -198,7 +197,7 @@ impl<S: Storage + 'static> Image<S> {
             let n = (b - pos).min(ZERO_CHUNK);
             let (res, _) = self
                 .inner
-                .write_unlocked(pos, IoBuf::zeroed(n as usize))
+                .write_unlocked(GuestOffset(pos), IoBuf::zeroed(n as usize))
                 .await;
             res?;
             pos += n;

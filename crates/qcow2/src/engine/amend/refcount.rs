@@ -76,7 +76,7 @@ impl<S: Storage + 'static> Image<S> {
             .chain([new.table_offset + u64::from(new.table_clusters) * cs])
             .max()
             .unwrap_or(0);
-        w.note_file_end(end);
+        w.note_file_end(HostOffset(end));
         meta.file_end.set(meta.file_end.get().max(end));
         w.mapping_changed();
     }
@@ -87,7 +87,7 @@ impl<S: Storage + 'static> Image<S> {
     async fn width_failed(&self, e: CheckError) -> EngineError {
         let top = self.inner.chain.top();
         if let (Some(w), Ok(len)) = (&self.inner.alloc, top.file.len().await) {
-            w.note_file_end(len);
+            w.note_file_end(HostOffset(len));
         }
         self.width_error(e)
     }

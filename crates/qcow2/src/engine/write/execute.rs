@@ -115,7 +115,7 @@ impl<S: Storage + 'static> Inner<S> {
             return;
         }
         if let Some(w) = &self.alloc {
-            w.note_file_end(end.0);
+            w.note_file_end(end);
         }
     }
 
