@@ -3,8 +3,10 @@
 //! caller writes the data, then [`Allocation::commit`] points the L2 entries at it in the
 //! order a crash needs and frees what they replaced (or [`Allocation::abandon`] gives the
 //! clusters back after a failed data write). The L2 changes that allocate nothing (discard,
-//! zeroing, shrinking, a write marking subclusters allocated) go through [`Allocator::remap`]
-//! and [`Allocator::mark_allocated`], with the same ordering rules.
+//! zeroing, `make_empty`, shrinking, a write marking subclusters allocated) go through
+//! [`Allocator::remap`] and [`Allocator::mark_allocated`] here too. Preallocation and amend's
+//! zero-cluster expansion keep an order of their own (refcounts first even with lazy
+//! refcounts, no dirty bit) through [`Allocator::refcounts_before_l2`] and `set_l2_entry`.
 //!
 //! Ordering before an L2 update, in one place: with lazy refcounts the dirty bit is set
 //! first; otherwise the refcounts of clusters just allocated reach disk before the entry
