@@ -60,7 +60,7 @@ impl<S: Storage + 'static> Image<S> {
     /// The status of `[offset, offset + len)`, as extents in guest order covering it exactly.
     pub async fn block_status(&self, offset: GuestOffset, len: u64) -> Result<Vec<Extent>> {
         let inner = &self.inner;
-        inner.check_range(offset.0, len)?;
+        inner.check_range(offset, len)?;
         let _guard = inner.lock_range(offset, len, LockMode::Shared).await;
         let mut pieces = Vec::new();
         inner.chain.resolve(offset, len, 0, &mut pieces).await?;
@@ -98,7 +98,7 @@ impl<S: Storage + 'static> Image<S> {
                     // then data over a hole is data that reads as zeros.
                     let layer = &inner.chain.layers[p.layer];
                     let raw = layer.qcow2().is_none();
-                    if !raw && !inner.metadata_preallocated(p.layer).await {
+                    if !raw && !self.metadata_preallocated(p.layer).await {
                         // Ciphertext is no copy of the guest's data: like QEMU, no offset.
                         let encrypted = layer.qcow2().is_some_and(|m| m.crypto.is_some());
                         push(Extent {

@@ -2,31 +2,25 @@
 //! afterwards whenever a backing file could otherwise show through, and clusters whose
 //! refcount drops to zero are freed (and punched out of the file with discard passthrough).
 
-use super::alloc::l2_entry::RawEntry;
 use super::error::Result;
-use super::image::{Image, Inner};
+use super::image::Image;
 use super::range_lock::LockMode;
 use crate::format::l2;
 use crate::format::l2_extended::ALL_ZERO_BITMAP;
-use crate::format::{GuestOffset, HostOffset};
+use crate::format::GuestOffset;
 use storage::Storage;
 
 impl<S: Storage + 'static> Image<S> {
     /// Discards `[offset, offset + len)`: advisory, so unaligned edges are simply kept.
     pub async fn discard(&self, offset: GuestOffset, len: u64) -> Result<()> {
-        self.inner.discard(offset.0, len).await
-    }
-}
-
-impl<S: Storage + 'static> Inner<S> {
-    pub(crate) async fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.check_writable()?;
-        self.check_range(offset, len)?;
+        self.inner.check_writable()?;
+        self.inner.check_range(offset, len)?;
         // The whole request, as QEMU marks it, even the parts that stay as they were.
-        self.track(offset, len);
-        let top = self.chain.top();
+        self.inner.track(offset, len);
+        let offset = offset.0;
+        let top = self.inner.chain.top();
         let Some(meta) = top.qcow2() else {
-            let punch = self.discard_passthrough;
+            let punch = self.inner.discard_passthrough;
             if punch && len > 0 {
                 top.file
                     .discard_at(offset, len)
@@ -35,11 +29,11 @@ impl<S: Storage + 'static> Inner<S> {
             }
             return Ok(());
         };
-        let w = self.alloc()?;
+        let w = self.inner.alloc()?;
         let g = &meta.geom;
         let cs = g.cluster_size();
         let size = top.size.get();
-        let has_backing = self.chain.layers.len() > 1;
+        let has_backing = self.inner.chain.layers.len() > 1;
         let v3 = meta.header.borrow().version >= 3;
         if !v3 && has_backing {
             // Without the zero flag, freeing would expose the backing file: QEMU declines too.
@@ -55,6 +49,7 @@ impl<S: Storage + 'static> Inner<S> {
             return Ok(());
         }
         let _guard = self
+            .inner
             .lock_range(GuestOffset(start), end - start, LockMode::Exclusive)
             .await;
         if meta.data_raw {
@@ -84,40 +79,17 @@ impl<S: Storage + 'static> Inner<S> {
             if (word, bitmap) == (e.word, e.bitmap) {
                 continue;
             }
-            self.replace_entry(&e, word, bitmap).await?;
+            // The entry reaches disk before the refcount drops, and after any data
+            // written before it.
+            w.remap(
+                e.cluster,
+                (word, bitmap),
+                e.word,
+                self.inner.discard_passthrough,
+                true,
+            )
+            .await?;
         }
         Ok(())
-    }
-
-    /// Points the guest cluster of `e` at nothing (`word`, `bitmap`: unallocated or zero)
-    /// and releases what the entry held. The L2 entry reaches disk before the refcount drops
-    /// (`release`), and after any data written before it.
-    pub(crate) async fn replace_entry(&self, e: &RawEntry, word: u64, bitmap: u64) -> Result<()> {
-        let w = self.alloc()?;
-        self.chain.l2.set_flush_before_writeback();
-        if w.lazy_refcounts() {
-            w.mark_dirty().await?;
-        }
-        w.set_l2_entry(e.cluster, word, bitmap).await?;
-        self.release(e.word, self.discard_passthrough).await
-    }
-
-    /// Drops the reference an old L2 entry held on its host cluster(s), if any.
-    pub(crate) async fn release(&self, old_word: u64, punch: bool) -> Result<()> {
-        let meta = self.chain.top().qcow2().expect("qcow2");
-        if meta.data_file.is_some() {
-            // Clusters in an external data file are not refcounted.
-            return Ok(());
-        }
-        let w = self.alloc()?;
-        let _g = w.exclusive().await;
-        if l2::is_compressed(old_word) {
-            w.free_compressed(old_word).await
-        } else if l2::host_of(old_word) != 0 {
-            w.free_clusters(HostOffset(l2::host_of(old_word)), 1, punch)
-                .await
-        } else {
-            Ok(())
-        }
     }
 }

@@ -181,11 +181,15 @@ impl<S: Storage + 'static> Image<S> {
 
 impl<S: Storage + 'static> Inner<S> {
     /// Refuses requests that leave the disk.
-    pub(crate) fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+    pub(crate) fn check_range(&self, offset: GuestOffset, len: u64) -> Result<()> {
         let size = self.chain.top().size.get();
-        match offset.checked_add(len) {
+        match offset.0.checked_add(len) {
             Some(end) if end <= size => Ok(()),
-            _ => Err(EngineError::OutOfRange { offset, len, size }),
+            _ => Err(EngineError::OutOfRange {
+                offset: offset.0,
+                len,
+                size,
+            }),
         }
     }
 
@@ -220,20 +224,6 @@ impl<S: Storage + 'static> Inner<S> {
         }
     }
 
-    /// Makes the L2 cache write back only after the refcount cache: the refcounts of clusters
-    /// just allocated reach disk before any L2 entry that points to them.
-    pub(crate) async fn refcounts_before_l2(&self) -> Result<()> {
-        let w = self.alloc()?;
-        self.chain
-            .l2
-            .set_dependency(w.refcounts_flush())
-            .await
-            .map_err(|source| EngineError::Cache {
-                image: self.chain.top().name.clone(),
-                source,
-            })
-    }
-
     /// Refuses writes to a read-only image or one found corrupt.
     pub(crate) fn check_writable(&self) -> Result<()> {
         if self.read_only {
@@ -250,18 +240,9 @@ impl<S: Storage + 'static> Inner<S> {
     /// Marks a guest-visible change of `[offset, offset + len)` in every enabled persistent
     /// bitmap, before the change is made: a failed or torn request may still have changed
     /// data, so it is marked too, as QEMU marks it.
-    pub(crate) fn track(&self, offset: u64, len: u64) {
+    pub(crate) fn track(&self, offset: GuestOffset, len: u64) {
         if let Some(a) = &self.alloc {
-            a.mark_bitmaps(offset, len);
-        }
-    }
-
-    /// Records an inconsistency found while writing (see [`Allocator::mark_corrupt`]); an
-    /// image without an allocator only reports it.
-    pub(crate) async fn mark_corrupt(&self, detail: String) -> EngineError {
-        match &self.alloc {
-            Some(a) => a.mark_corrupt(detail).await,
-            None => self.chain.top().corrupt(detail),
+            a.mark_bitmaps(offset.0, len);
         }
     }
 }

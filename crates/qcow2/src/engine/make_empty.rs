@@ -3,7 +3,7 @@
 //! through again) and the clusters the entries held are released.
 
 use super::error::{EngineError, Result};
-use super::image::{Image, Inner};
+use super::image::Image;
 use super::range_lock::LockMode;
 use crate::format::GuestOffset;
 use storage::Storage;
@@ -15,14 +15,8 @@ impl<S: Storage + 'static> Image<S> {
     /// Drops every cluster mapping of the image, so that every guest byte reads from the
     /// backing file. Internal snapshots keep their clusters (only this view's references go).
     pub async fn make_empty(&self) -> Result<()> {
-        self.inner.make_empty().await
-    }
-}
-
-impl<S: Storage + 'static> Inner<S> {
-    async fn make_empty(&self) -> Result<()> {
-        self.check_writable()?;
-        let top = self.chain.top();
+        self.inner.check_writable()?;
+        let top = self.inner.chain.top();
         let unsupported = |what: &str| EngineError::Unsupported {
             image: top.name.clone(),
             what: what.into(),
@@ -40,11 +34,12 @@ impl<S: Storage + 'static> Inner<S> {
         if size == 0 {
             return Ok(());
         }
-        self.track(0, size);
+        self.inner.track(GuestOffset(0), size);
         let _guard = self
+            .inner
             .lock_range(GuestOffset(0), size, LockMode::Exclusive)
             .await;
-        let w = self.alloc()?;
+        let w = self.inner.alloc()?;
         let step = STEP_CLUSTERS.saturating_mul(meta.geom.cluster_size());
         let mut pos = 0;
         while pos < size {
@@ -53,7 +48,14 @@ impl<S: Storage + 'static> Inner<S> {
                 if e.table.is_none() || (e.word, e.bitmap) == (0, 0) {
                     continue;
                 }
-                self.replace_entry(&e, 0, 0).await?;
+                w.remap(
+                    e.cluster,
+                    (0, 0),
+                    e.word,
+                    self.inner.discard_passthrough,
+                    true,
+                )
+                .await?;
             }
             pos += n;
         }

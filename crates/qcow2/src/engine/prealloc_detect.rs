@@ -6,14 +6,14 @@
 //! The test (as QEMU's `qcow2_detect_metadata_preallocation`): the clusters with a nonzero
 //! refcount outnumber what the file really occupies by a ninth (and by at least two).
 
-use super::image::Inner;
+use super::image::Image;
 use super::layer::Layer;
 use crate::format::HostOffset;
 use crate::format::{refcount, Structure};
 use crate::metadata::{Loader, StorageSource, Strictness, REFCOUNT_TABLE};
 use storage::Storage;
 
-impl<S: Storage + 'static> Inner<S> {
+impl<S: Storage + 'static> Image<S> {
     /// Whether layer `index` looks metadata-preallocated; decided once per layer, and any
     /// error reading refcounts simply means "no" (block status must not fail over a guess).
     ///
@@ -21,7 +21,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// counting too: at queue depth 32 every request of a fresh connection asks at once, and
     /// each count holds the refcount table and a refcount block in memory.
     pub(crate) async fn metadata_preallocated(&self, index: usize) -> bool {
-        let layer = &self.chain.layers[index];
+        let layer = &self.inner.chain.layers[index];
         let Some(meta) = layer.qcow2() else {
             return false;
         };
@@ -48,7 +48,7 @@ impl<S: Storage + 'static> Inner<S> {
         let entries = usize::try_from(per_block).ok()?;
         // Layer 0 of a writable image: its refcount blocks may be newer in the cache than in
         // the file, so count through the cache.
-        let writer = self.alloc.as_ref().filter(|_| index == 0);
+        let writer = self.inner.alloc.as_ref().filter(|_| index == 0);
         let reftable: Vec<u64> = match writer {
             Some(w) => w.refcount_table(),
             None => {

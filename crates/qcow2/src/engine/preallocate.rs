@@ -10,21 +10,21 @@
 
 use super::create::Preallocation;
 use super::error::{EngineError, Result};
-use super::image::{Image, Inner};
+use super::image::Image;
 use super::layer::{write_zero_data, write_zeros_into};
-use crate::format::{l2, GuestOffset};
+use crate::format::{l2, GuestOffset, HostOffset};
 use storage::Storage;
 
 impl<S: Storage + 'static> Image<S> {
     /// Allocates L2 tables and data clusters for the whole disk.
     pub async fn preallocate(&self, mode: Preallocation) -> Result<()> {
         let size = self.inner.chain.top().size.get();
-        self.inner.preallocate_range(0, size, mode).await?;
+        self.preallocate_range(0, size, mode).await?;
         self.inner.flush().await
     }
 }
 
-impl<S: Storage + 'static> Inner<S> {
+impl<S: Storage + 'static> Image<S> {
     /// Preallocates every unallocated cluster of `[from, to)` (`from` cluster-aligned; `to`
     /// may lie past the disk's current size, which a growing resize sets only afterwards).
     /// Clusters that already map something are left as they are.
@@ -37,8 +37,8 @@ impl<S: Storage + 'static> Inner<S> {
         if mode == Preallocation::Off {
             return Ok(());
         }
-        let w = self.alloc()?;
-        let top = self.chain.top();
+        let w = self.inner.alloc()?;
+        let top = self.inner.chain.top();
         let meta = top.qcow2().ok_or_else(|| EngineError::Unsupported {
             image: top.name.clone(),
             what: "metadata preallocation of a raw image".into(),
@@ -75,8 +75,8 @@ impl<S: Storage + 'static> Inner<S> {
     /// Gives the `n` guest clusters from `first` (all in one L2 table, all unallocated) one
     /// contiguous run of new host clusters.
     async fn preallocate_run(&self, first: GuestOffset, n: u64, mode: Preallocation) -> Result<()> {
-        let w = self.alloc()?;
-        let top = self.chain.top();
+        let w = self.inner.alloc()?;
+        let top = self.inner.chain.top();
         let cs = top
             .qcow2()
             .expect("qcow2 checked by the caller")
@@ -115,8 +115,8 @@ impl<S: Storage + 'static> Inner<S> {
                     source,
                 })?;
         }
-        w.note_file_end(end);
-        self.refcounts_before_l2().await?;
+        w.note_file_end(HostOffset(end));
+        w.refcounts_before_l2().await?;
         for i in 0..n {
             w.set_l2_entry(first + i * cs, l2::owned_word(host + i * cs), 0)
                 .await?;
@@ -133,8 +133,8 @@ impl<S: Storage + 'static> Inner<S> {
         n: u64,
         mode: Preallocation,
     ) -> Result<()> {
-        let w = self.alloc()?;
-        let top = self.chain.top();
+        let w = self.inner.alloc()?;
+        let top = self.inner.chain.top();
         let cs = top
             .qcow2()
             .expect("qcow2 checked by the caller")

@@ -21,7 +21,7 @@ impl<S: Storage + 'static> Image<S> {
 
     /// Reads `buf.len()` guest bytes at `offset` into `buf`, which is handed back either way.
     pub async fn read_into(&self, offset: GuestOffset, buf: IoBuf) -> (Result<()>, IoBuf) {
-        self.inner.read_into(offset.0, buf).await
+        self.inner.read_into(offset, buf).await
     }
 }
 
@@ -43,7 +43,11 @@ fn bridges(last: (usize, u64, usize, u64), (at, layer, host): (usize, usize, u64
 }
 
 impl<S: Storage + 'static> Inner<S> {
-    pub(crate) async fn read_into(&self, offset: u64, mut buf: IoBuf) -> (Result<()>, IoBuf) {
+    pub(crate) async fn read_into(
+        &self,
+        offset: GuestOffset,
+        mut buf: IoBuf,
+    ) -> (Result<()>, IoBuf) {
         let len = buf.len() as u64;
         if let Err(e) = self.check_range(offset, len) {
             return (Err(e), buf);
@@ -53,9 +57,7 @@ impl<S: Storage + 'static> Inner<S> {
         }
         if let Some((from, to)) = self.sector_aligned(offset, len) {
             // Encrypted data is deciphered in whole sectors: read those, hand back the part.
-            let _guard = self
-                .lock_range(GuestOffset(from), to - from, LockMode::Shared)
-                .await;
+            let _guard = self.lock_range(from, to - from, LockMode::Shared).await;
             let (res, whole) = self
                 .read_unlocked(from, IoBuf::zeroed((to - from) as usize))
                 .await;
@@ -66,24 +68,22 @@ impl<S: Storage + 'static> Inner<S> {
             return (res, buf);
         }
         // Shared: no cluster under us may be freed and reused while we read it.
-        let _guard = self
-            .lock_range(GuestOffset(offset), len, LockMode::Shared)
-            .await;
+        let _guard = self.lock_range(offset, len, LockMode::Shared).await;
         self.read_unlocked(offset, buf).await
     }
 
     /// Reads with the caller holding a lock on the range.
-    pub(crate) async fn read_unlocked(&self, offset: u64, mut buf: IoBuf) -> (Result<()>, IoBuf) {
+    pub(crate) async fn read_unlocked(
+        &self,
+        offset: GuestOffset,
+        mut buf: IoBuf,
+    ) -> (Result<()>, IoBuf) {
         let len = buf.len() as u64;
         let mut pieces = Vec::new();
-        if let Err(e) = self
-            .chain
-            .resolve(GuestOffset(offset), len, 0, &mut pieces)
-            .await
-        {
+        if let Err(e) = self.chain.resolve(offset, len, 0, &mut pieces).await {
             return (Err(e), buf);
         }
-        let res = self.fill(offset, &pieces, &mut buf).await;
+        let res = self.fill(offset.0, &pieces, &mut buf).await;
         (res, buf)
     }
 
@@ -97,8 +97,12 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// For a chain with encrypted layers, the whole sectors around `[offset, offset + len)`
     /// when it is not made of whole sectors (clipped to the disk); otherwise `None`.
-    pub(crate) fn sector_aligned(&self, offset: u64, len: u64) -> Option<(u64, u64)> {
-        let end = offset + len;
+    pub(crate) fn sector_aligned(
+        &self,
+        offset: GuestOffset,
+        len: u64,
+    ) -> Option<(GuestOffset, GuestOffset)> {
+        let (offset, end) = (offset.0, offset.0 + len);
         if (offset | end) % SECTOR_SIZE == 0 || !self.encrypted() {
             return None;
         }
@@ -108,7 +112,7 @@ impl<S: Storage + 'static> Inner<S> {
             .div_ceil(SECTOR_SIZE)
             .saturating_mul(SECTOR_SIZE)
             .min(size);
-        Some((from, to))
+        Some((GuestOffset(from), GuestOffset(to)))
     }
 
     /// Deciphers `buf`, just read from `host` of layer `li` for guest offset `guest`, when

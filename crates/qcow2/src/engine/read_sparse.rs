@@ -13,7 +13,7 @@
 
 use super::chain::{Piece, Source};
 use super::error::Result;
-use super::image::{Image, Inner};
+use super::image::Image;
 use super::join_all::join_all;
 use super::range_lock::LockMode;
 use crate::format::GuestOffset;
@@ -33,7 +33,7 @@ impl<S: Storage + 'static> Image<S> {
     pub async fn read_sparse(&self, offset: GuestOffset, len: usize) -> Result<Vec<ReadPart>> {
         let inner = &self.inner;
         let len64 = len as u64;
-        inner.check_range(offset.0, len64)?;
+        inner.check_range(offset, len64)?;
         if len == 0 {
             return Ok(Vec::new());
         }
@@ -55,7 +55,7 @@ impl<S: Storage + 'static> Image<S> {
                 Source::Data { host } => {
                     let layer = &inner.chain.layers[p.layer];
                     let ask = layer.qcow2().is_none()
-                        || (p.layer == 0 && inner.metadata_preallocated(0).await);
+                        || (p.layer == 0 && self.metadata_preallocated(0).await);
                     if !ask {
                         classified.push(p);
                         continue;
@@ -101,9 +101,9 @@ impl<S: Storage + 'static> Image<S> {
                 let segments = segments(&classified[i..j]);
                 if let [seg] = &segments[..] {
                     // The usual case, one run: awaited here, without join_all's boxes.
-                    out.push(ReadPart::Data(inner.read_segment(seg).await?));
+                    out.push(ReadPart::Data(self.read_segment(seg).await?));
                 } else {
-                    let reads = segments.iter().map(|seg| inner.read_segment(seg));
+                    let reads = segments.iter().map(|seg| self.read_segment(seg));
                     for buf in join_all(reads.collect()).await {
                         out.push(ReadPart::Data(buf?));
                     }
@@ -115,12 +115,15 @@ impl<S: Storage + 'static> Image<S> {
     }
 }
 
-impl<S: Storage + 'static> Inner<S> {
+impl<S: Storage + 'static> Image<S> {
     /// Reads one segment (see [`segments`]) into a buffer of its own.
     async fn read_segment(&self, seg: &[Piece]) -> Result<IoBuf> {
         let len: u64 = seg.iter().map(|p| p.len).sum();
         let mut buf = IoBuf::zeroed(len as usize);
-        self.fill(seg[0].start, seg, &mut buf).await.map(|()| buf)
+        self.inner
+            .fill(seg[0].start, seg, &mut buf)
+            .await
+            .map(|()| buf)
     }
 }
 

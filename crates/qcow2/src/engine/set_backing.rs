@@ -2,7 +2,7 @@
 //! cluster, after everything written before it is durable, made durable itself.
 
 use super::error::{EngineError, Result};
-use super::image::{Image, Inner};
+use super::image::Image;
 use super::load::Format;
 use storage::Storage;
 
@@ -13,8 +13,7 @@ impl<S: Storage + 'static> Image<S> {
     /// file. This open keeps reading through the chain it opened; later opens follow the new
     /// name.
     pub async fn set_backing_file(&self, name: Option<&str>, format: Option<Format>) -> Result<()> {
-        self.inner
-            .set_backing_file(name, format.map(|f| f.name()))
+        self.set_backing_file_format_name(name, format.map(|f| f.name()))
             .await
     }
 
@@ -25,20 +24,14 @@ impl<S: Storage + 'static> Image<S> {
         name: Option<&str>,
         format: Option<&str>,
     ) -> Result<()> {
-        self.inner.set_backing_file(name, format).await
-    }
-}
-
-impl<S: Storage + 'static> Inner<S> {
-    async fn set_backing_file(&self, name: Option<&str>, format: Option<&str>) -> Result<()> {
-        self.check_writable()?;
-        let top = self.chain.top();
+        self.inner.check_writable()?;
+        let top = self.inner.chain.top();
         let meta = top.qcow2().ok_or_else(|| EngineError::Unsupported {
             image: top.name.clone(),
             what: "a backing file for a raw image".into(),
         })?;
-        let w = self.alloc()?;
-        self.flush().await?;
+        let w = self.inner.alloc()?;
+        self.inner.flush().await?;
         let mut h = meta.header.borrow().clone();
         h.set_backing(
             name.map(|n| n.as_bytes().to_vec()),

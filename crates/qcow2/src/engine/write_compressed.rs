@@ -2,9 +2,10 @@
 //! cluster, packed into shared host clusters as QEMU packs them. Data that does not compress
 //! is written as a normal cluster.
 
+use super::alloc::NewEntry;
 use super::compress;
 use super::error::{EngineError, Result};
-use super::image::{Image, Inner};
+use super::image::Image;
 use super::layer::Qcow2Meta;
 use super::range_lock::LockMode;
 use crate::format::l2;
@@ -63,10 +64,9 @@ impl<S: Storage + 'static> Image<S> {
     /// Writes one cluster at the cluster-aligned `offset` compressed (the last cluster may be
     /// shorter when the disk ends inside it). Like QEMU, the cluster must be unallocated.
     pub async fn write_compressed(&self, offset: GuestOffset, data: IoBuf) -> Result<()> {
-        let compressor = self.inner.compressor()?;
+        let compressor = self.compressor()?;
         // Before the work of compressing: the data must be one cluster.
-        self.inner
-            .check_cluster(compressor, offset.0, data.len() as u64)?;
+        self.check_cluster(compressor, offset, data.len() as u64)?;
         let packed = compressor
             .compress(data)
             .map_err(|source| EngineError::Compressed {
@@ -80,26 +80,15 @@ impl<S: Storage + 'static> Image<S> {
     /// The compressor for this image's clusters, or why it cannot take compressed writes
     /// (read-only, raw, an external data file).
     pub fn compressor(&self) -> Result<ClusterCompressor> {
-        self.inner.compressor()
-    }
-
-    /// Writes a cluster [`ClusterCompressor::compress`] packed, at the cluster-aligned
-    /// `offset`; the cluster must be unallocated.
-    pub async fn write_packed(&self, offset: GuestOffset, packed: PackedCluster) -> Result<()> {
-        self.inner.write_packed(offset.0, packed).await
-    }
-}
-
-impl<S: Storage + 'static> Inner<S> {
-    fn compressor(&self) -> Result<ClusterCompressor> {
         self.compressed_target().map(ClusterCompressor::of)
     }
 
     /// The top layer's qcow2 metadata, if it can take compressed writes: writable, qcow2,
     /// no external data file.
     fn compressed_target(&self) -> Result<&Qcow2Meta<S>> {
-        self.check_writable()?;
+        self.inner.check_writable()?;
         let meta = self
+            .inner
             .chain
             .top()
             .qcow2()
@@ -118,57 +107,63 @@ impl<S: Storage + 'static> Inner<S> {
 
     fn unsupported(&self, what: &str) -> EngineError {
         EngineError::Unsupported {
-            image: self.chain.top().name.clone(),
+            image: self.inner.chain.top().name.clone(),
             what: what.into(),
         }
     }
 
     /// `[offset, offset + len)` is exactly one cluster of the disk (or its short last one).
-    fn check_cluster(&self, compressor: ClusterCompressor, offset: u64, len: u64) -> Result<()> {
-        self.check_range(offset, len)?;
+    fn check_cluster(
+        &self,
+        compressor: ClusterCompressor,
+        offset: GuestOffset,
+        len: u64,
+    ) -> Result<()> {
+        self.inner.check_range(offset, len)?;
         let cs = compressor.cluster_size;
-        let size = self.chain.top().size.get();
-        if offset % cs != 0 || (len != cs && offset + len != size) || len == 0 {
+        let size = self.inner.chain.top().size.get();
+        if offset.0 % cs != 0 || (len != cs && offset.0 + len != size) || len == 0 {
             return Err(self.unsupported("a compressed write that is not exactly one cluster"));
         }
         Ok(())
     }
 
-    async fn write_packed(&self, offset: u64, packed: PackedCluster) -> Result<()> {
+    /// Writes a cluster [`ClusterCompressor::compress`] packed, at the cluster-aligned
+    /// `offset`; the cluster must be unallocated.
+    pub async fn write_packed(&self, offset: GuestOffset, packed: PackedCluster) -> Result<()> {
         let meta = self.compressed_target()?;
         let compressor = ClusterCompressor::of(meta);
-        let top = self.chain.top();
+        let top = self.inner.chain.top();
         let len = match &packed {
             PackedCluster::Raw(data) => data.len() as u64,
             PackedCluster::Compressed(_) => compressor
                 .cluster_size
-                .min(top.size.get().saturating_sub(offset)),
+                .min(top.size.get().saturating_sub(offset.0)),
         };
         self.check_cluster(compressor, offset, len)?;
         let packed = match packed {
             PackedCluster::Compressed(p) => p,
             PackedCluster::Raw(data) => {
-                let (res, _) = self.write(offset, data).await;
+                let (res, _) = self.inner.write(offset, data).await;
                 return res;
             }
         };
         let g = &meta.geom;
-        self.track(offset, len);
+        self.inner.track(offset, len);
         let unsupported = |what: &str| self.unsupported(what);
         let _guard = self
-            .lock_range(GuestOffset(offset), len, LockMode::Exclusive)
+            .inner
+            .lock_range(offset, len, LockMode::Exclusive)
             .await;
-        let cluster = GuestOffset(offset);
-        let e = self.alloc()?.l2_entries(cluster, 1).await?[0];
+        let cluster = offset;
+        let e = self.inner.alloc()?.l2_entries(cluster, 1).await?[0];
         if e.word != 0 || unpack_bitmap(e.bitmap).0 != 0 {
             return Err(unsupported("a compressed write over an allocated cluster"));
         }
-        let w = self.alloc()?;
-        let host = {
-            let _g = w.exclusive().await;
-            w.l2_for_write(g.l1_index(cluster)).await?;
-            w.alloc_bytes(packed.len() as u64).await?.0
-        };
+        // Allocate, write the data, commit.
+        let w = self.inner.alloc()?;
+        let allocation = w.allocate_packed(cluster, packed.len() as u64).await?;
+        let host = allocation.host.0;
         let plen = packed.len() as u64;
         w.check_overlap(HostOffset(host), plen).await?;
         let (res, _) = top
@@ -176,9 +171,7 @@ impl<S: Storage + 'static> Inner<S> {
             .write_at(IoBuf::from_slice(&packed).into(), host)
             .await;
         res.map_err(|e| top.io_error("writing a compressed cluster", host, e))?;
-        if let Some(wr) = &self.alloc {
-            wr.note_file_end(host + plen);
-        }
+        w.note_file_end(HostOffset(host + plen));
         let desc = CompressedDescriptor {
             host_offset: host,
             additional_sectors: (host + plen - 1) / 512 - host / 512,
@@ -189,11 +182,13 @@ impl<S: Storage + 'static> Inner<S> {
                 source,
             }
         })?);
-        self.refcounts_before_l2().await?;
-        self.chain.l2.set_flush_before_writeback();
-        if w.lazy_refcounts() {
-            w.mark_dirty().await?;
-        }
-        w.set_l2_entry(cluster, word, 0).await
+        allocation
+            .commit([NewEntry {
+                cluster,
+                word,
+                bitmap: 0,
+                replaced: None,
+            }])
+            .await
     }
 }

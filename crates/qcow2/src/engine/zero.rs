@@ -5,7 +5,7 @@
 //! before changing anything if any part would need data written.
 
 use super::error::{EngineError, Result};
-use super::image::{Image, Inner};
+use super::image::Image;
 use super::range_lock::LockMode;
 use crate::format::l2;
 use crate::format::l2_extended::{pack_bitmap, subcluster_mask, unpack_bitmap, ALL_ZERO_BITMAP};
@@ -25,9 +25,13 @@ impl<S: Storage + 'static> Image<S> {
         may_unmap: bool,
         fast: bool,
     ) -> Result<()> {
-        self.inner
-            .write_zeroes(offset.0, len, may_unmap, fast)
-            .await
+        self.inner.check_writable()?;
+        self.inner.check_range(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.inner.track(offset, len);
+        self.zero_untracked(offset.0, len, may_unmap, fast).await
     }
 
     /// Like [`Image::write_zeroes`] (never fast), but where nothing is allocated and no
@@ -42,35 +46,15 @@ impl<S: Storage + 'static> Image<S> {
     ) -> Result<()> {
         let inner = &self.inner;
         inner.check_writable()?;
-        inner.check_range(offset.0, len)?;
+        inner.check_range(offset, len)?;
         if len == 0 {
             return Ok(());
         }
-        inner.track(offset.0, len);
-        inner
-            .zero_range(offset.0, len, may_unmap, false, true)
-            .await
-    }
-}
-
-impl<S: Storage + 'static> Inner<S> {
-    pub(crate) async fn write_zeroes(
-        &self,
-        offset: u64,
-        len: u64,
-        may_unmap: bool,
-        fast: bool,
-    ) -> Result<()> {
-        self.check_writable()?;
-        self.check_range(offset, len)?;
-        if len == 0 {
-            return Ok(());
-        }
-        self.track(offset, len);
-        self.zero_untracked(offset, len, may_unmap, fast).await
+        inner.track(offset, len);
+        self.zero_range(offset.0, len, may_unmap, false, true).await
     }
 
-    /// [`Inner::write_zeroes`] of a checked, non-empty range, without marking the persistent
+    /// [`Image::write_zeroes`] of a checked, non-empty range, without marking the persistent
     /// bitmaps: for the space a resize adds, which QEMU zeroes without counting it as a write.
     pub(crate) async fn zero_untracked(
         &self,
@@ -92,14 +76,14 @@ impl<S: Storage + 'static> Inner<S> {
         fast: bool,
         flag_unallocated: bool,
     ) -> Result<()> {
-        let top = self.chain.top();
+        let top = self.inner.chain.top();
         let Some(meta) = top.qcow2() else {
             if fast && !top.file.zeroes_are_cheap() {
                 return Err(EngineError::ZeroNotFast { offset, len });
             }
             return top
                 .file
-                .write_zeroes_at(offset, len, may_unmap && self.discard_passthrough)
+                .write_zeroes_at(offset, len, may_unmap && self.inner.discard_passthrough)
                 .await
                 .map_err(|e| top.io_error("writing zeroes", offset, e));
         };
@@ -116,7 +100,7 @@ impl<S: Storage + 'static> Inner<S> {
             size: top.size.get(),
             // Zeroing as if a backing file showed through is what writes the flags (and,
             // without zero flags, zero data) where nothing is allocated.
-            has_backing: self.chain.layers.len() > 1 || flag_unallocated,
+            has_backing: self.inner.chain.layers.len() > 1 || flag_unallocated,
             v3: meta.header.borrow().version >= 3,
             may_unmap,
         };
@@ -125,6 +109,7 @@ impl<S: Storage + 'static> Inner<S> {
         let lock_from = offset - offset % unit;
         let lock_to = end.div_ceil(unit).saturating_mul(unit).min(z.size);
         let _guard = self
+            .inner
             .lock_range(
                 GuestOffset(lock_from),
                 lock_to - lock_from,
@@ -135,7 +120,7 @@ impl<S: Storage + 'static> Inner<S> {
         // Partial clusters of a compressed cluster cannot take zero bits.
         let (ms, me) = (GuestOffset(ms), GuestOffset(me));
         let entries = if ms < me {
-            self.alloc()?.l2_entries(ms, me - ms).await?
+            self.inner.alloc()?.l2_entries(ms, me - ms).await?
         } else {
             Vec::new()
         };
@@ -210,7 +195,10 @@ impl<S: Storage + 'static> Inner<S> {
         let mut pos = a;
         while pos < b {
             let n = (b - pos).min(ZERO_CHUNK);
-            let (res, _) = self.write_unlocked(pos, IoBuf::zeroed(n as usize)).await;
+            let (res, _) = self
+                .inner
+                .write_unlocked(GuestOffset(pos), IoBuf::zeroed(n as usize))
+                .await;
             res?;
             pos += n;
         }
@@ -227,7 +215,7 @@ impl<S: Storage + 'static> Inner<S> {
         b: GuestOffset,
         whole: bool,
     ) -> Result<()> {
-        let w = self.alloc()?;
+        let w = self.inner.alloc()?;
         // Data written for the edges may have changed this very entry: use it as it is now
         // (the exclusive lock keeps it stable from here on).
         let e = w.l2_entries(cluster, 1).await?[0];
@@ -246,16 +234,10 @@ impl<S: Storage + 'static> Inner<S> {
             let _g = w.exclusive().await;
             w.l2_for_write(z.geom.l1_index(e.cluster)).await?;
         }
-        if w.lazy_refcounts() {
-            w.mark_dirty().await?;
-        }
-        w.set_l2_entry(e.cluster, word, bitmap).await?;
         let released = if !z.v3 || unmap { e.word } else { 0 };
-        if released != 0 {
-            self.release(released, z.may_unmap && self.discard_passthrough)
-                .await?;
-        }
-        Ok(())
+        let punch = z.may_unmap && self.inner.discard_passthrough;
+        w.remap(e.cluster, (word, bitmap), released, punch, false)
+            .await
     }
 
     /// True when `[offset, offset + len)` currently reads as zeros (metadata only, no data
@@ -265,7 +247,8 @@ impl<S: Storage + 'static> Inner<S> {
             return Ok(true);
         }
         let mut pieces = Vec::new();
-        self.chain
+        self.inner
+            .chain
             .resolve(GuestOffset(offset), len, 0, &mut pieces)
             .await?;
         Ok(pieces.iter().all(|p| p.src.is_zero()))

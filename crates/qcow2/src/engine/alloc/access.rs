@@ -39,9 +39,9 @@ impl<S: Storage + 'static> Allocator<S> {
 
     /// Records that the file may hold data up to `end`: clusters below it no longer read
     /// as zeros without being written.
-    pub(crate) fn note_file_end(&self, end: u64) {
-        if end > self.physical_len.get() {
-            self.physical_len.set(end);
+    pub(crate) fn note_file_end(&self, end: HostOffset) {
+        if end.0 > self.physical_len.get() {
+            self.physical_len.set(end.0);
         }
     }
 

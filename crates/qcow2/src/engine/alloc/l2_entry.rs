@@ -118,7 +118,7 @@ impl<S: Storage + 'static> Allocator<S> {
     /// Read-modify-write of one L2 entry of layer 0 in a single synchronous step, so that
     /// concurrent updates of other bits of the same entry are never lost. `f` gets the current
     /// words and returns the new ones (`None`: leave it). Returns the words `f` saw.
-    pub(crate) async fn update_l2_entry(
+    pub(super) async fn update_l2_entry(
         &self,
         cluster: GuestOffset,
         f: impl FnOnce(u64, u64) -> Option<(u64, u64)>,

@@ -6,7 +6,9 @@
 //!   loading it on open, and the header bits it maintains (dirty, corrupt, autoclear);
 //! - [`refcount`]: refcounts, finding and freeing clusters, refcount blocks and table growth;
 //! - [`l2_table`]: giving a guest range a writable L2 table;
-//! - [`l2_entry`]: reading and atomically updating L2 entries through the cache.
+//! - [`l2_entry`]: reading and atomically updating L2 entries through the cache;
+//! - [`run`]: a write's transaction (`allocate`, then `Allocation::commit` or `abandon`) and
+//!   the L2 changes that allocate nothing, each in the order a crash needs.
 //!
 //! Write, zero, discard, compressed write and resize plan what to change and call these.
 
@@ -21,7 +23,7 @@ mod shrink;
 mod snapshots;
 
 use prealloc::{GrowAhead, PausedGrowth};
-pub(crate) use run::Replaced;
+pub(crate) use run::{NewEntry, Replaced};
 pub(crate) use snapshots::RefCounts;
 
 use crate::engine::bitmaps::Bitmaps;

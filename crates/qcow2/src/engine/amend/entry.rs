@@ -9,7 +9,7 @@
 use crate::engine::create::Preallocation;
 pub use crate::engine::error::AmendError;
 use crate::engine::error::{EngineError, Result};
-use crate::engine::image::{Image, Inner};
+use crate::engine::image::Image;
 use crate::format::features::COMPAT_LAZY_REFCOUNTS;
 use crate::format::header;
 use storage::Storage;
@@ -34,14 +34,8 @@ pub struct AmendOptions {
 impl<S: Storage + 'static> Image<S> {
     /// Changes what `opts` asks for, as `qemu-img amend -o` does.
     pub async fn amend(&self, opts: &AmendOptions) -> Result<()> {
-        self.inner.amend(opts).await
-    }
-}
-
-impl<S: Storage + 'static> Inner<S> {
-    async fn amend(&self, opts: &AmendOptions) -> Result<()> {
-        self.check_writable()?;
-        let top = self.chain.top();
+        self.inner.check_writable()?;
+        let top = self.inner.chain.top();
         let refuse = |source| EngineError::Amend {
             image: top.name.clone(),
             source,
@@ -97,7 +91,7 @@ impl<S: Storage + 'static> Inner<S> {
         if version < old_version {
             self.downgrade().await?;
         }
-        self.flush().await
+        self.inner.flush().await
     }
 
     /// QEMU 10 no longer changes the backing file through amend: naming the current one
@@ -107,7 +101,7 @@ impl<S: Storage + 'static> Inner<S> {
             return Ok(());
         }
         // A raw image has no backing file to name.
-        let Some(meta) = self.chain.top().qcow2() else {
+        let Some(meta) = self.inner.chain.top().qcow2() else {
             return Err(AmendError::Backing);
         };
         let h = meta.header.borrow();
@@ -124,12 +118,12 @@ impl<S: Storage + 'static> Inner<S> {
     /// Turns lazy refcounts on, or off once every refcount is on disk and the dirty bit is
     /// clear (a dirty image was already repaired when it was opened read-write).
     async fn set_lazy_refcounts(&self, on: bool) -> Result<()> {
-        let w = self.alloc()?;
-        let meta = self.chain.top().qcow2_required()?;
+        let w = self.inner.alloc()?;
+        let meta = self.inner.chain.top().qcow2_required()?;
         if !on {
             // No write may set the dirty bit again once it is cleared.
             w.disable_lazy_refcounts();
-            self.flush().await?;
+            self.inner.flush().await?;
             w.mark_clean().await?;
         }
         let bits = {

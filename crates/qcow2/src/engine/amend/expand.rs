@@ -8,7 +8,7 @@
 //! refcount cache); the header still says version 3 until all of it is flushed.
 
 use crate::engine::error::Result;
-use crate::engine::image::Inner;
+use crate::engine::image::Image;
 use crate::format::L1Index;
 use crate::format::{l1, l2, GuestOffset, HostOffset};
 use storage::Storage;
@@ -20,15 +20,15 @@ pub(super) struct Scan {
     pub compressed: bool,
 }
 
-impl<S: Storage + 'static> Inner<S> {
+impl<S: Storage + 'static> Image<S> {
     /// Whether any L2 table of an internal snapshot has a zero or a compressed cluster.
     pub(super) async fn scan_snapshot_tables(&self) -> Result<Scan> {
-        let top = self.chain.top();
+        let top = self.inner.chain.top();
         let meta = top.qcow2_required()?;
         let cs = meta.geom.cluster_size() as usize;
         let ext = meta.geom.extended_l2();
         let mut scan = Scan::default();
-        for s in self.snapshots().await? {
+        for s in self.snapshot_list().await? {
             let l1_len = usize::try_from(s.l1_size).unwrap_or(usize::MAX);
             let l1 = top
                 .read_file(
@@ -58,8 +58,8 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Whether the active L2 tables hold a compressed cluster (one table at a time).
     pub(super) async fn active_has_compressed(&self) -> Result<bool> {
-        let w = self.alloc()?;
-        let meta = self.chain.top().qcow2_required()?;
+        let w = self.inner.alloc()?;
+        let meta = self.inner.chain.top().qcow2_required()?;
         let per_table = meta.geom.l2_entries() * meta.geom.cluster_size();
         let l1_len = meta.l1.borrow().len() as u64;
         for l1i in (0..l1_len).filter(|&i| meta.l2_table(L1Index(i)).is_some()) {
@@ -75,12 +75,12 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Turns every zero cluster of the active L2 tables into data (see the module doc).
     pub(super) async fn expand_zero_clusters(&self) -> Result<()> {
-        let w = self.alloc()?;
-        let top = self.chain.top();
+        let w = self.inner.alloc()?;
+        let top = self.inner.chain.top();
         let meta = top.qcow2_required()?;
         let g = meta.geom;
         let cs = g.cluster_size();
-        let backed = self.chain.layers.len() > 1;
+        let backed = self.inner.chain.layers.len() > 1;
         let per_table = g.l2_entries() * cs;
         let l1_len = meta.l1.borrow().len() as u64;
         for l1i in 0..l1_len {
@@ -101,7 +101,7 @@ impl<S: Storage + 'static> Inner<S> {
                 let _g = w.exclusive().await;
                 w.l2_for_write(L1Index(l1i)).await?;
             }
-            self.chain.l2.set_flush_before_writeback();
+            self.inner.chain.l2.set_flush_before_writeback();
             for e in zeros {
                 self.expand_one(e.cluster, e.word, backed).await?;
             }
@@ -111,8 +111,8 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Expands one zero cluster at guest offset `cluster` whose entry word is `word`.
     async fn expand_one(&self, cluster: GuestOffset, word: u64, backed: bool) -> Result<()> {
-        let w = self.alloc()?;
-        let top = self.chain.top();
+        let w = self.inner.alloc()?;
+        let top = self.inner.chain.top();
         let cs = top.qcow2_required()?.geom.cluster_size();
         let host = l2::host_of(word);
         let owned = l2::is_copied(word);
@@ -131,7 +131,7 @@ impl<S: Storage + 'static> Inner<S> {
             w.alloc_clusters(1).await?.0
         };
         self.zero_host(new, cs).await?;
-        self.refcounts_before_l2().await?;
+        w.refcounts_before_l2().await?;
         w.set_l2_entry(cluster, l2::owned_word(new), 0).await?;
         if host != 0 {
             let _g = w.exclusive().await;
@@ -142,9 +142,9 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Makes host cluster `host` read as zeros.
     async fn zero_host(&self, host: u64, cs: u64) -> Result<()> {
-        let w = self.alloc()?;
+        let w = self.inner.alloc()?;
         w.check_overlap(HostOffset(host), cs).await?;
-        let top = self.chain.top();
+        let top = self.inner.chain.top();
         top.file
             .write_zeroes_at(host, cs, false)
             .await

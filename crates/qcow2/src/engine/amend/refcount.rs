@@ -11,18 +11,18 @@
 use super::entry::AmendError;
 use crate::engine::check::{self, CheckError, Switched};
 use crate::engine::error::{EngineError, Result};
-use crate::engine::image::Inner;
+use crate::engine::image::Image;
 use crate::engine::overlap::{MetaIndex, MetaKind};
 use crate::engine::range_lock::LockMode;
 use crate::format::GuestOffset;
 use crate::format::HostOffset;
 use storage::Storage;
 
-impl<S: Storage + 'static> Inner<S> {
+impl<S: Storage + 'static> Image<S> {
     /// Rewrites the refcount structure with refcounts `order` wide (2^order bits).
     pub(super) async fn change_refcount_width(&self, order: u32) -> Result<()> {
-        let w = self.alloc()?;
-        let top = self.chain.top();
+        let w = self.inner.alloc()?;
+        let top = self.inner.chain.top();
         let meta = top.qcow2_required()?;
         let geom = meta
             .refcount_geom
@@ -33,10 +33,11 @@ impl<S: Storage + 'static> Inner<S> {
                 source,
             })?;
         let _range = self
+            .inner
             .lock_range(GuestOffset(0), top.size.get(), LockMode::Exclusive)
             .await;
         let _meta = w.exclusive().await;
-        self.flush().await?;
+        self.inner.flush().await?;
         w.mark_clean().await?;
         let new = match check::change_refcount_order(&top.file, order).await {
             Ok(new) => new,
@@ -52,8 +53,8 @@ impl<S: Storage + 'static> Inner<S> {
     /// cache unwritten (the cache was clean, and their clusters are free now) and the
     /// metadata index, so data may go there.
     fn adopt_refcounts(&self, new: &Switched, order: u32) {
-        let Some(w) = &self.alloc else { return };
-        let Some(meta) = self.chain.top().qcow2() else {
+        let Some(w) = &self.inner.alloc else { return };
+        let Some(meta) = self.inner.chain.top().qcow2() else {
             return;
         };
         let cs = meta.geom.cluster_size();
@@ -75,7 +76,7 @@ impl<S: Storage + 'static> Inner<S> {
             .chain([new.table_offset + u64::from(new.table_clusters) * cs])
             .max()
             .unwrap_or(0);
-        w.note_file_end(end);
+        w.note_file_end(HostOffset(end));
         meta.file_end.set(meta.file_end.get().max(end));
         w.mapping_changed();
     }
@@ -84,16 +85,16 @@ impl<S: Storage + 'static> Inner<S> {
     /// one may have been written past the end the allocator knew: clusters there no longer
     /// read as zeros without being written.
     async fn width_failed(&self, e: CheckError) -> EngineError {
-        let top = self.chain.top();
-        if let (Some(w), Ok(len)) = (&self.alloc, top.file.len().await) {
-            w.note_file_end(len);
+        let top = self.inner.chain.top();
+        if let (Some(w), Ok(len)) = (&self.inner.alloc, top.file.len().await) {
+            w.note_file_end(HostOffset(len));
         }
         self.width_error(e)
     }
 
     /// The checker's failure to change the width, as amend reports it.
     fn width_error(&self, e: CheckError) -> EngineError {
-        let image = self.chain.top().name.clone();
+        let image = self.inner.chain.top().name.clone();
         match e {
             CheckError::RefcountTooWide {
                 bits,

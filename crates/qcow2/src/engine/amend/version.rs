@@ -6,7 +6,7 @@
 use super::entry::AmendError;
 use crate::engine::create::feature_table;
 use crate::engine::error::{EngineError, Result};
-use crate::engine::image::Inner;
+use crate::engine::image::Image;
 use crate::engine::load::snapshot_table;
 use crate::format::extensions::HeaderExtension;
 use crate::format::features::INCOMPAT_COMPRESSION;
@@ -19,17 +19,17 @@ const SECTOR: usize = 512;
 /// Bytes 8..16 of a snapshot's extra data: its disk size.
 const EXTRA_DISK_SIZE_END: usize = 16;
 
-impl<S: Storage + 'static> Inner<S> {
+impl<S: Storage + 'static> Image<S> {
     fn amend_error(&self, source: AmendError) -> EngineError {
         EngineError::Amend {
-            image: self.chain.top().name.clone(),
+            image: self.inner.chain.top().name.clone(),
             source,
         }
     }
 
     /// The snapshot table of the writable layer.
-    pub(super) async fn snapshots(&self) -> Result<Vec<SnapshotTableEntry>> {
-        let top = self.chain.top();
+    pub(super) async fn snapshot_list(&self) -> Result<Vec<SnapshotTableEntry>> {
+        let top = self.inner.chain.top();
         let meta = top.qcow2_required()?;
         let h = meta.header.borrow().clone();
         if h.nb_snapshots == 0 {
@@ -43,7 +43,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// Version 3 needs each snapshot's disk size in its extra data.
     pub(super) async fn check_upgrade(&self) -> Result<()> {
         let old = self
-            .snapshots()
+            .snapshot_list()
             .await?
             .iter()
             .any(|s| s.extra_data.len() < EXTRA_DISK_SIZE_END);
@@ -60,7 +60,7 @@ impl<S: Storage + 'static> Inner<S> {
         new_size: Option<u64>,
         refcount_order: u32,
     ) -> Result<()> {
-        let top = self.chain.top();
+        let top = self.inner.chain.top();
         let meta = top.qcow2_required()?;
         let refuse = |e| Err(self.amend_error(e));
         if refcount_order != 4 {
@@ -70,7 +70,7 @@ impl<S: Storage + 'static> Inner<S> {
             return refuse(AmendError::DowngradeDataFile);
         }
         let size = new_size.unwrap_or(top.size.get());
-        for s in self.snapshots().await? {
+        for s in self.snapshot_list().await? {
             let word = |at: usize| {
                 s.extra_data
                     .get(at..at + 8)
@@ -88,7 +88,7 @@ impl<S: Storage + 'static> Inner<S> {
         if other != 0 {
             return refuse(AmendError::DowngradeFeatures(other));
         }
-        if self.alloc()?.has_bitmaps() {
+        if self.inner.alloc()?.has_bitmaps() {
             return refuse(AmendError::DowngradeBitmaps);
         }
         let scan = self.scan_snapshot_tables().await?;
@@ -104,7 +104,7 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Writes a version 3 header (QEMU's upgrade: no feature bits yet).
     pub(super) async fn upgrade(&self) -> Result<()> {
-        let meta = self.chain.top().qcow2_required()?;
+        let meta = self.inner.chain.top().qcow2_required()?;
         let mut h = meta.header.borrow().clone();
         h.version = 3;
         h.header_length = limits::MIN_V3_HEADER_LENGTH;
@@ -115,17 +115,17 @@ impl<S: Storage + 'static> Inner<S> {
         h.unknown_header_tail.clear();
         h.extensions
             .push(HeaderExtension::FeatureNameTable(feature_table()));
-        self.flush().await?;
+        self.inner.flush().await?;
         self.write_header(h).await
     }
 
     /// Turns zero clusters into data, clears the dirty bit, and writes a version 2 header.
     pub(super) async fn downgrade(&self) -> Result<()> {
-        let meta = self.chain.top().qcow2_required()?;
+        let meta = self.inner.chain.top().qcow2_required()?;
         self.expand_zero_clusters().await?;
-        let w = self.alloc()?;
+        let w = self.inner.alloc()?;
         w.disable_lazy_refcounts();
-        self.flush().await?;
+        self.inner.flush().await?;
         w.mark_clean().await?;
         let mut h = meta.header.borrow().clone();
         h.version = 2;
@@ -146,9 +146,9 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Writes `h` over the first sectors of the file and makes it the header in memory.
     async fn write_header(&self, mut h: Header) -> Result<()> {
-        let top = self.chain.top();
+        let top = self.inner.chain.top();
         let meta = top.qcow2_required()?;
-        let w = self.alloc()?;
+        let w = self.inner.alloc()?;
         let cs = meta.geom.cluster_size();
         let fmt = |source| EngineError::Format {
             image: top.name.clone(),

@@ -4,7 +4,7 @@
 use crate::engine::create::Preallocation;
 pub use crate::engine::error::ResizeError;
 use crate::engine::error::{EngineError, Result};
-use crate::engine::image::{Image, Inner};
+use crate::engine::image::Image;
 use crate::engine::layer::{write_zero_data, Qcow2Meta};
 use crate::format::header;
 use storage::Storage;
@@ -15,14 +15,8 @@ impl<S: Storage + 'static> Image<S> {
     /// shrink drops every cluster past the new end. Asking before shrinking is the caller's
     /// business, as it is qemu-img's.
     pub async fn resize(&self, new_size: u64, prealloc: Preallocation) -> Result<()> {
-        self.inner.resize(new_size, prealloc).await
-    }
-}
-
-impl<S: Storage + 'static> Inner<S> {
-    pub(crate) async fn resize(&self, new_size: u64, prealloc: Preallocation) -> Result<()> {
-        self.check_writable()?;
-        let top = self.chain.top();
+        self.inner.check_writable()?;
+        let top = self.inner.chain.top();
         let refuse = |source| EngineError::Resize {
             image: top.name.clone(),
             source,
@@ -51,8 +45,8 @@ impl<S: Storage + 'static> Inner<S> {
     /// The last step of a qcow2 resize, once everything the new size needs is on disk: the
     /// header's size field, made durable, then the size in memory and the bitmaps' length.
     pub(super) async fn set_qcow2_size(&self, new_size: u64) -> Result<()> {
-        let w = self.alloc()?;
-        let top = self.chain.top();
+        let w = self.inner.alloc()?;
+        let top = self.inner.chain.top();
         let meta = top.qcow2_required()?;
         w.update_header(header::size_update(new_size)).await?;
         w.sync().await?;
@@ -64,7 +58,7 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// What QEMU refuses for any qcow2 resize, checked before anything is written.
     fn check_qcow2_resize(&self, meta: &Qcow2Meta<S>, new_size: u64) -> Result<()> {
-        let top = self.chain.top();
+        let top = self.inner.chain.top();
         let (version, snapshots) = {
             let h = meta.header.borrow();
             (h.version, h.nb_snapshots)
@@ -81,7 +75,8 @@ impl<S: Storage + 'static> Inner<S> {
                 what: "resizing an image with an external data file".into(),
             });
         }
-        self.alloc()?
+        self.inner
+            .alloc()?
             .with_bitmaps(|b| b.check_resize(new_size))
             .map_err(|source| EngineError::Bitmap {
                 image: top.name.clone(),
@@ -97,7 +92,7 @@ impl<S: Storage + 'static> Inner<S> {
         new_size: u64,
         prealloc: Preallocation,
     ) -> Result<()> {
-        let top = self.chain.top();
+        let top = self.inner.chain.top();
         let refuse = |source| EngineError::Resize {
             image: top.name.clone(),
             source,

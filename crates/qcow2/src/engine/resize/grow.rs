@@ -10,23 +10,24 @@
 use super::ResizeError;
 use crate::engine::create::Preallocation;
 use crate::engine::error::{EngineError, Result};
-use crate::engine::image::Inner;
+use crate::engine::image::Image;
 use crate::engine::layer::write_zero_data;
 use crate::engine::layer::Qcow2Meta;
 use crate::engine::overlap::MetaKind;
 use crate::format::{be, header, l2, limits, Geometry, GuestOffset, HostOffset};
 use storage::Storage;
 
-impl<S: Storage + 'static> Inner<S> {
+impl<S: Storage + 'static> Image<S> {
     /// Grows the disk to `new_size` bytes (checked by the caller: larger, aligned).
     pub(super) async fn grow(&self, new_size: u64, prealloc: Preallocation) -> Result<()> {
-        let top = self.chain.top();
+        let top = self.inner.chain.top();
         let meta = top.qcow2_required()?;
         let old_size = top.size.get();
         let needed = l1_entries_for(meta, &top.name, new_size)?;
         // QEMU zeroes the new space when the backing file is longer than the old disk, so
         // that growing never uncovers old backing data.
         let hide_backing = self
+            .inner
             .chain
             .layers
             .get(1)
@@ -37,7 +38,7 @@ impl<S: Storage + 'static> Inner<S> {
                 source: ResizeError::V2LongerBacking,
             });
         }
-        let w = self.alloc()?;
+        let w = self.inner.alloc()?;
         if needed > meta.l1.borrow().len() as u64 {
             let _g = w.exclusive().await;
             self.grow_l1(needed).await?;
@@ -54,7 +55,7 @@ impl<S: Storage + 'static> Inner<S> {
         if hide_backing {
             self.zero_new_space(old_size, new_size).await?;
         }
-        self.flush().await?;
+        self.inner.flush().await?;
         self.set_qcow2_size(new_size).await
     }
 
@@ -67,10 +68,10 @@ impl<S: Storage + 'static> Inner<S> {
         if !matches!(prealloc, Preallocation::Falloc | Preallocation::Full) {
             return Ok(());
         }
-        let top = self.chain.top();
+        let top = self.inner.chain.top();
         let cs = top.qcow2_required()?.geom.cluster_size();
         let cluster = old_size - old_size % cs;
-        let w = self.alloc()?;
+        let w = self.inner.alloc()?;
         let Some(e) = w
             .l2_entries(GuestOffset(cluster), cs)
             .await?
@@ -84,6 +85,7 @@ impl<S: Storage + 'static> Inner<S> {
             // Unallocated: a reserved cluster of zeros reads as it did, unless a backing file
             // shows through its head (then it is left as it is).
             let hidden = self
+                .inner
                 .chain
                 .layers
                 .get(1)
@@ -111,7 +113,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// Zeroes `[old_size, new_size)` before the header shows it. The zeroing code works on
     /// the disk as it is in memory, so the size there moves first, and back if it fails.
     async fn zero_new_space(&self, old_size: u64, new_size: u64) -> Result<()> {
-        let top = self.chain.top();
+        let top = self.inner.chain.top();
         top.size.set(new_size);
         let res = self
             .zero_untracked(old_size, new_size - old_size, false, false)
@@ -124,9 +126,9 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Replaces the L1 table with one of at least `entries` entries. Holds the meta lock.
     async fn grow_l1(&self, entries: u64) -> Result<()> {
-        let top = self.chain.top();
+        let top = self.inner.chain.top();
         let meta = top.qcow2_required()?;
-        let w = self.alloc()?;
+        let w = self.inner.alloc()?;
         let cs = meta.geom.cluster_size();
         let old: Vec<u64> = meta.l1.borrow().clone();
         // Grow by half again, as QEMU does, so that small steps do not copy every time.

@@ -13,15 +13,15 @@
 //! 5. the size field is written last.
 
 use crate::engine::error::Result;
-use crate::engine::image::Inner;
+use crate::engine::image::Image;
 use crate::engine::range_lock::LockMode;
 use crate::format::{l1, GuestOffset, HostOffset};
 use storage::Storage;
 
-impl<S: Storage + 'static> Inner<S> {
+impl<S: Storage + 'static> Image<S> {
     /// Shrinks the disk to `new_size` bytes (checked by the caller: smaller, aligned).
     pub(super) async fn shrink(&self, new_size: u64) -> Result<()> {
-        let top = self.chain.top();
+        let top = self.inner.chain.top();
         let meta = top.qcow2_required()?;
         let old_size = top.size.get();
         let cs = meta.geom.cluster_size();
@@ -30,15 +30,15 @@ impl<S: Storage + 'static> Inner<S> {
         if cut < old_size {
             self.drop_clusters(cut, old_size).await?;
         }
-        self.flush().await?;
+        self.inner.flush().await?;
         let keep = super::grow::l1_entries_for(meta, &top.name, new_size)?;
-        let w = self.alloc()?;
+        let w = self.inner.alloc()?;
         {
             let _g = w.exclusive().await;
             self.clear_l1_tail(keep).await?;
-            self.flush().await?;
+            self.inner.flush().await?;
             w.drop_unused_refblocks().await?;
-            self.flush().await?;
+            self.inner.flush().await?;
             w.truncate_free_tail().await?;
         }
         self.set_qcow2_size(new_size).await
@@ -47,10 +47,11 @@ impl<S: Storage + 'static> Inner<S> {
     /// Clears every L2 entry of `[from, to)` (`from` cluster-aligned) and drops the
     /// references they held, punching freed clusters out of the file.
     async fn drop_clusters(&self, from: u64, to: u64) -> Result<()> {
-        let w = self.alloc()?;
-        let g = self.chain.top().qcow2_required()?.geom;
+        let w = self.inner.alloc()?;
+        let g = self.inner.chain.top().qcow2_required()?.geom;
         let per_table = g.l2_entries() * g.cluster_size();
         let _guard = self
+            .inner
             .lock_range(GuestOffset(from), to - from, LockMode::Exclusive)
             .await;
         let mut pos = from;
@@ -67,12 +68,8 @@ impl<S: Storage + 'static> Inner<S> {
                     let _g = w.exclusive().await;
                     w.l2_for_write(g.l1_index(GuestOffset(pos))).await?;
                 }
-                if w.lazy_refcounts() {
-                    w.mark_dirty().await?;
-                }
                 for e in used {
-                    w.set_l2_entry(e.cluster, 0, 0).await?;
-                    self.release(e.word, true).await?;
+                    w.remap(e.cluster, (0, 0), e.word, true, false).await?;
                 }
             }
             pos = table_end;
@@ -83,9 +80,9 @@ impl<S: Storage + 'static> Inner<S> {
     /// Clears the L1 entries from index `keep` on and frees their L2 tables. Holds the meta
     /// lock; the L2 tables' entries were cleared and flushed before.
     async fn clear_l1_tail(&self, keep: u64) -> Result<()> {
-        let top = self.chain.top();
+        let top = self.inner.chain.top();
         let meta = top.qcow2_required()?;
-        let w = self.alloc()?;
+        let w = self.inner.alloc()?;
         let old: Vec<u64> = meta.l1.borrow().clone();
         let Ok(keep) = usize::try_from(keep) else {
             return Ok(());

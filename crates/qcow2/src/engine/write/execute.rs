@@ -1,15 +1,16 @@
 //! Carrying out a write's plan: clusters written in place in one I/O per contiguous run;
-//! clusters to fill allocated together, their copy-on-write data and the guest data written
-//! as one I/O, then their L2 entries pointed at them and the old clusters released.
+//! clusters to fill go through the allocator's transaction: allocated together, their
+//! copy-on-write data and the guest data written as one I/O, then committed (the allocator
+//! points their L2 entries at them and releases the old clusters).
 
 use super::plan::{Action, ClusterPlan, GuestRange, Old};
-use crate::engine::alloc::Replaced;
+use crate::engine::alloc::{NewEntry, Replaced};
 use crate::engine::chain::Piece;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::image::Inner;
 use crate::engine::span_pool::{zero_uncovered, SpanBuf};
 use crate::format::l2;
-use crate::format::l2_extended::{pack_bitmap, unpack_bitmap};
+use crate::format::l2_extended::pack_bitmap;
 use crate::format::{GuestOffset, HostOffset};
 use storage::{IoBuf, Storage};
 
@@ -114,7 +115,7 @@ impl<S: Storage + 'static> Inner<S> {
             return;
         }
         if let Some(w) = &self.alloc {
-            w.note_file_end(end.0);
+            w.note_file_end(end);
         }
     }
 
@@ -143,7 +144,9 @@ impl<S: Storage + 'static> Inner<S> {
             for p in plans {
                 if let Action::InPlace { host, set_alloc } = p.action {
                     if set_alloc != 0 {
-                        self.mark_subclusters(p.start, host, set_alloc).await?;
+                        self.alloc()?
+                            .mark_allocated(p.start, host, set_alloc)
+                            .await?;
                     }
                 }
             }
@@ -153,54 +156,8 @@ impl<S: Storage + 'static> Inner<S> {
         (res, buf)
     }
 
-    /// Sets allocation bits (clearing zero bits) of an entry we own, after its data landed.
-    async fn mark_subclusters(
-        &self,
-        cluster: GuestOffset,
-        host: HostOffset,
-        bits: u32,
-    ) -> Result<()> {
-        self.before_l2_update(false).await?;
-        let (word, _) = self
-            .alloc()?
-            .update_l2_entry(cluster, |word, bitmap| {
-                if l2::host_of(word) != host.0 {
-                    return None;
-                }
-                let (alloc, zero) = unpack_bitmap(bitmap);
-                let alloc = alloc | bits;
-                Some((word, pack_bitmap(alloc, zero & !alloc)))
-            })
-            .await?;
-        if l2::host_of(word) != host.0 {
-            return Err(self
-                .mark_corrupt(format!(
-                    "L2 entry of guest cluster {:#x} changed under a write ({:#x} != {:#x})",
-                    cluster.0,
-                    l2::host_of(word),
-                    host.0
-                ))
-                .await);
-        }
-        Ok(())
-    }
-
-    /// Sets the cache obligations that must precede an L2 update: the dirty bit (lazy
-    /// refcounts) or refcounts first (when clusters were allocated), and data first.
-    async fn before_l2_update(&self, allocated: bool) -> Result<()> {
-        let w = self.alloc()?;
-        if w.lazy_refcounts() {
-            w.mark_dirty().await?;
-        } else if allocated {
-            self.refcounts_before_l2().await?;
-        }
-        self.chain.l2.set_flush_before_writeback();
-        Ok(())
-    }
-
     /// Writes a run of clusters that need filling (and, with `host: None`, new clusters):
-    /// copy-on-write data and guest data in one I/O, then the L2 entries, then the old
-    /// clusters' references are released.
+    /// the allocator's transaction around copy-on-write data and guest data in one I/O.
     async fn fill_run(
         &self,
         offset: GuestOffset,
@@ -221,51 +178,43 @@ impl<S: Storage + 'static> Inner<S> {
             Action::Fill { host, .. } => host,
             Action::InPlace { .. } => unreachable!("fill_run is given filling clusters"),
         };
-        // 1. Writable L2 tables and host clusters.
+        // Allocate, write the data, commit.
         let l1_indexes = plans.iter().map(|p| g.l1_index(p.start));
         let allocation = match w.allocate(l1_indexes, first, n, preset).await {
             Ok(a) => a,
             Err(e) => return (Err(e), buf),
         };
-        let (host, allocated) = (allocation.host, allocation.allocated);
+        let host = allocation.host;
         let (res, buf) = self
             .fill_and_write(offset, buf, plans, host, allocation.fresh)
             .await;
         if let Err(e) = res {
-            w.abandon(&allocation).await;
+            allocation.abandon().await;
             return (Err(e), buf);
         }
-        // 2. Point the entries at the data.
-        let res = async {
-            self.before_l2_update(allocated).await?;
-            for (k, p) in plans.iter().enumerate() {
-                let Action::Fill { alloc, zero, .. } = p.action else {
-                    continue;
-                };
-                let h = host + k as u64 * cs;
-                let bitmap = if g.extended_l2() {
+        let entries = plans.iter().enumerate().filter_map(|(k, p)| {
+            let Action::Fill {
+                alloc, zero, old, ..
+            } = p.action
+            else {
+                return None;
+            };
+            Some(NewEntry {
+                cluster: p.start,
+                word: l2::owned_word((host + k as u64 * cs).0),
+                bitmap: if g.extended_l2() {
                     pack_bitmap(alloc, zero & !alloc)
                 } else {
                     0
-                };
-                w.set_l2_entry(p.start, l2::owned_word(h.0), bitmap).await?;
-            }
-            // 3. Release what the entries no longer use.
-            w.release(plans.iter().filter_map(|p| match p.action {
-                Action::Fill {
-                    old: Old::Shared { host },
-                    ..
-                } => Some(Replaced::Shared(host)),
-                Action::Fill {
-                    old: Old::Compressed { raw },
-                    ..
-                } => Some(Replaced::Compressed(raw)),
-                _ => None,
-            }))
-            .await
-        }
-        .await;
-        (res, buf)
+                },
+                replaced: match old {
+                    Old::Shared { host } => Some(Replaced::Shared(host)),
+                    Old::Compressed { raw } => Some(Replaced::Compressed(raw)),
+                    Old::Keep => None,
+                },
+            })
+        });
+        (allocation.commit(entries).await, buf)
     }
 
     /// Builds the bytes of a filling run (copies plus guest data) and writes them.

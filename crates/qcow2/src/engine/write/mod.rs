@@ -24,7 +24,7 @@ impl<S: Storage + 'static> Image<S> {
     /// Writes `buf` at guest `offset`; with `fua` the data (and the metadata that makes it
     /// reachable) is durable before this returns. The buffer is handed back either way.
     pub async fn write(&self, offset: GuestOffset, buf: IoBuf, fua: bool) -> (Result<()>, IoBuf) {
-        let (res, buf) = self.inner.write(offset.0, buf).await;
+        let (res, buf) = self.inner.write(offset, buf).await;
         if res.is_ok() && fua {
             return (self.flush().await, buf);
         }
@@ -33,7 +33,7 @@ impl<S: Storage + 'static> Image<S> {
 }
 
 impl<S: Storage + 'static> Inner<S> {
-    pub(crate) async fn write(&self, offset: u64, buf: IoBuf) -> (Result<()>, IoBuf) {
+    pub(crate) async fn write(&self, offset: GuestOffset, buf: IoBuf) -> (Result<()>, IoBuf) {
         let len = buf.len() as u64;
         if let Err(e) = self
             .check_writable()
@@ -47,9 +47,10 @@ impl<S: Storage + 'static> Inner<S> {
         self.track(offset, len);
         let top = self.chain.top();
         if top.qcow2().is_none() {
-            let (res, slice) = top.file.write_at(buf.into(), offset).await;
+            // A raw layer 0 is the guest's disk byte for byte.
+            let (res, slice) = top.file.write_at(buf.into(), offset.0).await;
             return (
-                res.map_err(|e| top.io_error("writing data", offset, e)),
+                res.map_err(|e| top.io_error("writing data", offset.0, e)),
                 slice.into_inner(),
             );
         }
@@ -57,16 +58,13 @@ impl<S: Storage + 'static> Inner<S> {
             // Encrypted data is written in whole sectors: the partial ones are read,
             // patched and written back, under an exclusive lock so that nothing else
             // writes them in between.
-            let _exclusive = self
-                .lock_range(GuestOffset(from), to - from, LockMode::Exclusive)
-                .await;
+            let _exclusive = self.lock_range(from, to - from, LockMode::Exclusive).await;
             return self.write_unlocked(offset, buf).await;
         }
         let generation = match self.alloc() {
             Ok(a) => a.mapping_generation(),
             Err(e) => return (Err(e), buf),
         };
-        let offset = GuestOffset(offset);
         // Most writes land in clusters we own: try that under a shared lock first.
         let plans = {
             let _shared = self.lock_range(offset, len, LockMode::Shared).await;
@@ -89,13 +87,17 @@ impl<S: Storage + 'static> Inner<S> {
             Ok(a) if a.mapping_generation() == generation => {
                 self.execute(offset, buf, &plans).await
             }
-            Ok(_) => self.write_unlocked(offset.0, buf).await,
+            Ok(_) => self.write_unlocked(offset, buf).await,
             Err(e) => (Err(e), buf),
         }
     }
 
     /// Writes with the caller holding an exclusive lock on the range (qcow2 layer 0 only).
-    pub(crate) async fn write_unlocked(&self, offset: u64, buf: IoBuf) -> (Result<()>, IoBuf) {
+    pub(crate) async fn write_unlocked(
+        &self,
+        offset: GuestOffset,
+        buf: IoBuf,
+    ) -> (Result<()>, IoBuf) {
         if let Some((from, to)) = self.sector_aligned(offset, buf.len() as u64) {
             let (res, mut whole) = self
                 .read_unlocked(from, IoBuf::zeroed((to - from) as usize))
@@ -112,8 +114,7 @@ impl<S: Storage + 'static> Inner<S> {
     }
 
     /// [`Inner::write_unlocked`] of whole sectors (any range, for an unencrypted image).
-    async fn write_aligned(&self, offset: u64, buf: IoBuf) -> (Result<()>, IoBuf) {
-        let offset = GuestOffset(offset);
+    async fn write_aligned(&self, offset: GuestOffset, buf: IoBuf) -> (Result<()>, IoBuf) {
         match self.plan(offset, buf.len() as u64).await {
             Err(e) => (Err(e), buf),
             Ok(plans) => self.execute(offset, buf, &plans).await,
