@@ -9,7 +9,7 @@ use crate::engine::error::{EngineError, Result};
 use crate::engine::image::Inner;
 use crate::engine::load::snapshot_table;
 use crate::format::extensions::HeaderExtension;
-use crate::format::features::INCOMPAT_COMPRESSION;
+use crate::format::features::{AUTOCLEAR_DATA_FILE_RAW, INCOMPAT_COMPRESSION};
 use crate::format::{limits, Header, SnapshotTableEntry};
 use storage::Storage;
 
@@ -141,6 +141,28 @@ impl<S: Storage + 'static> Inner<S> {
                 HeaderExtension::FeatureNameTable(_) | HeaderExtension::Bitmaps(_)
             )
         });
+        self.write_header(h).await
+    }
+
+    /// Renames the external data file (`Some("")` drops the name) and sets whether it is
+    /// a raw image, in one header write.
+    pub(super) async fn set_data_file(&self, name: Option<&str>, raw: bool) -> Result<()> {
+        let meta = self.chain.top().qcow2_required()?;
+        let mut h = meta.header.borrow().clone();
+        if let Some(name) = name {
+            h.extensions
+                .retain(|e| !matches!(e, HeaderExtension::ExternalDataFile(_)));
+            if !name.is_empty() {
+                h.extensions
+                    .push(HeaderExtension::ExternalDataFile(name.as_bytes().to_vec()));
+            }
+        }
+        if raw {
+            h.autoclear_features |= AUTOCLEAR_DATA_FILE_RAW;
+        } else {
+            h.autoclear_features &= !AUTOCLEAR_DATA_FILE_RAW;
+        }
+        self.flush().await?;
         self.write_header(h).await
     }
 

@@ -16,6 +16,10 @@ pub enum AmendError {
     LazyNeedsV3,
     #[error("Cannot amend the backing file\nYou can use 'qemu-img rebase' instead.")]
     Backing,
+    #[error("data-file can only be set for images that use an external data file")]
+    DataFileNotUsed,
+    #[error("data-file-raw cannot be set on existing images")]
+    DataFileRawOnExisting,
     #[error("Cannot decrease refcount entry width to {bits} bits: Cluster at offset {offset:#x} has a refcount of {refcount}")]
     RefcountTooBig {
         /// The width asked for.
