@@ -92,9 +92,6 @@ impl<S: Storage + 'static> Inner<S> {
         if lazy && !lazy_now && version < 3 {
             return Err(refuse(AmendError::LazyNeedsV3));
         }
-        if version > old_version {
-            self.check_upgrade().await?;
-        }
         if version < old_version {
             self.check_downgrade(opts.size, order).await?;
         }

@@ -49,9 +49,6 @@ pub enum AmendError {
         "Cannot downgrade: internal snapshots hold zero clusters, which compat=0.10 cannot express"
     )]
     DowngradeSnapshotZeros,
-    /// QEMU rewrites the snapshot table; we do not.
-    #[error("Cannot upgrade: an internal snapshot lacks the disk size that compat=1.1 requires")]
-    UpgradeOldSnapshots,
 }
 
 /// Why a bitmap operation was refused, in QEMU's words where QEMU has them.
