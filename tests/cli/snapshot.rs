@@ -320,3 +320,20 @@ fn a_served_image_is_refused() {
     assert!(listed.status.success(), "{}", text(&listed));
     d.assert_check_clean("o.qcow2");
 }
+
+/// A snapshot entry claiming more extra data than QEMU allows is refused at open in QEMU's
+/// words, with its hint to repair it.
+#[test]
+fn too_much_snapshot_extra_data_is_refused_in_qemus_words() {
+    let p = crate::qemu_img_options::Pair::new(|d| {
+        d.create("x.qcow2", "qcow2", "", None, "1M");
+        d.qemu_img(&["snapshot", "-c", "a", "x.qcow2"]);
+        let path = d.path("x.qcow2");
+        let mut file = std::fs::read(&path).expect("read");
+        let table = u64::from_be_bytes(file[64..72].try_into().expect("8 bytes")) as usize;
+        file[table + 36..table + 40].copy_from_slice(&0x1_0000u32.to_be_bytes());
+        std::fs::write(&path, file).expect("write");
+    });
+    p.same(&["info", "x.qcow2"]);
+    p.same(&["map", "x.qcow2"]);
+}

@@ -304,6 +304,18 @@ impl FormatError {
             FormatError::Unaligned { at, field, .. } if header(at) => {
                 table(field).map(|t| format!("{t} offset invalid"))
             }
+            FormatError::LimitExceeded {
+                at:
+                    Location {
+                        structure: Structure::SnapshotTable,
+                        entry: Some(i),
+                        ..
+                    },
+                field: "extra_data_size",
+                ..
+            } => Some(format!(
+                "Too much extra metadata in snapshot table entry {i}\nYou can force-remove this extra metadata with qemu-img check -r all"
+            )),
             _ => None,
         }
     }
