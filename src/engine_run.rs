@@ -58,6 +58,24 @@ pub enum OpenError {
     /// A format name other than qcow2 or raw.
     #[error("Unknown or unsupported file format '{0}' (qcow2-nbd handles qcow2 and raw)")]
     UnknownFormat(String),
+    /// A backing file could not be opened: QEMU names the top image and each level down.
+    #[error(
+        "Could not open '{}': {}Could not open '{path}': {}",
+        .images.first().map_or("", String::as_str),
+        "Could not open backing file: ".repeat(.images.len()),
+        plain_io(.source)
+    )]
+    Backing {
+        /// The images above it, from the top.
+        images: Vec<String>,
+        /// The backing file.
+        path: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// A format QEMU reads but never creates (`bochs`, `cloop`, `dmg`).
+    #[error("Format driver '{0}' does not support image creation")]
+    NoCreation(String),
     /// The file could not be opened or read to probe its format.
     #[error("Could not open '{path}': {}", plain_io(.source))]
     Probe {
@@ -121,6 +139,15 @@ impl From<EngineError> for OpenError {
         match e {
             // A file that cannot be opened reads as qemu-img says it.
             EngineError::Open { path, source } => OpenError::Probe { path, source },
+            EngineError::BackingOpen {
+                images,
+                path,
+                source,
+            } => OpenError::Backing {
+                images,
+                path,
+                source,
+            },
             EngineError::Format {
                 image,
                 source:
@@ -143,6 +170,16 @@ impl From<EngineError> for OpenError {
 /// Parses a `-f`/`-F`/`-O` format name; only the formats the engine reads are accepted.
 pub fn parse_format(name: &str) -> Result<Format, OpenError> {
     Format::from_name(name).ok_or_else(|| OpenError::UnknownFormat(name.to_string()))
+}
+
+/// The format of a new image: as [`parse_format`], but a format QEMU only ever reads is
+/// refused as QEMU refuses it.
+pub fn creation_format(name: &str) -> Result<Format, OpenError> {
+    const READ_ONLY_FORMATS: &[&str] = &["bochs", "cloop", "dmg"];
+    if READ_ONLY_FORMATS.contains(&name) {
+        return Err(OpenError::NoCreation(name.to_string()));
+    }
+    parse_format(name)
 }
 
 /// The block drivers QEMU 10 has (`qemu-img --help` lists them): names a script may record

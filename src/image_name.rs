@@ -124,6 +124,15 @@ pub enum Reason {
     /// A `PROTOCOL:` prefix this tool does not have.
     #[error("Unknown protocol '{0}'")]
     UnknownProtocol(String),
+    /// A `backing` node that is not the image's own backing file: only that one can be
+    /// opened here (the node may describe it again, as QEMU's options allow).
+    #[error("the backing node names {given}, but the image's backing file is {found}; qcow2-nbd opens only the image's own backing file")]
+    OtherBacking {
+        /// The file the node names.
+        given: String,
+        /// The image's backing file, as its header names it (or that it has none).
+        found: String,
+    },
     /// A format driver option this tool does not know or does not implement.
     #[error("Block format '{driver}' does not support the option '{option}'")]
     FormatOption {
@@ -167,6 +176,8 @@ pub struct ImageName {
     pub format: Option<String>,
     /// Driver options in [`PASS_THROUGH`] that were given (flattened `a.b` keys).
     pub options: BTreeMap<String, String>,
+    /// The `backing` node, when the options describe it: its file and driver.
+    pub backing: Option<(PathBuf, Option<String>)>,
 }
 
 /// A flattened option value: JSON `null` is kept apart from text.
@@ -201,6 +212,7 @@ pub fn parse(name: &OsStr, image_opts: bool) -> Result<ImageName, NameError> {
             path: protocol_path(name).map_err(open_err)?,
             format: None,
             options: BTreeMap::new(),
+            backing: None,
         }),
     }
 }
@@ -441,6 +453,7 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
                 path: PathBuf::from(name),
                 format: Some("raw".into()),
                 options: BTreeMap::new(),
+                backing: None,
             });
         }
         Some("nbd") => {
@@ -450,6 +463,7 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
                 path,
                 format: Some("raw".into()),
                 options: BTreeMap::new(),
+                backing: None,
             });
         }
         Some(other) => return Err(Reason::UnknownDriver(other.to_string())),
@@ -476,6 +490,7 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
             options.insert(key.to_string(), v);
         }
     }
+    let backing = backing_node(&mut flat)?;
     let shown_driver = format.as_deref().unwrap_or("qcow2");
     let noops: &[&str] = if shown_driver == "qcow2" {
         QCOW2_NOOP_OPTIONS
@@ -487,7 +502,93 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
         path,
         format,
         options,
+        backing,
     })
+}
+
+/// The `backing` node given as members (`backing.driver`, `backing.file.filename`): the
+/// file and driver it names. A node given by reference or as `null`, and a backing node of
+/// its own, are left for [`check_leftover`] to refuse.
+fn backing_node(
+    flat: &mut BTreeMap<String, Val>,
+) -> Result<Option<(PathBuf, Option<String>)>, Reason> {
+    let has_members = flat.keys().any(|k| k.starts_with("backing."));
+    if flat.contains_key("backing") || !has_members {
+        return Ok(None);
+    }
+    if flat.keys().any(|k| k.starts_with("backing.backing")) {
+        return Ok(None);
+    }
+    let (_, mut members) = take_node(flat, "backing")?;
+    let driver = text(members.remove("driver"));
+    match driver.as_deref() {
+        None | Some("qcow2") | Some("raw") => {}
+        Some(other) => return Err(Reason::UnknownDriver(other.to_string())),
+    }
+    let (file_direct, file_members) = take_node(&mut members, "file")?;
+    let path = file_node(file_direct, file_members)?;
+    let noops: &[&str] = if driver.as_deref() == Some("raw") {
+        &[]
+    } else {
+        QCOW2_NOOP_OPTIONS
+    };
+    check_leftover(&members, driver.as_deref().unwrap_or("qcow2"), noops)?;
+    Ok(Some((path, driver)))
+}
+
+/// Checks that a `backing` node describes the image's own backing file: the same file
+/// (once both are resolved) and, where the image records one, the same format.
+fn check_backing_node(image: &Path, node: &(PathBuf, Option<String>)) -> Result<(), Reason> {
+    let (given, driver) = node;
+    let other = |found: String| Reason::OtherBacking {
+        given: match driver {
+            Some(d) => format!("'{}' ({d})", given.display()),
+            None => format!("'{}'", given.display()),
+        },
+        found,
+    };
+    let header =
+        read_header(image).ok_or_else(|| other("unknown (its header cannot be read)".into()))?;
+    let Some(name) = header.backing_file.as_deref() else {
+        return Err(other("none".into()));
+    };
+    let name = String::from_utf8_lossy(name).into_owned();
+    let resolved = qcow2::engine::backing_name::resolve(image, &name)
+        .map_err(|_| other(format!("'{name}'")))?;
+    let same_file = match (
+        std::fs::canonicalize(&resolved),
+        std::fs::canonicalize(given),
+    ) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => resolved == *given,
+    };
+    let recorded = header
+        .backing_format()
+        .map(|f| String::from_utf8_lossy(f).into_owned());
+    let same_format = match (driver, &recorded) {
+        (Some(d), Some(r)) => d == r,
+        _ => true,
+    };
+    if same_file && same_format {
+        return Ok(());
+    }
+    Err(other(match recorded {
+        Some(r) => format!("'{name}' ({r})"),
+        None => format!("'{name}'"),
+    }))
+}
+
+/// The qcow2 header of the file at `path`, if it is a local qcow2 image.
+fn read_header(path: &Path) -> Option<qcow2::format::Header> {
+    use std::io::Read;
+    // A backing file name lies within the first cluster, which is at most 2 MiB.
+    let mut buf = Vec::new();
+    std::fs::File::open(path)
+        .ok()?
+        .take(2 << 20)
+        .read_to_end(&mut buf)
+        .ok()?;
+    qcow2::format::Header::decode(&buf).ok()
 }
 
 /// Refuses any option left that is neither a node option nor one of `noops`.
@@ -523,6 +624,12 @@ pub fn resolve(
         return Err(NameError::FormatWithImageOpts);
     }
     let read = parse(path.as_os_str(), image_opts)?;
+    if let Some(node) = &read.backing {
+        check_backing_node(&read.path, node).map_err(|reason| NameError::Open {
+            name: path.display().to_string(),
+            reason,
+        })?;
+    }
     *path = read.path.clone();
     if read.format.is_some() {
         format.clone_from(&read.format);

@@ -149,7 +149,9 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // As with QEMU's tools (getopt), an option given twice takes its last value.
     let parsed = Cli::command()
+        .args_override_self(true)
         .name(name)
         .bin_name(name)
         .try_get_matches_from(args)

@@ -13,13 +13,15 @@ use storage::AnyStorage;
 
 use crate::engine_run::{self, OpenError};
 use crate::options::{self, Kind, OptionsError, Parsed, Spec};
-use crate::tools::create::{QCOW2_OPTIONS, QCOW2_UNSUPPORTED};
+use crate::tools::create::QCOW2_OPTIONS;
 
 /// The options `amend` changes, as qemu-img lists them for qcow2.
 const AMEND_NAMES: &[&str] = &[
     "backing_file",
     "backing_fmt",
     "compat",
+    "data_file",
+    "data_file_raw",
     "lazy_refcounts",
     "refcount_bits",
     "size",
@@ -67,13 +69,9 @@ fn amend_options() -> Vec<Spec> {
     specs
 }
 
-/// Amend options qemu-img has that qcow2-nbd does not change.
-const AMEND_UNSUPPORTED: &[&str] = &["data_file", "data_file_raw"];
-
 /// The key slot change the options ask for, if any; secrets are looked up by id.
 fn slot_change(list: &str, force: bool) -> Result<Option<SlotChange>, AmendCliError> {
-    let parsed =
-        Parsed::parse(list, &amend_options(), AMEND_UNSUPPORTED).map_err(AmendCliError::Options)?;
+    let parsed = Parsed::parse(list, &amend_options(), &[]).map_err(AmendCliError::Options)?;
     if !KEY_SLOT_OPTIONS.iter().any(|s| parsed.has(s.name)) {
         return Ok(None);
     }
@@ -113,7 +111,8 @@ fn slot_change(list: &str, force: bool) -> Result<Option<SlotChange>, AmendCliEr
         another size), lazy_refcounts=on|off, refcount_bits=1|2|4|8|16|32|64 (a \
         narrower width is refused when some refcount does not fit), size=SIZE, and \
         backing_file/backing_fmt, which may only name the current backing file (use a \
-        rebase to change it). Combined, they apply in QEMU's order: upgrade, refcount \
+        rebase to change it), data_file=NAME (renames the external data file of an image \
+        that has one; empty drops the name) and data_file_raw=off. Combined, they apply in QEMU's order: upgrade, refcount \
         width, lazy refcounts, size, downgrade. \
         `-o help` lists them. Creation-only options (cluster_size, extended_l2, ...) are \
         refused."
@@ -153,7 +152,7 @@ enum AmendCliError {
     #[error("Unknown compatibility level {0}")]
     Compat(String),
     #[error("Format driver '{0}' does not support option amendment")]
-    NotAmendable(&'static str),
+    NotAmendable(String),
     #[error(transparent)]
     Open(#[from] OpenError),
     #[error("{}", engine_reason(.0))]
@@ -176,6 +175,28 @@ fn engine_reason(e: &EngineError) -> String {
     }
 }
 
+/// The `-o help` text of amend.
+fn amend_help() -> String {
+    options::help_text(&amend_options()).replacen(
+        "Supported options:",
+        "Amend options for 'qcow2':",
+        1,
+    )
+}
+
+/// Checks that images of format `name` can be amended (only qcow2 can), in qemu-img's
+/// words for a format it does not know, or knows but cannot amend.
+fn amendable_format(name: &str) -> Result<Format, AmendCliError> {
+    match engine_run::parse_format(name) {
+        Ok(Format::Qcow2) => Ok(Format::Qcow2),
+        Ok(Format::Raw) => Err(AmendCliError::NotAmendable("raw".into())),
+        Err(_) if engine_run::QEMU_DRIVERS.contains(&name) => {
+            Err(AmendCliError::NotAmendable(name.to_string()))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Runs `qcow2-nbd amend`.
 pub fn main(args: &AmendArgs) -> ExitCode {
     let result = engine_run::block_on(run(args))
@@ -186,11 +207,8 @@ pub fn main(args: &AmendArgs) -> ExitCode {
 
 /// The `-o` list as amend reads it.
 fn parse(list: &str) -> Result<AmendOptions, AmendCliError> {
-    let parsed = Parsed::parse(list, &amend_options(), AMEND_UNSUPPORTED).map_err(|e| match e {
-        OptionsError::UnknownParameter(name)
-            if QCOW2_OPTIONS.iter().any(|s| s.name == name)
-                || QCOW2_UNSUPPORTED.contains(&name.as_str()) =>
-        {
+    let parsed = Parsed::parse(list, &amend_options(), &[]).map_err(|e| match e {
+        OptionsError::UnknownParameter(name) if QCOW2_OPTIONS.iter().any(|s| s.name == name) => {
             AmendCliError::CreationOnly(name)
         }
         other => AmendCliError::Options(other),
@@ -208,6 +226,8 @@ fn parse(list: &str) -> Result<AmendOptions, AmendCliError> {
         size: parsed.num("size"),
         backing_file: parsed.str("backing_file").map(str::to_string),
         backing_fmt: parsed.str("backing_fmt").map(str::to_string),
+        data_file: parsed.str("data_file").map(str::to_string),
+        data_file_raw: parsed.bool("data_file_raw"),
     })
 }
 
@@ -216,21 +236,19 @@ async fn run(args: &AmendArgs) -> Result<(), AmendCliError> {
     let Some(list) = list else {
         return Err(AmendCliError::NoOptions);
     };
-    if options::wants_help(&list) {
-        let help = options::help_text(&amend_options());
-        print!(
-            "{}",
-            help.replacen("Supported options:", "Amend options for 'qcow2':", 1)
-        );
+    // With a format named, help needs no image; without, the image's format decides.
+    let named = args.format.as_deref().map(amendable_format).transpose()?;
+    if named.is_some() && options::wants_help(&list) {
+        print!("{}", amend_help());
         return Ok(());
     }
     let path = args.filename.as_ref().ok_or(AmendCliError::NoImage)?;
-    let format = match &args.format {
-        Some(f) => engine_run::parse_format(f)?,
-        None => engine_run::probe_format(path)?,
-    };
-    if format != Format::Qcow2 {
-        return Err(AmendCliError::NotAmendable(engine_run::format_name(format)));
+    if named.is_none() {
+        amendable_format(engine_run::format_name(engine_run::probe_format(path)?))?;
+        if options::wants_help(&list) {
+            print!("{}", amend_help());
+            return Ok(());
+        }
     }
     let open = OpenOptions {
         format: Some(Format::Qcow2),
@@ -280,6 +298,13 @@ mod tests {
         assert!(err("cluster_size=4k").contains("only supported for image creation"));
         assert!(err("extended_l2=on").contains("only supported for image creation"));
         assert_eq!(err("bogus=1"), "Invalid parameter 'bogus'");
-        assert!(err("data_file=x").contains("not supported by qcow2-nbd"));
+        assert_eq!(
+            parse("data_file=x").unwrap().data_file.as_deref(),
+            Some("x")
+        );
+        assert_eq!(
+            parse("data_file_raw=off").unwrap().data_file_raw,
+            Some(false)
+        );
     }
 }

@@ -146,7 +146,10 @@ fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
             })
         }
     };
-    let mut log = |f: check::Finding| eprintln!("{}", f.message);
+    let mut log = |f: check::Finding| match f.kind {
+        check::FindingKind::Reported => eprintln!("{}: {}", crate::prog::name(), f.message),
+        _ => eprintln!("{}", f.message),
+    };
     let locking = crate::engine_run::locking();
     let outcome = match check::check_path(
         &args.image,

@@ -103,6 +103,13 @@ pub struct ConvertArgs {
     /// but a qcow2 target's clusters no longer follow guest order.
     #[arg(short = 'W')]
     pub unordered: bool,
+    /// Copy offloading (qemu-img's -C): accepted; the data is copied by reads and writes,
+    /// which is what qemu-img falls back to where the storage cannot offload.
+    #[arg(short = 'C')]
+    pub copy_offload: bool,
+    /// Go on past read errors of the source (qemu-img's --salvage): refused here.
+    #[arg(long)]
+    pub salvage: bool,
     /// Copy requests in flight at once (qemu-img's -m).
     #[arg(short = 'm', long = "parallel", default_value_t = 8,
           value_parser = clap::value_parser!(u16).range(1..=64))]
@@ -111,7 +118,7 @@ pub struct ConvertArgs {
     /// (replaced if it exists, unless -n).
     // Options may come between the names (`convert SRC -O qcow2 DST`), so the names are one
     // list that may take several occurrences; fewer than two is refused in QEMU's words.
-    #[arg(required = true, value_name = "SOURCE... TARGET")]
+    #[arg(value_name = "SOURCE... TARGET")]
     pub files: Vec<PathBuf>,
 }
 
@@ -183,10 +190,21 @@ fn target_backing(args: &ConvertArgs, parsed: &Parsed) -> (Option<String>, Optio
 
 async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
     // qemu-img's order of checks, so that the same mistakes get the same message.
-    if args.files.len() < 2 {
-        return Err(ConvertError::NoSource);
-    }
     let min_sparse = sparse_size(args.sparse.as_deref())?;
+    if args.copy_offload {
+        if args.compress {
+            return Err(ConvertError::CopyOffloadCompress);
+        }
+        if args.sparse.is_some() {
+            return Err(ConvertError::CopyOffloadSparse);
+        }
+        if args.salvage {
+            return Err(ConvertError::CopyOffloadSalvage);
+        }
+    }
+    if args.salvage {
+        return Err(ConvertError::Salvage);
+    }
     if args.skip_broken_bitmaps && !args.bitmaps {
         return Err(ConvertError::SkipWithoutBitmaps);
     }
@@ -196,13 +214,17 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
     if args.target_is_zero && !args.no_create {
         return Err(ConvertError::TargetIsZeroNeedsN);
     }
-    let target_format = engine_run::parse_format(&args.target_format)?;
-    let (specs, _) = option_table(target_format);
     let list = options::join_lists(&args.options)?;
     if list.as_deref().is_some_and(options::wants_help) {
-        print!("{}", options::help_text(specs));
+        let format = engine_run::creation_format(&args.target_format)?;
+        // A target is named only when a source is named before it.
+        print!("{}", create::creation_help(format, args.files.len() >= 2));
         return Ok(());
     }
+    if args.files.len() < 2 {
+        return Err(ConvertError::NoSource);
+    }
+    let target_format = engine_run::parse_format(&args.target_format)?;
     let parsed = target_options(target_format, list.as_deref())?;
     let (mut sources, size) = open_sources(args).await?;
     let (backing, backing_fmt) = match args.no_create {
@@ -368,9 +390,8 @@ async fn copy_bitmaps(
 
 /// Parses the target's `-o` list (its `size` is the sources' total, whatever it says).
 fn target_options(format: Format, list: Option<&str>) -> Result<Parsed, ConvertError> {
-    let (specs, unsupported) = option_table(format);
     Ok(match list {
-        Some(l) => Parsed::parse(l, specs, unsupported)?,
+        Some(l) => Parsed::parse(l, &option_table(format), &[])?,
         None => Parsed::default(),
     })
 }
@@ -474,7 +495,8 @@ async fn create_target(
         Format::Raw => {
             let prealloc =
                 create::raw_preallocation(parsed.str("preallocation")).map_err(&invalid)?;
-            create::create_raw(path, size, prealloc)
+            let attrs = create::FileAttrs::from_parsed(parsed).map_err(&invalid)?;
+            create::create_raw(path, size, prealloc, attrs)
                 .await
                 .map_err(|source| CreateError::Io {
                     image: target.clone(),
@@ -487,7 +509,8 @@ async fn create_target(
             plan.opts.size = size;
             plan.opts.backing = backing;
             create::check_qcow2_size(&plan.opts).map_err(&invalid)?;
-            create::create_qcow2(path, &plan.opts)
+            let attrs = create::FileAttrs::from_parsed(parsed).map_err(&invalid)?;
+            create::create_qcow2(path, &plan.opts, attrs)
                 .await
                 .map_err(|source| CreateError::Engine {
                     image: target.clone(),

@@ -139,19 +139,21 @@ async fn create_output(
 ) -> Result<Image<AnyStorage>, CreateError> {
     let image = path.display().to_string();
     match format {
-        Format::Raw => create::create_raw(path, size, Preallocation::Off)
-            .await
-            .map_err(|source| CreateError::Io {
-                image: image.clone(),
-                what: "creating the raw image",
-                source,
-            })?,
+        Format::Raw => {
+            create::create_raw(path, size, Preallocation::Off, create::FileAttrs::default())
+                .await
+                .map_err(|source| CreateError::Io {
+                    image: image.clone(),
+                    what: "creating the raw image",
+                    source,
+                })?
+        }
         Format::Qcow2 => {
             let mut plan = create::qcow2_plan(&Parsed::default(), false)
                 .map_err(CreateError::invalid(&image))?;
             plan.opts.size = size;
             create::check_qcow2_size(&plan.opts).map_err(CreateError::invalid(&image))?;
-            create::create_qcow2(path, &plan.opts)
+            create::create_qcow2(path, &plan.opts, create::FileAttrs::default())
                 .await
                 .map_err(|source| CreateError::Engine {
                     image: image.clone(),

@@ -17,26 +17,12 @@ use qcow2::measure::{self, MeasureError, RequiredData, SourceBitmap, Target};
 use storage::AnyStorage;
 
 use crate::engine_run::{self, OpenError};
-use crate::options::{self, Kind, OptionsError, Parsed, Spec};
+use crate::options::{self, OptionsError, Parsed, Spec};
 use crate::tools::convert::{snapshot_param, ConvertError};
-use crate::tools::create::{self, CreateError, QCOW2_OPTIONS, RAW_OPTIONS};
+use crate::tools::create::{self, CreateError};
 
 /// How much of the source one block-status query covers.
 const QUERY_BYTES: u64 = 1 << 30;
-
-/// File options (qemu-img adds the file protocol's) that do not change the size.
-const FILE_HINTS: &[Spec] = &[
-    Spec {
-        name: "extent_size_hint",
-        kind: Kind::Size,
-        help: "Extent size hint for the image file, 0 to disable",
-    },
-    Spec {
-        name: "nocow",
-        kind: Kind::Bool,
-        help: "Turn off copy-on-write (valid only on btrfs)",
-    },
-];
 
 /// Output layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -342,13 +328,9 @@ async fn open_source(args: &MeasureArgs, path: &Path) -> Result<Source, MeasureC
 
 /// The option table `measure` reads for a target format.
 fn option_specs(format: Format) -> Vec<Spec> {
-    let mut specs: Vec<Spec> = match format {
-        // create's table, the external data file included (it does not change the size).
-        Format::Qcow2 => QCOW2_OPTIONS.to_vec(),
-        Format::Raw => RAW_OPTIONS.to_vec(),
-    };
-    specs.extend_from_slice(FILE_HINTS);
-    specs
+    // create's table, the external data file and the file's options included (they do
+    // not change the size).
+    create::option_table(format)
 }
 
 async fn run(args: &MeasureArgs) -> Result<(), MeasureCliError> {

@@ -348,3 +348,104 @@ fn refcount_width_with_other_options_matches_qemu_img() {
         .expect("the v2 variant");
     side_by_side(&d, v, "v3-4", &["-o", "compat=1.1,refcount_bits=4", "{}"]);
 }
+
+/// The snapshot table of a qcow2 file: each entry's fixed part with its extra data, ID and
+/// name, in order.
+fn snapshot_entries(file: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let be = |at: usize, n: usize| {
+        file[at..at + n]
+            .iter()
+            .fold(0u64, |acc, &b| (acc << 8) | u64::from(b))
+    };
+    let count = be(60, 4) as usize;
+    let mut at = be(64, 8) as usize;
+    let mut out = Vec::new();
+    for _ in 0..count {
+        let (ids, names, extra) = (be(at + 12, 2), be(at + 14, 2), be(at + 36, 4));
+        let len = 40 + extra + ids + names;
+        let entry = &file[at..at + len as usize];
+        out.push((entry[..40].to_vec(), entry[40..].to_vec()));
+        at += len.div_ceil(8) as usize * 8;
+    }
+    out
+}
+
+/// Writes `entries` (fixed part with its extra data size set, then extra data, ID, name) as
+/// the snapshot table, in place.
+fn put_snapshot_entries(path: &std::path::Path, entries: &[(Vec<u8>, Vec<u8>)]) {
+    let mut file = std::fs::read(path).expect("read the image");
+    let at = u64::from_be_bytes(file[64..72].try_into().expect("8 bytes")) as usize;
+    let mut table = Vec::new();
+    for (fixed, rest) in entries {
+        table.extend_from_slice(fixed);
+        table.extend_from_slice(rest);
+        table.resize(table.len().div_ceil(8) * 8, 0);
+    }
+    file[at..at + table.len()].copy_from_slice(&table);
+    std::fs::write(path, file).expect("write the image");
+}
+
+/// A compat=0.10 image whose snapshots have the extra data of older writers: none, the
+/// 64-bit VM state size alone, and more than version 3 defines (kept as it is).
+fn old_snapshots(d: &Dir) {
+    d.create("v2.qcow2", "qcow2", "compat=0.10", None, "4M");
+    d.qemu_io("qcow2", "v2.qcow2", &["write -P 0x21 0 64k"]);
+    for sn in ["sn0", "sn1", "sn2"] {
+        d.qemu_img(&["snapshot", "-c", sn, "v2.qcow2"]);
+    }
+    let path = d.path("v2.qcow2");
+    let mut entries = snapshot_entries(&std::fs::read(&path).expect("read"));
+    for (i, extra_len) in [(0usize, 0usize), (1, 50), (2, 8)] {
+        let (fixed, rest) = &mut entries[i];
+        let old_extra = u32::from_be_bytes(fixed[36..40].try_into().expect("4 bytes")) as usize;
+        let names = rest.split_off(old_extra);
+        let mut extra = rest.clone();
+        extra.resize(extra_len, 0);
+        if extra_len > 24 {
+            extra[24..24 + 9].copy_from_slice(b"kept data");
+        }
+        fixed[36..40].copy_from_slice(&(extra_len as u32).to_be_bytes());
+        *rest = [extra, names].concat();
+    }
+    put_snapshot_entries(&path, &entries);
+}
+
+#[test]
+fn an_upgrade_completes_old_snapshot_entries_as_qemu_img_does() {
+    let p = crate::qemu_img_options::Pair::new(old_snapshots);
+    for d in [&p.qemu, &p.ours] {
+        d.qemu_img(&["check", "v2.qcow2"]);
+    }
+    p.same(&["amend", "-o", "compat=1.1", "v2.qcow2"]);
+    // The snapshots were taken once in each directory: their dates differ.
+    let entries = |d: &Dir| {
+        let mut e = snapshot_entries(&d.read("v2.qcow2"));
+        for (fixed, _) in &mut e {
+            fixed[16..24].fill(0);
+        }
+        e
+    };
+    let ours = entries(&p.ours);
+    assert_eq!(ours, entries(&p.qemu), "snapshot tables after the upgrade");
+    assert_eq!(ours.len(), 3);
+    let extra_len = |i: usize| u32::from_be_bytes(ours[i].0[36..40].try_into().expect("4"));
+    assert_eq!((extra_len(0), extra_len(1), extra_len(2)), (24, 50, 24));
+    p.same(&["check", "v2.qcow2"]);
+    // The dates differ by the setup's timing; the rest of each line must not.
+    let (q, o) = p.run(&["snapshot", "-l", "v2.qcow2"]);
+    let undated = |b: &[u8]| {
+        String::from_utf8_lossy(b)
+            .lines()
+            .map(|l| {
+                l.split_whitespace()
+                    .filter(|w| !w.contains([':', '-']) || *w == "--")
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(undated(&o.stdout), undated(&q.stdout), "snapshot -l");
+    // Each snapshot still holds what it held.
+    p.same(&["snapshot", "-a", "sn1", "v2.qcow2"]);
+    p.ours.qemu_io("qcow2", "v2.qcow2", &["read -P 0x21 0 64k"]);
+}

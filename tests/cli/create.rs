@@ -233,19 +233,19 @@ fn raw_images_are_sparse() {
 fn option_help_is_qemu_img_s() {
     let d = Dir::new();
     for fmt in ["qcow2", "raw"] {
-        let ours = d.ok(BIN, &["create", "-f", fmt, "-o", "help"]);
-        // With a file name, qemu-img also lists the file protocol's options (preallocation).
-        let qemu = d.qemu_img(&["create", "-f", fmt, "-o", "help", "x"]);
-        assert!(ours.starts_with("Supported options:\n"), "{ours}");
-        let qemu_lines: Vec<&str> = qemu.lines().collect();
-        for line in ours.lines().skip(1) {
-            assert!(
-                qemu_lines.contains(&line),
-                "{fmt}: {line:?} is not in qemu-img's help:\n{qemu}"
-            );
+        // Without a file name, the format's options and a note; with one, the file
+        // protocol's options too (preallocation for raw, extent_size_hint, nocow).
+        for args in [
+            &["create", "-f", fmt, "-o", "help"][..],
+            &["create", "-f", fmt, "-o", "help", "x"],
+        ] {
+            assert_eq!(d.ok(BIN, args), d.qemu_img(args), "{args:?}");
         }
         // `?` asks for the same thing, anywhere in the list.
-        assert_eq!(d.ok(BIN, &["create", "-f", fmt, "-o", "size=1M,?"]), ours);
+        assert_eq!(
+            d.ok(BIN, &["create", "-f", fmt, "-o", "size=1M,?"]),
+            d.ok(BIN, &["create", "-f", fmt, "-o", "help"])
+        );
     }
 }
 

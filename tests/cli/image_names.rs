@@ -235,3 +235,40 @@ fn an_unsafe_rebase_records_any_format_qemu_has() {
         assert_eq!(header(&p.ours, image), header(&p.qemu, image), "{image}");
     }
 }
+
+/// `--image-opts` may describe the backing node again (`backing.driver`,
+/// `backing.file.filename`): the same chain is opened, and `commit` writes into that base.
+/// A node naming another file is refused: only the image's own backing file is opened.
+#[test]
+fn image_opts_may_describe_the_backing_node_again() {
+    let p = Pair::new(|d| {
+        chain(d);
+        d.create("other.qcow2", "qcow2", "", None, "64M");
+    });
+    let top = "driver=qcow2,file.filename=top.qcow2";
+    let again = format!("{top},backing.driver=qcow2,backing.file.filename=base.qcow2");
+    for args in [
+        &["compare", "--image-opts", &again, top][..],
+        &["commit", "--image-opts", &again],
+        &["compare", "base.qcow2", "top.qcow2"],
+    ] {
+        p.same(args);
+    }
+    for node in [
+        "backing.file.filename=other.qcow2",
+        "backing.driver=raw,backing.file.filename=base.qcow2",
+    ] {
+        let out = p.ours.run(
+            p.ours.path("qemu-img"),
+            &["commit", "--image-opts", &format!("{top},{node}")],
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{node}: refused");
+        assert!(
+            err.contains("qcow2-nbd opens only the image's own backing file"),
+            "{node}: {err}"
+        );
+    }
+    // Nothing was committed into the other file.
+    p.ours.qemu_io("qcow2", "other.qcow2", &["read -P 0 0 64M"]);
+}

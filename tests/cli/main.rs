@@ -18,6 +18,7 @@ mod encryption;
 mod image_names;
 mod interop_writes;
 mod nbd_urls;
+mod option_lists;
 mod qemu_img_options;
 mod qemu_img_outputs;
 mod rebase_compress;

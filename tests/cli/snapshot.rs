@@ -320,3 +320,62 @@ fn a_served_image_is_refused() {
     assert!(listed.status.success(), "{}", text(&listed));
     d.assert_check_clean("o.qcow2");
 }
+
+/// A snapshot entry claiming more extra data than QEMU allows is refused at open in QEMU's
+/// words, with its hint to repair it.
+#[test]
+fn too_much_snapshot_extra_data_is_refused_in_qemus_words() {
+    let p = crate::qemu_img_options::Pair::new(|d| {
+        d.create("x.qcow2", "qcow2", "", None, "1M");
+        d.qemu_img(&["snapshot", "-c", "a", "x.qcow2"]);
+        let path = d.path("x.qcow2");
+        let mut file = std::fs::read(&path).expect("read");
+        let table = u64::from_be_bytes(file[64..72].try_into().expect("8 bytes")) as usize;
+        file[table + 36..table + 40].copy_from_slice(&0x1_0000u32.to_be_bytes());
+        std::fs::write(&path, file).expect("write");
+    });
+    p.same(&["info", "x.qcow2"]);
+    p.same(&["map", "x.qcow2"]);
+    // check reports it through QEMU's error reporter and fails with EFBIG's text.
+    p.same(&["check", "x.qcow2"]);
+}
+
+/// An image whose snapshot table passes 64 MiB: refused at open with the count of the
+/// snapshots that do not fit, and the check says so in QEMU's words.
+#[test]
+fn a_snapshot_table_past_64_mib_is_refused_in_qemus_words() {
+    let p = crate::qemu_img_options::Pair::new(|d| {
+        d.create("big.qcow2", "qcow2", "", None, "64M");
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(d.path("big.qcow2"))
+            .expect("open");
+        // Entries of 40 + 1 KiB + 2 * 65535 bytes (IDs and names all NUL), enough of them
+        // to pass 64 MiB, at 1 MiB; only the fixed parts are written, the rest is sparse.
+        let entry_len: u64 = (40 + 1024 + 65535 + 65535 + 2) as u64;
+        let count = (64 << 20) / entry_len + 2;
+        let mut fixed = [0u8; 40];
+        fixed[12..14].copy_from_slice(&0xffffu16.to_be_bytes());
+        fixed[14..16].copy_from_slice(&0xffffu16.to_be_bytes());
+        fixed[36..40].copy_from_slice(&1024u32.to_be_bytes());
+        use std::io::{Seek, SeekFrom, Write};
+        for i in 0..count {
+            file.seek(SeekFrom::Start((1 << 20) + i * entry_len))
+                .expect("seek");
+            file.write_all(&fixed).expect("write an entry");
+        }
+        file.set_len((1 << 20) + count * entry_len).expect("size");
+        file.seek(SeekFrom::Start(60)).expect("seek");
+        file.write_all(&(count as u32).to_be_bytes())
+            .expect("nb_snapshots");
+        file.write_all(&(1u64 << 20).to_be_bytes())
+            .expect("snapshots_offset");
+    });
+    p.same(&["info", "big.qcow2"]);
+    p.same(&["check", "big.qcow2"]);
+    // The repair drops the snapshots that do not fit; the rest are listed with their IDs
+    // and names ending at the first NUL byte, as QEMU's C strings end.
+    p.same(&["check", "-r", "all", "big.qcow2"]);
+    p.same(&["snapshot", "-l", "big.qcow2"]);
+}

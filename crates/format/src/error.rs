@@ -143,6 +143,15 @@ fn list_features(features: &[UnknownFeature]) -> String {
 /// Errors from decoding or encoding qcow2 structures.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FormatError {
+    /// The snapshot table passes QEMU's 64 MiB with the entry `at` names: it and the
+    /// `overhanging` entries from it on do not fit.
+    #[error("{at}: the snapshot table passes 64 MiB here: {overhanging} snapshots from this entry on do not fit (QEMU refuses snapshot tables larger than 64 MiB)")]
+    SnapshotTableTooBig {
+        /// The first entry that does not fit.
+        at: Location,
+        /// Entries from it to the end of the table.
+        overhanging: u64,
+    },
     /// The bytes end before the structure does.
     #[error("{at}: truncated: {what} needs {need} bytes but only {have} are available")]
     Truncated {
@@ -304,6 +313,21 @@ impl FormatError {
             FormatError::Unaligned { at, field, .. } if header(at) => {
                 table(field).map(|t| format!("{t} offset invalid"))
             }
+            FormatError::LimitExceeded {
+                at:
+                    Location {
+                        structure: Structure::SnapshotTable,
+                        entry: Some(i),
+                        ..
+                    },
+                field: "extra_data_size",
+                ..
+            } => Some(format!(
+                "Too much extra metadata in snapshot table entry {i}\nYou can force-remove this extra metadata with qemu-img check -r all"
+            )),
+            FormatError::SnapshotTableTooBig { overhanging, .. } => Some(format!(
+                "Snapshot table is too big\nYou can force-remove all {overhanging} overhanging snapshots with qemu-img check -r all"
+            )),
             _ => None,
         }
     }

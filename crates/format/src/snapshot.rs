@@ -157,14 +157,15 @@ impl SnapshotTableEntry {
         extra_u64(&self.extra_data, 16).filter(|&v| v != u64::MAX)
     }
 
-    /// ID for display (invalid UTF-8 replaced).
+    /// ID for display (invalid UTF-8 replaced), up to its first NUL byte, where QEMU,
+    /// which keeps it as a C string, ends it too.
     pub fn id_lossy(&self) -> String {
-        String::from_utf8_lossy(&self.id).into_owned()
+        c_string_lossy(&self.id)
     }
 
-    /// Name for display (invalid UTF-8 replaced).
+    /// Name for display, as [`Self::id_lossy`].
     pub fn name_lossy(&self) -> String {
-        String::from_utf8_lossy(&self.name).into_owned()
+        c_string_lossy(&self.name)
     }
 
     /// Length of the entry's data (fixed part, extra data, ID and name, without the padding
@@ -287,6 +288,12 @@ impl SnapshotTableEntry {
         out.resize(start + be::pad8(len).unwrap_or(len), 0);
         Ok(())
     }
+}
+
+/// `bytes` up to the first NUL byte, invalid UTF-8 replaced.
+fn c_string_lossy(bytes: &[u8]) -> String {
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    String::from_utf8_lossy(&bytes[..end]).into_owned()
 }
 
 /// Running limits while reading a snapshot table entry by entry.

@@ -16,6 +16,20 @@ pub enum ConvertError {
     /// A bad `-o` list or value.
     #[error("{0}")]
     Options(#[from] OptionsError),
+    /// `-C` with `-c`.
+    #[error("Cannot enable copy offloading when -c is used")]
+    CopyOffloadCompress,
+    /// `-C` with an explicit `-S`.
+    #[error("Cannot enable copy offloading when -S is used")]
+    CopyOffloadSparse,
+    /// `-C` with `--salvage`.
+    #[error("Cannot use copy offloading in salvaging mode")]
+    CopyOffloadSalvage,
+    /// `--salvage`, which reads on past I/O errors of the source.
+    #[error(
+        "--salvage is not supported by qcow2-nbd: a source that cannot be read fails the copy"
+    )]
+    Salvage,
     /// `-c` with a target that cannot hold compressed clusters.
     #[error("Compression not supported for this file format")]
     CompressRaw,

@@ -15,15 +15,18 @@ use crate::engine_run::{self, OpenError};
 use crate::options::{self, OptionsError, Parsed};
 use crate::size_string::{self, ParseSizeError};
 
+mod file_attrs;
 mod plan;
+pub use file_attrs::FileAttrs;
 pub use plan::*;
 
 /// Arguments of `create`.
 #[derive(Args, Debug)]
 pub struct CreateArgs {
-    /// Format of the new image: qcow2 (the default here) or raw.
-    #[arg(short = 'f', long = "format", default_value = "qcow2")]
-    pub format: String,
+    /// Format of the new image: qcow2 or raw (default qcow2; raw when invoked as
+    /// qemu-img, whose default it is).
+    #[arg(short = 'f', long = "format")]
+    pub format: Option<String>,
     /// Format options, `key=value,...` (`-o help` lists them); may be repeated.
     #[arg(short = 'o', long = "options")]
     pub options: Vec<String>,
@@ -46,6 +49,17 @@ pub struct CreateArgs {
     pub size: Option<String>,
 }
 
+impl CreateArgs {
+    /// The format asked for, or the default of the tool the binary stands in for.
+    pub fn format_name(&self) -> &str {
+        match &self.format {
+            Some(f) => f,
+            None if crate::prog::current() == crate::prog::Personality::QemuImg => "raw",
+            None => "qcow2",
+        }
+    }
+}
+
 /// Why `create` (or the target side of `convert`) failed. Messages follow qemu-img's.
 #[derive(Debug, thiserror::Error)]
 pub enum CreateError {
@@ -57,6 +71,9 @@ pub enum CreateError {
         /// What is wrong.
         source: OptionsError,
     },
+    /// A `-o` list that is malformed as a whole (qemu-img names no image then).
+    #[error(transparent)]
+    List(OptionsError),
     /// `-o` given without a list to parse (only `-o help` works then).
     #[error("Expecting one image file name")]
     NoImage,
@@ -128,8 +145,23 @@ pub fn parse_image_size(s: &str) -> Result<u64, CreateError> {
 /// Writes a new qcow2 image at `path` (replacing any file there) and preallocates it. The
 /// engine refuses preallocation with a backing file, which QEMU allows with extended L2
 /// entries (the clusters are reserved, their subclusters stay unallocated), so the image is
-/// created first and preallocated without opening its backing file.
-pub async fn create_qcow2(path: &Path, opts: &CreateOptions) -> Result<(), EngineError> {
+/// created first and preallocated without opening its backing file. The image file and
+/// the external data file get `attrs` before anything is written to them.
+pub async fn create_qcow2(
+    path: &Path,
+    opts: &CreateOptions,
+    attrs: FileAttrs,
+) -> Result<(), EngineError> {
+    let prepare = |p: &Path| {
+        attrs.prepare(p).map_err(|source| EngineError::Open {
+            path: p.display().to_string(),
+            source,
+        })
+    };
+    prepare(path)?;
+    if let Some(data) = &opts.data_file {
+        prepare(Path::new(data))?;
+    }
     let base = CreateOptions {
         preallocation: Preallocation::Off,
         ..opts.clone()
@@ -155,8 +187,14 @@ pub async fn create_qcow2(path: &Path, opts: &CreateOptions) -> Result<(), Engin
 }
 
 /// Writes a new raw image: a sparse file of `size` bytes (rounded up to 512 as QEMU does),
-/// reserved (`falloc`) or written with zeros (`full`) when asked.
-pub async fn create_raw(path: &Path, size: u64, prealloc: Preallocation) -> std::io::Result<()> {
+/// reserved (`falloc`) or written with zeros (`full`) when asked, with `attrs` set first.
+pub async fn create_raw(
+    path: &Path,
+    size: u64,
+    prealloc: Preallocation,
+    attrs: FileAttrs,
+) -> std::io::Result<()> {
+    attrs.prepare(path)?;
     let file = engine_run::opener()
         .open(path, storage::OpenOptions::create())
         .await?;
@@ -184,25 +222,22 @@ pub async fn create_raw(path: &Path, size: u64, prealloc: Preallocation) -> std:
 }
 
 async fn create(args: &CreateArgs) -> Result<(), CreateError> {
-    if args.format == "luks" {
+    if args.format_name() == "luks" {
         return create_luks_image(args).await;
     }
-    let format = engine_run::parse_format(&args.format)?;
-    let (specs, _) = option_table(format);
-    let list = options::join_lists(&args.options).map_err(|source| CreateError::Options {
-        image: args
-            .image
-            .as_ref()
-            .map_or_else(String::new, |p| p.display().to_string()),
-        source,
-    })?;
+    let list = options::join_lists(&args.options).map_err(CreateError::List)?;
     if list.as_deref().is_some_and(options::wants_help) {
-        print!("{}", options::help_text(specs));
+        let format = engine_run::creation_format(args.format_name())?;
+        print!("{}", creation_help(format, args.image.is_some()));
         return Ok(());
     }
     let named = args.image.as_ref().ok_or(CreateError::NoImage)?;
     // Messages show the name as given; the file is what a `file:` prefix leaves.
     let image = named.display().to_string();
+    let format = engine_run::creation_format(args.format_name()).map_err(|e| match e {
+        OpenError::NoCreation(_) => CreateError::invalid(&image)(e.to_string()),
+        other => CreateError::Format(other),
+    })?;
     let file = crate::image_name::protocol_path(named.as_os_str()).map_err(|reason| {
         CreateError::Invalid {
             image: image.clone(),
@@ -317,9 +352,9 @@ fn parse_options(
     list: Option<&str>,
     image: &str,
 ) -> Result<Parsed, CreateError> {
-    let (specs, unsupported) = option_table(format);
+    let specs = option_table(format);
     let mut parsed = match list {
-        Some(l) => Parsed::parse(l, specs, unsupported).map_err(|source| CreateError::Options {
+        Some(l) => Parsed::parse(l, &specs, &[]).map_err(|source| CreateError::Options {
             image: image.to_string(),
             source,
         })?,
@@ -381,7 +416,8 @@ async fn create_raw_image(
         println!("{}", formatting_line(image, Format::Raw, parsed, size));
     }
     let prealloc = raw_preallocation(prealloc_text).map_err(&invalid)?;
-    create_raw(path, size, prealloc)
+    let attrs = FileAttrs::from_parsed(parsed).map_err(&invalid)?;
+    create_raw(path, size, prealloc, attrs)
         .await
         .map_err(|source| CreateError::Io {
             image: image.to_string(),
@@ -411,7 +447,8 @@ async fn create_qcow2_image(
     plan.opts.size = size;
     check_qcow2_plan(&plan, parsed.str("backing_file").is_some()).map_err(&invalid)?;
     check_qcow2_size(&plan.opts).map_err(&invalid)?;
-    create_qcow2(path, &plan.opts)
+    let attrs = FileAttrs::from_parsed(parsed).map_err(&invalid)?;
+    create_qcow2(path, &plan.opts, attrs)
         .await
         .map_err(|source| CreateError::Engine {
             image: image.to_string(),

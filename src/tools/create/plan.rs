@@ -117,11 +117,26 @@ pub const QCOW2_OPTIONS: &[Spec] = &[
     },
 ];
 
-/// qcow2 options QEMU has that we do not implement (refused by name, not as unknown).
-pub const QCOW2_UNSUPPORTED: &[&str] = &["extent_size_hint", "nocow"];
+/// Options of raw images, as the raw format itself knows them (its file brings the rest).
+pub const RAW_OPTIONS: &[Spec] = &[Spec {
+    name: "size",
+    kind: Kind::Size,
+    help: "Virtual disk size",
+}];
 
-/// Options of raw images.
-pub const RAW_OPTIONS: &[Spec] = &[
+/// Options of the file an image is written to (QEMU's `file` protocol); every format
+/// takes them, its own definition winning where it has one (qcow2's `preallocation`).
+pub const FILE_OPTIONS: &[Spec] = &[
+    Spec {
+        name: "extent_size_hint",
+        kind: Kind::Size,
+        help: "Extent size hint for the image file, 0 to disable",
+    },
+    Spec {
+        name: "nocow",
+        kind: Kind::Bool,
+        help: "Turn off copy-on-write (valid only on btrfs)",
+    },
     Spec {
         name: "preallocation",
         kind: Kind::Str,
@@ -178,15 +193,44 @@ pub const LUKS_OPTIONS: &[Spec] = &[
     },
 ];
 
-/// raw options QEMU has that we do not implement.
-pub const RAW_UNSUPPORTED: &[&str] = &["extent_size_hint", "nocow"];
-
-/// The option table for a format.
-pub fn option_table(format: Format) -> (&'static [Spec], &'static [&'static str]) {
+/// The options of a format alone: what `-o help` lists when no file is named.
+pub fn format_options(format: Format) -> &'static [Spec] {
     match format {
-        Format::Qcow2 => (QCOW2_OPTIONS, QCOW2_UNSUPPORTED),
-        Format::Raw => (RAW_OPTIONS, RAW_UNSUPPORTED),
+        Format::Qcow2 => QCOW2_OPTIONS,
+        Format::Raw => RAW_OPTIONS,
     }
+}
+
+/// The options a new image of `format` takes: the format's own, then those of the file it
+/// is written to that the format does not define itself.
+pub fn option_table(format: Format) -> Vec<Spec> {
+    let own = format_options(format);
+    let mut specs = own.to_vec();
+    specs.extend(
+        FILE_OPTIONS
+            .iter()
+            .filter(|f| !own.iter().any(|s| s.name == f.name))
+            .copied(),
+    );
+    specs
+}
+
+/// The `-o help` text for a new image of `format`: with a file named, the format's and the
+/// file's options together; without, the format's alone and a note saying so (qemu-img's
+/// layout).
+pub fn creation_help(format: Format, with_file: bool) -> String {
+    if with_file {
+        return crate::options::help_text(&option_table(format));
+    }
+    let text = crate::options::help_text(format_options(format));
+    format!(
+        "{}\nThe protocol level may support further options.\nSpecify the target filename to include those options.\n",
+        text.replacen(
+            "Supported options:",
+            &format!("Supported {} options:", format_name(format)),
+            1
+        )
+    )
 }
 
 /// What a new qcow2 image will be, decided from the options.
@@ -488,7 +532,7 @@ mod tests {
     use super::*;
 
     fn plan(list: &str, backing: bool) -> Result<Qcow2Plan, String> {
-        let p = Parsed::parse(list, QCOW2_OPTIONS, QCOW2_UNSUPPORTED).map_err(|e| e.to_string())?;
+        let p = Parsed::parse(list, QCOW2_OPTIONS, &[]).map_err(|e| e.to_string())?;
         qcow2_plan(&p, backing)
     }
 
@@ -596,7 +640,7 @@ mod tests {
             formatting_line(
                 "r",
                 Format::Raw,
-                &Parsed::parse("preallocation=falloc", RAW_OPTIONS, &[]).unwrap(),
+                &Parsed::parse("preallocation=falloc", &option_table(Format::Raw), &[]).unwrap(),
                 1000
             ),
             "Formatting 'r', fmt=raw size=1000 preallocation=falloc"

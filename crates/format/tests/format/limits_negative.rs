@@ -46,6 +46,7 @@ fn field_of(e: &FormatError) -> &'static str {
         FormatError::Inconsistent { .. } => "inconsistent",
         FormatError::RefcountTooLarge { .. } => "refcount value",
         FormatError::RefcountIndex { .. } => "refcount index",
+        FormatError::SnapshotTableTooBig { .. } => "snapshot table size",
     }
 }
 

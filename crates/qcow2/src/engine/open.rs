@@ -97,7 +97,19 @@ impl<S: Storage + 'static> Image<S> {
             let name = String::from_utf8(name)
                 .map_err(|_| last.corrupt("backing file name is not UTF-8".into()))?;
             let next_path: PathBuf = backing_name::resolve(last_path, &name)?;
-            let key = canonical(opener, &next_path, access).await?;
+            // A backing file that cannot be opened is named with the chain that needs it.
+            let above: Vec<String> = layers.iter().map(|l| l.name.clone()).collect();
+            let backing_open = |e: EngineError| match e {
+                EngineError::Open { path, source } => EngineError::BackingOpen {
+                    images: above.clone(),
+                    path,
+                    source,
+                },
+                other => other,
+            };
+            let key = canonical(opener, &next_path, access)
+                .await
+                .map_err(backing_open)?;
             guard.enter_as(last_path, &next_path, key)?;
             let fmt = match fmt_name {
                 Some(f) => {
@@ -125,7 +137,8 @@ impl<S: Storage + 'static> Image<S> {
                 false,
                 opts.passwords.unlock(layers.len(), opts.no_io),
             )
-            .await?;
+            .await
+            .map_err(backing_open)?;
             layers.push(layer);
             paths.push(next_path);
         }

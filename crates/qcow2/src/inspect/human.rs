@@ -83,7 +83,8 @@ fn snapshot_line(out: &mut String, s: &SnapshotInfo) {
         secs % 60,
         s.vm_clock_nsec / 1_000_000
     );
-    let icount = s.icount.map(|i| i.to_string()).unwrap_or_default();
+    // QEMU prints "--" for a snapshot without an instruction count.
+    let icount = s.icount.map_or_else(|| "--".to_string(), |i| i.to_string());
     let _ = writeln!(
         out,
         "{:<7} {:<17} {:>7} {:>19} {:>15} {:>10}",

@@ -152,12 +152,9 @@ impl<'a, R: MetaSource> Loader<'a, R> {
             let len = SnapshotTableEntry::entry_len(&head, at)?;
             total = total.saturating_add(len as u64);
             if total > limits::MAX_SNAPSHOT_TABLE_BYTES {
-                return Err(FormatError::LimitExceeded {
+                return Err(FormatError::SnapshotTableTooBig {
                     at,
-                    field: "snapshot table size",
-                    value: total,
-                    limit: limits::MAX_SNAPSHOT_TABLE_BYTES,
-                    why: "QEMU refuses snapshot tables larger than 64 MiB",
+                    overhanging: u64::from(header.nb_snapshots) - index,
                 }
                 .into());
             }

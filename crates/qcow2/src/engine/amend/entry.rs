@@ -29,6 +29,12 @@ pub struct AmendOptions {
     pub backing_file: Option<String>,
     /// The backing format given (only the current one is accepted).
     pub backing_fmt: Option<String>,
+    /// A new name for the external data file (empty: the name is dropped, and the data
+    /// file must then be named when the image is opened); only for images that have one.
+    pub data_file: Option<String>,
+    /// `false` drops the promise that the data file is a valid raw image; `true` is
+    /// accepted only where it already holds, as nothing else could make it hold.
+    pub data_file_raw: Option<bool>,
 }
 
 impl<S: Storage + 'static> Image<S> {
@@ -59,6 +65,16 @@ impl<S: Storage + 'static> Image<S> {
             }
         }
         self.check_backing(opts).map_err(refuse)?;
+        let (has_data_file, data_file_raw) = {
+            let h = meta.header.borrow();
+            (h.has_data_file(), h.data_file_is_raw())
+        };
+        if opts.data_file.is_some() && !has_data_file {
+            return Err(refuse(AmendError::DataFileNotUsed));
+        }
+        if opts.data_file_raw == Some(true) && !data_file_raw {
+            return Err(refuse(AmendError::DataFileRawOnExisting));
+        }
         let bits = opts.refcount_bits.unwrap_or(u64::from(old_bits));
         // Keeping another width while downgrading is the downgrade's refusal, not this one.
         if bits != u64::from(old_bits) && bits != 16 && version < 3 {
@@ -69,9 +85,6 @@ impl<S: Storage + 'static> Image<S> {
         let lazy = opts.lazy_refcounts.unwrap_or(lazy_now);
         if lazy && !lazy_now && version < 3 {
             return Err(refuse(AmendError::LazyNeedsV3));
-        }
-        if version > old_version {
-            self.check_upgrade().await?;
         }
         if version < old_version {
             self.check_downgrade(opts.size, order).await?;
@@ -84,6 +97,10 @@ impl<S: Storage + 'static> Image<S> {
         }
         if lazy != lazy_now {
             self.set_lazy_refcounts(lazy).await?;
+        }
+        let raw = opts.data_file_raw.unwrap_or(data_file_raw);
+        if opts.data_file.is_some() || raw != data_file_raw {
+            self.set_data_file(opts.data_file.as_deref(), raw).await?;
         }
         if let Some(size) = opts.size.filter(|&s| s != top.size.get()) {
             self.resize(size, Preallocation::Off).await?;

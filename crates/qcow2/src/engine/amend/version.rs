@@ -9,7 +9,7 @@ use crate::engine::error::{EngineError, Result};
 use crate::engine::image::Image;
 use crate::engine::load::snapshot_table;
 use crate::format::extensions::HeaderExtension;
-use crate::format::features::INCOMPAT_COMPRESSION;
+use crate::format::features::{AUTOCLEAR_DATA_FILE_RAW, INCOMPAT_COMPRESSION};
 use crate::format::{limits, Header, SnapshotTableEntry};
 use storage::Storage;
 
@@ -18,6 +18,8 @@ const SECTOR: usize = 512;
 
 /// Bytes 8..16 of a snapshot's extra data: its disk size.
 const EXTRA_DISK_SIZE_END: usize = 16;
+/// Bytes 16..24: the instruction count; version 3 entries have at least this much.
+const EXTRA_V3_END: usize = 24;
 
 impl<S: Storage + 'static> Image<S> {
     fn amend_error(&self, source: AmendError) -> EngineError {
@@ -40,17 +42,38 @@ impl<S: Storage + 'static> Image<S> {
         Ok(table.into_iter().map(|(s, _)| s).collect())
     }
 
-    /// Version 3 needs each snapshot's disk size in its extra data.
-    pub(super) async fn check_upgrade(&self) -> Result<()> {
-        let old = self
-            .snapshot_list()
-            .await?
-            .iter()
-            .any(|s| s.extra_data.len() < EXTRA_DISK_SIZE_END);
-        if old {
-            return Err(self.amend_error(AmendError::UpgradeOldSnapshots));
+    /// The snapshot table as version 3 wants it, if it differs: every entry's extra data
+    /// holds at least the VM state size, the disk size and the instruction count. What an
+    /// old entry lacks is filled in as QEMU reads such an entry: the 32-bit VM state size,
+    /// the disk's current size, and an unknown count (all ones); anything an entry has
+    /// beyond them is kept.
+    pub(super) async fn upgraded_snapshots(
+        &self,
+    ) -> Result<Option<(Vec<SnapshotTableEntry>, Vec<SnapshotTableEntry>)>> {
+        let old = self.snapshot_list().await?;
+        if old.iter().all(|s| s.extra_data.len() >= EXTRA_V3_END) {
+            return Ok(None);
         }
-        Ok(())
+        let size = self.inner.chain.top().size.get();
+        let new = old
+            .iter()
+            .map(|s| {
+                let mut e = s.clone();
+                if e.extra_data.len() < 8 {
+                    e.extra_data = u64::from(s.vm_state_size_32).to_be_bytes().to_vec();
+                }
+                if e.extra_data.len() < EXTRA_DISK_SIZE_END {
+                    e.extra_data.truncate(8);
+                    e.extra_data.extend_from_slice(&size.to_be_bytes());
+                }
+                if e.extra_data.len() < EXTRA_V3_END {
+                    e.extra_data.truncate(EXTRA_DISK_SIZE_END);
+                    e.extra_data.extend_from_slice(&u64::MAX.to_be_bytes());
+                }
+                e
+            })
+            .collect();
+        Ok(Some((old, new)))
     }
 
     /// Everything QEMU refuses to downgrade, checked before anything changes; `new_size`
@@ -102,8 +125,17 @@ impl<S: Storage + 'static> Image<S> {
         Ok(())
     }
 
-    /// Writes a version 3 header (QEMU's upgrade: no feature bits yet).
+    /// Writes a version 3 header (QEMU's upgrade: no feature bits yet). Snapshots of
+    /// version 2 that lack what version 3 requires get it first, in a new table that
+    /// version 2 reads as well, so a crash between the two writes leaves a valid image.
     pub(super) async fn upgrade(&self) -> Result<()> {
+        if let Some((old, new)) = self.upgraded_snapshots().await? {
+            self.inner.flush().await?;
+            let w = self.inner.alloc()?;
+            w.replace_snapshot_table(&old, &new).await?;
+            self.inner.flush().await?;
+            w.sync().await?;
+        }
         let meta = self.inner.chain.top().qcow2_required()?;
         let mut h = meta.header.borrow().clone();
         h.version = 3;
@@ -141,6 +173,28 @@ impl<S: Storage + 'static> Image<S> {
                 HeaderExtension::FeatureNameTable(_) | HeaderExtension::Bitmaps(_)
             )
         });
+        self.write_header(h).await
+    }
+
+    /// Renames the external data file (`Some("")` drops the name) and sets whether it is
+    /// a raw image, in one header write.
+    pub(super) async fn set_data_file(&self, name: Option<&str>, raw: bool) -> Result<()> {
+        let meta = self.inner.chain.top().qcow2_required()?;
+        let mut h = meta.header.borrow().clone();
+        if let Some(name) = name {
+            h.extensions
+                .retain(|e| !matches!(e, HeaderExtension::ExternalDataFile(_)));
+            if !name.is_empty() {
+                h.extensions
+                    .push(HeaderExtension::ExternalDataFile(name.as_bytes().to_vec()));
+            }
+        }
+        if raw {
+            h.autoclear_features |= AUTOCLEAR_DATA_FILE_RAW;
+        } else {
+            h.autoclear_features &= !AUTOCLEAR_DATA_FILE_RAW;
+        }
+        self.inner.flush().await?;
         self.write_header(h).await
     }
 

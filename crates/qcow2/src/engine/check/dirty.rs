@@ -24,7 +24,9 @@ pub async fn repair_dirty<S: Storage>(
         io::flush(d).await?;
     }
     let mut log = |f: super::report::Finding| match f.kind {
-        FindingKind::Error => tracing::warn!("repairing a dirty image: {}", f.message),
+        FindingKind::Error | FindingKind::Reported => {
+            tracing::warn!("repairing a dirty image: {}", f.message)
+        }
         _ => tracing::debug!("repairing a dirty image: {}", f.message),
     };
     let report = check_pass(file, Repair::All.fix(), &mut log).await?;

@@ -46,6 +46,10 @@ pub enum CheckError {
         /// Clusters in the file.
         clusters: u64,
     },
+    /// The snapshot table was not read, for a reason the findings have given already:
+    /// the summary is QEMU's, the text of the error number.
+    #[error("{0}")]
+    SnapshotTableUnread(&'static str),
     /// The snapshot table cannot be read (too many snapshots, misplaced, or too big).
     #[error("snapshot table at {offset:#x}: {detail}")]
     SnapshotTable {

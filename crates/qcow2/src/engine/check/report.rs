@@ -70,6 +70,9 @@ pub enum FindingKind {
     Repair,
     /// Progress of a repair (rebuilding, discarding).
     Info,
+    /// An error QEMU gives through its error reporter, so its line begins with the tool's
+    /// name (the snapshot table that cannot be read).
+    Reported,
 }
 
 /// One line of the diagnostics qemu-img prints to stderr while checking, worded as QEMU

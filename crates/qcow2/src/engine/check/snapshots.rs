@@ -14,6 +14,9 @@ use storage::Storage;
 
 /// Extra data every version 3 snapshot entry must have (VM state size and disk size).
 const V3_MIN_EXTRA_DATA: u32 = 16;
+
+/// The text of `EFBIG`, QEMU's error for a snapshot table it will not read.
+const FILE_TOO_LARGE: &str = "File too large";
 /// Extra data fields QEMU knows (VM state size, disk size, instruction count).
 const KNOWN_EXTRA_DATA: u32 = 24;
 
@@ -96,15 +99,15 @@ impl<S: Storage> Pass<'_, S> {
         let fits = offset
             .checked_add(u64::from(nb) * limits::SNAPSHOT_ENTRY_FIXED_SIZE)
             .is_some_and(|e| e <= limits::MAX_FILE_OFFSET);
-        let problem = if nb > limits::MAX_SNAPSHOTS {
-            "Snapshot table too large"
+        let (problem, errno) = if nb > limits::MAX_SNAPSHOTS {
+            ("snapshot table too large", FILE_TOO_LARGE)
         } else if self.meta.in_cluster(offset) != 0 || !fits {
-            "Snapshot table offset invalid"
+            ("snapshot table offset invalid", "Invalid argument")
         } else {
             return Ok((nb, reduced));
         };
         self.res.check_errors += 1;
-        self.log(FindingKind::Error, format!("ERROR {problem}"));
+        self.log(FindingKind::Reported, format!("ERROR {problem}"));
         if nb > limits::MAX_SNAPSHOTS {
             self.log(
                 FindingKind::Error,
@@ -114,17 +117,23 @@ impl<S: Storage> Pass<'_, S> {
                 ),
             );
         }
-        Err(self.give_up_on_snapshots(problem.to_string()))
+        Err(self.give_up_on_snapshots(errno))
     }
 
     /// Forgets the snapshot table (the rest of the check runs without it) and returns the
     /// error that ends reading it.
-    fn give_up_on_snapshots(&mut self, detail: String) -> CheckError {
+    fn give_up_on_snapshots(&mut self, errno: &'static str) -> CheckError {
+        self.forget_snapshots();
+        CheckError::SnapshotTableUnread(errno)
+    }
+
+    /// Runs the rest of the check without the snapshot table.
+    fn forget_snapshots(&mut self) -> u64 {
         let offset = self.meta.snapshots_offset;
         self.meta.snapshots_offset = 0;
         self.meta.nb_snapshots = 0;
         self.layout_changed();
-        CheckError::SnapshotTable { offset, detail }
+        offset
     }
 
     /// Reads entry `i` of `nb` at `pos`, the table so far being `table_len` bytes long. An
@@ -207,16 +216,14 @@ impl<S: Storage> Pass<'_, S> {
         if !self.fix.errors {
             self.res.check_errors += 1;
             self.log(
-                FindingKind::Error,
+                FindingKind::Reported,
                 format!("ERROR failed to read the snapshot table: Too much extra metadata in snapshot table entry {i}"),
             );
             self.log(
                 FindingKind::Error,
                 "You can force-remove this extra metadata with qemu-img check -r all".into(),
             );
-            return Err(self.give_up_on_snapshots(format!(
-                "too much extra metadata in entry {i}: File too large"
-            )));
+            return Err(self.give_up_on_snapshots(FILE_TOO_LARGE));
         }
         self.log(
             FindingKind::Repair,
@@ -234,7 +241,7 @@ impl<S: Storage> Pass<'_, S> {
         if !self.fix.errors {
             self.res.check_errors += 1;
             self.log(
-                FindingKind::Error,
+                FindingKind::Reported,
                 "ERROR failed to read the snapshot table: Snapshot table is too big".into(),
             );
             self.log(
@@ -244,9 +251,7 @@ impl<S: Storage> Pass<'_, S> {
                     nb - i
                 ),
             );
-            return Err(
-                self.give_up_on_snapshots("the table is bigger than 64 MiB: File too large".into())
-            );
+            return Err(self.give_up_on_snapshots(FILE_TOO_LARGE));
         }
         self.log(
             FindingKind::Repair,
@@ -282,10 +287,14 @@ impl<S: Storage> Pass<'_, S> {
     fn undecodable_snapshot_table(&mut self, e: FormatError) -> CheckError {
         self.res.check_errors += 1;
         self.log(
-            FindingKind::Error,
+            FindingKind::Reported,
             format!("ERROR failed to read the snapshot table: {e}"),
         );
-        self.give_up_on_snapshots(e.to_string())
+        let offset = self.forget_snapshots();
+        CheckError::SnapshotTable {
+            offset,
+            detail: e.to_string(),
+        }
     }
 
     /// Writes the reduced snapshot count to the header, so that it agrees with what the rest
@@ -348,12 +357,10 @@ impl<S: Storage> Pass<'_, S> {
             Err(e) => {
                 self.res.check_errors += 1;
                 self.log(
-                    FindingKind::Error,
+                    FindingKind::Reported,
                     format!("ERROR failed to read the snapshot table: {e}"),
                 );
-                self.meta.snapshots_offset = 0;
-                self.meta.nb_snapshots = 0;
-                self.layout_changed();
+                self.forget_snapshots();
                 Err(e)
             }
         }

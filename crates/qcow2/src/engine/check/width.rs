@@ -48,7 +48,7 @@ pub(crate) async fn change_refcount_order<S: Storage>(
         .map_err(|e| CheckError::io("getting the file size", 0, e))?;
     let meta = meta::load(file, file_len).await?;
     let mut log = |f: Finding| {
-        if f.kind == FindingKind::Error {
+        if matches!(f.kind, FindingKind::Error | FindingKind::Reported) {
             tracing::warn!("changing the refcount width: {}", f.message);
         }
     };

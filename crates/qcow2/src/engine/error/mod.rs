@@ -41,6 +41,18 @@ pub enum EngineError {
         #[source]
         source: crate::crypto::CryptoError,
     },
+    /// A backing file could not be opened: `images` are the chain above it, from the top,
+    /// the last one naming it.
+    #[error("could not open {path} (the backing file of {}): {source}", .images.last().map_or("", String::as_str))]
+    BackingOpen {
+        /// The images whose chain needs it, from the top.
+        images: Vec<String>,
+        /// The backing file, resolved.
+        path: String,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
     /// A file could not be opened.
     #[error("could not open {path}: {source}")]
     Open {
@@ -240,7 +252,9 @@ impl EngineError {
             }
             EngineError::NoSpace { .. } => libc_errno::ENOSPC,
             EngineError::Snapshot { source, .. } => source.errno(),
-            EngineError::Io { source, .. } | EngineError::Open { source, .. } => {
+            EngineError::Io { source, .. }
+            | EngineError::Open { source, .. }
+            | EngineError::BackingOpen { source, .. } => {
                 space_errno(source).unwrap_or(libc_errno::EIO)
             }
             EngineError::Cache { source, .. } => source

@@ -16,6 +16,10 @@ pub enum AmendError {
     LazyNeedsV3,
     #[error("Cannot amend the backing file\nYou can use 'qemu-img rebase' instead.")]
     Backing,
+    #[error("data-file can only be set for images that use an external data file")]
+    DataFileNotUsed,
+    #[error("data-file-raw cannot be set on existing images")]
+    DataFileRawOnExisting,
     #[error("Cannot decrease refcount entry width to {bits} bits: Cluster at offset {offset:#x} has a refcount of {refcount}")]
     RefcountTooBig {
         /// The width asked for.
@@ -45,9 +49,6 @@ pub enum AmendError {
         "Cannot downgrade: internal snapshots hold zero clusters, which compat=0.10 cannot express"
     )]
     DowngradeSnapshotZeros,
-    /// QEMU rewrites the snapshot table; we do not.
-    #[error("Cannot upgrade: an internal snapshot lacks the disk size that compat=1.1 requires")]
-    UpgradeOldSnapshots,
 }
 
 /// Why a bitmap operation was refused, in QEMU's words where QEMU has them.
