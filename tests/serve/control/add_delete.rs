@@ -99,13 +99,7 @@ fn an_export_added_at_run_time_is_served_then_deleted_safely_after_its_last_clie
 #[test]
 fn a_hard_delete_cuts_its_clients_off_and_releases_the_image() {
     let dir = Dir::new();
-    dir.create("a.qcow2", "qcow2", "", None, "4M");
-    let b = dir.create("b.qcow2", "qcow2", "", None, "4M");
-    let server = serve(
-        &dir,
-        &[export("a", &dir, "a.qcow2"), export("b", &dir, "b.qcow2")],
-        &[],
-    );
+    let (_, b, server) = serve_a_and_b(&dir, &[]);
     let mut client = Attached::try_go(&server.socket, "b").unwrap();
     client.write(0, &[0x42; 65536]).unwrap();
     // --wait returns once the image is closed.
@@ -175,13 +169,7 @@ fn with_worker_threads_a_shutdown_during_a_safe_delete_still_closes_every_image(
 /// With two threads the delete waits for a client on each.
 fn shutdown_during_a_safe_delete(threads: &str) {
     let dir = Dir::new();
-    let a = dir.create("a.qcow2", "qcow2", "", None, "4M");
-    let b = dir.create("b.qcow2", "qcow2", "", None, "4M");
-    let server = serve(
-        &dir,
-        &[export("a", &dir, "a.qcow2"), export("b", &dir, "b.qcow2")],
-        &["--threads", threads],
-    );
+    let (a, b, server) = serve_a_and_b(&dir, &["--threads", threads]);
     let clients: Vec<Attached> = (0..threads.parse::<usize>().unwrap())
         .map(|i| {
             let mut c = Attached::try_go(&server.socket, "b").unwrap();
@@ -209,13 +197,7 @@ fn shutdown_during_a_safe_delete(threads: &str) {
 #[test]
 fn a_hard_delete_ends_a_safe_delete_that_a_client_holds_up() {
     let dir = Dir::new();
-    dir.create("a.qcow2", "qcow2", "", None, "4M");
-    let b = dir.create("b.qcow2", "qcow2", "", None, "4M");
-    let server = serve(
-        &dir,
-        &[export("a", &dir, "a.qcow2"), export("b", &dir, "b.qcow2")],
-        &[],
-    );
+    let (_, b, server) = serve_a_and_b(&dir, &[]);
     let mut q = Qmp::connect(&dir);
     // A client that never leaves.
     let mut client = Attached::try_go(&server.socket, "b").unwrap();

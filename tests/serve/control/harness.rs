@@ -2,7 +2,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -27,6 +27,15 @@ pub(super) fn serve(dir: &Dir, exports: &[String], extra: &[&str]) -> Server {
         args.extend(["--export", e.as_str()]);
     }
     Server::unix(&args)
+}
+
+/// Two empty 4 MiB images, `a.qcow2` and `b.qcow2`, served as exports `a` and `b` by
+/// [`serve`] with `extra`; their paths and the server.
+pub(super) fn serve_a_and_b(dir: &Dir, extra: &[&str]) -> (PathBuf, PathBuf, Server) {
+    let a = dir.create("a.qcow2", "qcow2", "", None, "4M");
+    let b = dir.create("b.qcow2", "qcow2", "", None, "4M");
+    let exports = [export("a", dir, "a.qcow2"), export("b", dir, "b.qcow2")];
+    (a, b, serve(dir, &exports, extra))
 }
 
 pub(super) fn export(name: &str, dir: &Dir, file: &str) -> String {
