@@ -12,6 +12,23 @@ use crate::format::{be, l1, HostOffset, L1Index};
 use storage::{IoBuf, Storage};
 
 impl<S: Storage + 'static> Allocator<S> {
+    /// Writes a new, empty L2 table of `len` bytes (a cluster) at `offset` from one small
+    /// zeroed buffer written as often as it takes: a buffer of the table's size would be up
+    /// to 2 MiB more memory, held beside the copy-on-write buffers of the write that needed
+    /// the table.
+    async fn write_empty_table(&self, offset: u64, len: u64) -> Result<()> {
+        const CHUNK: u64 = 64 << 10;
+        // Cluster sizes are powers of two, so the chunks tile the table exactly.
+        let chunk = CHUNK.min(len);
+        let mut buf = IoBuf::zeroed(chunk as usize);
+        for at in (0..len).step_by(chunk as usize) {
+            buf = self
+                .write_meta_buf("writing a new L2 table", offset + at, buf)
+                .await?;
+        }
+        Ok(())
+    }
+
     /// The offset of a writable (COPIED) L2 table for L1 index `l1i`, creating one if needed.
     /// The caller holds the meta lock.
     pub(crate) async fn l2_for_write(&self, l1i: L1Index) -> Result<HostOffset> {
@@ -38,9 +55,13 @@ impl<S: Storage + 'static> Allocator<S> {
                 image: top.name.clone(),
                 source,
             })?;
-        let mut table = IoBuf::zeroed(cs as usize);
-        if old != 0 {
+        if old == 0 {
+            self.l2
+                .forget(|k| k.layer == 0 && k.table == HostOffset(new));
+            self.write_empty_table(new, cs).await?;
+        } else {
             // A copy of the shared table; its clusters stay shared (not COPIED).
+            let mut table = IoBuf::zeroed(cs as usize);
             let slice = self.l2.entry_size();
             for s in 0..(cs as usize / slice) {
                 let key = L2Key {
@@ -57,11 +78,11 @@ impl<S: Storage + 'static> Allocator<S> {
                         source,
                     })?;
             }
+            self.l2
+                .forget(|k| k.layer == 0 && k.table == HostOffset(new));
+            self.write_meta_buf("writing a new L2 table", new, table)
+                .await?;
         }
-        self.l2
-            .forget(|k| k.layer == 0 && k.table == HostOffset(new));
-        self.write_meta_buf("writing a new L2 table", new, table)
-            .await?;
         self.sync().await?;
         self.meta
             .borrow_mut()

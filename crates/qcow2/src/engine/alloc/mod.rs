@@ -201,25 +201,27 @@ impl<S: Storage + 'static> Allocator<S> {
     ) -> Result<()> {
         self.write_meta_buf(what, offset, IoBuf::from_slice(bytes))
             .await
+            .map(drop)
     }
 
     /// As [`write_meta`](Self::write_meta), for a table already in an I/O buffer: a table is
     /// a whole cluster (2 MiB at most), and a second copy of it would be memory for nothing.
+    /// Gives the buffer back.
     pub(crate) async fn write_meta_buf(
         &self,
         what: &'static str,
         offset: u64,
         buf: IoBuf,
-    ) -> Result<()> {
+    ) -> Result<IoBuf> {
         let len = buf.len() as u64;
         let top = self.top();
-        let (res, _) = top.file.write_at(buf.into(), offset).await;
+        let (res, buf) = top.file.write_at(buf.into(), offset).await;
         res.map_err(|e| top.io_error(what, offset, e))?;
         let end = offset + len;
         if end > self.physical_len.get() {
             self.physical_len.set(end);
         }
-        Ok(())
+        Ok(buf.into_inner())
     }
 
     /// Clears the autoclear feature bits we do not understand, as the qcow2 spec asks of a
