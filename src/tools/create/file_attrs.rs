@@ -58,15 +58,25 @@ impl FileAttrs {
     /// file system refuses is skipped; only a hint asked for explicitly earns a warning,
     /// as QEMU gives one.
     /// An NBD export is not a file: it is left alone, as QEMU's `nbd` driver does.
+    /// The file is emptied only once the write lock is held, as QEMU's file driver does
+    /// on create: a file another process is using is refused, never truncated.
     pub fn prepare(&self, path: &Path) -> std::io::Result<()> {
         if path.to_str().is_some_and(nbd::client::is_nbd_name) {
             return Ok(());
         }
         let file = std::fs::OpenOptions::new()
+            .read(true)
             .write(true)
             .create(true)
-            .truncate(true)
+            .truncate(false)
             .open(path)?;
+        storage::lock::lock(
+            &file,
+            path,
+            storage::Permissions::for_open(false, false),
+            crate::engine_run::locking(),
+        )?;
+        file.set_len(0)?;
         let fd = file.as_raw_fd();
         if self.nocow {
             let mut flags: libc::c_int = 0;
