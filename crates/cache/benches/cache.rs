@@ -39,7 +39,7 @@ impl Backend<u64> for Memory {
     }
     type Snapshot = ();
     fn snapshot(&self, _data: &[u8]) {}
-    async fn write_back(&self, _key: u64, _data: ()) -> io::Result<()> {
+    async fn write_back(&self, _key: u64, _at: usize, _data: ()) -> io::Result<()> {
         Ok(())
     }
     async fn flush(&self) -> io::Result<()> {

@@ -23,10 +23,11 @@ pub trait Backend<K> {
     /// flight, so the cache hands over a copy, and a backend that needs its bytes in a
     /// buffer of its own kind (aligned for `O_DIRECT`) makes that one copy the only one.
     type Snapshot;
-    /// The copy of `data` (one entry) that a write-back takes.
+    /// The copy of `data` (a part of one entry: whole pages of [`PAGE`](crate::PAGE) bytes,
+    /// or the whole entry if it is smaller) that a write-back takes.
     fn snapshot(&self, data: &[u8]) -> Self::Snapshot;
-    /// Write one entry's bytes back to where `key` lives.
-    async fn write_back(&self, key: K, data: Self::Snapshot) -> io::Result<()>;
+    /// Write a part of one entry back: `data` goes `at` bytes into where `key` lives.
+    async fn write_back(&self, key: K, at: usize, data: Self::Snapshot) -> io::Result<()>;
     /// Make everything written so far durable (fdatasync of the file(s) behind the cache).
     async fn flush(&self) -> io::Result<()>;
 }
@@ -51,6 +52,11 @@ pub struct Cache<K, B> {
 pub(crate) enum Mode {
     Read,
     Modify,
+    /// Modifies only bytes `start..end` of the entry.
+    ModifyPart {
+        start: usize,
+        end: usize,
+    },
     Create,
 }
 
@@ -114,6 +120,30 @@ where
     /// Run `f` on the entry of `key` (loading it first if needed) and mark it dirty.
     pub async fn modify<R>(&self, key: K, f: impl FnOnce(&mut [u8]) -> R) -> Result<R, CacheError> {
         self.access(key, Mode::Modify, f).await
+    }
+
+    /// Run `f` on bytes `part` of the entry of `key` (loading it first if needed) and mark
+    /// them dirty: a write-back writes only the pages they lie in, not the whole entry.
+    /// Fails without running `f` if `part` does not lie inside an entry.
+    pub async fn modify_part<R>(
+        &self,
+        key: K,
+        part: std::ops::Range<usize>,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R, CacheError> {
+        if part.start > part.end || part.end > self.entry_size {
+            return Err(CacheError::Part {
+                cache: self.name.clone(),
+                start: part.start,
+                end: part.end,
+                entry_size: self.entry_size,
+            });
+        }
+        let mode = Mode::ModifyPart {
+            start: part.start,
+            end: part.end,
+        };
+        self.access(key, mode, f).await
     }
 
     /// A brand-new table slice: zero-filled, not loaded from disk, dirty. `f` fills it in.
@@ -219,8 +249,14 @@ where
         st.policy.accessed(idx);
         let slot = &mut st.slots[idx];
         slot.used = true;
-        if mode != Mode::Read {
+        let part = match mode {
+            Mode::Read => None,
+            Mode::ModifyPart { start, end } => Some(start..end),
+            Mode::Modify | Mode::Create => Some(0..self.entry_size),
+        };
+        if let Some(part) = &part {
             slot.dirty = true;
+            slot.pages.mark(part.clone(), self.entry_size);
             slot.version += 1;
         }
         // SAFETY: the slot is not Loading (whose bytes belong to the loading task) and not
@@ -231,7 +267,11 @@ where
         if mode == Mode::Create {
             bytes.fill(0);
         }
-        f(bytes)
+        match part {
+            // `modify_part` checked that the part lies inside the entry.
+            Some(part) => f(&mut bytes[part]),
+            None => f(bytes),
+        }
     }
 
     /// Fill the reserved slot `idx` with `key`'s bytes. `Ok(true)`: the entry is ready;

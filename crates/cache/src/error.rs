@@ -23,6 +23,20 @@ pub enum CacheError {
         /// The OS error.
         source: io::Error,
     },
+    /// A part of an entry that does not lie inside it.
+    #[error(
+        "{cache} cache: bytes {start}..{end} do not lie inside an entry of {entry_size} bytes"
+    )]
+    Part {
+        /// Cache name.
+        cache: String,
+        /// First byte of the part.
+        start: usize,
+        /// End of the part (exclusive).
+        end: usize,
+        /// Bytes per entry.
+        entry_size: usize,
+    },
     /// Reading an entry from the backend failed.
     #[error("{cache} cache: loading entry {key} failed: {source}")]
     Load {
@@ -67,7 +81,7 @@ impl CacheError {
     /// The I/O error at the root of this one, if any (to map it to an errno).
     pub fn io_error(&self) -> Option<&io::Error> {
         match self {
-            Self::Config { .. } => None,
+            Self::Config { .. } | Self::Part { .. } => None,
             Self::Arena { source, .. }
             | Self::Load { source, .. }
             | Self::WriteBack { source, .. }

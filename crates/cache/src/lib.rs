@@ -40,8 +40,10 @@
 //!     fn snapshot(&self, data: &[u8]) -> Vec<u8> {
 //!         data.to_vec()
 //!     }
-//!     async fn write_back(&self, key: u64, data: Vec<u8>) -> std::io::Result<()> {
-//!         self.0.borrow_mut().insert(key, data);
+//!     async fn write_back(&self, key: u64, at: usize, data: Vec<u8>) -> std::io::Result<()> {
+//!         let mut disk = self.0.borrow_mut();
+//!         let entry = disk.entry(key).or_insert_with(|| vec![0; 4096]);
+//!         entry[at..at + data.len()].copy_from_slice(&data);
 //!         Ok(())
 //!     }
 //!     async fn flush(&self) -> std::io::Result<()> {
@@ -110,6 +112,7 @@ mod error;
 mod event;
 mod flush;
 mod idle;
+mod pages;
 mod policy;
 mod state;
 mod write_back;
@@ -118,3 +121,4 @@ pub use cache::{Backend, Cache};
 pub use config::{CacheConfig, CacheStats, EvictionPolicy};
 pub use error::CacheError;
 pub use flush::{Flush, FlushFuture};
+pub use pages::PAGE;

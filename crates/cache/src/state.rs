@@ -7,6 +7,7 @@ use std::hash::Hash;
 
 use crate::config::{CacheStats, EvictionPolicy};
 use crate::event::LazyEvent;
+use crate::pages::DirtyPages;
 use crate::policy::{Candidate, Policy};
 
 /// Where a slot is in its life.
@@ -26,6 +27,9 @@ pub(crate) struct Slot<K> {
     pub(crate) phase: Phase,
     /// Modified since the last write-back started.
     pub(crate) dirty: bool,
+    /// The pages modified since the last write-back started (empty exactly when `dirty` is
+    /// false).
+    pub(crate) pages: DirtyPages,
     /// A write-back of (a copy of) this entry is in flight.
     pub(crate) writing: bool,
     /// Dropped by `forget` while a load or write-back was in flight; freed when it ends.
@@ -49,6 +53,7 @@ impl<K> Slot<K> {
             key: None,
             phase: Phase::Free,
             dirty: false,
+            pages: DirtyPages::default(),
             writing: false,
             forgotten: false,
             used: false,
@@ -157,6 +162,7 @@ impl<K: Copy + Eq + Hash> State<K> {
         slot.key = Some(key);
         slot.phase = Phase::Loading;
         slot.dirty = false;
+        slot.pages.clear();
         slot.writing = false;
         slot.forgotten = false;
         slot.used = true;
@@ -200,6 +206,7 @@ impl<K: Copy + Eq + Hash> State<K> {
         }
         slot.phase = Phase::Free;
         slot.dirty = false;
+        slot.pages.clear();
         slot.writing = false;
         slot.forgotten = false;
         slot.used = false;
@@ -230,6 +237,7 @@ impl<K: Copy + Eq + Hash> State<K> {
                 Phase::Ready => {
                     slot.forgotten = true;
                     slot.dirty = false;
+                    slot.pages.clear();
                     if let Some(key) = slot.key {
                         self.policy.removed(idx, key, false);
                     }
@@ -239,19 +247,31 @@ impl<K: Copy + Eq + Hash> State<K> {
         }
     }
 
-    /// A write-back of `version` of slot `idx` ended.
-    pub(crate) fn finish_write(&mut self, idx: usize, residency: u64, version: u64, ok: bool) {
+    /// A write-back of `version` of slot `idx` ended; `unwritten` holds the pages it was to
+    /// write if it failed.
+    pub(crate) fn finish_write(
+        &mut self,
+        idx: usize,
+        residency: u64,
+        version: u64,
+        unwritten: Option<&DirtyPages>,
+    ) {
         let slot = &mut self.slots[idx];
         if slot.residency != residency || !slot.writing {
             return;
         }
         slot.writing = false;
-        if ok {
-            slot.written = slot.written.max(version);
-            self.counters.write_backs += 1;
-        } else if !slot.forgotten {
-            // The bytes did not reach the backend: they are still to be written.
-            slot.dirty = true;
+        match unwritten {
+            None => {
+                slot.written = slot.written.max(version);
+                self.counters.write_backs += 1;
+            }
+            Some(pages) if !slot.forgotten => {
+                // The bytes did not reach the backend: they are still to be written.
+                slot.dirty = true;
+                slot.pages.merge(pages);
+            }
+            Some(_) => {}
         }
         slot.changed.notify();
         if slot.forgotten {

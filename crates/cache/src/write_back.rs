@@ -1,7 +1,8 @@
-//! Writing dirty entries back. A write-back works on a copy of the entry's bytes: it clears
-//! the dirty flag when it starts, so an entry modified while its copy is being written stays
-//! dirty, and a failed (or abandoned) write-back marks it dirty again. At most one write-back
-//! per entry is in flight, so writes to one place never overtake each other.
+//! Writing dirty entries back. A write-back works on a copy of the entry's dirty pages (see
+//! `pages`): it clears the dirty flag when it starts, so an entry modified while its copy is
+//! being written stays dirty, and a failed (or abandoned) write-back marks its pages dirty
+//! again. At most one write-back per entry is in flight, so writes to one place never
+//! overtake each other.
 
 use std::cell::RefCell;
 use std::fmt::Debug;
@@ -9,6 +10,7 @@ use std::hash::Hash;
 
 use crate::cache::{Backend, Cache};
 use crate::error::CacheError;
+use crate::pages::DirtyPages;
 use crate::state::{Phase, State};
 
 /// What to do next for one entry.
@@ -118,12 +120,18 @@ where
                     slot.dirty = false;
                     slot.writing = true;
                     let version = slot.version;
+                    let pages = slot.pages.take();
                     // SAFETY: the slot is Ready and we hold the `state` borrow: see `apply`.
-                    let copy = self.backend.snapshot(unsafe { self.arena.slot_mut(idx) });
-                    Ok((key, copy, version))
+                    let bytes = unsafe { self.arena.slot_mut(idx) };
+                    let copies: Vec<(usize, B::Snapshot)> = pages
+                        .runs(self.entry_size)
+                        .into_iter()
+                        .map(|run| (run.start, self.backend.snapshot(&bytes[run])))
+                        .collect();
+                    Ok((key, copies, version, pages))
                 }
             };
-            let (key, copy, version) = match started {
+            let (key, copies, version, pages) = match started {
                 Ok(started) => started,
                 Err(event) => {
                     // Another write-back of this entry is in flight: let it finish first.
@@ -136,13 +144,21 @@ where
                 idx,
                 residency,
                 version,
+                pages,
                 armed: true,
             };
-            let result = self.backend.write_back(key, copy).await;
+            let mut result = Ok(());
+            for (at, copy) in copies {
+                result = self.backend.write_back(key, at, copy).await;
+                if result.is_err() {
+                    break;
+                }
+            }
             guard.armed = false;
+            let unwritten = result.is_err().then_some(&guard.pages);
             self.state
                 .borrow_mut()
-                .finish_write(idx, residency, version, result.is_ok());
+                .finish_write(idx, residency, version, unwritten);
             return result.map_err(|source| CacheError::WriteBack {
                 cache: self.name.clone(),
                 key: format!("{key:?}"),
@@ -161,13 +177,15 @@ pub(crate) fn keep_worst(kept: &mut Option<CacheError>, new: CacheError) {
     }
 }
 
-/// Marks the entry dirty again if a write-back is abandoned (its future dropped) halfway:
-/// nobody knows whether the bytes arrived.
+/// Marks the entry's pages dirty again if a write-back is abandoned (its future dropped)
+/// halfway: nobody knows whether the bytes arrived.
 struct WriteGuard<'a, K: Copy + Eq + Hash> {
     state: &'a RefCell<State<K>>,
     idx: usize,
     residency: u64,
     version: u64,
+    /// The pages this write-back writes.
+    pages: DirtyPages,
     armed: bool,
 }
 
@@ -177,7 +195,7 @@ impl<K: Copy + Eq + Hash> Drop for WriteGuard<'_, K> {
             return;
         }
         if let Ok(mut st) = self.state.try_borrow_mut() {
-            st.finish_write(self.idx, self.residency, self.version, false);
+            st.finish_write(self.idx, self.residency, self.version, Some(&self.pages));
         }
     }
 }

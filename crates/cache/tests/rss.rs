@@ -22,7 +22,7 @@ impl Backend<u64> for Sink {
     }
     type Snapshot = ();
     fn snapshot(&self, _data: &[u8]) {}
-    async fn write_back(&self, _key: u64, _data: ()) -> io::Result<()> {
+    async fn write_back(&self, _key: u64, _at: usize, _data: ()) -> io::Result<()> {
         self.written.set(self.written.get() + 1);
         Ok(())
     }

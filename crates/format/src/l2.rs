@@ -100,6 +100,14 @@ pub enum L2Entry {
     Compressed(CompressedDescriptor),
 }
 
+/// The bytes of an L2 table (or slice) that hold entry `index`, with its subcluster bitmap
+/// when `extended`: what [`entry_at`] and [`set_entry_at`] read and change for that index.
+pub fn entry_bytes(index: usize, extended: bool) -> Option<std::ops::Range<usize>> {
+    let size = if extended { 16 } else { 8 };
+    let start = index.checked_mul(size)?;
+    Some(start..start.checked_add(size)?)
+}
+
 /// Reads raw entry `index` from an L2 table (or slice) held as big-endian bytes: the entry word
 /// and, for extended entries, the subcluster bitmap word (0 otherwise). `None` past the end.
 pub fn entry_at(table: &[u8], index: usize, extended: bool) -> Option<(u64, u64)> {
@@ -281,6 +289,21 @@ impl L2Entry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_entry_read_through_its_own_bytes_is_the_one_in_the_table() {
+        for extended in [false, true] {
+            let mut table = vec![0u8; 256];
+            assert!(set_entry_at(&mut table, 3, extended, 0x1_0000, 0x5));
+            let bytes = entry_bytes(3, extended).unwrap();
+            assert_eq!(
+                entry_at(&table[bytes.clone()], 0, extended),
+                entry_at(&table, 3, extended)
+            );
+            assert_eq!(bytes.len(), if extended { 16 } else { 8 });
+        }
+        assert_eq!(entry_bytes(usize::MAX, false), None);
+    }
 
     #[test]
     fn raw_word_accessors_split_offset_and_flags() {

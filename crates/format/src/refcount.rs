@@ -45,6 +45,25 @@ pub fn entries_in(block_len: usize, order: u32) -> usize {
     }
 }
 
+/// The bytes of a refcount block that hold refcount `index` at `order`, and the refcount's
+/// index within them: a caller that changes one refcount can hand [`get`] and [`set`] just
+/// those bytes. `None` for an order the format does not have or an index that overflows.
+pub fn entry_bytes(order: u32, index: usize) -> Option<(std::ops::Range<usize>, usize)> {
+    match order {
+        0..=2 => {
+            let per_byte = 8 >> order;
+            let byte = index / per_byte;
+            Some((byte..byte + 1, index % per_byte))
+        }
+        3..=6 => {
+            let size = 1usize << (order - 3);
+            let start = index.checked_mul(size)?;
+            Some((start..start.checked_add(size)?, 0))
+        }
+        _ => None,
+    }
+}
+
 fn index_error(block: &[u8], order: u32, index: usize) -> FormatError {
     FormatError::RefcountIndex {
         index,
@@ -189,6 +208,31 @@ impl RefcountTableEntry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refcount_read_through_its_own_bytes_is_the_one_in_the_block() {
+        for order in 0..=6u32 {
+            let max = max_value(order).unwrap();
+            let mut block = vec![0u8; 64];
+            for index in 0..entries_in(block.len(), order) {
+                set(&mut block, order, index, (index as u64 * 7 + 1) & max).unwrap();
+            }
+            for index in 0..entries_in(block.len(), order) {
+                let (bytes, within) = entry_bytes(order, index).unwrap();
+                let mut part = block[bytes.clone()].to_vec();
+                assert_eq!(
+                    get(&part, order, within).unwrap(),
+                    get(&block, order, index).unwrap()
+                );
+                set(&mut part, order, within, 0).unwrap();
+                let mut whole = block.clone();
+                set(&mut whole, order, index, 0).unwrap();
+                assert_eq!(part, whole[bytes]);
+            }
+        }
+        assert_eq!(entry_bytes(7, 0), None);
+        assert_eq!(entry_bytes(6, usize::MAX), None);
+    }
 
     #[test]
     fn table_word_accessors_split_offset_and_reserved_bits() {

@@ -241,8 +241,15 @@ impl Backend<u32> for TestBackend {
     fn snapshot(&self, data: &[u8]) -> Vec<u8> {
         data.to_vec()
     }
-    async fn write_back(&self, key: u32, data: Vec<u8>) -> io::Result<()> {
+    async fn write_back(&self, key: u32, at: usize, data: Vec<u8>) -> io::Result<()> {
         let disk = &self.disk;
+        if at != 0 {
+            // These tests modify whole entries, so every write-back writes a whole entry.
+            disk.violation(format!(
+                "cache {} writes back part of key {key} at {at}",
+                self.id
+            ));
+        }
         let version = match decode(&data, key) {
             Ok(v) => v,
             Err(e) => {

@@ -1,7 +1,7 @@
 //! The metadata caches' keys and backends: L2 slices of every layer share one cache (one
 //! memory budget for the whole chain), refcount blocks of the writable layer have their own.
 
-use super::layer::{read_exact, Layer};
+use super::layer::{read_exact_into, Layer};
 use crate::format::HostOffset;
 use std::io;
 use std::rc::Rc;
@@ -129,28 +129,20 @@ impl<S: Storage + 'static> cache::Backend<L2Key> for L2Backend<S> {
             .get(key.layer as usize)
             .ok_or_else(|| io::Error::other(format!("no layer {}", key.layer)))?;
         let offset = slice_offset(key, self.slice_bytes)?;
-        let data = read_exact(
-            &layer.file,
-            &layer.name,
-            "reading L2 table",
-            offset,
-            buf.len(),
-        )
-        .await
-        .map_err(to_io)?;
-        buf.copy_from_slice(&data);
-        Ok(())
+        read_exact_into(&layer.file, &layer.name, "reading L2 table", offset, buf)
+            .await
+            .map_err(to_io)
     }
 
     type Snapshot = IoBuf;
     fn snapshot(&self, data: &[u8]) -> IoBuf {
         IoBuf::from_slice(data)
     }
-    async fn write_back(&self, key: L2Key, data: IoBuf) -> io::Result<()> {
+    async fn write_back(&self, key: L2Key, at: usize, data: IoBuf) -> io::Result<()> {
         if key.layer != 0 {
             return Err(io::Error::other("backing layers are read-only"));
         }
-        let offset = slice_offset(key, self.slice_bytes)?;
+        let offset = part_offset(slice_offset(key, self.slice_bytes)?, at)?;
         write_all(&self.layers[0].file, data, offset).await
     }
 
@@ -166,29 +158,34 @@ fn slice_offset(key: L2Key, slice_bytes: usize) -> io::Result<u64> {
         .ok_or_else(|| io::Error::other("L2 slice offset overflows"))
 }
 
+/// Where a part `at` bytes into an entry at `entry` lies in the file.
+fn part_offset(entry: u64, at: usize) -> io::Result<u64> {
+    entry
+        .checked_add(at as u64)
+        .ok_or_else(|| io::Error::other("cache entry part offset overflows"))
+}
+
 impl<S: Storage + 'static> cache::Backend<RefcountKey> for RefcountBackend<S> {
     async fn load(&self, key: RefcountKey, buf: &mut [u8]) -> io::Result<()> {
         let layer = &self.layers[0];
         debug_assert_eq!(buf.len(), self.block_bytes);
-        let data = read_exact(
+        read_exact_into(
             &layer.file,
             &layer.name,
             "reading refcount block",
             key.0,
-            buf.len(),
+            buf,
         )
         .await
-        .map_err(to_io)?;
-        buf.copy_from_slice(&data);
-        Ok(())
+        .map_err(to_io)
     }
 
     type Snapshot = IoBuf;
     fn snapshot(&self, data: &[u8]) -> IoBuf {
         IoBuf::from_slice(data)
     }
-    async fn write_back(&self, key: RefcountKey, data: IoBuf) -> io::Result<()> {
-        write_all(&self.layers[0].file, data, key.0).await
+    async fn write_back(&self, key: RefcountKey, at: usize, data: IoBuf) -> io::Result<()> {
+        write_all(&self.layers[0].file, data, part_offset(key.0, at)?).await
     }
 
     async fn flush(&self) -> io::Result<()> {

@@ -133,23 +133,28 @@ impl<S: Storage + 'static> Allocator<S> {
             ))
         })?;
         let (key, idx) = self.l2_key(table, cluster);
+        let outside = || {
+            self.top().corrupt(format!(
+                "L2 entry for guest cluster {:#x} is outside its slice",
+                cluster.0
+            ))
+        };
+        let bytes = l2::entry_bytes(idx, ext)
+            .filter(|b| b.end <= self.l2.entry_size())
+            .ok_or_else(outside)?;
+        // Only the entry's own bytes change, so a write-back writes only their page.
         let seen = self
             .l2
-            .modify(key, |b| {
-                let old = l2::entry_at(b, idx, ext)?;
+            .modify_part(key, bytes, |b| {
+                let old = l2::entry_at(b, 0, ext)?;
                 if let Some((word, bitmap)) = f(old.0, old.1) {
-                    l2::set_entry_at(b, idx, ext, word, bitmap);
+                    l2::set_entry_at(b, 0, ext, word, bitmap);
                     self.mapping_changed();
                 }
                 Some(old)
             })
             .await
             .map_err(|e| self.l2_cache_err(e))?;
-        seen.ok_or_else(|| {
-            self.top().corrupt(format!(
-                "L2 entry for guest cluster {:#x} is outside its slice",
-                cluster.0
-            ))
-        })
+        seen.ok_or_else(outside)
     }
 }

@@ -12,6 +12,7 @@
 //!
 //! Callers hold `Allocator::meta_lock` around allocation and freeing.
 
+use super::reftable::RefTable;
 use super::Allocator;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::overlap::MetaKind;
@@ -60,7 +61,7 @@ impl<S: Storage + 'static> Allocator<S> {
     fn block_of(&self, cluster: HostCluster) -> Option<u64> {
         let (_, _, epb) = self.rc_geometry();
         let ti = usize::try_from(cluster.0 / epb).ok()?;
-        self.reftable.borrow().get(ti).copied().filter(|&b| b != 0)
+        self.reftable.borrow().get(ti).filter(|&b| b != 0)
     }
 
     /// Refcount of `cluster` (0 where no refcount block exists).
@@ -100,21 +101,33 @@ impl<S: Storage + 'static> Allocator<S> {
         }
         let idx = (cluster.0 % epb) as usize;
         let max = refcount::max_value(order).unwrap_or(u64::MAX);
+        let reach = refcount::entry_bytes(order, idx)
+            .filter(|(bytes, _)| bytes.end <= self.refcounts.entry_size());
+        let Some((bytes, idx)) = reach else {
+            return Err(self
+                .mark_corrupt(format!("refcount of cluster {at:#x} is out of reach"))
+                .await);
+        };
+        // Only the refcount's own bytes change, so a write-back writes only their page.
         let res = self
             .refcounts
-            .modify(HostOffset(block), |b| -> std::result::Result<u64, String> {
-                let old = refcount::get(b, order, idx).map_err(|e| e.to_string())?;
-                let new = if delta < 0 {
-                    old.checked_sub(delta.unsigned_abs())
-                } else {
-                    old.checked_add(delta as u64).filter(|&n| n <= max)
-                }
-                .ok_or_else(|| {
-                    format!("refcount of cluster {at:#x} is {old}; cannot add {delta}")
-                })?;
-                refcount::set(b, order, idx, new).map_err(|e| e.to_string())?;
-                Ok(new)
-            })
+            .modify_part(
+                HostOffset(block),
+                bytes,
+                |b| -> std::result::Result<u64, String> {
+                    let old = refcount::get(b, order, idx).map_err(|e| e.to_string())?;
+                    let new = if delta < 0 {
+                        old.checked_sub(delta.unsigned_abs())
+                    } else {
+                        old.checked_add(delta as u64).filter(|&n| n <= max)
+                    }
+                    .ok_or_else(|| {
+                        format!("refcount of cluster {at:#x} is {old}; cannot add {delta}")
+                    })?;
+                    refcount::set(b, order, idx, new).map_err(|e| e.to_string())?;
+                    Ok(new)
+                },
+            )
             .await
             .map_err(|e| self.cache_err(e))?;
         match res {
@@ -262,7 +275,7 @@ impl<S: Storage + 'static> Allocator<S> {
     fn has_block(&self, ti: u64) -> bool {
         usize::try_from(ti)
             .ok()
-            .and_then(|i| self.reftable.borrow().get(i).copied())
+            .and_then(|i| self.reftable.borrow().get(i))
             .is_some_and(|b| b != 0)
     }
 
@@ -317,7 +330,7 @@ impl<S: Storage + 'static> Allocator<S> {
             )
             .await?;
             self.sync().await?;
-            self.reftable.borrow_mut()[ti as usize] = block_off;
+            self.reftable.borrow_mut().set(ti as usize, block_off);
             self.meta
                 .borrow_mut()
                 .insert(HostOffset(block_off), cs, MetaKind::RefcountBlock);
@@ -377,7 +390,7 @@ impl<S: Storage + 'static> Allocator<S> {
             self.write_meta("writing a refcount block", off, &block)
                 .await?;
         }
-        let mut table = self.reftable.borrow().clone();
+        let mut table = self.reftable.borrow().to_vec();
         table.resize(new_len as usize, 0);
         for j in 0..blocks {
             table[(first_index + j) as usize] = (area + j) * cs;
@@ -400,7 +413,7 @@ impl<S: Storage + 'static> Allocator<S> {
             h.refcount_table_clusters = table_clusters as u32;
             old
         };
-        *self.reftable.borrow_mut() = table;
+        *self.reftable.borrow_mut() = RefTable::from_entries(table);
         {
             let mut m = self.meta.borrow_mut();
             m.remove(HostOffset(old_off));

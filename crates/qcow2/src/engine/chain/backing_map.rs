@@ -100,7 +100,7 @@ impl<S: Storage + 'static> cache::Backend<u64> for MapBackend<S> {
 
     type Snapshot = ();
     fn snapshot(&self, _: &[u8]) {}
-    async fn write_back(&self, _: u64, _: ()) -> io::Result<()> {
+    async fn write_back(&self, _: u64, _: usize, _: ()) -> io::Result<()> {
         Err(io::Error::other("the backing map is never dirty"))
     }
 
