@@ -136,6 +136,37 @@ pub(crate) async fn read_exact<S: Storage + 'static>(
     Ok(slice.into_inner())
 }
 
+/// Largest piece [`read_exact_into`] reads at once.
+const READ_PIECE: usize = 256 << 10;
+
+/// Reads `buf.len()` bytes at `offset` of `file` into `buf`, in pieces of at most
+/// [`READ_PIECE`] bytes: a cache loading a 2 MiB table into its own memory would otherwise
+/// hold a second 2 MiB buffer for as long as the read lasts.
+pub(crate) async fn read_exact_into<S: Storage + 'static>(
+    file: &S,
+    image: &str,
+    what: &'static str,
+    offset: u64,
+    buf: &mut [u8],
+) -> Result<()> {
+    let mut piece = IoBuf::zeroed(buf.len().min(READ_PIECE));
+    let mut at = offset;
+    for chunk in buf.chunks_mut(READ_PIECE) {
+        piece.truncate(chunk.len());
+        let (res, slice) = file.read_at(piece.into(), at).await;
+        piece = slice.into_inner();
+        res.map_err(|source| EngineError::Io {
+            image: image.to_string(),
+            what,
+            offset: at,
+            source,
+        })?;
+        chunk.copy_from_slice(&piece[..chunk.len()]);
+        at += chunk.len() as u64;
+    }
+    Ok(())
+}
+
 /// Largest buffer of zeros written at once by [`write_zero_data`].
 const ZERO_CHUNK: u64 = 1 << 20;
 

@@ -2,6 +2,7 @@
 //! for its intent, so the allocator's state stays private to it and a reader finds every
 //! change to it in `alloc/`.
 
+use super::reftable::RefTable;
 use super::Allocator;
 use crate::engine::bitmaps::Bitmaps;
 use crate::engine::error::{EngineError, Result};
@@ -72,9 +73,10 @@ impl<S: Storage + 'static> Allocator<S> {
         MetaCacheCounters::from_cache(&self.refcounts)
     }
 
-    /// A copy of the refcount table (block offset per entry, 0 = no block).
+    /// A copy of the refcount table's entries up to its last block (block offset per
+    /// entry, 0 = no block; every later entry is 0).
     pub(crate) fn refcount_table(&self) -> Vec<u64> {
-        self.reftable.borrow().clone()
+        self.reftable.borrow().used().to_vec()
     }
 
     /// Applies `f` to the refcount block at `block` as the allocator holds it (it may be
@@ -97,8 +99,8 @@ impl<S: Storage + 'static> Allocator<S> {
         reindex: impl FnOnce(&mut MetaIndex, &[u64]),
     ) {
         self.refcounts.forget(|_| true);
-        reindex(&mut self.meta.borrow_mut(), &self.reftable.borrow());
-        *self.reftable.borrow_mut() = table;
+        reindex(&mut self.meta.borrow_mut(), self.reftable.borrow().used());
+        *self.reftable.borrow_mut() = RefTable::from_entries(table);
         self.free_hint.set(HostCluster(0));
         self.free_byte_offset.set(0);
     }

@@ -18,6 +18,7 @@ pub(crate) mod l2_entry;
 mod l2_table;
 mod prealloc;
 mod refcount;
+mod reftable;
 mod run;
 mod shrink;
 mod snapshots;
@@ -42,6 +43,7 @@ use std::rc::Rc;
 use storage::{IoBuf, Storage};
 
 use crate::format::header::{self, FieldUpdate};
+use reftable::RefTable;
 
 /// The allocator of a writable image.
 pub(crate) struct Allocator<S: Storage + 'static> {
@@ -52,7 +54,7 @@ pub(crate) struct Allocator<S: Storage + 'static> {
     /// Refcount blocks by file offset.
     refcounts: Rc<RefcountCache<S>>,
     /// The refcount table: block offset per entry (0 = no block).
-    reftable: RefCell<Vec<u64>>,
+    reftable: RefCell<RefTable>,
     /// First cluster index worth looking at for a free cluster.
     free_hint: Cell<HostCluster>,
     /// Bytes of the file that may hold non-zero data; clusters allocated past it read as
@@ -335,6 +337,10 @@ impl<S: Storage + 'static> Allocator<S> {
     }
 }
 
+/// Bytes of the refcount table read at once: the table of a 2 MiB-cluster image is a 2 MiB
+/// cluster, and reading it whole would hold it twice (bytes and words) to keep a few words.
+const REFTABLE_PIECE: u64 = 64 << 10;
+
 /// Reads the refcount table, checking that every block it points to lies inside the file,
 /// and records the blocks in the metadata index.
 async fn read_reftable<S: Storage + 'static>(
@@ -342,43 +348,66 @@ async fn read_reftable<S: Storage + 'static>(
     meta: &Qcow2Meta<S>,
     h: &crate::format::Header,
     index: &mut MetaIndex,
-) -> Result<Vec<u64>> {
+) -> Result<RefTable> {
     let g = &meta.geom;
     let cs = g.cluster_size();
     let file_len = meta.file_end.get();
     let offset = h.refcount_table_offset;
     let clusters = u64::from(h.refcount_table_clusters);
+    let table_bytes = clusters * cs;
     let src = StorageSource::new(&layer.file, file_len);
-    let words = Loader::new(&src, Strictness::Open)
-        .table(
-            Structure::RefcountTable,
-            REFCOUNT_TABLE,
-            offset,
-            clusters * cs,
-        )
-        .await
-        .map_err(|e| EngineError::from_metadata(&layer.name, e))?;
-    let mut reftable = Vec::with_capacity(words.len());
-    for (i, word) in words.into_iter().enumerate() {
-        let e = RefcountTableEntry::decode(word, g, i as u64, HostOffset(offset)).map_err(
-            |source| EngineError::Format {
-                image: layer.name.clone(),
-                source,
-            },
-        )?;
-        let off = e.block_offset.map_or(0, |o| o.0);
-        if off != 0 {
-            if off.checked_add(cs).is_none_or(|e| e > file_len) {
-                return Err(layer.corrupt(format!(
-                    "refcount table at {offset:#x}: entry {i} points to a refcount block at {off:#x} past the end of the file ({file_len:#x} bytes)"
-                )));
+    let loader = Loader::new(&src, Strictness::Open);
+    let mut used = Vec::new();
+    let mut at = 0;
+    while at < table_bytes {
+        let len = REFTABLE_PIECE.min(table_bytes - at);
+        let words = loader
+            .table(Structure::RefcountTable, REFCOUNT_TABLE, offset + at, len)
+            .await
+            .map_err(|e| EngineError::from_metadata(&layer.name, e))?;
+        let first = at / 8;
+        for (k, word) in words.into_iter().enumerate() {
+            let i = first + k as u64;
+            let block = refblock_of(layer, g, word, i, offset, file_len)?;
+            if block != 0 {
+                index.insert(HostOffset(block), cs, MetaKind::RefcountBlock);
+                used.resize(i as usize, 0);
+                used.push(block);
             }
-            index.insert(HostOffset(off), cs, MetaKind::RefcountBlock);
         }
-        reftable.push(off);
+        at += len;
     }
-    index.insert(HostOffset(offset), clusters * cs, MetaKind::RefcountTable);
-    Ok(reftable)
+    index.insert(HostOffset(offset), table_bytes, MetaKind::RefcountTable);
+    Ok(RefTable::from_prefix(used, (table_bytes / 8) as usize))
+}
+
+/// The block that refcount-table entry `i` (raw `word`) names, 0 for none, checked to lie
+/// inside the file.
+fn refblock_of<S: Storage + 'static>(
+    layer: &Layer<S>,
+    g: &crate::format::Geometry,
+    word: u64,
+    i: u64,
+    offset: u64,
+    file_len: u64,
+) -> Result<u64> {
+    let e = RefcountTableEntry::decode(word, g, i, HostOffset(offset)).map_err(|source| {
+        EngineError::Format {
+            image: layer.name.clone(),
+            source,
+        }
+    })?;
+    let off = e.block_offset.map_or(0, |o| o.0);
+    if off != 0
+        && off
+            .checked_add(g.cluster_size())
+            .is_none_or(|e| e > file_len)
+    {
+        return Err(layer.corrupt(format!(
+            "refcount table at {offset:#x}: entry {i} points to a refcount block at {off:#x} past the end of the file ({file_len:#x} bytes)"
+        )));
+    }
+    Ok(off)
 }
 
 /// Records the header cluster, the L1 table, every L2 table and the encryption header.

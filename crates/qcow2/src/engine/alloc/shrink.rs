@@ -5,6 +5,7 @@
 //! their clusters as free, and the file is cut only past the last cluster with a reference,
 //! so a crash at any point leaves a consistent image with at worst leaked clusters.
 
+use super::reftable::RefTable;
 use super::Allocator;
 use crate::engine::error::Result;
 use crate::format::{be, refcount, HostCluster, HostOffset};
@@ -29,7 +30,7 @@ impl<S: Storage + 'static> Allocator<S> {
             return Ok(());
         }
         let (cs, _, _) = self.rc_geometry();
-        let mut table = self.reftable.borrow().clone();
+        let mut table = self.reftable.borrow().to_vec();
         for u in &unused {
             table[u.index] = 0;
         }
@@ -44,7 +45,7 @@ impl<S: Storage + 'static> Allocator<S> {
         self.write_meta("updating the refcount table", offset, &bytes)
             .await?;
         self.sync().await?;
-        *self.reftable.borrow_mut() = table;
+        *self.reftable.borrow_mut() = RefTable::from_entries(table);
         for u in &unused {
             self.refcounts.forget(|&k| k == HostOffset(u.offset));
             self.meta.borrow_mut().remove(HostOffset(u.offset));
@@ -62,7 +63,7 @@ impl<S: Storage + 'static> Allocator<S> {
     /// The refcount blocks that count nothing but themselves, in table order.
     async fn unused_refblocks(&self) -> Result<Vec<Unused>> {
         let (_, order, epb) = self.rc_geometry();
-        let table = self.reftable.borrow().clone();
+        let table = self.reftable.borrow().used().to_vec();
         let mut out = Vec::new();
         for (index, &offset) in table.iter().enumerate() {
             if offset == 0 {
