@@ -188,6 +188,9 @@ pub(crate) struct ExtensionContext {
     pub cluster_size: u64,
     pub crypt_method: u32,
     pub bitmaps_consistent: bool,
+    /// The buffer is only the start of the first cluster: its end is not the file's end,
+    /// so running into it is an error rather than the end marker.
+    pub prefix: bool,
 }
 
 /// Decodes the extension area `buf[start..end]` (file offsets, since the header is at 0).
@@ -226,7 +229,7 @@ fn decode_one(
     let at = Location::at(Structure::HeaderExtension, pos as u64);
     // A file that ends inside the first cluster reads as zeros past its end, which is the
     // end marker.
-    if pos >= buf.len() {
+    if pos >= buf.len() && !ctx.prefix {
         return Ok(None);
     }
     let magic = be::u32_at(buf, pos, at, "extension type")?;

@@ -21,6 +21,22 @@ impl Header {
 
     /// [`Header::decode`] at the given strictness.
     pub fn decode_with(buf: &[u8], strictness: Strictness) -> Result<Header, FormatError> {
+        Header::decode_from(buf, strictness, false)
+    }
+
+    /// Decodes the header from `buf`, the start of the first cluster only, if everything
+    /// the header needs (extensions up to their end marker, the backing file name) lies in
+    /// it; `None` if it does not, or if the header is not valid (decode the whole cluster
+    /// to learn why).
+    pub fn decode_prefix(buf: &[u8], strictness: Strictness) -> Option<Header> {
+        Header::decode_from(buf, strictness, true).ok()
+    }
+
+    fn decode_from(
+        buf: &[u8],
+        strictness: Strictness,
+        prefix: bool,
+    ) -> Result<Header, FormatError> {
         let mut h = Header::decode_fixed(buf)?;
         let cluster_size = 1u64 << h.cluster_bits;
         if h.version >= 3 {
@@ -39,6 +55,7 @@ impl Header {
             cluster_size,
             crypt_method: h.crypt_method,
             bitmaps_consistent: h.autoclear_features & features::AUTOCLEAR_BITMAPS != 0,
+            prefix,
         };
         // Both ≤ 2 MiB (checked above), so the conversions are lossless.
         let ext_start = h.header_length as usize;

@@ -2,6 +2,7 @@
 //! real encoded first cluster.
 
 use super::*;
+use crate::extensions::HeaderExtension;
 use crate::features;
 
 /// A valid 64 KiB-cluster version 3 header, encoded into its first cluster.
@@ -114,4 +115,54 @@ fn check_strictness_accepts_what_only_the_checker_can_fix() {
     // A refcount table offset that is not aligned is refused even by a check.
     apply(&mut buf, reftable_update(12345, 0));
     assert!(Header::decode_with(&buf, Strictness::Check).is_err());
+}
+
+#[test]
+fn a_prefix_decodes_only_when_it_holds_every_extension_and_the_backing_name() {
+    let mut h = Header::new(3, 21, 1 << 30);
+    h.l1_size = 1;
+    h.l1_table_offset = 3 << 21;
+    h.refcount_table_offset = 1 << 21;
+    h.refcount_table_clusters = 1;
+    h.extensions.push(HeaderExtension::Unknown {
+        magic: 0x1234_5678,
+        data: vec![7; 300],
+    });
+    h.set_backing(Some(b"base.qcow2".to_vec()), None);
+    let mut whole = h.encode(1 << 21).expect("encodes");
+    whole.resize(1 << 21, 0);
+    let full = Header::decode(&whole).expect("decodes");
+    assert_eq!(
+        Header::decode_prefix(&whole[..1 << 16], Strictness::Open),
+        Some(full.clone())
+    );
+    // A prefix that ends inside the extensions, or before the name, decodes to nothing
+    // rather than to a header that lost them.
+    for cut in [200, 400, whole.iter().rposition(|&b| b != 0).expect("name")] {
+        assert_eq!(
+            Header::decode_prefix(&whole[..cut], Strictness::Open),
+            None,
+            "{cut}"
+        );
+    }
+    // Without a backing file, a prefix that ends exactly where the next extension begins.
+    h.set_backing(None, None);
+    h.extensions.push(HeaderExtension::Unknown {
+        magic: 0x8765_4321,
+        data: vec![9; 8],
+    });
+    let mut whole = h.encode(1 << 21).expect("encodes");
+    whole.resize(1 << 21, 0);
+    let next = whole
+        .windows(4)
+        .position(|w| w == 0x8765_4321u32.to_be_bytes())
+        .expect("second extension");
+    assert_eq!(
+        Header::decode_prefix(&whole[..next], Strictness::Open),
+        None
+    );
+    assert_eq!(
+        Header::decode_prefix(&whole[..1 << 16], Strictness::Open),
+        Some(Header::decode(&whole).expect("decodes"))
+    );
 }

@@ -54,6 +54,8 @@ pub(crate) const REFCOUNT_TABLE: Piece = Piece {
 
 /// The header's first sector holds the cluster size, which says how much to read.
 const PROBE_LEN: u64 = 512;
+/// Bytes of the first cluster decoded before reading all of it (see `header`).
+const HEADER_PREFIX: u64 = 64 << 10;
 
 impl<'a, R: MetaSource> Loader<'a, R> {
     /// A loader over `src` at `strictness`.
@@ -107,6 +109,16 @@ impl<'a, R: MetaSource> Loader<'a, R> {
         let bits = u32::from_be_bytes([probe[20], probe[21], probe[22], probe[23]])
             .clamp(limits::MIN_CLUSTER_BITS, limits::MAX_CLUSTER_BITS);
         let first_len = self.file_len().min(1 << bits).max(PROBE_LEN);
+        // A header with its extensions and backing name takes a few KiB even when the
+        // cluster is 2 MiB: decode them from a prefix when it holds all of them; otherwise
+        // read the whole cluster, so that a damaged header is judged, and reported, on
+        // everything QEMU would read.
+        if first_len > HEADER_PREFIX {
+            let prefix = self.read_raw(HEADER, 0, HEADER_PREFIX).await?;
+            if let Some(h) = Header::decode_prefix(&prefix, self.strictness) {
+                return Ok(h);
+            }
+        }
         let first = self.read_raw(HEADER, 0, first_len).await?;
         Ok(Header::decode_with(&first, self.strictness)?)
     }
