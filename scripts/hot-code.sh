@@ -35,8 +35,13 @@ serve_run() { # NAME IMAGE SERVE-OPTIONS...
         "$bin" serve -k "$work/s.sock" -t "${@:3}" "$2" 2>/dev/null &
     local pid=$! uri="nbd+unix:///?socket=$work/s.sock"
     for _ in $(seq 120); do [ -S "$work/s.sock" ] && break; sleep 0.5; done
+    # Small writes scattered over the image, as a guest's random writes are: each allocates
+    # and sends the allocator through its refcount and L2 updates and their write-backs.
+    local scattered=()
+    for i in $(seq 0 23); do scattered+=(-c "write -P 0x44 $((i * 2731))k 4k"); done
     qemu-io -f raw -c 'read 0 64k' -c 'write -P 0x22 1M 64k' -c 'write -P 0x33 4M 8k' \
-        -c 'write -z 8M 1M' -c 'discard 1M 64k' -c 'flush' -c 'read 0 8M' "$uri" >/dev/null
+        "${scattered[@]}" -c 'write -z 8M 1M' -c 'discard 1M 64k' -c 'flush' -c 'read 0 8M' \
+        "$uri" >/dev/null
     qemu-img map --output=json -f raw "$uri" >/dev/null
     kill -TERM "$pid"
     wait "$pid" || true
