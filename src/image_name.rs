@@ -162,6 +162,12 @@ pub enum Reason {
     /// An `nbd` driver option this tool does not know or does not implement.
     #[error("Block protocol 'nbd' doesn't support the option '{0}'")]
     NbdOption(String),
+    /// A `null-co` file name other than the one QEMU allows.
+    #[error("The only allowed filename for this driver is 'null-co://'")]
+    NullFilename,
+    /// A `null-co` option value QEMU would refuse.
+    #[error("Parameter '{0}' expects {1}")]
+    NullValue(String, &'static str),
     /// An option given both as a value and as an object with members.
     #[error("Option '{0}' is given both as a value and as an object")]
     Conflict(String),
@@ -231,6 +237,12 @@ pub fn protocol_path(name: &OsStr) -> Result<PathBuf, Reason> {
         return Ok(PathBuf::from(name));
     };
     let protocol = String::from_utf8_lossy(&bytes[..colon]).into_owned();
+    if protocol == "null-co" {
+        return match name.to_str() {
+            Some(storage::null::NULL_CO) => Ok(PathBuf::from(storage::null::NULL_CO)),
+            _ => Err(Reason::NullFilename),
+        };
+    }
     if protocol != "file" {
         return Err(Reason::UnknownProtocol(protocol));
     }
@@ -436,6 +448,36 @@ fn nbd_node(mut members: BTreeMap<String, Val>) -> Result<PathBuf, Reason> {
     Ok(PathBuf::from(NbdTarget { server, export }.display_name()))
 }
 
+/// Options of the `null-co` driver that change no data (`latency-ns` only delays).
+const NULL_NOOP_OPTIONS: &[&str] = &["latency-ns"];
+
+/// The `null-co` protocol node (`size`, `read-zeroes`, or the file name `null-co://`): the
+/// name the opener makes the device from.
+fn null_node(mut members: BTreeMap<String, Val>) -> Result<PathBuf, Reason> {
+    use storage::null::NullTarget;
+    let mut target = NullTarget::default();
+    if let Some(name) = text(members.remove("filename")) {
+        if name != storage::null::NULL_CO {
+            return Err(Reason::NullFilename);
+        }
+    }
+    if let Some(size) = text(members.remove("size")) {
+        target.size = crate::size_string::parse_size(&size)
+            .ok()
+            .filter(|&s| s <= storage::MAX_OFFSET)
+            .ok_or(Reason::NullValue(
+                "size".into(),
+                "a non-negative number below 2^63",
+            ))?;
+    }
+    if let Some(z) = text(members.remove("read-zeroes")) {
+        target.read_zeroes = crate::options::parse_bool(&z)
+            .ok_or(Reason::NullValue("read-zeroes".into(), "'on' or 'off'"))?;
+    }
+    check_leftover(&members, "null-co", NULL_NOOP_OPTIONS)?;
+    Ok(PathBuf::from(target.name()))
+}
+
 /// Turns flattened options into the file, the format and the options left for the
 /// subcommand.
 fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
@@ -466,6 +508,15 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
                 backing: None,
             });
         }
+        Some("null-co") => {
+            // The device on its own: its (absent) bytes are the image.
+            return Ok(ImageName {
+                path: null_node(flat)?,
+                format: Some("raw".into()),
+                options: BTreeMap::new(),
+                backing: None,
+            });
+        }
         Some(other) => return Err(Reason::UnknownDriver(other.to_string())),
     };
     let path = match file_members.get("driver") {
@@ -473,6 +524,11 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
             let mut members = file_members;
             members.remove("driver");
             nbd_node(members)?
+        }
+        Some(Val::Text(d)) if d == "null-co" && file_direct.is_none() => {
+            let mut members = file_members;
+            members.remove("driver");
+            null_node(members)?
         }
         _ => file_node(file_direct, file_members)?,
     };
@@ -694,8 +750,8 @@ mod tests {
             Reason::UnknownProtocol("blkdebug".into())
         );
         assert_eq!(
-            reason("null-co://", false),
-            Reason::UnknownProtocol("null-co".into())
+            reason("ssh://host/x", false),
+            Reason::UnknownProtocol("ssh".into())
         );
     }
 
@@ -746,10 +802,10 @@ mod tests {
         );
         assert_eq!(
             reason(
-                "json:{'driver':'qcow2','file':{'driver':'null-co','size':1}}",
+                "json:{'driver':'qcow2','file':{'driver':'nvme','size':1}}",
                 false
             ),
-            Reason::UnknownDriver("null-co".into())
+            Reason::UnknownDriver("nvme".into())
         );
         assert_eq!(
             reason(
@@ -892,5 +948,32 @@ mod tests {
             (path.as_path(), format.as_deref()),
             (Path::new("/t/z"), Some("qcow2"))
         );
+    }
+
+    #[test]
+    fn null_co_devices_are_named_by_their_options() {
+        let n = p("null-co://", false).unwrap();
+        assert_eq!(
+            (n.path.as_path(), n.format),
+            (Path::new("null-co://"), None)
+        );
+        assert_eq!(reason("null-co://x", false), Reason::NullFilename);
+        let n = p(
+            "json:{'driver':'null-co','size':1048576,'read-zeroes':true}",
+            false,
+        )
+        .unwrap();
+        assert_eq!(n.path, Path::new("null-co://?size=1048576&read-zeroes=on"));
+        assert_eq!(n.format.as_deref(), Some("raw"));
+        let n = p("driver=raw,file.driver=null-co,file.size=4k", true).unwrap();
+        assert_eq!(n.path, Path::new("null-co://?size=4096&read-zeroes=off"));
+        assert_eq!(
+            reason("driver=null-co,read-zeroes=maybe", true),
+            Reason::NullValue("read-zeroes".into(), "'on' or 'off'")
+        );
+        assert!(matches!(
+            reason("driver=null-co,bogus=1", true),
+            Reason::FormatOption { .. }
+        ));
     }
 }

@@ -272,3 +272,19 @@ fn image_opts_may_describe_the_backing_node_again() {
     // Nothing was committed into the other file.
     p.ours.qemu_io("qcow2", "other.qcow2", &["read -P 0 0 64M"]);
 }
+
+/// QEMU's `null-co` device, which stores nothing and reads as zeros: a source for convert
+/// (sparse or fully allocated), and a name `info` and `map` open as QEMU does.
+#[test]
+fn null_co_devices_read_as_qemu_reads_them() {
+    let p = Pair::new(|_| {});
+    let zeroes = "json:{ 'driver': 'null-co', 'size': 1048576, 'read-zeroes': true }";
+    for sparse in ["512", "0"] {
+        p.same(&["convert", "-O", "qcow2", "-S", sparse, zeroes, "t.qcow2"]);
+        p.same(&["map", "t.qcow2"]);
+        p.same(&["map", "--output=json", "t.qcow2"]);
+    }
+    p.same(&["info", "null-co://"]);
+    p.same(&["map", "--output=json", zeroes]);
+    p.same(&["info", "null-co://x"]);
+}

@@ -406,6 +406,13 @@ impl ImageInfo {
         }
     }
 
+    /// Marks the file node as a `null-co` device rather than a file.
+    pub fn set_null_co(&mut self) {
+        for child in &mut self.children {
+            child.info.format = "null-co".into();
+        }
+    }
+
     /// Records the allocated size on disk for the image and its file node.
     pub fn set_actual_size(&mut self, actual: u64) {
         self.actual_size = Some(actual);
