@@ -28,7 +28,7 @@ mod listen;
 mod overlay;
 mod registry;
 mod signals;
-mod tls;
+pub(crate) mod tls;
 
 use std::io::IsTerminal;
 use std::num::NonZeroUsize;

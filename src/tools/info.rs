@@ -129,6 +129,18 @@ enum Source {
     Null(u64),
 }
 
+impl Drop for Source {
+    /// An export is left as QEMU's client leaves it, with NBD_CMD_DISC, so the server sees
+    /// a client that said goodbye rather than one that vanished.
+    fn drop(&mut self) {
+        if let Source::Nbd(c) = self {
+            if let Ok(c) = c.get_mut() {
+                c.disconnect();
+            }
+        }
+    }
+}
+
 impl ByteSource for Source {
     fn byte_len(&self) -> io::Result<u64> {
         match self {
@@ -172,7 +184,7 @@ fn open(path: &Path, force_share: bool) -> Result<Source, InfoError> {
     };
     if let Some(client) = crate::engine_run::nbd_connect(path) {
         let client = client.map_err(|source| InfoError::OpenNbd {
-            path: path.display().to_string(),
+            path: crate::image_name::given_name(path),
             source,
         })?;
         return Ok(Source::Nbd(std::sync::Mutex::new(client)));
@@ -326,6 +338,12 @@ pub fn collect(
     let mut infos = vec![describe(image, top, force_share)?];
     if let Some(name) = pseudo_filename(image, top) {
         infos[0].filename = name;
+    }
+    if crate::image_name::driver_options(image)
+        .get("driver")
+        .is_some_and(|d| d == "nbd")
+    {
+        infos[0].set_protocol_node("nbd");
     }
     if !backing_chain {
         return Ok(infos);

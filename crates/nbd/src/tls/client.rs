@@ -123,11 +123,14 @@ impl TlsClient {
                 reason: format!("does not match {CLIENT_CERT}: {e}"),
             })?;
         }
-        b.set_verify(if verify_peer {
-            SslVerifyMode::PEER
+        if verify_peer {
+            // The certificate is checked once the handshake is over, as QEMU's client checks
+            // it: the handshake itself always completes, the result is read afterwards (see
+            // `connect`), and a server that fails the check sees its client hang up.
+            b.set_verify_callback(SslVerifyMode::PEER, |_, _| true);
         } else {
-            SslVerifyMode::NONE
-        });
+            b.set_verify(SslVerifyMode::NONE);
+        }
         Ok(Self {
             connector: b.build(),
             kind: Kind::X509 { verify_peer },
@@ -167,7 +170,9 @@ impl TlsClient {
 
     /// Runs the client side of the TLS handshake on `stream`. `hostname` is what the
     /// server's certificate must name (a host name or an IP address); x509 credentials that
-    /// verify the server need one.
+    /// verify the server need one. As QEMU's client, the handshake completes before the
+    /// server's certificate is judged; when it fails the check, the stream is dropped
+    /// without ending the TLS session, which is how the server learns of it.
     pub fn connect<S: Read + Write>(
         &self,
         stream: S,
@@ -175,24 +180,36 @@ impl TlsClient {
     ) -> Result<SslStream<S>, ClientHandshakeError> {
         let fail = |e: &dyn std::fmt::Display| ClientHandshakeError::Failed(e.to_string());
         let mut config = self.connector.configure().map_err(|e| fail(&e))?;
-        let host = match self.kind {
-            Kind::X509 { verify_peer: true } => hostname.ok_or(ClientHandshakeError::NoHostname)?,
-            Kind::X509 { verify_peer: false } | Kind::Psk => {
+        let verify = matches!(self.kind, Kind::X509 { verify_peer: true });
+        let host = match hostname {
+            Some(h) if verify => h,
+            _ => {
                 config = config
                     .verify_hostname(false)
                     .use_server_name_indication(false);
                 hostname.unwrap_or("")
             }
         };
-        match config.connect(host, stream) {
-            Ok(s) => Ok(s),
+        let stream = match config.connect(host, stream) {
+            Ok(s) => s,
             Err(HandshakeError::Failure(mid)) => {
                 let result = mid.ssl().verify_result();
-                Err(verify_error(result, host).unwrap_or_else(|| handshake_error(mid.error())))
+                return Err(
+                    verify_error(result, host).unwrap_or_else(|| handshake_error(mid.error()))
+                );
             }
-            Err(HandshakeError::SetupFailure(e)) => Err(fail(&e)),
-            Err(HandshakeError::WouldBlock(_)) => Err(fail(&"the socket would block")),
+            Err(HandshakeError::SetupFailure(e)) => return Err(fail(&e)),
+            Err(HandshakeError::WouldBlock(_)) => return Err(fail(&"the socket would block")),
+        };
+        if verify {
+            if let Some(e) = verify_error(stream.ssl().verify_result(), host) {
+                return Err(e);
+            }
+            if hostname.is_none() {
+                return Err(ClientHandshakeError::NoHostname);
+            }
         }
+        Ok(stream)
     }
 }
 
