@@ -31,6 +31,10 @@ pub enum HandshakeFailure {
     /// identity, or the client hung up.
     #[error("TLS handshake failed: {0}")]
     Tls(String),
+    /// The handshake succeeded but access control does not admit the client, which is
+    /// then dropped at once, as qemu-nbd drops it (QEMU's words).
+    #[error("{0}")]
+    Denied(String),
 }
 
 /// The identities admitted after the TLS handshake, like QEMU's `authz-simple` object:
@@ -175,7 +179,10 @@ impl TlsServer {
         let authz = self.authz.as_ref()?;
         match peer.name() {
             Some(name) if authz.admits(name) => None,
-            Some(name) => Some(format!("TLS identity {name:?} is not authorized")),
+            Some(name) => Some(match peer {
+                PeerIdentity::Psk(_) => format!("TLS PSK authz check for {name} is denied"),
+                _ => format!("TLS x509 authz check for {name} is denied"),
+            }),
             None => Some(
                 "access control needs a client identity, but the server does not verify \
                  client certificates (verify-peer=off)"
