@@ -13,7 +13,7 @@ use crate::control::Control;
 use crate::export::Export;
 use crate::exports::Exports;
 use crate::negotiate::{negotiate, negotiate_options, HandshakeEnd, HandshakeError, Negotiated};
-use crate::tls::{HandshakeFailure, TlsServer};
+use crate::tls::{HandshakeFailure, QuietAlerts, TlsServer};
 use crate::transmission::{transmit, TransmissionEnd, TransmissionError};
 
 /// Read buffer of a connection: large enough for a header and a 4 KiB write in one read,
@@ -192,8 +192,8 @@ enum Upgrade<T: Transport> {
     Ended(ConnectionEnd),
     /// TLS is up and the negotiation inside it ended this way.
     Secure(
-        BufReader<ReadHalf<SslStream<T>>>,
-        WriteHalf<SslStream<T>>,
+        BufReader<ReadHalf<SslStream<QuietAlerts<T>>>>,
+        WriteHalf<SslStream<QuietAlerts<T>>>,
         HandshakeEnd,
     ),
 }
@@ -229,7 +229,7 @@ async fn upgrade<T: Transport, E: Export>(
     // handshake, without a word: it sees the connection end when it reads a reply.
     if let Some(reason) = tls.refusal(&peer) {
         tracing::info!(?peer, "TLS client refused by authz");
-        let raw = secure.get_mut();
+        let raw = secure.get_mut().get_mut();
         // Closing with the client's first option still unread would reset the connection;
         // the client is to see it end (and say so), so this end is shut first and what the
         // client still sends is read and dropped, for a moment at most.

@@ -214,7 +214,7 @@ impl TlsClient {
 }
 
 /// The error for a failed certificate check, `None` if the certificate was not the problem.
-fn verify_error(result: X509VerifyResult, host: &str) -> Option<ClientHandshakeError> {
+pub(super) fn verify_error(result: X509VerifyResult, host: &str) -> Option<ClientHandshakeError> {
     use verify::*;
     if result == X509VerifyResult::OK {
         return None;
