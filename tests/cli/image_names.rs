@@ -274,7 +274,8 @@ fn image_opts_may_describe_the_backing_node_again() {
 }
 
 /// QEMU's `null-co` device, which stores nothing and reads as zeros: a source for convert
-/// (sparse or fully allocated), and a name `info` and `map` open as QEMU does.
+/// (sparse or fully allocated), a name `info`, `map` and `compare` open as QEMU does, a
+/// target `convert -n` writes into nothing, and never an image to create.
 #[test]
 fn null_co_devices_read_as_qemu_reads_them() {
     let p = Pair::new(|_| {});
@@ -287,4 +288,11 @@ fn null_co_devices_read_as_qemu_reads_them() {
     p.same(&["info", "null-co://"]);
     p.same(&["map", "--output=json", zeroes]);
     p.same(&["info", "null-co://x"]);
+    p.same(&["compare", zeroes, "t.qcow2"]);
+    // A target it is with -n (writes vanish), never one to create.
+    p.same(&["convert", "-n", "-O", "raw", "t.qcow2", "null-co://"]);
+    p.same(&["convert", "-O", "raw", "t.qcow2", "null-co://"]);
+    for fmt in ["raw", "qcow2"] {
+        p.same(&["create", "-f", fmt, "null-co://", "1M"]);
+    }
 }
