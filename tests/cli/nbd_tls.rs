@@ -62,6 +62,18 @@ impl QemuNbd {
     fn path(&self) -> &str {
         self.socket.to_str().unwrap()
     }
+
+    /// Stops it (SIGTERM) and returns what it logged.
+    fn stop_log(mut self) -> String {
+        let pid = libc::pid_t::try_from(self.child.id()).unwrap();
+        // SAFETY: kill only sends a signal to our own child process.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+        let mut err = String::new();
+        let mut stderr = self.child.stderr.take().unwrap();
+        assert!(test_support::exit_within(&mut self.child, Duration::from_secs(30)).is_some());
+        stderr.read_to_string(&mut err).unwrap();
+        err
+    }
 }
 
 impl Drop for QemuNbd {
@@ -156,4 +168,31 @@ fn psk_clients_connect_and_a_wrong_key_is_refused() {
         );
         p.same(&["info", "--image-opts", "--object", &obj, &opts]);
     }
+}
+
+/// A client whose certificate another CA signed (and which trusts that CA only, as iotest
+/// 233's `client2`) sends none to a server that names the CAs it trusts, as QEMU's client
+/// (GnuTLS) does: the server then says no certificate came.
+#[test]
+fn a_certificate_the_servers_cas_did_not_sign_is_withheld() {
+    let (pki, d) = (Pki::new(), image());
+    let p = Pair::new(|_| {});
+    let server_obj = format!(
+        "tls-creds-x509,id=tls0,dir={},endpoint=server,verify-peer=on",
+        pki.server().display()
+    );
+    let tls = QemuNbd::start(
+        &["--object", &server_obj, "--tls-creds", "tls0"],
+        &d.path("disk.qcow2"),
+    );
+    let opts = format!(
+        "driver=nbd,path={},tls-creds=tls0,tls-hostname=localhost",
+        tls.path()
+    );
+    let other = x509_client(&pki.wrong_ca_client());
+    // QEMU's qemu-img first, then ours, against the same server.
+    p.same(&["info", "--image-opts", "--object", &other, &opts]);
+    let log = tls.stop_log();
+    let line = "option negotiation failed: Verify failed: No certificate was found.";
+    assert_eq!(log.matches(line).count(), 2, "{log}");
 }

@@ -574,13 +574,13 @@ fn an_identity_authz_refuses_is_dropped_and_logged_as_qemu_nbd_does() {
     );
     assert!(their_log.contains(&line), "qemu-nbd changed: {their_log}");
     assert!(our_log.contains(&line), "ours: {our_log}");
-    // qemu-nbd closes at once, so its client sees the session end or, when its first
-    // option is still unread, a reset; ours lets the client read the end first, every time.
+    // qemu-nbd closes at once, so its client sees the session end, or a reset, or a broken
+    // pipe, as the race goes; ours lets the client read the end first, every time, which
+    // is what iotest 233 expects.
     let ended = "qemu-io: can't open: Failed to read option reply: Cannot read from TLS \
                  channel: The TLS connection was non-properly terminated.\n";
-    let reset = "Connection reset by peer";
     assert!(
-        their_client == ended || their_client.contains(reset),
+        their_client.starts_with("qemu-io: can't open: "),
         "qemu-nbd changed: {their_client}"
     );
     assert_eq!(our_client, ended);

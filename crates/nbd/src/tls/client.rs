@@ -3,6 +3,7 @@
 //! read with `endpoint=client`, and a blocking handshake whose failures are told in the
 //! words QEMU's client uses, which scripts compare.
 
+use std::ffi::{c_int, c_void};
 use std::io::{Read, Write};
 use std::path::Path;
 
@@ -122,6 +123,15 @@ impl TlsClient {
                 path: key.clone(),
                 reason: format!("does not match {CLIENT_CERT}: {e}"),
             })?;
+            // SAFETY: `b` owns a valid SSL_CTX; the callback is a plain function that keeps
+            // no state, so nothing it uses can be freed before the context.
+            unsafe {
+                SSL_CTX_set_cert_cb(
+                    b.as_ptr(),
+                    Some(withhold_foreign_certificate),
+                    std::ptr::null_mut(),
+                )
+            };
         }
         if verify_peer {
             // The certificate is checked once the handshake is over, as QEMU's client checks
@@ -211,6 +221,52 @@ impl TlsClient {
         }
         Ok(stream)
     }
+}
+
+extern "C" {
+    // Declared here because openssl-sys does not declare them; both are in every OpenSSL
+    // since 1.0.2 (the workspace needs 3).
+    fn SSL_CTX_set_cert_cb(
+        ctx: *mut openssl_sys::SSL_CTX,
+        cb: Option<unsafe extern "C" fn(*mut openssl_sys::SSL, *mut c_void) -> c_int>,
+        arg: *mut c_void,
+    );
+    fn SSL_get_client_CA_list(ssl: *const openssl_sys::SSL)
+        -> *mut openssl_sys::stack_st_X509_NAME;
+    fn SSL_certs_clear(ssl: *mut openssl_sys::SSL);
+}
+
+/// OpenSSL's certificate callback on the client: when the server asks for a certificate
+/// and names the CAs it trusts, ours goes only if one of them issued it, as GnuTLS (QEMU's
+/// client) decides; otherwise the client answers with none, and the server says so. With
+/// no names (a server that lists none) the certificate goes, as GnuTLS sends it then too.
+unsafe extern "C" fn withhold_foreign_certificate(
+    ssl: *mut openssl_sys::SSL,
+    _arg: *mut c_void,
+) -> c_int {
+    // SAFETY: OpenSSL calls this with a valid SSL in its handshake; every pointer read here
+    // belongs to it, is checked for null, and none is kept past the call.
+    unsafe {
+        let cert = openssl_sys::SSL_get_certificate(ssl);
+        let cas = SSL_get_client_CA_list(ssl);
+        if cert.is_null() || cas.is_null() {
+            return 1;
+        }
+        let stack = cas as *const openssl_sys::OPENSSL_STACK;
+        let n = openssl_sys::OPENSSL_sk_num(stack);
+        if n <= 0 {
+            return 1;
+        }
+        let issuer = openssl_sys::X509_get_issuer_name(cert);
+        for i in 0..n {
+            let name = openssl_sys::OPENSSL_sk_value(stack, i) as *const openssl_sys::X509_NAME;
+            if !name.is_null() && openssl_sys::X509_NAME_cmp(name, issuer) == 0 {
+                return 1;
+            }
+        }
+        SSL_certs_clear(ssl);
+    }
+    1
 }
 
 /// The error for a failed certificate check, `None` if the certificate was not the problem.
