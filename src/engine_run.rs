@@ -259,6 +259,10 @@ pub fn probe_format(path: &Path) -> Result<Format, OpenError> {
         source,
     };
     let mut magic = [0u8; 4];
+    // A null-co device reads as zeros: no format's magic.
+    if path.to_str().is_some_and(storage::null::is_null_name) {
+        return Ok(Format::Raw);
+    }
     if let Some(name) = path.to_str().filter(|n| nbd::client::is_nbd_name(n)) {
         let target = nbd::client::NbdTarget::parse(name)
             .map_err(|e| probe_err(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?;

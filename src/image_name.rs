@@ -162,6 +162,15 @@ pub enum Reason {
     /// An `nbd` driver option this tool does not know or does not implement.
     #[error("Block protocol 'nbd' doesn't support the option '{0}'")]
     NbdOption(String),
+    /// A `null-co` file name other than the one QEMU allows.
+    #[error("The only allowed filename for this driver is 'null-co://'")]
+    NullFilename,
+    /// A `null-co` option value QEMU would refuse.
+    #[error("Parameter '{0}' expects {1}")]
+    NullValue(String, &'static str),
+    /// The `tls-creds` of an `nbd` node cannot be used.
+    #[error("{0}")]
+    TlsCreds(String),
     /// An option given both as a value and as an object with members.
     #[error("Option '{0}' is given both as a value and as an object")]
     Conflict(String),
@@ -231,6 +240,12 @@ pub fn protocol_path(name: &OsStr) -> Result<PathBuf, Reason> {
         return Ok(PathBuf::from(name));
     };
     let protocol = String::from_utf8_lossy(&bytes[..colon]).into_owned();
+    if protocol == "null-co" {
+        return match name.to_str() {
+            Some(storage::null::NULL_CO) => Ok(PathBuf::from(storage::null::NULL_CO)),
+            _ => Err(Reason::NullFilename),
+        };
+    }
     if protocol != "file" {
         return Err(Reason::UnknownProtocol(protocol));
     }
@@ -408,10 +423,22 @@ fn file_node(direct: Option<Val>, mut members: BTreeMap<String, Val>) -> Result<
 /// Options of the `nbd` protocol that change nothing here.
 const NBD_NOOP_OPTIONS: &[&str] = &["reconnect-delay", "open-timeout", "x-dirty-bitmap"];
 
+/// The `nbd` options about TLS, kept for [`resolve`] to note against the export.
+const NBD_TLS_OPTIONS: &[&str] = &["tls-creds", "tls-hostname"];
+
 /// The `nbd` protocol node (`server.type`, `server.path`, `server.host`, `server.port`,
-/// `export`, or the legacy `path`, `host`, `port`): the NBD name the opener connects by.
-fn nbd_node(mut members: BTreeMap<String, Val>) -> Result<PathBuf, Reason> {
+/// `export`, or the legacy `path`, `host`, `port`): the NBD name the opener connects by,
+/// and its TLS options ([`NBD_TLS_OPTIONS`]).
+fn nbd_node(
+    mut members: BTreeMap<String, Val>,
+) -> Result<(PathBuf, BTreeMap<String, String>), Reason> {
     use nbd::client::{NameError, NbdTarget, ServerAddr, DEFAULT_PORT};
+    let mut tls = BTreeMap::new();
+    for key in NBD_TLS_OPTIONS {
+        if let Some(v) = text(members.remove(*key)) {
+            tls.insert(key.to_string(), v);
+        }
+    }
     let export = text(members.remove("export")).unwrap_or_default();
     let kind = text(members.remove("server.type"));
     let path = text(members.remove("server.path")).or_else(|| text(members.remove("path")));
@@ -433,7 +460,40 @@ fn nbd_node(mut members: BTreeMap<String, Val>) -> Result<PathBuf, Reason> {
         }
         _ => return Err(Reason::Nbd(NameError::NoServer("nbd".into()))),
     };
-    Ok(PathBuf::from(NbdTarget { server, export }.display_name()))
+    Ok((
+        PathBuf::from(NbdTarget { server, export }.display_name()),
+        tls,
+    ))
+}
+
+/// Options of the `null-co` driver that change no data (`latency-ns` only delays).
+const NULL_NOOP_OPTIONS: &[&str] = &["latency-ns"];
+
+/// The `null-co` protocol node (`size`, `read-zeroes`, or the file name `null-co://`): the
+/// name the opener makes the device from.
+fn null_node(mut members: BTreeMap<String, Val>) -> Result<PathBuf, Reason> {
+    use storage::null::NullTarget;
+    let mut target = NullTarget::default();
+    if let Some(name) = text(members.remove("filename")) {
+        if name != storage::null::NULL_CO {
+            return Err(Reason::NullFilename);
+        }
+    }
+    if let Some(size) = text(members.remove("size")) {
+        target.size = crate::size_string::parse_size(&size)
+            .ok()
+            .filter(|&s| s <= storage::MAX_OFFSET)
+            .ok_or(Reason::NullValue(
+                "size".into(),
+                "a non-negative number below 2^63",
+            ))?;
+    }
+    if let Some(z) = text(members.remove("read-zeroes")) {
+        target.read_zeroes = crate::options::parse_bool(&z)
+            .ok_or(Reason::NullValue("read-zeroes".into(), "'on' or 'off'"))?;
+    }
+    check_leftover(&members, "null-co", NULL_NOOP_OPTIONS)?;
+    Ok(PathBuf::from(target.name()))
 }
 
 /// Turns flattened options into the file, the format and the options left for the
@@ -458,9 +518,20 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
         }
         Some("nbd") => {
             // The NBD node on its own: the export's bytes are the image.
-            let path = nbd_node(flat)?;
+            let (path, mut options) = nbd_node(flat)?;
+            // Noted so that `info` can show the node as QEMU does: the protocol is the format.
+            options.insert("driver".into(), "nbd".into());
             return Ok(ImageName {
                 path,
+                format: Some("raw".into()),
+                options,
+                backing: None,
+            });
+        }
+        Some("null-co") => {
+            // The device on its own: its (absent) bytes are the image.
+            return Ok(ImageName {
+                path: null_node(flat)?,
                 format: Some("raw".into()),
                 options: BTreeMap::new(),
                 backing: None,
@@ -468,15 +539,22 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
         }
         Some(other) => return Err(Reason::UnknownDriver(other.to_string())),
     };
+    let mut options = BTreeMap::new();
     let path = match file_members.get("driver") {
         Some(Val::Text(d)) if d == "nbd" && file_direct.is_none() => {
             let mut members = file_members;
             members.remove("driver");
-            nbd_node(members)?
+            let (path, tls) = nbd_node(members)?;
+            options.extend(tls);
+            path
+        }
+        Some(Val::Text(d)) if d == "null-co" && file_direct.is_none() => {
+            let mut members = file_members;
+            members.remove("driver");
+            null_node(members)?
         }
         _ => file_node(file_direct, file_members)?,
     };
-    let mut options = BTreeMap::new();
     // A layer's encryption key (`encrypt.key-secret`, `backing.encrypt.key-secret`, ...) is
     // read from the command line by `secrets`, which gives it to the open.
     let keys: Vec<String> = flat.keys().filter(|k| is_key_secret(k)).cloned().collect();
@@ -630,6 +708,16 @@ pub fn resolve(
             reason,
         })?;
     }
+    let given = path.display().to_string();
+    if let Some(id) = read.options.get("tls-creds") {
+        let hostname = read.options.get("tls-hostname").cloned();
+        crate::secrets::note_nbd_tls(&read.path, id, hostname).map_err(|reason| {
+            NameError::Open {
+                name: given.clone(),
+                reason: Reason::TlsCreds(reason),
+            }
+        })?;
+    }
     *path = read.path.clone();
     if read.format.is_some() {
         format.clone_from(&read.format);
@@ -637,7 +725,28 @@ pub fn resolve(
     if let Ok(mut all) = READ.lock() {
         all.push(read);
     }
+    if let Ok(mut names) = GIVEN.lock() {
+        names.push((path.clone(), given));
+    }
     Ok(())
+}
+
+/// The names as given on the command line, by what they resolved to, for [`given_name`].
+static GIVEN: Mutex<Vec<(PathBuf, String)>> = Mutex::new(Vec::new());
+
+/// The name that resolved to `path` as the command line gave it (an option list, a `json:`
+/// name), which QEMU's errors about the image quote; `path` itself when none did.
+pub fn given_name(path: &Path) -> String {
+    GIVEN
+        .lock()
+        .ok()
+        .and_then(|names| {
+            names
+                .iter()
+                .find(|(p, _)| p == path)
+                .map(|(_, g)| g.clone())
+        })
+        .unwrap_or_else(|| path.display().to_string())
 }
 
 /// [`resolve`] for a name that may be absent.
@@ -694,8 +803,8 @@ mod tests {
             Reason::UnknownProtocol("blkdebug".into())
         );
         assert_eq!(
-            reason("null-co://", false),
-            Reason::UnknownProtocol("null-co".into())
+            reason("ssh://host/x", false),
+            Reason::UnknownProtocol("ssh".into())
         );
     }
 
@@ -746,10 +855,10 @@ mod tests {
         );
         assert_eq!(
             reason(
-                "json:{'driver':'qcow2','file':{'driver':'null-co','size':1}}",
+                "json:{'driver':'qcow2','file':{'driver':'nvme','size':1}}",
                 false
             ),
-            Reason::UnknownDriver("null-co".into())
+            Reason::UnknownDriver("nvme".into())
         );
         assert_eq!(
             reason(
@@ -857,10 +966,10 @@ mod tests {
         );
         assert_eq!(
             reason(
-                "driver=nbd,server.type=unix,server.path=/s,tls-creds=t",
+                "driver=nbd,server.type=unix,server.path=/s,tls-creds=t,tls-x=1",
                 true
             ),
-            Reason::NbdOption("tls-creds".into())
+            Reason::NbdOption("tls-x".into())
         );
         assert!(matches!(
             reason("driver=nbd,server.type=unix", true),
@@ -892,5 +1001,32 @@ mod tests {
             (path.as_path(), format.as_deref()),
             (Path::new("/t/z"), Some("qcow2"))
         );
+    }
+
+    #[test]
+    fn null_co_devices_are_named_by_their_options() {
+        let n = p("null-co://", false).unwrap();
+        assert_eq!(
+            (n.path.as_path(), n.format),
+            (Path::new("null-co://"), None)
+        );
+        assert_eq!(reason("null-co://x", false), Reason::NullFilename);
+        let n = p(
+            "json:{'driver':'null-co','size':1048576,'read-zeroes':true}",
+            false,
+        )
+        .unwrap();
+        assert_eq!(n.path, Path::new("null-co://?size=1048576&read-zeroes=on"));
+        assert_eq!(n.format.as_deref(), Some("raw"));
+        let n = p("driver=raw,file.driver=null-co,file.size=4k", true).unwrap();
+        assert_eq!(n.path, Path::new("null-co://?size=4096&read-zeroes=off"));
+        assert_eq!(
+            reason("driver=null-co,read-zeroes=maybe", true),
+            Reason::NullValue("read-zeroes".into(), "'on' or 'off'")
+        );
+        assert!(matches!(
+            reason("driver=null-co,bogus=1", true),
+            Reason::FormatOption { .. }
+        ));
     }
 }

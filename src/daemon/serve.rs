@@ -28,7 +28,7 @@ mod listen;
 mod overlay;
 mod registry;
 mod signals;
-mod tls;
+pub(crate) mod tls;
 
 use std::io::IsTerminal;
 use std::num::NonZeroUsize;
@@ -216,8 +216,21 @@ fn init_logging(level: args::LogLevel) {
         .try_init();
 }
 
+/// qemu-nbd's line for a client whose negotiation failed.
+fn report_negotiation_failure(e: &str) {
+    eprintln!(
+        "{}: option negotiation failed: {}",
+        crate::prog::name(),
+        tls::qemu_negotiation_words(e)
+    );
+}
+
 fn serve(args: &ServeArgs) -> Result<(), ServeError> {
     init_logging(args.log);
+    // As qemu-nbd, say why a client was turned away (scripts and logs read these lines).
+    if crate::prog::current() == crate::prog::Personality::QemuNbd {
+        nbd::report_negotiation_failures(report_negotiation_failure);
+    }
     let plan = Plan::new(args)?;
     // Before forking: LISTEN_PID names this process, not the child.
     let activated = nbd::systemd::listen_fds()?;

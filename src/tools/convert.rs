@@ -487,6 +487,9 @@ async fn create_target(
     min_sparse: u64,
 ) -> Result<Image<AnyStorage>, ConvertError> {
     let path = args.target();
+    if path.to_str().is_some_and(storage::null::is_null_name) {
+        return Err(ConvertError::CreateNull);
+    }
     let target = path.display().to_string();
     let invalid = CreateError::invalid(&target);
     let mut passwords = qcow2::crypto::Passwords::default();

@@ -125,6 +125,20 @@ enum Format {
 enum Source {
     File(File),
     Nbd(std::sync::Mutex<nbd::client::NbdClient>),
+    /// A `null-co` device: its size; it reads as zeros.
+    Null(u64),
+}
+
+impl Drop for Source {
+    /// An export is left as QEMU's client leaves it, with NBD_CMD_DISC, so the server sees
+    /// a client that said goodbye rather than one that vanished.
+    fn drop(&mut self) {
+        if let Source::Nbd(c) = self {
+            if let Ok(c) = c.get_mut() {
+                c.disconnect();
+            }
+        }
+    }
 }
 
 impl ByteSource for Source {
@@ -132,6 +146,7 @@ impl ByteSource for Source {
         match self {
             Source::File(f) => f.byte_len(),
             Source::Nbd(c) => Ok(c.lock().map_err(|_| io::Error::other("poisoned"))?.size()),
+            Source::Null(size) => Ok(*size),
         }
     }
 
@@ -147,6 +162,14 @@ impl ByteSource for Source {
                     r => Ok(r?),
                 }
             }
+            Source::Null(size) => {
+                match offset.checked_add(buf.len() as u64) {
+                    Some(end) if end <= *size => {}
+                    _ => return Err(io::ErrorKind::UnexpectedEof.into()),
+                }
+                buf.fill(0);
+                Ok(())
+            }
         }
     }
 }
@@ -161,10 +184,14 @@ fn open(path: &Path, force_share: bool) -> Result<Source, InfoError> {
     };
     if let Some(client) = crate::engine_run::nbd_connect(path) {
         let client = client.map_err(|source| InfoError::OpenNbd {
-            path: path.display().to_string(),
+            path: crate::image_name::given_name(path),
             source,
         })?;
         return Ok(Source::Nbd(std::sync::Mutex::new(client)));
+    }
+    if let Some(name) = path.to_str().filter(|n| storage::null::is_null_name(n)) {
+        let target = storage::null::NullTarget::parse(name).map_err(open_err)?;
+        return Ok(Source::Null(target.size));
     }
     let file = File::open(path).map_err(open_err)?;
     let perms = storage::Permissions::for_open(true, force_share);
@@ -175,8 +202,11 @@ fn open(path: &Path, force_share: bool) -> Result<Source, InfoError> {
 
 /// Bytes the file occupies on disk, as `qemu-img info` reports `actual-size`.
 fn allocated_size(source: &Source) -> Option<u64> {
-    let Source::File(file) = source else {
-        return None;
+    let file = match source {
+        Source::File(file) => file,
+        // A device that stores nothing occupies nothing.
+        Source::Null(_) => return Some(0),
+        Source::Nbd(_) => return None,
     };
     file.metadata().ok().map(|m| m.blocks().saturating_mul(512))
 }
@@ -231,8 +261,10 @@ fn describe(path: &Path, format: Format, force_share: bool) -> Result<ImageInfo,
     if let Some(actual) = allocated_size(&file) {
         info.set_actual_size(actual);
     }
-    if matches!(file, Source::Nbd(_)) {
-        info.set_nbd();
+    match file {
+        Source::Nbd(_) => info.set_nbd(),
+        Source::Null(_) => info.set_null_co(),
+        Source::File(_) => {}
     }
     Ok(info)
 }
@@ -306,6 +338,12 @@ pub fn collect(
     let mut infos = vec![describe(image, top, force_share)?];
     if let Some(name) = pseudo_filename(image, top) {
         infos[0].filename = name;
+    }
+    if crate::image_name::driver_options(image)
+        .get("driver")
+        .is_some_and(|d| d == "nbd")
+    {
+        infos[0].set_protocol_node("nbd");
     }
     if !backing_chain {
         return Ok(infos);

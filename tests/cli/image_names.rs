@@ -272,3 +272,27 @@ fn image_opts_may_describe_the_backing_node_again() {
     // Nothing was committed into the other file.
     p.ours.qemu_io("qcow2", "other.qcow2", &["read -P 0 0 64M"]);
 }
+
+/// QEMU's `null-co` device, which stores nothing and reads as zeros: a source for convert
+/// (sparse or fully allocated), a name `info`, `map` and `compare` open as QEMU does, a
+/// target `convert -n` writes into nothing, and never an image to create.
+#[test]
+fn null_co_devices_read_as_qemu_reads_them() {
+    let p = Pair::new(|_| {});
+    let zeroes = "json:{ 'driver': 'null-co', 'size': 1048576, 'read-zeroes': true }";
+    for sparse in ["512", "0"] {
+        p.same(&["convert", "-O", "qcow2", "-S", sparse, zeroes, "t.qcow2"]);
+        p.same(&["map", "t.qcow2"]);
+        p.same(&["map", "--output=json", "t.qcow2"]);
+    }
+    p.same(&["info", "null-co://"]);
+    p.same(&["map", "--output=json", zeroes]);
+    p.same(&["info", "null-co://x"]);
+    p.same(&["compare", zeroes, "t.qcow2"]);
+    // A target it is with -n (writes vanish), never one to create.
+    p.same(&["convert", "-n", "-O", "raw", "t.qcow2", "null-co://"]);
+    p.same(&["convert", "-O", "raw", "t.qcow2", "null-co://"]);
+    for fmt in ["raw", "qcow2"] {
+        p.same(&["create", "-f", fmt, "null-co://", "1M"]);
+    }
+}

@@ -17,6 +17,7 @@ mod drop_in;
 mod encryption;
 mod image_names;
 mod interop_writes;
+mod nbd_tls;
 mod nbd_urls;
 mod option_lists;
 mod qemu_img_options;

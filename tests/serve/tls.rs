@@ -507,12 +507,83 @@ fn refusals_say_why_in_the_clients_words() {
         "{plain}"
     );
     assert!(plain.contains("not permitted before TLS"), "{plain}");
+    // As qemu-nbd, a client access control turns away is dropped once the handshake is
+    // over; it sees the TLS session end where its first option's reply should be.
     let (_, denied) = attempt(At::of(&server), &Attempt::Qemu(Some(&pki.client())));
     assert!(
-        denied.contains(&format!("TLS identity \"{CLIENT_DN}\" is not authorized")),
+        denied.contains(
+            "Failed to read option reply: Cannot read from TLS channel: The TLS connection \
+             was non-properly terminated."
+        ),
         "{denied}"
     );
     server.stop_ok();
+}
+
+/// Runs a qemu-nbd (`ours`: our binary under that name) requiring TLS on `image` with
+/// `flags`, lets `client` connect once, and returns what the client printed and the
+/// server's stderr.
+fn qemu_nbd_session(ours: bool, image: &Path, flags: &[&str], client: &Path) -> (String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let program = if ours {
+        let link = dir.path().join("qemu-nbd");
+        std::os::unix::fs::symlink(BIN, &link).unwrap();
+        link
+    } else {
+        test_support::require("qemu-nbd", "qemu-utils")
+    };
+    let socket = dir.path().join("s.sock");
+    let mut child = Command::new(&program)
+        .args(["-t", "-f", "qcow2", "-k"])
+        .arg(&socket)
+        .args(flags)
+        .arg(image)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start qemu-nbd");
+    wait_until(Duration::from_secs(30), "qemu-nbd listens", || {
+        std::os::unix::net::UnixStream::connect(&socket).is_ok()
+    });
+    let out = qemu_io_x509(At::Unix(&socket), Some(client), &["read 0 4k"]);
+    let pid = libc::pid_t::try_from(child.id()).unwrap();
+    // SAFETY: kill only sends a signal to our own child process.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    assert!(test_support::exit_within(&mut child, Duration::from_secs(30)).is_some());
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    (combined(&out), err)
+}
+
+#[test]
+fn an_identity_authz_refuses_is_dropped_and_logged_as_qemu_nbd_does() {
+    let (pki, d) = fixture("4M");
+    let image = d.path("disk.qcow2");
+    let object = x509(&pki.server(), ",verify-peer=on");
+    let flags = tls_flags(&object, Some(&authz("C=GB,O=Test Org,CN=someone else")));
+    let (their_client, their_log) = qemu_nbd_session(false, &image, &strs(&flags), &pki.client());
+    let (our_client, our_log) = qemu_nbd_session(true, &image, &strs(&flags), &pki.client());
+    let line = format!(
+        "qemu-nbd: option negotiation failed: TLS x509 authz check for {CLIENT_DN} is denied"
+    );
+    assert!(their_log.contains(&line), "qemu-nbd changed: {their_log}");
+    assert!(our_log.contains(&line), "ours: {our_log}");
+    // qemu-nbd closes at once, so its client sees the session end, or a reset, or a broken
+    // pipe, as the race goes; ours lets the client read the end first, every time, which
+    // is what iotest 233 expects.
+    let ended = "qemu-io: can't open: Failed to read option reply: Cannot read from TLS \
+                 channel: The TLS connection was non-properly terminated.\n";
+    assert!(
+        their_client.starts_with("qemu-io: can't open: "),
+        "qemu-nbd changed: {their_client}"
+    );
+    assert_eq!(our_client, ended);
 }
 
 /// Reads until the server closes: everything it sent.

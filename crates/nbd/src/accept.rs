@@ -17,6 +17,33 @@ pub(crate) enum Accepted {
     Tcp(tokio::net::TcpStream, SocketAddr),
 }
 
+/// What a server that reports failed negotiations (as qemu-nbd does on stderr) is told:
+/// why one client's negotiation failed. Set once, by the program.
+static NEGOTIATION_FAILURES: std::sync::OnceLock<fn(&str)> = std::sync::OnceLock::new();
+
+/// Has every client negotiation that fails, or that the client leaves without a word
+/// (hanging up where an option should begin), reported to `report` with the reason (the
+/// connection is closed either way; this only tells of it).
+pub fn report_negotiation_failures(report: fn(&str)) {
+    let _ = NEGOTIATION_FAILURES.set(report);
+}
+
+fn report_negotiation(reason: &str) {
+    if let Some(report) = NEGOTIATION_FAILURES.get() {
+        report(reason);
+    }
+}
+
+/// Why a client that hung up between options failed, as qemu-nbd says it.
+fn hung_up_reason(tls: bool) -> &'static str {
+    if tls {
+        "Failed to read opts magic: Cannot read from TLS channel: The TLS connection was \
+         non-properly terminated."
+    } else {
+        "Failed to read opts magic: Unexpected end-of-file before all data were read"
+    }
+}
+
 /// How a client's connection went.
 pub(crate) struct Handled {
     /// It ended without error.
@@ -63,6 +90,9 @@ pub(crate) async fn handle<E: Export + 'static>(
         }
         Ok(end) => {
             tracing::debug!(%peer, ?end, "client left during handshake");
+            if let ConnectionEnd::HungUpDuringHandshake { tls } = end {
+                report_negotiation(hung_up_reason(tls));
+            }
             Handled {
                 ok: true,
                 transmitted: false,
@@ -70,6 +100,9 @@ pub(crate) async fn handle<E: Export + 'static>(
         }
         Err(e) => {
             tracing::info!(%peer, error = %e, "connection closed");
+            if !e.reached_transmission() {
+                report_negotiation(&e.to_string());
+            }
             Handled {
                 ok: false,
                 transmitted: e.reached_transmission(),

@@ -13,7 +13,7 @@ use crate::control::Control;
 use crate::export::Export;
 use crate::exports::Exports;
 use crate::negotiate::{negotiate, negotiate_options, HandshakeEnd, HandshakeError, Negotiated};
-use crate::tls::{HandshakeFailure, TlsServer};
+use crate::tls::{HandshakeFailure, QuietAlerts, TlsServer};
 use crate::transmission::{transmit, TransmissionEnd, TransmissionError};
 
 /// Read buffer of a connection: large enough for a header and a 4 KiB write in one read,
@@ -25,6 +25,11 @@ const READ_BUFFER: usize = 64 * 1024;
 pub enum ConnectionEnd {
     /// The client left during the handshake (`OPT_ABORT`, or closing the socket).
     LeftDuringHandshake,
+    /// The client hung up between options without NBD_OPT_ABORT; `tls` if inside TLS.
+    HungUpDuringHandshake {
+        /// The connection had gone over to TLS.
+        tls: bool,
+    },
     /// The server shut down during the handshake.
     ShutdownDuringHandshake,
     /// Still negotiating when the server needed room for a newer client.
@@ -56,6 +61,9 @@ impl ConnectionError {
         matches!(self, ConnectionError::Transmission(_))
     }
 }
+
+/// How long a client access control turned away may take to hang up once told.
+const AUTHZ_DRAIN: Duration = Duration::from_secs(1);
 
 /// A client's socket: split in halves for the plaintext phases, whole again when TLS
 /// starts.
@@ -113,7 +121,7 @@ where
     match guarded(&control, upgrade).await? {
         Guarded::Ended(end) | Guarded::Done(Upgrade::Ended(end)) => Ok(end),
         Guarded::Done(Upgrade::Secure(reader, writer, end)) => {
-            finish(reader, writer, exports, control, end).await
+            finish(reader, writer, exports, control, end, true).await
         }
     }
 }
@@ -145,7 +153,7 @@ where
         Guarded::Done(end) => end,
         Guarded::Ended(end) => return Ok(end),
     };
-    finish(reader, writer, exports, control, end).await
+    finish(reader, writer, exports, control, end, false).await
 }
 
 /// How a guarded handshake step came out.
@@ -184,8 +192,8 @@ enum Upgrade<T: Transport> {
     Ended(ConnectionEnd),
     /// TLS is up and the negotiation inside it ended this way.
     Secure(
-        BufReader<ReadHalf<SslStream<T>>>,
-        WriteHalf<SslStream<T>>,
+        BufReader<ReadHalf<SslStream<QuietAlerts<T>>>>,
+        WriteHalf<SslStream<QuietAlerts<T>>>,
         HandshakeEnd,
     ),
 }
@@ -202,6 +210,11 @@ async fn upgrade<T: Transport, E: Export>(
     let mut state = match negotiate(&mut reader, &mut writer, exports, true).await? {
         HandshakeEnd::StartTls(state) => state,
         HandshakeEnd::ClientLeft => return Ok(Upgrade::Ended(ConnectionEnd::LeftDuringHandshake)),
+        HandshakeEnd::HungUp => {
+            return Ok(Upgrade::Ended(ConnectionEnd::HungUpDuringHandshake {
+                tls: false,
+            }))
+        }
         HandshakeEnd::Transmission(..) => {
             return Err(HandshakeError::Refused("transmission without TLS".into()).into())
         }
@@ -210,15 +223,22 @@ async fn upgrade<T: Transport, E: Export>(
     let Some(stream) = T::join(reader.into_inner(), writer) else {
         return Err(HandshakeError::Refused("socket halves do not match".into()).into());
     };
-    let (secure, peer) = tls.accept(stream).await.map_err(ConnectionError::Tls)?;
+    let (mut secure, peer) = tls.accept(stream).await.map_err(ConnectionError::Tls)?;
     state.tls_started();
-    match tls.refusal(&peer) {
-        Some(reason) => {
-            tracing::info!(?peer, "TLS client refused by authz");
-            state.deny(reason);
-        }
-        None => tracing::debug!(?peer, "TLS client"),
+    // As qemu-nbd, a client access control does not admit is dropped right after the
+    // handshake, without a word: it sees the connection end when it reads a reply.
+    if let Some(reason) = tls.refusal(&peer) {
+        tracing::info!(?peer, "TLS client refused by authz");
+        let raw = secure.get_mut().get_mut();
+        // Closing with the client's first option still unread would reset the connection;
+        // the client is to see it end (and say so), so this end is shut first and what the
+        // client still sends is read and dropped, for a moment at most.
+        let _ = tokio::io::AsyncWriteExt::shutdown(raw).await;
+        let _ =
+            tokio::time::timeout(AUTHZ_DRAIN, tokio::io::copy(raw, &mut tokio::io::sink())).await;
+        return Err(ConnectionError::Tls(HandshakeFailure::Denied(reason)));
     }
+    tracing::debug!(?peer, "TLS client");
     let (reader, mut writer) = tokio::io::split(secure);
     let mut reader = BufReader::with_capacity(READ_BUFFER, reader);
     let end = negotiate_options(&mut reader, &mut writer, exports, state).await?;
@@ -232,6 +252,7 @@ async fn finish<R, W, E>(
     exports: &Exports<E>,
     control: Control,
     end: HandshakeEnd,
+    tls: bool,
 ) -> Result<ConnectionEnd, ConnectionError>
 where
     R: AsyncRead + Unpin,
@@ -243,6 +264,7 @@ where
         .store(false, std::sync::atomic::Ordering::Release);
     let (negotiated, _attached) = match end {
         HandshakeEnd::ClientLeft => return Ok(ConnectionEnd::LeftDuringHandshake),
+        HandshakeEnd::HungUp => return Ok(ConnectionEnd::HungUpDuringHandshake { tls }),
         HandshakeEnd::Transmission(n, attached) => (n, attached),
         HandshakeEnd::StartTls(_) => {
             return Err(HandshakeError::Refused("STARTTLS on a server without TLS".into()).into())

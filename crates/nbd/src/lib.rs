@@ -36,6 +36,7 @@ pub mod transmission;
 pub mod wire;
 mod workers;
 
+pub use accept::report_negotiation_failures;
 pub use connection::{serve_client, serve_connection, ConnectionEnd, ConnectionError, Transport};
 pub use control::Control;
 pub use errno::Errno;

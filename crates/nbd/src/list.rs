@@ -31,6 +31,10 @@ pub enum ListError {
     /// Talking to it failed.
     #[error("Failed to read from the server: {0}")]
     Io(#[from] std::io::Error),
+    /// Reading the answer to an option failed (QEMU's words; an early end of the stream
+    /// told as QEMU tells it).
+    #[error("Failed to read option reply: {}", read_failure(.0))]
+    ReadReply(std::io::Error),
     /// It answered something the protocol does not allow.
     #[error("Server sent an unexpected reply: {0}")]
     Protocol(String),
@@ -67,6 +71,15 @@ impl ListError {
         }
         out
     }
+}
+
+/// A failed read of an option reply: an end of the stream the channel did not explain is
+/// told in QEMU's words.
+fn read_failure(e: &std::io::Error) -> String {
+    if e.kind() == std::io::ErrorKind::UnexpectedEof && e.get_ref().is_none() {
+        return "Unexpected end-of-file before all data were read".to_owned();
+    }
+    e.to_string()
 }
 
 /// An option's name, as QEMU's messages give it.
@@ -296,7 +309,12 @@ impl Client<'_> {
     }
 
     pub(crate) fn reply(&mut self, option: u32) -> Result<Reply, ListError> {
-        if self.read_u64()? != OPTION_REPLY_MAGIC {
+        let magic = match self.read_u64() {
+            Ok(m) => m,
+            Err(ListError::Io(e)) => return Err(ListError::ReadReply(e)),
+            Err(e) => return Err(e),
+        };
+        if magic != OPTION_REPLY_MAGIC {
             return Err(ListError::Protocol("bad option reply magic".into()));
         }
         let answered = self.read_u32()?;

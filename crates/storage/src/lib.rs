@@ -18,8 +18,9 @@
 //! - [`FaultStorage`]: wraps any storage, logs unflushed operations, makes crash images and
 //!   injects errors.
 //! - [`nbd::NbdStorage`]: an NBD export, for names like `nbd+unix:///?socket=PATH`.
-//! - [`AnyStorage`] / [`FileOpener`]: choose io_uring or threads at run time, or NBD for an
-//!   NBD name.
+//! - [`null::NullStorage`]: QEMU's `null-co` device (`null-co://`), which stores nothing.
+//! - [`AnyStorage`] / [`FileOpener`]: choose io_uring or threads at run time, NBD for an
+//!   NBD name, or a `null-co` device for its name.
 //!
 //! With `direct: true` (QEMU's `cache=none`) files are opened with `O_DIRECT`; aligned requests
 //! go straight through, unaligned ones use a bounce buffer (reads) or a serialized
@@ -45,6 +46,7 @@ pub mod file;
 pub mod lock;
 mod mem;
 pub mod nbd;
+pub mod null;
 mod opener;
 mod sys;
 pub mod threads;

@@ -37,6 +37,8 @@ pub enum AnyStorage {
     Threads(ThreadsStorage),
     /// An NBD export (the file name was an NBD name).
     Nbd(crate::nbd::NbdStorage),
+    /// A `null-co` device (the file name was a `null-co://` name).
+    Null(crate::null::NullStorage),
 }
 
 impl AnyStorage {
@@ -44,7 +46,7 @@ impl AnyStorage {
     pub fn aio(&self) -> Aio {
         match self {
             AnyStorage::Uring(_) => Aio::IoUring,
-            AnyStorage::Threads(_) | AnyStorage::Nbd(_) => Aio::Threads,
+            AnyStorage::Threads(_) | AnyStorage::Nbd(_) | AnyStorage::Null(_) => Aio::Threads,
         }
     }
 }
@@ -55,6 +57,7 @@ macro_rules! each {
             AnyStorage::Uring($s) => $e,
             AnyStorage::Threads($s) => $e,
             AnyStorage::Nbd($s) => $e,
+            AnyStorage::Null($s) => $e,
         }
     };
 }
@@ -115,6 +118,9 @@ impl Opener for FileOpener {
         if let Some(name) = path.to_str().filter(|n| nbd::client::is_nbd_name(n)) {
             return crate::nbd::NbdStorage::open(name, opts).map(AnyStorage::Nbd);
         }
+        if let Some(name) = path.to_str().filter(|n| crate::null::is_null_name(n)) {
+            return crate::null::NullStorage::open(name).map(AnyStorage::Null);
+        }
         let opts = OpenOptions {
             direct: opts.direct || self.direct,
             locking: self.locking,
@@ -138,7 +144,10 @@ impl Opener for FileOpener {
     /// Resolved on a thread of its own within `opts.bound`: walking a path on a file system
     /// that does not answer blocks like opening a file there.
     async fn canonical(&self, path: &Path, opts: OpenOptions) -> io::Result<PathBuf> {
-        if path.to_str().is_some_and(nbd::client::is_nbd_name) {
+        if path
+            .to_str()
+            .is_some_and(|n| nbd::client::is_nbd_name(n) || crate::null::is_null_name(n))
+        {
             return Ok(path.to_path_buf());
         }
         let owned = path.to_path_buf();

@@ -20,6 +20,9 @@ pub struct Pki {
 }
 
 const CA_TEMPLATE: &str = "cn = Test CA\nca\ncert_signing_key\nexpiration_days = 2\n";
+/// Another name than the CA's, so that a server naming the CAs it trusts does not name it
+/// (GnuTLS clients then withhold certificates it signed, as in QEMU's iotest 233).
+const OTHER_CA_TEMPLATE: &str = "cn = Other Test CA\nca\ncert_signing_key\nexpiration_days = 2\n";
 const SERVER_TEMPLATE: &str = "organization = Test Org\ncn = localhost\n\
     dns_name = localhost\nip_address = 127.0.0.1\nip_address = ::1\ntls_www_server\n\
     encryption_key\nsigning_key\nexpiration_days = 2\n";
@@ -36,6 +39,7 @@ impl Pki {
         let root = pki.dir.path();
         for (name, text) in [
             ("ca.info", CA_TEMPLATE),
+            ("other-ca.info", OTHER_CA_TEMPLATE),
             ("server.info", SERVER_TEMPLATE),
             ("client.info", CLIENT_TEMPLATE),
         ] {
@@ -48,7 +52,7 @@ impl Pki {
                 "--load-privkey",
                 &format!("{ca}-key.pem"),
                 "--template",
-                "ca.info",
+                &format!("{ca}.info"),
                 "--outfile",
                 &format!("{ca}-cert.pem"),
             ]);

@@ -363,6 +363,26 @@ pub fn tls_client(flags: &TlsFlags) -> Result<Option<TlsClient>, TlsArgError> {
     }
 }
 
+/// Why a client's negotiation failed, in the words qemu-nbd (GnuTLS) logs it with where
+/// OpenSSL's differ: a client that sent no certificate, a PSK client whose key or identity
+/// is not ours.
+pub fn qemu_negotiation_words(reason: &str) -> String {
+    const OURS_THEIRS: &[(&str, &str)] = &[
+        (
+            "peer did not return a certificate",
+            "Verify failed: No certificate was found.",
+        ),
+        (
+            "no suitable signature algorithm",
+            "TLS handshake failed: An illegal parameter has been received.",
+        ),
+    ];
+    OURS_THEIRS
+        .iter()
+        .find(|(ours, _)| reason.contains(ours))
+        .map_or_else(|| reason.to_owned(), |(_, theirs)| (*theirs).to_owned())
+}
+
 /// Where QEMU's `tls-creds-psk,dir=DIR` finds its keys.
 pub fn psk_file(dir: &Path) -> PathBuf {
     dir.join("keys.psk")

@@ -16,6 +16,9 @@ pub enum ConvertError {
     /// A bad `-o` list or value.
     #[error("{0}")]
     Options(#[from] OptionsError),
+    /// A target QEMU's null device would have to hold (without `-n`).
+    #[error("Protocol driver 'null-co' does not support image creation")]
+    CreateNull,
     /// `-C` with `-c`.
     #[error("Cannot enable copy offloading when -c is used")]
     CopyOffloadCompress,

@@ -13,8 +13,9 @@ pub enum ClientError {
         /// Why.
         source: std::io::Error,
     },
-    /// The handshake failed or was refused.
-    #[error(transparent)]
+    /// The handshake failed or was refused; QEMU's hints (what the server said, what to
+    /// check) follow on lines of their own, as QEMU prints them.
+    #[error("{e}{hints}", e = .0, hints = hint_lines(.0))]
     Handshake(#[from] ListError),
     /// Talking to the server failed.
     #[error("Failed to talk to the NBD server: {0}")]
@@ -63,6 +64,10 @@ fn os_text(e: &std::io::Error) -> String {
         Some(i) => text[..i].to_string(),
         None => text,
     }
+}
+
+fn hint_lines(e: &ListError) -> String {
+    e.hints().iter().map(|h| format!("\n{h}")).collect()
 }
 
 /// A protocol error saying `msg`.

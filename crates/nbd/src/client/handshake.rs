@@ -10,7 +10,7 @@ use super::error::{proto, ClientError};
 use super::limits::MAX_REQUEST;
 use super::name::{NbdTarget, ServerAddr};
 use super::session::{NbdClient, ReadWrite};
-use crate::list::{name_field, refused, Client as OptClient};
+use crate::list::{name_field, refused, Client as OptClient, ListError};
 use crate::wire::consts::*;
 
 const BASE_ALLOC: &str = "base:allocation";
@@ -71,7 +71,24 @@ impl NbdClient {
                 Conn::Tcp(s)
             }
         };
-        NbdClient::handshake(Box::new(conn) as Box<dyn ReadWrite>, &target.export)
+        let Some(tls) = super::tls::tls_for(&target.display_name()) else {
+            return NbdClient::handshake(Box::new(conn) as Box<dyn ReadWrite>, &target.export);
+        };
+        // The host connected to is what the certificate must name, unless told otherwise.
+        let hostname = tls.hostname.clone().or(match &target.server {
+            ServerAddr::Inet { host, .. } => Some(host.clone()),
+            ServerAddr::Unix(_) => None,
+        });
+        let mut conn = conn;
+        let mut o = OptClient { s: &mut conn };
+        o.greet()?;
+        o.starttls()?;
+        let secure = tls
+            .client
+            .connect(conn, hostname.as_deref())
+            .map_err(ListError::from)?;
+        let channel = super::tls::TlsChannel(secure);
+        NbdClient::negotiate(Box::new(channel) as Box<dyn ReadWrite>, &target.export)
     }
 }
 
@@ -79,8 +96,41 @@ impl<S: Read + Write> NbdClient<S> {
     /// Negotiates export `export` over `s`: structured replies and `base:allocation` when
     /// the server offers them, then NBD_OPT_GO.
     pub fn handshake(mut s: S, export: &str) -> Result<NbdClient<S>, ClientError> {
-        let mut o = OptClient { s: &mut s };
-        o.greet()?;
+        OptClient { s: &mut s }.greet()?;
+        NbdClient::negotiate(s, export)
+    }
+
+    /// The negotiation after the greeting (and after TLS, when it is used). After a
+    /// refusal the client says it is leaving (NBD_OPT_ABORT), as QEMU's client does, rather
+    /// than just hanging up.
+    fn negotiate(mut s: S, export: &str) -> Result<NbdClient<S>, ClientError> {
+        let r = NbdClient::negotiate_inner(&mut s, export);
+        match r {
+            Ok((size, flags, structured, allocation, max_request, min_block)) => Ok(NbdClient {
+                s,
+                size,
+                flags,
+                structured,
+                allocation,
+                max_request,
+                min_block,
+                next_handle: 1,
+            }),
+            Err(e) => {
+                if let ClientError::Handshake(ListError::Refused { .. }) = &e {
+                    let _ = OptClient { s: &mut s }.send_option(OPT_ABORT, &[]);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn negotiate_inner(
+        s: &mut S,
+        export: &str,
+    ) -> Result<(u64, u16, bool, Option<u32>, u32, u32), ClientError> {
+        let mut o = OptClient { s };
         let structured = o.simple_option(OPT_STRUCTURED_REPLY)?;
         let mut allocation = None;
         if structured {
@@ -154,15 +204,6 @@ impl<S: Read + Write> NbdClient<S> {
         if size > i64::MAX as u64 {
             return Err(proto(format!("export size {size} too large")));
         }
-        Ok(NbdClient {
-            s,
-            size,
-            flags,
-            structured,
-            allocation,
-            max_request,
-            min_block,
-            next_handle: 1,
-        })
+        Ok((size, flags, structured, allocation, max_request, min_block))
     }
 }

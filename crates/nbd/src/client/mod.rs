@@ -15,12 +15,14 @@ mod handshake;
 mod limits;
 mod name;
 mod session;
+mod tls;
 mod transmission;
 
 pub use error::ClientError;
 pub use limits::{DEFAULT_IO_TIMEOUT, MAX_CHUNKS, MAX_EXTENTS, MAX_RANGE, MAX_REQUEST};
 pub use name::{is_nbd_name, NameError, NbdTarget, ServerAddr, DEFAULT_PORT};
 pub use session::{NbdClient, ReadWrite, Status};
+pub use tls::{register_tls, tls_for, ClientTls};
 
 #[cfg(test)]
 mod tests;

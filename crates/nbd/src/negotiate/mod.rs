@@ -55,6 +55,8 @@ pub enum HandshakeEnd {
     Transmission(Negotiated, Attachment),
     /// The client aborted, or hung up, before choosing an export.
     ClientLeft,
+    /// The client hung up where the next option should have begun (no NBD_OPT_ABORT).
+    HungUp,
     /// STARTTLS was acknowledged: run the TLS handshake on the socket, then go on with
     /// [`negotiate_options`] and this state inside TLS.
     StartTls(OptionState),
@@ -115,7 +117,7 @@ where
     loop {
         let mut head = [0u8; OPTION_HEADER_LEN];
         if !read_or_eof(reader, &mut head).await? {
-            return Ok(HandshakeEnd::ClientLeft);
+            return Ok(HandshakeEnd::HungUp);
         }
         let header = OptionHeader::decode(&head)?;
         options += 1;

@@ -3,6 +3,7 @@
 //! read with `endpoint=client`, and a blocking handshake whose failures are told in the
 //! words QEMU's client uses, which scripts compare.
 
+use std::ffi::{c_int, c_void};
 use std::io::{Read, Write};
 use std::path::Path;
 
@@ -122,12 +123,24 @@ impl TlsClient {
                 path: key.clone(),
                 reason: format!("does not match {CLIENT_CERT}: {e}"),
             })?;
+            // SAFETY: `b` owns a valid SSL_CTX; the callback is a plain function that keeps
+            // no state, so nothing it uses can be freed before the context.
+            unsafe {
+                SSL_CTX_set_cert_cb(
+                    b.as_ptr(),
+                    Some(withhold_foreign_certificate),
+                    std::ptr::null_mut(),
+                )
+            };
         }
-        b.set_verify(if verify_peer {
-            SslVerifyMode::PEER
+        if verify_peer {
+            // The certificate is checked once the handshake is over, as QEMU's client checks
+            // it: the handshake itself always completes, the result is read afterwards (see
+            // `connect`), and a server that fails the check sees its client hang up.
+            b.set_verify_callback(SslVerifyMode::PEER, |_, _| true);
         } else {
-            SslVerifyMode::NONE
-        });
+            b.set_verify(SslVerifyMode::NONE);
+        }
         Ok(Self {
             connector: b.build(),
             kind: Kind::X509 { verify_peer },
@@ -167,7 +180,9 @@ impl TlsClient {
 
     /// Runs the client side of the TLS handshake on `stream`. `hostname` is what the
     /// server's certificate must name (a host name or an IP address); x509 credentials that
-    /// verify the server need one.
+    /// verify the server need one. As QEMU's client, the handshake completes before the
+    /// server's certificate is judged; when it fails the check, the stream is dropped
+    /// without ending the TLS session, which is how the server learns of it.
     pub fn connect<S: Read + Write>(
         &self,
         stream: S,
@@ -175,29 +190,87 @@ impl TlsClient {
     ) -> Result<SslStream<S>, ClientHandshakeError> {
         let fail = |e: &dyn std::fmt::Display| ClientHandshakeError::Failed(e.to_string());
         let mut config = self.connector.configure().map_err(|e| fail(&e))?;
-        let host = match self.kind {
-            Kind::X509 { verify_peer: true } => hostname.ok_or(ClientHandshakeError::NoHostname)?,
-            Kind::X509 { verify_peer: false } | Kind::Psk => {
+        let verify = matches!(self.kind, Kind::X509 { verify_peer: true });
+        let host = match hostname {
+            Some(h) if verify => h,
+            _ => {
                 config = config
                     .verify_hostname(false)
                     .use_server_name_indication(false);
                 hostname.unwrap_or("")
             }
         };
-        match config.connect(host, stream) {
-            Ok(s) => Ok(s),
+        let stream = match config.connect(host, stream) {
+            Ok(s) => s,
             Err(HandshakeError::Failure(mid)) => {
                 let result = mid.ssl().verify_result();
-                Err(verify_error(result, host).unwrap_or_else(|| handshake_error(mid.error())))
+                return Err(
+                    verify_error(result, host).unwrap_or_else(|| handshake_error(mid.error()))
+                );
             }
-            Err(HandshakeError::SetupFailure(e)) => Err(fail(&e)),
-            Err(HandshakeError::WouldBlock(_)) => Err(fail(&"the socket would block")),
+            Err(HandshakeError::SetupFailure(e)) => return Err(fail(&e)),
+            Err(HandshakeError::WouldBlock(_)) => return Err(fail(&"the socket would block")),
+        };
+        if verify {
+            if let Some(e) = verify_error(stream.ssl().verify_result(), host) {
+                return Err(e);
+            }
+            if hostname.is_none() {
+                return Err(ClientHandshakeError::NoHostname);
+            }
         }
+        Ok(stream)
     }
 }
 
+extern "C" {
+    // Declared here because openssl-sys does not declare them; both are in every OpenSSL
+    // since 1.0.2 (the workspace needs 3).
+    fn SSL_CTX_set_cert_cb(
+        ctx: *mut openssl_sys::SSL_CTX,
+        cb: Option<unsafe extern "C" fn(*mut openssl_sys::SSL, *mut c_void) -> c_int>,
+        arg: *mut c_void,
+    );
+    fn SSL_get_client_CA_list(ssl: *const openssl_sys::SSL)
+        -> *mut openssl_sys::stack_st_X509_NAME;
+    fn SSL_certs_clear(ssl: *mut openssl_sys::SSL);
+}
+
+/// OpenSSL's certificate callback on the client: when the server asks for a certificate
+/// and names the CAs it trusts, ours goes only if one of them issued it, as GnuTLS (QEMU's
+/// client) decides; otherwise the client answers with none, and the server says so. With
+/// no names (a server that lists none) the certificate goes, as GnuTLS sends it then too.
+unsafe extern "C" fn withhold_foreign_certificate(
+    ssl: *mut openssl_sys::SSL,
+    _arg: *mut c_void,
+) -> c_int {
+    // SAFETY: OpenSSL calls this with a valid SSL in its handshake; every pointer read here
+    // belongs to it, is checked for null, and none is kept past the call.
+    unsafe {
+        let cert = openssl_sys::SSL_get_certificate(ssl);
+        let cas = SSL_get_client_CA_list(ssl);
+        if cert.is_null() || cas.is_null() {
+            return 1;
+        }
+        let stack = cas as *const openssl_sys::OPENSSL_STACK;
+        let n = openssl_sys::OPENSSL_sk_num(stack);
+        if n <= 0 {
+            return 1;
+        }
+        let issuer = openssl_sys::X509_get_issuer_name(cert);
+        for i in 0..n {
+            let name = openssl_sys::OPENSSL_sk_value(stack, i) as *const openssl_sys::X509_NAME;
+            if !name.is_null() && openssl_sys::X509_NAME_cmp(name, issuer) == 0 {
+                return 1;
+            }
+        }
+        SSL_certs_clear(ssl);
+    }
+    1
+}
+
 /// The error for a failed certificate check, `None` if the certificate was not the problem.
-fn verify_error(result: X509VerifyResult, host: &str) -> Option<ClientHandshakeError> {
+pub(super) fn verify_error(result: X509VerifyResult, host: &str) -> Option<ClientHandshakeError> {
     use verify::*;
     if result == X509VerifyResult::OK {
         return None;

@@ -10,6 +10,7 @@ mod client;
 mod creds;
 mod error;
 mod psk;
+mod quiet;
 
 use std::path::Path;
 use std::pin::Pin;
@@ -23,6 +24,7 @@ use tokio_openssl::SslStream;
 pub use client::{ClientHandshakeError, TlsClient, CLIENT_CERT, CLIENT_KEY};
 pub use error::{PskFileError, TlsError};
 pub use psk::parse_psk_file;
+pub use quiet::QuietAlerts;
 
 /// How a TLS handshake with a client failed (the connection is closed).
 #[derive(Debug, thiserror::Error)]
@@ -31,6 +33,13 @@ pub enum HandshakeFailure {
     /// identity, or the client hung up.
     #[error("TLS handshake failed: {0}")]
     Tls(String),
+    /// The handshake succeeded but access control does not admit the client, which is
+    /// then dropped at once, as qemu-nbd drops it (QEMU's words).
+    #[error("{0}")]
+    Denied(String),
+    /// The client's certificate failed the check (QEMU's words).
+    #[error("{0}")]
+    Certificate(String),
 }
 
 /// The identities admitted after the TLS handshake, like QEMU's `authz-simple` object:
@@ -139,18 +148,28 @@ impl TlsServer {
         self.authz.as_ref()
     }
 
-    /// Runs the server side of the TLS handshake on `stream`.
+    /// Runs the server side of the TLS handshake on `stream`. A failed handshake ends
+    /// without an alert to the client, as qemu-nbd's does ([`QuietAlerts`]).
     pub async fn accept<S>(
         &self,
         stream: S,
-    ) -> Result<(SslStream<S>, PeerIdentity), HandshakeFailure>
+    ) -> Result<(SslStream<QuietAlerts<S>>, PeerIdentity), HandshakeFailure>
     where
         S: AsyncRead + AsyncWrite + Unpin,
     {
         let fail = |e: &dyn std::fmt::Display| HandshakeFailure::Tls(e.to_string());
         let ssl = Ssl::new(&self.context).map_err(|e| fail(&e))?;
-        let mut tls = SslStream::new(ssl, stream).map_err(|e| fail(&e))?;
-        Pin::new(&mut tls).accept().await.map_err(|e| fail(&e))?;
+        let mut tls = SslStream::new(ssl, QuietAlerts::new(stream)).map_err(|e| fail(&e))?;
+        if let Err(e) = Pin::new(&mut tls).accept().await {
+            // A certificate the CA did not sign is told as QEMU tells it.
+            return Err(
+                client::verify_error(tls.ssl().verify_result(), "").map_or_else(
+                    || fail(&e),
+                    |v| HandshakeFailure::Certificate(v.to_string()),
+                ),
+            );
+        }
+        tls.get_mut().handshake_done();
         tracing::debug!(
             version = tls.ssl().version_str(),
             cipher = tls.ssl().current_cipher().map(|c| c.name()),
@@ -175,7 +194,10 @@ impl TlsServer {
         let authz = self.authz.as_ref()?;
         match peer.name() {
             Some(name) if authz.admits(name) => None,
-            Some(name) => Some(format!("TLS identity {name:?} is not authorized")),
+            Some(name) => Some(match peer {
+                PeerIdentity::Psk(_) => format!("TLS PSK authz check for {name} is denied"),
+                _ => format!("TLS x509 authz check for {name} is denied"),
+            }),
             None => Some(
                 "access control needs a client identity, but the server does not verify \
                  client certificates (verify-peer=off)"

@@ -406,6 +406,21 @@ impl ImageInfo {
         }
     }
 
+    /// Makes the report one of a protocol node opened on its own (`driver=nbd`): QEMU shows
+    /// the protocol as the format, and no file node below it.
+    pub fn set_protocol_node(&mut self, protocol: &str) {
+        self.format = protocol.into();
+        self.dirty_flag = None;
+        self.children.clear();
+    }
+
+    /// Marks the file node as a `null-co` device rather than a file.
+    pub fn set_null_co(&mut self) {
+        for child in &mut self.children {
+            child.info.format = "null-co".into();
+        }
+    }
+
     /// Records the allocated size on disk for the image and its file node.
     pub fn set_actual_size(&mut self, actual: u64) {
         self.actual_size = Some(actual);
