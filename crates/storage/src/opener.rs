@@ -37,6 +37,8 @@ pub enum AnyStorage {
     Threads(ThreadsStorage),
     /// An NBD export (the file name was an NBD name).
     Nbd(crate::nbd::NbdStorage),
+    /// A file behind QEMU's `blkdebug` fault injection (a `blkdebug:CONFIG:FILE` name).
+    Blkdebug(Box<crate::BlkdebugStorage<AnyStorage>>),
 }
 
 impl AnyStorage {
@@ -45,6 +47,7 @@ impl AnyStorage {
         match self {
             AnyStorage::Uring(_) => Aio::IoUring,
             AnyStorage::Threads(_) | AnyStorage::Nbd(_) => Aio::Threads,
+            AnyStorage::Blkdebug(s) => s.inner().aio(),
         }
     }
 }
@@ -55,6 +58,7 @@ macro_rules! each {
             AnyStorage::Uring($s) => $e,
             AnyStorage::Threads($s) => $e,
             AnyStorage::Nbd($s) => $e,
+            AnyStorage::Blkdebug($s) => $e,
         }
     };
 }
@@ -93,6 +97,9 @@ impl Storage for AnyStorage {
     fn alignment(&self) -> usize {
         each!(self, s => s.alignment())
     }
+    fn event(&self, event: crate::Event) {
+        each!(self, s => s.event(event))
+    }
 }
 
 /// Opens files with the chosen backend; `direct` forces O_DIRECT on every open (QEMU's
@@ -114,6 +121,15 @@ impl Opener for FileOpener {
     async fn open(&self, path: &Path, opts: OpenOptions) -> io::Result<AnyStorage> {
         if let Some(name) = path.to_str().filter(|n| nbd::client::is_nbd_name(n)) {
             return crate::nbd::NbdStorage::open(name, opts).map(AnyStorage::Nbd);
+        }
+        if let Some((config, image)) = path.to_str().and_then(crate::blkdebug::split_name) {
+            let rules = crate::blkdebug::Rules::read_config(Path::new(config))
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+            // Boxed: opening the wrapped file is a call of this same function.
+            let inner = Box::pin(self.open(Path::new(image), opts)).await?;
+            return Ok(AnyStorage::Blkdebug(Box::new(crate::BlkdebugStorage::new(
+                inner, rules,
+            ))));
         }
         let opts = OpenOptions {
             direct: opts.direct || self.direct,
@@ -138,7 +154,10 @@ impl Opener for FileOpener {
     /// Resolved on a thread of its own within `opts.bound`: walking a path on a file system
     /// that does not answer blocks like opening a file there.
     async fn canonical(&self, path: &Path, opts: OpenOptions) -> io::Result<PathBuf> {
-        if path.to_str().is_some_and(nbd::client::is_nbd_name) {
+        if path
+            .to_str()
+            .is_some_and(|n| nbd::client::is_nbd_name(n) || n.starts_with("blkdebug:"))
+        {
             return Ok(path.to_path_buf());
         }
         let owned = path.to_path_buf();
