@@ -107,3 +107,26 @@ fn a_blkdebug_filter_over_the_image_maps_like_the_image() {
     }
     p.same(&["map", "--image-opts", &format!("{opts},align=3")]);
 }
+
+/// A failure once clusters start to be freed, while `snapshot -d` drops a snapshot that
+/// shares its clusters with the disk: the same messages as qemu-img, and an image that
+/// `check` finds in the same state (the snapshot gone, its clusters leaked) and repairs the
+/// same way.
+#[test]
+fn a_failure_while_deleting_a_snapshot_leaks_what_qemu_leaks() {
+    let p = Pair::new(|d| {
+        d.create("s.qcow2", "qcow2", "", None, "64M");
+        d.qemu_io("qcow2", "s.qcow2", &["write 0 64k"]);
+        d.qemu_img(&["snapshot", "-c", "foo", "s.qcow2"]);
+        std::fs::write(
+            d.path("free.conf"),
+            "[inject-error]\nevent = \"cluster_free\"\nerrno = \"5\"\n",
+        )
+        .expect("write the rules");
+    });
+    p.same(&["snapshot", "-d", "foo", "blkdebug:free.conf:s.qcow2"]);
+    p.same(&["snapshot", "-l", "s.qcow2"]);
+    p.same(&["check", "s.qcow2"]);
+    p.same(&["check", "-r", "leaks", "s.qcow2"]);
+    p.same(&["check", "s.qcow2"]);
+}

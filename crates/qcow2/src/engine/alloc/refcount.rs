@@ -223,6 +223,7 @@ impl<S: Storage + 'static> Allocator<S> {
     pub(crate) async fn free_clusters(&self, host: HostOffset, n: u64, punch: bool) -> Result<()> {
         let (cs, _, _) = self.rc_geometry();
         let first = self.cluster_of(host).0;
+        self.top().announce(storage::Event::ClusterFree);
         for c in first..first + n {
             let left = self.update_refcount(HostCluster(c), -1).await?;
             if left == 0 {
