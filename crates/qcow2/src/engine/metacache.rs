@@ -5,7 +5,7 @@ use super::layer::{read_exact, Layer};
 use crate::format::HostOffset;
 use std::io;
 use std::rc::Rc;
-use storage::{IoBuf, Storage};
+use storage::{Event, IoBuf, Storage};
 
 /// A slice of an L2 table of one layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -129,6 +129,7 @@ impl<S: Storage + 'static> cache::Backend<L2Key> for L2Backend<S> {
             .get(key.layer as usize)
             .ok_or_else(|| io::Error::other(format!("no layer {}", key.layer)))?;
         let offset = slice_offset(key, self.slice_bytes)?;
+        layer.announce(Event::L2Load);
         let data = read_exact(
             &layer.file,
             &layer.name,
@@ -151,6 +152,7 @@ impl<S: Storage + 'static> cache::Backend<L2Key> for L2Backend<S> {
             return Err(io::Error::other("backing layers are read-only"));
         }
         let offset = slice_offset(key, self.slice_bytes)?;
+        self.layers[0].announce(Event::L2Update);
         write_all(&self.layers[0].file, data, offset).await
     }
 
@@ -170,6 +172,7 @@ impl<S: Storage + 'static> cache::Backend<RefcountKey> for RefcountBackend<S> {
     async fn load(&self, key: RefcountKey, buf: &mut [u8]) -> io::Result<()> {
         let layer = &self.layers[0];
         debug_assert_eq!(buf.len(), self.block_bytes);
+        layer.announce(Event::RefblockLoad);
         let data = read_exact(
             &layer.file,
             &layer.name,
@@ -188,6 +191,7 @@ impl<S: Storage + 'static> cache::Backend<RefcountKey> for RefcountBackend<S> {
         IoBuf::from_slice(data)
     }
     async fn write_back(&self, key: RefcountKey, data: IoBuf) -> io::Result<()> {
+        self.layers[0].announce(Event::RefblockUpdatePart);
         write_all(&self.layers[0].file, data, key.0).await
     }
 

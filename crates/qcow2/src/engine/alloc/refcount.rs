@@ -197,6 +197,7 @@ impl<S: Storage + 'static> Allocator<S> {
     /// cache before pointing an L2 entry at them.
     pub(crate) async fn alloc_clusters(&self, n: u64) -> Result<HostOffset> {
         let (_, _, epb) = self.rc_geometry();
+        self.top().announce(storage::Event::ClusterAlloc);
         'retry: loop {
             let HostCluster(start) = self.find_free(n).await?;
             for ti in start / epb..=(start + n - 1) / epb {

@@ -243,6 +243,7 @@ impl<S: Storage + 'static> Allocator<S> {
     pub(crate) async fn write_active_l1(&self, words: Vec<u64>) -> Result<()> {
         let meta = self.meta();
         let bytes = be::table_bytes(&words, words.len() * 8);
+        self.top().announce(storage::Event::L1Update);
         self.write_meta("writing the L1 table", meta.l1_offset.get(), &bytes)
             .await?;
         *meta.l1.borrow_mut() = words;
