@@ -130,3 +130,16 @@ fn a_failure_while_deleting_a_snapshot_leaks_what_qemu_leaks() {
     p.same(&["check", "-r", "leaks", "s.qcow2"]);
     p.same(&["check", "s.qcow2"]);
 }
+
+/// `info` describes the image behind the rules, under the name given.
+#[test]
+fn info_describes_the_wrapped_image() {
+    let p = Pair::new(read_error_images);
+    let (q, o) = p.run(&["info", "--output=json", "blkdebug:read.conf:a.qcow2"]);
+    assert_eq!((o.status.code(), q.status.code()), (Some(0), Some(0)));
+    let json = |out: &[u8]| -> serde_json::Value { serde_json::from_slice(out).expect("JSON") };
+    let (q, o) = (json(&q.stdout), json(&o.stdout));
+    for key in ["filename", "format", "virtual-size", "cluster-size"] {
+        assert_eq!(o[key], q[key], "{key}");
+    }
+}
