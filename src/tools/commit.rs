@@ -50,8 +50,9 @@ pub struct CommitArgs {
     #[arg(short = 't', long = "cache", value_enum, default_value = "writeback")]
     pub cache: CacheMode,
     /// The image to commit into: the top's backing file (the default) or any image deeper
-    /// in its chain. Naming one implies -d, because the images in between no longer read
-    /// as they did once the base changed, and the top must keep its own data.
+    /// in its chain, a relative name taken beside the image above it. Naming one implies
+    /// -d, because the images in between no longer read as they did once the base changed,
+    /// and the top must keep its own data.
     #[arg(short = 'b', long = "base")]
     pub base: Option<String>,
     /// Leave the top image as it is instead of emptying it afterwards.
