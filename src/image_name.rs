@@ -171,6 +171,23 @@ pub enum Reason {
     /// The `tls-creds` of an `nbd` node cannot be used.
     #[error("{0}")]
     TlsCreds(String),
+    /// A `blkdebug:` name that is not valid UTF-8.
+    #[error("a blkdebug: name must be valid UTF-8")]
+    NotUtf8Blkdebug,
+    /// A `blkdebug:` name without both its configuration file and image file.
+    #[error("blkdebug requires both config file and image path")]
+    BlkdebugName,
+    /// A `blkdebug:` configuration file that cannot be read or is not valid.
+    #[error("{0}")]
+    BlkdebugConfig(#[from] storage::blkdebug::ConfigError),
+    /// A `blkdebug` node above a format driver with rules: the format driver announces its
+    /// events to its file, so only a blkdebug node under it (a `blkdebug:CONFIG:FILE` name)
+    /// sees them.
+    #[error("qcow2-nbd injects errors only under the format driver, through a 'blkdebug:CONFIG:FILE' file name (option '{0}')")]
+    BlkdebugRules(String),
+    /// A `blkdebug` limit that is not a size or breaks QEMU's constraints.
+    #[error("Cannot meet constraints with {0}")]
+    BlkdebugLimit(String),
     /// An option given both as a value and as an object with members.
     #[error("Option '{0}' is given both as a value and as an object")]
     Conflict(String),
@@ -245,6 +262,18 @@ pub fn protocol_path(name: &OsStr) -> Result<PathBuf, Reason> {
             Some(storage::null::NULL_CO) => Ok(PathBuf::from(storage::null::NULL_CO)),
             _ => Err(Reason::NullFilename),
         };
+    }
+    if protocol == "blkdebug" {
+        // The storage opener wraps the file by this name; it is also how QEMU shows it.
+        let text = name.to_str().ok_or(Reason::NotUtf8Blkdebug)?;
+        let Some((config, _)) = storage::blkdebug::split_name(text)
+            .filter(|(config, image)| !config.is_empty() && !image.is_empty())
+        else {
+            return Err(Reason::BlkdebugName);
+        };
+        // Read here too, so that a bad configuration is refused as the name's fault.
+        storage::blkdebug::Rules::read_config(Path::new(config))?;
+        return Ok(PathBuf::from(name));
     }
     if protocol != "file" {
         return Err(Reason::UnknownProtocol(protocol));
@@ -537,6 +566,25 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
                 backing: None,
             });
         }
+        Some("blkdebug") => {
+            // A filter above the image: it passes every request on, and the limits it
+            // may set only change how requests are cut, never what they return.
+            if file_direct.is_some() || !file_members.is_empty() {
+                return Err(Reason::FormatOption {
+                    driver: "blkdebug".into(),
+                    option: "file".into(),
+                });
+            }
+            let (image_direct, image) = take_node(&mut flat, "image")?;
+            if let Some(Val::Text(name)) = image_direct {
+                return Err(Reason::NodeRef(name));
+            }
+            if image.is_empty() {
+                return Err(Reason::NoFileNode);
+            }
+            blkdebug_filter_options(&flat)?;
+            return interpret(image);
+        }
         Some(other) => return Err(Reason::UnknownDriver(other.to_string())),
     };
     let mut options = BTreeMap::new();
@@ -582,6 +630,69 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
         options,
         backing,
     })
+}
+
+/// The limits a `blkdebug` node takes, as QEMU checks them.
+const BLKDEBUG_LIMITS: &[&str] = &[
+    "align",
+    "max-transfer",
+    "opt-write-zero",
+    "max-write-zero",
+    "opt-discard",
+    "max-discard",
+];
+
+/// Checks the options of a `blkdebug` filter node above the image: limits that are sizes
+/// meeting QEMU's constraints, no rules (see [`Reason::BlkdebugRules`]), nothing unknown.
+fn blkdebug_filter_options(flat: &BTreeMap<String, Val>) -> Result<(), Reason> {
+    let limit = |key: &str| -> Result<u64, Reason> {
+        match flat.get(key) {
+            None => Ok(0),
+            Some(Val::Text(v)) => crate::size_string::parse_size(v)
+                .ok()
+                .filter(|&n| n < i32::MAX as u64)
+                .ok_or_else(|| Reason::BlkdebugLimit(format!("{key} {v}"))),
+            Some(Val::Null) => Err(Reason::BlkdebugLimit(format!("{key} null"))),
+        }
+    };
+    let align = limit("align")?;
+    if align != 0 && !align.is_power_of_two() {
+        return Err(Reason::BlkdebugLimit(format!("align {align}")));
+    }
+    let unit = align.max(1);
+    let multiple = |n: u64, of: u64| n % of.max(1) == 0;
+    for (key, of) in [
+        ("max-transfer", unit),
+        ("opt-write-zero", unit),
+        ("opt-discard", unit),
+    ] {
+        let n = limit(key)?;
+        if !multiple(n, of) {
+            return Err(Reason::BlkdebugLimit(format!("{key} {n}")));
+        }
+    }
+    for (key, opt) in [
+        ("max-write-zero", "opt-write-zero"),
+        ("max-discard", "opt-discard"),
+    ] {
+        let n = limit(key)?;
+        if !multiple(n, limit(opt)?.max(unit)) {
+            return Err(Reason::BlkdebugLimit(format!("{key} {n}")));
+        }
+    }
+    for key in flat.keys() {
+        let root = key.split('.').next().unwrap_or(key);
+        if matches!(root, "config" | "inject-error" | "set-state") {
+            return Err(Reason::BlkdebugRules(key.clone()));
+        }
+        if !BLKDEBUG_LIMITS.contains(&root) && !NODE_NOOP_OPTIONS.contains(&root) {
+            return Err(Reason::FormatOption {
+                driver: "blkdebug".into(),
+                option: key.clone(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The `backing` node given as members (`backing.driver`, `backing.file.filename`): the
@@ -798,10 +909,16 @@ mod tests {
         assert_eq!(p("file:/a/b:c", false).unwrap().path, Path::new("/a/b:c"));
         assert_eq!(p("file:x:y", false).unwrap().path, Path::new("./x:y"));
         assert_eq!(p("file:x", false).unwrap().path, Path::new("x"));
-        assert_eq!(
-            reason("blkdebug:conf:img", false),
-            Reason::UnknownProtocol("blkdebug".into())
-        );
+        let conf = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(conf.path(), "[inject-error]\nevent = \"read_aio\"\n").unwrap();
+        let name = format!("blkdebug:{}:/i/img", conf.path().display());
+        assert_eq!(p(&name, false).unwrap().path, Path::new(&name));
+        assert!(matches!(
+            reason("blkdebug:/nonexistent/conf:img", false),
+            Reason::BlkdebugConfig(storage::blkdebug::ConfigError::Read(_))
+        ));
+        assert_eq!(reason("blkdebug:conf", false), Reason::BlkdebugName);
+        assert_eq!(reason("blkdebug:conf:", false), Reason::BlkdebugName);
         assert_eq!(
             reason("ssh://host/x", false),
             Reason::UnknownProtocol("ssh".into())
@@ -850,8 +967,36 @@ mod tests {
         assert!(matches!(reason("json:{'a':'\\", false), Reason::Json(_)));
         assert_eq!(reason("json:{}", false), Reason::Nothing);
         assert_eq!(
-            reason("json:{'driver':'blkdebug','image':{'filename':'x'}}", false),
-            Reason::UnknownDriver("blkdebug".into())
+            reason(
+                "json:{'driver':'blkdebug','inject-error':[{'event':'read_aio'}],\
+                 'image':{'driver':'qcow2','file':{'filename':'x'}}}",
+                false
+            ),
+            Reason::BlkdebugRules("inject-error.0.event".into())
+        );
+        assert_eq!(
+            reason(
+                "driver=blkdebug,image.driver=qcow2,image.file.filename=x,align=3",
+                true
+            ),
+            Reason::BlkdebugLimit("align 3".into())
+        );
+        assert_eq!(
+            reason(
+                "driver=blkdebug,image.driver=qcow2,image.file.filename=x,align=4k,max-transfer=6k",
+                true
+            ),
+            Reason::BlkdebugLimit("max-transfer 6144".into())
+        );
+        let n = p(
+            "driver=blkdebug,image.driver=qcow2,image.file.driver=file,\
+             image.file.filename=/t/x,align=4k,max-transfer=64k",
+            true,
+        )
+        .unwrap();
+        assert_eq!(
+            (n.path.as_path(), n.format.as_deref()),
+            (Path::new("/t/x"), Some("qcow2"))
         );
         assert_eq!(
             reason(

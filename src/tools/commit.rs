@@ -50,8 +50,9 @@ pub struct CommitArgs {
     #[arg(short = 't', long = "cache", value_enum, default_value = "writeback")]
     pub cache: CacheMode,
     /// The image to commit into: the top's backing file (the default) or any image deeper
-    /// in its chain. Naming one implies -d, because the images in between no longer read
-    /// as they did once the base changed, and the top must keep its own data.
+    /// in its chain, a relative name taken beside the image above it. Naming one implies
+    /// -d, because the images in between no longer read as they did once the base changed,
+    /// and the top must keep its own data.
     #[arg(short = 'b', long = "base")]
     pub base: Option<String>,
     /// Leave the top image as it is instead of emptying it afterwards.
@@ -199,16 +200,24 @@ fn same_file(a: &Path, b: &Path) -> bool {
     }
 }
 
-/// The depth of the image `-b` names in `chain` (below the top): the name as given or
-/// relative to the top's directory, as QEMU looks it up.
-fn find_base(top: &Path, chain: &[String], base: &str) -> Option<usize> {
+/// The depth of the image `-b` names in `chain` (below the top), as QEMU looks it up: an
+/// absolute name as it is, a relative one against the directory of the image whose backing
+/// file the layer is (as backing file names are stored), never against the working
+/// directory.
+fn find_base(chain: &[String], base: &str) -> Option<usize> {
     let given = Path::new(base);
-    let beside_top = top.parent().map(|d| d.join(given));
     chain.iter().enumerate().skip(1).find_map(|(i, name)| {
         let layer = Path::new(name);
-        let hit =
-            same_file(given, layer) || beside_top.as_deref().is_some_and(|p| same_file(p, layer));
-        hit.then_some(i)
+        let wanted = if given.is_absolute() {
+            given.to_path_buf()
+        } else {
+            let overlay = qcow2::engine::backing_name::resolve(Path::new(&chain[i - 1]), base);
+            match overlay {
+                Ok(p) => p,
+                Err(_) => return None,
+            }
+        };
+        same_file(&wanted, layer).then_some(i)
     })
 }
 
@@ -228,7 +237,7 @@ async fn open_chain(args: &CommitArgs) -> Result<Opened, CommitError> {
     let base_depth = match &args.base {
         None if chain.len() < 2 => return Err(CommitError::NoBackingFile),
         None => 1,
-        Some(b) => find_base(&args.top, &chain, b).ok_or_else(|| CommitError::BaseNotInChain {
+        Some(b) => find_base(&chain, b).ok_or_else(|| CommitError::BaseNotInChain {
             base: b.clone(),
             top: args.top.display().to_string(),
         })?,

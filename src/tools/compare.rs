@@ -79,7 +79,7 @@ pub enum CompareError {
         source: Box<EngineError>,
     },
     /// Reading an image failed.
-    #[error("Error while reading offset {offset} of {file}: {source}")]
+    #[error("Error while reading offset {offset} of {file}: {}", io_words(.source))]
     Read {
         /// The image.
         file: String,
@@ -511,15 +511,50 @@ async fn compare(args: &CompareArgs) -> Result<Option<String>, CompareError> {
     }
 }
 
-/// Prints a result line unless `-q`.
+/// An engine error as qemu-img words a failed read: strerror's text for an I/O error of
+/// the file, anything else in full.
+fn io_words(e: &EngineError) -> String {
+    match e {
+        EngineError::Io { source, .. } => engine_run::plain_io(source),
+        other => other.to_string(),
+    }
+}
+
+thread_local! {
+    /// Result lines not yet printed (see [`say`]).
+    static HELD: std::cell::RefCell<Vec<String>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Prints a result line unless `-q`. qemu-img writes these through C's stdio, which holds
+/// them until exit when stdout is not a terminal, so an error message printed later still
+/// comes first when both streams go to one pipe; the lines are held the same way.
 fn say(quiet: bool, line: &str) {
-    if !quiet {
+    use std::io::IsTerminal;
+    if quiet {
+        return;
+    }
+    if std::io::stdout().is_terminal() {
+        println!("{line}");
+    } else {
+        HELD.with(|h| h.borrow_mut().push(line.to_string()));
+    }
+}
+
+/// Prints the lines [`say`] held.
+fn release() {
+    for line in HELD.with(|h| std::mem::take(&mut *h.borrow_mut())) {
         println!("{line}");
     }
 }
 
 /// Runs `compare` and returns qemu-img compare's exit status.
 pub fn main(args: &CompareArgs) -> ExitCode {
+    let code = run(args);
+    release();
+    code
+}
+
+fn run(args: &CompareArgs) -> ExitCode {
     match engine_run::block_on(compare(args)) {
         Err(e) => {
             eprintln!("{}: starting the runtime: {e}", crate::prog::name());

@@ -193,6 +193,10 @@ fn open(path: &Path, force_share: bool) -> Result<Source, InfoError> {
         let target = storage::null::NullTarget::parse(name).map_err(open_err)?;
         return Ok(Source::Null(target.size));
     }
+    // Fault injection changes no metadata: the wrapped file is what is described (QEMU
+    // also lists the blkdebug node as a child, which is not shown here).
+    let wrapped = path.to_str().and_then(storage::blkdebug::split_name);
+    let path = wrapped.map_or(path, |(_, image)| Path::new(image));
     let file = File::open(path).map_err(open_err)?;
     let perms = storage::Permissions::for_open(true, force_share);
     storage::lock::lock(&file, path, perms, crate::engine_run::locking())

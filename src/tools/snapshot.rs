@@ -191,9 +191,32 @@ async fn delete(img: &Image<AnyStorage>, name: &str) -> Result<(), SnapshotCmdEr
     let Some(sn) = snapshots.iter().find(|s| s.name == name.as_bytes()) else {
         return Err(failed("snapshot not found".into()));
     };
-    img.delete_snapshot(&sn.id, &sn.name)
-        .await
-        .map_err(|e| failed(reason(&e)))
+    let errno_words =
+        |e: &EngineError| engine_run::plain_io(&std::io::Error::from_raw_os_error(e.errno()));
+    // QEMU reports a cluster it could not free and goes on: the cluster is only leaked.
+    let leaked = |e: &EngineError| eprintln!("qcow2_free_clusters failed: {}", errno_words(e));
+    match img.delete_snapshot(&sn.id, &sn.name).await {
+        Ok(table_leaked) => {
+            if let Some(e) = table_leaked {
+                leaked(&e);
+            }
+            Ok(())
+        }
+        Err(EngineError::SnapshotRelease {
+            source,
+            table_leaked,
+            ..
+        }) => {
+            if let Some(e) = table_leaked {
+                leaked(&e);
+            }
+            Err(failed(format!(
+                "Failed to free the cluster and L1 table: {}",
+                errno_words(&source)
+            )))
+        }
+        Err(e) => Err(failed(reason(&e))),
+    }
 }
 
 /// The date qemu-img records: the wall clock to the microsecond.

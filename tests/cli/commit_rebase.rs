@@ -547,3 +547,34 @@ fn rebase_of_an_image_without_backing_keeps_its_zeros() {
         );
     }
 }
+
+/// `-b` names the base as the chain stores backing file names: a relative name against the
+/// directory of the image above it, never against the working directory.
+#[test]
+fn commit_base_names_are_relative_to_the_overlay_as_in_qemu() {
+    let p = crate::qemu_img_options::Pair::new(|d| {
+        std::fs::create_dir(d.path("subdir")).expect("mkdir");
+        d.create("subdir/t.base", "qcow2", "", None, "1M");
+        d.create(
+            "subdir/t.mid",
+            "qcow2",
+            "",
+            Some(("subdir/t.base", "qcow2")),
+            "1M",
+        );
+        d.create(
+            "subdir/t",
+            "qcow2",
+            "",
+            Some(("subdir/t.mid", "qcow2")),
+            "1M",
+        );
+    });
+    for args in [
+        &["commit", "-b", "subdir/t.mid", "subdir/t"][..],
+        &["commit", "-b", "t.mid", "subdir/t"],
+        &["commit", "-b", "t.base", "subdir/t"],
+    ] {
+        p.same(args);
+    }
+}

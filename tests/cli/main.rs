@@ -5,6 +5,7 @@ mod common;
 
 mod amend;
 mod bitmap;
+mod blkdebug;
 mod commit_rebase;
 mod compare_measure;
 mod convert_map_interop;

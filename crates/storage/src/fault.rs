@@ -527,6 +527,9 @@ impl<S: Storage> Storage for FaultStorage<S> {
     fn alignment(&self) -> usize {
         self.inner.alignment()
     }
+    fn event(&self, event: crate::Event) {
+        self.inner.event(event);
+    }
 }
 
 #[cfg(test)]

@@ -17,6 +17,8 @@
 //! - [`MemStorage`] / [`MemFs`]: copy-on-write memory, for tests and backing-chain tests.
 //! - [`FaultStorage`]: wraps any storage, logs unflushed operations, makes crash images and
 //!   injects errors.
+//! - [`BlkdebugStorage`]: QEMU's `blkdebug` fault injection, driven by the events the format
+//!   engine announces through [`Storage::event`].
 //! - [`nbd::NbdStorage`]: an NBD export, for names like `nbd+unix:///?socket=PATH`.
 //! - [`null::NullStorage`]: QEMU's `null-co` device (`null-co://`), which stores nothing.
 //! - [`AnyStorage`] / [`FileOpener`]: choose io_uring or threads at run time, NBD for an
@@ -38,6 +40,7 @@
 //! batching remains available through [`Reactor::new`]. The thread pool is tokio's
 //! `spawn_blocking`; a dedicated pool was not built or measured.
 
+pub mod blkdebug;
 pub mod bounded;
 mod buf;
 mod error;
@@ -52,6 +55,7 @@ mod sys;
 pub mod threads;
 pub mod uring;
 
+pub use blkdebug::{BlkdebugStorage, Event};
 pub use bounded::{BoundError, OpenBound};
 pub use buf::{IoBuf, Slice, BUF_ALIGN};
 pub use error::{checked_end, FileKind, NotAnImageFile, RangeError, MAX_OFFSET};
@@ -104,6 +108,11 @@ pub trait Storage {
     fn zeroes_are_cheap(&self) -> bool;
     /// Required alignment of offsets/lengths for the fast path (1, or 512/4096 with O_DIRECT).
     fn alignment(&self) -> usize;
+    /// The format engine above is about to do what `event` names (QEMU's blkdebug events).
+    /// Only [`BlkdebugStorage`] acts on it; wrappers pass it on.
+    fn event(&self, event: Event) {
+        let _ = event;
+    }
 }
 
 /// How to open a storage.

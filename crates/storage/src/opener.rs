@@ -39,6 +39,8 @@ pub enum AnyStorage {
     Nbd(crate::nbd::NbdStorage),
     /// A `null-co` device (the file name was a `null-co://` name).
     Null(crate::null::NullStorage),
+    /// A file behind QEMU's `blkdebug` fault injection (a `blkdebug:CONFIG:FILE` name).
+    Blkdebug(Box<crate::BlkdebugStorage<AnyStorage>>),
 }
 
 impl AnyStorage {
@@ -47,6 +49,7 @@ impl AnyStorage {
         match self {
             AnyStorage::Uring(_) => Aio::IoUring,
             AnyStorage::Threads(_) | AnyStorage::Nbd(_) | AnyStorage::Null(_) => Aio::Threads,
+            AnyStorage::Blkdebug(s) => s.inner().aio(),
         }
     }
 }
@@ -58,6 +61,7 @@ macro_rules! each {
             AnyStorage::Threads($s) => $e,
             AnyStorage::Nbd($s) => $e,
             AnyStorage::Null($s) => $e,
+            AnyStorage::Blkdebug($s) => $e,
         }
     };
 }
@@ -96,6 +100,9 @@ impl Storage for AnyStorage {
     fn alignment(&self) -> usize {
         each!(self, s => s.alignment())
     }
+    fn event(&self, event: crate::Event) {
+        each!(self, s => s.event(event))
+    }
 }
 
 /// Opens files with the chosen backend; `direct` forces O_DIRECT on every open (QEMU's
@@ -120,6 +127,15 @@ impl Opener for FileOpener {
         }
         if let Some(name) = path.to_str().filter(|n| crate::null::is_null_name(n)) {
             return crate::null::NullStorage::open(name).map(AnyStorage::Null);
+        }
+        if let Some((config, image)) = path.to_str().and_then(crate::blkdebug::split_name) {
+            let rules = crate::blkdebug::Rules::read_config(Path::new(config))
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+            // Boxed: opening the wrapped file is a call of this same function.
+            let inner = Box::pin(self.open(Path::new(image), opts)).await?;
+            return Ok(AnyStorage::Blkdebug(Box::new(crate::BlkdebugStorage::new(
+                inner, rules,
+            ))));
         }
         let opts = OpenOptions {
             direct: opts.direct || self.direct,
@@ -146,7 +162,11 @@ impl Opener for FileOpener {
     async fn canonical(&self, path: &Path, opts: OpenOptions) -> io::Result<PathBuf> {
         if path
             .to_str()
-            .is_some_and(|n| nbd::client::is_nbd_name(n) || crate::null::is_null_name(n))
+            .is_some_and(|n| {
+                nbd::client::is_nbd_name(n)
+                    || crate::null::is_null_name(n)
+                    || n.starts_with("blkdebug:")
+            })
         {
             return Ok(path.to_path_buf());
         }

@@ -79,6 +79,11 @@ pub fn resolve(image: &Path, name: &str) -> Result<PathBuf, BackingError> {
     if path.is_absolute() {
         return Ok(path.to_path_buf());
     }
+    // Behind fault injection, the image's own file is what names are relative to.
+    let image = image
+        .to_str()
+        .and_then(storage::blkdebug::split_name)
+        .map_or(image, |(_, file)| Path::new(file));
     Ok(image
         .parent()
         .map_or_else(|| path.to_path_buf(), |dir| dir.join(path)))

@@ -202,6 +202,16 @@ pub(crate) async fn write_zeros_into<S: Storage + 'static>(
     Ok(())
 }
 
+impl<S: Storage + 'static> Layer<S> {
+    /// Tells this layer's file what its qcow2 driver is about to do (QEMU's blkdebug
+    /// events, which fault injection acts on); a raw layer has no such points.
+    pub(crate) fn announce(&self, event: storage::Event) {
+        if self.qcow2().is_some() {
+            self.file.event(event);
+        }
+    }
+}
+
 impl<S> Layer<S> {
     /// An I/O error in this layer's file.
     pub fn io_error(&self, what: &'static str, offset: u64, source: std::io::Error) -> EngineError {

@@ -5,7 +5,7 @@ use super::layer::{read_exact_into, Layer};
 use crate::format::HostOffset;
 use std::io;
 use std::rc::Rc;
-use storage::{IoBuf, Storage};
+use storage::{Event, IoBuf, Storage};
 
 /// A slice of an L2 table of one layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -129,6 +129,7 @@ impl<S: Storage + 'static> cache::Backend<L2Key> for L2Backend<S> {
             .get(key.layer as usize)
             .ok_or_else(|| io::Error::other(format!("no layer {}", key.layer)))?;
         let offset = slice_offset(key, self.slice_bytes)?;
+        layer.announce(Event::L2Load);
         read_exact_into(&layer.file, &layer.name, "reading L2 table", offset, buf)
             .await
             .map_err(to_io)
@@ -143,6 +144,7 @@ impl<S: Storage + 'static> cache::Backend<L2Key> for L2Backend<S> {
             return Err(io::Error::other("backing layers are read-only"));
         }
         let offset = part_offset(slice_offset(key, self.slice_bytes)?, at)?;
+        self.layers[0].announce(Event::L2Update);
         write_all(&self.layers[0].file, data, offset).await
     }
 
@@ -169,6 +171,7 @@ impl<S: Storage + 'static> cache::Backend<RefcountKey> for RefcountBackend<S> {
     async fn load(&self, key: RefcountKey, buf: &mut [u8]) -> io::Result<()> {
         let layer = &self.layers[0];
         debug_assert_eq!(buf.len(), self.block_bytes);
+        layer.announce(Event::RefblockLoad);
         read_exact_into(
             &layer.file,
             &layer.name,
@@ -185,6 +188,7 @@ impl<S: Storage + 'static> cache::Backend<RefcountKey> for RefcountBackend<S> {
         IoBuf::from_slice(data)
     }
     async fn write_back(&self, key: RefcountKey, at: usize, data: IoBuf) -> io::Result<()> {
+        self.layers[0].announce(Event::RefblockUpdatePart);
         write_all(&self.layers[0].file, data, part_offset(key.0, at)?).await
     }
 

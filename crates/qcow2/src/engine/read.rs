@@ -10,7 +10,7 @@ use super::range_lock::LockMode;
 use crate::crypto::SECTOR_SIZE;
 use crate::format::{CompressedDescriptor, GuestOffset, Location, Structure};
 use std::rc::Rc;
-use storage::{IoBuf, Storage};
+use storage::{Event, IoBuf, Storage};
 
 impl<S: Storage + 'static> Image<S> {
     /// Reads `len` guest bytes at `offset` into a new buffer.
@@ -190,6 +190,7 @@ impl<S: Storage + 'static> Inner<S> {
         if let [(at, len, li, host)] = runs[..] {
             // One run: straight into the caller's buffer, no copy.
             let layer = &self.chain.layers[li];
+            layer.announce(Event::ReadAio);
             let owned = std::mem::replace(buf, IoBuf::zeroed(0));
             let (res, slice) = layer
                 .data_storage()
@@ -202,6 +203,7 @@ impl<S: Storage + 'static> Inner<S> {
         }
         let reads = runs.iter().map(|&(_, len, li, host)| async move {
             let layer = &self.chain.layers[li];
+            layer.announce(Event::ReadAio);
             let tmp = IoBuf::zeroed(len as usize);
             let (res, slice) = layer
                 .data_storage()
@@ -248,6 +250,7 @@ impl<S: Storage + 'static> Inner<S> {
                 meta.file_end.get()
             )));
         }
+        layer.announce(Event::ReadCompressed);
         let input = layer
             .read_file("reading a compressed cluster", offset, len as usize)
             .await?;

@@ -250,8 +250,11 @@ impl<S: Storage + 'static> Image<S> {
     }
 
     /// Deletes the snapshot with this ID and name (as `qemu-img snapshot -d` names the one
-    /// it found).
-    pub async fn delete_snapshot(&self, id: &[u8], name: &[u8]) -> Result<()> {
+    /// it found). Once the snapshot has left the table, failures leave clusters leaked at
+    /// worst: a failure to free the old table is returned as `Ok(Some(error))` (the
+    /// deletion goes on, as in QEMU), and a failure to release the snapshot's clusters as
+    /// [`EngineError::SnapshotRelease`].
+    pub async fn delete_snapshot(&self, id: &[u8], name: &[u8]) -> Result<Option<EngineError>> {
         let t = self.snapshot_target()?;
         let _range = self
             .inner
@@ -269,18 +272,34 @@ impl<S: Storage + 'static> Image<S> {
         let refs = t.alloc.tree_refs(&sn_l1).await?;
         let mut new = table.clone();
         new.remove(pos);
-        t.alloc.replace_snapshot_table(&table, &new).await?;
-        // The flags first, as they will be once the references are dropped.
-        let active: Vec<u64> = t.meta.l1.borrow().clone();
-        let flags = t.alloc.recompute_copied(&active, &refs).await?;
-        if flags != active {
-            t.alloc.write_active_l1(flags).await?;
+        let (old_table, clusters) = t.alloc.switch_snapshot_table(&table, &new).await?;
+        let table_leaked = t
+            .alloc
+            .free_old_snapshot_table(old_table, clusters)
+            .await
+            .err()
+            .map(Box::new);
+        let release = async {
+            // The flags first, as they will be once the references are dropped.
+            let active: Vec<u64> = t.meta.l1.borrow().clone();
+            let flags = t.alloc.recompute_copied(&active, &refs).await?;
+            if flags != active {
+                t.alloc.write_active_l1(flags).await?;
+            }
+            self.persist(&t).await?;
+            t.alloc.drop_refs(&refs).await?;
+            t.alloc
+                .free_l1(sn.l1_table_offset, u64::from(sn.l1_size))
+                .await?;
+            self.persist(&t).await
+        };
+        match release.await {
+            Ok(()) => Ok(table_leaked.map(|e| *e)),
+            Err(source) => Err(EngineError::SnapshotRelease {
+                image: t.layer.name.clone(),
+                source: Box::new(source),
+                table_leaked,
+            }),
         }
-        self.persist(&t).await?;
-        t.alloc.drop_refs(&refs).await?;
-        t.alloc
-            .free_l1(sn.l1_table_offset, u64::from(sn.l1_size))
-            .await?;
-        self.persist(&t).await
     }
 }

@@ -3,6 +3,7 @@
 mod support;
 
 mod bitmaps;
+mod blkdebug;
 mod chain;
 mod concurrency;
 mod crash;

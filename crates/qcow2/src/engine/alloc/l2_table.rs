@@ -90,6 +90,7 @@ impl<S: Storage + 'static> Allocator<S> {
         let entry = l1::owned_word(new);
         meta.l1.borrow_mut()[l1i.0 as usize] = entry;
         self.mapping_changed();
+        self.top().announce(storage::Event::L1Update);
         self.write_meta(
             "updating the L1 table",
             meta.l1_offset.get() + l1i.0 * 8,

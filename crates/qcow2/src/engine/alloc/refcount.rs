@@ -210,6 +210,7 @@ impl<S: Storage + 'static> Allocator<S> {
     /// cache before pointing an L2 entry at them.
     pub(crate) async fn alloc_clusters(&self, n: u64) -> Result<HostOffset> {
         let (_, _, epb) = self.rc_geometry();
+        self.top().announce(storage::Event::ClusterAlloc);
         'retry: loop {
             let HostCluster(start) = self.find_free(n).await?;
             for ti in start / epb..=(start + n - 1) / epb {
@@ -236,6 +237,7 @@ impl<S: Storage + 'static> Allocator<S> {
     pub(crate) async fn free_clusters(&self, host: HostOffset, n: u64, punch: bool) -> Result<()> {
         let (cs, _, _) = self.rc_geometry();
         let first = self.cluster_of(host).0;
+        self.top().announce(storage::Event::ClusterFree);
         for c in first..first + n {
             let left = self.update_refcount(HostCluster(c), -1).await?;
             if left == 0 {

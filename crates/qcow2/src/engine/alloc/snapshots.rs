@@ -243,6 +243,7 @@ impl<S: Storage + 'static> Allocator<S> {
     pub(crate) async fn write_active_l1(&self, words: Vec<u64>) -> Result<()> {
         let meta = self.meta();
         let bytes = be::table_bytes(&words, words.len() * 8);
+        self.top().announce(storage::Event::L1Update);
         self.write_meta("writing the L1 table", meta.l1_offset.get(), &bytes)
             .await?;
         *meta.l1.borrow_mut() = words;
@@ -284,6 +285,26 @@ impl<S: Storage + 'static> Allocator<S> {
         old: &[SnapshotTableEntry],
         new: &[SnapshotTableEntry],
     ) -> Result<()> {
+        let (offset, clusters) = self.switch_snapshot_table(old, new).await?;
+        self.free_old_snapshot_table(offset, clusters).await
+    }
+
+    /// Frees the clusters of a snapshot table [`Self::switch_snapshot_table`] replaced.
+    pub(crate) async fn free_old_snapshot_table(&self, offset: u64, clusters: u64) -> Result<()> {
+        if offset != 0 && clusters > 0 {
+            self.free_clusters(HostOffset(offset), clusters, true)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// The first part of [`Self::replace_snapshot_table`]: the new table takes charge, and
+    /// the old one's place (offset, clusters) is returned for the caller to free.
+    pub(crate) async fn switch_snapshot_table(
+        &self,
+        old: &[SnapshotTableEntry],
+        new: &[SnapshotTableEntry],
+    ) -> Result<(u64, u64)> {
         let cs = self.meta().geom.cluster_size();
         let bytes = encode_qemu_table(new).map_err(|e| self.fmt_err(e))?;
         let old_len = encode_qemu_table(old).map_err(|e| self.fmt_err(e))?.len() as u64;
@@ -321,10 +342,6 @@ impl<S: Storage + 'static> Allocator<S> {
                 MetaKind::SnapshotTable,
             );
         }
-        if old_offset != 0 && old_len > 0 {
-            self.free_clusters(HostOffset(old_offset), old_len.div_ceil(cs), true)
-                .await?;
-        }
-        Ok(())
+        Ok((old_offset, old_len.div_ceil(cs)))
     }
 }

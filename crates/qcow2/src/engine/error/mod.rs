@@ -204,6 +204,18 @@ pub enum EngineError {
         #[source]
         source: SnapshotError,
     },
+    /// Deleting a snapshot failed after it left the snapshot table: its clusters stay
+    /// allocated (leaked, which `check -r leaks` repairs).
+    #[error("{image}: releasing the clusters of a deleted snapshot: {source}")]
+    SnapshotRelease {
+        /// The image.
+        image: String,
+        /// What failed.
+        #[source]
+        source: Box<EngineError>,
+        /// An earlier failure to free the old snapshot table (leaked too), if any.
+        table_leaked: Option<Box<EngineError>>,
+    },
     /// An internal snapshot that does not exist.
     #[error("{image}: no snapshot with id or name {wanted:?}")]
     NoSuchSnapshot {
@@ -252,6 +264,7 @@ impl EngineError {
             }
             EngineError::NoSpace { .. } => libc_errno::ENOSPC,
             EngineError::Snapshot { source, .. } => source.errno(),
+            EngineError::SnapshotRelease { source, .. } => source.errno(),
             EngineError::Io { source, .. }
             | EngineError::Open { source, .. }
             | EngineError::BackingOpen { source, .. } => {

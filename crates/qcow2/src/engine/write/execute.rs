@@ -12,7 +12,7 @@ use crate::engine::span_pool::{zero_uncovered, SpanBuf};
 use crate::format::l2;
 use crate::format::l2_extended::pack_bitmap;
 use crate::format::{GuestOffset, HostOffset};
-use storage::{IoBuf, Storage};
+use storage::{Event, IoBuf, Storage};
 
 impl<S: Storage + 'static> Inner<S> {
     /// Carries out a plan: one group of clusters at a time, data first, then the L2 entries.
@@ -82,6 +82,7 @@ impl<S: Storage + 'static> Inner<S> {
             return (Err(e), buf);
         }
         let top = self.chain.top();
+        top.announce(Event::WriteAio);
         let range = (from - offset) as usize..(to - offset) as usize;
         if let Some(c) = top.qcow2().and_then(|m| m.crypto.as_ref()) {
             // The caller's buffer stays plain: a copy is enciphered and written.

@@ -1,0 +1,145 @@
+//! QEMU's `blkdebug` fault injection through our binary, side by side with qemu-img: the
+//! same rules must fail the same requests, with the same messages and exit codes, and leave
+//! images that `qemu-img check` finds in the same state.
+
+use test_support::Dir;
+
+use crate::qemu_img_options::Pair;
+
+/// A 64 MiB image with data in its first cluster, a copy, and a rule failing every read of
+/// data once the qcow2 driver starts reading guest data.
+fn read_error_images(d: &Dir) {
+    d.create("a.qcow2", "qcow2", "", None, "64M");
+    d.qemu_io("qcow2", "a.qcow2", &["write -P 7 512 512"]);
+    d.copy("a.qcow2", "b.qcow2");
+    d.create("empty.qcow2", "qcow2", "", None, "0");
+    std::fs::write(
+        d.path("read.conf"),
+        "[inject-error]\nevent = \"read_aio\"\nerrno = \"5\"\nonce =\"off\"\n",
+    )
+    .expect("write the rules");
+    std::fs::write(
+        d.path("nospace.conf"),
+        "[inject-error]\nevent = \"read_aio\"\nerrno = \"28\"\n",
+    )
+    .expect("write the rules");
+}
+
+#[test]
+fn read_errors_fail_compare_as_in_qemu() {
+    let p = Pair::new(read_error_images);
+    for args in [
+        &["compare", "blkdebug:read.conf:a.qcow2", "b.qcow2"][..],
+        &["compare", "blkdebug:nospace.conf:a.qcow2", "b.qcow2"],
+        &["compare", "blkdebug:read.conf:a.qcow2", "empty.qcow2"],
+        &[
+            "compare",
+            "-f",
+            "qcow2",
+            "blkdebug:read.conf:a.qcow2",
+            "b.qcow2",
+        ],
+    ] {
+        p.same(args);
+    }
+}
+
+#[test]
+fn rules_that_never_fire_change_nothing() {
+    let p = Pair::new(|d| {
+        read_error_images(d);
+        std::fs::write(
+            d.path("late.conf"),
+            "[inject-error]\nevent = \"read_aio\"\nstate = \"2\"\n",
+        )
+        .expect("write the rules");
+    });
+    p.same(&["compare", "blkdebug:late.conf:a.qcow2", "b.qcow2"]);
+    p.same(&["map", "--output=json", "blkdebug:read.conf:a.qcow2"]);
+}
+
+#[test]
+fn blkdebug_names_that_are_wrong_are_refused_in_qemu_words() {
+    let p = Pair::new(|d| {
+        read_error_images(d);
+        std::fs::write(d.path("group.conf"), "[foo]\n").expect("write the rules");
+        std::fs::write(d.path("event.conf"), "[inject-error]\nevent = \"nope\"\n")
+            .expect("write the rules");
+    });
+    for name in [
+        "blkdebug:missing.conf:a.qcow2",
+        "blkdebug:read.conf",
+        "blkdebug:group.conf:a.qcow2",
+        "blkdebug:event.conf:a.qcow2",
+    ] {
+        p.same(&["info", name]);
+    }
+}
+
+#[test]
+fn a_blkdebug_filter_over_the_image_maps_like_the_image() {
+    let p = Pair::new(|d| {
+        d.create("base.qcow2", "qcow2", "", None, "16M");
+        d.qemu_io("qcow2", "base.qcow2", &["write -P 1 0 16M"]);
+        d.create(
+            "top.qcow2",
+            "qcow2",
+            "cluster_size=1M",
+            Some(("base.qcow2", "qcow2")),
+            "16M",
+        );
+        d.qemu_io(
+            "qcow2",
+            "top.qcow2",
+            &["write -P 2 1000 3M", "write -z 8M 2M"],
+        );
+    });
+    let opts = "driver=blkdebug,image.driver=qcow2,image.file.driver=file,\
+                image.file.filename=top.qcow2";
+    for limits in [
+        "",
+        ",align=4k",
+        ",align=512,max-transfer=64k,opt-write-zero=1M",
+    ] {
+        let name = format!("{opts}{limits}");
+        p.same(&["map", "--image-opts", &name]);
+        p.same(&["map", "--output=json", "--image-opts", &name]);
+    }
+    p.same(&["map", "--image-opts", &format!("{opts},align=3")]);
+}
+
+/// A failure once clusters start to be freed, while `snapshot -d` drops a snapshot that
+/// shares its clusters with the disk: the same messages as qemu-img, and an image that
+/// `check` finds in the same state (the snapshot gone, its clusters leaked) and repairs the
+/// same way.
+#[test]
+fn a_failure_while_deleting_a_snapshot_leaks_what_qemu_leaks() {
+    let p = Pair::new(|d| {
+        d.create("s.qcow2", "qcow2", "", None, "64M");
+        d.qemu_io("qcow2", "s.qcow2", &["write 0 64k"]);
+        d.qemu_img(&["snapshot", "-c", "foo", "s.qcow2"]);
+        std::fs::write(
+            d.path("free.conf"),
+            "[inject-error]\nevent = \"cluster_free\"\nerrno = \"5\"\n",
+        )
+        .expect("write the rules");
+    });
+    p.same(&["snapshot", "-d", "foo", "blkdebug:free.conf:s.qcow2"]);
+    p.same(&["snapshot", "-l", "s.qcow2"]);
+    p.same(&["check", "s.qcow2"]);
+    p.same(&["check", "-r", "leaks", "s.qcow2"]);
+    p.same(&["check", "s.qcow2"]);
+}
+
+/// `info` describes the image behind the rules, under the name given.
+#[test]
+fn info_describes_the_wrapped_image() {
+    let p = Pair::new(read_error_images);
+    let (q, o) = p.run(&["info", "--output=json", "blkdebug:read.conf:a.qcow2"]);
+    assert_eq!((o.status.code(), q.status.code()), (Some(0), Some(0)));
+    let json = |out: &[u8]| -> serde_json::Value { serde_json::from_slice(out).expect("JSON") };
+    let (q, o) = (json(&q.stdout), json(&o.stdout));
+    for key in ["filename", "format", "virtual-size", "cluster-size"] {
+        assert_eq!(o[key], q[key], "{key}");
+    }
+}
