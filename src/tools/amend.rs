@@ -258,6 +258,7 @@ async fn run(args: &AmendArgs) -> Result<(), AmendCliError> {
     let open = OpenOptions {
         format: Some(Format::Qcow2),
         passwords: crate::secrets::passwords_for(path),
+        data_file: crate::image_name::data_file_for(path),
         ..OpenOptions::default()
     };
     // Opened before the options are read, as qemu-img does: a dirty lazy-refcount image is

@@ -47,6 +47,9 @@ pub struct OpenOptions {
     /// Open to read metadata only (QEMU's "no I/O" opens): encrypted layers without a
     /// password open locked instead of being refused.
     pub no_io: bool,
+    /// The top image's external data file, instead of the one its header names (QEMU's
+    /// `data-file.filename` option). Refused for an image without an external data file.
+    pub data_file: Option<std::path::PathBuf>,
 }
 
 impl<S: Storage + 'static> Image<S> {
@@ -74,6 +77,7 @@ impl<S: Storage + 'static> Image<S> {
             opts.snapshot.as_deref(),
             true,
             opts.passwords.unlock(0, opts.no_io),
+            opts.data_file.as_deref(),
         )
         .await?;
         let mut layers = vec![top];
@@ -136,6 +140,7 @@ impl<S: Storage + 'static> Image<S> {
                 None,
                 false,
                 opts.passwords.unlock(layers.len(), opts.no_io),
+                None,
             )
             .await
             .map_err(backing_open)?;
