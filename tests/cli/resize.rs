@@ -338,3 +338,30 @@ fn grown_space_is_reserved_up_front() {
         }
     }
 }
+
+/// Growing with `falloc` past an old end inside a cluster that has no host cluster yet:
+/// that cluster gets its host cluster first, before the new ones, as with qemu-img, so the
+/// file is laid out as QEMU lays it out (and a guest write later splits no more of the
+/// file system's extents than it would in QEMU's file).
+#[test]
+fn a_preallocating_resize_lays_out_the_file_as_qemu_img_does() {
+    let p = crate::qemu_img_options::Pair::new(|d| {
+        d.create("r.qcow2", "qcow2", "cluster_size=64k", None, "2000K");
+    });
+    p.same(&[
+        "resize",
+        "-f",
+        "qcow2",
+        "--preallocation=falloc",
+        "r.qcow2",
+        "+80K",
+    ]);
+    let map = |d: &Dir| d.qemu_img(&["map", "--output=json", "r.qcow2"]);
+    assert_eq!(map(&p.ours), map(&p.qemu), "the clusters' host offsets");
+    assert_eq!(
+        p.ours.disk_usage("r.qcow2"),
+        p.qemu.disk_usage("r.qcow2"),
+        "room taken in the file"
+    );
+    p.ours.assert_check_clean("r.qcow2");
+}
