@@ -46,21 +46,33 @@ impl Format {
     }
 }
 
+/// What only the top image of a chain may be asked for.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct TopChoices<'a> {
+    /// The internal snapshot to open instead of the active state.
+    pub snapshot: Option<&'a str>,
+    /// The external data file to open instead of the one the header names.
+    pub data_file: Option<&'a Path>,
+}
+
 /// Opens one file of the chain.
 pub(crate) async fn open_layer<O>(
     opener: &O,
     path: &Path,
     format: Option<Format>,
     access: storage::OpenOptions,
-    snapshot: Option<&str>,
+    choices: TopChoices<'_>,
     top: bool,
     key: Unlock<'_>,
-    data_file: Option<&Path>,
 ) -> Result<Layer<O::Storage>>
 where
     O: Opener,
     O::Storage: 'static,
 {
+    let TopChoices {
+        snapshot,
+        data_file,
+    } = choices;
     let name = path.display().to_string();
     let file = opener
         .open(path, access)

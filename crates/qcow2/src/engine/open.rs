@@ -8,7 +8,7 @@ use super::chain::Chain;
 use super::error::{EngineError, Result};
 use super::image::{Image, Inner};
 use super::layer::Layer;
-use super::load::{open_layer, Format};
+use super::load::{open_layer, Format, TopChoices};
 use super::metacache::L2Backend;
 use super::metacache::L2Cache;
 use super::range_lock::RangeLocks;
@@ -74,10 +74,12 @@ impl<S: Storage + 'static> Image<S> {
             path,
             opts.format,
             access,
-            opts.snapshot.as_deref(),
+            TopChoices {
+                snapshot: opts.snapshot.as_deref(),
+                data_file: opts.data_file.as_deref(),
+            },
             true,
             opts.passwords.unlock(0, opts.no_io),
-            opts.data_file.as_deref(),
         )
         .await?;
         let mut layers = vec![top];
@@ -137,10 +139,9 @@ impl<S: Storage + 'static> Image<S> {
                 &next_path,
                 fmt,
                 backing,
-                None,
+                TopChoices::default(),
                 false,
                 opts.passwords.unlock(layers.len(), opts.no_io),
-                None,
             )
             .await
             .map_err(backing_open)?;
