@@ -365,3 +365,40 @@ fn a_preallocating_resize_lays_out_the_file_as_qemu_img_does() {
     );
     p.ours.assert_check_clean("r.qcow2");
 }
+
+/// Shrinking frees the dropped clusters' room in the file as qemu-img frees it: the file
+/// takes the same room afterwards, down to the file system's last block (freed clusters
+/// are punched in runs, as QEMU's merged discards punch them).
+#[test]
+fn shrinking_frees_as_much_room_as_qemu_img() {
+    let p = crate::qemu_img_options::Pair::new(|d| {
+        d.create(
+            "s.qcow2",
+            "qcow2",
+            "cluster_size=1M,preallocation=metadata",
+            None,
+            "2100M",
+        );
+        d.qemu_io(
+            "qcow2",
+            "s.qcow2",
+            &[
+                "discard 0 10M",
+                "discard 2090M 10M",
+                "write 2090M 10M",
+                "write 0 10M",
+            ],
+        );
+    });
+    let before = (p.qemu.disk_usage("s.qcow2"), p.ours.disk_usage("s.qcow2"));
+    p.same(&["resize", "--shrink", "s.qcow2", "5M"]);
+    let freed = |d: &Dir, was: u64| was - d.disk_usage("s.qcow2");
+    assert_eq!(
+        freed(&p.ours, before.1),
+        freed(&p.qemu, before.0),
+        "room freed in the file (ours, QEMU's)"
+    );
+    p.ours.assert_check_clean("s.qcow2");
+    // qemu-io writes 0xcd unless told otherwise.
+    p.ours.qemu_io("qcow2", "s.qcow2", &["read -P 0xcd 0 5M"]);
+}
