@@ -156,6 +156,10 @@ impl From<EngineError> for OpenError {
                 path: image,
                 features: qemu_feature_list_of(&features),
             },
+            EngineError::DataFileNotUsed { image } => OpenError::Refused {
+                path: image,
+                message: "'data-file' can only be set for images with an external data file".into(),
+            },
             EngineError::Format { image, source } if source.qemu_open_message().is_some() => {
                 OpenError::Refused {
                     path: image,
@@ -318,6 +322,7 @@ pub async fn open_read_only(
         snapshot,
         force_share,
         passwords: crate::secrets::passwords_for(path),
+        data_file: crate::image_name::data_file_for(path),
         ..OpenOptions::default()
     };
     Ok(Image::open(&opener(), path, &opts).await?)

@@ -204,6 +204,9 @@ pub struct ImageName {
     pub options: BTreeMap<String, String>,
     /// The `backing` node, when the options describe it: its file and driver.
     pub backing: Option<(PathBuf, Option<String>)>,
+    /// The qcow2 image's external data file given as the `data-file` node (`file`
+    /// protocol), which replaces the one the header names.
+    pub data_file: Option<PathBuf>,
 }
 
 /// A flattened option value: JSON `null` is kept apart from text.
@@ -239,6 +242,7 @@ pub fn parse(name: &OsStr, image_opts: bool) -> Result<ImageName, NameError> {
             format: None,
             options: BTreeMap::new(),
             backing: None,
+            data_file: None,
         }),
     }
 }
@@ -543,6 +547,7 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
                 format: Some("raw".into()),
                 options: BTreeMap::new(),
                 backing: None,
+                data_file: None,
             });
         }
         Some("nbd") => {
@@ -555,6 +560,7 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
                 format: Some("raw".into()),
                 options,
                 backing: None,
+                data_file: None,
             });
         }
         Some("null-co") => {
@@ -564,6 +570,7 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
                 format: Some("raw".into()),
                 options: BTreeMap::new(),
                 backing: None,
+                data_file: None,
             });
         }
         Some("blkdebug") => {
@@ -618,6 +625,17 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
     }
     let backing = backing_node(&mut flat)?;
     let shown_driver = format.as_deref().unwrap_or("qcow2");
+    // Only qcow2 has a data file; given to raw, the option is refused below as QEMU does.
+    let data_file = if shown_driver == "qcow2"
+        && flat
+            .keys()
+            .any(|k| k == "data-file" || k.starts_with("data-file."))
+    {
+        let (direct, members) = take_node(&mut flat, "data-file")?;
+        Some(file_node(direct, members)?)
+    } else {
+        None
+    };
     let noops: &[&str] = if shown_driver == "qcow2" {
         QCOW2_NOOP_OPTIONS
     } else {
@@ -629,6 +647,7 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
         format,
         options,
         backing,
+        data_file,
     })
 }
 
@@ -883,6 +902,16 @@ pub fn driver_options(path: &Path) -> BTreeMap<String, String> {
                 .map(|n| n.options.clone())
         })
         .unwrap_or_default()
+}
+
+/// The external data file given with the image that resolved to `path` in this run (its
+/// `data-file` node), if any.
+pub fn data_file_for(path: &Path) -> Option<PathBuf> {
+    READ.lock().ok().and_then(|all| {
+        all.iter()
+            .find(|n| n.path == path)
+            .and_then(|n| n.data_file.clone())
+    })
 }
 
 #[cfg(test)]

@@ -141,6 +141,16 @@ fn main() -> ExitCode {
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let personality = prog::Personality::from_argv0(args.first());
     prog::set(personality);
+    if personality != prog::Personality::Native {
+        // QEMU's tools print what the repair of a dirty image on open finds, as `check -r
+        // all` prints it; our own name keeps it in the log.
+        qcow2::engine::check::report_repairs_to(|f| match f.kind {
+            qcow2::engine::check::FindingKind::Reported => {
+                eprintln!("{}: {}", prog::name(), f.message)
+            }
+            _ => eprintln!("{}", f.message),
+        });
+    }
     let name = personality.name();
     let args = match secrets::take_from_args(personality.native_args(args)) {
         Ok(a) => a,

@@ -147,6 +147,7 @@ impl Plan {
             // Per image: see `ImageSpec::open_options`.
             passwords: Default::default(),
             no_io: false,
+            data_file: None,
             open_bound: storage::OpenBound {
                 timeout: Duration::from_secs(args.open_timeout),
                 max_stuck: usize::try_from(args.open_stuck_max).unwrap_or(usize::MAX),

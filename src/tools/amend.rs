@@ -14,6 +14,7 @@ use storage::AnyStorage;
 use crate::engine_run::{self, OpenError};
 use crate::options::{self, Kind, OptionsError, Parsed, Spec};
 use crate::tools::create::QCOW2_OPTIONS;
+use crate::tools::progress::Progress;
 
 /// The options `amend` changes, as qemu-img lists them for qcow2.
 const AMEND_NAMES: &[&str] = &[
@@ -101,14 +102,17 @@ fn slot_change(list: &str, force: bool) -> Result<Option<SlotChange>, AmendCliEr
     }))
 }
 
+/// Progress is counted in hundredths of a percent.
+const PROGRESS_UNITS: u64 = 10_000;
+
 /// Arguments of `amend`.
 #[derive(Args, Debug)]
 #[command(
     about = "Change the options of a qcow2 image in place, like `qemu-img amend`",
     long_about = "Change the options of a qcow2 image in place, like `qemu-img amend`.\n\n\
-        -o takes compat=0.10|1.1 (downgrading turns zero clusters into data; refused with \
-        extended L2 entries, other refcount widths, persistent bitmaps and snapshots of \
-        another size), lazy_refcounts=on|off, refcount_bits=1|2|4|8|16|32|64 (a \
+        -o takes compat=0.10|1.1 (downgrading turns zero clusters into data, snapshots' \
+        included; refused with extended L2 entries, other refcount widths, persistent \
+        bitmaps and snapshots of another size, after the other changes asked for), lazy_refcounts=on|off, refcount_bits=1|2|4|8|16|32|64 (a \
         narrower width is refused when some refcount does not fit), size=SIZE, and \
         backing_file/backing_fmt, which may only name the current backing file (use a \
         rebase to change it), data_file=NAME (renames the external data file of an image \
@@ -124,7 +128,8 @@ pub struct AmendArgs {
     /// Format of FILENAME (only qcow2 can be amended).
     #[arg(short = 'f', long = "format", value_name = "FMT")]
     pub format: Option<String>,
-    /// Accepted for qemu-img compatibility; amend shows no progress here.
+    /// Show progress (a bar on stderr; invoked as qemu-img, its `(xx.xx/100%)` lines on
+    /// stdout).
     #[arg(short = 'p', long = "progress")]
     pub progress: bool,
     /// Quiet (amend prints nothing on success anyway).
@@ -253,6 +258,7 @@ async fn run(args: &AmendArgs) -> Result<(), AmendCliError> {
     let open = OpenOptions {
         format: Some(Format::Qcow2),
         passwords: crate::secrets::passwords_for(path),
+        data_file: crate::image_name::data_file_for(path),
         ..OpenOptions::default()
     };
     // Opened before the options are read, as qemu-img does: a dirty lazy-refcount image is
@@ -274,7 +280,13 @@ async fn run(args: &AmendArgs) -> Result<(), AmendCliError> {
                 return Ok(());
             }
         }
-        img.amend(&opts).await.map_err(AmendCliError::Engine)
+        // As qemu-img: from 0 before the changes start to 100 after they end, done or not.
+        let progress = Progress::for_tool(PROGRESS_UNITS, args.progress, args.quiet);
+        let report =
+            |percent: f64| progress.set((percent * PROGRESS_UNITS as f64 / 100.0).round() as u64);
+        let done = img.amend_with_progress(&opts, &report).await;
+        progress.finish();
+        done.map_err(AmendCliError::Engine)
     }
     .await;
     let closed = img.close().await.map_err(AmendCliError::Engine);

@@ -1,4 +1,4 @@
-//! A progress bar for long copies (`convert`). Shown when stderr is a terminal, or always with
+//! A progress bar for long jobs (`convert`, `amend`). Shown when stderr is a terminal, or always with
 //! `-p` as in qemu-img, never with `-q`; redrawn in place with `\r` only when the shown value
 //! changes, so a forced bar into a log file stays small.
 //!
@@ -75,6 +75,13 @@ impl<W: Write> Progress<W> {
     pub fn advance(&self, n: u64) {
         self.done
             .set(self.done.get().saturating_add(n).min(self.total));
+        self.draw();
+    }
+
+    /// Sets the units done to `done` (which may go back, as an amend's projected total
+    /// can grow).
+    pub fn set(&self, done: u64) {
+        self.done.set(done.min(self.total));
         self.draw();
     }
 

@@ -94,6 +94,28 @@ const VARIANTS: &[Variant] = &[
         },
     },
     Variant {
+        // The snapshot and the active layer share their L2 table.
+        name: "snapshot-shared",
+        make: |d, img| {
+            plain(d, img, "");
+            d.qemu_img(&["snapshot", "-c", "s1", img]);
+        },
+    },
+    Variant {
+        // Zero clusters a snapshot keeps over a backing file: each needs a cluster of zeros.
+        name: "snapshot-backed",
+        make: |d, img| {
+            let base = format!("{img}.base");
+            d.create(&base, "qcow2", "", None, "4M");
+            d.qemu_io("qcow2", &base, &["write -P 9 0 4M"]);
+            d.create(img, "qcow2", "", Some((&base, "qcow2")), "4M");
+            fill(d, img);
+            d.qemu_img(&["snapshot", "-c", "s1", img]);
+            d.qemu_img(&["snapshot", "-c", "s2", img]);
+            d.qemu_io("qcow2", img, &["write -P 8 0 2M"]);
+        },
+    },
+    Variant {
         name: "zstd",
         make: |d, img| {
             d.create(img, "qcow2", "compression_type=zstd", None, "4M");
@@ -103,9 +125,8 @@ const VARIANTS: &[Variant] = &[
 ];
 
 /// Cases where we refuse and QEMU goes ahead: (variant, case). A downgrade with bitmaps
-/// (QEMU leaves them inconsistent and their clusters leaked), and one whose snapshots hold
-/// zero clusters (QEMU rewrites the snapshots' L2 tables; we do not).
-const REFUSED_HERE: &[(&str, &str)] = &[("bitmaps", "downgrade"), ("snapshot", "downgrade")];
+/// (QEMU leaves them inconsistent and their clusters leaked).
+const REFUSED_HERE: &[(&str, &str)] = &[("bitmaps", "downgrade")];
 
 /// Runs `amend ARGS` (`{}` standing for the image) through both tools on fresh copies of
 /// `v`, and compares everything the module doc lists.
@@ -116,7 +137,6 @@ fn side_by_side(d: &Dir, v: &Variant, case: &str, args: &[&str]) {
     );
     (v.make)(d, &theirs);
     d.copy(&theirs, &ours);
-    let before = d.read(&ours);
     let (qemu, us) = common::side_by_side(d, "amend", (&theirs, &ours), args);
     let what = format!("{} {case} {args:?}", v.name);
     if REFUSED_HERE.contains(&(v.name, case)) {
@@ -135,9 +155,6 @@ fn side_by_side(d: &Dir, v: &Variant, case: &str, args: &[&str]) {
         // Refused before anything was written: only the bitmaps' in-use marks come and go.
         d.assert_check_clean(&ours);
         assert_eq!(d.info(&ours)["format-specific"]["data"]["compat"], "1.1");
-        if v.name == "snapshot" {
-            assert_eq!(d.read(&ours), before, "{what}: the image is unchanged");
-        }
         return;
     }
     assert_eq!(
@@ -157,6 +174,38 @@ fn side_by_side(d: &Dir, v: &Variant, case: &str, args: &[&str]) {
         info_sans_offsets(d, &theirs),
         "{what}: qemu-img info (left ours, right QEMU's)"
     );
+    assert_eq!(
+        header_length(&d.read(&ours)),
+        header_length(&d.read(&theirs)),
+        "{what}: header_length"
+    );
+    // Every snapshot reads as it does after QEMU's amend.
+    for name in snapshot_names(d, &theirs) {
+        for img in [&ours, &theirs] {
+            d.qemu_img(&["snapshot", "-a", &name, img]);
+        }
+        d.assert_same_contents(&ours, "qcow2", &theirs, "qcow2");
+        d.assert_check_clean(&ours);
+    }
+}
+
+/// A version 3 header's `header_length` field (`None` for version 2).
+fn header_length(file: &[u8]) -> Option<u32> {
+    let word = |at: usize| u32::from_be_bytes(file[at..at + 4].try_into().expect("4 bytes"));
+    (word(4) == 3).then(|| word(100))
+}
+
+/// The names of an image's internal snapshots, as `qemu-img snapshot -l` lists them.
+fn snapshot_names(d: &Dir, img: &str) -> Vec<String> {
+    let info = d.info(img);
+    info["snapshots"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|s| s["name"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn run_cases(cases: &[(&str, &[&str])]) {
@@ -448,4 +497,86 @@ fn an_upgrade_completes_old_snapshot_entries_as_qemu_img_does() {
     // Each snapshot still holds what it held.
     p.same(&["snapshot", "-a", "sn1", "v2.qcow2"]);
     p.ours.qemu_io("qcow2", "v2.qcow2", &["read -P 0x21 0 64k"]);
+}
+
+/// A downgrade refused for a snapshot of another size comes after the other changes, as in
+/// QEMU: the new size asked for with it is kept.
+#[test]
+fn a_refused_downgrade_keeps_the_size_changed_before_it_as_qemu_img_does() {
+    let p = crate::qemu_img_options::Pair::new(|d| {
+        d.create("s.qcow2", "qcow2", "", None, "64M");
+        d.qemu_io("qcow2", "s.qcow2", &["write -P 5 1M 64k"]);
+        d.qemu_img(&["snapshot", "-c", "s1", "s.qcow2"]);
+        d.qemu_img(&["resize", "s.qcow2", "128M"]);
+    });
+    let out = p.same(&["amend", "-o", "compat=0.10,size=32M", "s.qcow2"]);
+    assert!(!out.status.success(), "the downgrade is refused");
+    for d in [&p.qemu, &p.ours] {
+        let info = d.info("s.qcow2");
+        assert_eq!(info["virtual-size"], 32 << 20, "the new size stays");
+        assert_eq!(info["format-specific"]["data"]["compat"], "1.1");
+        d.assert_check_clean("s.qcow2");
+    }
+}
+
+/// `amend -p`: qemu-img's percentages, line for line, for a downgrade that walks the active
+/// L1 table and a snapshot's.
+#[test]
+fn amend_progress_prints_qemu_img_percentages() {
+    let p = crate::qemu_img_options::Pair::new(|d| {
+        d.create("big.qcow2", "qcow2", "", None, "4G");
+        d.qemu_io(
+            "qcow2",
+            "big.qcow2",
+            &["write -z 0 64k", "write -z 1G 64k", "write -z 3G 64k"],
+        );
+        d.create("snap.qcow2", "qcow2", "", None, "2G");
+        d.qemu_io(
+            "qcow2",
+            "snap.qcow2",
+            &["write -P 1 0 64k", "write -z 1G 64k"],
+        );
+        d.qemu_img(&["snapshot", "-c", "s1", "snap.qcow2"]);
+    });
+    for img in ["big.qcow2", "snap.qcow2"] {
+        let out = p.same(&["amend", "-p", "-o", "compat=0.10", img]);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            text.contains("(0.00/100%)") && text.contains("(100.00/100%)"),
+            "{text:?}"
+        );
+        p.ours.assert_check_clean(img);
+    }
+    // Without -p, nothing.
+    let out = p.same(&["amend", "-o", "compat=1.1", "big.qcow2"]);
+    assert!(out.stdout.is_empty());
+}
+
+/// Opening a dirty lazy-refcount image for writing repairs it; qemu-img prints what the
+/// repair finds on stderr, as `check -r all` would.
+#[test]
+fn the_repair_of_a_dirty_image_on_open_is_printed_as_qemu_img_prints_it() {
+    let p = crate::qemu_img_options::Pair::new(|d| {
+        d.create("dirty.qcow2", "qcow2", "lazy_refcounts=on", None, "64M");
+        let out = d.run(
+            "qemu-io",
+            &[
+                "-f",
+                "qcow2",
+                "-c",
+                "write -P 4 0 128k",
+                "-c",
+                "abort",
+                "dirty.qcow2",
+            ],
+        );
+        assert!(!out.status.success(), "qemu-io abort");
+    });
+    let out = p.same(&["amend", "-o", "lazy_refcounts=off", "dirty.qcow2"]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("ERROR cluster"),
+        "the repair is reported: {}",
+        text(&out)
+    );
+    p.ours.assert_check_clean("dirty.qcow2");
 }

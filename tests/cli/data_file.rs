@@ -143,3 +143,65 @@ fn data_file_refusals_use_qemus_words() {
         p.same(args);
     }
 }
+
+/// `--image-opts` with a `data-file` node opens the data file it names instead of the one
+/// the header names, as qemu-img does: an image whose recorded data file is gone can be
+/// inspected and pointed back at its data.
+#[test]
+fn a_data_file_node_in_image_opts_replaces_the_recorded_one() {
+    let p = Pair::new(|d| {
+        d.create("d.qcow2", "qcow2", "data_file=d.qcow2.data", None, "8M");
+        d.qemu_io("qcow2", "d.qcow2", &["write -P 7 0 64k"]);
+        qemu_img(d, &["amend", "-o", "data_file=gone", "d.qcow2"]);
+    });
+    let opts = "data-file.filename=d.qcow2.data,file.filename=d.qcow2";
+    let info = p.same(&["info", "--image-opts", opts]);
+    assert!(
+        text(&info.stdout).contains("data file: gone"),
+        "{}",
+        text(&info.stdout)
+    );
+    p.same(&["map", "--output=json", "--image-opts", opts]);
+    p.same(&["amend", "-o", "data_file=", "--image-opts", opts]);
+    for d in [&p.qemu, &p.ours] {
+        // The name is dropped: QEMU's tools need the node given again to read the data.
+        let out = d.run("qemu-io", &["-c", "read 0 4k", "d.qcow2"]);
+        assert!(
+            text(&out.stderr).contains("'data-file' is required for this image"),
+            "{}",
+            text(&out.stderr)
+        );
+        let out = d.run(
+            "qemu-io",
+            &[
+                "--image-opts",
+                &format!("driver=qcow2,{opts}"),
+                "-c",
+                "read -P 7 0 64k",
+            ],
+        );
+        let said = text(&out.stdout);
+        assert!(
+            out.status.success() && said.contains("read 65536/65536") && !said.contains("fail"),
+            "{said}{}",
+            text(&out.stderr)
+        );
+    }
+    // Given for an image without a data file, the node is refused.
+    let p = Pair::new(|d| {
+        d.create("n.qcow2", "qcow2", "", None, "8M");
+        d.create("x.raw", "raw", "", None, "8M");
+    });
+    let (q, o) = p.run(&[
+        "amend",
+        "-o",
+        "lazy_refcounts=on",
+        "--image-opts",
+        "data-file.filename=x.raw,file.filename=n.qcow2",
+    ]);
+    let why = "'data-file' can only be set for images with an external data file";
+    for out in [&q, &o] {
+        assert_eq!(out.status.code(), Some(1));
+        assert!(text(&out.stderr).contains(why), "{}", text(&out.stderr));
+    }
+}

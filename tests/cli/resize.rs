@@ -338,3 +338,67 @@ fn grown_space_is_reserved_up_front() {
         }
     }
 }
+
+/// Growing with `falloc` past an old end inside a cluster that has no host cluster yet:
+/// that cluster gets its host cluster first, before the new ones, as with qemu-img, so the
+/// file is laid out as QEMU lays it out (and a guest write later splits no more of the
+/// file system's extents than it would in QEMU's file).
+#[test]
+fn a_preallocating_resize_lays_out_the_file_as_qemu_img_does() {
+    let p = crate::qemu_img_options::Pair::new(|d| {
+        d.create("r.qcow2", "qcow2", "cluster_size=64k", None, "2000K");
+    });
+    p.same(&[
+        "resize",
+        "-f",
+        "qcow2",
+        "--preallocation=falloc",
+        "r.qcow2",
+        "+80K",
+    ]);
+    let map = |d: &Dir| d.qemu_img(&["map", "--output=json", "r.qcow2"]);
+    assert_eq!(map(&p.ours), map(&p.qemu), "the clusters' host offsets");
+    assert_eq!(
+        p.ours.disk_usage("r.qcow2"),
+        p.qemu.disk_usage("r.qcow2"),
+        "room taken in the file"
+    );
+    p.ours.assert_check_clean("r.qcow2");
+}
+
+/// Shrinking frees the dropped clusters' room in the file as qemu-img frees it: the file
+/// takes the same room afterwards, down to the file system's last block (freed clusters
+/// are punched in runs, as QEMU's merged discards punch them).
+#[test]
+fn shrinking_frees_as_much_room_as_qemu_img() {
+    let p = crate::qemu_img_options::Pair::new(|d| {
+        d.create(
+            "s.qcow2",
+            "qcow2",
+            "cluster_size=1M,preallocation=metadata",
+            None,
+            "2100M",
+        );
+        d.qemu_io(
+            "qcow2",
+            "s.qcow2",
+            &[
+                "discard 0 10M",
+                "discard 2090M 10M",
+                "write 2090M 10M",
+                "write 0 10M",
+            ],
+        );
+    });
+    let before = (p.qemu.disk_usage("s.qcow2"), p.ours.disk_usage("s.qcow2"));
+    p.same(&["resize", "--shrink", "s.qcow2", "5M"]);
+    let freed = |d: &Dir, was: u64| was - d.disk_usage("s.qcow2");
+    assert_eq!(
+        freed(&p.ours, before.1),
+        freed(&p.qemu, before.0),
+        "room freed in the file (ours, QEMU's)"
+    );
+    p.ours.assert_check_clean("s.qcow2");
+    // qemu-io writes 0xcd unless told otherwise.
+    p.ours.qemu_io("qcow2", "s.qcow2", &["read -P 0xcd 0 5M"]);
+}

@@ -46,13 +46,22 @@ impl Format {
     }
 }
 
+/// What only the top image of a chain may be asked for.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct TopChoices<'a> {
+    /// The internal snapshot to open instead of the active state.
+    pub snapshot: Option<&'a str>,
+    /// The external data file to open instead of the one the header names.
+    pub data_file: Option<&'a Path>,
+}
+
 /// Opens one file of the chain.
 pub(crate) async fn open_layer<O>(
     opener: &O,
     path: &Path,
     format: Option<Format>,
     access: storage::OpenOptions,
-    snapshot: Option<&str>,
+    choices: TopChoices<'_>,
     top: bool,
     key: Unlock<'_>,
 ) -> Result<Layer<O::Storage>>
@@ -60,6 +69,10 @@ where
     O: Opener,
     O::Storage: 'static,
 {
+    let TopChoices {
+        snapshot,
+        data_file,
+    } = choices;
     let name = path.display().to_string();
     let file = opener
         .open(path, access)
@@ -89,6 +102,12 @@ where
         None => Format::Raw,
     };
     if format == Format::Raw {
+        if data_file.is_some() {
+            return Err(EngineError::Unsupported {
+                image: name,
+                what: "an external data file for a raw image".into(),
+            });
+        }
         if snapshot.is_some() {
             return Err(EngineError::Unsupported {
                 image: name,
@@ -108,7 +127,7 @@ where
         len: file_len,
         src: StorageSource::new(&file, file_len),
     };
-    let (meta, size) = open_qcow2(opener, &at, path, access, snapshot, key).await?;
+    let (meta, size) = open_qcow2(opener, &at, path, access, snapshot, key, data_file).await?;
     Ok(Layer {
         name,
         file,
@@ -170,6 +189,7 @@ async fn open_qcow2<O>(
     access: storage::OpenOptions,
     snapshot: Option<&str>,
     key: Unlock<'_>,
+    data_file: Option<&Path>,
 ) -> Result<(Qcow2Meta<O::Storage>, u64)>
 where
     O: Opener,
@@ -187,7 +207,7 @@ where
     let (l1_offset, l1_entries, size) = l1_in_use(at, &header, &snapshots, snapshot, &geom)?;
     let l1 = read_l1(at, &geom, l1_offset, l1_entries, size, &regions).await?;
     let crypto = unlock(at, &header, key).await?;
-    let data_file = open_data_file(opener, at, &header, path, access).await?;
+    let data_file = open_data_file(opener, at, &header, path, data_file, access).await?;
     let data_raw = header.data_file_is_raw();
     let geom = geom.with_data_file(data_file.is_some());
     Ok((
@@ -414,13 +434,15 @@ async fn read_l1<S: Storage + 'static>(
     Ok(l1)
 }
 
-/// Opens the external data file the header names, if any, with the image's own access: it
-/// holds the guest's bytes, so it is locked as the image is.
+/// Opens the external data file, if the image has one: `given` (QEMU's `data-file`
+/// option), else the one the header names, with the image's own access: it holds the
+/// guest's bytes, so it is locked as the image is.
 async fn open_data_file<O>(
     opener: &O,
     at: &LayerFile<'_, O::Storage>,
     header: &Header,
     path: &Path,
+    given: Option<&Path>,
     access: storage::OpenOptions,
 ) -> Result<Option<O::Storage>>
 where
@@ -428,14 +450,26 @@ where
     O::Storage: 'static,
 {
     if !header.has_data_file() {
-        return Ok(None);
+        return match given {
+            Some(_) => Err(EngineError::DataFileNotUsed {
+                image: at.name.to_string(),
+            }),
+            None => Ok(None),
+        };
     }
-    let Some(dname) = header.data_file_name() else {
-        return Err(at.unsupported("an external data file without a name in the image".into()));
+    let dpath = match given {
+        Some(p) => p.to_path_buf(),
+        None => {
+            let Some(dname) = header.data_file_name() else {
+                return Err(
+                    at.unsupported("an external data file without a name in the image".into())
+                );
+            };
+            let dname = String::from_utf8(dname.to_vec())
+                .map_err(|_| at.corrupt("external data file name is not UTF-8".into()))?;
+            backing_name::resolve(path, &dname)?
+        }
     };
-    let dname = String::from_utf8(dname.to_vec())
-        .map_err(|_| at.corrupt("external data file name is not UTF-8".into()))?;
-    let dpath = backing_name::resolve(path, &dname)?;
     let file = opener
         .open(&dpath, access)
         .await

@@ -8,7 +8,7 @@ use super::chain::Chain;
 use super::error::{EngineError, Result};
 use super::image::{Image, Inner};
 use super::layer::Layer;
-use super::load::{open_layer, Format};
+use super::load::{open_layer, Format, TopChoices};
 use super::metacache::L2Backend;
 use super::metacache::L2Cache;
 use super::range_lock::RangeLocks;
@@ -47,6 +47,9 @@ pub struct OpenOptions {
     /// Open to read metadata only (QEMU's "no I/O" opens): encrypted layers without a
     /// password open locked instead of being refused.
     pub no_io: bool,
+    /// The top image's external data file, instead of the one its header names (QEMU's
+    /// `data-file.filename` option). Refused for an image without an external data file.
+    pub data_file: Option<std::path::PathBuf>,
 }
 
 impl<S: Storage + 'static> Image<S> {
@@ -71,7 +74,10 @@ impl<S: Storage + 'static> Image<S> {
             path,
             opts.format,
             access,
-            opts.snapshot.as_deref(),
+            TopChoices {
+                snapshot: opts.snapshot.as_deref(),
+                data_file: opts.data_file.as_deref(),
+            },
             true,
             opts.passwords.unlock(0, opts.no_io),
         )
@@ -133,7 +139,7 @@ impl<S: Storage + 'static> Image<S> {
                 &next_path,
                 fmt,
                 backing,
-                None,
+                TopChoices::default(),
                 false,
                 opts.passwords.unlock(layers.len(), opts.no_io),
             )

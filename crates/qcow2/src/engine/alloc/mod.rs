@@ -317,12 +317,34 @@ impl<S: Storage + 'static> Allocator<S> {
     /// Refuses a data write over metadata (and marks the image corrupt), as QEMU's overlap
     /// check does. Data in an external data file cannot overlap qcow2 metadata.
     pub(crate) async fn check_overlap(&self, host: HostOffset, len: u64) -> Result<()> {
-        self.ensure_usable()?;
         if self.meta().data_file.is_some() {
+            self.ensure_usable()?;
             return Ok(());
         }
+        self.check_overlap_but(host, len, None).await
+    }
+
+    /// As [`check_overlap`](Self::check_overlap) for a write of an L2 table the active L1
+    /// table does not use (a snapshot's): it may lie where an active L2 table once was
+    /// recorded, but over no other metadata.
+    pub(crate) async fn check_inactive_l2_overlap(&self, host: HostOffset, len: u64) -> Result<()> {
+        self.check_overlap_but(host, len, Some(MetaKind::L2Table))
+            .await
+    }
+
+    async fn check_overlap_but(
+        &self,
+        host: HostOffset,
+        len: u64,
+        allowed: Option<MetaKind>,
+    ) -> Result<()> {
+        self.ensure_usable()?;
         // Outside a corrupt image no two metadata ranges overlap, so any one hit will do.
-        let hit = self.meta.borrow().overlapping(host, len).next();
+        let hit = self
+            .meta
+            .borrow()
+            .overlapping(host, len)
+            .find(|m| Some(m.kind) != allowed);
         if let Some(hit) = hit {
             return Err(self
                 .mark_corrupt(format!(

@@ -1,11 +1,13 @@
 //! `amend`: QEMU's checks, then the changes in QEMU's order (upgrade first, so that the
 //! features it allows can be turned on; the refcount width; lazy refcounts; size; downgrade
 //! last, once what version 2 cannot hold is gone, so `compat=0.10,refcount_bits=16` works on
-//! an image of another width). Everything that can be refused is refused before anything is
-//! written, except a narrower refcount width, which only the count of every reference can
-//! refuse: that count comes before anything is written too, but after an upgrade asked for
-//! with it.
+//! an image of another width). What the options themselves get wrong is refused before
+//! anything is written. Two refusals come later, as in QEMU: a narrower refcount width, which
+//! only the count of every reference can refuse (after an upgrade asked for with it), and
+//! what version 2 cannot hold, checked where the downgrade starts, so the changes before it
+//! (a new size, say) stay made. Each change leaves a valid image.
 
+use super::progress::{Operation, Steps};
 use crate::engine::create::Preallocation;
 pub use crate::engine::error::AmendError;
 use crate::engine::error::{EngineError, Result};
@@ -40,6 +42,16 @@ pub struct AmendOptions {
 impl<S: Storage + 'static> Image<S> {
     /// Changes what `opts` asks for, as `qemu-img amend -o` does.
     pub async fn amend(&self, opts: &AmendOptions) -> Result<()> {
+        self.amend_with_progress(opts, &|_| {}).await
+    }
+
+    /// As [`amend`](Self::amend), telling `progress` how far it has come (percentages, as
+    /// QEMU's driver reports them to `qemu-img amend -p`).
+    pub async fn amend_with_progress(
+        &self,
+        opts: &AmendOptions,
+        progress: &dyn Fn(f64),
+    ) -> Result<()> {
         self.inner.check_writable()?;
         let top = self.inner.chain.top();
         let refuse = |source| EngineError::Amend {
@@ -86,13 +98,16 @@ impl<S: Storage + 'static> Image<S> {
         if lazy && !lazy_now && version < 3 {
             return Err(refuse(AmendError::LazyNeedsV3));
         }
-        if version < old_version {
-            self.check_downgrade(opts.size, order).await?;
-        }
+        let steps = Steps::new(
+            progress,
+            u64::from(version != old_version) + u64::from(bits != u64::from(old_bits)),
+        );
         if version > old_version {
-            self.upgrade().await?;
+            steps.start(Operation::Upgrade);
+            self.upgrade(&steps).await?;
         }
         if bits != u64::from(old_bits) {
+            steps.start(Operation::RefcountWidth);
             self.change_refcount_width(order).await?;
         }
         if lazy != lazy_now {
@@ -106,7 +121,11 @@ impl<S: Storage + 'static> Image<S> {
             self.resize(size, Preallocation::Off).await?;
         }
         if version < old_version {
-            self.downgrade().await?;
+            // QEMU checks what version 2 cannot hold only here, after the other changes
+            // (a new size included) are made; a refusal leaves them made, as it does.
+            self.check_downgrade(order).await?;
+            steps.start(Operation::Downgrade);
+            self.downgrade(&steps).await?;
         }
         self.inner.flush().await
     }

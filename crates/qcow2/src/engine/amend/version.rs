@@ -4,6 +4,7 @@
 //! everything it describes is durable.
 
 use super::entry::AmendError;
+use super::progress::Steps;
 use crate::engine::create::feature_table;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::image::Image;
@@ -76,13 +77,9 @@ impl<S: Storage + 'static> Image<S> {
         Ok(Some((old, new)))
     }
 
-    /// Everything QEMU refuses to downgrade, checked before anything changes; `new_size`
-    /// is the size the disk will have by then, `refcount_order` the refcount width.
-    pub(super) async fn check_downgrade(
-        &self,
-        new_size: Option<u64>,
-        refcount_order: u32,
-    ) -> Result<()> {
+    /// Everything QEMU refuses to downgrade, checked before the downgrade changes anything;
+    /// `refcount_order` is the refcount width.
+    pub(super) async fn check_downgrade(&self, refcount_order: u32) -> Result<()> {
         let top = self.inner.chain.top();
         let meta = top.qcow2_required()?;
         let refuse = |e| Err(self.amend_error(e));
@@ -92,7 +89,7 @@ impl<S: Storage + 'static> Image<S> {
         if meta.data_file.is_some() {
             return refuse(AmendError::DowngradeDataFile);
         }
-        let size = new_size.unwrap_or(top.size.get());
+        let size = top.size.get();
         for s in self.snapshot_list().await? {
             let word = |at: usize| {
                 s.extra_data
@@ -115,9 +112,6 @@ impl<S: Storage + 'static> Image<S> {
             return refuse(AmendError::DowngradeBitmaps);
         }
         let scan = self.scan_snapshot_tables().await?;
-        if scan.zero {
-            return refuse(AmendError::DowngradeSnapshotZeros);
-        }
         let zstd = meta.header.borrow().compression_type != 0;
         if zstd && (scan.compressed || self.active_has_compressed().await?) {
             return refuse(AmendError::DowngradeZstd);
@@ -128,7 +122,8 @@ impl<S: Storage + 'static> Image<S> {
     /// Writes a version 3 header (QEMU's upgrade: no feature bits yet). Snapshots of
     /// version 2 that lack what version 3 requires get it first, in a new table that
     /// version 2 reads as well, so a crash between the two writes leaves a valid image.
-    pub(super) async fn upgrade(&self) -> Result<()> {
+    pub(super) async fn upgrade(&self, steps: &Steps<'_>) -> Result<()> {
+        steps.at(0, 2);
         if let Some((old, new)) = self.upgraded_snapshots().await? {
             self.inner.flush().await?;
             let w = self.inner.alloc()?;
@@ -138,23 +133,29 @@ impl<S: Storage + 'static> Image<S> {
         }
         let meta = self.inner.chain.top().qcow2_required()?;
         let mut h = meta.header.borrow().clone();
+        // The length a new version 3 header has (with the compression type and its
+        // padding), as QEMU writes it on upgrade too.
+        let fresh = Header::new(3, h.cluster_bits, h.size);
         h.version = 3;
-        h.header_length = limits::MIN_V3_HEADER_LENGTH;
+        h.header_length = fresh.header_length;
         h.incompatible_features = 0;
         h.compatible_features = 0;
         h.autoclear_features = 0;
-        h.compression_type = 0;
-        h.unknown_header_tail.clear();
+        h.compression_type = fresh.compression_type;
+        h.unknown_header_tail = fresh.unknown_header_tail;
         h.extensions
             .push(HeaderExtension::FeatureNameTable(feature_table()));
         self.inner.flush().await?;
-        self.write_header(h).await
+        steps.at(1, 2);
+        self.write_header(h).await?;
+        steps.at(2, 2);
+        Ok(())
     }
 
     /// Turns zero clusters into data, clears the dirty bit, and writes a version 2 header.
-    pub(super) async fn downgrade(&self) -> Result<()> {
+    pub(super) async fn downgrade(&self, steps: &Steps<'_>) -> Result<()> {
         let meta = self.inner.chain.top().qcow2_required()?;
-        self.expand_zero_clusters().await?;
+        self.expand_zero_clusters(steps).await?;
         let w = self.inner.alloc()?;
         w.disable_lazy_refcounts();
         self.inner.flush().await?;

@@ -12,6 +12,18 @@ use crate::format::Structure;
 use crate::metadata::{Loader, StorageSource, Strictness, L1_TABLE};
 use storage::Storage;
 
+/// Where the findings of an automatic repair go besides the log, set once per process:
+/// QEMU's tools print them on stderr, as `check -r all` does, whichever tool opened the
+/// image, and a program standing in for them must too.
+static REPAIR_REPORTER: std::sync::OnceLock<fn(&super::report::Finding)> =
+    std::sync::OnceLock::new();
+
+/// Makes every later repair of a dirty image hand each finding to `report` (the first
+/// call wins).
+pub fn report_repairs_to(report: fn(&super::report::Finding)) {
+    let _ = REPAIR_REPORTER.set(report);
+}
+
 /// Repairs the refcounts of the dirty image in `file` and clears its dirty bit. The external
 /// data file, if any, is flushed first, so a clean header never reaches the disk before the
 /// guest data it describes. Fails when the check had internal errors or left corruptions,
@@ -23,11 +35,17 @@ pub async fn repair_dirty<S: Storage>(
     if let Some(d) = data_file {
         io::flush(d).await?;
     }
-    let mut log = |f: super::report::Finding| match f.kind {
-        FindingKind::Error | FindingKind::Reported => {
-            tracing::warn!("repairing a dirty image: {}", f.message)
+    let reporter = REPAIR_REPORTER.get().copied();
+    let mut log = |f: super::report::Finding| {
+        if let Some(report) = reporter {
+            report(&f);
         }
-        _ => tracing::debug!("repairing a dirty image: {}", f.message),
+        match f.kind {
+            FindingKind::Error | FindingKind::Reported => {
+                tracing::warn!("repairing a dirty image: {}", f.message)
+            }
+            _ => tracing::debug!("repairing a dirty image: {}", f.message),
+        }
     };
     let report = check_pass(file, Repair::All.fix(), &mut log).await?;
     if report.check_errors > 0 || report.corruptions > 0 {

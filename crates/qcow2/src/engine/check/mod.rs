@@ -46,8 +46,8 @@ mod tables;
 mod width;
 
 pub use blocking::check_path;
-pub use dirty::repair_dirty;
 pub(crate) use dirty::repair_dirty_layer;
+pub use dirty::{repair_dirty, report_repairs_to};
 pub use error::CheckError;
 pub use report::{CheckReport, Finding, FindingKind};
 pub use run::{check, CheckOutcome, Repair};

@@ -129,6 +129,12 @@ pub enum EngineError {
         /// What is not supported.
         what: String,
     },
+    /// An external data file was given for an image that has none.
+    #[error("{image}: 'data-file' can only be set for images with an external data file")]
+    DataFileNotUsed {
+        /// The image.
+        image: String,
+    },
     /// A resize QEMU would refuse too, with its reason.
     #[error("{image}: {source}")]
     Resize {
@@ -258,7 +264,8 @@ impl EngineError {
             EngineError::OutOfRange { .. }
             | EngineError::Bitmap { .. }
             | EngineError::Resize { .. }
-            | EngineError::Amend { .. } => libc_errno::EINVAL,
+            | EngineError::Amend { .. }
+            | EngineError::DataFileNotUsed { .. } => libc_errno::EINVAL,
             EngineError::Unsupported { .. } | EngineError::ZeroNotFast { .. } => {
                 libc_errno::ENOTSUP
             }

@@ -44,11 +44,6 @@ pub enum AmendError {
     /// QEMU downgrades and leaves the bitmaps inconsistent and their clusters leaked.
     #[error("Cannot downgrade an image with persistent bitmaps: compat=0.10 cannot keep them (remove them first)")]
     DowngradeBitmaps,
-    /// QEMU expands them; we do not read-modify-write snapshot tables.
-    #[error(
-        "Cannot downgrade: internal snapshots hold zero clusters, which compat=0.10 cannot express"
-    )]
-    DowngradeSnapshotZeros,
 }
 
 /// Why a bitmap operation was refused, in QEMU's words where QEMU has them.

@@ -45,11 +45,22 @@ impl<S: Storage + 'static> Image<S> {
         }
         let cs = meta.geom.cluster_size();
         // The partial cluster at the old end already belongs to the disk: it keeps what it has,
-        // but the file space of its tail, now part of the disk, is reserved as asked.
+        // but the file space of its tail, now part of the disk, is reserved as asked. When
+        // it has no host cluster yet, it gets one with the rest, in guest order, and its head
+        // (inside the old disk) is written with zeros as QEMU's copy-on-write writes it: the
+        // file then has as few extents as QEMU's, and a guest write into that head later
+        // splits none (on ext4 a fifth extent costs a block of extent tree, which would
+        // make the file take more room after all).
         let first_new = old_size.div_ceil(cs) * cs;
-        self.preallocate_range(first_new, new_size, prealloc)
-            .await?;
-        if first_new != old_size {
+        let tail = old_size - old_size % cs;
+        let whole_tail = first_new != old_size
+            && matches!(prealloc, Preallocation::Falloc | Preallocation::Full)
+            && self.free_hidden_cluster(tail).await?;
+        let start = if whole_tail { tail } else { first_new };
+        self.preallocate_range(start, new_size, prealloc).await?;
+        if whole_tail {
+            self.write_head_zeros(tail, old_size % cs).await?;
+        } else if first_new != old_size {
             self.reserve_partial_tail(old_size, prealloc).await?;
         }
         if hide_backing {
@@ -59,11 +70,52 @@ impl<S: Storage + 'static> Image<S> {
         self.set_qcow2_size(new_size).await
     }
 
+    /// Whether the guest cluster at `cluster` has no host cluster and no backing file shows
+    /// through it: preallocating it whole changes nothing the guest reads.
+    async fn free_hidden_cluster(&self, cluster: u64) -> Result<bool> {
+        let top = self.inner.chain.top();
+        let cs = top.qcow2_required()?.geom.cluster_size();
+        let w = self.inner.alloc()?;
+        let unallocated = w
+            .l2_entries(GuestOffset(cluster), cs)
+            .await?
+            .first()
+            .is_some_and(|e| (e.word, e.bitmap) == (0, 0));
+        let hidden = self
+            .inner
+            .chain
+            .layers
+            .get(1)
+            .is_none_or(|b| b.size.get() <= cluster);
+        Ok(unallocated && hidden)
+    }
+
+    /// Writes zeros over the first `len` bytes of the host cluster the guest cluster at
+    /// `cluster` was just given (they read as zeros already).
+    async fn write_head_zeros(&self, cluster: u64, len: u64) -> Result<()> {
+        let top = self.inner.chain.top();
+        let cs = top.qcow2_required()?.geom.cluster_size();
+        let w = self.inner.alloc()?;
+        let Some(e) = w
+            .l2_entries(GuestOffset(cluster), cs)
+            .await?
+            .first()
+            .copied()
+        else {
+            return Ok(());
+        };
+        let host = l2::host_of(e.word);
+        if host == 0 || l2::is_compressed(e.word) || len == 0 {
+            return Ok(());
+        }
+        w.check_overlap(HostOffset(host), len).await?;
+        write_zero_data(top, host, len).await
+    }
+
     /// With `falloc` or `full`, reserves (or writes zeros into) the host space of the cluster
-    /// at the old end from `old_size` on: QEMU gives that cluster a freshly reserved host
-    /// cluster, so that writes into the grown space never make the file take more room.
-    /// Reserving the tail of its host cluster in place has the same effect; an unallocated
-    /// one is preallocated whole when nothing shows through it.
+    /// at the old end from `old_size` on, when that cluster has a host cluster: QEMU gives
+    /// it a freshly reserved one, so that writes into the grown space never make the file
+    /// take more room; reserving the tail of its host cluster in place has the same effect.
     async fn reserve_partial_tail(&self, old_size: u64, prealloc: Preallocation) -> Result<()> {
         if !matches!(prealloc, Preallocation::Falloc | Preallocation::Full) {
             return Ok(());
@@ -81,21 +133,8 @@ impl<S: Storage + 'static> Image<S> {
             return Ok(());
         };
         let host = l2::host_of(e.word);
-        if (e.word, e.bitmap) == (0, 0) {
-            // Unallocated: a reserved cluster of zeros reads as it did, unless a backing file
-            // shows through its head (then it is left as it is).
-            let hidden = self
-                .inner
-                .chain
-                .layers
-                .get(1)
-                .is_none_or(|b| b.size.get() <= cluster);
-            if hidden {
-                self.preallocate_range(cluster, cluster + cs, prealloc)
-                    .await?;
-            }
-            return Ok(());
-        }
+        // Unallocated (with a backing file showing through its head, else the caller has
+        // preallocated it whole), zero or compressed: nothing of its own to reserve.
         if host == 0 || l2::is_compressed(e.word) {
             return Ok(());
         }

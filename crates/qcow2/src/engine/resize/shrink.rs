@@ -9,13 +9,15 @@
 //!    refcount cache depends on the L2 cache for decrements), and both are flushed;
 //! 2. the cleared L1 entries are durable before the L2 tables' refcounts drop;
 //! 3. the refcount table without the unused blocks is durable before they count as free;
+//!    The freed clusters are punched out of the file after that flush, in runs of
+//!    adjacent clusters, under the allocator's lock;
 //! 4. the file is cut only past the last referenced cluster;
 //! 5. the size field is written last.
 
 use crate::engine::error::Result;
 use crate::engine::image::Image;
 use crate::engine::range_lock::LockMode;
-use crate::format::{l1, GuestOffset, HostOffset};
+use crate::format::{l1, l2, GuestOffset, HostCluster, HostOffset};
 use storage::Storage;
 
 impl<S: Storage + 'static> Image<S> {
@@ -54,6 +56,10 @@ impl<S: Storage + 'static> Image<S> {
             .inner
             .lock_range(GuestOffset(from), to - from, LockMode::Exclusive)
             .await;
+        // Freed clusters are punched out of the file afterwards in runs, not one by one, as
+        // QEMU's merged discards do: thousands of small punches fragment the file system's
+        // extent tree, which can then keep a block QEMU's file does not.
+        let mut hosts = Vec::new();
         let mut pos = from;
         while pos < to {
             let table_end = (pos - pos % per_table).saturating_add(per_table).min(to);
@@ -69,10 +75,38 @@ impl<S: Storage + 'static> Image<S> {
                     w.l2_for_write(g.l1_index(GuestOffset(pos))).await?;
                 }
                 for e in used {
-                    w.remap(e.cluster, (0, 0), e.word, true, false).await?;
+                    if !l2::is_compressed(e.word) && l2::host_of(e.word) != 0 {
+                        hosts.push(l2::host_of(e.word));
+                    }
+                    w.remap(e.cluster, (0, 0), e.word, false, false).await?;
                 }
             }
             pos = table_end;
+        }
+        if self.inner.chain.top().qcow2_required()?.data_file.is_some() {
+            return Ok(());
+        }
+        // Punched once the cleared entries and lower refcounts are on disk.
+        self.inner.flush().await?;
+        let cs = g.cluster_size();
+        // No allocation may take a freed cluster between its refcount check and the punch.
+        let _g = w.exclusive().await;
+        hosts.sort_unstable();
+        hosts.dedup();
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for host in hosts {
+            if w.refcount(HostCluster(host / cs)).await? != 0 {
+                continue;
+            }
+            match runs.last_mut() {
+                Some((start, len)) if *start + *len == host => *len += cs,
+                _ => runs.push((host, cs)),
+            }
+        }
+        let top = self.inner.chain.top();
+        for (start, len) in runs {
+            // Best effort, as for a single cluster: the file system may not punch holes.
+            let _ = top.file.discard_at(start, len).await;
         }
         Ok(())
     }
