@@ -841,11 +841,9 @@ pub fn resolve(
     let given = path.display().to_string();
     if let Some(id) = read.options.get("tls-creds") {
         let hostname = read.options.get("tls-hostname").cloned();
-        crate::secrets::note_nbd_tls(&read.path, id, hostname).map_err(|reason| {
-            NameError::Open {
-                name: given.clone(),
-                reason: Reason::TlsCreds(reason),
-            }
+        crate::nbd_tls::note(&read.path, id, hostname).map_err(|reason| NameError::Open {
+            name: given.clone(),
+            reason: Reason::TlsCreds(reason),
         })?;
     }
     *path = read.path.clone();

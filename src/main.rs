@@ -4,6 +4,7 @@ mod daemon;
 mod engine_run;
 mod image_name;
 mod malloc_tuning;
+mod nbd_tls;
 mod options;
 mod os_error;
 mod prog;

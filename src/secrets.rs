@@ -21,13 +21,7 @@ struct Registry {
     secrets: HashMap<String, Vec<u8>>,
     /// Images named in option strings, with the secret ids of their layers by depth.
     images: Vec<(PathBuf, Vec<Option<String>>)>,
-    /// `tls-creds-x509` / `tls-creds-psk` objects of the image tools (not the server's,
-    /// which `serve` reads itself), for the `tls-creds` of `nbd` nodes.
-    tls_objects: Vec<String>,
 }
-
-/// The object types an `nbd` node's `tls-creds` may name.
-const TLS_CREDS_TYPES: &[&str] = &["tls-creds-x509", "tls-creds-psk"];
 
 /// The type of the object `spec` defines (`TYPE,...` or `qom-type=TYPE,...`).
 fn object_type(spec: &str) -> Option<String> {
@@ -108,6 +102,7 @@ fn layer_keys(name: &OsStr, image_opts: bool) -> Option<(PathBuf, Vec<Option<Str
 /// reader); every other argument is kept.
 pub fn take_from_args(args: Vec<OsString>) -> Result<Vec<OsString>, String> {
     let mut reg = Registry::default();
+    let mut tls_objects = Vec::new();
     let image_opts = args.iter().any(|a| a == "--image-opts");
     // The server takes its TLS objects itself; every other subcommand is a client.
     let serving = args
@@ -133,12 +128,11 @@ pub fn take_from_args(args: Vec<OsString>) -> Result<Vec<OsString>, String> {
                 reg.secrets.insert(id, bytes);
                 continue;
             }
-            if !serving && object_type(&spec).is_some_and(|t| TLS_CREDS_TYPES.contains(&t.as_str()))
-            {
+            if !serving && object_type(&spec).is_some_and(|t| crate::nbd_tls::is_creds_type(&t)) {
                 if text.as_deref() == Some("--object") {
                     it.next();
                 }
-                reg.tls_objects.push(spec);
+                tls_objects.push(spec);
                 continue;
             }
         }
@@ -159,6 +153,7 @@ pub fn take_from_args(args: Vec<OsString>) -> Result<Vec<OsString>, String> {
         out.push(a);
     }
     let _ = REGISTRY.set(reg);
+    crate::nbd_tls::set_objects(tls_objects);
     Ok(out)
 }
 
@@ -168,35 +163,6 @@ pub fn secret(id: &str) -> Result<Vec<u8>, String> {
         .get()
         .and_then(|r| r.secrets.get(id).cloned())
         .ok_or_else(|| format!("No secret with id '{id}'"))
-}
-
-/// Notes that the NBD export `path` names is reached over TLS with the credentials object
-/// `id` of the command line (and `hostname` to check the server's certificate against).
-pub fn note_nbd_tls(path: &Path, id: &str, hostname: Option<String>) -> Result<(), String> {
-    let objects = REGISTRY
-        .get()
-        .map(|r| r.tls_objects.clone())
-        .unwrap_or_default();
-    let has = |o: &String| crate::daemon::serve::tls::parse_object(o).is_ok_and(|o| o.id == id);
-    if !objects.iter().any(has) {
-        return Err(format!("No TLS credentials with id '{id}'"));
-    }
-    let flags = crate::daemon::serve::tls::TlsFlags {
-        objects,
-        creds: Some(id.to_owned()),
-        ..Default::default()
-    };
-    let client = crate::daemon::serve::tls::tls_client(&flags)
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| format!("No TLS credentials with id '{id}'"))?;
-    nbd::client::register_tls(
-        &path.display().to_string(),
-        nbd::client::ClientTls {
-            client: std::sync::Arc::new(client),
-            hostname,
-        },
-    );
-    Ok(())
 }
 
 /// The passwords the command line gave for the chain of the image at `path`.

@@ -160,14 +160,11 @@ impl Opener for FileOpener {
     /// Resolved on a thread of its own within `opts.bound`: walking a path on a file system
     /// that does not answer blocks like opening a file there.
     async fn canonical(&self, path: &Path, opts: OpenOptions) -> io::Result<PathBuf> {
-        if path
-            .to_str()
-            .is_some_and(|n| {
-                nbd::client::is_nbd_name(n)
-                    || crate::null::is_null_name(n)
-                    || n.starts_with("blkdebug:")
-            })
-        {
+        if path.to_str().is_some_and(|n| {
+            nbd::client::is_nbd_name(n)
+                || crate::null::is_null_name(n)
+                || n.starts_with("blkdebug:")
+        }) {
             return Ok(path.to_path_buf());
         }
         let owned = path.to_path_buf();
