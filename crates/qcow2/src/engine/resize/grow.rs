@@ -93,23 +93,32 @@ impl<S: Storage + 'static> Image<S> {
     /// Writes zeros over the first `len` bytes of the host cluster the guest cluster at
     /// `cluster` was just given (they read as zeros already).
     async fn write_head_zeros(&self, cluster: u64, len: u64) -> Result<()> {
-        let top = self.inner.chain.top();
-        let cs = top.qcow2_required()?.geom.cluster_size();
-        let w = self.inner.alloc()?;
-        let Some(e) = w
-            .l2_entries(GuestOffset(cluster), cs)
-            .await?
-            .first()
-            .copied()
-        else {
+        let Some(host) = self.own_host_cluster(cluster).await? else {
             return Ok(());
         };
-        let host = l2::host_of(e.word);
-        if host == 0 || l2::is_compressed(e.word) || len == 0 {
+        if len == 0 {
             return Ok(());
         }
-        w.check_overlap(HostOffset(host), len).await?;
-        write_zero_data(top, host, len).await
+        self.inner
+            .alloc()?
+            .check_overlap(HostOffset(host), len)
+            .await?;
+        write_zero_data(self.inner.chain.top(), host, len).await
+    }
+
+    /// The host cluster the guest cluster at `cluster` has of its own: `None` when it is
+    /// unallocated, zero or compressed.
+    async fn own_host_cluster(&self, cluster: u64) -> Result<Option<u64>> {
+        let cs = self.inner.chain.top().qcow2_required()?.geom.cluster_size();
+        let entries = self
+            .inner
+            .alloc()?
+            .l2_entries(GuestOffset(cluster), cs)
+            .await?;
+        Ok(entries.first().and_then(|e| {
+            let host = l2::host_of(e.word);
+            (host != 0 && !l2::is_compressed(e.word)).then_some(host)
+        }))
     }
 
     /// With `falloc` or `full`, reserves (or writes zeros into) the host space of the cluster
@@ -123,21 +132,11 @@ impl<S: Storage + 'static> Image<S> {
         let top = self.inner.chain.top();
         let cs = top.qcow2_required()?.geom.cluster_size();
         let cluster = old_size - old_size % cs;
-        let w = self.inner.alloc()?;
-        let Some(e) = w
-            .l2_entries(GuestOffset(cluster), cs)
-            .await?
-            .first()
-            .copied()
-        else {
-            return Ok(());
-        };
-        let host = l2::host_of(e.word);
         // Unallocated (with a backing file showing through its head, else the caller has
         // preallocated it whole), zero or compressed: nothing of its own to reserve.
-        if host == 0 || l2::is_compressed(e.word) {
+        let Some(host) = self.own_host_cluster(cluster).await? else {
             return Ok(());
-        }
+        };
         let (at, len) = (host + old_size % cs, cs - old_size % cs);
         match prealloc {
             Preallocation::Full => write_zero_data(top, at, len).await,
