@@ -39,7 +39,8 @@ pub enum AnyStorage {
     Nbd(crate::nbd::NbdStorage),
     /// A `null-co` device (the file name was a `null-co://` name).
     Null(crate::null::NullStorage),
-    /// A file behind QEMU's `blkdebug` fault injection (a `blkdebug:CONFIG:FILE` name).
+    /// A file behind QEMU's `blkdebug` fault injection (a `blkdebug:CONFIG:FILE` name or a
+    /// blkdebug node's JSON name).
     Blkdebug(Box<crate::BlkdebugStorage<AnyStorage>>),
 }
 
@@ -137,6 +138,15 @@ impl Opener for FileOpener {
                 inner, rules,
             ))));
         }
+        if let Some(node) = path.to_str().and_then(crate::blkdebug::Node::parse) {
+            let rules = node
+                .rules()
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+            let inner = Box::pin(self.open(Path::new(&node.image), opts)).await?;
+            return Ok(AnyStorage::Blkdebug(Box::new(crate::BlkdebugStorage::new(
+                inner, rules,
+            ))));
+        }
         let opts = OpenOptions {
             direct: opts.direct || self.direct,
             locking: self.locking,
@@ -160,14 +170,12 @@ impl Opener for FileOpener {
     /// Resolved on a thread of its own within `opts.bound`: walking a path on a file system
     /// that does not answer blocks like opening a file there.
     async fn canonical(&self, path: &Path, opts: OpenOptions) -> io::Result<PathBuf> {
-        if path
-            .to_str()
-            .is_some_and(|n| {
-                nbd::client::is_nbd_name(n)
-                    || crate::null::is_null_name(n)
-                    || n.starts_with("blkdebug:")
-            })
-        {
+        if path.to_str().is_some_and(|n| {
+            nbd::client::is_nbd_name(n)
+                || crate::null::is_null_name(n)
+                || n.starts_with("blkdebug:")
+                || crate::blkdebug::Node::parse(n).is_some()
+        }) {
             return Ok(path.to_path_buf());
         }
         let owned = path.to_path_buf();
