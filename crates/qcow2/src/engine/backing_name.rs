@@ -358,4 +358,48 @@ mod tests {
             Err(BackingError::TooDeep { .. })
         ));
     }
+
+    #[test]
+    fn json_names_become_the_file_or_blkdebug_node_they_describe() {
+        let top = Path::new("dir/top.qcow2");
+        let plain = "json:{'driver':'qcow2','file':{'driver':'file','filename':'b.qcow2'}}";
+        assert_eq!(resolve(top, plain).unwrap(), PathBuf::from("b.qcow2"));
+        let dotted = r#"json:{"driver":"qcow2","file.driver":"file","file.filename":"/b"}"#;
+        assert_eq!(resolve(top, dotted).unwrap(), PathBuf::from("/b"));
+        let bd = "json:{'driver':'qcow2','file':{'driver':'blkdebug',\
+                  'inject-error':[{'event':'write_aio','errno':28,'once':true}],\
+                  'image':{'driver':'file','filename':'/x/b.qcow2'}}}";
+        let path = resolve(top, bd).unwrap();
+        let node = storage::blkdebug::Node::parse(path.to_str().unwrap()).unwrap();
+        assert_eq!(node.image, "/x/b.qcow2");
+        let rules = node.rules().unwrap();
+        assert_eq!((rules.inject.len(), rules.inject[0].errno), (1, 28));
+        assert!(rules.inject[0].once);
+        // Names below the node are relative to its file's directory.
+        assert_eq!(
+            resolve(&path, "c.qcow2").unwrap(),
+            PathBuf::from("/x/c.qcow2")
+        );
+    }
+
+    #[test]
+    fn json_names_with_other_nodes_or_bad_rules_are_refused() {
+        let top = Path::new("top.qcow2");
+        for name in [
+            "json:{'driver':'vmdk','file':{'driver':'file','filename':'b'}}",
+            "json:{'driver':'qcow2','file':{'driver':'nbd','path':'/s'}}",
+            "json:{'driver':'qcow2','file':'node0'}",
+            "json:{'driver':'qcow2','file':{'filename':'b'},'backing':null}",
+            "json:{'driver':'qcow2','file':{'driver':'blkdebug',\
+             'inject-error':[{'event':'nope'}],'image':{'filename':'b'}}}",
+            "json:{'driver':'qcow2','file':{'driver':'blkdebug','image':'n'}}",
+            "json:[1]",
+            "json:{'driver':",
+        ] {
+            assert!(
+                matches!(resolve(top, name), Err(BackingError::Json { .. })),
+                "{name}"
+            );
+        }
+    }
 }
