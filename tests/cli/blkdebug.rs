@@ -243,3 +243,20 @@ fn backing_names_under_an_inline_blkdebug_node_are_relative_to_the_image() {
     );
     assert_eq!(backing(&o, p.ours.root()), theirs);
 }
+
+/// Wrong inline rules are refused in QEMU's words, as a configuration file's are.
+#[test]
+fn wrong_inline_blkdebug_rules_are_refused_in_qemu_words() {
+    let p = Pair::new(read_error_images);
+    for rules in [
+        "'inject-error':[{'event':'nope'}],",
+        "'inject-error':[{'errno':5}],",
+    ] {
+        let name = format!(
+            "json:{{'driver':'qcow2','file':{{'driver':'blkdebug',{rules}\
+             'image':{{'driver':'file','filename':'a.qcow2'}}}}}}"
+        );
+        let out = p.same(&["info", &name]);
+        assert_eq!(out.status.code(), Some(1));
+    }
+}
