@@ -181,10 +181,14 @@ pub enum Reason {
     #[error("{0}")]
     BlkdebugConfig(#[from] storage::blkdebug::ConfigError),
     /// A `blkdebug` node above a format driver with rules: the format driver announces its
-    /// events to its file, so only a blkdebug node under it (a `blkdebug:CONFIG:FILE` name)
-    /// sees them.
-    #[error("qcow2-nbd injects errors only under the format driver, through a 'blkdebug:CONFIG:FILE' file name (option '{0}')")]
+    /// events to its file, so only a blkdebug node under it (the format's `file`, or a
+    /// `blkdebug:CONFIG:FILE` name) sees them.
+    #[error("qcow2-nbd injects errors only under the format driver, through a blkdebug 'file' node or a 'blkdebug:CONFIG:FILE' file name (option '{0}')")]
     BlkdebugRules(String),
+    /// A blkdebug rule list member that is not `inject-error.N.KEY` / `set-state.N.KEY` with
+    /// a value.
+    #[error("Invalid blkdebug rule option '{0}'")]
+    BlkdebugRule(String),
     /// A `blkdebug` limit that is not a size or breaks QEMU's constraints.
     #[error("Cannot meet constraints with {0}")]
     BlkdebugLimit(String),
@@ -363,43 +367,9 @@ fn flatten_value(
     Ok(())
 }
 
-/// Rewrites QEMU's JSON dialect into standard JSON: single-quoted strings become
-/// double-quoted ones (a `"` inside is escaped, `\'` becomes `'`).
+/// Rewrites QEMU's JSON dialect into standard JSON (see [`qcow2::qemu_json::requote`]).
 fn requote(json: &str) -> Result<String, Reason> {
-    let mut out = String::with_capacity(json.len() + 16);
-    let mut chars = json.chars();
-    let mut quote: Option<char> = None;
-    while let Some(c) = chars.next() {
-        match (quote, c) {
-            (None, '\'') => {
-                quote = Some('\'');
-                out.push('"');
-            }
-            (None, '"') => {
-                quote = Some('"');
-                out.push('"');
-            }
-            (None, c) => out.push(c),
-            (Some(q), '\\') => {
-                let Some(next) = chars.next() else {
-                    return Err(Reason::Json("unterminated escape at the end".into()));
-                };
-                if q == '\'' && next == '\'' {
-                    out.push('\'');
-                } else {
-                    out.push('\\');
-                    out.push(next);
-                }
-            }
-            (Some(q), c) if c == q => {
-                quote = None;
-                out.push('"');
-            }
-            (Some('\''), '"') => out.push_str("\\\""),
-            (Some(_), c) => out.push(c),
-        }
-    }
-    Ok(out)
+    qcow2::qemu_json::requote(json).map_err(Reason::Json)
 }
 
 /// Takes `key` and every `key.*` member out of `flat`: the value given directly, and the
@@ -608,6 +578,11 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
             members.remove("driver");
             null_node(members)?
         }
+        Some(Val::Text(d)) if d == "blkdebug" && file_direct.is_none() => {
+            let mut members = file_members;
+            members.remove("driver");
+            blkdebug_node(members)?
+        }
         _ => file_node(file_direct, file_members)?,
     };
     // A layer's encryption key (`encrypt.key-secret`, `backing.encrypt.key-secret`, ...) is
@@ -649,6 +624,52 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
         backing,
         data_file,
     })
+}
+
+/// A `blkdebug` node under the format driver (the `file` of a qcow2 or raw node): its rules
+/// (`inject-error` and `set-state` lists, a `config` file) checked as a configuration file's
+/// are, its limits as [`blkdebug_filter_options`] checks them, and its `image` a `file`
+/// node. Its name is the node's JSON name, which the storage opener wraps the file by.
+fn blkdebug_node(mut members: BTreeMap<String, Val>) -> Result<PathBuf, Reason> {
+    use storage::blkdebug::{Node, MAX_RULES};
+    let (image_direct, image) = take_node(&mut members, "image")?;
+    let image = file_node(image_direct, image)?;
+    let mut node = Node {
+        config: text(members.remove("config")),
+        image: image.to_string_lossy().into_owned(),
+        ..Node::default()
+    };
+    for (list, rules) in [
+        ("inject-error", &mut node.inject),
+        ("set-state", &mut node.set_state),
+    ] {
+        let (direct, items) = take_node(&mut members, list)?;
+        if direct.is_some() {
+            return Err(Reason::BlkdebugRule(list.into()));
+        }
+        // `N.key` members, grouped by rule in the order of N.
+        let mut by_index: BTreeMap<usize, Vec<(String, String)>> = BTreeMap::new();
+        for (key, value) in items {
+            let bad = || Reason::BlkdebugRule(format!("{list}.{key}"));
+            let (index, field) = key.split_once('.').ok_or_else(bad)?;
+            let index: usize = index
+                .parse()
+                .ok()
+                .filter(|&i| i < MAX_RULES)
+                .ok_or_else(bad)?;
+            let Val::Text(value) = value else {
+                return Err(bad());
+            };
+            by_index
+                .entry(index)
+                .or_default()
+                .push((field.to_string(), value));
+        }
+        rules.extend(by_index.into_values());
+    }
+    blkdebug_filter_options(&members)?;
+    node.rules()?;
+    Ok(PathBuf::from(node.name()))
 }
 
 /// The limits a `blkdebug` node takes, as QEMU checks them.

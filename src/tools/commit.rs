@@ -101,8 +101,10 @@ pub enum CommitError {
         /// The error.
         source: Box<EngineError>,
     },
-    /// Copying into the base failed (the top is unchanged).
-    #[error("Could not commit into '{base}': {source}")]
+    /// Copying into the base failed (the top is unchanged). Said as QEMU's commit job says
+    /// it (the system's words for the failure), which scripts match; the base and the
+    /// failing request are in the debug log.
+    #[error("Block job failed: {}", job_failure(source))]
     Copy {
         /// The base image.
         base: String,
@@ -120,6 +122,25 @@ pub enum CommitError {
     /// The runtime could not start.
     #[error("starting the runtime: {0}")]
     Runtime(#[from] std::io::Error),
+}
+
+/// The system's words for the I/O error under `e`, as QEMU's block job reports it; the whole
+/// text when no I/O error is under it.
+fn job_failure(e: &CopyError) -> String {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(c) = cause {
+        if let Some(code) = c
+            .downcast_ref::<std::io::Error>()
+            .and_then(std::io::Error::raw_os_error)
+        {
+            let text = std::io::Error::from_raw_os_error(code).to_string();
+            return text
+                .find(" (os error ")
+                .map_or(text.clone(), |i| text[..i].to_string());
+        }
+        cause = c.source();
+    }
+    e.to_string()
 }
 
 /// The images of one commit, open the way the module documentation says.
@@ -393,9 +414,12 @@ async fn commit(args: &CommitArgs) -> Result<(), CommitError> {
     if copied.is_err() {
         inflight.stop().await;
     }
-    let copy_err = |source| CommitError::Copy {
-        base: base_name.clone(),
-        source,
+    let copy_err = |source: CopyError| {
+        tracing::debug!("committing into '{base_name}' failed: {source}");
+        CommitError::Copy {
+            base: base_name.clone(),
+            source,
+        }
     };
     copied.map_err(copy_err)?;
     // The base must hold everything durably before the top lets go of anything.

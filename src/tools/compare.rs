@@ -484,9 +484,10 @@ async fn compare(args: &CompareArgs) -> Result<Option<String>, CompareError> {
     let images = Rc::new(Images {
         a,
         b,
+        // As given on the command line, which is how qemu-img names them.
         names: [
-            args.first.display().to_string(),
-            args.second.display().to_string(),
+            crate::image_name::given_name(&args.first),
+            crate::image_name::given_name(&args.second),
         ],
         buffers: BufferPool::default(),
     });

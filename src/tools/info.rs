@@ -195,8 +195,8 @@ fn open(path: &Path, force_share: bool) -> Result<Source, InfoError> {
     }
     // Fault injection changes no metadata: the wrapped file is what is described (QEMU
     // also lists the blkdebug node as a child, which is not shown here).
-    let wrapped = path.to_str().and_then(storage::blkdebug::split_name);
-    let path = wrapped.map_or(path, |(_, image)| Path::new(image));
+    let wrapped = path.to_str().and_then(storage::blkdebug::image_file);
+    let path = wrapped.as_deref().map_or(path, Path::new);
     let file = File::open(path).map_err(open_err)?;
     let perms = storage::Permissions::for_open(true, force_share);
     storage::lock::lock(&file, path, perms, crate::engine_run::locking())
@@ -246,11 +246,14 @@ fn describe(path: &Path, format: Format, force_share: bool) -> Result<ImageInfo,
             let mut info = ImageInfo::from_metadata(&meta, &name);
             if let Some(backing) = &info.backing_filename {
                 // qemu-img shows where the name points even without opening it; a name we
-                // would never follow is shown as stored.
-                info.full_backing_filename = Some(
+                // would never follow, and a `json:` name (which QEMU takes as it is), are
+                // shown as stored.
+                info.full_backing_filename = Some(if backing.starts_with("json:") {
+                    backing.clone()
+                } else {
                     backing_chain::resolve(path, backing)
-                        .map_or_else(|_| backing.clone(), |p| p.display().to_string()),
-                );
+                        .map_or_else(|_| backing.clone(), |p| p.display().to_string())
+                });
             }
             info
         }

@@ -143,3 +143,120 @@ fn info_describes_the_wrapped_image() {
         assert_eq!(o[key], q[key], "{key}");
     }
 }
+
+/// A backing file named by a `json:` name whose file is a blkdebug node with an inline rule
+/// (a write failing once with ENOSPC): `commit` follows the name, fails with QEMU's words,
+/// and leaves the base as qemu-img leaves it.
+#[test]
+fn commit_into_a_json_blkdebug_backing_fails_as_in_qemu() {
+    let p = Pair::new(|d| {
+        d.create("base.qcow2", "qcow2", "", None, "1M");
+        d.qemu_io("qcow2", "base.qcow2", &["write -P 1 0 1M"]);
+        let backing = "json:{'driver': 'qcow2', 'file': {'driver': 'blkdebug', \
+                       'inject-error': [{'event': 'write_aio', 'errno': 28, 'once': true}], \
+                       'image': {'driver': 'file', 'filename': 'base.qcow2'}}}";
+        d.qemu_img(&[
+            "create",
+            "-f",
+            "qcow2",
+            "-b",
+            backing,
+            "-F",
+            "qcow2",
+            "top.qcow2",
+        ]);
+        d.qemu_io("qcow2", "top.qcow2", &["write -P 2 0 64k"]);
+    });
+    let out = p.same(&["commit", "top.qcow2"]);
+    assert_eq!(out.status.code(), Some(1));
+    p.same(&["map", "--output=json", "base.qcow2"]);
+    p.same(&[
+        "compare",
+        "-f",
+        "qcow2",
+        "-F",
+        "qcow2",
+        "base.qcow2",
+        "top.qcow2",
+    ]);
+    p.same(&["check", "base.qcow2"]);
+}
+
+/// The rules of a blkdebug node given as the format's `file`, inline or wrong, behave as in
+/// qemu-img: rules that never fire change nothing, a bad rule is refused.
+#[test]
+fn inline_blkdebug_rules_under_the_format_work_as_in_qemu() {
+    let p = Pair::new(read_error_images);
+    let node = |rules: &str| {
+        format!(
+            "json:{{'driver':'qcow2','file':{{'driver':'blkdebug',{rules}\
+             'image':{{'driver':'file','filename':'a.qcow2'}}}}}}"
+        )
+    };
+    let fails = node("'inject-error':[{'event':'read_aio','errno':5}],");
+    let out = p.same(&["compare", &fails, "b.qcow2"]);
+    assert_eq!(out.status.code(), Some(4));
+    let late = node("'inject-error':[{'event':'read_aio','state':2}],");
+    let out = p.same(&["compare", &late, "b.qcow2"]);
+    assert_eq!(out.status.code(), Some(0));
+    let moved = node(
+        "'set-state':[{'event':'read_aio','new_state':2}],\
+         'inject-error':[{'event':'read_aio','state':2,'errno':28}],",
+    );
+    p.same(&["compare", &moved, "b.qcow2"]);
+}
+
+/// Across a blkdebug node without a configuration file, a relative backing file name is
+/// still relative to the image's directory (QEMU's `bdrv_dirname`).
+#[test]
+fn backing_names_under_an_inline_blkdebug_node_are_relative_to_the_image() {
+    let p = Pair::new(|d| {
+        std::fs::create_dir(d.path("sub")).expect("mkdir");
+        d.create("sub/base.qcow2", "qcow2", "", None, "1M");
+        d.qemu_img(&[
+            "create",
+            "-f",
+            "qcow2",
+            "-b",
+            "base.qcow2",
+            "-F",
+            "qcow2",
+            "sub/top.qcow2",
+        ]);
+    });
+    let name = "json:{'driver':'qcow2','file':{'driver':'blkdebug',\
+                'image':{'driver':'file','filename':'sub/top.qcow2'},\
+                'set-state':[{'event':'read_aio','new_state':42}]}}";
+    let (q, o) = p.run(&["info", name]);
+    assert_eq!((o.status.code(), q.status.code()), (Some(0), Some(0)));
+    let backing = |out: &std::process::Output, root: &std::path::Path| -> String {
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find(|l| l.starts_with("backing file:"))
+            .unwrap_or_default()
+            .replace(root.to_str().expect("UTF-8"), "DIR")
+    };
+    let theirs = backing(&q, p.qemu.root());
+    assert_eq!(
+        theirs,
+        "backing file: base.qcow2 (actual path: sub/base.qcow2)"
+    );
+    assert_eq!(backing(&o, p.ours.root()), theirs);
+}
+
+/// Wrong inline rules are refused in QEMU's words, as a configuration file's are.
+#[test]
+fn wrong_inline_blkdebug_rules_are_refused_in_qemu_words() {
+    let p = Pair::new(read_error_images);
+    for rules in [
+        "'inject-error':[{'event':'nope'}],",
+        "'inject-error':[{'errno':5}],",
+    ] {
+        let name = format!(
+            "json:{{'driver':'qcow2','file':{{'driver':'blkdebug',{rules}\
+             'image':{{'driver':'file','filename':'a.qcow2'}}}}}}"
+        );
+        let out = p.same(&["info", &name]);
+        assert_eq!(out.status.code(), Some(1));
+    }
+}

@@ -47,14 +47,14 @@ fn loops_are_refused() {
 }
 
 #[test]
-fn json_and_protocol_names_are_shown_but_never_followed() {
+fn foreign_json_and_protocol_names_are_shown_but_never_followed() {
     let dir = Dir::new();
     dir.qemu_img(&["create", "-q", "-f", "qcow2", "base.qcow2", "1M"]);
     for (image, name, expected) in [
         (
             "j.qcow2",
-            r#"json:{"file":{"driver":"file","filename":"base.qcow2"}}"#,
-            "json: names are not supported",
+            r#"json:{"driver":"qcow2","file":{"driver":"ssh","path":"/base.qcow2"}}"#,
+            "driver 'ssh' is not supported",
         ),
         (
             "n.qcow2",

@@ -39,7 +39,8 @@ pub enum AnyStorage {
     Nbd(crate::nbd::NbdStorage),
     /// A `null-co` device (the file name was a `null-co://` name).
     Null(crate::null::NullStorage),
-    /// A file behind QEMU's `blkdebug` fault injection (a `blkdebug:CONFIG:FILE` name).
+    /// A file behind QEMU's `blkdebug` fault injection (a `blkdebug:CONFIG:FILE` name or a
+    /// blkdebug node's JSON name).
     Blkdebug(Box<crate::BlkdebugStorage<AnyStorage>>),
 }
 
@@ -137,6 +138,15 @@ impl Opener for FileOpener {
                 inner, rules,
             ))));
         }
+        if let Some(node) = path.to_str().and_then(crate::blkdebug::Node::parse) {
+            let rules = node
+                .rules()
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+            let inner = Box::pin(self.open(Path::new(&node.image), opts)).await?;
+            return Ok(AnyStorage::Blkdebug(Box::new(crate::BlkdebugStorage::new(
+                inner, rules,
+            ))));
+        }
         let opts = OpenOptions {
             direct: opts.direct || self.direct,
             locking: self.locking,
@@ -164,6 +174,7 @@ impl Opener for FileOpener {
             nbd::client::is_nbd_name(n)
                 || crate::null::is_null_name(n)
                 || n.starts_with("blkdebug:")
+                || crate::blkdebug::Node::parse(n).is_some()
         }) {
             return Ok(path.to_path_buf());
         }

@@ -1,6 +1,7 @@
-//! Safe rules for following backing file names: never a `json:` name or a protocol prefix
-//! (`nbd:`, `http:` ...), relative names resolved against the image's directory, loops and
-//! overly deep chains refused.
+//! Safe rules for following backing file names: never a protocol prefix (`nbd:`, `http:`
+//! ...), relative names resolved against the image's directory, loops and overly deep chains
+//! refused. A `json:` name is followed as QEMU follows it when it describes only nodes this
+//! crate has (qcow2 or raw over a file, or over a blkdebug node over a file).
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -12,15 +13,16 @@ pub const MAX_CHAIN_DEPTH: usize = 1024;
 /// Why a backing file is not followed.
 #[derive(Debug, thiserror::Error)]
 pub enum BackingError {
-    /// A `json:` pseudo-protocol name, which could point anywhere.
-    #[error(
-        "{image}: refusing to follow backing file name {name:?}: json: names are not supported"
-    )]
+    /// A `json:` pseudo-protocol name that does not parse or describes nodes this crate does
+    /// not have.
+    #[error("{image}: refusing to follow backing file name {name:?}: {reason}")]
     Json {
         /// The image naming it.
         image: String,
         /// The name.
         name: String,
+        /// What is wrong with it.
+        reason: String,
     },
     /// A protocol-prefixed name (`nbd:`, `http:`, ...), which would leave the file system.
     #[error("{image}: refusing to follow backing file name {name:?}: protocol {protocol:?} is not a local file")]
@@ -60,12 +62,14 @@ pub fn protocol_prefix(name: &str) -> Option<&str> {
 
 /// Resolves `name` (as stored in `image`) to a path, as QEMU's `path_combine` does: absolute
 /// names as they are, relative ones against the image's directory. Refuses `json:` and
-/// protocol-prefixed names.
+/// protocol-prefixed names; a `json:` name becomes the file (or blkdebug node name) it
+/// describes ([`json_name`]).
 pub fn resolve(image: &Path, name: &str) -> Result<PathBuf, BackingError> {
-    if name.starts_with("json:") {
-        return Err(BackingError::Json {
+    if let Some(json) = name.strip_prefix("json:") {
+        return json_name(json).map_err(|reason| BackingError::Json {
             image: image.display().to_string(),
             name: name.into(),
+            reason,
         });
     }
     if let Some(protocol) = protocol_prefix(name) {
@@ -80,13 +84,175 @@ pub fn resolve(image: &Path, name: &str) -> Result<PathBuf, BackingError> {
         return Ok(path.to_path_buf());
     }
     // Behind fault injection, the image's own file is what names are relative to.
-    let image = image
-        .to_str()
-        .and_then(storage::blkdebug::split_name)
-        .map_or(image, |(_, file)| Path::new(file));
+    let file = image.to_str().and_then(storage::blkdebug::image_file);
+    let image = file.as_deref().map_or(image, Path::new);
     Ok(image
         .parent()
         .map_or_else(|| path.to_path_buf(), |dir| dir.join(path)))
+}
+
+/// The longest `json:` backing file name read (a header holds at most 1023 bytes of name;
+/// this bounds a name given any other way).
+const MAX_JSON_NAME: usize = 1 << 20;
+
+/// Options of any node that change no data.
+const NODE_NOOPS: &[&str] = &[
+    "node-name",
+    "read-only",
+    "auto-read-only",
+    "force-share",
+    "discard",
+    "detect-zeroes",
+    "cache",
+];
+
+/// Options of the `file` protocol that change no data.
+const FILE_NOOPS: &[&str] = &["aio", "aio-max-batch", "locking", "drop-cache"];
+
+/// Limits of a blkdebug node: they change how requests are cut, never what they return.
+const BLKDEBUG_LIMITS: &[&str] = &[
+    "align",
+    "max-transfer",
+    "opt-write-zero",
+    "max-write-zero",
+    "opt-discard",
+    "max-discard",
+];
+
+/// The file a `json:{...}` backing file name describes, as the opener takes it: the `file`
+/// node's file name as given (QEMU does not make it relative to the image), or a blkdebug
+/// node's name ([`storage::blkdebug::Node`]). Dotted keys (`file.filename`) count as nested
+/// members, as in QEMU.
+pub fn json_name(json: &str) -> Result<PathBuf, String> {
+    use serde_json::{Map, Value};
+    if json.len() > MAX_JSON_NAME {
+        return Err(format!("longer than {MAX_JSON_NAME} bytes"));
+    }
+    let standard = crate::qemu_json::requote(json)?;
+    let Value::Object(top) = serde_json::from_str::<Value>(&standard).map_err(|e| e.to_string())?
+    else {
+        return Err("not a JSON object".into());
+    };
+    let mut top = nest(top)?;
+    let driver = take_text(&mut top, "driver")?;
+    let check = |m: &Map<String, Value>, node: &str, more: &[&str]| match m
+        .keys()
+        .find(|k| !NODE_NOOPS.contains(&k.as_str()) && !more.contains(&k.as_str()))
+    {
+        Some(k) => Err(format!("option '{k}' of the {node} node is not supported")),
+        None => Ok(()),
+    };
+    let file_node = |mut m: Map<String, Value>| -> Result<String, String> {
+        match take_text(&mut m, "driver")?.as_deref() {
+            None | Some("file") => {}
+            Some(d) => return Err(format!("driver '{d}' is not supported")),
+        }
+        let name = take_text(&mut m, "filename")?.ok_or("the file node has no filename")?;
+        check(&m, "file", FILE_NOOPS)?;
+        Ok(name)
+    };
+    match driver.as_deref() {
+        Some("file") => return file_node(top).map(PathBuf::from),
+        None | Some("qcow2") | Some("raw") => {}
+        Some(d) => return Err(format!("driver '{d}' is not supported")),
+    }
+    let file = match top.remove("file") {
+        Some(Value::Object(m)) => m,
+        Some(_) => return Err("the file node is given by reference".into()),
+        None => return Err("no file node".into()),
+    };
+    check(&top, driver.as_deref().unwrap_or("format"), &[])?;
+    let mut file = file;
+    if file.get("driver").and_then(Value::as_str) != Some("blkdebug") {
+        return file_node(file).map(PathBuf::from);
+    }
+    file.remove("driver");
+    let mut node = storage::blkdebug::Node {
+        config: take_text(&mut file, "config")?,
+        ..Default::default()
+    };
+    for (list, rules) in [
+        ("inject-error", &mut node.inject),
+        ("set-state", &mut node.set_state),
+    ] {
+        let items = match file.remove(list) {
+            None => Vec::new(),
+            Some(Value::Array(items)) => items,
+            Some(_) => return Err(format!("blkdebug option '{list}' is not a list")),
+        };
+        for item in items {
+            let Value::Object(m) = item else {
+                return Err(format!(
+                    "an item of blkdebug option '{list}' is not an object"
+                ));
+            };
+            let pairs = m
+                .into_iter()
+                .map(|(k, v)| Ok((k.clone(), scalar(&k, v)?)))
+                .collect::<Result<Vec<_>, String>>()?;
+            rules.push(pairs);
+        }
+    }
+    node.image = match file.remove("image") {
+        Some(Value::Object(m)) => file_node(m)?,
+        _ => return Err("the blkdebug node has no image file node".into()),
+    };
+    check(&file, "blkdebug", BLKDEBUG_LIMITS)?;
+    node.rules().map_err(|e| e.to_string())?;
+    Ok(PathBuf::from(node.name()))
+}
+
+/// Members with dotted keys (`file.filename`) moved into nested objects.
+fn nest(
+    map: serde_json::Map<String, serde_json::Value>,
+) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    use serde_json::{Map, Value};
+    let mut out = Map::new();
+    for (key, value) in map {
+        let value = match value {
+            Value::Object(m) => Value::Object(nest(m)?),
+            v => v,
+        };
+        let mut parts = key.split('.').collect::<Vec<_>>();
+        let last = parts.pop().unwrap_or_default();
+        let mut at = &mut out;
+        for part in parts {
+            let entry = at
+                .entry(part.to_string())
+                .or_insert_with(|| Value::Object(Map::new()));
+            at = match entry {
+                Value::Object(m) => m,
+                _ => return Err(format!("option '{key}' conflicts with '{part}'")),
+            };
+        }
+        if at.insert(last.to_string(), value).is_some() {
+            return Err(format!("option '{key}' is given twice"));
+        }
+    }
+    Ok(out)
+}
+
+/// A member that must be a string, taken out.
+fn take_text(
+    map: &mut serde_json::Map<String, serde_json::Value>,
+    key: &str,
+) -> Result<Option<String>, String> {
+    match map.remove(key) {
+        None => Ok(None),
+        Some(serde_json::Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(format!("option '{key}' is not a string")),
+    }
+}
+
+/// A rule field's value as the text a configuration file would give.
+fn scalar(key: &str, v: serde_json::Value) -> Result<String, String> {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => Ok(s),
+        Value::Number(n) => Ok(n.to_string()),
+        Value::Bool(b) => Ok(if b { "on" } else { "off" }.into()),
+        _ => Err(format!("blkdebug rule option '{key}' is not a scalar")),
+    }
 }
 
 /// Tracks the images already visited in one chain walk.
@@ -191,5 +357,49 @@ mod tests {
             enter(&mut guard, "/nonexistent/last"),
             Err(BackingError::TooDeep { .. })
         ));
+    }
+
+    #[test]
+    fn json_names_become_the_file_or_blkdebug_node_they_describe() {
+        let top = Path::new("dir/top.qcow2");
+        let plain = "json:{'driver':'qcow2','file':{'driver':'file','filename':'b.qcow2'}}";
+        assert_eq!(resolve(top, plain).unwrap(), PathBuf::from("b.qcow2"));
+        let dotted = r#"json:{"driver":"qcow2","file.driver":"file","file.filename":"/b"}"#;
+        assert_eq!(resolve(top, dotted).unwrap(), PathBuf::from("/b"));
+        let bd = "json:{'driver':'qcow2','file':{'driver':'blkdebug',\
+                  'inject-error':[{'event':'write_aio','errno':28,'once':true}],\
+                  'image':{'driver':'file','filename':'/x/b.qcow2'}}}";
+        let path = resolve(top, bd).unwrap();
+        let node = storage::blkdebug::Node::parse(path.to_str().unwrap()).unwrap();
+        assert_eq!(node.image, "/x/b.qcow2");
+        let rules = node.rules().unwrap();
+        assert_eq!((rules.inject.len(), rules.inject[0].errno), (1, 28));
+        assert!(rules.inject[0].once);
+        // Names below the node are relative to its file's directory.
+        assert_eq!(
+            resolve(&path, "c.qcow2").unwrap(),
+            PathBuf::from("/x/c.qcow2")
+        );
+    }
+
+    #[test]
+    fn json_names_with_other_nodes_or_bad_rules_are_refused() {
+        let top = Path::new("top.qcow2");
+        for name in [
+            "json:{'driver':'vmdk','file':{'driver':'file','filename':'b'}}",
+            "json:{'driver':'qcow2','file':{'driver':'nbd','path':'/s'}}",
+            "json:{'driver':'qcow2','file':'node0'}",
+            "json:{'driver':'qcow2','file':{'filename':'b'},'backing':null}",
+            "json:{'driver':'qcow2','file':{'driver':'blkdebug',\
+             'inject-error':[{'event':'nope'}],'image':{'filename':'b'}}}",
+            "json:{'driver':'qcow2','file':{'driver':'blkdebug','image':'n'}}",
+            "json:[1]",
+            "json:{'driver':",
+        ] {
+            assert!(
+                matches!(resolve(top, name), Err(BackingError::Json { .. })),
+                "{name}"
+            );
+        }
     }
 }
