@@ -5,83 +5,11 @@
 //! on a Unix socket, another CA, a wrong key) must read as qemu-img words it. The servers
 //! are QEMU's own, so only the client side is ours.
 
-use std::io::Read;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
-use std::time::Duration;
+use std::path::Path;
 
-use test_support::{qemu, wait_until, Dir, Pki, PSK_USER};
+use test_support::{Dir, Pki, QemuNbd, PSK_USER};
 
 use crate::qemu_img_options::Pair;
-
-/// A `qemu-nbd -t -k SOCKET ARGS... IMAGE`, stopped when dropped.
-struct QemuNbd {
-    child: Child,
-    _dir: tempfile::TempDir,
-    socket: PathBuf,
-}
-
-impl QemuNbd {
-    /// Starts it and waits until it accepts connections (the deadline only keeps a broken
-    /// qemu-nbd from hanging the test).
-    fn start(args: &[&str], image: &Path) -> QemuNbd {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("qemu-nbd.sock");
-        let mut child = qemu("qemu-nbd")
-            .args(["-t", "-f", "qcow2", "-k"])
-            .arg(&socket)
-            .args(args)
-            .arg(image)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start qemu-nbd");
-        wait_until(
-            Duration::from_secs(30),
-            format!("qemu-nbd {args:?} listens"),
-            || {
-                if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
-                    return true;
-                }
-                if let Some(status) = child.try_wait().unwrap() {
-                    let mut err = String::new();
-                    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
-                    panic!("qemu-nbd {args:?} exited with {status}:\n{err}");
-                }
-                false
-            },
-        );
-        QemuNbd {
-            child,
-            _dir: dir,
-            socket,
-        }
-    }
-
-    fn path(&self) -> &str {
-        self.socket.to_str().unwrap()
-    }
-
-    /// Stops it (SIGTERM) and returns what it logged.
-    fn stop_log(mut self) -> String {
-        let pid = libc::pid_t::try_from(self.child.id()).unwrap();
-        // SAFETY: kill only sends a signal to our own child process.
-        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
-        let mut err = String::new();
-        let mut stderr = self.child.stderr.take().unwrap();
-        assert!(test_support::exit_within(&mut self.child, Duration::from_secs(30)).is_some());
-        stderr.read_to_string(&mut err).unwrap();
-        err
-    }
-}
-
-impl Drop for QemuNbd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn x509_client(dir: &Path) -> String {
     format!(
@@ -105,8 +33,15 @@ fn x509_clients_connect_and_are_refused_in_qemus_words() {
         "tls-creds-x509,id=tls0,dir={},endpoint=server,verify-peer=on",
         pki.server().display()
     );
-    let tls = QemuNbd::start(
-        &["--object", &server_obj, "--tls-creds", "tls0"],
+    let tls = QemuNbd::unix(
+        &[
+            "-f",
+            "qcow2",
+            "--object",
+            &server_obj,
+            "--tls-creds",
+            "tls0",
+        ],
         &d.path("disk.qcow2"),
     );
     let good = x509_client(&pki.client());
@@ -140,7 +75,7 @@ fn x509_clients_connect_and_are_refused_in_qemus_words() {
     p.same(&["info", &plain]);
     drop(tls);
     // A server without TLS refuses STARTTLS.
-    let plain_server = QemuNbd::start(&[], &d.path("disk.qcow2"));
+    let plain_server = QemuNbd::unix(&["-f", "qcow2"], &d.path("disk.qcow2"));
     let opts = format!(
         "driver=nbd,path={},tls-creds=tls0,tls-hostname=localhost",
         plain_server.path()
@@ -156,8 +91,15 @@ fn psk_clients_connect_and_a_wrong_key_is_refused() {
         "tls-creds-psk,id=tls0,dir={},endpoint=server",
         pki.psk_dir().display()
     );
-    let tls = QemuNbd::start(
-        &["--object", &server_obj, "--tls-creds", "tls0"],
+    let tls = QemuNbd::unix(
+        &[
+            "-f",
+            "qcow2",
+            "--object",
+            &server_obj,
+            "--tls-creds",
+            "tls0",
+        ],
         &d.path("disk.qcow2"),
     );
     let opts = format!("driver=nbd,path={},tls-creds=tls0", tls.path());
@@ -181,8 +123,15 @@ fn a_certificate_the_servers_cas_did_not_sign_is_withheld() {
         "tls-creds-x509,id=tls0,dir={},endpoint=server,verify-peer=on",
         pki.server().display()
     );
-    let tls = QemuNbd::start(
-        &["--object", &server_obj, "--tls-creds", "tls0"],
+    let tls = QemuNbd::unix(
+        &[
+            "-f",
+            "qcow2",
+            "--object",
+            &server_obj,
+            "--tls-creds",
+            "tls0",
+        ],
         &d.path("disk.qcow2"),
     );
     let opts = format!(
@@ -192,7 +141,7 @@ fn a_certificate_the_servers_cas_did_not_sign_is_withheld() {
     let other = x509_client(&pki.wrong_ca_client());
     // QEMU's qemu-img first, then ours, against the same server.
     p.same(&["info", "--image-opts", "--object", &other, &opts]);
-    let log = tls.stop_log();
+    let log = tls.stop_stderr();
     let line = "option negotiation failed: Verify failed: No certificate was found.";
     assert_eq!(log.matches(line).count(), 2, "{log}");
 }

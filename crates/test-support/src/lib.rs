@@ -11,6 +11,7 @@ mod dir;
 #[cfg(feature = "nbd")]
 pub mod nbd_server;
 mod process;
+mod qemu_nbd;
 mod rng;
 mod runtime;
 mod tls;
@@ -18,6 +19,7 @@ mod tools;
 
 pub use dir::Dir;
 pub use process::{exit_within, peak_rss_mib, process_exited, rss_bytes, wait_until};
+pub use qemu_nbd::QemuNbd;
 pub use rng::Rng;
 pub use runtime::run;
 pub use tls::{Pki, CLIENT_DN, PSK_USER};
