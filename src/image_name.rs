@@ -672,16 +672,6 @@ fn blkdebug_node(mut members: BTreeMap<String, Val>) -> Result<PathBuf, Reason> 
     Ok(PathBuf::from(node.name()))
 }
 
-/// The limits a `blkdebug` node takes, as QEMU checks them.
-const BLKDEBUG_LIMITS: &[&str] = &[
-    "align",
-    "max-transfer",
-    "opt-write-zero",
-    "max-write-zero",
-    "opt-discard",
-    "max-discard",
-];
-
 /// Checks the options of a `blkdebug` filter node above the image: limits that are sizes
 /// meeting QEMU's constraints, no rules (see [`Reason::BlkdebugRules`]), nothing unknown.
 fn blkdebug_filter_options(flat: &BTreeMap<String, Val>) -> Result<(), Reason> {
@@ -725,7 +715,7 @@ fn blkdebug_filter_options(flat: &BTreeMap<String, Val>) -> Result<(), Reason> {
         if matches!(root, "config" | "inject-error" | "set-state") {
             return Err(Reason::BlkdebugRules(key.clone()));
         }
-        if !BLKDEBUG_LIMITS.contains(&root) && !NODE_NOOP_OPTIONS.contains(&root) {
+        if !storage::blkdebug::LIMITS.contains(&root) && !NODE_NOOP_OPTIONS.contains(&root) {
             return Err(Reason::FormatOption {
                 driver: "blkdebug".into(),
                 option: key.clone(),

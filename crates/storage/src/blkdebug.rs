@@ -28,6 +28,17 @@ pub const MAX_CONFIG_LEN: u64 = 1 << 20;
 /// The most rules one configuration may hold.
 pub const MAX_RULES: usize = 4096;
 
+/// The limits a blkdebug node takes (QEMU checks their values): they change how requests
+/// are cut, never what they return.
+pub const LIMITS: &[&str] = &[
+    "align",
+    "max-transfer",
+    "opt-write-zero",
+    "max-write-zero",
+    "opt-discard",
+    "max-discard",
+];
+
 /// The kinds of request a rule can fail, by QEMU's names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IoType {

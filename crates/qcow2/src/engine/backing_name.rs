@@ -109,16 +109,6 @@ const NODE_NOOPS: &[&str] = &[
 /// Options of the `file` protocol that change no data.
 const FILE_NOOPS: &[&str] = &["aio", "aio-max-batch", "locking", "drop-cache"];
 
-/// Limits of a blkdebug node: they change how requests are cut, never what they return.
-const BLKDEBUG_LIMITS: &[&str] = &[
-    "align",
-    "max-transfer",
-    "opt-write-zero",
-    "max-write-zero",
-    "opt-discard",
-    "max-discard",
-];
-
 /// The file a `json:{...}` backing file name describes, as the opener takes it: the `file`
 /// node's file name as given (QEMU does not make it relative to the image), or a blkdebug
 /// node's name ([`storage::blkdebug::Node`]). Dotted keys (`file.filename`) count as nested
@@ -197,7 +187,7 @@ pub fn json_name(json: &str) -> Result<PathBuf, String> {
         Some(Value::Object(m)) => file_node(m)?,
         _ => return Err("the blkdebug node has no image file node".into()),
     };
-    check(&file, "blkdebug", BLKDEBUG_LIMITS)?;
+    check(&file, "blkdebug", storage::blkdebug::LIMITS)?;
     node.rules().map_err(|e| e.to_string())?;
     Ok(PathBuf::from(node.name()))
 }
