@@ -33,4 +33,18 @@ if ((${#missing[@]})); then
 fi
 
 scripts/build-deps.sh
-exec cargo test --workspace --locked "$@"
+# cargo prints one "test result:" line per test binary (about thirty); the last line adds
+# them up so that a run ends with one total. cargo's own exit status is the script's.
+set +e
+cargo test --workspace --locked "$@" 2>&1 | awk '
+    { print; fflush() }
+    /^test result: / {
+        for (i = 1; i <= NF; i++) {
+            if ($(i + 1) ~ /^passed;?$/) passed += $i
+            if ($(i + 1) ~ /^failed;?$/) failed += $i
+            if ($(i + 1) ~ /^ignored;?$/) ignored += $i
+        }
+    }
+    END { printf "total: %d passed, %d failed, %d skipped\n", passed, failed, ignored }'
+status=${PIPESTATUS[0]}
+exit "$status"
