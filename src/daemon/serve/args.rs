@@ -143,7 +143,7 @@ pub struct ServeArgs {
     pub open_stuck_max: u64,
     /// Serve statistics (requests, bytes, latency and errors per export, connections,
     /// metadata caches) as Prometheus text at http://ADDR:PORT/metrics, e.g. 127.0.0.1:9100
-    /// or [::1]:9100 (port 0: any free port, logged at start with -v).
+    /// or [::1]:9100 (port 0: any free port, logged at start with --log info).
     #[arg(long = "metrics", value_name = "ADDR:PORT")]
     pub metrics: Option<std::net::SocketAddr>,
 
