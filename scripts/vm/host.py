@@ -153,16 +153,25 @@ class Guest:
         self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL,
                                      stdout=open(os.path.join(self.dir, f"{self.name}-qemu.log"), "w"),
                                      stderr=subprocess.STDOUT)
-        wait_for(lambda: os.path.exists(self.ctl_path) or self.proc.poll() is not None, 10, "QEMU's ctl socket")
+        # The socket file can appear before QEMU listens on it.
+        wait_for(lambda: self._connect() or self.proc.poll() is not None, 20, "QEMU's ctl socket")
         if self.proc.poll() is not None:
             raise RuntimeError(f"QEMU exited: {open(os.path.join(self.dir, self.name + '-qemu.log')).read()[-800:]}")
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.connect(self.ctl_path)
         line = self._line(BOOT_TIMEOUT)
         if not line.startswith("READY"):
             raise RuntimeError(f"guest said {line!r} first")
         self.boot_seconds = time.monotonic() - t0
         return line
+
+    def _connect(self):
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(self.ctl_path)
+        except OSError:
+            s.close()
+            return False
+        self.sock = s
+        return True
 
     def _line(self, timeout):
         end = time.monotonic() + timeout
