@@ -1,6 +1,7 @@
 """The checks of scripts/vm-tests.sh: the kernel's NBD client in one VM per server kind, and
 a QEMU guest whose disk is the export. See host.py for the machinery."""
 
+import hashlib
 import json
 import os
 import re
@@ -55,7 +56,6 @@ def readonly_image(setup):
     image = os.path.join(setup.dir, "ro.qcow2")
     qemu_img("convert", "-q", "-f", "raw", "-O", "qcow2", raw, image)
     os.unlink(raw)
-    import hashlib
     return image, hashlib.sha256(data).hexdigest()
 
 
@@ -283,7 +283,8 @@ def restart(setup, guest, results, **_):
     kind, server = setup.kind, setup.servers["rs"]
     # nbd-client 3.24 does not reconnect a netlink device, and the kernel fails a request on
     # a dead connection only after -timeout: the guest sees errors, but does not hang.
-    rc, out = guest.sh("bridge rs rs0 && attach rs /dev/nbd5 -persist -timeout 10 && mkfs.ext4 -q -b 4096 /dev/nbd5 && "
+    rc, out = guest.sh("dmesg -c >/dev/null; bridge rs rs0 && attach rs /dev/nbd5 -persist -timeout 10 && "
+                       "mkfs.ext4 -q -b 4096 /dev/nbd5 && "
                        "mount /dev/nbd5 /mnt && mkdir /mnt/l && rm -f /run/stop /run/load.done && "
                        "load /mnt/l </dev/null >/dev/null 2>&1 &", 120)
     if rc:

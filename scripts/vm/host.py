@@ -5,7 +5,6 @@ per check and a summary. Every check runs against our server and qemu-nbd in the
 
 import argparse
 import hashlib
-import json
 import os
 import re
 import signal
@@ -85,7 +84,7 @@ class Server:
         s = socket.socket(socket.AF_UNIX)
         try:
             s.connect(self.sock)
-            return False if self.kind == "never" else True
+            return True
         except OSError:
             return False
         finally:
