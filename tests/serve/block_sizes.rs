@@ -109,3 +109,52 @@ fn an_export_name_client_has_no_minimum_to_keep() {
     server.stop_ok();
     assert_eq!(&std::fs::read(&raw).unwrap()[..7], b"\x5a\x5a\x5adef\x5a");
 }
+
+/// QEMU's `compress` filter: writes through the export become compressed clusters, as
+/// qemu-nbd writes them; the image passes `qemu-img check`, reads back what was written, and
+/// `qemu-img map` shows the data compressed. The minimum block size is a cluster.
+#[test]
+fn writes_under_the_compress_filter_become_compressed_clusters() {
+    let images = Dir::new();
+    let img = images.create("disk.qcow2", "qcow2", "", None, "4M");
+    let mut data = b"compress me ".repeat(100_000);
+    data.truncate(1 << 20);
+    data.resize(4 << 20, 0);
+    std::fs::write(images.path("src.raw"), &data).unwrap();
+    let opts = format!(
+        "driver=compress,file.driver=qcow2,file.file.filename={}",
+        img.display()
+    );
+    let server = Server::unix(&["-t", "--image-opts", &opts]);
+    run_ok(
+        Command::new(test_support::require("nbdcopy", "libnbd-bin"))
+            .args([images.s("src.raw").as_str(), server.uri().as_str()]),
+    );
+    // A partial cluster is merged with what the cluster reads as, into a fresh cluster.
+    let script = "import nbd, sys\nh = nbd.NBD()\nh.set_request_block_size(False)\n\
+                  h.connect_uri(sys.argv[1])\nh.pwrite(b'tail', 3 << 20)\nh.shutdown()\n";
+    python(script, &server.uri());
+    server.stop_ok();
+    data[3 << 20..(3 << 20) + 4].copy_from_slice(b"tail");
+    std::fs::write(images.path("want.raw"), &data).unwrap();
+    test_support::assert_check_clean(&img);
+    images.qemu_img(&[
+        "compare",
+        "-f",
+        "raw",
+        "-F",
+        "qcow2",
+        "want.raw",
+        "disk.qcow2",
+    ]);
+    let map = images.qemu_img(&["map", "--output=json", "disk.qcow2"]);
+    let map: serde_json::Value = serde_json::from_str(&map).unwrap();
+    let compressed: u64 = map
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["compressed"] == true)
+        .map(|e| e["length"].as_u64().unwrap())
+        .sum();
+    assert_eq!(compressed, (1 << 20) + (64 << 10), "{map}");
+}
