@@ -150,6 +150,9 @@ pub enum Reason {
     /// A format driver without its `file` node.
     #[error("A block device must be specified for \"file\"")]
     NoFileNode,
+    /// A `compress` filter over a format that cannot take compressed writes.
+    #[error("Compression is not supported for underlying format")]
+    CompressFormat,
     /// `file` given as a string: in QEMU, the name of another node.
     #[error("Cannot find device='{0}' nor node-name='{0}'")]
     NodeRef(String),
@@ -562,6 +565,7 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
             blkdebug_filter_options(&flat)?;
             return interpret(image);
         }
+        Some("compress") => return compress_node(file_direct, file_members, &flat),
         Some(other) => return Err(Reason::UnknownDriver(other.to_string())),
     };
     let mut options = BTreeMap::new();
@@ -624,6 +628,38 @@ fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Reason> {
         backing,
         data_file,
     })
+}
+
+/// The option [`ImageName::options`] carries for an image under QEMU's `compress` filter:
+/// every write through it becomes compressed clusters ([`compressed_writes`]).
+pub const COMPRESS_OPTION: &str = "compress";
+
+/// QEMU's `compress` filter over its `file` node, which must be a qcow2 image (the format
+/// that takes compressed writes). Reads and everything but writes pass through unchanged.
+fn compress_node(
+    file_direct: Option<Val>,
+    file_members: BTreeMap<String, Val>,
+    flat: &BTreeMap<String, Val>,
+) -> Result<ImageName, Reason> {
+    if let Some(Val::Text(name)) = file_direct {
+        return Err(Reason::NodeRef(name));
+    }
+    if file_members.is_empty() {
+        return Err(Reason::NoFileNode);
+    }
+    check_leftover(flat, "compress", &[])?;
+    let mut inner = interpret(file_members)?;
+    if inner.format.as_deref() != Some("qcow2") {
+        return Err(Reason::CompressFormat);
+    }
+    inner.options.insert(COMPRESS_OPTION.into(), "on".into());
+    Ok(inner)
+}
+
+/// Whether the image that resolved to `path` in this run was given under the `compress`
+/// filter.
+pub fn compressed_writes(path: &Path) -> bool {
+    driver_options(path).contains_key(COMPRESS_OPTION)
 }
 
 /// A `blkdebug` node under the format driver (the `file` of a qcow2 or raw node): its rules
@@ -1209,6 +1245,38 @@ mod tests {
         );
         assert!(matches!(
             reason("driver=null-co,bogus=1", true),
+            Reason::FormatOption { .. }
+        ));
+    }
+
+    #[test]
+    fn the_compress_filter_marks_a_qcow2_image_for_compressed_writes() {
+        let n = p(
+            "driver=compress,file.driver=qcow2,file.file.filename=/t/c",
+            true,
+        )
+        .unwrap();
+        assert_eq!(
+            (n.path.as_path(), n.format.as_deref()),
+            (Path::new("/t/c"), Some("qcow2"))
+        );
+        assert_eq!(
+            n.options.get(COMPRESS_OPTION).map(String::as_str),
+            Some("on")
+        );
+        assert_eq!(
+            reason(
+                "driver=compress,file.driver=raw,file.file.filename=/t/r",
+                true
+            ),
+            Reason::CompressFormat
+        );
+        assert_eq!(reason("driver=compress", true), Reason::NoFileNode);
+        assert!(matches!(
+            reason(
+                "driver=compress,file.driver=qcow2,file.file.filename=/t/c,x=1",
+                true
+            ),
             Reason::FormatOption { .. }
         ));
     }

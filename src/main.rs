@@ -153,6 +153,9 @@ fn main() -> ExitCode {
         });
     }
     let name = personality.name();
+    let argv0 = args
+        .first()
+        .map_or_else(|| name.to_owned(), |a| a.to_string_lossy().into_owned());
     let args = match secrets::take_from_args(personality.native_args(args)) {
         Ok(a) => a,
         Err(e) => {
@@ -161,7 +164,8 @@ fn main() -> ExitCode {
         }
     };
     // As with QEMU's tools (getopt), an option given twice takes its last value.
-    let parsed = Cli::command()
+    let parsed = personality
+        .shape(Cli::command(), &argv0)
         .args_override_self(true)
         .name(name)
         .bin_name(name)

@@ -56,6 +56,53 @@ impl Personality {
     }
 }
 
+/// The QEMU release whose tools this binary stands in for: its tools' behaviour and its test
+/// suite are the contract. A script that checks the version of `qemu-img` or `qemu-nbd`
+/// before using a feature reads this one. (A macro: the version lines are built with
+/// `concat!`.)
+macro_rules! qemu_version {
+    () => {
+        "10.0.2"
+    };
+}
+
+/// Ours, where a distribution puts its package version in QEMU's version line.
+macro_rules! own_version {
+    () => {
+        concat!("(qcow2-nbd ", env!("CARGO_PKG_VERSION"), ")")
+    };
+}
+
+/// `qemu-nbd`'s usage lines (QEMU's words), plus the form only ours has.
+const QEMU_NBD_USAGE: &str = "qemu-nbd [OPTIONS] FILE\n  or:  qemu-nbd -L [OPTIONS]\n  \
+     or:  qemu-nbd --export name=NAME,file=PATH [--export ...] [OPTIONS]";
+
+impl Personality {
+    /// The command-line parser as the tool being stood in for shows it: `qemu-nbd`'s usage
+    /// lines name no subcommand, and both tools answer `-V`/`--version` with their version
+    /// line in QEMU's layout (`ARGV0 10.0.2 (...)` as qemu-nbd prints it, with the name it
+    /// was run by; `qemu-img version 10.0.2 (...)`), the QEMU version where scripts parse
+    /// it, and ours in the parentheses where a distribution puts its package version.
+    pub fn shape(self, cmd: clap::Command, argv0: &str) -> clap::Command {
+        match self {
+            Personality::Native => cmd,
+            Personality::QemuImg => cmd.display_name("qemu-img").version(concat!(
+                "version ",
+                qemu_version!(),
+                " ",
+                own_version!()
+            )),
+            Personality::QemuNbd => cmd.mut_subcommand("serve", |serve| {
+                serve
+                    .display_name(argv0.to_owned())
+                    .bin_name("qemu-nbd")
+                    .override_usage(QEMU_NBD_USAGE)
+                    .version(concat!(qemu_version!(), " ", own_version!()))
+            }),
+        }
+    }
+}
+
 static CURRENT: OnceLock<Personality> = OnceLock::new();
 
 /// Records the personality once, at start.

@@ -92,6 +92,11 @@ pub struct ExportPolicy {
     /// file's first sector: otherwise a guest could make the next probe open its disk as,
     /// say, a qcow2 image whose backing file is any file of the host.
     pub probed_raw: bool,
+    /// The image was given under QEMU's `compress` filter: every write becomes compressed
+    /// clusters, as qemu-nbd writes them through the filter (the minimum block size is a
+    /// cluster; a partial cluster is merged with what it reads as; as in QEMU, only clusters
+    /// not allocated yet take compressed data). Zeroing and trims pass through.
+    pub compressed_writes: bool,
 }
 
 /// A request or reply payload: the engine's aligned [`IoBuf`], moved (never copied) between
@@ -221,7 +226,15 @@ impl ImageExport {
             multi_conn: policy.multi_conn || !writable,
             rotational: false,
             block_size: BlockSize {
-                minimum: if policy.probed_raw { SECTOR as u32 } else { 1 },
+                minimum: if policy.compressed_writes {
+                    u32::try_from(facts.cluster_size)
+                        .unwrap_or(1 << 16)
+                        .min(1 << 16)
+                } else if policy.probed_raw {
+                    SECTOR as u32
+                } else {
+                    1
+                },
                 preferred,
                 maximum: nbd::wire::MAX_PAYLOAD,
             },
@@ -548,12 +561,55 @@ impl ImageExport {
                 .map_err(|e| errno("write (detected zeroes)", &e))?;
             return self.after_write(fua).await;
         }
+        if self.policy.compressed_writes {
+            self.write_compressed(offset, &data).await?;
+            return self.after_write(fua).await;
+        }
         let writethrough = self.policy.writethrough && !self.policy.ignore_flush;
         let (res, _buf) = self
             .image
             .write(GuestOffset(offset), data, fua || writethrough)
             .await;
         res.map_err(|e| errno("write", &e))
+    }
+
+    /// Writes `data` at `offset` as compressed clusters, one cluster at a time; a cluster
+    /// the write covers only in part is read first and merged (QEMU's block layer pads such
+    /// a write to the filter's alignment, a cluster, the same way).
+    async fn write_compressed(&self, offset: u64, data: &[u8]) -> Result<(), Errno> {
+        let cs = self.image.facts().cluster_size.max(1);
+        let size = self.image.size();
+        let len = u64::try_from(data.len()).map_err(|_| Errno::Inval)?;
+        let end = offset.checked_add(len).ok_or(Errno::Inval)?;
+        let mut cluster = offset / cs * cs;
+        while cluster < end {
+            let cluster_end = cluster.saturating_add(cs).min(size);
+            let buf = if offset <= cluster && end >= cluster_end {
+                let from = usize::try_from(cluster - offset).map_err(|_| Errno::Inval)?;
+                let to = usize::try_from(cluster_end - offset).map_err(|_| Errno::Inval)?;
+                IoBuf::from_slice(&data[from..to])
+            } else {
+                let n = usize::try_from(cluster_end - cluster).map_err(|_| Errno::Inval)?;
+                let (res, mut buf) = self
+                    .image
+                    .read_into(GuestOffset(cluster), IoBuf::zeroed(n))
+                    .await;
+                res.map_err(|e| errno("read (compressed write)", &e))?;
+                let start = offset.max(cluster);
+                let stop = end.min(cluster_end);
+                let (b0, b1) = (start - cluster, stop - cluster);
+                let (d0, d1) = (start - offset, stop - offset);
+                let [b0, b1, d0, d1] = [b0, b1, d0, d1].map(|v| usize::try_from(v).unwrap_or(0));
+                buf[b0..b1].copy_from_slice(&data[d0..d1]);
+                buf
+            };
+            self.image
+                .write_compressed(GuestOffset(cluster), buf)
+                .await
+                .map_err(|e| errno("write (compressed)", &e))?;
+            cluster = cluster.saturating_add(cs);
+        }
+        Ok(())
     }
 
     async fn write_zeroes_image(

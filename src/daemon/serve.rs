@@ -164,6 +164,7 @@ impl Plan {
             offset: args.offset.unwrap_or(0),
             // Per image: see `registry::entry`.
             probed_raw: false,
+            compressed_writes: false,
         };
         let config = ServerConfig {
             persistent: args.persistent,

@@ -104,3 +104,70 @@ fn as_qemu_nbd_it_serves_without_a_subcommand() {
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(stderr(&out).starts_with("qemu-nbd: "), "{}", stderr(&out));
 }
+
+/// The first word after the tool's name that looks like a version (`10.0.2`).
+fn version_of(line: &str) -> Option<(u32, u32)> {
+    let word = line
+        .split_whitespace()
+        .find(|w| w.chars().next().is_some_and(|c| c.is_ascii_digit()))?;
+    let mut parts = word.split('.').map(|p| p.parse::<u32>().ok());
+    Some((parts.next()??, parts.next()??))
+}
+
+/// Scripts probe the tools before using them (libnbd's tests begin with `requires qemu-nbd
+/// --version`) and parse the first line's version: ours answers both tools' version options
+/// with QEMU's layout (qemu-nbd names itself as it was run, qemu-img by its name), a QEMU
+/// version at least the installed QEMU's major release.
+#[test]
+fn as_qemu_nbd_and_qemu_img_it_answers_the_version_options_in_qemu_layout() {
+    let d = Dir::new();
+    let nbd_path = test_support::require("qemu-nbd", "qemu-utils");
+    let nbd_prefix = format!("{} ", nbd_path.display());
+    for (tool, prefix) in [("qemu-nbd", "qemu-nbd "), ("qemu-img", "qemu-img version ")] {
+        let theirs = test_support::qemu(tool).arg("--version").output().unwrap();
+        let theirs = String::from_utf8_lossy(&theirs.stdout).into_owned();
+        let first = theirs.lines().next().unwrap_or_default();
+        let their_prefix = if tool == "qemu-nbd" {
+            nbd_prefix.as_str()
+        } else {
+            prefix
+        };
+        assert!(first.starts_with(their_prefix), "{tool} changed: {theirs}");
+        for flag in ["--version", "-V"] {
+            let out = run_as(&d, tool, &[flag]);
+            assert!(out.status.success(), "{tool} {flag}: {}", text(&out));
+            let ours = String::from_utf8_lossy(&out.stdout).into_owned();
+            let line = ours.lines().next().unwrap_or_default();
+            assert!(line.starts_with(prefix), "{tool} {flag}: {ours}");
+            assert!(line.contains("qcow2-nbd"), "{tool} {flag}: {ours}");
+            assert!(
+                version_of(line).map(|v| v.0) >= version_of(first).map(|v| v.0),
+                "{tool} {flag}: ours {line:?}, installed {first:?}"
+            );
+        }
+    }
+    // After other options too, as getopt reads them.
+    let out = run_as(&d, "qemu-nbd", &["-k", "/nonexistent/s", "--version"]);
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+/// The usage line names the tool as it was run, without our subcommand.
+#[test]
+fn as_qemu_nbd_its_usage_says_qemu_nbd() {
+    let d = Dir::new();
+    let out = run_as(&d, "qemu-nbd", &["--help"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let help = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        help.contains("Usage: qemu-nbd [OPTIONS] FILE\n  or:  qemu-nbd -L [OPTIONS]"),
+        "{help}"
+    );
+    assert!(!help.contains("Usage: qemu-nbd serve"), "{help}");
+    let out = run_as(&d, "qemu-nbd", &["--no-such-option"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        stderr(&out).contains("Usage: qemu-nbd [OPTIONS] FILE"),
+        "{}",
+        stderr(&out)
+    );
+}

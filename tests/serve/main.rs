@@ -9,6 +9,7 @@ mod support;
 mod abuse;
 mod backup;
 mod bitmaps;
+mod block_sizes;
 mod control;
 mod enospc;
 mod fio;

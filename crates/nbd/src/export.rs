@@ -6,7 +6,9 @@ use crate::wire::MAX_PAYLOAD;
 /// Block size constraints an export advertises with `NBD_INFO_BLOCK_SIZE`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockSize {
-    /// Smallest addressable unit and alignment (power of two, at most 64 KiB).
+    /// Smallest addressable unit and alignment (power of two, at most 64 KiB). Advertised
+    /// and enforced only for clients that ask for block sizes; the export serves unaligned
+    /// requests from the others (they are told minimum 1, as qemu-nbd tells them).
     pub minimum: u32,
     /// Size at which I/O is efficient (power of two, at least `max(minimum, 512)`).
     pub preferred: u32,

@@ -364,6 +364,7 @@ async fn entry(
     let policy = ExportPolicy {
         // Writes under `-s` go to the overlay, whose format is known.
         probed_raw: spec.probed && spec.overlay.is_none(),
+        compressed_writes: crate::image_name::compressed_writes(&spec.path),
         ..settings.policy
     };
     let mut export = ImageExport::new(open.image.clone(), policy).with_bitmaps(bitmaps);

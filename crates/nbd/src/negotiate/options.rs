@@ -258,9 +258,24 @@ impl OptionState {
         }
     }
 
-    fn negotiated<E: Export>(&self, exports: &Exports<E>, index: usize) -> Option<Negotiated> {
+    /// What transmission with export `index` runs under. `obeys_block_size` says the client
+    /// asked for the block sizes (`NBD_INFO_BLOCK_SIZE`): only then is the export's minimum
+    /// its to keep. A client that never asked (`OPT_EXPORT_NAME`, or `OPT_GO` without the
+    /// request) cannot know of a constraint, so it gets minimum 1, as qemu-nbd gives it, and
+    /// the export serves its unaligned requests itself (the spec: a server SHOULD accept
+    /// minimum 1 from a client it advertised no constraints to).
+    fn negotiated<E: Export>(
+        &self,
+        exports: &Exports<E>,
+        index: usize,
+        obeys_block_size: bool,
+    ) -> Option<Negotiated> {
         let entry = exports.get(index)?;
         let features = entry.export.features();
+        let mut block_size = features.block_size.advertised();
+        if !obeys_block_size {
+            block_size.minimum = 1;
+        }
         let mode = self.mode();
         let meta = match self.meta {
             Some((for_export, sel)) if for_export == index && mode != Mode::Simple => sel,
@@ -272,7 +287,7 @@ impl OptionState {
             meta,
             size: entry.export.size(),
             flags: transmission_flags(&features, mode),
-            block_size: features.block_size.advertised(),
+            block_size,
         })
     }
 
@@ -283,7 +298,10 @@ impl OptionState {
         if data.len() > MAX_STRING_LEN {
             return Step::Close(format!("export name of {} bytes is too long", data.len()));
         }
-        match exports.find(data).and_then(|i| self.negotiated(exports, i)) {
+        match exports
+            .find(data)
+            .and_then(|i| self.negotiated(exports, i, false))
+        {
             Some(n) => Step::ExportName(n),
             None => Step::Close(format!(
                 "unknown export {:?}",
@@ -303,9 +321,10 @@ impl OptionState {
                 )])
             }
         };
+        let asked = request.requests.contains(&INFO_BLOCK_SIZE);
         let Some((index, n)) = exports
             .find(request.name)
-            .and_then(|i| Some((i, self.negotiated(exports, i)?)))
+            .and_then(|i| Some((i, self.negotiated(exports, i, asked)?)))
         else {
             return Step::Continue(vec![OptReply::error(
                 option,
@@ -328,6 +347,14 @@ impl OptionState {
             reply_type: REP_INFO,
             data: item.encode(),
         };
+        // OPT_INFO tells the export's own minimum whether asked or not (the client is only
+        // looking); OPT_GO tells what transmission will enforce.
+        let required = entry.export.features().block_size.minimum;
+        let minimum = if option == OPT_INFO {
+            required
+        } else {
+            n.block_size.minimum
+        };
         let mut replies = Vec::new();
         // Name and description only when asked for; export and block sizes always (the
         // spec allows unrequested items, and clients that ignore them lose nothing).
@@ -338,7 +365,7 @@ impl OptionState {
             replies.push(info(InfoReply::Description(entry.description.as_bytes())));
         }
         replies.push(info(InfoReply::BlockSize {
-            minimum: n.block_size.minimum,
+            minimum,
             preferred: n.block_size.preferred,
             maximum: n.block_size.maximum,
         }));
@@ -346,6 +373,17 @@ impl OptionState {
             size: n.size,
             flags: n.flags,
         }));
+        if option == OPT_INFO && !asked && required > 1 {
+            // As qemu-nbd: a client that only asks about an export with a minimum block size
+            // but did not ask for block sizes is told it must (OPT_GO is never refused so:
+            // it gets minimum 1 instead).
+            replies.push(OptReply::error(
+                option,
+                REP_ERR_BLOCK_SIZE_REQD,
+                "request NBD_INFO_BLOCK_SIZE to use this export",
+            ));
+            return Step::Continue(replies);
+        }
         replies.push(OptReply::ack(option));
         if option == OPT_GO {
             Step::Go(replies, n)

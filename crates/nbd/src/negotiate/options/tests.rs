@@ -483,3 +483,76 @@ fn an_identity_authz_refuses_gets_policy_errors_for_everything_but_abort() {
     ));
     assert!(matches!(s.handle(&ex, OPT_ABORT, b""), Step::Abort(_)));
 }
+
+/// An export whose minimum block size is 512, as a probed raw image's.
+fn sector_exports() -> Exports<MemExport> {
+    let features = ExportFeatures {
+        block_size: crate::BlockSize {
+            minimum: 512,
+            ..crate::BlockSize::default()
+        },
+        ..ExportFeatures::default()
+    };
+    Exports::new(vec![ExportEntry::new(
+        "",
+        Rc::new(MemExport::new(1 << 20).with_features(features)),
+    )])
+    .unwrap()
+}
+
+fn block_sizes(replies: &[OptReply]) -> Vec<(u32, u32, u32)> {
+    replies
+        .iter()
+        .filter(|r| r.reply_type == REP_INFO)
+        .filter_map(|r| match InfoReply::decode(&r.data).unwrap() {
+            InfoReply::BlockSize {
+                minimum,
+                preferred,
+                maximum,
+            } => Some((minimum, preferred, maximum)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn only_clients_that_ask_for_block_sizes_are_held_to_the_minimum() {
+    let ex = sector_exports();
+    // OPT_GO with the request: the export's minimum, enforced in transmission.
+    match fixed().handle(&ex, OPT_GO, &go_data(b"", &[INFO_BLOCK_SIZE])) {
+        Step::Go(r, n) => {
+            assert_eq!(block_sizes(&r), [(512, 4096, MAX_PAYLOAD)]);
+            assert_eq!(n.block_size.minimum, 512);
+        }
+        other => panic!("{other:?}"),
+    }
+    // OPT_GO without it: minimum 1, told and enforced, as qemu-nbd.
+    match fixed().handle(&ex, OPT_GO, &go_data(b"", &[])) {
+        Step::Go(r, n) => {
+            assert_eq!(block_sizes(&r), [(1, 4096, MAX_PAYLOAD)]);
+            assert_eq!(*types(&r).last().unwrap(), REP_ACK);
+            assert_eq!(n.block_size.minimum, 1);
+        }
+        other => panic!("{other:?}"),
+    }
+    // OPT_EXPORT_NAME cannot ask: minimum 1.
+    match fixed().handle(&ex, OPT_EXPORT_NAME, b"") {
+        Step::ExportName(n) => assert_eq!(n.block_size.minimum, 1),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn info_without_a_block_size_request_is_refused_where_the_minimum_matters() {
+    let ex = sector_exports();
+    let r = continue_replies(fixed().handle(&ex, OPT_INFO, &go_data(b"", &[])));
+    assert_eq!(types(&r), [REP_INFO, REP_INFO, REP_ERR_BLOCK_SIZE_REQD]);
+    assert_eq!(block_sizes(&r), [(512, 4096, MAX_PAYLOAD)]);
+    assert!(String::from_utf8_lossy(&r[2].data).contains("NBD_INFO_BLOCK_SIZE"));
+    let r = continue_replies(fixed().handle(&ex, OPT_INFO, &go_data(b"", &[INFO_BLOCK_SIZE])));
+    assert_eq!(types(&r), [REP_INFO, REP_INFO, REP_ACK]);
+    assert_eq!(block_sizes(&r), [(512, 4096, MAX_PAYLOAD)]);
+    // An export without a minimum answers whether asked or not.
+    let r = continue_replies(fixed().handle(&exports(), OPT_INFO, &go_data(b"", &[])));
+    assert_eq!(types(&r), [REP_INFO, REP_INFO, REP_ACK]);
+}
