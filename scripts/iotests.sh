@@ -12,7 +12,8 @@
 # "excluded" (environment) and does not count against us.
 #
 # Usage: scripts/iotests.sh [options] [VARIANT:TEST ...]
-#   VARIANT is qcow2 (check -qcow2), raw (-raw), qcow2-nbd (-qcow2 -nbd) or raw-nbd (-raw -nbd).
+#   VARIANT is qcow2 (check -qcow2), raw (-raw), luks (-luks), qcow2-nbd (-qcow2 -nbd), raw-nbd
+#   (-raw -nbd) or luks-nbd (-luks -nbd).
 #   --list NAME|FILE  tests to run: ci (default; scripts/iotests/ci.list), all
 #                     (scripts/iotests/all.list), or a file of "VARIANT TEST [ROLE]" lines
 #   --as ROLE         whose tools run: img (ours as qemu-img), nbd (ours as qemu-nbd), both,
@@ -20,8 +21,10 @@
 #                     file tests and nbd for -nbd tests
 #   --table FILE      run every test with QEMU's tools, ours as qemu-img and ours as qemu-nbd,
 #                     and write a markdown table (result of each, first differing line)
-#   --discover VARIANT  run every test of the suite with QEMU's tools and print those that
-#                     pass without ever asking qemu-system or qemu-storage-daemon to start
+#   --discover VARIANTS  run every test of the suite (numbered and named) with QEMU's tools in
+#                     each VARIANT (comma-separated, or "all" for every variant above) and print
+#                     "VARIANT TEST" for those that pass without ever asking qemu-system or
+#                     qemu-storage-daemon to start (every result goes to stderr, a --baseline)
 #   --timeout SECS    per test (default 300)
 #   --bin PATH        the binary to test (default: built with `cargo build --release`)
 #   --debug           build and test the debug binary instead (`cargo build`: no release
@@ -192,8 +195,9 @@ trap cleanup EXIT
 
 # Our binary stands in for qemu-img and qemu-nbd by name: invoked through a link called
 # qemu-img or qemu-nbd it takes that tool's command lines and speaks with its name.
+# Without a binary (--discover, --as qemu) the roles all run QEMU's tools.
 ours() { # NAME DEST
-    ln -s "$bin" "$2"
+    if [ -n "$bin" ]; then ln -s "$bin" "$2"; else ln -s "$(command -v "$1")" "$2"; fi
 }
 
 # qemu-system and qemu-storage-daemon: capability queries only; anything else is a VM the
@@ -218,7 +222,11 @@ case " \$* " in
     echo "Supported formats: $formats"
     echo "Supported formats (read-only): "
     exit 0 ;;
-*" -device help "* | *" -accel help "* | *" -cpu help "*)
+*" -device help "*)
+    # Named so that tests which only check for it (and start no VM) run.
+    echo 'name "virtio-blk-pci", bus PCI, alias "virtio-blk"'
+    exit 0 ;;
+*" -accel help "* | *" -cpu help "*)
     exit 0 ;;
 *" --version "* | *" -version "*)
     echo "QEMU emulator version 0.0.0 (stub: no VM)"
@@ -249,13 +257,16 @@ done
 
 # ---- running one test ----------------------------------------------------------------------
 
+all_variants="qcow2 raw luks qcow2-nbd raw-nbd luks-nbd"
 variant_args() {
     case "$1" in
     qcow2) echo "-qcow2" ;;
     raw) echo "-raw" ;;
+    luks) echo "-luks" ;;
     qcow2-nbd) echo "-qcow2 -nbd" ;;
     raw-nbd) echo "-raw -nbd" ;;
-    *) die "unknown variant $1 (qcow2, raw, qcow2-nbd, raw-nbd)" ;;
+    luks-nbd) echo "-luks -nbd" ;;
+    *) die "unknown variant $1 (${all_variants// /, })" ;;
     esac
 }
 
@@ -272,21 +283,26 @@ reap() { # DIR
 
 # Prints "STATUS<TAB>FIRST-DIFFERING-LINE"; STATUS is pass, fail, not run, timeout or vm.
 run_one() { # VARIANT TEST ROLE
-    local variant=$1 t=$2 r=$3 dir out rc status first
+    local variant=$1 t=$2 r=$3 dir sock out rc status first
     dir="$scratch/run/$variant-$t-$r"
-    rm -rf "$dir"
-    mkdir -p "$dir/test" "$dir/sock" "$dir/build"
+    # Unix socket paths must stay under 108 bytes, and the suite adds a directory named
+    # after the test: the socket directory gets a short name of its own.
+    sock="$scratch/s/$(cksum <<<"$variant-$t-$r" | cut -d' ' -f1)"
+    rm -rf "$dir" "$sock"
+    mkdir -p "$dir/test" "$sock" "$dir/build"
     # shellcheck disable=SC2046
     (
         cd "$dir/build"
         export QEMU_PROG="$scratch/bin-$r/qemu-system-x86_64" QEMU_IMG_PROG="$scratch/bin-$r/qemu-img" \
             QEMU_IO_PROG="$scratch/bin-$r/qemu-io" QEMU_NBD_PROG="$scratch/bin-$r/qemu-nbd" \
-            QSD_PROG="$scratch/bin-$r/qemu-storage-daemon" TEST_DIR="$dir/test" SOCK_DIR="$dir/sock" \
+            QSD_PROG="$scratch/bin-$r/qemu-storage-daemon" TEST_DIR="$dir/test" SOCK_DIR="$sock" \
             IOTESTS_VM_LOG="$dir/vm.log"
         exec timeout -k 10 "$timeout_secs" python3 "$iotests/check" -tap --color off \
             --source-dir "$iotests" --build-dir "$dir/build" $(variant_args "$variant") "$t"
     ) >"$dir/out" 2>"$dir/err" && rc=0 || rc=$?
     reap "$dir"
+    reap "$sock"
+    rm -rf "$sock"
     out=$(cat "$dir/out")
     if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
         status=timeout
@@ -315,10 +331,14 @@ default_role() { case "$1" in *-nbd) echo nbd ;; *) echo img ;; esac; }
 
 entries=()
 if [ -n "$discover" ]; then
-    variant_args "$discover" >/dev/null
-    # shellcheck disable=SC2046
-    mapfile -t entries < <(cd "$iotests" && python3 check -n $(variant_args "$discover") 2>/dev/null |
-        grep -E '^[0-9]+$|^tests/' | sed "s|^|$discover |")
+    [ "$discover" = all ] && discover=${all_variants// /,}
+    for v in ${discover//,/ }; do
+        variant_args "$v" >/dev/null
+        # Every test the suite lists: numbered ones, and named ones (tests/NAME, listed as NAME).
+        # shellcheck disable=SC2046
+        mapfile -t -O "${#entries[@]}" entries < <(cd "$iotests" && python3 check -n $(variant_args "$v") 2>/dev/null |
+            grep -E '^[A-Za-z0-9][A-Za-z0-9_.-]*$' | sed "s|^|$v |")
+    done
 elif ((${#tests[@]})); then
     for t in "${tests[@]}"; do
         [[ $t == *:* ]] || die "give tests as VARIANT:TEST, e.g. qcow2:024"

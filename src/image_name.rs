@@ -427,10 +427,11 @@ fn file_node(direct: Option<Val>, mut members: BTreeMap<String, Val>) -> Result<
 }
 
 /// Options of the `nbd` protocol that change nothing here.
-const NBD_NOOP_OPTIONS: &[&str] = &["reconnect-delay", "open-timeout", "x-dirty-bitmap"];
+const NBD_NOOP_OPTIONS: &[&str] = &["reconnect-delay", "open-timeout"];
 
-/// The `nbd` options about TLS, kept for [`resolve`] to note against the export.
-const NBD_TLS_OPTIONS: &[&str] = &["tls-creds", "tls-hostname"];
+/// The `nbd` options about TLS, and `x-dirty-bitmap` (the metadata context block status
+/// comes from), kept for [`resolve`] to note against the export.
+const NBD_TLS_OPTIONS: &[&str] = &["tls-creds", "tls-hostname", "x-dirty-bitmap"];
 
 /// The `nbd` protocol node (`server.type`, `server.path`, `server.host`, `server.port`,
 /// `export`, or the legacy `path`, `host`, `port`): the NBD name the opener connects by,
@@ -892,6 +893,9 @@ pub fn resolve(
             name: given.clone(),
             reason: Reason::TlsCreds(reason),
         })?;
+    }
+    if let Some(context) = read.options.get("x-dirty-bitmap") {
+        nbd::client::register_status_context(&read.path.display().to_string(), context);
     }
     *path = read.path.clone();
     if read.format.is_some() {

@@ -171,8 +171,11 @@ fn run(args: &BitmapArgs, ops: Vec<Op>) -> Result<(), BitmapCmdError> {
 }
 
 async fn apply(args: &BitmapArgs, ops: Vec<Op>) -> Result<(), BitmapCmdError> {
+    // Bitmaps are the image's own: like qemu-img, neither this image nor a merge's source
+    // opens its backing chain (the source may be backed by this very image).
     let opts = OpenOptions {
         format: Some(Format::Qcow2),
+        no_backing: true,
         ..OpenOptions::default()
     };
     let img: Image<AnyStorage> = Image::open(&engine_run::opener(), &args.filename, &opts)
@@ -225,9 +228,20 @@ async fn merge_source(
         Some(f) => Some(engine_run::parse_format(f).map_err(|e| e.to_string())?),
         None => None,
     };
-    let src = engine_run::open_read_only(file, format, None, false)
+    let format = match format {
+        Some(f) => f,
+        None => engine_run::probe_format(file).map_err(|e| e.to_string())?,
+    };
+    let opts = OpenOptions {
+        read_only: true,
+        format: Some(format),
+        no_backing: true,
+        passwords: crate::secrets::passwords_for(file),
+        ..OpenOptions::default()
+    };
+    let src: Image<AnyStorage> = Image::open(&engine_run::opener(), file, &opts)
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| OpenError::from(e).to_string())?;
     let data = src.bitmap_data(source).await.map_err(|e| reason(&e))?;
     Ok((data, src.size()))
 }

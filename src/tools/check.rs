@@ -109,24 +109,17 @@ fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
         Ok(63)
     };
     if let Some(client) = crate::engine_run::nbd_connect(&args.image) {
-        // An export opens like a file; checks read qcow2 metadata from files only, so a
-        // qcow2 image over NBD is refused rather than reported clean.
+        // An export opens like a file: a qcow2 image in it is checked as in a file (an image
+        // written into an OVA's tar member through qemu-nbd --offset, say); anything else
+        // has no checks, as QEMU's raw driver has none.
         client.map_err(|source| CheckCliError::OpenFile {
             path: path.clone(),
             source,
         })?;
-        return match crate::engine_run::probe_format(&args.image) {
-            Ok(qcow2::engine::Format::Qcow2) if args.format.as_deref() != Some("raw") => {
-                Err(CheckCliError::OpenFile {
-                    path: path.clone(),
-                    source: std::io::Error::new(
-                        std::io::ErrorKind::Unsupported,
-                        "checking a qcow2 image over NBD is not supported",
-                    ),
-                })
-            }
-            _ => not_checkable(),
-        };
+        match crate::engine_run::probe_format(&args.image) {
+            Ok(qcow2::engine::Format::Qcow2) if args.format.as_deref() != Some("raw") => {}
+            _ => return not_checkable(),
+        }
     }
     let qcow2_given = match args.format.as_deref() {
         None => false,
@@ -176,6 +169,8 @@ fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
         }
         Err(CheckError::Open { source }) if source.qemu_open_message().is_some() => {
             let message = source.qemu_open_message().unwrap_or_default();
+            // Named as the command line gave it (an option list, a `json:` name), as QEMU does.
+            let path = crate::image_name::given_name(&args.image);
             return Err(CheckCliError::Refused { path, message });
         }
         Err(e @ CheckError::Open { .. }) => {

@@ -144,6 +144,10 @@ impl Work {
         if a.zero && b.zero {
             return Work::Skip;
         }
+        // Neither present nor zeros: a protocol's hole whose contents it does not know.
+        if !a.present && !a.zero || !b.present && !b.zero {
+            return Work::Compare;
+        }
         match (a.present, b.present) {
             (true, true) if a.zero => Work::Zeros(Side::B),
             (true, true) if b.zero => Work::Zeros(Side::A),
@@ -438,7 +442,7 @@ async fn check_tail(
             }
         };
         for e in extents {
-            let work = match e.present && !e.zero {
+            let work = match !e.zero {
                 true => Work::Zeros(side),
                 false => Work::Skip,
             };

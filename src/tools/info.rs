@@ -49,6 +49,14 @@ pub enum InfoError {
         /// The error.
         source: io::Error,
     },
+    /// The file itself could not be opened (qemu-img names it twice: the image, the file).
+    #[error("Could not open '{path}': Could not open '{path}': {}", crate::engine_run::plain_io(.source))]
+    OpenFile {
+        /// The file.
+        path: String,
+        /// The error.
+        source: io::Error,
+    },
     /// An NBD export could not be reached or negotiated (qemu-img's words).
     #[error("Could not open '{path}': {source}")]
     OpenNbd {
@@ -197,7 +205,10 @@ fn open(path: &Path, force_share: bool) -> Result<Source, InfoError> {
     // also lists the blkdebug node as a child, which is not shown here).
     let wrapped = path.to_str().and_then(storage::blkdebug::image_file);
     let path = wrapped.as_deref().map_or(path, Path::new);
-    let file = File::open(path).map_err(open_err)?;
+    let file = File::open(path).map_err(|source| InfoError::OpenFile {
+        path: path.display().to_string(),
+        source,
+    })?;
     let perms = storage::Permissions::for_open(true, force_share);
     storage::lock::lock(&file, path, perms, crate::engine_run::locking())
         .map_err(|e| open_err(e.into()))?;

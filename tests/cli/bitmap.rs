@@ -340,3 +340,42 @@ fn the_largest_bitmap_qemu_makes_is_read_and_stored_as_qemu_does() {
         );
     }
 }
+
+/// A merge's source may be the image above the one merged into: neither opens its backing
+/// chain (as in qemu-img), so the source's backing file, the image being written, is not
+/// opened a second time (that open wanted a lock the writer holds).
+#[test]
+fn merging_into_a_backing_file_from_its_overlay_matches_qemu_img() {
+    let d = Dir::new();
+    let mut left = Vec::new();
+    for (who, tool) in [("qemu", "qemu-img"), ("ours", BIN)] {
+        let (base, top) = (format!("base-{who}.qcow2"), format!("top-{who}.qcow2"));
+        d.create(&base, "qcow2", "", None, "16M");
+        d.create(&top, "qcow2", "", Some((&base, "qcow2")), "16M");
+        qemu_img(&["bitmap", "--add", &d.s(&top), "t"]);
+        qemu_io("qcow2", &d.s(&top), &["write 2M 64k"]);
+        let args = [
+            "bitmap",
+            "--add",
+            "--merge",
+            "t",
+            "-b",
+            &d.s(&top),
+            "-F",
+            "qcow2",
+            "-f",
+            "qcow2",
+            &d.s(&base),
+            "copy",
+        ];
+        let out = d.run(tool, &args);
+        assert!(out.status.success(), "{tool}: {}", text(&out));
+        assert_check_clean(&d.path(&base));
+        left.push(bitmaps(&d.path(&base)));
+    }
+    assert_eq!(
+        left[1], left[0],
+        "the base's bitmaps (right QEMU's, left ours)"
+    );
+    assert_eq!(left[0][0].dirty, [(2 << 20, 64 << 10)], "the merged bits");
+}

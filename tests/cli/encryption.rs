@@ -541,3 +541,38 @@ fn json_names_give_their_layers_keys_as_option_strings_do() {
     let read = read.unwrap_or_else(|| panic!("the server did not start: {}", text(&out)));
     assert!(text(&read).contains("read 65536/65536"), "{}", text(&read));
 }
+
+/// A LUKS image whose header extension locating the encryption header is gone: QEMU refuses
+/// every open of it, `info` and `check` too (which read no data), and so do we, in its words
+/// and naming the image as it was given.
+#[test]
+fn a_luks_image_without_its_crypto_header_extension_is_refused() {
+    let d = qemu_luks("e.qcow2", "4M", &[]);
+    // Renaming the extension (an unknown magic is skipped) removes it for every reader.
+    let mut bytes = std::fs::read(d.path("e.qcow2")).unwrap();
+    let magic = 0x0537_be77u32.to_be_bytes();
+    let at = bytes[..65536]
+        .windows(4)
+        .position(|w| w == magic)
+        .expect("the crypto header extension");
+    bytes[at..at + 4].copy_from_slice(&0x7e57_0001u32.to_be_bytes());
+    std::fs::write(d.path("e.qcow2"), &bytes).unwrap();
+    let opts = spec(&d, "e.qcow2");
+    for args in [
+        &["info", &d.s("e.qcow2")][..],
+        &["check", &d.s("e.qcow2")],
+        &["check", "--object", SECRET, "--image-opts", &opts],
+    ] {
+        let (q, o) = (d.run("qemu-img", args), d.run(BIN, args));
+        assert_eq!(o.status.code(), q.status.code(), "{args:?}: {}", text(&o));
+        let (qe, oe) = (
+            String::from_utf8_lossy(&q.stderr).replace("qemu-img: ", ""),
+            String::from_utf8_lossy(&o.stderr).replace("qcow2-nbd: ", ""),
+        );
+        assert_eq!(oe, qe, "{args:?}: ours (left) and qemu-img (right)");
+        assert!(
+            qe.contains("Missing CRYPTO header for crypt method 2"),
+            "{qe}"
+        );
+    }
+}

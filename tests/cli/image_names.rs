@@ -295,4 +295,28 @@ fn null_co_devices_read_as_qemu_reads_them() {
     for fmt in ["raw", "qcow2"] {
         p.same(&["create", "-f", fmt, "null-co://", "1M"]);
     }
+    // A backing file it may be (stored in the image as `null-co://`), sized as the device.
+    let over = [
+        "create",
+        "-f",
+        "qcow2",
+        "-F",
+        "raw",
+        "-b",
+        "null-co://",
+        "over.qcow2",
+    ];
+    p.same(&over);
+    p.same(&["check", "over.qcow2"]);
+    let info = p.ours.info("over.qcow2");
+    assert_eq!(info["backing-filename"], "null-co://");
+    assert_eq!(info["virtual-size"], 1u64 << 30);
+}
+
+/// A file that is not there: qemu-img names the image, then the file it could not open.
+#[test]
+fn info_of_a_missing_file_says_what_qemu_img_says() {
+    let p = Pair::new(|_| {});
+    p.same(&["info", "missing.qcow2"]);
+    p.same(&["info", "-f", "qcow2", "missing.qcow2"]);
 }

@@ -201,6 +201,71 @@ fn check_dd_and_measure_of_an_nbd_export_match_qemu_img() {
     assert_eq!(d.read("o.raw"), d.read("q.raw"));
 }
 
+/// A qcow2 image inside an export (an OVA's disk written through `qemu-nbd -f raw`) is
+/// checked as qemu-img checks it: the same report, the same end offset.
+#[test]
+fn check_of_a_qcow2_image_in_an_export_matches_qemu_img() {
+    let d = Dir::new();
+    d.create("c.qcow2", "qcow2", "", None, "4M");
+    d.qemu_io(
+        "qcow2",
+        "c.qcow2",
+        &["write -P 0x11 0 64k", "write -P 0x22 1M 4k"],
+    );
+    let server = QemuNbd::unix(&["-f", "raw", "-r"], &d.path("c.qcow2"));
+    let name = server.uri_of("");
+    assert_same(&d, &["check", &name]);
+    assert_same(&d, &["check", "-f", "qcow2", &name]);
+    let (q, o) = both(&d, &["check", "--output=json", &name]);
+    let json = |out: &Output| -> serde_json::Value { serde_json::from_slice(&out.stdout).unwrap() };
+    assert_eq!(json(&o)["image-end-offset"], json(&q)["image-end-offset"]);
+    assert_eq!(json(&o)["check-errors"], json(&q)["check-errors"]);
+    assert_eq!(o.status.code(), q.status.code());
+}
+
+/// `x-dirty-bitmap` takes block status from another metadata context, read as
+/// `base:allocation` flags: `map` then shows a dirty bitmap, or the allocation depth (with
+/// depths above 2 read as 2), exactly as qemu-img shows them. A context the server does not
+/// offer is refused as qemu-img refuses it, but named: qemu-img's `map` loses its own reason
+/// there ("Could not open image: Invalid argument"), so ours says what its `nbd` driver says.
+#[test]
+fn map_with_x_dirty_bitmap_shows_what_qemu_img_shows() {
+    let d = Dir::new();
+    d.create("base.qcow2", "qcow2", "", None, "4M");
+    d.qemu_io("qcow2", "base.qcow2", &["write 0 2M"]);
+    d.create(
+        "top.qcow2",
+        "qcow2",
+        "",
+        Some(("base.qcow2", "qcow2")),
+        "4M",
+    );
+    d.qemu_img(&["bitmap", "--add", &d.s("top.qcow2"), "b"]);
+    d.qemu_io("qcow2", "top.qcow2", &["write 1M 2M"]);
+    let server = QemuNbd::unix(
+        &["-r", "-f", "qcow2", "-A", "-B", "b"],
+        &d.path("top.qcow2"),
+    );
+    let sock = server.socket.display().to_string();
+    let node = format!("driver=nbd,server.type=unix,server.path={sock}");
+    for context in [
+        "",
+        ",x-dirty-bitmap=qemu:allocation-depth",
+        ",x-dirty-bitmap=qemu:dirty-bitmap:b",
+    ] {
+        let opts = format!("{node}{context}");
+        assert_same(&d, &["map", "--output=json", "--image-opts", &opts]);
+    }
+    let missing = format!("{node},x-dirty-bitmap=qemu:dirty-bitmap:nope");
+    let (q, o) = both(&d, &["map", "--output=json", "--image-opts", &missing]);
+    assert_eq!(o.status.code(), q.status.code());
+    assert!(
+        text(&o.stderr).ends_with("': requested x-dirty-bitmap qemu:dirty-bitmap:nope not found\n"),
+        "{}",
+        text(&o.stderr)
+    );
+}
+
 #[test]
 fn an_unaligned_export_maps_in_the_servers_blocks_as_qemu_img_maps_it() {
     let d = Dir::new();

@@ -272,6 +272,13 @@ pub enum FormatError {
         /// Block length in bytes.
         block_len: usize,
     },
+    /// An encrypted image without the header extension that locates its encryption header
+    /// (QEMU's words).
+    #[error("Missing CRYPTO header for crypt method {method}")]
+    MissingCryptoHeader {
+        /// The header's `crypt_method`.
+        method: u32,
+    },
     /// An encoder's output does not fit where it must go.
     #[error("{at}: {what} needs {need} bytes but only {available} are available")]
     DoesNotFit {
@@ -325,6 +332,7 @@ impl FormatError {
             } => Some(format!(
                 "Too much extra metadata in snapshot table entry {i}\nYou can force-remove this extra metadata with qemu-img check -r all"
             )),
+            FormatError::MissingCryptoHeader { .. } => Some(self.to_string()),
             FormatError::SnapshotTableTooBig { overhanging, .. } => Some(format!(
                 "Snapshot table is too big\nYou can force-remove all {overhanging} overhanging snapshots with qemu-img check -r all"
             )),

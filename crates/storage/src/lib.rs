@@ -70,6 +70,15 @@ pub use uring::{Reactor, UringStorage};
 
 use std::path::{Path, PathBuf};
 
+/// What a run of a storage is, as [`Storage::status_run`] tells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunStatus {
+    /// Stored data (QEMU's `BDRV_BLOCK_DATA`).
+    pub data: bool,
+    /// Reads as zeros (`BDRV_BLOCK_ZERO`).
+    pub zero: bool,
+}
+
 /// The result of an owned-buffer operation: the outcome and the buffer, returned either way.
 pub type BufResult<T> = (std::io::Result<()>, T);
 
@@ -94,6 +103,15 @@ pub trait Storage {
     async fn data_run(&self, offset: u64, len: u64) -> std::io::Result<(bool, u64)> {
         let _ = offset;
         Ok((true, len))
+    }
+    /// Block status as a protocol driver tells it to QEMU: whether the run starting at
+    /// `offset` is stored data and whether it reads as zeros (both, for data known to be
+    /// zeros; neither, for a hole whose contents are not known, as an NBD server may say),
+    /// and how many bytes of it lie in `[offset, offset + len)`. The default takes
+    /// [`Storage::data_run`]: data, or a hole that reads as zeros.
+    async fn status_run(&self, offset: u64, len: u64) -> std::io::Result<(RunStatus, u64)> {
+        let (data, n) = self.data_run(offset, len).await?;
+        Ok((RunStatus { data, zero: !data }, n))
     }
     /// Bytes the storage really occupies (a file's allocated blocks), when known. QEMU compares
     /// it with the image's allocated clusters to tell `preallocation=metadata` images apart.

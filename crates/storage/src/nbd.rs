@@ -102,6 +102,27 @@ impl Storage for NbdStorage {
         Ok((!st.zero, st.len))
     }
 
+    /// The server's flags as QEMU's client takes them: not a hole is data, and zero is zero,
+    /// whatever context they come from (`x-dirty-bitmap`).
+    async fn status_run(&self, offset: u64, len: u64) -> io::Result<(crate::RunStatus, u64)> {
+        let inside = len.min(self.size.saturating_sub(offset));
+        if inside == 0 {
+            return Ok((
+                crate::RunStatus {
+                    data: false,
+                    zero: true,
+                },
+                len,
+            ));
+        }
+        let st = self.client.borrow_mut().block_status(offset, inside)?;
+        let status = crate::RunStatus {
+            data: !st.hole,
+            zero: st.zero,
+        };
+        Ok((status, st.len))
+    }
+
     async fn flush(&self) -> io::Result<()> {
         if self.read_only {
             return Ok(());

@@ -80,6 +80,9 @@ impl Storage for AnyStorage {
     async fn data_run(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
         each!(self, s => s.data_run(offset, len).await)
     }
+    async fn status_run(&self, offset: u64, len: u64) -> io::Result<(crate::RunStatus, u64)> {
+        each!(self, s => s.status_run(offset, len).await)
+    }
     fn allocated_size(&self) -> Option<u64> {
         each!(self, s => s.allocated_size())
     }

@@ -100,7 +100,7 @@ pub enum ConvertError {
     #[error("Format driver '{0}' does not support bitmaps")]
     TargetWithoutBitmaps(&'static str),
     /// A source bitmap left in use by a crash.
-    #[error("Cannot copy inconsistent bitmap '{0}'\nTry --skip-broken-bitmaps, or use 'qcow2-nbd bitmap --remove' to delete it")]
+    #[error("Cannot copy inconsistent bitmap '{0}'\nTry --skip-broken-bitmaps, or use '{prog} bitmap --remove' to delete it", prog = crate::prog::name())]
     InconsistentBitmap(String),
     /// A copy task died (a bug: tasks return their errors).
     #[error("internal error: a copy task failed: {0}")]

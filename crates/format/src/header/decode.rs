@@ -81,6 +81,12 @@ impl Header {
         }
         h.validate_tables(&geometry, strictness)?;
         h.extensions = extensions::decode_all(buf, ext_start, ext_end, &ctx, false)?;
+        // QEMU refuses every open of a LUKS image without its header extension.
+        if h.crypt_method == CRYPT_LUKS && !prefix && h.fde_pointer().is_none() {
+            return Err(FormatError::MissingCryptoHeader {
+                method: h.crypt_method,
+            });
+        }
         if h.autoclear_features & features::AUTOCLEAR_DATA_FILE_RAW != 0 && !h.has_data_file() {
             return Err(FormatError::Inconsistent {
                 at: at(field::AUTOCLEAR_FEATURES as u64),

@@ -47,6 +47,7 @@ fn field_of(e: &FormatError) -> &'static str {
         FormatError::RefcountTooLarge { .. } => "refcount value",
         FormatError::RefcountIndex { .. } => "refcount index",
         FormatError::SnapshotTableTooBig { .. } => "snapshot table size",
+        FormatError::MissingCryptoHeader { .. } => "crypt_method",
     }
 }
 

@@ -138,6 +138,10 @@ prop_compose! {
         h.nb_snapshots = nb_snapshots;
         h.snapshots_offset = snap_at * cs;
         h.extensions = exts;
+        // A LUKS image always has its encryption header pointer (QEMU refuses one without).
+        if crypt == 2 && h.fde_pointer().is_none() {
+            h.extensions.push(HeaderExtension::FullDiskEncryption(FdeHeaderPointer { offset: cs, length: 4096 }));
+        }
         h.backing_file = backing;
         h
     }

@@ -29,6 +29,9 @@ pub enum ClientError {
         /// The NBD error value (the same numbers as Linux's errno).
         errno: u32,
     },
+    /// The server does not offer the metadata context `x-dirty-bitmap` names (QEMU's words).
+    #[error("requested x-dirty-bitmap {0} not found")]
+    NoStatusContext(String),
     /// The export is read-only and a write was asked.
     #[error("the NBD export is read-only")]
     ReadOnly,

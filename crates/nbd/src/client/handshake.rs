@@ -71,8 +71,11 @@ impl NbdClient {
                 Conn::Tcp(s)
             }
         };
+        let context = super::status_context::status_context_for(&target.display_name());
         let Some(tls) = super::tls::tls_for(&target.display_name()) else {
-            return NbdClient::handshake(Box::new(conn) as Box<dyn ReadWrite>, &target.export);
+            let mut conn = Box::new(conn) as Box<dyn ReadWrite>;
+            OptClient { s: &mut conn }.greet()?;
+            return NbdClient::negotiate(conn, &target.export, context.as_deref());
         };
         // The host connected to is what the certificate must name, unless told otherwise.
         let hostname = tls.hostname.clone().or(match &target.server {
@@ -88,7 +91,11 @@ impl NbdClient {
             .connect(conn, hostname.as_deref())
             .map_err(ListError::from)?;
         let channel = super::tls::TlsChannel(secure);
-        NbdClient::negotiate(Box::new(channel) as Box<dyn ReadWrite>, &target.export)
+        NbdClient::negotiate(
+            Box::new(channel) as Box<dyn ReadWrite>,
+            &target.export,
+            context.as_deref(),
+        )
     }
 }
 
@@ -97,14 +104,19 @@ impl<S: Read + Write> NbdClient<S> {
     /// the server offers them, then NBD_OPT_GO.
     pub fn handshake(mut s: S, export: &str) -> Result<NbdClient<S>, ClientError> {
         OptClient { s: &mut s }.greet()?;
-        NbdClient::negotiate(s, export)
+        NbdClient::negotiate(s, export, None)
     }
 
     /// The negotiation after the greeting (and after TLS, when it is used). After a
     /// refusal the client says it is leaving (NBD_OPT_ABORT), as QEMU's client does, rather
-    /// than just hanging up.
-    fn negotiate(mut s: S, export: &str) -> Result<NbdClient<S>, ClientError> {
-        let r = NbdClient::negotiate_inner(&mut s, export);
+    /// than just hanging up. Block status comes from `context` when given (QEMU's
+    /// `x-dirty-bitmap`), else from `base:allocation`.
+    fn negotiate(
+        mut s: S,
+        export: &str,
+        context: Option<&str>,
+    ) -> Result<NbdClient<S>, ClientError> {
+        let r = NbdClient::negotiate_inner(&mut s, export, context.unwrap_or(BASE_ALLOC));
         match r {
             Ok((size, flags, structured, allocation, max_request, min_block)) => Ok(NbdClient {
                 s,
@@ -114,6 +126,7 @@ impl<S: Read + Write> NbdClient<S> {
                 allocation,
                 max_request,
                 min_block,
+                depth_context: context == Some(super::status_context::ALLOCATION_DEPTH),
                 next_handle: 1,
             }),
             Err(e) => {
@@ -129,6 +142,7 @@ impl<S: Read + Write> NbdClient<S> {
     fn negotiate_inner(
         s: &mut S,
         export: &str,
+        context: &str,
     ) -> Result<(u64, u16, bool, Option<u32>, u32, u32), ClientError> {
         let mut o = OptClient { s };
         let structured = o.simple_option(OPT_STRUCTURED_REPLY)?;
@@ -136,7 +150,7 @@ impl<S: Read + Write> NbdClient<S> {
         if structured {
             let mut data = name_field(export)?;
             data.extend_from_slice(&1u32.to_be_bytes());
-            data.extend_from_slice(&name_field(BASE_ALLOC)?);
+            data.extend_from_slice(&name_field(context)?);
             o.send_option(OPT_SET_META_CONTEXT, &data)?;
             loop {
                 let r = o.reply(OPT_SET_META_CONTEXT)?;
@@ -148,7 +162,7 @@ impl<S: Read + Write> NbdClient<S> {
                             .get(..4)
                             .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
                             .ok_or_else(|| proto("short NBD_REP_META_CONTEXT"))?;
-                        if &r.data[4..] == BASE_ALLOC.as_bytes() {
+                        if &r.data[4..] == context.as_bytes() {
                             allocation = Some(id);
                         }
                     }
@@ -199,6 +213,9 @@ impl<S: Read + Write> NbdClient<S> {
                 k if k & REP_FLAG_ERROR != 0 => return Err(refused(OPT_GO, r).into()),
                 k => return Err(proto(format!("reply type {k} to NBD_OPT_GO"))),
             }
+        }
+        if allocation.is_none() && context != BASE_ALLOC {
+            return Err(ClientError::NoStatusContext(context.to_owned()));
         }
         let (size, flags) = size_flags.ok_or_else(|| proto("no export size sent"))?;
         if size > i64::MAX as u64 {

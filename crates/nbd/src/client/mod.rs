@@ -15,6 +15,7 @@ mod handshake;
 mod limits;
 mod name;
 mod session;
+mod status_context;
 mod tls;
 mod transmission;
 
@@ -22,6 +23,7 @@ pub use error::ClientError;
 pub use limits::{DEFAULT_IO_TIMEOUT, MAX_CHUNKS, MAX_EXTENTS, MAX_RANGE, MAX_REQUEST};
 pub use name::{is_nbd_name, NameError, NbdTarget, ServerAddr, DEFAULT_PORT};
 pub use session::{NbdClient, ReadWrite, Status};
+pub use status_context::register_status_context;
 pub use tls::{register_tls, tls_for, ClientTls};
 
 #[cfg(test)]

@@ -16,6 +16,8 @@ pub struct NbdClient<S = Box<dyn ReadWrite>> {
     pub(super) max_request: u32,
     /// The server's minimum block size (1 when it sent none).
     pub(super) min_block: u32,
+    /// Block status comes from `qemu:allocation-depth`: depths above 2 read as 2.
+    pub(super) depth_context: bool,
     pub(super) next_handle: u64,
 }
 

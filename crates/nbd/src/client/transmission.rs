@@ -224,7 +224,10 @@ impl<S: Read + Write> NbdClient<S> {
                     let mut e = [0; 8];
                     self.read_exact(&mut e)?;
                     let elen = u32::from_be_bytes(e[..4].try_into().unwrap_or([0; 4]));
-                    let flags = u32::from_be_bytes(e[4..].try_into().unwrap_or([0; 4]));
+                    let mut flags = u32::from_be_bytes(e[4..].try_into().unwrap_or([0; 4]));
+                    if self.depth_context {
+                        flags = flags.min(2);
+                    }
                     if elen == 0 {
                         return Err(proto("empty extent"));
                     }

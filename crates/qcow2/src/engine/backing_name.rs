@@ -72,6 +72,11 @@ pub fn resolve(image: &Path, name: &str) -> Result<PathBuf, BackingError> {
             reason,
         });
     }
+    // QEMU's null device (`null-co://`) leaves the process no more than a file does: it
+    // stores nothing and reads zeros.
+    if name == storage::null::NULL_CO {
+        return Ok(PathBuf::from(name));
+    }
     if let Some(protocol) = protocol_prefix(name) {
         return Err(BackingError::Protocol {
             image: image.display().to_string(),

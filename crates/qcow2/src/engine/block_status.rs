@@ -109,12 +109,31 @@ impl<S: Storage + 'static> Image<S> {
                         });
                         continue;
                     }
+                    if raw {
+                        // A protocol's status as QEMU takes it: a run that is neither data
+                        // nor zeros (an NBD hole of unknown contents) is not present.
+                        let mut pos = 0;
+                        for (st, n) in layer.status_runs(host, p.len).await? {
+                            let known = st.data || st.zero;
+                            push(Extent {
+                                start: p.start + pos,
+                                len: n,
+                                data: st.data,
+                                zero: st.zero,
+                                present: p.present && known,
+                                offset: known.then_some(host + pos),
+                                ..base
+                            });
+                            pos += n;
+                        }
+                        continue;
+                    }
                     let mut pos = 0;
                     for (stored, n) in layer.stored_runs(host, p.len).await? {
                         push(Extent {
                             start: p.start + pos,
                             len: n,
-                            data: stored || !raw,
+                            data: true,
                             zero: !stored,
                             offset: Some(host + pos),
                             ..base

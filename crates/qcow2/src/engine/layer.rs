@@ -116,6 +116,24 @@ impl<S: Storage + 'static> Layer<S> {
         }
         Ok(runs)
     }
+
+    /// `[host, host + len)` of the data storage as runs of block status (data, zeros, both or
+    /// neither, as the storage tells them), in order and covering it exactly.
+    pub async fn status_runs(&self, host: u64, len: u64) -> Result<Vec<(storage::RunStatus, u64)>> {
+        let mut runs = Vec::new();
+        let mut pos = 0;
+        while pos < len {
+            let (status, n) = self
+                .data_storage()
+                .status_run(host + pos, len - pos)
+                .await
+                .map_err(|e| self.io_error("querying allocation", host + pos, e))?;
+            let n = n.clamp(1, len - pos);
+            runs.push((status, n));
+            pos += n;
+        }
+        Ok(runs)
+    }
 }
 
 /// Reads `len` bytes at `offset` of `file` into a fresh buffer.
