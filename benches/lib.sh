@@ -272,13 +272,14 @@ QD32_CONFIGS=${QD32_CONFIGS:-"std-64k:64k:off ext-128k/4k:128k:on ext-2m/64k:2M:
 QD32_MODES=${QD32_MODES:-"none backing"}
 
 # alloc_iolog LABEL UNIT N UNITS: the fio iolog of N 4 KiB writes, each at the start of a
-# distinct one of UNITS allocation units of UNIT bytes, in an order fixed by LABEL.
+# distinct one of UNITS allocation units of UNIT bytes, in an order fixed by LABEL (offsets
+# printed with %.0f: mawk's %d stops at 2 GiB).
 alloc_iolog() {
     echo "fio version 2 iolog"
     echo "nbd add"
     echo "nbd open"
     shuf -i 0-$(($4 - 1)) -n "$3" --random-source=<(yes "$1") |
-        awk -v u="$2" '{ printf "nbd write %d 4096\n", $1 * u }'
+        awk -v u="$2" '{ printf "nbd write %.0f 4096\n", $1 * u }'
     echo "nbd close"
 }
 
