@@ -31,7 +31,10 @@
 #   SKIP_BUILD=1         use the existing release binary
 #   QCOW2_NBD_BIN        the server binary to measure (default: the release build)
 #   TLS_PORT [10899]     loopback TCP port of the tls group (must be free)
-#   ONLY="alloc alloc32 mt metrics io bitmap l2 chain rss tls tools"   run a subset of the groups
+#   QD32_MIB [16384]     image of the qd32 group (its backing file, fully written, takes as much disk)
+#   QD32_IOS [20000*]    allocating writes per qd32 run
+#   QD32_CONFIGS, QD32_MODES   the qd32 group's rows (see benches/lib.sh)
+#   ONLY="alloc alloc32 qd32 mt metrics io bitmap l2 chain rss tls tools"   run a subset of the groups
 #   MT_MIB [1024]        image of the mt and metrics groups (on TOOLS_DIR, a tmpfs)
 #   METRICS_PORT [10900] loopback TCP port of our --metrics endpoint in the metrics group
 #   TOOLS_DIR [/dev/shm], TOOLS_MIB [2048]   where and how big the tools group's images are
@@ -48,10 +51,10 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 QUICK=${QUICK:-0}
 if [ "$QUICK" = 1 ]; then
     d_rounds=1 d_runtime=2 d_alloc_mib=512 d_alloc_ios=600 d_data_mib=256 d_l2_runtime=2
-    d_chain_mib=64
+    d_chain_mib=64 d_qd32_ios=5000
 else
     d_rounds=3 d_runtime=6 d_alloc_mib=2048 d_alloc_ios=3000 d_data_mib=1024 d_l2_runtime=4
-    d_chain_mib=256
+    d_chain_mib=256 d_qd32_ios=20000
 fi
 ROUNDS=${ROUNDS:-$d_rounds}
 RUNTIME=${RUNTIME:-$d_runtime}
@@ -68,7 +71,9 @@ RSS_L2_CACHE=${RSS_L2_CACHE:-4M}
 BENCH_DIR=${BENCH_DIR:-/var/tmp}
 QEMU_AIO=${QEMU_AIO:-io_uring}
 TLS_PORT=${TLS_PORT:-10899}
-ONLY=${ONLY:-"alloc alloc32 mt metrics io bitmap l2 chain rss tls tools"}
+QD32_MIB=${QD32_MIB:-16384}
+QD32_IOS=${QD32_IOS:-$d_qd32_ios}
+ONLY=${ONLY:-"alloc alloc32 qd32 mt metrics io bitmap l2 chain rss tls tools"}
 METRICS_PORT=${METRICS_PORT:-10900}
 
 for tool in qemu-img qemu-io qemu-nbd fio cargo shuf; do
@@ -117,6 +122,10 @@ alloc32_scenarios() {
     ALLOC_CONFIGS="std-64k:64k:off ext-64k/2k:64k:on" ALLOC_QD=32 ALLOC_KEY="alloc32" \
         alloc_scenarios
 }
+
+# qd32: allocation at QD32 into an empty QD32_MIB image, standard 64 KiB and extended L2
+# 128 KiB/4 KiB and 2 MiB/64 KiB, with and without backing file, with disk use after the run
+# and fio into a sparse raw file as the limit in the same rounds (qd32_scenarios in lib.sh).
 
 # ---------------------------------------------------------------------------------------------
 # 1b. CPU-bound: a fully written image on tmpfs (no disk wait at all), 4 connections x QD16
@@ -624,8 +633,8 @@ for group in $ONLY; do
     alloc) alloc_scenarios ;; io) io_scenarios ;; bitmap) bitmap_scenarios ;;
     l2) l2_scenarios ;; chain) chain_scenarios ;; rss) rss_scenarios ;; tls) tls_scenarios ;;
     tools) tools_scenarios ;; alloc32) alloc32_scenarios ;; mt) mt_scenarios ;;
-    metrics) metrics_scenarios ;;
-    *) die "unknown scenario group $group (alloc alloc32 mt metrics io bitmap l2 chain rss tls tools)" ;;
+    metrics) metrics_scenarios ;; qd32) qd32_scenarios ;;
+    *) die "unknown scenario group $group (alloc alloc32 qd32 mt metrics io bitmap l2 chain rss tls tools)" ;;
     esac
 done
 ELAPSED=$(($(date +%s) - START))
@@ -729,6 +738,15 @@ usage() { # SCENARIO: the servers' median CPU and disk cost per request, "qemu /
     row "commit cpu ms" "  CPU time (user + system)" ms lower
     row "rebase ms" "rebase -b \"\" of the same (copies the base's half)" ms lower
     row "rebase cpu ms" "  CPU time (user + system)" ms lower
+    case " $ONLY " in *" qd32 "*)
+        echo
+        qd32_table
+        echo
+        echo "qd32: $QD32_IOS writes per run; limit: fio (io_uring, O_DIRECT, QD32) writing as many random"
+        echo "4 KiB blocks into a fresh sparse raw file of the same size, in the same rounds; disk use: the"
+        echo "image (or the limit's raw file) after the run, medians."
+        ;;
+    esac
     echo
     echo "ratio: ours/qemu-nbd for rates, qemu-nbd/ours for times and memory (above 1 = ours better)."
     echo "CPU µs/req and disk KiB/req: the server's CPU time (all threads) and storage bytes read"

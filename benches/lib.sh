@@ -215,14 +215,7 @@ alloc_scenarios() {
         [ "$unit" -lt 4096 ] && unit=4096
         units=$((size / unit))
         n=$((ALLOC_IOS < units ? ALLOC_IOS : units))
-        {
-            echo "fio version 2 iolog"
-            echo "nbd add"
-            echo "nbd open"
-            shuf -i 0-$((units - 1)) -n "$n" --random-source=<(yes "$label") |
-                awk -v u="$unit" '{ printf "nbd write %d 4096\n", $1 * u }'
-            echo "nbd close"
-        } >"$WORK/alloc.iolog"
+        alloc_iolog "$label" "$unit" "$n" "$units" >"$WORK/alloc.iolog"
         for r in $(seq 1 "$ROUNDS"); do
             for kind in $(order "$r"); do
                 if [ "$mode" = none ]; then
@@ -264,6 +257,120 @@ alloc_scenarios() {
     done
     rm -f "$backing"
 }
+
+# ---------------------------------------------------------------------------------------------
+# Allocation at queue depth 32 against the disk's own limit: 4 KiB writes into an empty image
+# of QD32_MIB, each to a fresh allocation unit in the same random order for both servers (as
+# in alloc_scenarios), for each QD32_CONFIGS entry (LABEL:CLUSTER:EXTENDED_L2), without
+# backing file and over a fully written raw backing file of the same size (QD32_MODES, "none
+# backing"). Beside the two servers in every round and row, the physical limit: fio writing as
+# many 4 KiB blocks at random (O_DIRECT, io_uring, QD32) into a fresh sparse raw file of the
+# same size whose length was set first, allocating writes that do not extend the file.
+# Records under "qd32 LABEL MODE": IOPS (the limit as kind raw), CPU and disk per request, the
+# image's disk use after the run in MiB ("du qd32 ...") and peak RSS ("hwm qd32 ...").
+QD32_CONFIGS=${QD32_CONFIGS:-"std-64k:64k:off ext-128k/4k:128k:on ext-2m/64k:2M:on"}
+QD32_MODES=${QD32_MODES:-"none backing"}
+
+# alloc_iolog LABEL UNIT N UNITS: the fio iolog of N 4 KiB writes, each at the start of a
+# distinct one of UNITS allocation units of UNIT bytes, in an order fixed by LABEL (offsets
+# printed with %.0f: mawk's %d stops at 2 GiB).
+alloc_iolog() {
+    echo "fio version 2 iolog"
+    echo "nbd add"
+    echo "nbd open"
+    shuf -i 0-$(($4 - 1)) -n "$3" --random-source=<(yes "$1") |
+        awk -v u="$2" '{ printf "nbd write %.0f 4096\n", $1 * u }'
+    echo "nbd close"
+}
+
+du_mib() { awk -v b="$(($(stat -c '%b * %B' "$1")))" 'BEGIN { printf "%.1f\n", b / 1048576 }'; }
+
+# qd32_limit FILE SIZE N: fio's rate of N random 4 KiB O_DIRECT writes at QD32 into a fresh
+# sparse raw FILE of SIZE bytes (its length set beforehand).
+qd32_limit() {
+    rm -f "$1"
+    truncate -s "$2" "$1"
+    fio --name=limit --filename="$1" --ioengine=io_uring --direct=1 --rw=randwrite --bs=4k \
+        --iodepth=32 --size="$2" --io_size=$(($3 * 4096)) --output-format=terse \
+        --terse-version=3 2>"$WORK/fio.err" | awk -F';' '$1 == "3" { print $49 }'
+}
+
+qd32_scenarios() {
+    local size=$((QD32_MIB << 20)) n=$QD32_IOS mode cfg label cluster ext unit units r kind
+    local key img stats iops cpu disk hwm
+    local backing=$WORK/qd32-backing.raw
+    for mode in $QD32_MODES; do
+        if [ "$mode" = backing ]; then
+            log "qd32: writing a ${QD32_MIB} MiB backing file"
+            fio --name=fill --filename="$backing" --rw=write --bs=1M --size="$size" --direct=1 \
+                --refill_buffers --output-format=terse >/dev/null
+        fi
+        for r in $(seq 1 "$ROUNDS"); do
+            for cfg in $QD32_CONFIGS; do
+                IFS=: read -r label cluster ext <<<"$cfg"
+                cluster=$(bytes "$cluster")
+                if [ "$ext" = on ]; then unit=$((cluster / 32)); else unit=$cluster; fi
+                [ "$unit" -lt 4096 ] && unit=4096
+                units=$((size / unit))
+                alloc_iolog "$label" "$unit" $((n < units ? n : units)) "$units" >"$WORK/qd32.iolog"
+                key="qd32 $label $mode"
+                for kind in $(order "$r") raw; do
+                    img=$WORK/qd32.qcow2
+                    if [ "$kind" = raw ]; then
+                        iops=$(qd32_limit "$WORK/qd32-limit.raw" "$size" "$n")
+                        record "$key" raw "$iops"
+                        record "du $key" raw "$(du_mib "$WORK/qd32-limit.raw")"
+                        rm -f "$WORK/qd32-limit.raw"
+                        log "$key round $r limit (fio, sparse raw): $iops IOPS"
+                        continue
+                    fi
+                    if [ "$mode" = backing ]; then
+                        qemu-img create -q -f qcow2 -b qd32-backing.raw -F raw \
+                            -o cluster_size="$cluster",extended_l2="$ext" "$img"
+                    else
+                        qemu-img create -q -f qcow2 -o cluster_size="$cluster",extended_l2="$ext" \
+                            "$img" "$size"
+                    fi
+                    start_server "$kind" "$img"
+                    stats=$(run_fio write --read_iolog="$WORK/qd32.iolog" --size="$size" \
+                        --iodepth=32)
+                    read -r iops _ _ cpu disk <<<"$stats"
+                    hwm=$(hwm_mib)
+                    stop_server
+                    qemu-img check -q "$img" || die "$kind left a corrupt image ($key)"
+                    record "$key" "$kind" "$iops"
+                    record_usage "$key" "$kind" "$cpu" "$disk"
+                    record "du $key" "$kind" "$(du_mib "$img")"
+                    record "hwm $key" "$kind" "$hwm"
+                    log "$key round $r $kind: $iops IOPS, $cpu µs/req, $(du_mib "$img") MiB on disk"
+                    rm -f "$img"
+                done
+            done
+        done
+        rm -f "$backing"
+    done
+}
+
+# qd32_table: the markdown table of qd32_scenarios' medians.
+qd32_table() {
+    local mode cfg label q o w
+    echo "| 4 KiB random writes, QD32, empty ${QD32_MIB} MiB image | qemu-nbd IOPS | ours IOPS | ours / qemu-nbd | limit: fio, sparse raw | ours / limit | CPU µs/req q / o | disk use MiB q / o / limit |"
+    echo "|---|---:|---:|---:|---:|---:|---:|---:|"
+    for mode in $QD32_MODES; do
+        for cfg in $QD32_CONFIGS; do
+            IFS=: read -r label _ _ <<<"$cfg"
+            local key="qd32 $label $mode"
+            q=$(median "$key" qemu) o=$(median "$key" ours) w=$(median "$key" raw)
+            [ "$q$o" = -- ] && continue
+            printf '| %s, %s | %s | %s | %s | %s | %s | %s / %s | %s / %s / %s |\n' "$label" \
+                "$([ "$mode" = backing ] && echo "over a backing file" || echo "no backing file")" \
+                "$q" "$o" "$(qd32_ratio "$o" "$q")" "$w" "$(qd32_ratio "$o" "$w")" \
+                "$(median "cpu $key" qemu)" "$(median "cpu $key" ours)" \
+                "$(median "du $key" qemu)" "$(median "du $key" ours)" "$(median "du $key" raw)"
+        done
+    done
+}
+qd32_ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a !~ /^[0-9.]+$/ || b !~ /^[0-9.]+$/ || b == 0) print "-"; else printf "%.2f\n", a / b }'; }
 
 # ---------------------------------------------------------------------------------------------
 # build_chain DIR DEPTH MIB: a chain of DEPTH qcow2 layers (64 KiB clusters) of MIB MiB in DIR,

@@ -24,7 +24,8 @@
 #   --depths "D..."     chain depths ["1 300 1000"]
 #   --rounds N          alternating rounds per measurement [3, 1]
 #   --runtime S         seconds per time-based fio run, plus 1 s of ramp-up [10, 2]
-#   --only "GROUPS"     a subset of: alloc nobacking slices space metadata chain criterion
+#   --qd32-ios N        allocating writes per run of the qd32 table [20000, 2000]
+#   --only "GROUPS"     a subset of: alloc nobacking qd32 slices space metadata chain criterion
 #                       [all; quick mode leaves out criterion]
 #
 # The criterion group runs `cargo bench` of the four engine benches (in-process, no NBD;
@@ -44,7 +45,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 QUICK=0 OUT="" BENCH_DIR=/var/tmp TMPFS_DIR=/dev/shm ONLY=""
 DROP_CACHES=1 SKIP_BUILD=0
-o_size="" o_ios="" o_noback="" o_space="" o_chain="" o_depths="" o_rounds="" o_runtime=""
+o_size="" o_ios="" o_qd32="" o_noback="" o_space="" o_chain="" o_depths="" o_rounds="" o_runtime=""
 while [ $# -gt 0 ]; do
     case $1 in
     --quick) QUICK=1 ;;
@@ -54,6 +55,7 @@ while [ $# -gt 0 ]; do
     --size) o_size=$2 && shift ;;
     --ios) o_ios=$2 && shift ;;
     --noback-ios) o_noback=$2 && shift ;;
+    --qd32-ios) o_qd32=$2 && shift ;;
     --space-mb) o_space=$2 && shift ;;
     --chain-mib) o_chain=$2 && shift ;;
     --depths) o_depths=$2 && shift ;;
@@ -67,19 +69,21 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
-for v in "$o_size" "$o_ios" "$o_noback" "$o_space" "$o_chain" "$o_rounds" "$o_runtime"; do
+for v in "$o_size" "$o_ios" "$o_qd32" "$o_noback" "$o_space" "$o_chain" "$o_rounds" "$o_runtime"; do
     [ -z "$v" ] || [[ $v =~ ^[1-9][0-9]*$ ]] || die "option value $v is not a positive integer"
 done
 if [ "$QUICK" = 1 ]; then
     ALLOC_GIB=${o_size:-1} SLICE_GIB=${o_size:-4} ALLOC_IOS=${o_ios:-300} NOBACK_IOS=${o_noback:-200}
     SPACE_MB=${o_space:-4} CHAIN_MIB=${o_chain:-64} ROUNDS=${o_rounds:-1} RUNTIME=${o_runtime:-2}
+    QD32_IOS=${o_qd32:-2000}
 else
     ALLOC_GIB=${o_size:-40} SLICE_GIB=${o_size:-40} ALLOC_IOS=${o_ios:-3000} NOBACK_IOS=${o_noback:-1000}
     SPACE_MB=${o_space:-100} CHAIN_MIB=${o_chain:-1024} ROUNDS=${o_rounds:-3} RUNTIME=${o_runtime:-10}
+    QD32_IOS=${o_qd32:-20000}
 fi
 DEPTHS=${o_depths:-"1 300 1000"}
 if [ -z "$ONLY" ]; then
-    ONLY="alloc nobacking slices space metadata chain"
+    ONLY="alloc nobacking qd32 slices space metadata chain"
     [ "$QUICK" = 1 ] || ONLY="$ONLY criterion"
 fi
 for d in $DEPTHS; do [[ $d =~ ^[1-9][0-9]*$ ]] || die "chain depth $d is not a positive integer"; done
@@ -182,6 +186,14 @@ nobacking_group() {
     else
         note "no-backing table: $TMPFS_DIR is not a tmpfs, its rows were skipped"
     fi
+}
+
+# 2b. The seeds' case at queue depth: 4 KiB random writes at QD32 into an empty ALLOC_GIB image,
+# standard 64 KiB clusters and extended L2 at 128 KiB and 2 MiB, with and without backing
+# file, disk use after the run, and fio into a sparse raw file as the limit in the same rounds
+# (qd32_scenarios in lib.sh).
+qd32_group() {
+    QD32_MIB=$((ALLOC_GIB << 10)) qd32_scenarios
 }
 
 # 3. L2 slices: 4 KiB random reads (QD1) on SLICE_GIB images whose every cluster holds data
@@ -401,8 +413,8 @@ for group in $ONLY; do
     case $group in
     alloc) alloc_group ;; nobacking) nobacking_group ;; slices) slices_group ;;
     space) space_group ;; metadata) metadata_group ;; chain) chain_group ;;
-    criterion) criterion_group ;;
-    *) die "unknown group $group (alloc nobacking slices space metadata chain criterion)" ;;
+    criterion) criterion_group ;; qd32) qd32_group ;;
+    *) die "unknown group $group (alloc nobacking qd32 slices space metadata chain criterion)" ;;
     esac
 done
 ELAPSED=$(($(date +%s) - START))
@@ -521,6 +533,28 @@ slice_table() { # CLUSTER
         echo "### tmpfs ($TMPFS_DIR), cache=writeback (tmpfs has no O_DIRECT)"
         echo
         ALLOC_CONFIGS_SHOWN=$NOBACK_CONFIGS alloc_table noback-tmpfs
+        ;;
+    esac
+    case " $ONLY " in *" qd32 "*)
+        echo
+        echo "## Allocation at queue depth 32, against the disk's limit"
+        echo
+        echo "The seeds' point is that subclusters make images both faster and smaller. Here at QD32:"
+        echo "$QD32_IOS writes of 4 KiB, each to a fresh allocation unit, into an empty ${ALLOC_GIB} GiB image"
+        echo "(the same order for both servers), without backing file and over a fully written raw one."
+        echo "Limit: fio writing as many random 4 KiB blocks (io_uring, O_DIRECT, QD32) into a fresh sparse"
+        echo "raw file whose length was set first, in the same rounds. Disk use: the image after the run."
+        echo
+        QD32_MIB=$((ALLOC_GIB << 10)) qd32_table
+        for cfg in $QD32_CONFIGS; do
+            IFS=: read -r label _ _ <<<"$cfg"
+            for mode in $QD32_MODES; do
+                check_rate "qd32 $label $mode IOPS" "$(m "qd32 $label $mode" qemu)" "$(m "qd32 $label $mode" ours)"
+                awk -v q="$(m "du qd32 $label $mode" qemu)" -v o="$(m "du qd32 $label $mode" ours)" \
+                    'BEGIN { exit !(q != "-" && o != "-" && o > q) }' &&
+                    behind "qd32 $label $mode disk use: ours $(m "du qd32 $label $mode" ours) MiB > qemu-nbd $(m "du qd32 $label $mode" qemu) MiB" || true
+            done
+        done
         ;;
     esac
     case " $ONLY " in *" slices "*)

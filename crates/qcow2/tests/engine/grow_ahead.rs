@@ -123,14 +123,9 @@ fn an_image_left_open_with_its_file_grown_ahead_checks_clean_and_reopens() {
     assert_reads_back(&path, 0..48);
 }
 
-/// Subclusters exist to save disk space: a 4 KiB write into a fresh 64 KiB cluster of an
-/// extended-L2 image fills one subcluster and leaves the rest of the cluster a hole. Growing
-/// ahead would reserve every cluster whole, so such images are not grown ahead.
-#[test]
-fn subcluster_writes_stay_sparse_because_extended_l2_images_are_not_grown_ahead() {
-    use std::os::unix::fs::MetadataExt;
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let path = dir.path().join("ext.qcow2");
+/// An empty 256 MiB image with extended L2 entries (64 KiB clusters, 2 KiB subclusters).
+fn ext_image(dir: &tempfile::TempDir, name: &str, size: &str) -> PathBuf {
+    let path = dir.path().join(name);
     qemu_img(&[
         "create",
         "-q",
@@ -139,26 +134,101 @@ fn subcluster_writes_stay_sparse_because_extended_l2_images_are_not_grown_ahead(
         "-o",
         "extended_l2=on,cluster_size=64k",
         path.to_str().unwrap(),
-        "256M",
+        size,
     ]);
+    path
+}
+
+/// Subclusters exist to save disk space: a 4 KiB write into a fresh 64 KiB cluster of an
+/// extended-L2 image fills its subclusters and leaves the rest of the cluster a hole. The
+/// file still grows ahead (so that allocating writes do not extend it), but only its length:
+/// no block is reserved, and a clean close gives the length back.
+#[test]
+fn extended_l2_images_grow_ahead_sparsely_and_shrink_back_on_close() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = ext_image(&dir, "ext.qcow2", "256M");
     run(async {
         let img = open_direct(&path).await;
         write_spread(&img, 0..32).await;
+        let open_len = file_len(&path);
         assert!(
-            file_len(&path) < 64 * MIB,
-            "not grown ahead: {} bytes",
-            file_len(&path)
+            open_len >= 64 * MIB,
+            "the file's length runs a step ahead of the data: {open_len} bytes"
+        );
+        assert!(
+            disk_use(&path) < MIB,
+            "growing ahead reserved blocks: {} bytes on disk",
+            disk_use(&path)
         );
         img.close().await.expect("close");
     });
     assert_check_clean(&path);
+    assert_eq!(
+        file_len(&path),
+        image_end(&path),
+        "a clean close leaves the file ending with its last cluster"
+    );
     assert_reads_back(&path, 0..32);
-    let on_disk = std::fs::metadata(&path).unwrap().blocks() * 512;
     // 32 clusters of 64 KiB hold 4 KiB of data each: whole clusters would take 2 MiB.
+    let on_disk = disk_use(&path);
     assert!(
         on_disk < MIB,
-        "each write takes its subcluster only: {on_disk} bytes on disk"
+        "each write takes its subclusters only: {on_disk} bytes on disk"
     );
+}
+
+/// The same writes through qemu-io (QEMU's own driver) into the same kind of image take no
+/// less space than ours, which grew its file ahead while open.
+#[test]
+fn extended_l2_disk_use_after_growing_ahead_is_no_more_than_qemus() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let ours = ext_image(&dir, "ours.qcow2", "256M");
+    let theirs = ext_image(&dir, "theirs.qcow2", "256M");
+    run(async {
+        let img = open_direct(&ours).await;
+        write_spread(&img, 0..64).await;
+        img.close().await.expect("close");
+    });
+    let cmds: Vec<String> = (0..64u64)
+        .map(|i| format!("write -q -P {} {} 4096", i + 1, i * MIB))
+        .collect();
+    let cmds: Vec<&str> = cmds.iter().map(String::as_str).collect();
+    qemu_io("qcow2", &theirs, &cmds);
+    assert_check_clean(&ours);
+    assert_reads_back(&ours, 0..64);
+    let (used, qemu_used) = (disk_use(&ours), disk_use(&theirs));
+    assert!(
+        used <= qemu_used,
+        "{used} bytes on disk against QEMU's {qemu_used}"
+    );
+}
+
+/// An extended-L2 image left open (as by a crash after a flush) with its length grown ahead
+/// checks clean, although the file runs past its last cluster; the next writer reopens it,
+/// allocates into the sparse tail and trims what it does not use on close.
+#[test]
+fn an_extended_l2_image_left_open_grown_ahead_checks_clean_and_reopens() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = ext_image(&dir, "ext.qcow2", "256M");
+    run(async {
+        let img = open_direct(&path).await;
+        write_spread(&img, 0..16).await;
+        img.flush().await.expect("flush");
+    });
+    let left = file_len(&path);
+    assert!(left >= 64 * MIB, "grown ahead: {left} bytes");
+    assert!(image_end(&path) < left);
+    assert_check_clean(&path);
+    assert_reads_back(&path, 0..16);
+    run(async {
+        let img = open_direct(&path).await;
+        write_spread(&img, 16..48).await;
+        img.close().await.expect("close");
+    });
+    assert_check_clean(&path);
+    assert!(file_len(&path) <= left, "the tail was allocated from");
+    assert_reads_back(&path, 0..48);
+    assert!(disk_use(&path) < 2 * MIB, "{} bytes", disk_use(&path));
 }
 
 /// Opens the one image file the fault tests use, through a fault-injecting wrapper.
@@ -254,6 +324,63 @@ fn a_crash_while_growing_ahead_leaves_an_image_that_checks_without_corruption() 
         }
         img.close().await.expect("close");
     });
+}
+
+/// `qemu-img check` of a crash image: clean (0) or leaked clusters only (3), never corruption.
+fn assert_crash_image_checks(crashed: &Path, what: &str) -> i32 {
+    let out = std::process::Command::new("qemu-img")
+        .args(["check", crashed.to_str().unwrap()])
+        .output()
+        .expect("run qemu-img (install qemu-utils)");
+    let code = out.status.code().unwrap_or(-1);
+    assert!(
+        code == 0 || code == 3,
+        "{what}: qemu-img check exited {code}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    code
+}
+
+/// A crash at any point of an extended-L2 image's writes while its length grows ahead (every
+/// prefix of the unflushed operations, and random subsets with torn writes) leaves an image
+/// without corruption; once flushed, the image checks clean with the file grown ahead.
+#[test]
+fn a_crash_while_growing_ahead_sparsely_leaves_an_image_that_checks_without_corruption() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = ext_image(&dir, "small.qcow2", "16M");
+    let crashed = dir.path().join("crashed.qcow2");
+    run(async {
+        let (img, faulty) = open_faulty(&path).await;
+        write_spread(&img, 0..12).await;
+        assert!(faulty.stats().set_lens >= 1, "the file was grown ahead");
+        assert_eq!(faulty.stats().write_zeroes, 0, "without reserving blocks");
+        let n = faulty.unflushed_ops();
+        for k in 0..=n {
+            let mask: Vec<bool> = (0..n).map(|i| i < k).collect();
+            let crash = faulty.crash_image(&CrashPlan::mask(&mask));
+            std::fs::write(&crashed, crash.to_vec()).unwrap();
+            assert_crash_image_checks(&crashed, &format!("crash after {k} of {n} operations"));
+        }
+        for seed in 0..24 {
+            let crash = faulty.crash_image(&CrashPlan::Random { seed, tear: true });
+            std::fs::write(&crashed, crash.to_vec()).unwrap();
+            assert_crash_image_checks(&crashed, &format!("crash image {seed}"));
+        }
+        img.flush().await.expect("flush");
+        let durable = faulty.durable_image();
+        assert!(durable.to_vec().len() as u64 >= 16 * MIB, "grown ahead");
+        std::fs::write(&crashed, durable.to_vec()).unwrap();
+        assert_eq!(
+            assert_crash_image_checks(&crashed, "after a flush"),
+            0,
+            "a flushed image grown ahead checks clean"
+        );
+        img.close().await.expect("close");
+    });
+    assert_check_clean(&path);
+    assert_eq!(file_len(&path), image_end(&path));
+    assert_reads_back(&path, 0..12);
 }
 
 /// Bytes the file system holds for `path` (not its length).

@@ -1,13 +1,24 @@
 //! Growing the image file ahead of its allocations, like QEMU's `preallocate` filter (which
 //! qemu-nbd does not use by default).
 //!
-//! With `O_DIRECT`, a write past the end of the file, or into a hole, has to allocate blocks
-//! and change the inode, so the file system takes the inode lock exclusively and io_uring
-//! cannot issue it without blocking: every allocating write goes to a kernel worker, and the
-//! workers queue on the lock. A file grown ahead with unwritten extents (`FALLOC_FL_ZERO_RANGE`)
-//! takes those writes as overwrites instead. The extra space holds zeros that nothing
-//! references, so it changes nothing an image reader sees; a clean close truncates it away,
-//! and a crash leaves only unreferenced trailing zeros, which `qemu-img check` accepts.
+//! With `O_DIRECT`, a write past the end of the file is an extending write: the file system
+//! takes the inode lock exclusively and (ext4) completes the write synchronously under it, so
+//! allocating writes at queue depth run one at a time. Growing the file ahead turns them into
+//! writes inside the file. Two ways, by what the image needs:
+//!
+//! - *Zeroed* (standard clusters): the range grown ahead gets unwritten extents
+//!   (`FALLOC_FL_ZERO_RANGE`), so allocating writes are plain overwrites that io_uring issues
+//!   without a kernel worker. Every cluster is written whole once allocated, so the blocks
+//!   reserved ahead are used.
+//! - *Sparse* (images with subclusters, and file systems without cheap zeroing): only the
+//!   file's length moves ahead (`ftruncate`, no blocks). A write fills just its subclusters
+//!   and the rest of its cluster stays a hole, the disk space subclusters exist to save; the
+//!   write still allocates blocks, but inside the file, which the file system does not
+//!   serialise the way it does extending writes.
+//!
+//! Either way the range holds zeros that nothing references, so it changes nothing an image
+//! reader sees; a clean close truncates it away, and a crash leaves only unreferenced trailing
+//! zeros, which `qemu-img check` accepts and the next writer allocates from.
 
 use std::cell::Cell;
 
@@ -17,23 +28,38 @@ use storage::Storage;
 /// small image does not grow a large tail).
 const STEP: u64 = 64 << 20;
 
+/// How the file grows ahead (see the module's text).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Growth {
+    /// Unwritten extents: the blocks are reserved.
+    Zeroed,
+    /// The length only: no blocks.
+    Sparse,
+}
+
 /// How far the image file has been grown ahead of its allocations; 0 when it is not grown
 /// ahead (off, paused, or given up after the file system refused).
 pub(crate) struct GrowAhead {
     to: Cell<u64>,
+    how: Growth,
 }
 
 impl GrowAhead {
-    /// Growing ahead for a file of `len` bytes, off where it does not pay: buffered files
-    /// (the page cache already absorbs the allocation), file systems without cheap
-    /// zeroing (growing would write the zeros), and images with subclusters: a write there
-    /// fills only its subclusters and leaves the rest of the cluster a hole in the file,
-    /// which is the disk space subclusters exist to save, while a range grown ahead keeps
-    /// its blocks reserved for the whole cluster once the cluster is in use.
+    /// Growing ahead for a file of `len` bytes, off for buffered files (the page cache
+    /// already absorbs extending writes). Images with subclusters grow sparsely: a range grown
+    /// with reserved blocks would keep every cluster's blocks once the cluster is in use,
+    /// where a subcluster's write must leave the rest of its cluster a hole. So do files on a
+    /// file system without cheap zeroing (growing would write the zeros).
     pub(crate) fn new<S: Storage>(file: &S, len: u64, subclusters: bool) -> Self {
-        let on = file.alignment() > 1 && file.zeroes_are_cheap() && !subclusters;
+        let on = file.alignment() > 1;
+        let how = if subclusters || !file.zeroes_are_cheap() {
+            Growth::Sparse
+        } else {
+            Growth::Zeroed
+        };
         GrowAhead {
             to: Cell::new(if on { len.max(1) } else { 0 }),
+            how,
         }
     }
 
@@ -49,7 +75,13 @@ impl GrowAhead {
         let target = end.div_ceil(step).saturating_mul(step).max(end);
         // Claim the range first: a concurrent allocation past it must not grow it again.
         self.to.set(target);
-        if let Err(e) = file.write_zeroes_at(grown, target - grown, false).await {
+        let done = match self.how {
+            Growth::Zeroed => file.write_zeroes_at(grown, target - grown, false).await,
+            // Only ever longer: a write that extended the file past `grown` meanwhile lies
+            // below `target` (its cluster was allocated before this claim).
+            Growth::Sparse => file.set_len(target).await,
+        };
+        if let Err(e) = done {
             tracing::debug!(image = %name, error = %e, "cannot grow the image file ahead");
             self.to.set(0);
         }
