@@ -173,6 +173,7 @@ fn run(args: &BitmapArgs, ops: Vec<Op>) -> Result<(), BitmapCmdError> {
 async fn apply(args: &BitmapArgs, ops: Vec<Op>) -> Result<(), BitmapCmdError> {
     let opts = OpenOptions {
         format: Some(Format::Qcow2),
+        untrusted: crate::engine_run::untrusted(),
         ..OpenOptions::default()
     };
     let img: Image<AnyStorage> = Image::open(&engine_run::opener(), &args.filename, &opts)

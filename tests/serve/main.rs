@@ -26,3 +26,4 @@ mod qemu_io;
 mod qemu_nbd_compat;
 mod soak;
 mod tls;
+mod untrusted;

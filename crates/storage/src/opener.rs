@@ -123,6 +123,15 @@ impl Opener for FileOpener {
     type Storage = AnyStorage;
 
     async fn open(&self, path: &Path, opts: OpenOptions) -> io::Result<AnyStorage> {
+        if opts.confine.is_some() {
+            if let Some(what) = path.to_str().and_then(crate::confine::not_a_file) {
+                let refusal = crate::Refusal::NotAFile { what };
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!("opening {}: {refusal}", path.display()),
+                ));
+            }
+        }
         if let Some(name) = path.to_str().filter(|n| nbd::client::is_nbd_name(n)) {
             return crate::nbd::NbdStorage::open(name, opts).map(AnyStorage::Nbd);
         }

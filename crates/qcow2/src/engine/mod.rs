@@ -61,7 +61,7 @@ pub use error::{libc_errno, EngineError, Result};
 pub use image::{Image, ImageFacts};
 pub use load::Format;
 pub use metacache::{MetaCacheCounters, MetaCacheStats};
-pub use open::OpenOptions;
+pub use open::{OpenOptions, Untrusted};
 pub use read_sparse::ReadPart;
 pub use resize::ResizeError;
 pub use snapshot_ops::SnapshotError;
