@@ -66,7 +66,7 @@ pub use event::Event;
 pub use fault::{CrashPlan, FaultStats, FaultStorage, InjectedError, OpKind, Survival};
 pub use lock::{LockError, Locking, Permissions};
 pub use mem::{MemFs, MemStorage};
-pub use opener::{Aio, AnyStorage, FileOpener};
+pub use opener::{not_a_file, Aio, AnyStorage, FileOpener};
 pub use threads::ThreadsStorage;
 pub use uring::{Reactor, UringStorage};
 

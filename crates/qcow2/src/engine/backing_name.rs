@@ -124,7 +124,7 @@ pub fn resolve_untrusted(
         },
         None => resolve(image, name)?,
     };
-    match path.to_str().and_then(storage::confine::not_a_file) {
+    match path.to_str().and_then(storage::not_a_file) {
         Some(what) => Err(refused(storage::Refusal::NotAFile { what })),
         None => Ok(path),
     }
@@ -446,6 +446,38 @@ mod tests {
             resolve(top, "nbd:127.0.0.1:10809"),
             Err(BackingError::Protocol { .. })
         ));
+    }
+
+    #[test]
+    fn untrusted_names_are_files_or_refused_before_any_file_is_read() {
+        let top = Path::new("/img/top.qcow2");
+        let kind = Reference::BackingFile;
+        assert_eq!(
+            resolve_untrusted(top, "b.qcow2", kind).unwrap(),
+            PathBuf::from("/img/b.qcow2")
+        );
+        let file = r#"json:{"driver":"raw","file":{"driver":"file","filename":"/x/b"}}"#;
+        assert_eq!(
+            resolve_untrusted(top, file, kind).unwrap(),
+            PathBuf::from("/x/b")
+        );
+        // The config names a file that does not exist: read, it would fail differently.
+        let bd = r#"json:{"driver":"raw","file":{"driver":"blkdebug","config":"/nonexistent/c",
+                  "image":{"driver":"file","filename":"/x/b"}}}"#;
+        let null = r#"json:{"driver":"raw","file":{"driver":"file","filename":"null-co://"}}"#;
+        let nbd = r#"json:{"driver":"raw","file":{"filename":"nbd+unix:///?socket=/s"}}"#;
+        for name in [bd, null, nbd] {
+            match resolve_untrusted(top, name, kind) {
+                Err(BackingError::Refused {
+                    rule: storage::Refusal::NotAFile { .. },
+                    ..
+                }) => {}
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        let allow = storage::AllowDirs::default();
+        let e = admit(&allow, top, "b", kind, Path::new("/img/b")).unwrap_err();
+        assert!(e.to_string().contains("no --allow-dir was given"), "{e}");
     }
 
     #[test]

@@ -56,7 +56,7 @@ pub(crate) struct LayerChoices<'a> {
     pub data_file: Option<&'a Path>,
     /// The image is untrusted: a data file its header names must resolve inside the
     /// allowed directories, and the sizes it declares are capped.
-    pub untrusted: Option<super::open::Untrusted>,
+    pub untrusted: Option<crate::declared::Untrusted>,
 }
 
 /// Opens one file of the chain.
@@ -499,7 +499,7 @@ struct GivenDataFile<'a> {
     path: Option<&'a Path>,
     /// The image is untrusted: the file its header names must resolve inside the allowed
     /// directories, and the sizes the image declares are capped.
-    untrusted: Option<super::open::Untrusted>,
+    untrusted: Option<crate::declared::Untrusted>,
 }
 
 /// Opens the external data file, if the image has one: `given` (QEMU's `data-file`

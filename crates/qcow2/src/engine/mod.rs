@@ -47,6 +47,7 @@ mod write;
 mod write_compressed;
 mod zero;
 
+pub use crate::declared::Untrusted;
 pub use crate::format::{GuestOffset, HostOffset};
 pub use amend::{AmendError, AmendOptions};
 pub use bitmaps::{BitmapError, BitmapInfo};
@@ -61,7 +62,7 @@ pub use error::{libc_errno, EngineError, Result};
 pub use image::{Image, ImageFacts};
 pub use load::Format;
 pub use metacache::{MetaCacheCounters, MetaCacheStats};
-pub use open::{OpenOptions, Untrusted};
+pub use open::OpenOptions;
 pub use read_sparse::ReadPart;
 pub use resize::ResizeError;
 pub use snapshot_ops::SnapshotError;

@@ -13,6 +13,7 @@ use super::metacache::L2Backend;
 use super::metacache::L2Cache;
 use super::range_lock::RangeLocks;
 use super::span_pool::SpanPool;
+use crate::declared::Untrusted;
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -55,15 +56,6 @@ pub struct OpenOptions {
     /// these directories, and names that are not files are refused, before anything is
     /// read from them.
     pub untrusted: Option<Untrusted>,
-}
-
-/// How an image from an author not trusted with host files is opened (`--untrusted`).
-#[derive(Clone, Copy, Debug)]
-pub struct Untrusted {
-    /// The directories every file it names must resolve inside.
-    pub allow: &'static storage::AllowDirs,
-    /// The caps on the sizes it declares.
-    pub caps: crate::declared::Caps,
 }
 
 impl<S: Storage + 'static> Image<S> {
