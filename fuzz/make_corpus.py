@@ -255,6 +255,26 @@ def nbd_seeds(out):
     put("metrics_request", "head", bytes([0]) + b"HEAD /metrics?x=1 HTTP/1.0\n\n")
 
 
+def name_seeds(out):
+    """Seeds for the name readers: blkdebug configuration files and json: backing names."""
+    def put(target, tag, payload):
+        d = os.path.join(out, target)
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, tag), "wb") as f:
+            f.write(payload)
+    put("blkdebug_rules", "inject", b"[inject-error]\nevent = \"write_aio\"\nerrno = \"28\"\n"
+        b"once = \"on\"\n\n[set-state]\nevent = \"l2_load\"\nnew_state = \"2\"\n")
+    put("blkdebug_rules", "pairs", b"event=read_aio,errno=5,sector=0,once=on,state=1")
+    put("json_backing_name", "file",
+        b'json:{"driver":"qcow2","file":{"driver":"file","filename":"base.qcow2"}}')
+    put("json_backing_name", "dotted",
+        b'json:{"driver":"raw","file.driver":"file","file.filename":"/b"}')
+    put("json_backing_name", "blkdebug",
+        b"json:{'driver':'qcow2','file':{'driver':'blkdebug','inject-error':[{'event':"
+        b"'write_aio','errno':28,'once':true}],'image':{'driver':'file','filename':'/x/b'}}}")
+    put("json_backing_name", "null", b'json:{"driver":"raw","file":{"filename":"null-co://"}}')
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
@@ -268,6 +288,7 @@ def main():
                 seeds_for(f.read(), image.removesuffix(".qcow2"), out)
         luks_seeds(d, out)
     nbd_seeds(out)
+    name_seeds(out)
     counts = {t: len(os.listdir(os.path.join(out, t))) for t in sorted(os.listdir(out))
               if os.path.isdir(os.path.join(out, t))}
     print("seed corpora:", ", ".join(f"{t} {n}" for t, n in counts.items()))

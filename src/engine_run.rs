@@ -34,6 +34,43 @@ pub fn locking() -> Locking {
     LOCKING.get().copied().unwrap_or_default()
 }
 
+/// `--untrusted`, `--allow-dir` and the caps, set once from the command line.
+static UNTRUSTED: std::sync::OnceLock<(bool, qcow2::engine::Untrusted)> =
+    std::sync::OnceLock::new();
+
+/// Records `--untrusted`, the `--allow-dir` directories (made canonical; each must be a
+/// directory) and the caps on what an untrusted image may declare.
+pub fn set_untrusted(
+    untrusted: bool,
+    allow: &[std::path::PathBuf],
+    caps: qcow2::declared::Caps,
+) -> std::io::Result<()> {
+    let allow = storage::AllowDirs::new(allow)?.leak();
+    let _ = UNTRUSTED.set((untrusted, qcow2::engine::Untrusted { allow, caps }));
+    Ok(())
+}
+
+/// How an image marked untrusted (`--untrusted`, or an export's `untrusted=on`) is opened:
+/// the `--allow-dir` directories (none unless given) and the caps.
+pub fn untrusted_settings() -> qcow2::engine::Untrusted {
+    static NONE: storage::AllowDirs = storage::AllowDirs::none();
+    UNTRUSTED.get().map_or(
+        qcow2::engine::Untrusted {
+            allow: &NONE,
+            caps: qcow2::declared::Caps::default(),
+        },
+        |u| u.1,
+    )
+}
+
+/// The confinement every image opened by this run gets: `Some` under `--untrusted`.
+pub fn untrusted() -> Option<qcow2::engine::Untrusted> {
+    UNTRUSTED
+        .get()
+        .is_some_and(|u| u.0)
+        .then(untrusted_settings)
+}
+
 /// The file opener every subcommand uses: io_uring (falling back to threads), page cache on,
 /// image locks as `--locking` says.
 pub fn opener() -> FileOpener {
@@ -323,6 +360,7 @@ pub async fn open_read_only(
         force_share,
         passwords: crate::secrets::passwords_for(path),
         data_file: crate::image_name::data_file_for(path),
+        untrusted: untrusted(),
         ..OpenOptions::default()
     };
     Ok(Image::open(&opener(), path, &opts).await?)

@@ -51,6 +51,27 @@ struct Cli {
     /// `json:{...}` names and the `file:` prefix are read as QEMU reads them.
     #[arg(long, global = true)]
     image_opts: bool,
+    /// The image comes from someone not trusted with this host's files (an upload): every
+    /// file it names (backing file, external data file, `json:` names) is refused at open,
+    /// before anything is read, unless it resolves (symlinks and `..` followed) inside an
+    /// `--allow-dir`; names that are not files (NBD, `null-co`, `blkdebug`) are refused.
+    /// See docs/untrusted.md.
+    #[arg(long, global = true)]
+    untrusted: bool,
+    /// A directory whose files an `--untrusted` image (or a `serve --export` with
+    /// `untrusted=on`) may name as its backing or data files. Repeatable.
+    #[arg(long = "allow-dir", global = true, value_name = "DIR")]
+    allow_dir: Vec<std::path::PathBuf>,
+    /// Most internal snapshots an untrusted image may declare.
+    #[arg(long, global = true, value_name = "N", default_value_t = qcow2::declared::Caps::default().max_snapshots)]
+    untrusted_max_snapshots: u32,
+    /// Most persistent bitmaps an untrusted image may declare.
+    #[arg(long, global = true, value_name = "N", default_value_t = qcow2::declared::Caps::default().max_bitmaps)]
+    untrusted_max_bitmaps: u32,
+    /// Most PBKDF2 iterations an untrusted image's LUKS header may declare, its key slots
+    /// and master key digest together (what a wrong password costs).
+    #[arg(long, global = true, value_name = "N", default_value_t = qcow2::declared::Caps::default().max_kdf_iterations)]
+    untrusted_max_kdf_iterations: u64,
 }
 
 /// The subcommands; each lives in its own module.
@@ -181,6 +202,15 @@ fn main() -> ExitCode {
         Err(e) => e.exit(),
     };
     engine_run::set_locking(cli.locking);
+    let caps = qcow2::declared::Caps {
+        max_snapshots: cli.untrusted_max_snapshots,
+        max_bitmaps: cli.untrusted_max_bitmaps,
+        max_kdf_iterations: cli.untrusted_max_kdf_iterations,
+    };
+    if let Err(e) = engine_run::set_untrusted(cli.untrusted, &cli.allow_dir, caps) {
+        eprintln!("{}: {e}", prog::name());
+        return ExitCode::FAILURE;
+    }
     if let Err(e) = resolve_image_names(&mut cli.command, cli.image_opts) {
         eprintln!("{}: {e}", prog::name());
         return ExitCode::FAILURE;

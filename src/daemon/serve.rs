@@ -148,6 +148,7 @@ impl Plan {
             passwords: Default::default(),
             no_io: false,
             data_file: None,
+            untrusted: crate::engine_run::untrusted(),
             open_bound: storage::OpenBound {
                 timeout: Duration::from_secs(args.open_timeout),
                 max_stuck: usize::try_from(args.open_stuck_max).unwrap_or(usize::MAX),

@@ -259,6 +259,7 @@ async fn run(args: &AmendArgs) -> Result<(), AmendCliError> {
         format: Some(Format::Qcow2),
         passwords: crate::secrets::passwords_for(path),
         data_file: crate::image_name::data_file_for(path),
+        untrusted: crate::engine_run::untrusted(),
         ..OpenOptions::default()
     };
     // Opened before the options are read, as qemu-img does: a dirty lazy-refcount image is

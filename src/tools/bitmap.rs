@@ -176,6 +176,7 @@ async fn apply(args: &BitmapArgs, ops: Vec<Op>) -> Result<(), BitmapCmdError> {
     let opts = OpenOptions {
         format: Some(Format::Qcow2),
         no_backing: true,
+        untrusted: crate::engine_run::untrusted(),
         ..OpenOptions::default()
     };
     let img: Image<AnyStorage> = Image::open(&engine_run::opener(), &args.filename, &opts)

@@ -70,6 +70,14 @@ enum CheckCliError {
         /// QEMU's words.
         message: String,
     },
+    /// An untrusted image declares more than its caps allow (`--untrusted`).
+    #[error("Could not open '{path}': {source}")]
+    Declared {
+        /// The image.
+        path: String,
+        /// The size past its cap.
+        source: qcow2::declared::Exceeded,
+    },
     /// `-U` asks to share writes, which a repair cannot allow (qemu-img's words).
     #[error("Could not open '{path}': force-share=on can only be used with read-only images")]
     ForceShareRepair { path: String },
@@ -82,6 +90,38 @@ enum CheckCliError {
     /// Writing the report failed.
     #[error("writing the report: {0}")]
     Output(#[from] std::io::Error),
+}
+
+/// `--untrusted`: the sizes the image declares against their caps, before the checker
+/// walks them. Metadata that does not load is judged by its header alone (the checker then
+/// reports the damage); a file that does not open or is not qcow2 is left to the checker.
+fn check_declared(
+    image: &std::path::Path,
+    caps: &qcow2::declared::Caps,
+) -> Result<(), qcow2::declared::Exceeded> {
+    use qcow2::declared::{check, Declared};
+    let Ok(file) = std::fs::File::open(image) else {
+        return Ok(());
+    };
+    if let Ok(meta) = qcow2::inspect::inspect(&file) {
+        return check(&Declared::of(&meta), caps);
+    }
+    let Ok((header, file_len)) = qcow2::inspect::read_header(&file) else {
+        return Ok(());
+    };
+    let Ok(geom) = header.geometry() else {
+        return Ok(());
+    };
+    let declared = Declared {
+        header: &header,
+        geom: &geom,
+        file_len,
+        snapshots: &[],
+        bitmaps: &[],
+        bitmap_count: header.bitmaps().map_or(0, |b| u64::from(b.nb_bitmaps)),
+        kdf_iterations: None,
+    };
+    check(&declared, caps)
 }
 
 /// Runs `check` and returns qemu-img's exit code for it.
@@ -143,6 +183,12 @@ fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
         check::FindingKind::Reported => eprintln!("{}: {}", crate::prog::name(), f.message),
         _ => eprintln!("{}", f.message),
     };
+    if let Some(u) = crate::engine_run::untrusted() {
+        check_declared(&args.image, &u.caps).map_err(|source| CheckCliError::Declared {
+            path: path.clone(),
+            source,
+        })?;
+    }
     let locking = crate::engine_run::locking();
     let outcome = match check::check_path(
         &args.image,

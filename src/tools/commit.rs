@@ -189,6 +189,7 @@ async fn open_rw(
         no_backing,
         direct: cache.direct(),
         passwords,
+        untrusted: crate::engine_run::untrusted(),
         ..OpenOptions::default()
     };
     Ok(Image::open(&engine_run::opener(), path, &opts).await?)
@@ -208,6 +209,7 @@ async fn open_ro(
         no_backing,
         force_share: shared,
         passwords,
+        untrusted: crate::engine_run::untrusted(),
         ..OpenOptions::default()
     };
     Ok(Image::open(&engine_run::opener(), path, &opts).await?)

@@ -167,6 +167,7 @@ async fn create_output(
         &OpenOptions {
             format: Some(format),
             no_backing: true,
+            untrusted: crate::engine_run::untrusted(),
             ..OpenOptions::default()
         },
     )

@@ -9,7 +9,9 @@ use clap::{Args, ValueEnum};
 use qcow2::format::header::QCOW2_MAGIC;
 use qcow2::inspect::{self, ByteSource, ImageInfo, InspectError};
 
-use qcow2::engine::backing_name::{self as backing_chain, BackingError, ChainGuard};
+use qcow2::engine::backing_name::{self as backing_chain, BackingError, ChainGuard, Reference};
+
+mod untrusted;
 
 /// Output layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -80,6 +82,14 @@ pub enum InfoError {
         path: String,
         /// QEMU's words.
         message: String,
+    },
+    /// An untrusted image declares more than its caps allow (`--untrusted`).
+    #[error("Could not open '{path}': {source}")]
+    Declared {
+        /// The image.
+        path: String,
+        /// The size past its cap.
+        source: qcow2::declared::Exceeded,
     },
     /// Following the backing chain came back to an image already shown (qemu-img's words).
     #[error("Backing file '{0}' creates an infinite loop.")]
@@ -185,7 +195,14 @@ impl ByteSource for Source {
 /// Opens an image file read-only, holding the read lock QEMU would (shared with every
 /// writer when `force_share`) for as long as the file is open; an NBD name connects to its
 /// export instead.
-fn open(path: &Path, force_share: bool) -> Result<Source, InfoError> {
+/// For a file an untrusted image names (`confine`), the descriptor opened must lie inside
+/// the allowed directories (where the kernel says it is, so a symlink swapped in after the
+/// name was judged cannot lead outside).
+fn open_confined(
+    path: &Path,
+    force_share: bool,
+    confine: Option<&storage::AllowDirs>,
+) -> Result<Source, InfoError> {
     let open_err = |source| InfoError::Open {
         path: path.display().to_string(),
         source,
@@ -209,6 +226,9 @@ fn open(path: &Path, force_share: bool) -> Result<Source, InfoError> {
         path: path.display().to_string(),
         source,
     })?;
+    if let Some(allowed) = confine {
+        allowed.check_open(&file).map_err(open_err)?;
+    }
     let perms = storage::Permissions::for_open(true, force_share);
     storage::lock::lock(&file, path, perms, crate::engine_run::locking())
         .map_err(|e| open_err(e.into()))?;
@@ -227,8 +247,14 @@ fn allocated_size(source: &Source) -> Option<u64> {
 }
 
 /// Builds the report for one file, with everything that needs the path filled in.
-fn describe(path: &Path, format: Format, force_share: bool) -> Result<ImageInfo, InfoError> {
-    let file = open(path, force_share)?;
+fn describe(
+    path: &Path,
+    format: Format,
+    force_share: bool,
+    confine: Option<&storage::AllowDirs>,
+    caps: Option<qcow2::declared::Caps>,
+) -> Result<ImageInfo, InfoError> {
+    let file = open_confined(path, force_share, confine)?;
     let name = path.display().to_string();
     let mut info = match format {
         Format::Qcow2 => {
@@ -254,6 +280,14 @@ fn describe(path: &Path, format: Format, force_share: bool) -> Result<ImageInfo,
                     },
                 }
             })?;
+            if let Some(caps) = caps {
+                qcow2::declared::check(&qcow2::declared::Declared::of(&meta), &caps).map_err(
+                    |source| InfoError::Declared {
+                        path: name.clone(),
+                        source,
+                    },
+                )?;
+            }
             let mut info = ImageInfo::from_metadata(&meta, &name);
             if let Some(backing) = &info.backing_filename {
                 // qemu-img shows where the name points even without opening it; a name we
@@ -289,7 +323,11 @@ fn describe(path: &Path, format: Format, force_share: bool) -> Result<ImageInfo,
 
 /// Decides how to read a backing file: its recorded format, or a safe probe (qcow2 magic,
 /// else raw) when the image does not record one.
-fn backing_format(path: &Path, recorded: Option<&str>) -> Result<Format, InfoError> {
+fn backing_format(
+    path: &Path,
+    recorded: Option<&str>,
+    confine: Option<&storage::AllowDirs>,
+) -> Result<Format, InfoError> {
     match recorded {
         Some("qcow2") => Ok(Format::Qcow2),
         Some("raw") => Ok(Format::Raw),
@@ -298,7 +336,7 @@ fn backing_format(path: &Path, recorded: Option<&str>) -> Result<Format, InfoErr
             format: other.into(),
         }),
         None => {
-            let file = open(path, true)?;
+            let file = open_confined(path, true, confine)?;
             let mut magic = [0u8; 4];
             let is_qcow2 = file.read_exact_at(0, &mut magic).is_ok()
                 && u32::from_be_bytes(magic) == QCOW2_MAGIC;
@@ -310,7 +348,7 @@ fn backing_format(path: &Path, recorded: Option<&str>) -> Result<Format, InfoErr
 /// The image's own format: `-f` as given (a qcow2 file is checked for its magic, as QEMU
 /// checks it), or probed.
 fn image_format(image: &Path, given: Option<&str>) -> Result<Format, InfoError> {
-    let probed = || backing_format(image, None);
+    let probed = || backing_format(image, None, None);
     match given {
         None => probed(),
         Some("raw") => Ok(Format::Raw),
@@ -343,17 +381,22 @@ fn pseudo_filename(image: &Path, format: Format) -> Option<String> {
 }
 
 /// Collects the reports for the image (of format `format`, probed when `None`) and, with
-/// `backing_chain`, every backing file.
+/// `backing_chain`, every backing file. Under `--untrusted` (`confine`) each report lists
+/// the files its image names, a refused one ends the walk, and the first refusal is
+/// returned with the reports.
 pub fn collect(
     image: &Path,
     format: Option<&str>,
     backing_chain: bool,
     force_share: bool,
-) -> Result<Vec<ImageInfo>, InfoError> {
+    untrusted: Option<qcow2::engine::Untrusted>,
+) -> Result<(Vec<ImageInfo>, Option<BackingError>), InfoError> {
+    let confine = untrusted.map(|u| u.allow);
+    let caps = untrusted.map(|u| u.caps);
     let mut guard = ChainGuard::default();
     guard.enter(image, image)?;
     let top = image_format(image, format)?;
-    let mut infos = vec![describe(image, top, force_share)?];
+    let mut infos = vec![describe(image, top, force_share, None, caps)?];
     if let Some(name) = pseudo_filename(image, top) {
         infos[0].filename = name;
     }
@@ -363,45 +406,74 @@ pub fn collect(
     {
         infos[0].set_protocol_node("nbd");
     }
-    if !backing_chain {
-        return Ok(infos);
-    }
+    let mut refusal = None;
     let mut current = image.to_path_buf();
-    while let Some(name) = infos.last().and_then(|last| last.backing_filename.clone()) {
-        let recorded = infos
-            .last()
-            .and_then(|last| last.backing_filename_format.clone());
-        let next = backing_chain::resolve(&current, &name)?;
+    loop {
+        let last = infos.last_mut().expect("non-empty");
+        let mut admitted_backing = None;
+        if let Some(allowed) = confine {
+            let mut reports = Vec::new();
+            for j in untrusted::references(&current, last, allowed) {
+                match j.verdict {
+                    Ok(p) if j.kind == Reference::BackingFile => admitted_backing = Some(p),
+                    Ok(_) => {}
+                    Err(e) => {
+                        refusal.get_or_insert(e);
+                    }
+                }
+                reports.push(j.report);
+            }
+            last.untrusted_references = Some(reports);
+        }
+        // Under `--untrusted` the whole chain is judged, as opening it for I/O would be;
+        // only `--backing-chain` shows the images below the top.
+        if !(backing_chain || confine.is_some()) || refusal.is_some() {
+            break;
+        }
+        let Some(name) = last.backing_filename.clone() else {
+            break;
+        };
+        let recorded = last.backing_filename_format.clone();
+        let next = match admitted_backing {
+            Some(p) => p,
+            None => backing_chain::resolve(&current, &name)?,
+        };
         guard.enter(&current, &next).map_err(|e| match e {
             BackingError::Loop { path, .. } => InfoError::Loop(path),
             e => InfoError::Backing(e),
         })?;
-        let format = backing_format(&next, recorded.as_deref())?;
-        infos.push(describe(&next, format, force_share)?);
+        let format = backing_format(&next, recorded.as_deref(), confine)?;
+        infos.push(describe(&next, format, force_share, confine, caps)?);
         current = next;
     }
-    Ok(infos)
+    if !backing_chain {
+        infos.truncate(1);
+    }
+    Ok((infos, refusal))
 }
 
 /// Runs `info`.
 pub fn run(args: &InfoArgs) -> Result<(), InfoError> {
-    let infos = collect(
+    let (infos, refusal) = collect(
         &args.image,
         args.format.as_deref(),
         args.backing_chain,
         args.share.force_share,
+        crate::engine_run::untrusted(),
     )?;
+    // Refused (`--untrusted`): JSON still shows what was refused and why, for a management
+    // tool; the human layout shows only the refusal. Either way the status is 1.
+    if let Some(refusal) = refusal {
+        if args.output == OutputFormat::Json {
+            print_json(&infos, args.backing_chain)?;
+        }
+        return Err(InfoError::Backing(refusal));
+    }
     let mut out = io::stdout().lock();
     match args.output {
-        OutputFormat::Json if args.backing_chain => {
-            let value = serde_json::to_value(&infos)?;
-            writeln!(out, "{}", qcow2::qemu_json::to_pretty(&value))?
-        }
         OutputFormat::Json => {
-            for info in &infos {
-                let value = serde_json::to_value(info)?;
-                writeln!(out, "{}", qcow2::qemu_json::to_pretty(&value))?;
-            }
+            drop(out);
+            return print_json(&infos, args.backing_chain);
         }
         OutputFormat::Human => {
             for (i, info) in infos.iter().enumerate() {
@@ -410,6 +482,22 @@ pub fn run(args: &InfoArgs) -> Result<(), InfoError> {
                 }
                 write!(out, "{}", info.to_human())?;
             }
+        }
+    }
+    out.flush()?;
+    Ok(())
+}
+
+/// Prints the reports in qemu-img's JSON layout: a list with `--backing-chain`.
+fn print_json(infos: &[ImageInfo], backing_chain: bool) -> Result<(), InfoError> {
+    let mut out = io::stdout().lock();
+    if backing_chain {
+        let value = serde_json::to_value(infos)?;
+        writeln!(out, "{}", qcow2::qemu_json::to_pretty(&value))?;
+    } else {
+        for info in infos {
+            let value = serde_json::to_value(info)?;
+            writeln!(out, "{}", qcow2::qemu_json::to_pretty(&value))?;
         }
     }
     out.flush()?;

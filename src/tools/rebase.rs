@@ -408,6 +408,7 @@ async fn open_image(
         format: Some(format),
         no_backing,
         passwords: crate::secrets::passwords_for(&args.image),
+        untrusted: crate::engine_run::untrusted(),
         ..OpenOptions::default()
     };
     Image::open(&engine_run::opener(), &args.image, &opts)

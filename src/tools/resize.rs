@@ -167,6 +167,7 @@ async fn run(args: &ResizeArgs) -> Result<(), ResizeCliError> {
     let opts = OpenOptions {
         format: Some(format),
         passwords: crate::secrets::passwords_for(&args.filename),
+        untrusted: crate::engine_run::untrusted(),
         ..OpenOptions::default()
     };
     let img: Image<AnyStorage> = Image::open(&engine_run::opener(), &args.filename, &opts)

@@ -144,6 +144,7 @@ async fn change(
 ) -> Result<(), SnapshotCmdError> {
     let opts = OpenOptions {
         format: Some(format),
+        untrusted: crate::engine_run::untrusted(),
         ..OpenOptions::default()
     };
     let img: Image<AnyStorage> = Image::open(&engine_run::opener(), &args.filename, &opts)

@@ -27,3 +27,4 @@ mod qemu_io;
 mod qemu_nbd_compat;
 mod soak;
 mod tls;
+mod untrusted;

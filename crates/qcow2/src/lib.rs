@@ -4,6 +4,7 @@
 //! I/O-free types, is the `qcow2-format` crate ([`format`]).
 
 pub mod crypto;
+pub mod declared;
 pub mod engine;
 /// The on-disk format as pure types: the `qcow2-format` crate, re-exported so that
 /// `qcow2::format` and the engine's `crate::format` name one thing.

@@ -43,6 +43,7 @@
 pub mod blkdebug;
 pub mod bounded;
 mod buf;
+pub mod confine;
 mod error;
 mod event;
 pub mod fault;
@@ -59,12 +60,13 @@ pub mod uring;
 pub use blkdebug::BlkdebugStorage;
 pub use bounded::{BoundError, OpenBound};
 pub use buf::{IoBuf, Slice, BUF_ALIGN};
+pub use confine::{AllowDirs, Refusal};
 pub use error::{checked_end, FileKind, NotAnImageFile, RangeError, MAX_OFFSET};
 pub use event::Event;
 pub use fault::{CrashPlan, FaultStats, FaultStorage, InjectedError, OpKind, Survival};
 pub use lock::{LockError, Locking, Permissions};
 pub use mem::{MemFs, MemStorage};
-pub use opener::{Aio, AnyStorage, FileOpener};
+pub use opener::{not_a_file, Aio, AnyStorage, FileOpener};
 pub use threads::ThreadsStorage;
 pub use uring::{Reactor, UringStorage};
 
@@ -154,6 +156,11 @@ pub struct OpenOptions {
     /// How long a file backend waits for the file system to open the file, and how many
     /// opens given up may stay stuck ([`bounded`]). Memory storages ignore it.
     pub bound: OpenBound,
+    /// The file must resolve inside these directories (it is named by an untrusted image):
+    /// the descriptor opened is checked where the kernel says it is, and names that are not
+    /// files (NBD, `null-co`, `blkdebug`) are refused ([`confine`]). Memory storages ignore
+    /// it.
+    pub confine: Option<&'static AllowDirs>,
 }
 
 impl Default for OpenOptions {
@@ -165,6 +172,7 @@ impl Default for OpenOptions {
             force_share: false,
             locking: Locking::Off,
             bound: OpenBound::default(),
+            confine: None,
         }
     }
 }

@@ -126,6 +126,15 @@ impl Opener for FileOpener {
     type Storage = AnyStorage;
 
     async fn open(&self, path: &Path, opts: OpenOptions) -> io::Result<AnyStorage> {
+        if opts.confine.is_some() {
+            if let Some(what) = path.to_str().and_then(not_a_file) {
+                let refusal = crate::Refusal::NotAFile { what };
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!("opening {}: {refusal}", path.display()),
+                ));
+            }
+        }
         if let Some(name) = path.to_str().filter(|n| nbd::client::is_nbd_name(n)) {
             return crate::nbd::NbdStorage::open(name, opts).map(AnyStorage::Nbd);
         }
@@ -196,5 +205,19 @@ fn warn_fallback(e: &io::Error) {
     }
     if !WARNED.with(|w| w.replace(true)) {
         tracing::warn!("io_uring unavailable ({e}); falling back to the threads backend");
+    }
+}
+
+/// What `name` is, when the file opener would open something other than a local file for
+/// it: an NBD export, a `null-co` device, or a `blkdebug` fault-injection node.
+pub fn not_a_file(name: &str) -> Option<&'static str> {
+    if nbd::client::is_nbd_name(name) {
+        Some("an NBD export")
+    } else if crate::null::is_null_name(name) {
+        Some("a null-co device")
+    } else if name.starts_with("blkdebug:") || crate::blkdebug::Node::parse(name).is_some() {
+        Some("a blkdebug fault-injection node")
+    } else {
+        None
     }
 }

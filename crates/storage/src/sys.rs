@@ -44,6 +44,11 @@ pub(crate) fn open(path: &Path, opts: OpenOptions) -> io::Result<File> {
     let file = o.open(path).map_err(|e| opening(path, opts, e))?;
     let meta = file.metadata().map_err(|e| opening(path, opts, e))?;
     refuse_kind(path, &meta)?;
+    if let Some(allowed) = opts.confine {
+        allowed
+            .check_open(&file)
+            .map_err(|e| io::Error::new(e.kind(), format!("opening {}: {e}", path.display())))?;
+    }
     if let Some(first) = looked {
         use std::os::unix::fs::MetadataExt;
         if (first.dev(), first.ino()) != (meta.dev(), meta.ino()) {

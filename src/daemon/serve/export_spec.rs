@@ -1,5 +1,5 @@
 //! `--export name=NAME,file=PATH[,readonly=on|off][,format=qcow2|raw][,description=TEXT]
-//! [,bitmap=B]...`: one export of a server that offers several images. The text follows
+//! [,bitmap=B]...[,untrusted=on|off]`: one export of a server that offers several images. The text follows
 //! QEMU's key=value rules (`,,` is a comma inside a value, on/off/yes/no/true/false), read
 //! strictly: an unknown or repeated key (only `bitmap` repeats), a missing `name` or `file`
 //! or a value that does not parse is refused, so a typo never serves the wrong thing.
@@ -17,7 +17,7 @@ use crate::options;
 pub const MAX_EXPORTS: usize = 64;
 
 /// The keys an `--export` definition takes, as the error messages list them.
-const KEYS: &str = "name, file, readonly, format, description, bitmap";
+const KEYS: &str = "name, file, readonly, format, description, bitmap, untrusted";
 
 /// One parsed `--export` definition.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,6 +35,9 @@ pub struct ExportSpec {
     pub description: String,
     /// Persistent dirty bitmaps offered as `qemu:dirty-bitmap:NAME`, as `serve -B`.
     pub bitmaps: Vec<String>,
+    /// The image is untrusted (`untrusted=on`): the files it names must resolve inside an
+    /// `--allow-dir`, as under `--untrusted`.
+    pub untrusted: bool,
 }
 
 /// Why an `--export` definition is refused (clap prints the definition before it).
@@ -64,6 +67,9 @@ pub enum ExportSpecError {
     /// `readonly` is not a boolean.
     #[error("readonly={0:?}: expected on or off")]
     BadBool(String),
+    /// `untrusted` is not a boolean.
+    #[error("untrusted={0:?}: expected on or off")]
+    BadUntrusted(String),
     /// `format` is neither qcow2 nor raw.
     #[error("format={0:?}: expected qcow2 or raw")]
     BadFormat(String),
@@ -88,6 +94,7 @@ struct Fields {
     readonly: Option<String>,
     format: Option<String>,
     description: Option<String>,
+    untrusted: Option<String>,
     bitmaps: Vec<String>,
 }
 
@@ -99,6 +106,7 @@ impl Fields {
             "readonly" => (&mut self.readonly, "readonly"),
             "format" => (&mut self.format, "format"),
             "description" => (&mut self.description, "description"),
+            "untrusted" => (&mut self.untrusted, "untrusted"),
             "bitmap" if value.is_empty() => return Err(ExportSpecError::EmptyBitmap),
             "bitmap" => {
                 self.bitmaps.push(value);
@@ -122,6 +130,10 @@ impl Fields {
             None => false,
             Some(v) => options::parse_bool(&v).ok_or(ExportSpecError::BadBool(v))?,
         };
+        let untrusted = match self.untrusted {
+            None => false,
+            Some(v) => options::parse_bool(&v).ok_or(ExportSpecError::BadUntrusted(v))?,
+        };
         let format = match self.format {
             None => None,
             Some(name) => {
@@ -135,6 +147,7 @@ impl Fields {
             format,
             description: self.description.unwrap_or_default(),
             bitmaps: self.bitmaps,
+            untrusted,
         })
     }
 }
@@ -201,6 +214,12 @@ mod tests {
         assert!(!s.read_only);
         assert_eq!((s.format, s.description.as_str()), (None, ""));
         assert!(s.bitmaps.is_empty());
+        assert!(!s.untrusted);
+        assert!(
+            parse_export_spec("name=a,file=f,untrusted=on")
+                .unwrap()
+                .untrusted
+        );
         for (v, ro) in [("off", false), ("no", false), ("yes", true), ("true", true)] {
             let s = parse_export_spec(&format!("name=a,file=f,readonly={v}")).unwrap();
             assert_eq!(s.read_only, ro, "readonly={v}");
@@ -227,6 +246,11 @@ mod tests {
             ("name=a,file=", EmptyFile),
             ("name=a,file=f,bitmap=", EmptyBitmap),
             ("name=a,file=f,readonly=maybe", BadBool("maybe".into())),
+            ("name=a,file=f,untrusted=1x", BadUntrusted("1x".into())),
+            (
+                "name=a,file=f,untrusted=on,untrusted=on",
+                Repeated("untrusted"),
+            ),
             ("name=a,file=f,format=vmdk", BadFormat("vmdk".into())),
         ] {
             assert_eq!(parse_export_spec(text), Err(want), "{text:?}");

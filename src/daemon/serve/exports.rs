@@ -27,6 +27,8 @@ pub struct ImageSpec {
     /// qemu-nbd probes): the export then guards its first sector (see
     /// [`crate::daemon::export::ExportPolicy::probed_raw`]).
     pub probed: bool,
+    /// Opened as untrusted (`untrusted=on`, or `--untrusted` for the whole server).
+    pub untrusted: bool,
     /// The `-B` / `bitmap=` bitmaps offered.
     pub bitmaps: Vec<String>,
     /// The `-s` overlay over `path`, which is opened instead.
@@ -70,6 +72,7 @@ pub fn image_specs(
         format,
         probed,
         bitmaps: args.bitmaps.clone(),
+        untrusted: false,
         overlay: None,
         origin: Origin::Image,
     }])
@@ -135,6 +138,7 @@ fn from_export_specs(specs: &[ExportSpec]) -> Result<Vec<ImageSpec>, ServeError>
             format: s.format.map(Format::from),
             probed: false,
             bitmaps: s.bitmaps.clone(),
+            untrusted: s.untrusted,
             overlay: None,
             origin: Origin::ExportFlag,
         })
@@ -148,6 +152,10 @@ impl ImageSpec {
             read_only: self.read_only,
             format: self.format,
             passwords: crate::secrets::passwords_for(&self.path),
+            untrusted: match self.untrusted {
+                true => Some(crate::engine_run::untrusted_settings()),
+                false => server.untrusted,
+            },
             ..server.clone()
         }
     }
@@ -156,13 +164,21 @@ impl ImageSpec {
     fn opened(&self, server: &OpenOptions) -> (&Path, OpenOptions) {
         match &self.overlay {
             None => (&self.path, self.open_options(server)),
-            Some(overlay) => (
-                overlay,
-                OpenOptions {
+            Some(overlay) => {
+                let opts = self.open_options(server);
+                // The overlay's backing file is the image itself, which the operator chose:
+                // only what the image names is confined.
+                let untrusted = opts.untrusted.map(|u| qcow2::engine::Untrusted {
+                    allow: u.allow.and_file(&self.path),
+                    ..u
+                });
+                let opts = OpenOptions {
                     format: Some(Format::Qcow2),
-                    ..self.open_options(server)
-                },
-            ),
+                    untrusted,
+                    ..opts
+                };
+                (overlay, opts)
+            }
         }
     }
 

@@ -442,6 +442,20 @@ pub struct LuksInfo {
     pub master_key_iters: u32,
 }
 
+impl LuksInfo {
+    /// PBKDF2 iterations a wrong password costs: the master key digest and every active
+    /// slot.
+    pub fn kdf_iterations(&self) -> u64 {
+        let slots: u64 = self
+            .slots
+            .iter()
+            .filter_map(|s| s.iters)
+            .map(u64::from)
+            .sum();
+        slots.saturating_add(self.master_key_iters.into())
+    }
+}
+
 /// One key slot as `info` prints it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LuksSlotInfo {

@@ -42,12 +42,112 @@ pub enum BackingError {
         /// The path seen twice.
         path: String,
     },
+    /// An untrusted image names a file outside the allowed directories, or something that
+    /// is not a file (`--untrusted`).
+    #[error("refusing the {kind} {name:?} of '{image}' (named in its {}): {rule}", .kind.place())]
+    Refused {
+        /// What the image names.
+        kind: Reference,
+        /// The image naming it.
+        image: String,
+        /// The name as the image gives it.
+        name: String,
+        /// The rule it breaks.
+        rule: storage::Refusal,
+    },
     /// The chain is deeper than [`MAX_CHAIN_DEPTH`].
     #[error("{image}: backing chain is deeper than {MAX_CHAIN_DEPTH} images")]
     TooDeep {
         /// The image at the limit.
         image: String,
     },
+}
+
+/// What an image names a file as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reference {
+    /// Its backing file (the header's backing file name).
+    BackingFile,
+    /// Its external data file (the header extension naming it).
+    DataFile,
+}
+
+impl Reference {
+    /// Where in the image the name is kept.
+    pub fn place(self) -> &'static str {
+        match self {
+            Reference::BackingFile => "header",
+            Reference::DataFile => "external data file header extension",
+        }
+    }
+}
+
+impl std::fmt::Display for Reference {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Reference::BackingFile => "backing file",
+            Reference::DataFile => "external data file",
+        })
+    }
+}
+
+/// [`resolve`] for a name an untrusted image gives (`--untrusted`): a `json:` name's
+/// blkdebug node is refused before any file of it is read, and so is a name that is not a
+/// file (NBD, `null-co`); the file it resolves to is then judged by [`admit`] once it is
+/// canonical.
+pub fn resolve_untrusted(
+    image: &Path,
+    name: &str,
+    kind: Reference,
+) -> Result<PathBuf, BackingError> {
+    let refused = |rule| BackingError::Refused {
+        kind,
+        image: image.display().to_string(),
+        name: name.into(),
+        rule,
+    };
+    let path = match name.strip_prefix("json:") {
+        Some(json) => match json_node(json) {
+            Ok(Described::File(f)) => PathBuf::from(f),
+            Ok(Described::Blkdebug(_)) => {
+                return Err(refused(storage::Refusal::NotAFile {
+                    what: "a blkdebug fault-injection node",
+                }))
+            }
+            Err(reason) => {
+                return Err(BackingError::Json {
+                    image: image.display().to_string(),
+                    name: name.into(),
+                    reason,
+                })
+            }
+        },
+        None => resolve(image, name)?,
+    };
+    match path.to_str().and_then(storage::not_a_file) {
+        Some(what) => Err(refused(storage::Refusal::NotAFile { what })),
+        None => Ok(path),
+    }
+}
+
+/// Admits the file an untrusted image names, by its canonical path (symlinks followed and
+/// `..` resolved by the caller, who may have to do it off its thread): it must lie inside
+/// one of `allowed`.
+pub fn admit(
+    allowed: &storage::AllowDirs,
+    image: &Path,
+    name: &str,
+    kind: Reference,
+    canonical: &Path,
+) -> Result<(), BackingError> {
+    allowed
+        .judge(canonical)
+        .map_err(|rule| BackingError::Refused {
+            kind,
+            image: image.display().to_string(),
+            name: name.into(),
+            rule,
+        })
 }
 
 /// The protocol prefix of `name`, if it has one: a ':' before any '/' (QEMU's rule), so
@@ -119,6 +219,26 @@ const FILE_NOOPS: &[&str] = &["aio", "aio-max-batch", "locking", "drop-cache"];
 /// node's name ([`storage::blkdebug::Node`]). Dotted keys (`file.filename`) count as nested
 /// members, as in QEMU.
 pub fn json_name(json: &str) -> Result<PathBuf, String> {
+    match json_node(json)? {
+        Described::File(f) => Ok(PathBuf::from(f)),
+        Described::Blkdebug(node) => {
+            node.rules().map_err(|e| e.to_string())?;
+            Ok(PathBuf::from(node.name()))
+        }
+    }
+}
+
+/// What a `json:` name describes, read without opening or reading any file.
+#[derive(Debug)]
+pub enum Described {
+    /// A file node's file name, as given.
+    File(String),
+    /// A blkdebug node over a file node; its rules (and its `config` file) not read yet.
+    Blkdebug(storage::blkdebug::Node),
+}
+
+/// Parses a `json:` name (without the prefix) into what it describes, reading no file.
+pub fn json_node(json: &str) -> Result<Described, String> {
     use serde_json::{Map, Value};
     if json.len() > MAX_JSON_NAME {
         return Err(format!("longer than {MAX_JSON_NAME} bytes"));
@@ -147,7 +267,7 @@ pub fn json_name(json: &str) -> Result<PathBuf, String> {
         Ok(name)
     };
     match driver.as_deref() {
-        Some("file") => return file_node(top).map(PathBuf::from),
+        Some("file") => return file_node(top).map(Described::File),
         None | Some("qcow2") | Some("raw") => {}
         Some(d) => return Err(format!("driver '{d}' is not supported")),
     }
@@ -159,7 +279,7 @@ pub fn json_name(json: &str) -> Result<PathBuf, String> {
     check(&top, driver.as_deref().unwrap_or("format"), &[])?;
     let mut file = file;
     if file.get("driver").and_then(Value::as_str) != Some("blkdebug") {
-        return file_node(file).map(PathBuf::from);
+        return file_node(file).map(Described::File);
     }
     file.remove("driver");
     let mut node = storage::blkdebug::Node {
@@ -193,8 +313,7 @@ pub fn json_name(json: &str) -> Result<PathBuf, String> {
         _ => return Err("the blkdebug node has no image file node".into()),
     };
     check(&file, "blkdebug", storage::blkdebug::LIMITS)?;
-    node.rules().map_err(|e| e.to_string())?;
-    Ok(PathBuf::from(node.name()))
+    Ok(Described::Blkdebug(node))
 }
 
 /// Members with dotted keys (`file.filename`) moved into nested objects.
@@ -332,6 +451,38 @@ mod tests {
             resolve(top, "nbd:127.0.0.1:10809"),
             Err(BackingError::Protocol { .. })
         ));
+    }
+
+    #[test]
+    fn untrusted_names_are_files_or_refused_before_any_file_is_read() {
+        let top = Path::new("/img/top.qcow2");
+        let kind = Reference::BackingFile;
+        assert_eq!(
+            resolve_untrusted(top, "b.qcow2", kind).unwrap(),
+            PathBuf::from("/img/b.qcow2")
+        );
+        let file = r#"json:{"driver":"raw","file":{"driver":"file","filename":"/x/b"}}"#;
+        assert_eq!(
+            resolve_untrusted(top, file, kind).unwrap(),
+            PathBuf::from("/x/b")
+        );
+        // The config names a file that does not exist: read, it would fail differently.
+        let bd = r#"json:{"driver":"raw","file":{"driver":"blkdebug","config":"/nonexistent/c",
+                  "image":{"driver":"file","filename":"/x/b"}}}"#;
+        let null = r#"json:{"driver":"raw","file":{"driver":"file","filename":"null-co://"}}"#;
+        let nbd = r#"json:{"driver":"raw","file":{"filename":"nbd+unix:///?socket=/s"}}"#;
+        for name in [bd, null, nbd] {
+            match resolve_untrusted(top, name, kind) {
+                Err(BackingError::Refused {
+                    rule: storage::Refusal::NotAFile { .. },
+                    ..
+                }) => {}
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        let allow = storage::AllowDirs::default();
+        let e = admit(&allow, top, "b", kind, Path::new("/img/b")).unwrap_err();
+        assert!(e.to_string().contains("no --allow-dir was given"), "{e}");
     }
 
     #[test]

@@ -11,7 +11,7 @@ use crate::format::header::{CRYPT_AES, CRYPT_NONE};
 use crate::format::{Geometry, Header, SnapshotTableEntry, Structure};
 use crate::metadata::{Loader, MetadataError, StorageSource, Strictness, L1_TABLE};
 use std::cell::{Cell, RefCell};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use storage::{Opener, Storage};
 
 /// The four bytes every qcow2 image starts with.
@@ -46,13 +46,17 @@ impl Format {
     }
 }
 
-/// What only the top image of a chain may be asked for.
+/// What the caller chooses for one layer: what only the top image of a chain may be asked
+/// for, and the confinement of the files a layer names.
 #[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct TopChoices<'a> {
-    /// The internal snapshot to open instead of the active state.
+pub(crate) struct LayerChoices<'a> {
+    /// The internal snapshot to open instead of the active state (top image only).
     pub snapshot: Option<&'a str>,
-    /// The external data file to open instead of the one the header names.
+    /// The external data file to open instead of the one the header names (top image only).
     pub data_file: Option<&'a Path>,
+    /// The image is untrusted: a data file its header names must resolve inside the
+    /// allowed directories, and the sizes it declares are capped.
+    pub untrusted: Option<crate::declared::Untrusted>,
 }
 
 /// Opens one file of the chain.
@@ -61,7 +65,7 @@ pub(crate) async fn open_layer<O>(
     path: &Path,
     format: Option<Format>,
     access: storage::OpenOptions,
-    choices: TopChoices<'_>,
+    choices: LayerChoices<'_>,
     top: bool,
     key: Unlock<'_>,
 ) -> Result<Layer<O::Storage>>
@@ -69,9 +73,10 @@ where
     O: Opener,
     O::Storage: 'static,
 {
-    let TopChoices {
+    let LayerChoices {
         snapshot,
         data_file,
+        untrusted,
     } = choices;
     let name = path.display().to_string();
     let file = opener
@@ -127,7 +132,11 @@ where
         len: file_len,
         src: StorageSource::new(&file, file_len),
     };
-    let (meta, size) = open_qcow2(opener, &at, path, access, snapshot, key, data_file).await?;
+    let given = GivenDataFile {
+        path: data_file,
+        untrusted,
+    };
+    let (meta, size) = open_qcow2(opener, &at, path, access, snapshot, key, given).await?;
     Ok(Layer {
         name,
         file,
@@ -189,7 +198,7 @@ async fn open_qcow2<O>(
     access: storage::OpenOptions,
     snapshot: Option<&str>,
     key: Unlock<'_>,
-    data_file: Option<&Path>,
+    data_file: GivenDataFile<'_>,
 ) -> Result<(Qcow2Meta<O::Storage>, u64)>
 where
     O: Opener,
@@ -203,7 +212,15 @@ where
     }
     let codec = codec_of(at, &header)?;
     let geom = header.geometry().map_err(|e| at.format_error(e))?;
+    // An untrusted image's header is judged before any table it declares is read, its
+    // snapshots' L1 tables once the snapshot table is.
+    if let Some(u) = data_file.untrusted {
+        check_declared(at, &header, &geom, None, &u.caps).await?;
+    }
     let (regions, snapshots) = metadata_regions(at, &header, &geom).await?;
+    if let Some(u) = data_file.untrusted {
+        check_declared(at, &header, &geom, Some(&snapshots), &u.caps).await?;
+    }
     let (l1_offset, l1_entries, size) = l1_in_use(at, &header, &snapshots, snapshot, &geom)?;
     let l1 = read_l1(at, &geom, l1_offset, l1_entries, size, &regions).await?;
     let crypto = unlock(at, &header, key).await?;
@@ -226,6 +243,47 @@ where
         },
         size,
     ))
+}
+
+/// An untrusted image's declared sizes against their caps ([`crate::declared`]): the
+/// header's (and its LUKS header's) when `snapshots` is `None`, before any table is read or
+/// a key slot tried; then its snapshots' L1 tables, before any of them is read.
+async fn check_declared<S: Storage + 'static>(
+    at: &LayerFile<'_, S>,
+    header: &Header,
+    geom: &Geometry,
+    snapshots: Option<&[(SnapshotTableEntry, u64)]>,
+    caps: &crate::declared::Caps,
+) -> Result<()> {
+    let luks = header.crypt_method != CRYPT_NONE && header.crypt_method != CRYPT_AES;
+    let kdf_iterations = match header.fde_pointer() {
+        Some(fde) if snapshots.is_none() && luks => {
+            let area = read_luks_area(at, fde.offset, fde.length).await?;
+            LuksHeader::parse(&area)
+                .ok()
+                .map(|l| l.info().kdf_iterations())
+        }
+        _ => None,
+    };
+    let entries: Vec<SnapshotTableEntry> = snapshots
+        .unwrap_or_default()
+        .iter()
+        .map(|s| s.0.clone())
+        .collect();
+    let nb_bitmaps = header.bitmaps().map_or(0, |b| u64::from(b.nb_bitmaps));
+    let declared = crate::declared::Declared {
+        header,
+        geom,
+        file_len: at.len,
+        snapshots: &entries,
+        bitmaps: &[],
+        bitmap_count: nb_bitmaps,
+        kdf_iterations,
+    };
+    crate::declared::check(&declared, caps).map_err(|source| EngineError::Declared {
+        image: at.name.to_string(),
+        source,
+    })
 }
 
 /// The header, refusing what the engine cannot serve.
@@ -434,21 +492,37 @@ async fn read_l1<S: Storage + 'static>(
     Ok(l1)
 }
 
+/// What the caller says of a layer's external data file.
+#[derive(Clone, Copy, Debug)]
+struct GivenDataFile<'a> {
+    /// The file to open instead of the one the header names (QEMU's `data-file` option).
+    path: Option<&'a Path>,
+    /// The image is untrusted: the file its header names must resolve inside the allowed
+    /// directories, and the sizes the image declares are capped.
+    untrusted: Option<crate::declared::Untrusted>,
+}
+
 /// Opens the external data file, if the image has one: `given` (QEMU's `data-file`
 /// option), else the one the header names, with the image's own access: it holds the
-/// guest's bytes, so it is locked as the image is.
+/// guest's bytes, so it is locked as the image is. An untrusted image's name is refused
+/// unless it resolves inside the allowed directories.
 async fn open_data_file<O>(
     opener: &O,
     at: &LayerFile<'_, O::Storage>,
     header: &Header,
     path: &Path,
-    given: Option<&Path>,
+    given: GivenDataFile<'_>,
     access: storage::OpenOptions,
 ) -> Result<Option<O::Storage>>
 where
     O: Opener,
     O::Storage: 'static,
 {
+    let GivenDataFile {
+        path: given,
+        untrusted,
+    } = given;
+    let confine = untrusted.map(|u| u.allow);
     if !header.has_data_file() {
         return match given {
             Some(_) => Err(EngineError::DataFileNotUsed {
@@ -467,8 +541,15 @@ where
             };
             let dname = String::from_utf8(dname.to_vec())
                 .map_err(|_| at.corrupt("external data file name is not UTF-8".into()))?;
-            backing_name::resolve(path, &dname)?
+            match confine {
+                None => backing_name::resolve(path, &dname)?,
+                Some(allowed) => confined_data_file(opener, path, &dname, allowed, access).await?,
+            }
         }
+    };
+    let access = storage::OpenOptions {
+        confine: confine.filter(|_| given.is_none()),
+        ..access
     };
     let file = opener
         .open(&dpath, access)
@@ -478,6 +559,28 @@ where
             source,
         })?;
     Ok(Some(file))
+}
+
+/// The path of the data file an untrusted image names, once it is shown to resolve inside
+/// `allowed` (the open that follows checks its descriptor again).
+async fn confined_data_file<O: Opener>(
+    opener: &O,
+    path: &Path,
+    name: &str,
+    allowed: &storage::AllowDirs,
+    access: storage::OpenOptions,
+) -> Result<PathBuf> {
+    use backing_name::Reference;
+    let dpath = backing_name::resolve_untrusted(path, name, Reference::DataFile)?;
+    let canonical = opener
+        .canonical(&dpath, access)
+        .await
+        .map_err(|source| EngineError::Open {
+            path: dpath.display().to_string(),
+            source,
+        })?;
+    backing_name::admit(allowed, path, name, Reference::DataFile, &canonical)?;
+    Ok(dpath)
 }
 
 /// The snapshot table of a layer opened for I/O, each entry with the bytes it occupies.

@@ -47,6 +47,7 @@ mod write;
 mod write_compressed;
 mod zero;
 
+pub use crate::declared::Untrusted;
 pub use crate::format::{GuestOffset, HostOffset};
 pub use amend::{AmendError, AmendOptions};
 pub use bitmaps::{BitmapError, BitmapInfo};

@@ -2,17 +2,18 @@
 //! file and against each other, and sizing the shared metadata cache.
 
 use super::alloc::Allocator;
-use super::backing_name::{self, ChainGuard};
+use super::backing_name::{self, ChainGuard, Reference};
 use super::cache_sizing::{self, CacheOptions, ImageParams, ResolvedCacheSizes};
 use super::chain::Chain;
 use super::error::{EngineError, Result};
 use super::image::{Image, Inner};
 use super::layer::Layer;
-use super::load::{open_layer, Format, TopChoices};
+use super::load::{open_layer, Format, LayerChoices};
 use super::metacache::L2Backend;
 use super::metacache::L2Cache;
 use super::range_lock::RangeLocks;
 use super::span_pool::SpanPool;
+use crate::declared::Untrusted;
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -50,6 +51,11 @@ pub struct OpenOptions {
     /// The top image's external data file, instead of the one its header names (QEMU's
     /// `data-file.filename` option). Refused for an image without an external data file.
     pub data_file: Option<std::path::PathBuf>,
+    /// The image comes from an author not trusted with host files (`--untrusted`): every
+    /// file it names (backing files, data files, down the chain) must resolve inside
+    /// these directories, and names that are not files are refused, before anything is
+    /// read from them.
+    pub untrusted: Option<Untrusted>,
 }
 
 impl<S: Storage + 'static> Image<S> {
@@ -74,9 +80,10 @@ impl<S: Storage + 'static> Image<S> {
             path,
             opts.format,
             access,
-            TopChoices {
+            LayerChoices {
                 snapshot: opts.snapshot.as_deref(),
                 data_file: opts.data_file.as_deref(),
+                untrusted: opts.untrusted,
             },
             true,
             opts.passwords.unlock(0, opts.no_io),
@@ -102,7 +109,12 @@ impl<S: Storage + 'static> Image<S> {
             };
             let name = String::from_utf8(name)
                 .map_err(|_| last.corrupt("backing file name is not UTF-8".into()))?;
-            let next_path: PathBuf = backing_name::resolve(last_path, &name)?;
+            let next_path: PathBuf = match opts.untrusted {
+                None => backing_name::resolve(last_path, &name)?,
+                Some(_) => {
+                    backing_name::resolve_untrusted(last_path, &name, Reference::BackingFile)?
+                }
+            };
             // A backing file that cannot be opened is named with the chain that needs it.
             let above: Vec<String> = layers.iter().map(|l| l.name.clone()).collect();
             let backing_open = |e: EngineError| match e {
@@ -116,6 +128,9 @@ impl<S: Storage + 'static> Image<S> {
             let key = canonical(opener, &next_path, access)
                 .await
                 .map_err(backing_open)?;
+            if let Some(u) = opts.untrusted {
+                backing_name::admit(u.allow, last_path, &name, Reference::BackingFile, &key)?;
+            }
             guard.enter_as(last_path, &next_path, key)?;
             let fmt = match fmt_name {
                 Some(f) => {
@@ -132,6 +147,7 @@ impl<S: Storage + 'static> Image<S> {
             // Backing files are only read, with the sharing the image was opened with.
             let backing = storage::OpenOptions {
                 read_only: true,
+                confine: opts.untrusted.map(|u| u.allow),
                 ..access
             };
             let layer = open_layer(
@@ -139,7 +155,10 @@ impl<S: Storage + 'static> Image<S> {
                 &next_path,
                 fmt,
                 backing,
-                TopChoices::default(),
+                LayerChoices {
+                    untrusted: opts.untrusted,
+                    ..LayerChoices::default()
+                },
                 false,
                 opts.passwords.unlock(layers.len(), opts.no_io),
             )

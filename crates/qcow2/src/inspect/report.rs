@@ -45,6 +45,31 @@ pub struct ImageInfo {
     pub format_specific: Option<FormatSpecific>,
     /// The protocol node below the format node (the image file itself).
     pub children: Vec<ChildInfo>,
+    /// Under `--untrusted` only (QEMU has no such key): every file the image names, and
+    /// whether it would be refused and why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub untrusted_references: Option<Vec<ReferenceReport>>,
+}
+
+/// One file an image names, as `info --untrusted` judges it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct ReferenceReport {
+    /// `backing file` or `external data file`.
+    pub kind: String,
+    /// Where in the image the name is kept.
+    pub place: String,
+    /// The name as the image gives it.
+    pub name: String,
+    /// What a `json:` name describes: the node driver of the file, `file` for a plain path.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub driver: Option<String>,
+    /// Where it resolves to, when it could be resolved.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resolved: Option<String>,
+    /// Why it would be refused; absent when it is admitted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
 }
 
 /// One internal snapshot.
@@ -370,6 +395,7 @@ impl ImageInfo {
                 data,
             }),
             children: vec![ChildInfo::file(filename, meta.file_len, None)],
+            untrusted_references: None,
         }
     }
 
@@ -390,6 +416,7 @@ impl ImageInfo {
             snapshots: None,
             format_specific: None,
             children: vec![ChildInfo::file(filename, file_len, None)],
+            untrusted_references: None,
         }
     }
 

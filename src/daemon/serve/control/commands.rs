@@ -128,6 +128,7 @@ fn add_arguments(args: &mut Args) -> Result<(String, ImageSpec), QmpError> {
         format,
         probed: false,
         bitmaps: args.opt_strings("bitmaps")?.unwrap_or_default(),
+        untrusted: args.opt_bool("untrusted")?.unwrap_or(false),
         overlay: None,
         origin: Origin::Command,
     };

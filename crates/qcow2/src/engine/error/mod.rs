@@ -121,6 +121,14 @@ pub enum EngineError {
         #[source]
         source: BitmapError,
     },
+    /// An untrusted image declares a size past its cap (`--untrusted`).
+    #[error("{image}: {source}")]
+    Declared {
+        /// The image.
+        image: String,
+        /// The size and its cap.
+        source: crate::declared::Exceeded,
+    },
     /// A feature or combination we do not implement (refused, never half-done).
     #[error("{image}: {what} is not supported")]
     Unsupported {
@@ -265,7 +273,8 @@ impl EngineError {
             | EngineError::Bitmap { .. }
             | EngineError::Resize { .. }
             | EngineError::Amend { .. }
-            | EngineError::DataFileNotUsed { .. } => libc_errno::EINVAL,
+            | EngineError::DataFileNotUsed { .. }
+            | EngineError::Declared { .. } => libc_errno::EINVAL,
             EngineError::Unsupported { .. } | EngineError::ZeroNotFast { .. } => {
                 libc_errno::ENOTSUP
             }
