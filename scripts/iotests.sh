@@ -81,10 +81,8 @@ real_nbd=$(command -v qemu-nbd)
 
 cache=${IOTESTS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/qcow2-nbd/iotests}
 
-# Debian's suite names by release number, for versions like ~bpo12 or +deb13u1.
-codename_of() {
-    case "$1" in 11) echo bullseye ;; 12) echo bookworm ;; 13) echo trixie ;; 14) echo forky ;; esac
-}
+# shellcheck source=scripts/debian-source.sh
+. "$repo/scripts/debian-source.sh"
 
 fetch_source() {
     local version upstream dir tarball
@@ -97,71 +95,18 @@ fetch_source() {
         echo "$dir"
         return
     fi
-    mkdir -p "$cache"
-    tarball="$cache/qemu_$upstream.orig.tar.xz"
-    if [ ! -s "$tarball" ]; then
-        echo "iotests: fetching the source of qemu $version (once, into $cache)" >&2
-        fetch_with_apt "$version" "$upstream" || fetch_from_snapshot "$version" "$upstream" ||
-            die "could not fetch qemu_$upstream.orig.tar.xz (qemu $version) from Debian's archive or snapshot.debian.org; fetch it by hand into $cache, or give QEMU_SRC=DIR (apt's messages: $cache/apt/log)"
-    fi
+    tarball=$(debian_orig_tarball qemu-utils "$cache") ||
+        die "could not fetch the source of qemu $version; fetch qemu_$upstream.orig.tar.xz by hand into $cache, or give QEMU_SRC=DIR"
     rm -rf "$dir.tmp"
     mkdir -p "$dir.tmp"
     # Only the test suite and the Python modules it imports are needed.
-    tar -xJf "$tarball" -C "$dir.tmp" --strip-components=1 --wildcards \
+    tar -xf "$tarball" -C "$dir.tmp" --strip-components=1 --wildcards \
         '*/tests/qemu-iotests' '*/python' ||
         die "could not unpack $tarball"
     touch "$dir.tmp/.complete"
     rm -rf "$dir"
     mv "$dir.tmp" "$dir"
     echo "$dir"
-}
-
-# apt-get source from the suite that carries this version, with a private sources list and
-# state, so the system's apt configuration is left alone; apt checks the archive's signature.
-fetch_with_apt() {
-    local version=$1 upstream=$2 suites=() n apt_dir opts line
-    command -v apt-get >/dev/null || return 1
-    if [[ $version =~ ~bpo([0-9]+) ]]; then
-        n=$(codename_of "${BASH_REMATCH[1]}") && [ -n "$n" ] && suites+=("$n-backports")
-    fi
-    if [[ $version =~ \+deb([0-9]+)u ]]; then
-        n=$(codename_of "${BASH_REMATCH[1]}") && [ -n "$n" ] && suites+=("$n" "$n-updates")
-    fi
-    n=$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")
-    [ -n "$n" ] && suites+=("$n" "$n-updates" "$n-backports")
-    suites+=(unstable)
-    apt_dir="$cache/apt"
-    mkdir -p "$apt_dir/lists/partial" "$apt_dir/archives/partial"
-    : >"$apt_dir/sources.list"
-    for n in $(printf '%s\n' "${suites[@]}" | awk '!seen[$0]++'); do
-        line="deb-src http://deb.debian.org/debian $n main"
-        echo "$line" >>"$apt_dir/sources.list"
-    done
-    opts=(-o "Dir::Etc::SourceList=$apt_dir/sources.list" -o Dir::Etc::SourceParts=/dev/null
-        -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir" -o "Dir::Cache::archives=$apt_dir/archives"
-        -o Debug::NoLocking=1 -o APT::Sandbox::User="$(id -un)")
-    # apt's messages go to a log, named if the fetch fails.
-    apt-get "${opts[@]}" -qq update >"$apt_dir/log" 2>&1 || return 1
-    # A backport's own .dsc may be gone from the pool while its orig tarball (all the harness
-    # needs: the test suite is upstream's) is still there, so apt's status is not the verdict.
-    (cd "$cache" && apt-get "${opts[@]}" -qq source --download-only "qemu=$version") >>"$apt_dir/log" 2>&1 || true
-    [ -s "$cache/qemu_$upstream.orig.tar.xz" ]
-}
-
-# Versions that have left the archive stay on snapshot.debian.org, addressed by their SHA-1.
-fetch_from_snapshot() {
-    local version=$1 upstream=$2 hash
-    command -v curl >/dev/null || return 1
-    hash=$(curl -fsS "https://snapshot.debian.org/mr/package/qemu/$version/srcfiles?fileinfo=1" |
-        python3 -c '
-import json, sys
-name = sys.argv[1]
-info = json.load(sys.stdin)["fileinfo"]
-print(next(h for h, files in info.items() if any(f["name"] == name for f in files)))
-' "qemu_$upstream.orig.tar.xz" 2>/dev/null) || return 1
-    curl -fsS -o "$cache/qemu_$upstream.orig.tar.xz.part" "https://snapshot.debian.org/file/$hash" || return 1
-    echo "$hash  $cache/qemu_$upstream.orig.tar.xz.part" | sha1sum -c --quiet >&2 || return 1
-    mv "$cache/qemu_$upstream.orig.tar.xz.part" "$cache/qemu_$upstream.orig.tar.xz"
 }
 
 if [ -n "${QEMU_SRC:-}" ]; then
