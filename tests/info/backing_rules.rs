@@ -136,8 +136,12 @@ fn missing_and_unsupported_backing_files_are_clear_errors() {
     ]);
     std::fs::remove_file(dir.path("base.qcow2")).unwrap();
     let err = error_of(&info(&dir, &["--backing-chain", "top.qcow2"]));
+    // qemu-img's words: the backing file named twice, as its open of the file node and of
+    // the format node each add the name.
     assert!(
-        err.starts_with("qcow2-nbd: base.qcow2: No such file"),
+        err.starts_with(
+            "qcow2-nbd: Could not open 'base.qcow2': Could not open 'base.qcow2': No such file"
+        ),
         "{err}"
     );
 
