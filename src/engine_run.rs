@@ -280,13 +280,13 @@ pub fn format_name(f: Format) -> &'static str {
 
 /// A connection to the export `path` names when it is an NBD name (`None`: a file), for
 /// the tools that read an image without the engine.
-pub fn nbd_connect(path: &Path) -> Option<std::io::Result<nbd::client::NbdClient>> {
-    let name = path.to_str().filter(|n| nbd::client::is_nbd_name(n))?;
+pub fn nbd_connect(path: &Path) -> Option<std::io::Result<nbd_client::NbdClient>> {
+    let name = path.to_str().filter(|n| nbd_client::is_nbd_name(n))?;
     Some(
-        nbd::client::NbdTarget::parse(name)
+        nbd_client::NbdTarget::parse(name)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
             .and_then(|target| {
-                nbd::client::NbdClient::connect(&target, nbd::client::DEFAULT_IO_TIMEOUT)
+                nbd_client::NbdClient::connect(&target, nbd_client::DEFAULT_IO_TIMEOUT)
                     .map_err(std::io::Error::from)
             }),
     )
@@ -304,10 +304,10 @@ pub fn probe_format(path: &Path) -> Result<Format, OpenError> {
     if path.to_str().is_some_and(storage::null::is_null_name) {
         return Ok(Format::Raw);
     }
-    if let Some(name) = path.to_str().filter(|n| nbd::client::is_nbd_name(n)) {
-        let target = nbd::client::NbdTarget::parse(name)
+    if let Some(name) = path.to_str().filter(|n| nbd_client::is_nbd_name(n)) {
+        let target = nbd_client::NbdTarget::parse(name)
             .map_err(|e| probe_err(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?;
-        let mut client = nbd::client::NbdClient::connect(&target, nbd::client::DEFAULT_IO_TIMEOUT)
+        let mut client = nbd_client::NbdClient::connect(&target, nbd_client::DEFAULT_IO_TIMEOUT)
             .map_err(|e| probe_err(e.into()))?;
         let got = client.size().min(4) as usize;
         client

@@ -161,7 +161,7 @@ pub enum Reason {
     NoFilename,
     /// An NBD name or `nbd` driver options that do not name an export.
     #[error("{0}")]
-    Nbd(#[from] nbd::client::NameError),
+    Nbd(#[from] nbd_client::NameError),
     /// An `nbd` driver option this tool does not know or does not implement.
     #[error("Block protocol 'nbd' doesn't support the option '{0}'")]
     NbdOption(String),
@@ -258,9 +258,9 @@ pub fn parse(name: &OsStr, image_opts: bool) -> Result<ImageName, NameError> {
 /// in QEMU; `file:` is the only protocol here, and a path behind it that itself looks
 /// prefixed is made relative with `./` (as QEMU shows it) so that it is never read as one.
 pub fn protocol_path(name: &OsStr) -> Result<PathBuf, Reason> {
-    if let Some(text) = name.to_str().filter(|n| nbd::client::is_nbd_name(n)) {
+    if let Some(text) = name.to_str().filter(|n| nbd_client::is_nbd_name(n)) {
         // The storage opener connects by this name; it is also how QEMU shows the export.
-        let target = nbd::client::NbdTarget::parse(text)?;
+        let target = nbd_client::NbdTarget::parse(text)?;
         return Ok(PathBuf::from(target.display_name()));
     }
     let bytes = name.as_encoded_bytes();
@@ -439,7 +439,7 @@ const NBD_TLS_OPTIONS: &[&str] = &["tls-creds", "tls-hostname", "x-dirty-bitmap"
 fn nbd_node(
     mut members: BTreeMap<String, Val>,
 ) -> Result<(PathBuf, BTreeMap<String, String>), Reason> {
-    use nbd::client::{NameError, NbdTarget, ServerAddr, DEFAULT_PORT};
+    use nbd_client::{NameError, NbdTarget, ServerAddr, DEFAULT_PORT};
     let mut tls = BTreeMap::new();
     for key in NBD_TLS_OPTIONS {
         if let Some(v) = text(members.remove(*key)) {
@@ -895,7 +895,7 @@ pub fn resolve(
         })?;
     }
     if let Some(context) = read.options.get("x-dirty-bitmap") {
-        nbd::client::register_status_context(&read.path.display().to_string(), context);
+        nbd_client::register_status_context(&read.path.display().to_string(), context);
     }
     *path = read.path.clone();
     if read.format.is_some() {

@@ -38,9 +38,9 @@ pub fn note(path: &Path, id: &str, hostname: Option<String>) -> Result<(), Strin
     let client = crate::daemon::serve::tls::tls_client(&flags)
         .map_err(|e| e.to_string())?
         .ok_or_else(|| format!("No TLS credentials with id '{id}'"))?;
-    nbd::client::register_tls(
+    nbd_client::register_tls(
         &path.display().to_string(),
-        nbd::client::ClientTls {
+        nbd_client::ClientTls {
             client: std::sync::Arc::new(client),
             hostname,
         },

@@ -142,7 +142,7 @@ enum Format {
 /// What an image is read from: a file, or an NBD export (an NBD name).
 enum Source {
     File(File),
-    Nbd(std::sync::Mutex<nbd::client::NbdClient>),
+    Nbd(std::sync::Mutex<nbd_client::NbdClient>),
     /// A `null-co` device: its size; it reads as zeros.
     Null(u64),
 }
@@ -174,7 +174,7 @@ impl ByteSource for Source {
             Source::Nbd(c) => {
                 let mut c = c.lock().map_err(|_| io::Error::other("poisoned"))?;
                 match c.read(buf, offset) {
-                    Err(nbd::client::ClientError::OutOfRange { .. }) => {
+                    Err(nbd_client::ClientError::OutOfRange { .. }) => {
                         Err(io::ErrorKind::UnexpectedEof.into())
                     }
                     r => Ok(r?),
@@ -314,7 +314,7 @@ fn describe(
         info.set_actual_size(actual);
     }
     match file {
-        Source::Nbd(_) => info.set_nbd(),
+        Source::Nbd(_) => info.set_file_protocol("nbd"),
         Source::Null(_) => info.set_null_co(),
         Source::File(_) => {}
     }

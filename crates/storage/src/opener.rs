@@ -135,7 +135,7 @@ impl Opener for FileOpener {
                 ));
             }
         }
-        if let Some(name) = path.to_str().filter(|n| nbd::client::is_nbd_name(n)) {
+        if let Some(name) = path.to_str().filter(|n| nbd_client::is_nbd_name(n)) {
             return crate::nbd::NbdStorage::open(name, opts).map(AnyStorage::Nbd);
         }
         if let Some(name) = path.to_str().filter(|n| crate::null::is_null_name(n)) {
@@ -183,7 +183,7 @@ impl Opener for FileOpener {
     /// that does not answer blocks like opening a file there.
     async fn canonical(&self, path: &Path, opts: OpenOptions) -> io::Result<PathBuf> {
         if path.to_str().is_some_and(|n| {
-            nbd::client::is_nbd_name(n)
+            nbd_client::is_nbd_name(n)
                 || crate::null::is_null_name(n)
                 || n.starts_with("blkdebug:")
                 || crate::blkdebug::Node::parse(n).is_some()
@@ -211,7 +211,7 @@ fn warn_fallback(e: &io::Error) {
 /// What `name` is, when the file opener would open something other than a local file for
 /// it: an NBD export, a `null-co` device, or a `blkdebug` fault-injection node.
 pub fn not_a_file(name: &str) -> Option<&'static str> {
-    if nbd::client::is_nbd_name(name) {
+    if nbd_client::is_nbd_name(name) {
         Some("an NBD export")
     } else if crate::null::is_null_name(name) {
         Some("a null-co device")

@@ -105,7 +105,7 @@ fn probe(path: &Path, read_only: bool) -> (Option<Format>, bool) {
 /// Refuses an NBD name as an image to serve (see [`ServeError::NbdName`]).
 pub fn refuse_nbd_name(path: &Path) -> Result<(), ServeError> {
     match path.to_str() {
-        Some(name) if nbd::client::is_nbd_name(name) => Err(ServeError::NbdName(name.to_string())),
+        Some(name) if nbd_client::is_nbd_name(name) => Err(ServeError::NbdName(name.to_string())),
         _ => Ok(()),
     }
 }

@@ -5,7 +5,9 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use nbd::tls::{Authz, TlsClient, TlsError, TlsServer};
+use nbd_client::TlsClient;
+use nbd_proto::tls::TlsError;
+use nbd_server::tls::{Authz, TlsServer};
 
 /// The flags that decide TLS.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

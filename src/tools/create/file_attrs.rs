@@ -61,7 +61,7 @@ impl FileAttrs {
     /// The file is emptied only once the write lock is held, as QEMU's file driver does
     /// on create: a file another process is using is refused, never truncated.
     pub fn prepare(&self, path: &Path) -> std::io::Result<()> {
-        if path.to_str().is_some_and(nbd::client::is_nbd_name) {
+        if path.to_str().is_some_and(nbd_client::is_nbd_name) {
             return Ok(());
         }
         let file = std::fs::OpenOptions::new()

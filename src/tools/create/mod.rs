@@ -487,8 +487,8 @@ async fn set_backing(
     let fmt = backing_fmt.map(engine_run::parse_format).transpose()?;
     // An NBD name given here is the user's own choice, so its export is read for the size
     // (names stored in images are still not followed: see `backing_name`).
-    let resolved = match nbd::client::NbdTarget::parse(name) {
-        Ok(target) if nbd::client::is_nbd_name(name) => Ok(PathBuf::from(target.display_name())),
+    let resolved = match nbd_client::NbdTarget::parse(name) {
+        Ok(target) if nbd_client::is_nbd_name(name) => Ok(PathBuf::from(target.display_name())),
         _ => engine::backing_name::resolve(path, name),
     };
     if let Ok(r) = &resolved {
