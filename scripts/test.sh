@@ -45,6 +45,6 @@ cargo test --workspace --locked "$@" 2>&1 | awk '
             if ($(i + 1) ~ /^ignored;?$/) ignored += $i
         }
     }
-    END { printf "total: %d passed, %d failed, %d skipped\n", passed, failed, ignored }'
+    END { printf "total: %d passed, %d failed, %d ignored\n", passed, failed, ignored }'
 status=${PIPESTATUS[0]}
 exit "$status"

@@ -449,6 +449,63 @@ fn a_metrics_address_in_use_fails_the_start_naming_it() {
     dir.qemu_io("qcow2", "a.qcow2", &["write -P 1 0 4k"]);
 }
 
+/// `--metrics ADDR:0` takes any free port, and `--log info` names it at start (as `serve
+/// --help` says), so that a scraper can find it; the address logged is the one serving.
+#[test]
+fn port_0_is_logged_with_log_info_and_serves() {
+    use std::io::BufRead;
+    let dir = images();
+    let socket = dir.path("s.sock");
+    let mut child = Command::new(crate::support::BIN)
+        .args(["serve", "-t", "-k", socket.to_str().unwrap()])
+        .args([
+            "--metrics",
+            "127.0.0.1:0",
+            "--log",
+            "info",
+            &dir.s("a.qcow2"),
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    // Reads the log off the test's thread, so that a server that never logs the line
+    // fails the test at the deadline below instead of hanging it.
+    let reader = std::thread::spawn(move || {
+        let mut log = String::new();
+        for line in stderr.lines().map_while(Result::ok) {
+            if let Some(at) = line.find("metrics at http://") {
+                let rest = &line[at + "metrics at http://".len()..];
+                let addr = rest.split('/').next().unwrap_or_default().to_owned();
+                let _ = tx.send(addr);
+            }
+            log.push_str(&line);
+            log.push('\n');
+        }
+        log
+    });
+    let Ok(addr) = rx.recv_timeout(Duration::from_secs(60)) else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("no metrics address logged:\n{}", reader.join().unwrap());
+    };
+    let port: u16 = addr
+        .strip_prefix("127.0.0.1:")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("logged address {addr:?}"));
+    assert_ne!(port, 0, "the bound port is logged, not the one asked for");
+    let m = scrape(port);
+    assert_eq!(m.get("qcow2_nbd_exports", &[]), 1.0);
+    // SAFETY: signalling our own child, which has not been waited for yet.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    let log = reader.join().unwrap();
+    assert!(status.success(), "serve exited with {status}:\n{log}");
+}
+
 /// `curl` of `/metrics` that may fail (the scrape closed for want of a slot).
 fn try_scrape(port: u16) -> bool {
     Command::new(require("curl", "curl"))

@@ -301,7 +301,7 @@ fn export_names_are_matched_as_qemu_nbd_matches_them() {
         let want = names_served(|n| qemu.uri_of(n), &asked);
         drop(qemu);
         assert_eq!(got, want, "serving -x {export:?}");
-        // The oracle agrees with the rule the README states: exact match only.
+        // The oracle agrees with the rule docs/serving.md states: exact match only.
         let served: Vec<&str> = want
             .iter()
             .filter(|(_, ok)| *ok)
