@@ -10,7 +10,7 @@ use storage::Storage;
 impl<S: Storage + 'static> Image<S> {
     fn bitmap_error(&self, source: BitmapError) -> EngineError {
         EngineError::Bitmap {
-            image: self.inner.chain.top().name.clone(),
+            image: self.inner.name(),
             source,
         }
     }
@@ -28,10 +28,10 @@ impl<S: Storage + 'static> Image<S> {
     /// The persistent bitmaps, in directory order: as held in memory when the image is
     /// writable, as stored otherwise.
     pub async fn bitmaps(&self) -> Result<Vec<BitmapInfo>> {
-        if let Some(a) = &self.inner.alloc {
+        if let Some(a) = self.inner.writer() {
             return Ok(a.with_bitmaps(|set| set.infos()));
         }
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let Some(meta) = top.qcow2() else {
             return Ok(Vec::new());
         };
@@ -43,7 +43,6 @@ impl<S: Storage + 'static> Image<S> {
     /// not it has any.
     pub fn supports_persistent_bitmaps(&self) -> bool {
         self.inner
-            .chain
             .top()
             .qcow2()
             .is_some_and(|m| m.header.borrow().version >= 3)
@@ -53,7 +52,6 @@ impl<S: Storage + 'static> Image<S> {
     pub fn add_bitmap(&self, name: &str, granularity: Option<u64>, enabled: bool) -> Result<()> {
         let version = self
             .inner
-            .chain
             .top()
             .qcow2()
             .map_or(0, |m| m.header.borrow().version);
@@ -84,12 +82,12 @@ impl<S: Storage + 'static> Image<S> {
     /// The data of bitmap `name`: a copy of what a writable image holds, or what is stored.
     /// A bitmap left in use by a crash has no trustworthy data and is refused.
     pub async fn bitmap_data(&self, name: &str) -> Result<BitmapData> {
-        if let Some(a) = &self.inner.alloc {
+        if let Some(a) = self.inner.writer() {
             return a
                 .with_bitmaps(|set| set.data(name).cloned())
                 .map_err(|e| self.bitmap_error(e));
         }
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let not_found = || self.bitmap_error(BitmapError::NotFound(name.to_string()));
         let meta = top.qcow2().ok_or_else(not_found)?;
         let entries = bitmaps::directory(top, meta).await?;

@@ -63,7 +63,7 @@ impl<S: Storage + 'static> Image<S> {
         inner.check_range(offset, len)?;
         let _guard = inner.lock_range(offset, len, LockMode::Shared).await;
         let mut pieces = Vec::new();
-        inner.chain.resolve(offset, len, 0, &mut pieces).await?;
+        inner.resolve(offset, len, &mut pieces).await?;
         let mut out: Vec<Extent> = Vec::with_capacity(pieces.len());
         let mut push = |e: Extent| match out.last_mut() {
             Some(last) if last.continues(&e) => last.len += e.len,
@@ -96,7 +96,7 @@ impl<S: Storage + 'static> Image<S> {
                     // Raw layers take the file's status: holes are zeros, not data. A qcow2
                     // layer asks its file only when QEMU would (metadata preallocation), and
                     // then data over a hole is data that reads as zeros.
-                    let layer = &inner.chain.layers[p.layer];
+                    let layer = &inner.layer(p.layer);
                     let raw = layer.qcow2().is_none();
                     if !raw && !self.metadata_preallocated(p.layer).await {
                         // Ciphertext is no copy of the guest's data: like QEMU, no offset.

@@ -18,9 +18,9 @@ impl<S: Storage + 'static> Image<S> {
         // The whole request, as QEMU marks it, even the parts that stay as they were.
         self.inner.track(offset, len);
         let offset = offset.0;
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let Some(meta) = top.qcow2() else {
-            let punch = self.inner.discard_passthrough;
+            let punch = self.inner.punches_holes();
             if punch && len > 0 {
                 top.file
                     .discard_at(offset, len)
@@ -33,7 +33,7 @@ impl<S: Storage + 'static> Image<S> {
         let g = &meta.geom;
         let cs = g.cluster_size();
         let size = top.size.get();
-        let has_backing = self.inner.chain.layers.len() > 1;
+        let has_backing = self.inner.has_backing();
         let v3 = meta.header.borrow().version >= 3;
         if !v3 && has_backing {
             // Without the zero flag, freeing would expose the backing file: QEMU declines too.
@@ -85,7 +85,7 @@ impl<S: Storage + 'static> Image<S> {
                 e.cluster,
                 (word, bitmap),
                 e.word,
-                self.inner.discard_passthrough,
+                self.inner.punches_holes(),
                 true,
             )
             .await?;

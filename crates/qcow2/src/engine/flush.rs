@@ -14,16 +14,16 @@ impl<S: Storage + 'static> Image<S> {
     /// Stores the persistent bitmaps, flushes and, for lazy-refcount images, clears the
     /// dirty bit: the image is left clean.
     pub async fn close(&self) -> Result<()> {
-        if let Some(a) = &self.inner.alloc {
+        if let Some(a) = self.inner.writer() {
             if !a.top().sync_failed.get() {
                 a.store_bitmaps().await?;
             }
         }
         self.inner.flush().await?;
-        match &self.inner.alloc {
+        match self.inner.writer() {
             Some(a) => {
                 a.mark_clean().await?;
-                let top = self.inner.chain.top();
+                let top = self.inner.top();
                 a.trim_growth()
                     .await
                     .map_err(|e| top.io_error("truncating the space grown ahead", 0, e))
@@ -35,17 +35,17 @@ impl<S: Storage + 'static> Image<S> {
 
 impl<S: Storage + 'static> Inner<S> {
     pub(crate) async fn flush(&self) -> Result<()> {
-        if self.read_only {
+        if self.is_read_only() {
             return Ok(());
         }
-        let top = self.chain.top();
+        let top = self.top();
         let cache_err = |source| EngineError::Cache {
             image: top.name.clone(),
             source,
         };
-        if let Some(w) = &self.alloc {
+        if let Some(w) = self.writer() {
             // L2 first: its dependency on the refcount cache makes refcounts go out before it.
-            self.chain.l2.flush().await.map_err(cache_err)?;
+            self.l2().flush().await.map_err(cache_err)?;
             w.flush_refcounts().await?;
         }
         // Guest data written in place touches no cache: sync explicitly.

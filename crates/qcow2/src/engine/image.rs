@@ -2,16 +2,17 @@
 
 use super::alloc::Allocator;
 use super::cache_sizing::ResolvedCacheSizes;
-use super::chain::Chain;
+use super::chain::{Chain, Piece};
 use super::error::{EngineError, Result};
+use super::layer::Layer;
 use super::load::Format;
-use super::metacache::{MetaCacheCounters, MetaCacheStats};
+use super::metacache::{L2Cache, MetaCacheCounters, MetaCacheStats};
 use super::range_lock::{LockMode, RangeGuard, RangeLocks};
-use super::span_pool::SpanPool;
+use super::span_pool::{SpanBuf, SpanPool};
 use crate::format::GuestOffset;
 use std::cell::RefCell;
 use std::rc::Rc;
-use storage::Storage;
+use storage::{IoBuf, Storage};
 
 /// An open image (and its backing chain). Cheap to clone: clones share everything.
 pub struct Image<S: Storage + 'static> {
@@ -28,28 +29,32 @@ impl<S: Storage + 'static> Clone for Image<S> {
 
 /// The most recently decompressed cluster of a read-only layer, so that small sequential reads
 /// of a compressed image do not decompress the same cluster again for every request.
-pub(crate) struct Decompressed {
-    pub layer: usize,
-    pub raw: u64,
-    pub data: Rc<[u8]>,
+struct Decompressed {
+    layer: usize,
+    raw: u64,
+    data: Rc<[u8]>,
 }
 
+/// The state every operation of one open image shares. Its fields are private to this module:
+/// operations elsewhere go through the methods below, so that what a request may touch (the
+/// chain it resolves through, the allocator that changes metadata, the locks it waits on) is
+/// named in one place.
 pub(crate) struct Inner<S: Storage + 'static> {
     /// The layers, their shared L2 cache, and how a guest range resolves through them.
-    pub chain: Chain<S>,
+    chain: Chain<S>,
     /// No writes at all (read-only open, a snapshot, or a corrupt image).
-    pub read_only: bool,
+    read_only: bool,
     /// Guest-cluster locks of layer 0.
-    pub locks: RangeLocks,
-    pub decompressed: RefCell<Option<Decompressed>>,
+    locks: RangeLocks,
+    decompressed: RefCell<Option<Decompressed>>,
     /// The cache sizes in use.
-    pub cache_sizes: ResolvedCacheSizes,
+    cache_sizes: ResolvedCacheSizes,
     /// Refcounts and allocation (writable qcow2 images only).
-    pub alloc: Option<Allocator<S>>,
+    alloc: Option<Allocator<S>>,
     /// Punch holes in the file when a guest discard (or zeroing with unmap) frees clusters.
-    pub discard_passthrough: bool,
+    discard_passthrough: bool,
     /// Spare buffers for allocating writes' copy-on-write spans.
-    pub spans: SpanPool,
+    spans: SpanPool,
 }
 
 /// Facts about an open image, for `info`/`map` style output and for NBD negotiation.
@@ -180,6 +185,120 @@ impl<S: Storage + 'static> Image<S> {
 }
 
 impl<S: Storage + 'static> Inner<S> {
+    /// The state of a freshly opened image.
+    pub(crate) fn new(
+        chain: Chain<S>,
+        read_only: bool,
+        cache_sizes: ResolvedCacheSizes,
+        alloc: Option<Allocator<S>>,
+        discard_passthrough: bool,
+    ) -> Self {
+        Inner {
+            chain,
+            read_only,
+            locks: RangeLocks::new(),
+            decompressed: RefCell::new(None),
+            cache_sizes,
+            alloc,
+            discard_passthrough,
+            spans: SpanPool::default(),
+        }
+    }
+
+    /// Appends the pieces `[offset, offset + len)` of the guest disk is made of, as the whole
+    /// chain answers it (see [`Chain::resolve`]).
+    pub(crate) async fn resolve(
+        &self,
+        offset: GuestOffset,
+        len: u64,
+        pieces: &mut Vec<Piece>,
+    ) -> Result<()> {
+        self.chain.resolve(offset, len, 0, pieces).await
+    }
+
+    /// The L2 slices of every layer, for operations that write back, forget or order them.
+    pub(crate) fn l2(&self) -> &L2Cache<S> {
+        &self.chain.l2
+    }
+
+    /// The first backing file, if there is one.
+    pub(crate) fn backing(&self) -> Option<&Layer<S>> {
+        self.chain.layers.get(1)
+    }
+
+    /// Whether the chain holds encrypted data.
+    pub(crate) fn encrypted(&self) -> bool {
+        self.chain
+            .layers
+            .iter()
+            .any(|l| l.qcow2().is_some_and(|m| m.crypto.is_some()))
+    }
+
+    /// Layer 0, the file writes go to.
+    pub(crate) fn top(&self) -> &Layer<S> {
+        self.chain.top()
+    }
+
+    /// Layer `index` of the chain, 0 being the top.
+    pub(crate) fn layer(&self, index: usize) -> &Layer<S> {
+        &self.chain.layers[index]
+    }
+
+    /// The image has a backing file under layer 0.
+    pub(crate) fn has_backing(&self) -> bool {
+        self.chain.layers.len() > 1
+    }
+
+    /// The name of layer 0, for errors.
+    pub(crate) fn name(&self) -> String {
+        self.chain.top().name.clone()
+    }
+
+    /// No writes at all (read-only open, a snapshot, or a corrupt image).
+    pub(crate) fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// Guest discards (and zeroing with unmap) punch holes in the file.
+    pub(crate) fn punches_holes(&self) -> bool {
+        self.discard_passthrough
+    }
+
+    /// The allocator when the image has one, for work that only a writable image does
+    /// (flushing refcounts, bitmaps) and that a read-only image skips rather than refuses.
+    pub(crate) fn writer(&self) -> Option<&Allocator<S>> {
+        self.alloc.as_ref()
+    }
+
+    /// A spare copy-on-write buffer of `len` bytes; hand it back with [`Inner::give_span`].
+    pub(crate) fn take_span(&self, len: usize) -> SpanBuf {
+        self.spans.take(len)
+    }
+
+    /// Returns a buffer taken with [`Inner::take_span`] for the next allocating write.
+    pub(crate) fn give_span(&self, span: IoBuf) {
+        self.spans.give(span)
+    }
+
+    /// The cluster last decompressed, if it is the one `raw` of layer `layer` names.
+    pub(crate) fn recall_decompressed(&self, layer: usize, raw: u64) -> Option<Rc<[u8]>> {
+        let d = self.decompressed.borrow();
+        let d = d.as_ref()?;
+        (d.layer == layer && d.raw == raw).then(|| d.data.clone())
+    }
+
+    /// Remembers a decompressed cluster. Only layers nobody writes may be remembered: a
+    /// written layer could reuse the place.
+    pub(crate) fn remember_decompressed(&self, layer: usize, raw: u64, data: &Rc<[u8]>) {
+        if self.read_only || layer > 0 {
+            *self.decompressed.borrow_mut() = Some(Decompressed {
+                layer,
+                raw,
+                data: data.clone(),
+            });
+        }
+    }
+
     /// Refuses requests that leave the disk.
     pub(crate) fn check_range(&self, offset: GuestOffset, len: u64) -> Result<()> {
         let size = self.chain.top().size.get();

@@ -13,7 +13,7 @@ impl<S: Storage + 'static> Image<S> {
     pub async fn change_key_slots(&self, password: &[u8], change: &SlotChange) -> Result<()> {
         let inner = &self.inner;
         inner.check_writable()?;
-        let top = inner.chain.top();
+        let top = inner.top();
         let meta = top.qcow2_required()?;
         let fde = meta
             .header

@@ -16,7 +16,7 @@ impl<S: Storage + 'static> Image<S> {
     /// backing file. Internal snapshots keep their clusters (only this view's references go).
     pub async fn make_empty(&self) -> Result<()> {
         self.inner.check_writable()?;
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let unsupported = |what: &str| EngineError::Unsupported {
             image: top.name.clone(),
             what: what.into(),
@@ -48,14 +48,8 @@ impl<S: Storage + 'static> Image<S> {
                 if e.table.is_none() || (e.word, e.bitmap) == (0, 0) {
                     continue;
                 }
-                w.remap(
-                    e.cluster,
-                    (0, 0),
-                    e.word,
-                    self.inner.discard_passthrough,
-                    true,
-                )
-                .await?;
+                w.remap(e.cluster, (0, 0), e.word, self.inner.punches_holes(), true)
+                    .await?;
             }
             pos += n;
         }

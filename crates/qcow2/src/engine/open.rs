@@ -11,10 +11,7 @@ use super::layer::Layer;
 use super::load::{open_layer, Format, LayerChoices};
 use super::metacache::L2Backend;
 use super::metacache::L2Cache;
-use super::range_lock::RangeLocks;
-use super::span_pool::SpanPool;
 use crate::declared::Untrusted;
-use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use storage::{Opener, Storage};
@@ -270,18 +267,15 @@ async fn build<S: Storage + 'static>(
         _ => None,
     };
     let image = Image {
-        inner: Rc::new(Inner {
+        inner: Rc::new(Inner::new(
             chain,
             read_only,
-            locks: RangeLocks::new(),
-            decompressed: RefCell::new(None),
             cache_sizes,
             alloc,
-            discard_passthrough: opts.discard_passthrough,
-            spans: SpanPool::default(),
-        }),
+            opts.discard_passthrough,
+        )),
     };
-    if let Some(a) = &image.inner.alloc {
+    if let Some(a) = image.inner.writer() {
         a.clear_unknown_autoclear().await?;
         a.claim_bitmaps().await?;
     }

@@ -21,7 +21,7 @@ impl<S: Storage + 'static> Image<S> {
     /// counting too: at queue depth 32 every request of a fresh connection asks at once, and
     /// each count holds the refcount table and a refcount block in memory.
     pub(crate) async fn metadata_preallocated(&self, index: usize) -> bool {
-        let layer = &self.inner.chain.layers[index];
+        let layer = &self.inner.layer(index);
         let Some(meta) = layer.qcow2() else {
             return false;
         };
@@ -48,7 +48,7 @@ impl<S: Storage + 'static> Image<S> {
         let entries = usize::try_from(per_block).ok()?;
         // Layer 0 of a writable image: its refcount blocks may be newer in the cache than in
         // the file, so count through the cache.
-        let writer = self.inner.alloc.as_ref().filter(|_| index == 0);
+        let writer = self.inner.writer().filter(|_| index == 0);
         let reftable: Vec<u64> = match writer {
             Some(w) => w.refcount_table(),
             None => {

@@ -18,7 +18,7 @@ use storage::Storage;
 impl<S: Storage + 'static> Image<S> {
     /// Allocates L2 tables and data clusters for the whole disk.
     pub async fn preallocate(&self, mode: Preallocation) -> Result<()> {
-        let size = self.inner.chain.top().size.get();
+        let size = self.inner.top().size.get();
         self.preallocate_range(0, size, mode).await?;
         self.inner.flush().await
     }
@@ -38,7 +38,7 @@ impl<S: Storage + 'static> Image<S> {
             return Ok(());
         }
         let w = self.inner.alloc()?;
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let meta = top.qcow2().ok_or_else(|| EngineError::Unsupported {
             image: top.name.clone(),
             what: "metadata preallocation of a raw image".into(),
@@ -76,7 +76,7 @@ impl<S: Storage + 'static> Image<S> {
     /// contiguous run of new host clusters.
     async fn preallocate_run(&self, first: GuestOffset, n: u64, mode: Preallocation) -> Result<()> {
         let w = self.inner.alloc()?;
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let cs = top
             .qcow2()
             .expect("qcow2 checked by the caller")
@@ -134,7 +134,7 @@ impl<S: Storage + 'static> Image<S> {
         mode: Preallocation,
     ) -> Result<()> {
         let w = self.inner.alloc()?;
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let cs = top
             .qcow2()
             .expect("qcow2 checked by the caller")

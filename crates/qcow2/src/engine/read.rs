@@ -4,7 +4,7 @@
 use super::chain::{Piece, Source};
 use super::compress;
 use super::error::{EngineError, Result};
-use super::image::{Decompressed, Image, Inner};
+use super::image::{Image, Inner};
 use super::join_all::join_all;
 use super::range_lock::LockMode;
 use crate::crypto::SECTOR_SIZE;
@@ -80,19 +80,11 @@ impl<S: Storage + 'static> Inner<S> {
     ) -> (Result<()>, IoBuf) {
         let len = buf.len() as u64;
         let mut pieces = Vec::new();
-        if let Err(e) = self.chain.resolve(offset, len, 0, &mut pieces).await {
+        if let Err(e) = self.resolve(offset, len, &mut pieces).await {
             return (Err(e), buf);
         }
         let res = self.fill(offset.0, &pieces, &mut buf).await;
         (res, buf)
-    }
-
-    /// Whether the chain holds encrypted data.
-    pub(crate) fn encrypted(&self) -> bool {
-        self.chain
-            .layers
-            .iter()
-            .any(|l| l.qcow2().is_some_and(|m| m.crypto.is_some()))
     }
 
     /// For a chain with encrypted layers, the whole sectors around `[offset, offset + len)`
@@ -106,7 +98,7 @@ impl<S: Storage + 'static> Inner<S> {
         if (offset | end) % SECTOR_SIZE == 0 || !self.encrypted() {
             return None;
         }
-        let size = self.chain.top().size.get();
+        let size = self.top().size.get();
         let from = offset - offset % SECTOR_SIZE;
         let to = end
             .div_ceil(SECTOR_SIZE)
@@ -118,7 +110,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// Deciphers `buf`, just read from `host` of layer `li` for guest offset `guest`, when
     /// that layer is encrypted.
     pub(crate) fn decrypt(&self, li: usize, host: u64, guest: u64, buf: &mut [u8]) -> Result<()> {
-        let layer = &self.chain.layers[li];
+        let layer = &self.layer(li);
         match layer.qcow2().and_then(|m| m.crypto.as_ref()) {
             Some(c) => c
                 .decrypt(host, guest, buf)
@@ -189,7 +181,7 @@ impl<S: Storage + 'static> Inner<S> {
         }
         if let [(at, len, li, host)] = runs[..] {
             // One run: straight into the caller's buffer, no copy.
-            let layer = &self.chain.layers[li];
+            let layer = &self.layer(li);
             layer.announce(Event::ReadAio);
             let owned = std::mem::replace(buf, IoBuf::zeroed(0));
             let (res, slice) = layer
@@ -202,7 +194,7 @@ impl<S: Storage + 'static> Inner<S> {
             return self.decrypt(li, host, base + at as u64, run);
         }
         let reads = runs.iter().map(|&(_, len, li, host)| async move {
-            let layer = &self.chain.layers[li];
+            let layer = &self.layer(li);
             layer.announce(Event::ReadAio);
             let tmp = IoBuf::zeroed(len as usize);
             let (res, slice) = layer
@@ -225,12 +217,10 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Decodes one compressed cluster of layer `li` (the raw L2 word says where it is).
     pub(crate) async fn decompress(&self, li: usize, raw: u64) -> Result<Rc<[u8]>> {
-        if let Some(d) = self.decompressed.borrow().as_ref() {
-            if d.layer == li && d.raw == raw {
-                return Ok(d.data.clone());
-            }
+        if let Some(data) = self.recall_decompressed(li, raw) {
+            return Ok(data);
         }
-        let layer = &self.chain.layers[li];
+        let layer = &self.layer(li);
         let meta = layer
             .qcow2()
             .expect("compressed clusters exist only in qcow2 layers");
@@ -263,14 +253,7 @@ impl<S: Storage + 'static> Inner<S> {
             }
         })?;
         let data: Rc<[u8]> = out.into();
-        // Only layers nobody writes may be cached: a written layer could reuse the place.
-        if self.read_only || li > 0 {
-            *self.decompressed.borrow_mut() = Some(Decompressed {
-                layer: li,
-                raw,
-                data: data.clone(),
-            });
-        }
+        self.remember_decompressed(li, raw, &data);
         Ok(data)
     }
 }

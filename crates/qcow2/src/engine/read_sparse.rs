@@ -44,7 +44,7 @@ impl<S: Storage + 'static> Image<S> {
         }
         let _guard = inner.lock_range(offset, len64, LockMode::Shared).await;
         let mut pieces = Vec::new();
-        inner.chain.resolve(offset, len64, 0, &mut pieces).await?;
+        inner.resolve(offset, len64, &mut pieces).await?;
 
         // Split data pieces at the file's holes where that is asked, then group by zero / not
         // zero.
@@ -53,7 +53,7 @@ impl<S: Storage + 'static> Image<S> {
             match p.src {
                 Source::Zero { .. } | Source::Compressed { .. } => classified.push(p),
                 Source::Data { host } => {
-                    let layer = &inner.chain.layers[p.layer];
+                    let layer = &inner.layer(p.layer);
                     let ask = layer.qcow2().is_none()
                         || (p.layer == 0 && self.metadata_preallocated(0).await);
                     if !ask {

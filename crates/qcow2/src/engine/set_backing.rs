@@ -25,7 +25,7 @@ impl<S: Storage + 'static> Image<S> {
         format: Option<&str>,
     ) -> Result<()> {
         self.inner.check_writable()?;
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let meta = top.qcow2().ok_or_else(|| EngineError::Unsupported {
             image: top.name.clone(),
             what: "a backing file for a raw image".into(),

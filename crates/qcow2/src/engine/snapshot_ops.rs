@@ -40,14 +40,14 @@ struct Target<'a, S: Storage + 'static> {
 impl<S: Storage + 'static> Image<S> {
     fn snapshot_error(&self, source: SnapshotError) -> EngineError {
         EngineError::Snapshot {
-            image: self.inner.chain.top().name.clone(),
+            image: self.inner.name(),
             source,
         }
     }
 
     /// The snapshot table of the image (empty for a raw image), in table order.
     pub async fn snapshots(&self) -> Result<Vec<SnapshotTableEntry>> {
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let Some(meta) = top.qcow2() else {
             return Ok(Vec::new());
         };
@@ -60,7 +60,7 @@ impl<S: Storage + 'static> Image<S> {
 
     /// The layer to change: a writable qcow2 image without an external data file.
     fn snapshot_target(&self) -> Result<Target<'_, S>> {
-        let layer = self.inner.chain.top();
+        let layer = self.inner.top();
         let meta = layer
             .qcow2()
             .ok_or_else(|| self.snapshot_error(SnapshotError::NotQcow2))?;
@@ -128,7 +128,7 @@ impl<S: Storage + 'static> Image<S> {
             image: t.layer.name.clone(),
             source,
         };
-        self.inner.chain.l2.flush().await.map_err(cache_err)?;
+        self.inner.l2().flush().await.map_err(cache_err)?;
         t.alloc.flush_refcounts().await?;
         t.alloc.sync().await
     }

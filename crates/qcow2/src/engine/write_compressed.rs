@@ -70,7 +70,7 @@ impl<S: Storage + 'static> Image<S> {
         let packed = compressor
             .compress(data)
             .map_err(|source| EngineError::Compressed {
-                image: self.inner.chain.top().name.clone(),
+                image: self.inner.name(),
                 offset: offset.0,
                 source,
             })?;
@@ -89,7 +89,6 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.check_writable()?;
         let meta = self
             .inner
-            .chain
             .top()
             .qcow2()
             .ok_or_else(|| self.unsupported("compressed writes to a raw image"))?;
@@ -107,7 +106,7 @@ impl<S: Storage + 'static> Image<S> {
 
     fn unsupported(&self, what: &str) -> EngineError {
         EngineError::Unsupported {
-            image: self.inner.chain.top().name.clone(),
+            image: self.inner.name(),
             what: what.into(),
         }
     }
@@ -121,7 +120,7 @@ impl<S: Storage + 'static> Image<S> {
     ) -> Result<()> {
         self.inner.check_range(offset, len)?;
         let cs = compressor.cluster_size;
-        let size = self.inner.chain.top().size.get();
+        let size = self.inner.top().size.get();
         if offset.0 % cs != 0 || (len != cs && offset.0 + len != size) || len == 0 {
             return Err(self.unsupported("a compressed write that is not exactly one cluster"));
         }
@@ -133,7 +132,7 @@ impl<S: Storage + 'static> Image<S> {
     pub async fn write_packed(&self, offset: GuestOffset, packed: PackedCluster) -> Result<()> {
         let meta = self.compressed_target()?;
         let compressor = ClusterCompressor::of(meta);
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let len = match &packed {
             PackedCluster::Raw(data) => data.len() as u64,
             PackedCluster::Compressed(_) => compressor

@@ -76,14 +76,14 @@ impl<S: Storage + 'static> Image<S> {
         fast: bool,
         flag_unallocated: bool,
     ) -> Result<()> {
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let Some(meta) = top.qcow2() else {
             if fast && !top.file.zeroes_are_cheap() {
                 return Err(EngineError::ZeroNotFast { offset, len });
             }
             return top
                 .file
-                .write_zeroes_at(offset, len, may_unmap && self.inner.discard_passthrough)
+                .write_zeroes_at(offset, len, may_unmap && self.inner.punches_holes())
                 .await
                 .map_err(|e| top.io_error("writing zeroes", offset, e));
         };
@@ -100,7 +100,7 @@ impl<S: Storage + 'static> Image<S> {
             size: top.size.get(),
             // Zeroing as if a backing file showed through is what writes the flags (and,
             // without zero flags, zero data) where nothing is allocated.
-            has_backing: self.inner.chain.layers.len() > 1 || flag_unallocated,
+            has_backing: self.inner.has_backing() || flag_unallocated,
             v3: meta.header.borrow().version >= 3,
             may_unmap,
         };
@@ -235,7 +235,7 @@ impl<S: Storage + 'static> Image<S> {
             w.l2_for_write(z.geom.l1_index(e.cluster)).await?;
         }
         let released = if !z.v3 || unmap { e.word } else { 0 };
-        let punch = z.may_unmap && self.inner.discard_passthrough;
+        let punch = z.may_unmap && self.inner.punches_holes();
         w.remap(e.cluster, (word, bitmap), released, punch, false)
             .await
     }
@@ -248,8 +248,7 @@ impl<S: Storage + 'static> Image<S> {
         }
         let mut pieces = Vec::new();
         self.inner
-            .chain
-            .resolve(GuestOffset(offset), len, 0, &mut pieces)
+            .resolve(GuestOffset(offset), len, &mut pieces)
             .await?;
         Ok(pieces.iter().all(|p| p.src.is_zero()))
     }

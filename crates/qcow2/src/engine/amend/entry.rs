@@ -53,7 +53,7 @@ impl<S: Storage + 'static> Image<S> {
         progress: &dyn Fn(f64),
     ) -> Result<()> {
         self.inner.check_writable()?;
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let refuse = |source| EngineError::Amend {
             image: top.name.clone(),
             source,
@@ -137,7 +137,7 @@ impl<S: Storage + 'static> Image<S> {
             return Ok(());
         }
         // A raw image has no backing file to name.
-        let Some(meta) = self.inner.chain.top().qcow2() else {
+        let Some(meta) = self.inner.top().qcow2() else {
             return Err(AmendError::Backing);
         };
         let h = meta.header.borrow();
@@ -155,7 +155,7 @@ impl<S: Storage + 'static> Image<S> {
     /// clear (a dirty image was already repaired when it was opened read-write).
     async fn set_lazy_refcounts(&self, on: bool) -> Result<()> {
         let w = self.inner.alloc()?;
-        let meta = self.inner.chain.top().qcow2_required()?;
+        let meta = self.inner.top().qcow2_required()?;
         if !on {
             // No write may set the dirty bit again once it is cleared.
             w.disable_lazy_refcounts();

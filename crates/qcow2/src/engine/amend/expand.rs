@@ -25,7 +25,7 @@ pub(super) struct Scan {
 impl<S: Storage + 'static> Image<S> {
     /// Whether any L2 table of an internal snapshot has a compressed cluster.
     pub(super) async fn scan_snapshot_tables(&self) -> Result<Scan> {
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let meta = top.qcow2_required()?;
         let cs = meta.geom.cluster_size() as usize;
         let ext = meta.geom.extended_l2();
@@ -60,7 +60,7 @@ impl<S: Storage + 'static> Image<S> {
     /// Whether the active L2 tables hold a compressed cluster (one table at a time).
     pub(super) async fn active_has_compressed(&self) -> Result<bool> {
         let w = self.inner.alloc()?;
-        let meta = self.inner.chain.top().qcow2_required()?;
+        let meta = self.inner.top().qcow2_required()?;
         let per_table = meta.geom.l2_entries() * meta.geom.cluster_size();
         let l1_len = meta.l1.borrow().len() as u64;
         for l1i in (0..l1_len).filter(|&i| meta.l2_table(L1Index(i)).is_some()) {
@@ -78,11 +78,11 @@ impl<S: Storage + 'static> Image<S> {
     /// the snapshots', reporting each L1 entry done to `steps` as QEMU does.
     pub(super) async fn expand_zero_clusters(&self, steps: &Steps<'_>) -> Result<()> {
         let w = self.inner.alloc()?;
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let meta = top.qcow2_required()?;
         let g = meta.geom;
         let cs = g.cluster_size();
-        let backed = self.inner.chain.layers.len() > 1;
+        let backed = self.inner.has_backing();
         let per_table = g.l2_entries() * cs;
         let l1_len = meta.l1.borrow().len() as u64;
         let snapshots = self.snapshot_list().await?;
@@ -103,7 +103,7 @@ impl<S: Storage + 'static> Image<S> {
                         let _g = w.exclusive().await;
                         w.l2_for_write(L1Index(l1i)).await?;
                     }
-                    self.inner.chain.l2.set_flush_before_writeback();
+                    self.inner.l2().set_flush_before_writeback();
                     for e in zeros {
                         self.expand_one(e.cluster, e.word, backed).await?;
                     }
@@ -144,7 +144,7 @@ impl<S: Storage + 'static> Image<S> {
     /// table reads there) it gets a cluster of its own.
     async fn expand_inactive_table(&self, table: u64, backed: bool) -> Result<()> {
         let w = self.inner.alloc()?;
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let meta = top.qcow2_required()?;
         let g = meta.geom;
         let cs = g.cluster_size();
@@ -226,8 +226,7 @@ impl<S: Storage + 'static> Image<S> {
         // points to them.
         self.inner.flush().await?;
         self.inner
-            .chain
-            .l2
+            .l2()
             .forget(|k| k.layer == 0 && k.table == HostOffset(table));
         w.write_meta("rewriting a snapshot's L2 table", table, &t)
             .await?;
@@ -244,7 +243,7 @@ impl<S: Storage + 'static> Image<S> {
     /// Expands one zero cluster at guest offset `cluster` whose entry word is `word`.
     async fn expand_one(&self, cluster: GuestOffset, word: u64, backed: bool) -> Result<()> {
         let w = self.inner.alloc()?;
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let cs = top.qcow2_required()?.geom.cluster_size();
         let host = l2::host_of(word);
         let owned = l2::is_copied(word);
@@ -276,7 +275,7 @@ impl<S: Storage + 'static> Image<S> {
     async fn zero_host(&self, host: u64, cs: u64) -> Result<()> {
         let w = self.inner.alloc()?;
         w.check_overlap(HostOffset(host), cs).await?;
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         top.file
             .write_zeroes_at(host, cs, false)
             .await

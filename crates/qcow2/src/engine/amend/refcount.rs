@@ -22,7 +22,7 @@ impl<S: Storage + 'static> Image<S> {
     /// Rewrites the refcount structure with refcounts `order` wide (2^order bits).
     pub(super) async fn change_refcount_width(&self, order: u32) -> Result<()> {
         let w = self.inner.alloc()?;
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let meta = top.qcow2_required()?;
         let geom = meta
             .refcount_geom
@@ -53,8 +53,8 @@ impl<S: Storage + 'static> Image<S> {
     /// cache unwritten (the cache was clean, and their clusters are free now) and the
     /// metadata index, so data may go there.
     fn adopt_refcounts(&self, new: &Switched, order: u32) {
-        let Some(w) = &self.inner.alloc else { return };
-        let Some(meta) = self.inner.chain.top().qcow2() else {
+        let Some(w) = self.inner.writer() else { return };
+        let Some(meta) = self.inner.top().qcow2() else {
             return;
         };
         let cs = meta.geom.cluster_size();
@@ -85,8 +85,8 @@ impl<S: Storage + 'static> Image<S> {
     /// one may have been written past the end the allocator knew: clusters there no longer
     /// read as zeros without being written.
     async fn width_failed(&self, e: CheckError) -> EngineError {
-        let top = self.inner.chain.top();
-        if let (Some(w), Ok(len)) = (&self.inner.alloc, top.file.len().await) {
+        let top = self.inner.top();
+        if let (Some(w), Ok(len)) = (self.inner.writer(), top.file.len().await) {
             w.note_file_end(HostOffset(len));
         }
         self.width_error(e)
@@ -94,7 +94,7 @@ impl<S: Storage + 'static> Image<S> {
 
     /// The checker's failure to change the width, as amend reports it.
     fn width_error(&self, e: CheckError) -> EngineError {
-        let image = self.inner.chain.top().name.clone();
+        let image = self.inner.name();
         match e {
             CheckError::RefcountTooWide {
                 bits,

@@ -25,14 +25,14 @@ const EXTRA_V3_END: usize = 24;
 impl<S: Storage + 'static> Image<S> {
     fn amend_error(&self, source: AmendError) -> EngineError {
         EngineError::Amend {
-            image: self.inner.chain.top().name.clone(),
+            image: self.inner.name(),
             source,
         }
     }
 
     /// The snapshot table of the writable layer.
     pub(super) async fn snapshot_list(&self) -> Result<Vec<SnapshotTableEntry>> {
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let meta = top.qcow2_required()?;
         let h = meta.header.borrow().clone();
         if h.nb_snapshots == 0 {
@@ -55,7 +55,7 @@ impl<S: Storage + 'static> Image<S> {
         if old.iter().all(|s| s.extra_data.len() >= EXTRA_V3_END) {
             return Ok(None);
         }
-        let size = self.inner.chain.top().size.get();
+        let size = self.inner.top().size.get();
         let new = old
             .iter()
             .map(|s| {
@@ -80,7 +80,7 @@ impl<S: Storage + 'static> Image<S> {
     /// Everything QEMU refuses to downgrade, checked before the downgrade changes anything;
     /// `refcount_order` is the refcount width.
     pub(super) async fn check_downgrade(&self, refcount_order: u32) -> Result<()> {
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let meta = top.qcow2_required()?;
         let refuse = |e| Err(self.amend_error(e));
         if refcount_order != 4 {
@@ -131,7 +131,7 @@ impl<S: Storage + 'static> Image<S> {
             self.inner.flush().await?;
             w.sync().await?;
         }
-        let meta = self.inner.chain.top().qcow2_required()?;
+        let meta = self.inner.top().qcow2_required()?;
         let mut h = meta.header.borrow().clone();
         // The length a new version 3 header has (with the compression type and its
         // padding), as QEMU writes it on upgrade too.
@@ -154,7 +154,7 @@ impl<S: Storage + 'static> Image<S> {
 
     /// Turns zero clusters into data, clears the dirty bit, and writes a version 2 header.
     pub(super) async fn downgrade(&self, steps: &Steps<'_>) -> Result<()> {
-        let meta = self.inner.chain.top().qcow2_required()?;
+        let meta = self.inner.top().qcow2_required()?;
         self.expand_zero_clusters(steps).await?;
         let w = self.inner.alloc()?;
         w.disable_lazy_refcounts();
@@ -180,7 +180,7 @@ impl<S: Storage + 'static> Image<S> {
     /// Renames the external data file (`Some("")` drops the name) and sets whether it is
     /// a raw image, in one header write.
     pub(super) async fn set_data_file(&self, name: Option<&str>, raw: bool) -> Result<()> {
-        let meta = self.inner.chain.top().qcow2_required()?;
+        let meta = self.inner.top().qcow2_required()?;
         let mut h = meta.header.borrow().clone();
         if let Some(name) = name {
             h.extensions
@@ -201,7 +201,7 @@ impl<S: Storage + 'static> Image<S> {
 
     /// Writes `h` over the first sectors of the file and makes it the header in memory.
     async fn write_header(&self, mut h: Header) -> Result<()> {
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let meta = top.qcow2_required()?;
         let w = self.inner.alloc()?;
         let cs = meta.geom.cluster_size();

@@ -16,7 +16,7 @@ impl<S: Storage + 'static> Image<S> {
     /// business, as it is qemu-img's.
     pub async fn resize(&self, new_size: u64, prealloc: Preallocation) -> Result<()> {
         self.inner.check_writable()?;
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let refuse = |source| EngineError::Resize {
             image: top.name.clone(),
             source,
@@ -46,7 +46,7 @@ impl<S: Storage + 'static> Image<S> {
     /// header's size field, made durable, then the size in memory and the bitmaps' length.
     pub(super) async fn set_qcow2_size(&self, new_size: u64) -> Result<()> {
         let w = self.inner.alloc()?;
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let meta = top.qcow2_required()?;
         w.update_header(header::size_update(new_size)).await?;
         w.sync().await?;
@@ -58,7 +58,7 @@ impl<S: Storage + 'static> Image<S> {
 
     /// What QEMU refuses for any qcow2 resize, checked before anything is written.
     fn check_qcow2_resize(&self, meta: &Qcow2Meta<S>, new_size: u64) -> Result<()> {
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let (version, snapshots) = {
             let h = meta.header.borrow();
             (h.version, h.nb_snapshots)
@@ -92,7 +92,7 @@ impl<S: Storage + 'static> Image<S> {
         new_size: u64,
         prealloc: Preallocation,
     ) -> Result<()> {
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let refuse = |source| EngineError::Resize {
             image: top.name.clone(),
             source,

@@ -20,7 +20,7 @@ use storage::Storage;
 impl<S: Storage + 'static> Image<S> {
     /// Grows the disk to `new_size` bytes (checked by the caller: larger, aligned).
     pub(super) async fn grow(&self, new_size: u64, prealloc: Preallocation) -> Result<()> {
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let meta = top.qcow2_required()?;
         let old_size = top.size.get();
         let needed = l1_entries_for(meta, &top.name, new_size)?;
@@ -28,9 +28,7 @@ impl<S: Storage + 'static> Image<S> {
         // that growing never uncovers old backing data.
         let hide_backing = self
             .inner
-            .chain
-            .layers
-            .get(1)
+            .backing()
             .is_some_and(|b| b.size.get() > old_size);
         if hide_backing && meta.header.borrow().version < 3 {
             return Err(EngineError::Resize {
@@ -73,7 +71,7 @@ impl<S: Storage + 'static> Image<S> {
     /// Whether the guest cluster at `cluster` has no host cluster and no backing file shows
     /// through it: preallocating it whole changes nothing the guest reads.
     async fn free_hidden_cluster(&self, cluster: u64) -> Result<bool> {
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let cs = top.qcow2_required()?.geom.cluster_size();
         let w = self.inner.alloc()?;
         let unallocated = w
@@ -81,12 +79,7 @@ impl<S: Storage + 'static> Image<S> {
             .await?
             .first()
             .is_some_and(|e| (e.word, e.bitmap) == (0, 0));
-        let hidden = self
-            .inner
-            .chain
-            .layers
-            .get(1)
-            .is_none_or(|b| b.size.get() <= cluster);
+        let hidden = self.inner.backing().is_none_or(|b| b.size.get() <= cluster);
         Ok(unallocated && hidden)
     }
 
@@ -103,13 +96,13 @@ impl<S: Storage + 'static> Image<S> {
             .alloc()?
             .check_overlap(HostOffset(host), len)
             .await?;
-        write_zero_data(self.inner.chain.top(), host, len).await
+        write_zero_data(self.inner.top(), host, len).await
     }
 
     /// The host cluster the guest cluster at `cluster` has of its own: `None` when it is
     /// unallocated, zero or compressed.
     async fn own_host_cluster(&self, cluster: u64) -> Result<Option<u64>> {
-        let cs = self.inner.chain.top().qcow2_required()?.geom.cluster_size();
+        let cs = self.inner.top().qcow2_required()?.geom.cluster_size();
         let entries = self
             .inner
             .alloc()?
@@ -129,7 +122,7 @@ impl<S: Storage + 'static> Image<S> {
         if !matches!(prealloc, Preallocation::Falloc | Preallocation::Full) {
             return Ok(());
         }
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let cs = top.qcow2_required()?.geom.cluster_size();
         let cluster = old_size - old_size % cs;
         // Unallocated (with a backing file showing through its head, else the caller has
@@ -151,7 +144,7 @@ impl<S: Storage + 'static> Image<S> {
     /// Zeroes `[old_size, new_size)` before the header shows it. The zeroing code works on
     /// the disk as it is in memory, so the size there moves first, and back if it fails.
     async fn zero_new_space(&self, old_size: u64, new_size: u64) -> Result<()> {
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         top.size.set(new_size);
         let res = self
             .zero_untracked(old_size, new_size - old_size, false, false)
@@ -164,7 +157,7 @@ impl<S: Storage + 'static> Image<S> {
 
     /// Replaces the L1 table with one of at least `entries` entries. Holds the meta lock.
     async fn grow_l1(&self, entries: u64) -> Result<()> {
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let meta = top.qcow2_required()?;
         let w = self.inner.alloc()?;
         let cs = meta.geom.cluster_size();

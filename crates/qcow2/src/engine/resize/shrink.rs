@@ -23,7 +23,7 @@ use storage::Storage;
 impl<S: Storage + 'static> Image<S> {
     /// Shrinks the disk to `new_size` bytes (checked by the caller: smaller, aligned).
     pub(super) async fn shrink(&self, new_size: u64) -> Result<()> {
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let meta = top.qcow2_required()?;
         let old_size = top.size.get();
         let cs = meta.geom.cluster_size();
@@ -50,7 +50,7 @@ impl<S: Storage + 'static> Image<S> {
     /// references they held, punching freed clusters out of the file.
     async fn drop_clusters(&self, from: u64, to: u64) -> Result<()> {
         let w = self.inner.alloc()?;
-        let g = self.inner.chain.top().qcow2_required()?.geom;
+        let g = self.inner.top().qcow2_required()?.geom;
         let per_table = g.l2_entries() * g.cluster_size();
         let _guard = self
             .inner
@@ -83,7 +83,7 @@ impl<S: Storage + 'static> Image<S> {
             }
             pos = table_end;
         }
-        if self.inner.chain.top().qcow2_required()?.data_file.is_some() {
+        if self.inner.top().qcow2_required()?.data_file.is_some() {
             return Ok(());
         }
         // Punched once the cleared entries and lower refcounts are on disk.
@@ -103,7 +103,7 @@ impl<S: Storage + 'static> Image<S> {
                 _ => runs.push((host, cs)),
             }
         }
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         for (start, len) in runs {
             // Best effort, as for a single cluster: the file system may not punch holes.
             let _ = top.file.discard_at(start, len).await;
@@ -114,7 +114,7 @@ impl<S: Storage + 'static> Image<S> {
     /// Clears the L1 entries from index `keep` on and frees their L2 tables. Holds the meta
     /// lock; the L2 tables' entries were cleared and flushed before.
     async fn clear_l1_tail(&self, keep: u64) -> Result<()> {
-        let top = self.inner.chain.top();
+        let top = self.inner.top();
         let meta = top.qcow2_required()?;
         let w = self.inner.alloc()?;
         let old: Vec<u64> = meta.l1.borrow().clone();

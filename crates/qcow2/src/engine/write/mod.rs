@@ -45,7 +45,7 @@ impl<S: Storage + 'static> Inner<S> {
             return (Ok(()), buf);
         }
         self.track(offset, len);
-        let top = self.chain.top();
+        let top = self.top();
         if top.qcow2().is_none() {
             // A raw layer 0 is the guest's disk byte for byte.
             let (res, slice) = top.file.write_at(buf.into(), offset.0).await;
