@@ -27,12 +27,12 @@ use prealloc::{GrowAhead, PausedGrowth};
 pub(crate) use run::{NewEntry, Replaced};
 pub(crate) use snapshots::RefCounts;
 
-use crate::engine::bitmaps::Bitmaps;
-use crate::engine::error::{EngineError, Result};
-use crate::engine::layer::{Layer, Qcow2Meta};
-use crate::engine::metacache::L2Cache;
-use crate::engine::metacache::{RefcountBackend, RefcountCache};
-use crate::engine::overlap::{MetaIndex, MetaKind};
+use super::infra::bitmaps::Bitmaps;
+use super::infra::error::{EngineError, Result};
+use super::infra::layer::{Layer, Qcow2Meta};
+use super::infra::metacache::L2Cache;
+use super::infra::metacache::{RefcountBackend, RefcountCache};
+use super::infra::overlap::{MetaIndex, MetaKind};
 use crate::format::features::{INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
 use crate::format::{
     l1, BitmapDirectoryEntry, HostCluster, HostOffset, RefcountTableEntry, Structure,
@@ -101,7 +101,7 @@ impl<S: Storage + 'static> Allocator<S> {
         let reftable = read_reftable(layer, meta, &h, &mut index).await?;
         index_tables(meta, &h, &mut index);
         let bitmap_entries = index_bitmaps(layer, meta, &h, &mut index).await?;
-        let bitmaps = crate::engine::bitmaps::load(layer, meta, bitmap_entries).await?;
+        let bitmaps = super::infra::bitmaps::load(layer, meta, bitmap_entries).await?;
         index_snapshots(layer, meta, &h, &mut index).await?;
         let block_bytes = cs as usize;
         let refcounts = cache::Cache::new(
@@ -253,7 +253,7 @@ impl<S: Storage + 'static> Allocator<S> {
     /// fdatasync of layer 0's files (data file first).
     pub(crate) async fn sync(&self) -> Result<()> {
         let top = self.top();
-        super::metacache::flush_layer(top)
+        super::infra::metacache::flush_layer(top)
             .await
             .map_err(|e| top.io_error("flushing", 0, e))
     }
@@ -503,7 +503,7 @@ async fn index_snapshots<S: Storage + 'static>(
     let g = &meta.geom;
     let cs = g.cluster_size();
     let snaps =
-        crate::engine::load::snapshot_table(&layer.file, &layer.name, h, g, meta.file_end.get())
+        super::infra::load::snapshot_table(&layer.file, &layer.name, h, g, meta.file_end.get())
             .await?;
     let len: u64 = snaps.iter().map(|s| s.1).sum();
     index.insert(

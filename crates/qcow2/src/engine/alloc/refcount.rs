@@ -14,8 +14,8 @@
 
 use super::reftable::RefTable;
 use super::Allocator;
-use crate::engine::error::{EngineError, Result};
-use crate::engine::overlap::MetaKind;
+use crate::engine::infra::error::{EngineError, Result};
+use crate::engine::infra::overlap::MetaKind;
 use crate::format::{be, header, limits, refcount, HostCluster, HostOffset};
 use std::future::Future;
 use std::pin::Pin;

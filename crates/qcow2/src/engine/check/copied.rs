@@ -9,7 +9,7 @@ use super::ondisk::{GetError, Refblocks};
 use super::pass::{Fix, Pass};
 use super::report::FindingKind;
 use super::tables::{cluster_type, ClusterType};
-use crate::engine::overlap::MetaKind;
+use crate::engine::infra::overlap::MetaKind;
 use crate::format::be;
 use crate::format::{l1, l2};
 use storage::{IoBuf, Storage};

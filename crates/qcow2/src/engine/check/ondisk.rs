@@ -5,7 +5,7 @@
 use super::error::CheckError;
 use super::io;
 use super::pass::Pass;
-use crate::engine::overlap::MetaKind;
+use crate::engine::infra::overlap::MetaKind;
 use crate::format::refcount;
 use storage::{IoBuf, Storage};
 

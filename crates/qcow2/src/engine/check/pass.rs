@@ -7,7 +7,7 @@ use super::imrt::Imrt;
 use super::io;
 use super::meta::Meta;
 use super::report::{CheckReport, Finding, FindingKind};
-use crate::engine::overlap::{MetaIndex, MetaKind};
+use crate::engine::infra::overlap::{MetaIndex, MetaKind};
 use crate::format::features::{AUTOCLEAR_KNOWN, INCOMPAT_CORRUPT};
 use crate::format::{header, HostOffset};
 use storage::{IoBuf, Storage};

@@ -2,7 +2,7 @@
 //! checked: what the checker's repair writes must not land on (see [`crate::engine::overlap`]).
 
 use super::meta::Meta;
-use crate::engine::overlap::{MetaIndex, MetaKind};
+use crate::engine::infra::overlap::{MetaIndex, MetaKind};
 use crate::format::{l1, refcount, HostOffset};
 
 impl Meta {
@@ -62,7 +62,7 @@ mod tests {
     use super::super::meta;
     use super::super::pass::{Fix, Pass};
     use super::super::report::Finding;
-    use crate::engine::overlap::MetaKind;
+    use crate::engine::infra::overlap::MetaKind;
     use crate::engine::{create, CreateOptions};
     use storage::MemStorage;
 

@@ -7,7 +7,7 @@ use super::imrt::Imrt;
 use super::io;
 use super::pass::Pass;
 use super::report::FindingKind;
-use crate::engine::overlap::MetaKind;
+use crate::engine::infra::overlap::MetaKind;
 use crate::format::be::words;
 use crate::format::l2_extended::{pack_bitmap, unpack_bitmap};
 use crate::format::limits;

@@ -5,10 +5,10 @@
 
 use super::plan::{Action, ClusterPlan, GuestRange, Old};
 use crate::engine::alloc::{NewEntry, Replaced};
-use crate::engine::chain::Piece;
-use crate::engine::error::{EngineError, Result};
-use crate::engine::image::Inner;
-use crate::engine::span_pool::{zero_uncovered, SpanBuf};
+use crate::engine::infra::chain::Piece;
+use crate::engine::infra::error::{EngineError, Result};
+use crate::engine::infra::image::Inner;
+use crate::engine::infra::span_pool::{zero_uncovered, SpanBuf};
 use crate::format::l2;
 use crate::format::l2_extended::pack_bitmap;
 use crate::format::{GuestOffset, HostOffset};

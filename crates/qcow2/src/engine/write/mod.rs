@@ -10,12 +10,17 @@
 //! that move or fill clusters hold an exclusive one, so two copy-on-writes of one subcluster
 //! never overwrite each other's data, and a read never sees a cluster being reused.
 
+pub(crate) mod compressed;
+mod discard;
 mod execute;
+mod flush;
 mod plan;
+mod preallocate;
+mod zero;
 
-use super::error::Result;
-use super::image::{Image, Inner};
-use super::range_lock::LockMode;
+use super::infra::error::Result;
+use super::infra::image::{Image, Inner};
+use super::infra::range_lock::LockMode;
 use crate::format::GuestOffset;
 use plan::Action;
 use storage::{IoBuf, Storage};

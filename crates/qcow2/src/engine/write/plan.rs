@@ -3,8 +3,8 @@
 //! the entry gets.
 
 use crate::engine::alloc::l2_entry::RawEntry;
-use crate::engine::error::{EngineError, Result};
-use crate::engine::image::Inner;
+use crate::engine::infra::error::{EngineError, Result};
+use crate::engine::infra::image::Inner;
 use crate::format::l2_extended::subcluster_mask;
 use crate::format::{ExtendedL2Entry, GuestOffset, HostOffset, L2Entry, SubclusterState};
 use storage::Storage;
