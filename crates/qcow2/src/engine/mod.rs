@@ -24,8 +24,7 @@
 //! one allocating write through them.
 
 mod alloc;
-pub mod check;
-mod infra;
+pub(crate) mod infra;
 mod metadata_ops;
 mod read;
 mod write;

@@ -12,7 +12,7 @@
 //! Needs qemu-img and qemu-io (Debian: qemu-utils).
 
 use crate::common::{assert_agree, Patch};
-use qcow2::engine::check::Repair;
+use qcow2::check::Repair;
 use qcow2::engine::{Image, OpenOptions};
 use qcow2::format::GuestOffset;
 use std::path::Path;

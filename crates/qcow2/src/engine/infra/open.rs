@@ -258,7 +258,7 @@ async fn build<S: Storage + 'static>(
                 // Lazy refcounts may be stale after a crash: rebuild them before any write,
                 // then load the rebuilt ones.
                 drop(checked);
-                crate::engine::check::repair_dirty_layer(&layers[0]).await?;
+                crate::check::repair_dirty_layer(&layers[0]).await?;
                 Some(Allocator::open(&layers, &chain.l2, bytes).await?)
             } else {
                 Some(checked)

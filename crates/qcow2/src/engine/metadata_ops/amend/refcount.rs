@@ -9,7 +9,7 @@
 //! durable.
 
 use super::entry::AmendError;
-use crate::engine::check::{self, CheckError, Switched};
+use crate::check::{self, CheckError, Switched};
 use crate::engine::infra::error::{EngineError, Result};
 use crate::engine::infra::image::Image;
 use crate::engine::infra::overlap::{MetaIndex, MetaKind};
