@@ -13,6 +13,7 @@
 //! Write, zero, discard, compressed write and resize plan what to change and call these.
 
 mod access;
+pub(crate) use access::MetaTxn;
 mod bitmaps;
 pub(crate) mod l2_entry;
 mod l2_table;

@@ -8,7 +8,7 @@ use super::load::Format;
 use super::metacache::{L2Cache, MetaCacheCounters, MetaCacheStats};
 use super::range_lock::{LockMode, RangeGuard, RangeLocks};
 use super::span_pool::{SpanBuf, SpanPool};
-use crate::engine::alloc::Allocator;
+use crate::engine::alloc::{Allocator, MetaTxn};
 use crate::format::GuestOffset;
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -55,6 +55,13 @@ pub(crate) struct Inner<S: Storage + 'static> {
     discard_passthrough: bool,
     /// Spare buffers for allocating writes' copy-on-write spans.
     spans: SpanPool,
+}
+
+/// The whole image held by one operation (see [`Inner::quiesce`]); dropping it lets
+/// requests in again.
+pub(crate) struct Quiesced<'a> {
+    _range: Option<RangeGuard<'a>>,
+    _meta: MetaTxn<'a>,
 }
 
 /// Facts about an open image, for `info`/`map` style output and for NBD negotiation.
@@ -341,6 +348,22 @@ impl<S: Storage + 'static> Inner<S> {
             }),
             Some(a) => a.ensure_usable().map(|()| a),
         }
+    }
+
+    /// Keeps every other request out of the whole image: all of layer 0's guest clusters
+    /// locked exclusively, then the allocator's metadata held, in that order (the order every
+    /// request takes them). For operations that change the image as a whole (snapshots, the
+    /// refcount width).
+    pub(crate) async fn quiesce(&self) -> Result<Quiesced<'_>> {
+        let alloc = self.alloc()?;
+        let range = self
+            .lock_range(GuestOffset(0), self.top().size.get(), LockMode::Exclusive)
+            .await;
+        let meta = alloc.exclusive().await;
+        Ok(Quiesced {
+            _range: range,
+            _meta: meta,
+        })
     }
 
     /// Refuses writes to a read-only image or one found corrupt.

@@ -7,15 +7,12 @@ use super::error::{EngineError, Result};
 use super::layer::{read_exact, Layer, LayerFormat, Qcow2Meta};
 use crate::crypto::{CryptoError, DataCrypto, LuksHeader, Unlock, SECTOR_SIZE};
 use crate::engine::backing_name;
-use crate::format::header::{CRYPT_AES, CRYPT_NONE};
+use crate::format::header::{CRYPT_AES, CRYPT_NONE, QCOW2_MAGIC};
 use crate::format::{Geometry, Header, SnapshotTableEntry, Structure};
 use crate::metadata::{Loader, MetadataError, StorageSource, Strictness, L1_TABLE};
 use std::cell::{Cell, RefCell};
 use std::path::{Path, PathBuf};
 use storage::{Opener, Storage};
-
-/// The four bytes every qcow2 image starts with.
-const QCOW2_MAGIC: [u8; 4] = *b"QFI\xfb";
 
 /// Image formats the engine reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,7 +90,7 @@ where
         source,
     })?;
     let magic = read_exact(&file, &name, "reading the header", 0, 4).await?;
-    let is_qcow2 = file_len >= 4 && magic[..4] == QCOW2_MAGIC;
+    let is_qcow2 = file_len >= 4 && magic[..4] == QCOW2_MAGIC.to_be_bytes();
     let format = match format {
         Some(f) => f,
         None if is_qcow2 => Format::Qcow2,

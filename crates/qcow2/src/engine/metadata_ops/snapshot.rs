@@ -25,8 +25,6 @@ use crate::engine::infra::error::{EngineError, Result};
 use crate::engine::infra::image::Image;
 use crate::engine::infra::layer::{Layer, Qcow2Meta};
 use crate::engine::infra::overlap::MetaKind;
-use crate::engine::infra::range_lock::LockMode;
-use crate::format::GuestOffset;
 use crate::format::{be, header, l1, limits, Geometry, HostOffset, SnapshotTableEntry};
 use storage::Storage;
 
@@ -85,11 +83,7 @@ impl<S: Storage + 'static> Image<S> {
         date: (u32, u32),
     ) -> Result<SnapshotTableEntry> {
         let t = self.snapshot_target()?;
-        let _range = self
-            .inner
-            .lock_range(GuestOffset(0), self.size(), LockMode::Exclusive)
-            .await;
-        let _meta = t.alloc.exclusive().await;
+        let _quiet = self.inner.quiesce().await?;
         let table = self.snapshots().await?;
         if table.len() >= limits::MAX_SNAPSHOTS as usize {
             return Err(self.snapshot_error(SnapshotError::TooMany(table.len())));
@@ -164,11 +158,7 @@ impl<S: Storage + 'static> Image<S> {
         if t.alloc.has_bitmaps() {
             return Err(self.snapshot_error(SnapshotError::ActiveBitmaps));
         }
-        let _range = self
-            .inner
-            .lock_range(GuestOffset(0), self.size(), LockMode::Exclusive)
-            .await;
-        let _meta = t.alloc.exclusive().await;
+        let _quiet = self.inner.quiesce().await?;
         let table = self.snapshots().await?;
         let wanted = id_or_name.as_bytes();
         let sn = table
@@ -261,11 +251,7 @@ impl<S: Storage + 'static> Image<S> {
     /// [`EngineError::SnapshotRelease`].
     pub async fn delete_snapshot(&self, id: &[u8], name: &[u8]) -> Result<Option<EngineError>> {
         let t = self.snapshot_target()?;
-        let _range = self
-            .inner
-            .lock_range(GuestOffset(0), self.size(), LockMode::Exclusive)
-            .await;
-        let _meta = t.alloc.exclusive().await;
+        let _quiet = self.inner.quiesce().await?;
         let table = self.snapshots().await?;
         let Some(pos) = table.iter().position(|s| s.id == id && s.name == name) else {
             let wanted = String::from_utf8_lossy(name).into_owned();

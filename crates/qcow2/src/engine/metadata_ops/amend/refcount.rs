@@ -13,8 +13,6 @@ use crate::check::{self, CheckError, Switched};
 use crate::engine::infra::error::{EngineError, Result};
 use crate::engine::infra::image::Image;
 use crate::engine::infra::overlap::{MetaIndex, MetaKind};
-use crate::engine::infra::range_lock::LockMode;
-use crate::format::GuestOffset;
 use crate::format::HostOffset;
 use storage::Storage;
 
@@ -32,11 +30,7 @@ impl<S: Storage + 'static> Image<S> {
                 image: top.name.clone(),
                 source,
             })?;
-        let _range = self
-            .inner
-            .lock_range(GuestOffset(0), top.size.get(), LockMode::Exclusive)
-            .await;
-        let _meta = w.exclusive().await;
+        let _quiet = self.inner.quiesce().await?;
         self.inner.flush().await?;
         w.mark_clean().await?;
         let new = match check::change_refcount_order(&top.file, order).await {
