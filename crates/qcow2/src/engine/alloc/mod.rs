@@ -210,12 +210,7 @@ impl<S: Storage + 'static> Allocator<S> {
     /// As [`write_meta`](Self::write_meta), for a table already in an I/O buffer: a table is
     /// a whole cluster (2 MiB at most), and a second copy of it would be memory for nothing.
     /// Gives the buffer back.
-    pub(crate) async fn write_meta_buf(
-        &self,
-        what: &'static str,
-        offset: u64,
-        buf: IoBuf,
-    ) -> Result<IoBuf> {
+    async fn write_meta_buf(&self, what: &'static str, offset: u64, buf: IoBuf) -> Result<IoBuf> {
         let len = buf.len() as u64;
         let top = self.top();
         let (res, buf) = top.file.write_at(buf.into(), offset).await;
@@ -270,7 +265,7 @@ impl<S: Storage + 'static> Allocator<S> {
 
     /// Sets the dirty bit (lazy refcounts) before the first L2 update that may outrun its
     /// refcounts; refcounts are then rebuilt on the next open unless we close cleanly.
-    pub(crate) async fn mark_dirty(&self) -> Result<()> {
+    async fn mark_dirty(&self) -> Result<()> {
         self.ensure_usable()?;
         if !self.lazy_refcounts.get() || self.dirty_on_disk.get() {
             return Ok(());
