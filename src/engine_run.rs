@@ -314,11 +314,13 @@ pub fn probe_format(path: &Path) -> Result<Format, OpenError> {
             .read(&mut magic[..got], 0)
             .map_err(|e| probe_err(e.into()))?;
         client.disconnect();
-        return Ok(if got == 4 && magic == *b"QFI\xfb" {
-            Format::Qcow2
-        } else {
-            Format::Raw
-        });
+        return Ok(
+            if got == 4 && magic == qcow2::format::header::QCOW2_MAGIC.to_be_bytes() {
+                Format::Qcow2
+            } else {
+                Format::Raw
+            },
+        );
     }
     if let Some((_, image)) = path.to_str().and_then(storage::blkdebug::split_name) {
         // Fault injection changes no bytes: the wrapped file tells the format.
@@ -334,11 +336,13 @@ pub fn probe_format(path: &Path) -> Result<Format, OpenError> {
             Err(e) => return Err(probe_err(e)),
         }
     }
-    Ok(if got == 4 && magic == *b"QFI\xfb" {
-        Format::Qcow2
-    } else {
-        Format::Raw
-    })
+    Ok(
+        if got == 4 && magic == qcow2::format::header::QCOW2_MAGIC.to_be_bytes() {
+            Format::Qcow2
+        } else {
+            Format::Raw
+        },
+    )
 }
 
 /// Opens `path` read-only with its backing chain; `format` `None` probes it; `force_share`

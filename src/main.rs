@@ -166,8 +166,8 @@ fn main() -> ExitCode {
     if personality != prog::Personality::Native {
         // QEMU's tools print what the repair of a dirty image on open finds, as `check -r
         // all` prints it; our own name keeps it in the log.
-        qcow2::engine::check::report_repairs_to(|f| match f.kind {
-            qcow2::engine::check::FindingKind::Reported => {
+        qcow2::check::report_repairs_to(|f| match f.kind {
+            qcow2::check::FindingKind::Reported => {
                 eprintln!("{}: {}", prog::name(), f.message)
             }
             _ => eprintln!("{}", f.message),

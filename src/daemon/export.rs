@@ -406,7 +406,9 @@ impl ImageExport {
 fn foreign_header(sector: &[u8]) -> Option<&'static str> {
     // qcow and qcow2 share a magic and tell themselves apart by the version after it;
     // version 0 is neither.
-    if sector.starts_with(b"QFI\xfb") && sector.get(4..8).is_some_and(|v| v != [0; 4]) {
+    if sector.starts_with(&qcow2::format::header::QCOW2_MAGIC.to_be_bytes())
+        && sector.get(4..8).is_some_and(|v| v != [0; 4])
+    {
         return Some("qcow/qcow2");
     }
     const AT_START: &[(&[u8], &str)] = &[

@@ -1,8 +1,11 @@
 //! qcow2: the metadata loader ([`metadata`]), a synchronous inspector that decodes an image's
-//! metadata for `qcow2-nbd info` ([`inspect`]) and the async image engine ([`engine`]); and
+//! metadata for `qcow2-nbd info` ([`inspect`]), the async image engine ([`engine`]), the
+//! checker and repairer `qcow2-nbd check` runs ([`check`], a tool over the engine's layers
+//! and overlap index rather than a part of the engine); and
 //! what a new image of a given shape costs on disk ([`measure`]). The format itself, as pure
 //! I/O-free types, is the `qcow2-format` crate ([`format`]).
 
+pub mod check;
 pub mod crypto;
 pub mod declared;
 pub mod engine;

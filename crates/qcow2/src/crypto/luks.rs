@@ -172,72 +172,7 @@ impl LuksHeader {
         if payload_offset < header_sectors {
             return Err(corrupt("LUKS payload is overlapping with the header"));
         }
-        let mut slots = Vec::with_capacity(SLOT_COUNT);
-        for i in 0..SLOT_COUNT {
-            let s = &b[208 + 48 * i..208 + 48 * (i + 1)];
-            let state = be32(s, 0);
-            let mut salt = [0u8; SALT_LEN];
-            salt.copy_from_slice(&s[8..40]);
-            let slot = KeySlot {
-                active: match state {
-                    SLOT_ENABLED => true,
-                    SLOT_DISABLED => false,
-                    _ => {
-                        return Err(corrupt(format!(
-                            "Keyslot {i} state (active/disable) is corrupted"
-                        )))
-                    }
-                },
-                iterations: be32(s, 4),
-                salt,
-                key_offset: be32(s, 40),
-                stripes: be32(s, 44),
-            };
-            if slot.stripes != STRIPES {
-                return Err(corrupt(format!(
-                    "Keyslot {i} is corrupted (stripes {} != {STRIPES})",
-                    slot.stripes
-                )));
-            }
-            if slot.active && slot.iterations == 0 {
-                return Err(corrupt(format!("Keyslot {i} iteration count is zero")));
-            }
-            if slot.active && slot.iterations > MAX_ITERS {
-                return Err(corrupt(format!(
-                    "Keyslot {i} iterations {} exceed the limit {MAX_ITERS}",
-                    slot.iterations
-                )));
-            }
-            if slot.key_offset < header_sectors {
-                return Err(corrupt(format!(
-                    "Keyslot {i} is overlapping with the LUKS header"
-                )));
-            }
-            let start = u64::from(slot.key_offset) * SECTOR_SIZE;
-            let end = start + material_len(key_len, slot.stripes);
-            if end > u64::from(payload_offset) * SECTOR_SIZE {
-                return Err(corrupt(format!(
-                    "Keyslot {i} is overlapping with the encrypted payload"
-                )));
-            }
-            if end > area.len() as u64 {
-                return Err(corrupt(format!(
-                    "Keyslot {i} key material ends at {end}, past the encryption header ({} bytes)",
-                    area.len()
-                )));
-            }
-            for (j, other) in slots.iter().enumerate() {
-                let o: &KeySlot = other;
-                let ostart = u64::from(o.key_offset) * SECTOR_SIZE;
-                let oend = ostart + material_len(key_len, o.stripes);
-                if start < oend && ostart < end {
-                    return Err(corrupt(format!(
-                        "Keyslots {j} and {i} are overlapping in the header"
-                    )));
-                }
-            }
-            slots.push(slot);
-        }
+        let slots = parse_slots(b, area.len(), key_len, payload_offset, header_sectors)?;
         Ok(LuksHeader {
             cipher,
             mode,
@@ -583,6 +518,84 @@ pub fn create(password: &[u8], opts: &LuksCreate) -> Result<(Vec<u8>, Vec<u8>), 
     h.store_key(&mut area, 0, password, &master, iters)?;
     area[..HEADER_LEN].copy_from_slice(&h.encode());
     Ok((area, master))
+}
+
+/// The key slots of the fixed header `b`, each checked against the header, the payload and
+/// the other slots (`area_len` is the whole encryption area's length).
+fn parse_slots(
+    b: &[u8],
+    area_len: usize,
+    key_len: u32,
+    payload_offset: u32,
+    header_sectors: u32,
+) -> Result<Vec<KeySlot>, CryptoError> {
+    let mut slots = Vec::with_capacity(SLOT_COUNT);
+    for i in 0..SLOT_COUNT {
+        let s = &b[208 + 48 * i..208 + 48 * (i + 1)];
+        let state = be32(s, 0);
+        let mut salt = [0u8; SALT_LEN];
+        salt.copy_from_slice(&s[8..40]);
+        let slot = KeySlot {
+            active: match state {
+                SLOT_ENABLED => true,
+                SLOT_DISABLED => false,
+                _ => {
+                    return Err(corrupt(format!(
+                        "Keyslot {i} state (active/disable) is corrupted"
+                    )))
+                }
+            },
+            iterations: be32(s, 4),
+            salt,
+            key_offset: be32(s, 40),
+            stripes: be32(s, 44),
+        };
+        if slot.stripes != STRIPES {
+            return Err(corrupt(format!(
+                "Keyslot {i} is corrupted (stripes {} != {STRIPES})",
+                slot.stripes
+            )));
+        }
+        if slot.active && slot.iterations == 0 {
+            return Err(corrupt(format!("Keyslot {i} iteration count is zero")));
+        }
+        if slot.active && slot.iterations > MAX_ITERS {
+            return Err(corrupt(format!(
+                "Keyslot {i} iterations {} exceed the limit {MAX_ITERS}",
+                slot.iterations
+            )));
+        }
+        if slot.key_offset < header_sectors {
+            return Err(corrupt(format!(
+                "Keyslot {i} is overlapping with the LUKS header"
+            )));
+        }
+        let start = u64::from(slot.key_offset) * SECTOR_SIZE;
+        let end = start + material_len(key_len, slot.stripes);
+        if end > u64::from(payload_offset) * SECTOR_SIZE {
+            return Err(corrupt(format!(
+                "Keyslot {i} is overlapping with the encrypted payload"
+            )));
+        }
+        if end > area_len as u64 {
+            return Err(corrupt(format!(
+                "Keyslot {i} key material ends at {end}, past the encryption header ({} bytes)",
+                area_len
+            )));
+        }
+        for (j, other) in slots.iter().enumerate() {
+            let o: &KeySlot = other;
+            let ostart = u64::from(o.key_offset) * SECTOR_SIZE;
+            let oend = ostart + material_len(key_len, o.stripes);
+            if start < oend && ostart < end {
+                return Err(corrupt(format!(
+                    "Keyslots {j} and {i} are overlapping in the header"
+                )));
+            }
+        }
+        slots.push(slot);
+    }
+    Ok(slots)
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 //! Needs qemu-img (Debian: qemu-utils).
 
 use crate::common::{our_check, Patch};
-use qcow2::engine::check::Repair;
+use qcow2::check::Repair;
 use qcow2::engine::{Image, OpenOptions};
 use qcow2::format::GuestOffset;
 use std::path::Path;

@@ -12,7 +12,7 @@
 //! Needs qemu-img and qemu-io (Debian: qemu-utils).
 
 use crate::common::{assert_agree, Patch};
-use qcow2::engine::check::Repair;
+use qcow2::check::Repair;
 use qcow2::engine::{Image, OpenOptions};
 use qcow2::format::GuestOffset;
 use std::path::Path;
@@ -151,7 +151,21 @@ struct Case {
     patch: fn(&Patch, &Path),
 }
 
+/// Every corruption case, in the order the tests report them.
 fn cases() -> Vec<Case> {
+    [
+        entry_cases(),
+        refcount_cases(),
+        cluster_kind_cases(),
+        snapshot_bitmap_header_cases(),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
+}
+
+/// L1 and L2 tables and entries: placement, overlaps, reserved bits.
+fn entry_cases() -> Vec<Case> {
     vec![
         Case {
             name: "l1_entry_past_eof",
@@ -258,6 +272,12 @@ fn cases() -> Vec<Case> {
                 p.put_u64(at, p.u64(at) | 0x1)
             },
         },
+    ]
+}
+
+/// Stored refcounts and refcount blocks.
+fn refcount_cases() -> Vec<Case> {
+    vec![
         Case {
             name: "refcount_too_low",
             engine: None,
@@ -324,6 +344,12 @@ fn cases() -> Vec<Case> {
             base: "std",
             patch: |p, _| p.put_u64(p.reftable_offset() + 8, p.l2_table(0)),
         },
+    ]
+}
+
+/// Subcluster bitmaps and compressed clusters.
+fn cluster_kind_cases() -> Vec<Case> {
+    vec![
         Case {
             name: "subcluster_allocated_and_zero",
             engine: Some("a subcluster is marked both allocated and zero"),
@@ -380,6 +406,12 @@ fn cases() -> Vec<Case> {
                 p.put_u64(at, COMPRESSED | (7 << 58) | (len - 512))
             },
         },
+    ]
+}
+
+/// Snapshots, bitmaps, the header and the file as a whole.
+fn snapshot_bitmap_header_cases() -> Vec<Case> {
+    vec![
         Case {
             name: "snapshot_l1_table_unaligned",
             engine: Some("l1_table_offset 0x15200 is not aligned"),

@@ -6,7 +6,7 @@
 //!
 //! Needs qemu-img and qemu-io (Debian: qemu-utils) to make the base images.
 
-use qcow2::engine::check::{self, Repair};
+use qcow2::check::{self, Repair};
 use storage::MemStorage;
 use test_support::{create_image, qemu_img, qemu_io, Dir, Rng};
 

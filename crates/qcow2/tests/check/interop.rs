@@ -5,7 +5,7 @@
 //! Needs qemu-img and qemu-io (Debian: qemu-utils).
 
 use crate::common::{assert_agree, our_check, qemu_check};
-use qcow2::engine::check::Repair;
+use qcow2::check::Repair;
 use test_support::{create_image, qemu_img, qemu_io, Dir};
 
 /// Writes a pattern of data, zeros and discards over the first MiBs of an image.

@@ -7,7 +7,7 @@
 //! Needs qemu-img and qemu-io (Debian: qemu-utils).
 
 use crate::common::{assert_agree, our_check, qemu_check, Patch};
-use qcow2::engine::check::{self, Repair};
+use qcow2::check::{self, Repair};
 use qcow2::engine::{Image, OpenOptions};
 use qcow2::format::GuestOffset;
 use std::path::{Path, PathBuf};

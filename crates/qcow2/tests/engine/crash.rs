@@ -183,6 +183,22 @@ async fn add_bitmaps(top: &MemStorage) {
     img.close().await.unwrap();
 }
 
+/// What the fresh image reads as, and the expectation that all of it is durable.
+fn initial_model(c: &Config) -> (Vec<u8>, Expect) {
+    let mut model = if c.backing {
+        base_bytes(c.largest())
+    } else {
+        vec![0u8; c.largest() as usize]
+    };
+    model.truncate(c.size as usize);
+    let expect = Expect {
+        durable: model.clone(),
+        dirty: vec![false; model.len()],
+        tracked: Vec::new(),
+    };
+    (model, expect)
+}
+
 /// Runs the workload until the storage dies after `fail_after` operations (or to the end),
 /// and returns what a crash now may show.
 async fn run_workload(c: &Config, ops: &[Op], fail_after: Option<u64>) -> (FaultFs, Expect, u64) {
@@ -192,17 +208,7 @@ async fn run_workload(c: &Config, ops: &[Op], fail_after: Option<u64>) -> (Fault
         .unwrap();
     let handle = fs.0.borrow()[Path::new(TOP)].clone();
     let mut touched_so_far: Vec<(u64, u64)> = Vec::new();
-    let mut model = if c.backing {
-        base_bytes(c.largest())
-    } else {
-        vec![0u8; c.largest() as usize]
-    };
-    model.truncate(c.size as usize);
-    let mut expect = Expect {
-        durable: model.clone(),
-        dirty: vec![false; model.len()],
-        tracked: Vec::new(),
-    };
+    let (mut model, mut expect) = initial_model(c);
     if let Some(n) = fail_after {
         handle.fail_after(n, InjectedError::Eio);
     }

@@ -4,10 +4,10 @@
 
 use super::reftable::RefTable;
 use super::Allocator;
-use crate::engine::bitmaps::Bitmaps;
-use crate::engine::error::{EngineError, Result};
-use crate::engine::metacache::MetaCacheCounters;
-use crate::engine::overlap::{MetaIndex, MetaKind};
+use crate::engine::infra::bitmaps::Bitmaps;
+use crate::engine::infra::error::{EngineError, Result};
+use crate::engine::infra::metacache::MetaCacheCounters;
+use crate::engine::infra::overlap::{MetaIndex, MetaKind};
 use crate::format::{HostCluster, HostOffset};
 use storage::Storage;
 

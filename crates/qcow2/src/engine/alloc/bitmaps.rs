@@ -9,9 +9,11 @@
 //! after it, the new one is complete.
 
 use super::Allocator;
-use crate::engine::bitmaps::{in_use_entry, read_table, stored_entry, Bitmap, Bitmaps, State};
-use crate::engine::error::{EngineError, Result};
-use crate::engine::overlap::MetaKind;
+use crate::engine::infra::bitmaps::{
+    in_use_entry, read_table, stored_entry, Bitmap, Bitmaps, State,
+};
+use crate::engine::infra::error::{EngineError, Result};
+use crate::engine::infra::overlap::MetaKind;
 use crate::format::bitmap::{encode_directory, BitmapDirectoryEntry, BitmapsExtension};
 use crate::format::bitmap_data::BitmapData;
 use crate::format::features::AUTOCLEAR_BITMAPS;

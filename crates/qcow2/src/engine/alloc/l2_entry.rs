@@ -2,8 +2,8 @@
 //! side's view; reads use `map`).
 
 use super::Allocator;
-use crate::engine::error::{EngineError, Result};
-use crate::engine::metacache::L2Key;
+use crate::engine::infra::error::{EngineError, Result};
+use crate::engine::infra::metacache::L2Key;
 use crate::format::{l2, GuestOffset, HostOffset};
 use storage::Storage;
 

@@ -5,9 +5,9 @@
 //! and only then does the L1 entry point to it; a shared table loses its reference last.
 
 use super::Allocator;
-use crate::engine::error::Result;
-use crate::engine::metacache::L2Key;
-use crate::engine::overlap::MetaKind;
+use crate::engine::infra::error::Result;
+use crate::engine::infra::metacache::L2Key;
+use crate::engine::infra::overlap::MetaKind;
 use crate::format::{be, l1, HostOffset, L1Index};
 use storage::{IoBuf, Storage};
 

@@ -13,6 +13,7 @@
 //! Write, zero, discard, compressed write and resize plan what to change and call these.
 
 mod access;
+pub(crate) use access::MetaTxn;
 mod bitmaps;
 pub(crate) mod l2_entry;
 mod l2_table;
@@ -27,12 +28,12 @@ use prealloc::{GrowAhead, PausedGrowth};
 pub(crate) use run::{NewEntry, Replaced};
 pub(crate) use snapshots::RefCounts;
 
-use crate::engine::bitmaps::Bitmaps;
-use crate::engine::error::{EngineError, Result};
-use crate::engine::layer::{Layer, Qcow2Meta};
-use crate::engine::metacache::L2Cache;
-use crate::engine::metacache::{RefcountBackend, RefcountCache};
-use crate::engine::overlap::{MetaIndex, MetaKind};
+use super::infra::bitmaps::Bitmaps;
+use super::infra::error::{EngineError, Result};
+use super::infra::layer::{Layer, Qcow2Meta};
+use super::infra::metacache::L2Cache;
+use super::infra::metacache::{RefcountBackend, RefcountCache};
+use super::infra::overlap::{MetaIndex, MetaKind};
 use crate::format::features::{INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
 use crate::format::{
     l1, BitmapDirectoryEntry, HostCluster, HostOffset, RefcountTableEntry, Structure,
@@ -101,7 +102,7 @@ impl<S: Storage + 'static> Allocator<S> {
         let reftable = read_reftable(layer, meta, &h, &mut index).await?;
         index_tables(meta, &h, &mut index);
         let bitmap_entries = index_bitmaps(layer, meta, &h, &mut index).await?;
-        let bitmaps = crate::engine::bitmaps::load(layer, meta, bitmap_entries).await?;
+        let bitmaps = super::infra::bitmaps::load(layer, meta, bitmap_entries).await?;
         index_snapshots(layer, meta, &h, &mut index).await?;
         let block_bytes = cs as usize;
         let refcounts = cache::Cache::new(
@@ -209,12 +210,7 @@ impl<S: Storage + 'static> Allocator<S> {
     /// As [`write_meta`](Self::write_meta), for a table already in an I/O buffer: a table is
     /// a whole cluster (2 MiB at most), and a second copy of it would be memory for nothing.
     /// Gives the buffer back.
-    pub(crate) async fn write_meta_buf(
-        &self,
-        what: &'static str,
-        offset: u64,
-        buf: IoBuf,
-    ) -> Result<IoBuf> {
+    async fn write_meta_buf(&self, what: &'static str, offset: u64, buf: IoBuf) -> Result<IoBuf> {
         let len = buf.len() as u64;
         let top = self.top();
         let (res, buf) = top.file.write_at(buf.into(), offset).await;
@@ -253,7 +249,7 @@ impl<S: Storage + 'static> Allocator<S> {
     /// fdatasync of layer 0's files (data file first).
     pub(crate) async fn sync(&self) -> Result<()> {
         let top = self.top();
-        super::metacache::flush_layer(top)
+        super::infra::metacache::flush_layer(top)
             .await
             .map_err(|e| top.io_error("flushing", 0, e))
     }
@@ -269,7 +265,7 @@ impl<S: Storage + 'static> Allocator<S> {
 
     /// Sets the dirty bit (lazy refcounts) before the first L2 update that may outrun its
     /// refcounts; refcounts are then rebuilt on the next open unless we close cleanly.
-    pub(crate) async fn mark_dirty(&self) -> Result<()> {
+    async fn mark_dirty(&self) -> Result<()> {
         self.ensure_usable()?;
         if !self.lazy_refcounts.get() || self.dirty_on_disk.get() {
             return Ok(());
@@ -503,7 +499,7 @@ async fn index_snapshots<S: Storage + 'static>(
     let g = &meta.geom;
     let cs = g.cluster_size();
     let snaps =
-        crate::engine::load::snapshot_table(&layer.file, &layer.name, h, g, meta.file_end.get())
+        super::infra::load::snapshot_table(&layer.file, &layer.name, h, g, meta.file_end.get())
             .await?;
     let len: u64 = snaps.iter().map(|s| s.1).sum();
     index.insert(

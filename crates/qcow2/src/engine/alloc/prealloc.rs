@@ -92,7 +92,7 @@ impl GrowAhead {
     /// blocks in the middle of the file, which a close cannot give back. The guard resumes
     /// past everything allocated meanwhile (`file_end` when it is dropped), leaving the holes
     /// below it alone.
-    pub(crate) fn pause<'a>(&'a self, file_end: &'a Cell<u64>) -> PausedGrowth<'a> {
+    pub(super) fn pause<'a>(&'a self, file_end: &'a Cell<u64>) -> PausedGrowth<'a> {
         PausedGrowth {
             grow: self,
             file_end,
@@ -102,7 +102,7 @@ impl GrowAhead {
 
     /// Gives back what was grown ahead and never used: `file` ends again at `end`, the last
     /// allocated cluster (or where it ended when opened).
-    pub(crate) async fn trim<S: Storage>(&self, file: &S, end: u64) -> std::io::Result<()> {
+    pub(super) async fn trim<S: Storage>(&self, file: &S, end: u64) -> std::io::Result<()> {
         let grown = self.to.get();
         if grown == 0 || grown <= end {
             return Ok(());
@@ -113,7 +113,7 @@ impl GrowAhead {
     }
 
     /// The file was truncated to `end`: growing ahead, if on, goes on from there.
-    pub(crate) fn truncated(&self, end: u64) {
+    pub(super) fn truncated(&self, end: u64) {
         if self.to.get() != 0 {
             self.to.set(end.max(1));
         }

@@ -14,8 +14,8 @@
 
 use super::reftable::RefTable;
 use super::Allocator;
-use crate::engine::error::{EngineError, Result};
-use crate::engine::overlap::MetaKind;
+use crate::engine::infra::error::{EngineError, Result};
+use crate::engine::infra::overlap::MetaKind;
 use crate::format::{be, header, limits, refcount, HostCluster, HostOffset};
 use std::future::Future;
 use std::pin::Pin;
@@ -257,7 +257,7 @@ impl<S: Storage + 'static> Allocator<S> {
     }
 
     /// Frees the host clusters a compressed cluster's data touches (one reference each).
-    pub(crate) async fn free_compressed(&self, raw: u64) -> Result<()> {
+    pub(super) async fn free_compressed(&self, raw: u64) -> Result<()> {
         let meta = self.meta();
         let desc = crate::format::CompressedDescriptor::decode(
             raw,
@@ -282,7 +282,7 @@ impl<S: Storage + 'static> Allocator<S> {
     }
 
     /// Tracks the end of everything allocated, for pointer checks.
-    pub(crate) fn note_allocated_end(&self, end: u64) {
+    pub(super) fn note_allocated_end(&self, end: u64) {
         let meta = self.meta();
         if end > meta.file_end.get() {
             meta.file_end.set(end);
@@ -435,7 +435,7 @@ impl<S: Storage + 'static> Allocator<S> {
     /// Allocates `len` (< cluster size) bytes for compressed data, packing compressed
     /// clusters into shared host clusters as QEMU does: every host cluster the data touches
     /// gets one reference per compressed cluster. Returns the byte offset.
-    pub(crate) async fn alloc_bytes(&self, len: u64) -> Result<HostOffset> {
+    pub(super) async fn alloc_bytes(&self, len: u64) -> Result<HostOffset> {
         let (cs, order, _) = self.rc_geometry();
         let max = refcount::max_value(order).unwrap_or(u64::MAX);
         let cur = self.free_byte_offset.get();
@@ -461,7 +461,7 @@ impl<S: Storage + 'static> Allocator<S> {
     }
 
     /// The writer's refcount cache as a dependency target.
-    pub(crate) fn refcounts_flush(&self) -> Rc<dyn cache::Flush> {
+    pub(super) fn refcounts_flush(&self) -> Rc<dyn cache::Flush> {
         self.refcounts.clone()
     }
 }

@@ -14,7 +14,7 @@ pub(crate) struct RefTable {
 
 impl RefTable {
     /// A table of `entries.len()` entries holding `entries`.
-    pub(crate) fn from_entries(mut entries: Vec<u64>) -> Self {
+    pub(super) fn from_entries(mut entries: Vec<u64>) -> Self {
         let capacity = entries.len();
         let used = entries.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);
         entries.truncate(used);
@@ -26,7 +26,7 @@ impl RefTable {
     }
 
     /// A table of `capacity` entries whose first ones are `used` (the rest are 0).
-    pub(crate) fn from_prefix(used: Vec<u64>, capacity: usize) -> Self {
+    pub(super) fn from_prefix(used: Vec<u64>, capacity: usize) -> Self {
         let mut t = Self::from_entries(used);
         t.capacity = capacity.max(t.used.len());
         t
@@ -58,7 +58,7 @@ impl RefTable {
     }
 
     /// The entries up to the last non-zero one (every later entry is 0).
-    pub(crate) fn used(&self) -> &[u64] {
+    pub(super) fn used(&self) -> &[u64] {
         &self.used
     }
 

@@ -14,7 +14,7 @@
 //! before the L2 table does. Old clusters are freed only after their entries changed.
 
 use super::Allocator;
-use crate::engine::error::{EngineError, Result};
+use crate::engine::infra::error::{EngineError, Result};
 use crate::format::l2;
 use crate::format::l2_extended::{pack_bitmap, unpack_bitmap};
 use crate::format::{GuestOffset, HostOffset, L1Index};

@@ -7,7 +7,7 @@
 
 use super::reftable::RefTable;
 use super::Allocator;
-use crate::engine::error::Result;
+use crate::engine::infra::error::Result;
 use crate::format::{be, refcount, HostCluster, HostOffset};
 use storage::Storage;
 

@@ -12,10 +12,9 @@
 //! leak) beside a flag that is still right for the references that are used.
 
 use super::Allocator;
-use crate::engine::error::{EngineError, Result};
-use crate::engine::metacache::L2Key;
-use crate::engine::overlap::MetaKind;
-use crate::engine::snapshot_ops::SnapshotError;
+use crate::engine::infra::error::{EngineError, Result, SnapshotError};
+use crate::engine::infra::metacache::L2Key;
+use crate::engine::infra::overlap::MetaKind;
 use crate::format::snapshot::encode_qemu_table;
 use crate::format::{
     be, header, l1, l2, refcount, CompressedDescriptor, HostCluster, HostOffset, Location,

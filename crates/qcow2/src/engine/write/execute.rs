@@ -5,10 +5,10 @@
 
 use super::plan::{Action, ClusterPlan, GuestRange, Old};
 use crate::engine::alloc::{NewEntry, Replaced};
-use crate::engine::chain::Piece;
-use crate::engine::error::{EngineError, Result};
-use crate::engine::image::Inner;
-use crate::engine::span_pool::{zero_uncovered, SpanBuf};
+use crate::engine::infra::chain::Piece;
+use crate::engine::infra::error::{EngineError, Result};
+use crate::engine::infra::image::Inner;
+use crate::engine::infra::span_pool::{zero_uncovered, SpanBuf};
 use crate::format::l2;
 use crate::format::l2_extended::pack_bitmap;
 use crate::format::{GuestOffset, HostOffset};
@@ -22,7 +22,7 @@ impl<S: Storage + 'static> Inner<S> {
         mut buf: IoBuf,
         plans: &[ClusterPlan],
     ) -> (Result<()>, IoBuf) {
-        let cs = self.chain.top().qcow2().expect("qcow2").geom.cluster_size();
+        let cs = self.top().qcow2().expect("qcow2").geom.cluster_size();
         let mut i = 0;
         while i < plans.len() {
             let mut j = i + 1;
@@ -81,7 +81,7 @@ impl<S: Storage + 'static> Inner<S> {
         if let Err(e) = checked {
             return (Err(e), buf);
         }
-        let top = self.chain.top();
+        let top = self.top();
         top.announce(Event::WriteAio);
         let range = (from - offset) as usize..(to - offset) as usize;
         if let Some(c) = top.qcow2().and_then(|m| m.crypto.as_ref()) {
@@ -111,11 +111,11 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Remembers how far the image file may hold data.
     fn note_written(&self, end: HostOffset) {
-        let top = self.chain.top();
+        let top = self.top();
         if top.qcow2().is_some_and(|m| m.data_file.is_some()) {
             return;
         }
-        if let Some(w) = &self.alloc {
+        if let Some(w) = self.writer() {
             w.note_file_end(end);
         }
     }
@@ -127,7 +127,7 @@ impl<S: Storage + 'static> Inner<S> {
         buf: IoBuf,
         plans: &[ClusterPlan],
     ) -> (Result<()>, IoBuf) {
-        let cs = self.chain.top().qcow2().expect("qcow2").geom.cluster_size();
+        let cs = self.top().qcow2().expect("qcow2").geom.cluster_size();
         let end = offset + buf.len() as u64;
         let first = &plans[0];
         let Action::InPlace { host, .. } = first.action else {
@@ -165,7 +165,7 @@ impl<S: Storage + 'static> Inner<S> {
         buf: IoBuf,
         plans: &[ClusterPlan],
     ) -> (Result<()>, IoBuf) {
-        let top = self.chain.top();
+        let top = self.top();
         let meta = top.qcow2().expect("qcow2");
         let g = &meta.geom;
         let cs = g.cluster_size();
@@ -227,7 +227,7 @@ impl<S: Storage + 'static> Inner<S> {
         host: HostOffset,
         fresh: bool,
     ) -> (Result<()>, IoBuf) {
-        let meta = self.chain.top().qcow2().expect("qcow2");
+        let meta = self.top().qcow2().expect("qcow2");
         let cs = meta.geom.cluster_size();
         // A fresh cluster of an encrypted image reads as ciphertext, not zeros: every byte
         // of it must be written, zeros enciphered like any data.
@@ -244,7 +244,7 @@ impl<S: Storage + 'static> Inner<S> {
                     continue;
                 }
                 let mut pieces = Vec::new();
-                if let Err(e) = self.chain.resolve(s, t - s, 0, &mut pieces).await {
+                if let Err(e) = self.resolve(s, t - s, &mut pieces).await {
                     return (Err(e), buf);
                 }
                 if fresh && pieces.iter().all(|q| q.src.is_zero()) {
@@ -278,7 +278,7 @@ impl<S: Storage + 'static> Inner<S> {
         let SpanBuf {
             buf: mut span,
             zeroed,
-        } = self.spans.take((span_to - span_from) as usize);
+        } = self.take_span((span_to - span_from) as usize);
         // All fills in one call, in guest order, so that a head and a tail are read
         // concurrently, or as one request when little lies between them.
         fills.sort_by_key(|f| f.0);
@@ -292,7 +292,7 @@ impl<S: Storage + 'static> Inner<S> {
         }
         let pieces: Vec<Piece> = fills.iter().flat_map(|f| f.2.iter().copied()).collect();
         if let Err(e) = self.fill(span_from.0, &pieces, &mut span).await {
-            self.spans.give(span);
+            self.give_span(span);
             return (Err(e), buf);
         }
         span[(data_from - span_from) as usize..(data_to - span_from) as usize]
@@ -306,7 +306,7 @@ impl<S: Storage + 'static> Inner<S> {
                 host + (span_from - first),
             )
             .await;
-        self.spans.give(span);
+        self.give_span(span);
         (res, buf)
     }
 }

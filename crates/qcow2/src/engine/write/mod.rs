@@ -10,12 +10,17 @@
 //! that move or fill clusters hold an exclusive one, so two copy-on-writes of one subcluster
 //! never overwrite each other's data, and a read never sees a cluster being reused.
 
+pub(crate) mod compressed;
+mod discard;
 mod execute;
+mod flush;
 mod plan;
+mod preallocate;
+mod zero;
 
-use super::error::Result;
-use super::image::{Image, Inner};
-use super::range_lock::LockMode;
+use super::infra::error::Result;
+use super::infra::image::{Image, Inner};
+use super::infra::range_lock::LockMode;
 use crate::format::GuestOffset;
 use plan::Action;
 use storage::{IoBuf, Storage};
@@ -45,7 +50,7 @@ impl<S: Storage + 'static> Inner<S> {
             return (Ok(()), buf);
         }
         self.track(offset, len);
-        let top = self.chain.top();
+        let top = self.top();
         if top.qcow2().is_none() {
             // A raw layer 0 is the guest's disk byte for byte.
             let (res, slice) = top.file.write_at(buf.into(), offset.0).await;

@@ -3,8 +3,8 @@
 //! the entry gets.
 
 use crate::engine::alloc::l2_entry::RawEntry;
-use crate::engine::error::{EngineError, Result};
-use crate::engine::image::Inner;
+use crate::engine::infra::error::{EngineError, Result};
+use crate::engine::infra::image::Inner;
 use crate::format::l2_extended::subcluster_mask;
 use crate::format::{ExtendedL2Entry, GuestOffset, HostOffset, L2Entry, SubclusterState};
 use storage::Storage;
@@ -77,7 +77,7 @@ impl Touch<'_> {
 impl<S: Storage + 'static> Inner<S> {
     /// Decides, cluster by cluster, how `[offset, offset + len)` is written.
     pub(super) async fn plan(&self, offset: GuestOffset, len: u64) -> Result<Vec<ClusterPlan>> {
-        let top = self.chain.top();
+        let top = self.top();
         let meta = top.qcow2().expect("qcow2");
         let g = &meta.geom;
         let cs = g.cluster_size();
@@ -104,13 +104,13 @@ impl<S: Storage + 'static> Inner<S> {
 
     fn decode_err(&self, source: crate::format::FormatError) -> EngineError {
         EngineError::Format {
-            image: self.chain.top().name.clone(),
+            image: self.name(),
             source,
         }
     }
 
     fn plan_standard(&self, t: &Touch) -> Result<ClusterPlan> {
-        let meta = self.chain.top().qcow2().expect("qcow2");
+        let meta = self.top().qcow2().expect("qcow2");
         let g = &meta.geom;
         let e = t.e;
         let index = g.l2_index(e.cluster) as u64;
@@ -156,7 +156,7 @@ impl<S: Storage + 'static> Inner<S> {
     }
 
     fn plan_extended(&self, t: &Touch) -> Result<ClusterPlan> {
-        let meta = self.chain.top().qcow2().expect("qcow2");
+        let meta = self.top().qcow2().expect("qcow2");
         let g = &meta.geom;
         let e = t.e;
         let index = g.l2_index(e.cluster) as u64;
@@ -198,16 +198,16 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// A data cluster we are about to write must be where the entry's table says it can be.
     fn check_host(&self, e: &RawEntry, host: HostOffset) -> Result<()> {
-        let meta = self.chain.top().qcow2().expect("qcow2");
+        let meta = self.top().qcow2().expect("qcow2");
         let (table, cluster, host) = (e.table_offset().0, e.cluster.0, host.0);
         if meta.data_file.is_some() {
             if host != cluster {
-                return Err(self.chain.top().corrupt(format!(
+                return Err(self.top().corrupt(format!(
                     "L2 table at {table:#x}: guest cluster {cluster:#x} maps to {host:#x} in the data file"
                 )));
             }
         } else if host == 0 || host >= meta.file_end.get() {
-            return Err(self.chain.top().corrupt(format!(
+            return Err(self.top().corrupt(format!(
                 "L2 table at {table:#x}: guest cluster {cluster:#x} points to {host:#x}, past the end of the file"
             )));
         }

@@ -9,7 +9,7 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use qcow2::engine::check::{self, CheckError, CheckOutcome, CheckReport, Finding, Repair};
+use qcow2::check::{self, CheckError, CheckOutcome, CheckReport, Finding, Repair};
 use test_support::{qemu, Dir};
 
 /// What `qemu-img check` said: its exit code, stdout and stderr, and the report parsed from
