@@ -4,7 +4,7 @@
 //!
 //! - `direct`: the engine called on its own thread, as a connection on thread 0 calls it:
 //!   the engine's cost per request, the part of every request that stays serial.
-//! - `remote/N`: N client threads, each on its own runtime, calling through `nbd::remote`
+//! - `remote/N`: N client threads, each on its own runtime, calling through `nbd_server::remote`
 //!   as worker-thread connections do: what the image's thread can serve when fed from N
 //!   threads, channel and wake-ups included.
 //!
@@ -20,8 +20,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use nbd::remote::{dispatch, Remote, RemoteHandle};
-use nbd::{Errno, Export, ExportFeatures, Extent, ReadChunk, SendBuf, WriteZeroesFlags};
+use nbd_proto::Errno;
+use nbd_server::remote::{dispatch, Remote, RemoteHandle};
+use nbd_server::{Export, ExportFeatures, Extent, ReadChunk, SendBuf, WriteZeroesFlags};
 use qcow2::engine::{create, CreateOptions, Image, OpenOptions, ReadPart};
 use storage::{IoBuf, MemFs, MemStorage};
 use tokio::task::{JoinSet, LocalSet};

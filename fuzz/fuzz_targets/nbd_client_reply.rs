@@ -1,4 +1,4 @@
-//! The image tools' NBD client (`nbd::client`) reading a hostile server's replies after a
+//! The image tools' NBD client (`nbd_client`) reading a hostile server's replies after a
 //! valid handshake: simple and structured replies, data and hole chunks, error chunks and
 //! block status, to a short script of reads, writes, zeroes, trims, flushes and block status
 //! requests.
@@ -13,8 +13,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use nbd::client::{ClientError, NbdClient};
-use nbd::wire::consts::*;
+use nbd_client::{ClientError, NbdClient};
+use nbd_proto::wire::consts::*;
 
 mod hostile;
 use hostile::Hostile;

@@ -1,10 +1,10 @@
-//! The `-L` listing client (`nbd::list`) talking to a hostile server: the input is every
+//! The `-L` listing client (`nbd_client::list`) talking to a hostile server: the input is every
 //! byte the server sends (greeting, option replies), delivered in reads of a size the first
 //! byte chooses. The client must never panic, and what it lists stays within its bounds.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use nbd::list::{list_exports, MAX_ITEMS, MAX_REPLY};
+use nbd_client::list::{list_exports, MAX_ITEMS, MAX_REPLY};
 
 mod hostile;
 use hostile::Hostile;

@@ -6,10 +6,10 @@
 use std::rc::Rc;
 
 use libfuzzer_sys::fuzz_target;
-use nbd::wire::consts::*;
-use nbd::wire::handshake::{ClientFlags, OptionHeader};
-use nbd::wire::option_data::{InfoRequest, MetaContextRequest};
-use nbd::{serve_connection, Control, ExportEntry, Exports, MemExport};
+use nbd_proto::wire::consts::*;
+use nbd_proto::wire::handshake::{ClientFlags, OptionHeader};
+use nbd_proto::wire::option_data::{InfoRequest, MetaContextRequest};
+use nbd_server::{serve_connection, Control, ExportEntry, Exports, MemExport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn option(out: &mut Vec<u8>, option: u32, data: &[u8]) {

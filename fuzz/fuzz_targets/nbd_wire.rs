@@ -3,12 +3,12 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use nbd::wire::handshake::{ClientFlags, OptionHeader, OptionReplyHeader};
-use nbd::wire::option_data::{
+use nbd_proto::wire::handshake::{ClientFlags, OptionHeader, OptionReplyHeader};
+use nbd_proto::wire::option_data::{
     InfoReply, InfoRequest, MetaContextEntry, MetaContextRequest, ServerEntry,
 };
-use nbd::wire::reply::{BlockStatusChunk, ChunkHeader, ErrorChunk, OffsetHole, SimpleReply};
-use nbd::wire::request::RequestHeader;
+use nbd_proto::wire::reply::{BlockStatusChunk, ChunkHeader, ErrorChunk, OffsetHole, SimpleReply};
+use nbd_proto::wire::request::RequestHeader;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&selector, bytes)) = data.split_first() else {
@@ -57,7 +57,7 @@ fuzz_target!(|data: &[u8]| {
         }
         8 => {
             let _ = OffsetHole::decode(bytes);
-            let _ = nbd::wire::reply::decode_offset_data(bytes);
+            let _ = nbd_proto::wire::reply::decode_offset_data(bytes);
         }
         9 => {
             let Some((t, payload)) = bytes.split_at_checked(2) else {

@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use libfuzzer_sys::fuzz_target;
-use nbd::tls::parse_psk_file;
+use nbd_proto::tls::parse_psk_file;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(keys) = parse_psk_file(Path::new("keys.psk"), data) {

@@ -91,7 +91,7 @@ pub fn resolve(
         })?;
     }
     if let Some(context) = read.options.get("x-dirty-bitmap") {
-        nbd::client::register_status_context(&read.path.display().to_string(), context);
+        nbd_client::register_status_context(&read.path.display().to_string(), context);
     }
     *path = read.path.clone();
     if read.format.is_some() {

@@ -9,7 +9,9 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use nbd::tls::{Authz, TlsClient, TlsError, TlsServer};
+use nbd_client::TlsClient;
+use nbd_proto::tls::TlsError;
+use nbd_server::tls::{Authz, TlsServer};
 
 /// The flags that decide TLS.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -424,9 +426,9 @@ pub fn note(path: &Path, id: &str, hostname: Option<String>) -> Result<(), Strin
     let client = tls_client(&flags)
         .map_err(|e| e.to_string())?
         .ok_or_else(|| format!("No TLS credentials with id '{id}'"))?;
-    nbd::client::register_tls(
+    nbd_client::register_tls(
         &path.display().to_string(),
-        nbd::client::ClientTls {
+        nbd_client::ClientTls {
             client: std::sync::Arc::new(client),
             hostname,
         },

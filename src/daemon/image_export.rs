@@ -1,4 +1,4 @@
-//! [`ImageExport`]: the [`nbd::Export`] the server drives, over a qcow2 (or raw) [`Image`].
+//! [`ImageExport`]: the [`nbd_server::Export`] the server drives, over a qcow2 (or raw) [`Image`].
 //!
 //! The NBD crate validates every request (range, flags, lengths) before it gets here, so this
 //! file is only policy: qemu-nbd's `--cache`, `--discard` and `--detect-zeroes` semantics,
@@ -17,7 +17,8 @@ use qcow2::format::GuestOffset;
 use std::rc::Rc;
 use std::time::Instant;
 
-use nbd::{BlockSize, Errno, Export, ExportFeatures, Extent, ReadChunk, WriteZeroesFlags};
+use nbd_proto::Errno;
+use nbd_server::{BlockSize, Export, ExportFeatures, Extent, ReadChunk, WriteZeroesFlags};
 use qcow2::engine::{libc_errno, EngineError, Image, ReadPart};
 use qcow2::format::BitmapData;
 use storage::{AnyStorage, IoBuf};
@@ -117,7 +118,7 @@ impl AsMut<[u8]> for Payload {
     }
 }
 
-impl nbd::SendBuf for Payload {
+impl nbd_server::SendBuf for Payload {
     fn zeroed(len: usize) -> Self {
         Payload(IoBuf::zeroed(len))
     }
@@ -166,11 +167,11 @@ pub async fn exported_bitmaps(
     image: &Image<AnyStorage>,
     names: &[String],
 ) -> Result<Vec<ExportedBitmap>, String> {
-    if names.len() > nbd::MAX_DIRTY_BITMAPS {
+    if names.len() > nbd_server::MAX_DIRTY_BITMAPS {
         return Err(format!(
             "{} bitmaps given; one export offers at most {}",
             names.len(),
-            nbd::MAX_DIRTY_BITMAPS
+            nbd_server::MAX_DIRTY_BITMAPS
         ));
     }
     let listed = image.bitmaps().await.map_err(|e| e.to_string())?;
@@ -236,7 +237,7 @@ impl ImageExport {
                     1
                 },
                 preferred,
-                maximum: nbd::wire::MAX_PAYLOAD,
+                maximum: nbd_proto::wire::MAX_PAYLOAD,
             },
             allocation_depth: policy.allocation_depth,
         };

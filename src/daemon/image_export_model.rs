@@ -1,12 +1,12 @@
 //! The server's multi-threaded path against a model: several threads drive one qcow2 image
-//! through `nbd::remote` at once (as `serve --threads` does), each in its own region with its
-//! own random mix of writes, FUA writes, zeroing, trims, reads and flushes, checking every
-//! read against what it wrote. Afterwards the whole image must read as the union of the
+//! through `nbd_server::remote` at once (as `serve --threads` does), each in its own region
+//! with its own random mix of writes, FUA writes, zeroing, trims, reads and flushes, checking
+//! every read against what it wrote. Afterwards the whole image must read as the union of the
 //! models, in the engine and in QEMU, and `qemu-img check` must find it clean.
 
 use super::image_export::{DiscardMode, ExportPolicy, ImageExport, Payload};
-use nbd::remote::{dispatch, Remote};
-use nbd::{Export, ReadChunk, WriteZeroesFlags};
+use nbd_server::remote::{dispatch, Remote};
+use nbd_server::{Export, ReadChunk, WriteZeroesFlags};
 use qcow2::engine::{Image, OpenOptions};
 use std::path::Path;
 use std::process::Command;

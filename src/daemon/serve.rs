@@ -35,7 +35,7 @@ use std::process::ExitCode;
 use std::rc::Rc;
 use std::time::Duration;
 
-use nbd::{Server, ServerConfig};
+use nbd_server::{Server, ServerConfig};
 use qcow2::engine::{CacheOptions, OpenOptions};
 use storage::FileOpener;
 
@@ -102,7 +102,7 @@ struct Plan {
     /// An address was given on the command line.
     explicit_endpoint: bool,
     /// TLS every client must start, with its credentials loaded.
-    tls: Option<nbd::tls::TlsServer>,
+    tls: Option<nbd_server::tls::TlsServer>,
     /// Threads connections are spread over.
     threads: NonZeroUsize,
 }
@@ -232,11 +232,11 @@ fn serve(args: &ServeArgs) -> Result<(), ServeError> {
     init_logging(args.log);
     // As qemu-nbd, say why a client was turned away (scripts and logs read these lines).
     if crate::common::prog::current() == crate::common::prog::Personality::QemuNbd {
-        nbd::report_negotiation_failures(report_negotiation_failure);
+        nbd_server::report_negotiation_failures(report_negotiation_failure);
     }
     let plan = Plan::new(args)?;
     // Before forking: LISTEN_PID names this process, not the child.
-    let activated = nbd::systemd::listen_fds()?;
+    let activated = nbd_server::systemd::listen_fds()?;
     let readiness = if args.fork {
         Some(daemon::fork_and_wait().map_err(ServeError::Fork)?)
     } else {
@@ -253,7 +253,7 @@ fn serve(args: &ServeArgs) -> Result<(), ServeError> {
 async fn serve_on_runtime(
     args: &ServeArgs,
     mut plan: Plan,
-    activated: Vec<nbd::systemd::ActivatedSocket>,
+    activated: Vec<nbd_server::systemd::ActivatedSocket>,
     readiness: Option<daemon::Readiness>,
 ) -> Result<(), ServeError> {
     let signals = signals::ShutdownSignals::install().map_err(ServeError::Runtime)?;
@@ -319,8 +319,8 @@ async fn serve_on_runtime(
 }
 
 /// What the banner says about TLS.
-fn tls_hint(tls: &nbd::tls::TlsServer) -> String {
-    use nbd::tls::CredsKind;
+fn tls_hint(tls: &nbd_server::tls::TlsServer) -> String {
+    use nbd_server::tls::CredsKind;
     let kind = match tls.kind() {
         CredsKind::X509 { verify_peer: true } => "x509 certificates, client certificates verified",
         CredsKind::X509 { verify_peer: false } => "x509 certificates",
@@ -354,11 +354,11 @@ async fn start_metrics(
 async fn serve_images(
     args: &ServeArgs,
     plan: Plan,
-    activated: Vec<nbd::systemd::ActivatedSocket>,
+    activated: Vec<nbd_server::systemd::ActivatedSocket>,
     readiness: Option<daemon::Readiness>,
     registry: &registry::Registry,
     signals: signals::ShutdownSignals,
-) -> Result<(nbd::ServeReport, Option<daemon::PidFile>), ServeError> {
+) -> Result<(nbd_server::ServeReport, Option<daemon::PidFile>), ServeError> {
     let tls = plan.tls.as_ref().map(tls_hint);
     let mut server =
         Server::from_exports(registry.exports(), plan.config).with_threads(plan.threads);
@@ -420,7 +420,7 @@ async fn serve_images(
 
 fn print_banner(
     images: &[registry::Record],
-    listeners: &[(nbd::Listener, String)],
+    listeners: &[(nbd_server::Listener, String)],
     tls: Option<&str>,
 ) {
     let names: Vec<String> = listeners.iter().map(|(_, n)| n.clone()).collect();

@@ -261,7 +261,7 @@ fn describe(
         info.set_actual_size(actual);
     }
     match file.storage() {
-        AnyStorage::Nbd(_) => info.set_nbd(),
+        AnyStorage::Nbd(_) => info.set_file_protocol("nbd"),
         AnyStorage::Null(_) => info.set_null_co(),
         _ => {}
     }

@@ -3,10 +3,10 @@
 
 use std::rc::Rc;
 
-use nbd::wire::consts::*;
-use nbd::wire::handshake::{ClientFlags, OptionHeader};
-use nbd::wire::option_data::{InfoRequest, MetaContextRequest};
-use nbd::{serve_connection, Control, ExportEntry, Exports, MemExport};
+use nbd_proto::wire::consts::*;
+use nbd_proto::wire::handshake::{ClientFlags, OptionHeader};
+use nbd_proto::wire::option_data::{InfoRequest, MetaContextRequest};
+use nbd_server::{serve_connection, Control, ExportEntry, Exports, MemExport};
 use proptest::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -53,7 +53,7 @@ fn handshake(mode: u8) -> Vec<u8> {
 /// Feeds `input` to one connection, then closes the client's side, reading everything the
 /// server sends; returns when the connection ends, with the export's call counters and
 /// what the server sent.
-fn run_connection(input: Vec<u8>) -> (nbd::MemStats, Vec<u8>) {
+fn run_connection(input: Vec<u8>) -> (nbd_server::MemStats, Vec<u8>) {
     test_support::run(async move {
         let export = Rc::new(MemExport::new(1 << 20));
         let stats_of = Rc::clone(&export);
@@ -90,9 +90,9 @@ fn run_connection(input: Vec<u8>) -> (nbd::MemStats, Vec<u8>) {
 fn the_harness_reaches_the_export() {
     for mode in 0..3u8 {
         let mut input = handshake(mode);
-        let w = nbd::wire::request::RequestHeader {
+        let w = nbd_proto::wire::request::RequestHeader {
             flags: 0,
-            command: nbd::wire::request::Command::Write,
+            command: nbd_proto::wire::request::Command::Write,
             cookie: 1,
             offset: 0,
             length: 4,
@@ -131,9 +131,9 @@ proptest! {
     ) {
         let mut input = handshake(mode);
         for (i, (flags, command, offset, length)) in reqs.into_iter().enumerate() {
-            let h = nbd::wire::request::RequestHeader {
+            let h = nbd_proto::wire::request::RequestHeader {
                 flags,
-                command: nbd::wire::request::Command::from_code(command),
+                command: nbd_proto::wire::request::Command::from_code(command),
                 cookie: i as u64,
                 offset: offset % (2 << 20),
                 length,

@@ -7,11 +7,11 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
-use nbd::wire::consts::*;
-use nbd::wire::handshake::*;
-use nbd::wire::option_data::{InfoReply, InfoRequest, MetaContextEntry, MetaContextRequest};
-use nbd::wire::reply::*;
-use nbd::wire::request::{Command, RequestHeader};
+use nbd_proto::wire::consts::*;
+use nbd_proto::wire::handshake::*;
+use nbd_proto::wire::option_data::{InfoReply, InfoRequest, MetaContextEntry, MetaContextRequest};
+use nbd_proto::wire::reply::*;
+use nbd_proto::wire::request::{Command, RequestHeader};
 
 /// How the client negotiated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,11 +2,12 @@
 //! extended clients, and everything the spec says about their replies.
 
 use crate::client::{closed, RawClient, Reply, Style};
-use nbd::wire::consts::*;
-use nbd::wire::handshake::{ClientFlags, ExportNameReply, OptionHeader};
-use nbd::wire::reply::{BlockStatusChunk, ChunkHeader, ErrorChunk};
-use nbd::wire::request::Command;
-use nbd::{Errno, MemExport};
+use nbd_proto::wire::consts::*;
+use nbd_proto::wire::handshake::{ClientFlags, ExportNameReply, OptionHeader};
+use nbd_proto::wire::reply::{BlockStatusChunk, ChunkHeader, ErrorChunk};
+use nbd_proto::wire::request::Command;
+use nbd_proto::Errno;
+use nbd_server::MemExport;
 use std::io::{Read, Write};
 use test_support::nbd_server::{mem_server, Opts};
 
@@ -470,7 +471,7 @@ fn garbage_from_one_client_never_disturbs_another() {
 #[test]
 fn read_only_exports_refuse_writes_with_eperm() {
     let server = mem_server(Opts::default(), || {
-        MemExport::new(SIZE).with_features(nbd::ExportFeatures {
+        MemExport::new(SIZE).with_features(nbd_server::ExportFeatures {
             read_only: true,
             ..Default::default()
         })
@@ -512,7 +513,7 @@ fn fast_zero_that_would_be_slow_fails_with_enotsup() {
     assert_eq!(snaps[0].stats.fast_zero_refusals, 1);
     assert_eq!(
         snaps[0].extents[0],
-        nbd::Extent {
+        nbd_server::Extent {
             len: 65536,
             hole: false,
             zero: true,

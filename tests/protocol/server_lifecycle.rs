@@ -10,10 +10,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::client::{closed, RawClient, Style};
-use nbd::wire::request::Command;
-use nbd::{
-    Errno, Export, ExportEntry, ExportFeatures, Extent, MemExport, MemStats, ReadChunk,
-    ServerConfig, WriteZeroesFlags,
+use nbd_proto::wire::request::Command;
+use nbd_proto::Errno;
+use nbd_server::{
+    Export, ExportEntry, ExportFeatures, Extent, MemExport, MemStats, ReadChunk, ServerConfig,
+    WriteZeroesFlags,
 };
 use test_support::nbd_server::{mem_server, Opts, TestServer};
 use test_support::wait_until;

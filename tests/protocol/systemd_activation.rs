@@ -6,7 +6,7 @@
 use std::process::Command;
 use std::rc::Rc;
 
-use nbd::{systemd, ExportEntry, Listener, MemExport, Server, ServerConfig};
+use nbd_server::{systemd, ExportEntry, Listener, MemExport, Server, ServerConfig};
 use test_support::{require, run_ok, stdout};
 
 /// The server side: serves a 5 MiB export on the activated sockets until SIGTERM.
@@ -32,7 +32,9 @@ fn socket_activated_child() {
         let server = Server::new(vec![ExportEntry::new("", export)], config).unwrap();
         let report = server
             .serve(listeners, async {
-                nbd::shutdown_signal().await.expect("signal handlers");
+                nbd_server::shutdown_signal()
+                    .await
+                    .expect("signal handlers");
             })
             .await
             .unwrap();

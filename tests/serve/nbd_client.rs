@@ -65,7 +65,7 @@ mod mem_export {
     use std::process::Command;
     use std::rc::Rc;
 
-    use nbd::{ExportEntry, MemExport};
+    use nbd_server::{ExportEntry, MemExport};
     use test_support::nbd_server::{snapshots, Opts, Snapshot, TestServer};
     use test_support::{require, run_ok, stdout};
 

@@ -318,7 +318,7 @@ mod mem_export {
     use std::process::Command;
     use std::rc::Rc;
 
-    use nbd::{ExportEntry, ExportFeatures, MemExport};
+    use nbd_server::{ExportEntry, ExportFeatures, MemExport};
     use serde_json::Value;
     use test_support::nbd_server::{mem_server, snapshots, Opts, TestServer};
     use test_support::{nbdinfo, require};
@@ -343,7 +343,7 @@ mod mem_export {
             multi_conn: false,
             allocation_depth: false,
             cache: false,
-            block_size: nbd::BlockSize {
+            block_size: nbd_server::BlockSize {
                 minimum: 512,
                 preferred: 65536,
                 maximum: 1 << 20,

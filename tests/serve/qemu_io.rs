@@ -168,7 +168,7 @@ fn an_encrypted_image_is_served_with_its_secret() {
 }
 
 mod mem_export {
-    use nbd::{Extent, MemExport};
+    use nbd_server::{Extent, MemExport};
     use std::process::Command;
     use test_support::nbd_server::{mem_server, Opts, Snapshot};
     use test_support::{qemu_io, require};
@@ -275,7 +275,7 @@ mod mem_export {
     fn qemu_io_sees_read_errors_as_errors() {
         let server = mem_server(Opts::default(), || {
             let m = MemExport::new(SIZE);
-            m.fail_range(4096, 1, nbd::Errno::Io);
+            m.fail_range(4096, 1, nbd_proto::Errno::Io);
             m
         });
         let bin = require("qemu-io", "qemu-utils");

@@ -9,7 +9,7 @@
 use std::cell::RefCell;
 use std::io;
 
-use nbd::client::{NbdClient, NbdTarget, DEFAULT_IO_TIMEOUT};
+use nbd_client::{NbdClient, NbdTarget, DEFAULT_IO_TIMEOUT};
 
 use crate::{BufResult, OpenOptions, Slice, Storage};
 
@@ -21,7 +21,7 @@ pub struct NbdStorage {
 }
 
 impl NbdStorage {
-    /// Connects to the export `name` names (see [`nbd::client::is_nbd_name`]).
+    /// Connects to the export `name` names (see [`nbd_client::is_nbd_name`]).
     pub fn open(name: &str, opts: OpenOptions) -> io::Result<NbdStorage> {
         let target =
             NbdTarget::parse(name).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;

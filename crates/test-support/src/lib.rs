@@ -2,7 +2,7 @@
 //! copy: the external tools the tests use as oracles (QEMU's qemu-img and qemu-io, libnbd's
 //! nbdinfo), a temporary directory to make images in, a deterministic random source, the
 //! runtime the server's code runs on, throwaway TLS credentials, and waiting for something with a deadline; with the
-//! `nbd` feature, the nbd crate's server in-process (`nbd_server`).
+//! `nbd` feature, the nbd-server crate's server in-process (`nbd_server`).
 //!
 //! A missing tool fails the test with the Debian package to install rather than skipping it:
 //! a skipped interop test looks like a passing one.

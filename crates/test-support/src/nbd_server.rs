@@ -1,4 +1,4 @@
-//! The nbd crate's server in-process, on a thread of its own with the runtime the product
+//! The nbd-server crate's server in-process, on a thread of its own with the runtime the product
 //! uses, serving exports the test builds: for tests that must see what reached the export
 //! (a [`MemExport`]'s contents, allocation and call counts) or that need exports the
 //! `qcow2-nbd` binary cannot make (several at once, any feature flags).
@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::thread::JoinHandle;
 
-use nbd::{
+use nbd_server::{
     Export, ExportEntry, Extent, Listener, MemExport, MemStats, SendBuf, ServeReport, Server,
     ServerConfig,
 };

@@ -103,7 +103,7 @@ pub struct ServeArgs {
     /// Most connections open at once, those still negotiating included. When full, a new
     /// client replaces the oldest one still negotiating, so idle handshakes cannot keep
     /// real clients out.
-    #[arg(long = "max-connections", value_name = "NUM", default_value_t = nbd::DEFAULT_MAX_OPEN)]
+    #[arg(long = "max-connections", value_name = "NUM", default_value_t = nbd_server::DEFAULT_MAX_OPEN)]
     pub max_connections: std::num::NonZeroUsize,
 
     /// Spread connections over NUM threads (1 to 64), round robin. The image stays on the

@@ -19,7 +19,7 @@ pub enum ServeError {
     SnapshotParam(#[from] args::SnapshotParamError),
     /// The socket-activation environment is unusable.
     #[error(transparent)]
-    Activation(#[from] nbd::systemd::SystemdError),
+    Activation(#[from] nbd_server::systemd::SystemdError),
     /// `--fork` failed.
     #[error("--fork: {0}")]
     Fork(std::io::Error),
@@ -98,7 +98,7 @@ pub enum ServeError {
     },
     /// The server failed (invalid export, or the final flush).
     #[error(transparent)]
-    Server(#[from] nbd::ServerError),
+    Server(#[from] nbd_server::ServerError),
     /// The control socket cannot be set up.
     #[error(transparent)]
     Control(#[from] ControlError),

@@ -1,5 +1,5 @@
 //! `serve -L` / `--list`: qemu-nbd's client mode that lists a server's exports. The
-//! protocol side is [`nbd::list`]; here the server is reached (Unix socket or TCP, with
+//! protocol side is [`nbd_client::list`]; here the server is reached (Unix socket or TCP, with
 //! `--tls-creds` over TLS) and the listing printed in qemu-nbd's layout, so scripts that
 //! read one read the other.
 
@@ -7,10 +7,10 @@ use std::net::{TcpStream, ToSocketAddrs};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use nbd::list::{list_exports, ListTls};
-pub use nbd::list::{ExportInfo, ListError, Mode};
-use nbd::tls::TlsClient;
-use nbd::wire::consts::*;
+use nbd_client::list::{list_exports, ListTls};
+pub use nbd_client::list::{ExportInfo, ListError, Mode};
+use nbd_client::TlsClient;
+use nbd_proto::wire::consts::*;
 
 use super::listen::Endpoint;
 

@@ -4,8 +4,8 @@
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 
-use nbd::systemd::ActivatedSocket;
-use nbd::Listener;
+use nbd_server::systemd::ActivatedSocket;
+use nbd_server::Listener;
 
 /// qemu-nbd's default TCP port (the IANA-assigned NBD port).
 pub const DEFAULT_PORT: u16 = 10809;

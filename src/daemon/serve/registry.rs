@@ -12,7 +12,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use nbd::{CloseMode, ExportEntry, ExportState, Exports};
+use nbd_server::{CloseMode, ExportEntry, ExportState, Exports};
 use qcow2::engine::{Image, OpenOptions};
 use storage::{AnyStorage, FileOpener};
 use tokio::sync::broadcast;
@@ -112,7 +112,7 @@ impl Registry {
         }
         let exports = match Exports::new(entries) {
             Ok(e) => e,
-            Err(e) => return Err((nbd::ServerError::from(e).into(), images)),
+            Err(e) => return Err((nbd_server::ServerError::from(e).into(), images)),
         };
         let single = images.len() == 1 && images[0].spec.origin == Origin::Image;
         let records = images
@@ -211,7 +211,7 @@ impl Registry {
         self.check_new(id, &open.spec.name)?;
         match self.exports.add(entry) {
             Ok(key) => Ok(key),
-            Err(nbd::ExportsError::DuplicateName(n)) => Err(ChangeError::NameInUse(n)),
+            Err(nbd_server::ExportsError::DuplicateName(n)) => Err(ChangeError::NameInUse(n)),
             Err(e) => Err(ChangeError::Other(e.to_string())),
         }
     }

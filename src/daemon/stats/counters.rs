@@ -10,7 +10,7 @@
 use std::cell::Cell;
 use std::time::Duration;
 
-use nbd::Errno;
+use nbd_proto::Errno;
 use qcow2::engine::{MetaCacheCounters, MetaCacheStats};
 
 use super::histogram::{Histogram, HistogramCounts};

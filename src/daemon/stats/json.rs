@@ -17,7 +17,7 @@
 //! Latency buckets are cumulative like Prometheus' (requests at or below the bound); the
 //! last, unbounded one is `requests` itself.
 
-use nbd::Errno;
+use nbd_proto::Errno;
 use qcow2::engine::MetaCacheCounters;
 use serde_json::{json, Map, Value};
 

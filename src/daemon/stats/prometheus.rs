@@ -7,7 +7,7 @@
 
 use std::fmt;
 
-use nbd::Errno;
+use nbd_proto::Errno;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;

@@ -420,14 +420,15 @@ impl ImageInfo {
         }
     }
 
-    /// Marks the image as read over NBD (its file node is the `nbd` protocol), shown as
-    /// QEMU shows one: no dirty flag and no file-specific facts.
-    pub fn set_nbd(&mut self) {
+    /// Marks the image as read through a network protocol driver (its file node is
+    /// `protocol`, such as `nbd`), shown as QEMU shows one: no dirty flag and no
+    /// file-specific facts.
+    pub fn set_file_protocol(&mut self, protocol: &str) {
         if self.format == "raw" {
             self.dirty_flag = None;
         }
         for child in &mut self.children {
-            child.info.format = "nbd".into();
+            child.info.format = protocol.into();
             child.info.format_specific = None;
             child.info.dirty_flag = None;
         }

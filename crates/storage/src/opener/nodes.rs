@@ -90,7 +90,7 @@ const NBD_TLS_OPTIONS: &[&str] = &["tls-creds", "tls-hostname", "x-dirty-bitmap"
 fn nbd_node(
     mut members: BTreeMap<String, Val>,
 ) -> Result<(PathBuf, BTreeMap<String, String>), Reason> {
-    use nbd::client::{NameError, NbdTarget, ServerAddr, DEFAULT_PORT};
+    use nbd_client::{NameError, NbdTarget, ServerAddr, DEFAULT_PORT};
     let mut tls = BTreeMap::new();
     for key in NBD_TLS_OPTIONS {
         if let Some(v) = text(members.remove(*key)) {

@@ -55,9 +55,9 @@ pub fn parse(name: &OsStr, image_opts: bool) -> Result<ImageName, NameError> {
 /// in QEMU; `file:` is the only protocol here, and a path behind it that itself looks
 /// prefixed is made relative with `./` (as QEMU shows it) so that it is never read as one.
 pub fn protocol_path(name: &OsStr) -> Result<PathBuf, Reason> {
-    if let Some(text) = name.to_str().filter(|n| nbd::client::is_nbd_name(n)) {
+    if let Some(text) = name.to_str().filter(|n| nbd_client::is_nbd_name(n)) {
         // The storage opener connects by this name; it is also how QEMU shows the export.
-        let target = nbd::client::NbdTarget::parse(text)?;
+        let target = nbd_client::NbdTarget::parse(text)?;
         return Ok(PathBuf::from(target.display_name()));
     }
     let bytes = name.as_encoded_bytes();

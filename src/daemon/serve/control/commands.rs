@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use nbd::CloseMode;
+use nbd_server::CloseMode;
 use serde_json::{json, Map, Value};
 
 use super::args::{Args, Running};
