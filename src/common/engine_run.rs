@@ -12,7 +12,7 @@ use qcow2::engine::{EngineError, Format, Image, OpenOptions};
 use qcow2::format::header::QCOW2_MAGIC;
 use storage::AnyStorage;
 
-use super::image_bytes::ImageBytes;
+use super::image_bytes;
 pub use super::settings::{
     locking, opener, set_locking, set_untrusted, untrusted, untrusted_settings,
 };
@@ -234,8 +234,7 @@ pub fn probe_format(path: &Path) -> Result<Format, OpenError> {
         path: path.display().to_string(),
         source,
     };
-    let image = ImageBytes::open(path, true, None).map_err(probe_err)?;
-    let magic = image.head(4).map_err(probe_err)?;
+    let magic = image_bytes::read_head(path, 4).map_err(probe_err)?;
     Ok(if magic == QCOW2_MAGIC.to_be_bytes() {
         Format::Qcow2
     } else {

@@ -21,7 +21,8 @@ pub struct ImageBytes {
 impl ImageBytes {
     /// Opens `path` read-only, holding the read lock QEMU would (shared with every writer
     /// when `force_share`) for as long as it is open; `confine`, for a file an untrusted
-    /// image names, keeps it inside the allowed directories.
+    /// image names, keeps it inside the allowed directories. It drives a runtime of its
+    /// own, so it is for synchronous code; code already on a runtime uses [`read_head`].
     pub fn open(
         path: &Path,
         force_share: bool,
@@ -62,6 +63,17 @@ impl ImageBytes {
         qcow2::metadata::ByteSource::read_exact_at(self, 0, &mut buf)?;
         Ok(buf)
     }
+}
+
+/// The first `n` bytes of the image at `path` (fewer when it is shorter), opened as
+/// [`ImageBytes::open`] opens it, sharing writes. Read on a thread of its own, so that code
+/// already driving a runtime (a subcommand probing a format mid-way) may ask too.
+pub fn read_head(path: &Path, n: usize) -> io::Result<Vec<u8>> {
+    std::thread::scope(|s| {
+        s.spawn(|| ImageBytes::open(path, true, None)?.head(n))
+            .join()
+            .unwrap_or_else(|_| Err(io::Error::other("reading the image's first bytes failed")))
+    })
 }
 
 impl qcow2::metadata::ByteSource for ImageBytes {

@@ -57,9 +57,8 @@ fn check_backing_node(image: &Path, node: &(PathBuf, Option<String>)) -> Result<
 /// The qcow2 header of the image at `path`, if it is a qcow2 image, read through the storage
 /// opener (sharing writes: the subcommand's own open takes the locks it needs).
 fn read_header(path: &Path) -> Option<qcow2::format::Header> {
-    let image = super::image_bytes::ImageBytes::open(path, true, None).ok()?;
     // A backing file name lies within the first cluster, which is at most 2 MiB.
-    qcow2::format::Header::decode(&image.head(2 << 20).ok()?).ok()
+    qcow2::format::Header::decode(&super::image_bytes::read_head(path, 2 << 20).ok()?).ok()
 }
 
 /// The names read in this run, for [`driver_options`].

@@ -515,7 +515,7 @@ async fn create_target(
     min_sparse: u64,
 ) -> Result<Image<AnyStorage>, ConvertError> {
     let path = args.target();
-    if path.to_str().is_some_and(storage::null::is_null_name) {
+    if storage::opener::name::kind(path) == storage::opener::name::NameKind::Null {
         return Err(ConvertError::CreateNull);
     }
     let target = path.display().to_string();

@@ -252,11 +252,9 @@ async fn create(args: &CreateArgs) -> Result<(), CreateError> {
     let size = requested_size(args, &parsed, &image)?;
     match format {
         // QEMU's null device holds no image: refused before anything is announced.
-        _ if image_path.to_str().is_some_and(storage::null::is_null_name) => {
-            Err(CreateError::invalid(&image)(
-                "Protocol driver 'null-co' does not support image creation".into(),
-            ))
-        }
+        _ if name::kind(image_path) == name::NameKind::Null => Err(CreateError::invalid(&image)(
+            "Protocol driver 'null-co' does not support image creation".into(),
+        )),
         Format::Raw => create_raw_image(args, image_path, &image, &parsed, size).await,
         Format::Qcow2 => create_qcow2_image(args, image_path, &image, &parsed, size).await,
     }
