@@ -2,7 +2,7 @@
 //! streams from the tests' own client, the server's lifecycle (reply order, shutdown,
 //! limits), and systemd socket activation (nbdinfo only as the activator). They live here, beside
 //! `tests/serve` (real NBD clients against the binary), so every NBD test has one home and
-//! the nbd crate needs no test helpers that depend on itself. One binary so the suite links
+//! the nbd-server crate needs no test helpers that depend on itself. One binary so the suite links
 //! once.
 
 mod client;

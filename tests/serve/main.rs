@@ -1,8 +1,8 @@
 //! The NBD client tests: real clients (qemu-io, nbdinfo, nbdcopy, nbdsh, fio, nbd-client, a
-//! kernel-like client, and gnutls-cli for TLS) against the real `qcow2-nbd serve` binary, and, where only the export
-//! can tell what arrived or the binary cannot serve it (several exports, any feature flags),
-//! against the nbd crate's server over in-memory exports (the `mem_export` modules). One test
-//! binary so the suite links once.
+//! kernel-like client, and gnutls-cli for TLS) against the real `qcow2-nbd serve` binary, and,
+//! where only the export can tell what arrived or the binary cannot serve it (several exports, any
+//! feature flags), against the nbd-server crate's server over in-memory exports (the `mem_export`
+//! modules). One test binary so the suite links once.
 
 mod support;
 

@@ -59,8 +59,8 @@ fn nbd_client_negotiates_the_named_export_up_to_its_size() {
     server.stop_ok();
 }
 
-/// nbd-client against the nbd crate's server with two exports, which the binary cannot serve:
-/// the listing shows both (one without a description), and negotiation picks the one named.
+/// nbd-client against the nbd-server crate's server with two exports, which the binary cannot
+/// serve: the listing shows both (one without a description), and negotiation picks the one named.
 mod mem_export {
     use std::process::Command;
     use std::rc::Rc;

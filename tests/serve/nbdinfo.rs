@@ -311,7 +311,7 @@ fn export_names_are_matched_as_qemu_nbd_matches_them() {
     }
 }
 
-/// nbdinfo against the nbd crate's server over in-memory exports, for what the binary cannot
+/// nbdinfo against the nbd-server crate's server over in-memory exports, for what the binary cannot
 /// serve: feature flags and block sizes it never sets, several exports at once, and a layered
 /// export whose allocation and depth are known exactly.
 mod mem_export {

@@ -115,9 +115,9 @@ fn a_lazy_refcounts_image_is_left_clean_after_shutdown() {
     assert_eq!(info["dirty-flag"], false, "{info}");
 }
 
-/// The same client against the nbd crate's server over an in-memory export, which reports what
-/// each command arrived as: FUA writes, TRIM, flushes, zeroing with and without unmap, the
-/// allocation each left behind, and read errors; over a Unix socket and over TCP.
+/// The same client against the nbd-server crate's server over an in-memory export, which
+/// reports what each command arrived as: FUA writes, TRIM, flushes, zeroing with and without
+/// unmap, the allocation each left behind, and read errors; over a Unix socket and over TCP.
 /// An encrypted image is served as qemu-nbd serves it: the secret comes as `--object
 /// secret` and the image names it in `--image-opts`; what a client writes is stored
 /// encrypted, so QEMU reads it back only with the key.

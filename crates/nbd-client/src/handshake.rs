@@ -14,8 +14,6 @@ use crate::list::{name_field, refused, Client as OptClient, ListError};
 use crate::name::{NbdTarget, ServerAddr};
 use crate::session::{NbdClient, ReadWrite};
 
-const BASE_ALLOC: &str = "base:allocation";
-
 /// The socket of a connection.
 enum Conn {
     Unix(UnixStream),
@@ -117,7 +115,7 @@ impl<S: Read + Write> NbdClient<S> {
         export: &str,
         context: Option<&str>,
     ) -> Result<NbdClient<S>, ClientError> {
-        let r = NbdClient::negotiate_inner(&mut s, export, context.unwrap_or(BASE_ALLOC));
+        let r = NbdClient::negotiate_inner(&mut s, export, context.unwrap_or(BASE_ALLOCATION));
         match r {
             Ok((size, flags, structured, allocation, max_request, min_block)) => Ok(NbdClient {
                 s,
@@ -127,7 +125,7 @@ impl<S: Read + Write> NbdClient<S> {
                 allocation,
                 max_request,
                 min_block,
-                depth_context: context == Some(crate::status_context::ALLOCATION_DEPTH),
+                depth_context: context == Some(ALLOCATION_DEPTH),
                 next_handle: 1,
             }),
             Err(e) => {
@@ -215,7 +213,7 @@ impl<S: Read + Write> NbdClient<S> {
                 k => return Err(proto(format!("reply type {k} to NBD_OPT_GO"))),
             }
         }
-        if allocation.is_none() && context != BASE_ALLOC {
+        if allocation.is_none() && context != BASE_ALLOCATION {
             return Err(ClientError::NoStatusContext(context.to_owned()));
         }
         let (size, flags) = size_flags.ok_or_else(|| proto("no export size sent"))?;

@@ -29,7 +29,3 @@ pub(super) fn status_context_for(name: &str) -> Option<String> {
         .find(|(n, _)| n == name)
         .map(|(_, c)| c.clone())
 }
-
-/// The name of `qemu:allocation-depth`, whose depths above 2 QEMU's client reads as 2 (the
-/// two bits of a `base:allocation` value).
-pub(super) const ALLOCATION_DEPTH: &str = "qemu:allocation-depth";

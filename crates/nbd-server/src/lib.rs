@@ -39,9 +39,7 @@ pub use export::{
 };
 pub use exports::{Attachment, CloseMode, ExportEntry, ExportState, Exports, ExportsError};
 pub use mem_export::{MemExport, MemStats};
-pub use negotiate::meta::{
-    ALLOCATION_DEPTH, BASE_ALLOCATION, DIRTY_BITMAP_PREFIX, MAX_DIRTY_BITMAPS,
-};
+pub use negotiate::meta::MAX_DIRTY_BITMAPS;
 pub use remote::SendBuf;
 pub use server::{
     shutdown_signal, Listener, ServeReport, Server, ServerConfig, ServerError, DEFAULT_MAX_OPEN,

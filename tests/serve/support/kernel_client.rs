@@ -1,8 +1,8 @@
 //! A minimal NBD client that speaks like the Linux kernel after `nbd-client` hands it the
 //! socket: fixed newstyle with `NBD_OPT_EXPORT_NAME`, no structured replies, so every answer
 //! is a simple reply (and read data follows it unframed). Written from the protocol document
-//! only, so it checks the server against the spec rather than against the nbd crate's own
-//! codec. It can also misbehave on purpose (raw bytes, cut-short requests).
+//! only, so it checks the server against the spec rather than against the nbd-proto
+//! crate's codec. It can also misbehave on purpose (raw bytes, cut-short requests).
 
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};

@@ -28,8 +28,8 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// The connection counts `serve` logs at info level when it stops (the nbd crate's
-/// `ServeReport`).
+/// The connection counts `serve` logs at info level when it stops (the nbd-server
+/// crate's `ServeReport`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Report {
     /// Clients accepted.

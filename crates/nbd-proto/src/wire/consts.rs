@@ -180,3 +180,10 @@ pub const MAX_STRING_LEN: usize = 4096;
 pub const MAX_PAYLOAD: u32 = 32 * 1024 * 1024;
 /// Spec limit on descriptors in one block status chunk.
 pub const MAX_EXTENTS_PER_CHUNK: usize = 1 << 20;
+
+/// Name of the `base:allocation` metadata context.
+pub const BASE_ALLOCATION: &str = "base:allocation";
+/// Name of the `qemu:allocation-depth` metadata context.
+pub const ALLOCATION_DEPTH: &str = "qemu:allocation-depth";
+/// What a `qemu:dirty-bitmap` metadata context's name starts with.
+pub const DIRTY_BITMAP_PREFIX: &str = "qemu:dirty-bitmap:";

@@ -5,6 +5,8 @@
 //! nothing when setting; unknown namespaces, unknown leaves and strings without a colon are
 //! ignored.
 
+use nbd_proto::wire::consts::{ALLOCATION_DEPTH, BASE_ALLOCATION, DIRTY_BITMAP_PREFIX};
+
 /// A metadata context this server can offer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MetaContext {
@@ -16,12 +18,6 @@ pub enum MetaContext {
     DirtyBitmap(u8),
 }
 
-/// Name of the `base:allocation` context.
-pub const BASE_ALLOCATION: &str = "base:allocation";
-/// Name of the `qemu:allocation-depth` context.
-pub const ALLOCATION_DEPTH: &str = "qemu:allocation-depth";
-/// What a dirty bitmap's context name starts with.
-pub const DIRTY_BITMAP_PREFIX: &str = "qemu:dirty-bitmap:";
 /// Dirty bitmaps one export may offer (each selected one is a bit of [`MetaSelection`]).
 pub const MAX_DIRTY_BITMAPS: usize = 64;
 
