@@ -1,18 +1,10 @@
 //! `qcow2-nbd`: qemu-img-like tools for qcow2 images and an NBD server that exports them.
 
+mod common;
 mod daemon;
-mod engine_run;
-mod image_name;
-mod malloc_tuning;
-mod nbd_tls;
-mod options;
-mod os_error;
-mod prog;
-mod secrets;
-mod size_string;
 mod tools;
-mod zeroes;
 
+use common::{engine_run, image_name, malloc_tuning, prog, secrets};
 use daemon::{ctl, serve};
 use tools::{
     amend, bitmap, check, commit, compare, convert, create, dd, info, map, measure, rebase, resize,
@@ -113,7 +105,10 @@ enum Command {
 
 /// Reads the image names of the subcommands that take QEMU's image names (`json:`, `file:`,
 /// `--image-opts`) into the file and format each subcommand opens.
-fn resolve_image_names(cmd: &mut Command, opts: bool) -> Result<(), image_name::NameError> {
+fn resolve_image_names(
+    cmd: &mut Command,
+    opts: bool,
+) -> Result<(), storage::opener::name::NameError> {
     use image_name::{resolve, resolve_opt};
     match cmd {
         Command::Info(a) => resolve(&mut a.image, &mut a.format, opts),

@@ -82,7 +82,7 @@ pub fn main(args: &CtlArgs) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("{}: {e}", crate::prog::name());
+            eprintln!("{}: {e}", crate::common::prog::name());
             ExitCode::FAILURE
         }
     }

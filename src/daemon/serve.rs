@@ -9,11 +9,11 @@
 //! the caches back and closes every image cleanly (lazy-refcount dirty bit cleared), then
 //! exits 0.
 //!
-//! Files: `args` (the command line), `export_spec` (one `--export` definition), `exports`
+//! Files: `args` (the command line), `export_option` (one `--export` definition), `exports`
 //! (the images served: opened all or none, closed all), `listen` (sockets), `daemon`
 //! (`--fork`, `--pid-file`), `overlay` (`-s`), `cleaner` (`--cache-clean-interval`),
 //! `signals`, `error` (every part's failure, gathered); the NBD export over the engine is
-//! `crate::daemon::export`.
+//! `crate::daemon::image_export`.
 
 mod args;
 mod banner;
@@ -21,14 +21,13 @@ mod cleaner;
 mod control;
 mod daemon;
 mod error;
-mod export_spec;
-mod exports;
+mod export_option;
 mod list;
 mod listen;
 mod overlay;
 mod registry;
+mod served_images;
 mod signals;
-pub(crate) mod tls;
 
 use std::io::IsTerminal;
 use std::num::NonZeroUsize;
@@ -40,11 +39,12 @@ use nbd_server::{Server, ServerConfig};
 use qcow2::engine::{CacheOptions, OpenOptions};
 use storage::FileOpener;
 
-pub use args::{CacheMode, FormatArg, ServeArgs};
+pub use args::{FormatArg, ServeArgs};
 pub(crate) use control::qmp;
 pub use error::ServeError;
 
-use crate::daemon::export::{DetectZeroes, DiscardMode, ExportPolicy};
+use crate::common::tls;
+use crate::daemon::image_export::{DetectZeroes, DiscardMode, ExportPolicy};
 use crate::daemon::stats::http::{HttpLimits, MetricsServer};
 use crate::daemon::stats::StatsRegistry;
 
@@ -56,7 +56,7 @@ pub fn run(args: &ServeArgs) -> ExitCode {
     match serve(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("{}: {e}", crate::prog::name());
+            eprintln!("{}: {e}", crate::common::prog::name());
             ExitCode::FAILURE
         }
     }
@@ -70,7 +70,7 @@ fn list_exports(args: &ServeArgs) -> ExitCode {
     let tls = match tls::tls_client(&args.tls_flags()) {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("{}: {e}", crate::prog::name());
+            eprintln!("{}: {e}", crate::common::prog::name());
             return ExitCode::FAILURE;
         }
     };
@@ -80,7 +80,7 @@ fn list_exports(args: &ServeArgs) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("{}: {e}", crate::prog::name());
+            eprintln!("{}: {e}", crate::common::prog::name());
             for hint in e.hints() {
                 eprintln!("{hint}");
             }
@@ -93,7 +93,7 @@ fn list_exports(args: &ServeArgs) -> ExitCode {
 struct Plan {
     opener: FileOpener,
     /// The images to serve.
-    images: Vec<exports::ImageSpec>,
+    images: Vec<served_images::ImageSpec>,
     /// What every image is opened with (each adds its read-only flag and format).
     open: OpenOptions,
     policy: ExportPolicy,
@@ -110,7 +110,7 @@ struct Plan {
 impl Plan {
     fn new(args: &ServeArgs) -> Result<Plan, ServeError> {
         let cache_mode = if args.nocache {
-            args::CacheMode::None
+            crate::common::cache_mode::CacheMode::None
         } else {
             args.cache
         };
@@ -127,7 +127,7 @@ impl Plan {
         // Credentials are loaded first, so a mistake in them is reported before the image
         // is opened or the server forks.
         let tls = tls::tls_server(&args.tls_flags())?;
-        let images = exports::image_specs(args, snapshot.is_some())?;
+        let images = served_images::image_specs(args, snapshot.is_some())?;
         let direct = cache_mode.direct();
         let open = OpenOptions {
             read_only: false,
@@ -148,7 +148,7 @@ impl Plan {
             passwords: Default::default(),
             no_io: false,
             data_file: None,
-            untrusted: crate::engine_run::untrusted(),
+            untrusted: crate::common::engine_run::untrusted(),
             open_bound: storage::OpenBound {
                 timeout: Duration::from_secs(args.open_timeout),
                 max_stuck: usize::try_from(args.open_stuck_max).unwrap_or(usize::MAX),
@@ -183,7 +183,7 @@ impl Plan {
             opener: FileOpener {
                 aio: args.aio.into(),
                 direct,
-                locking: crate::engine_run::locking(),
+                locking: crate::common::engine_run::locking(),
             },
             images,
             open,
@@ -223,7 +223,7 @@ fn init_logging(level: args::LogLevel) {
 fn report_negotiation_failure(e: &str) {
     eprintln!(
         "{}: option negotiation failed: {}",
-        crate::prog::name(),
+        crate::common::prog::name(),
         tls::qemu_negotiation_words(e)
     );
 }
@@ -231,7 +231,7 @@ fn report_negotiation_failure(e: &str) {
 fn serve(args: &ServeArgs) -> Result<(), ServeError> {
     init_logging(args.log);
     // As qemu-nbd, say why a client was turned away (scripts and logs read these lines).
-    if crate::prog::current() == crate::prog::Personality::QemuNbd {
+    if crate::common::prog::current() == crate::common::prog::Personality::QemuNbd {
         nbd_server::report_negotiation_failures(report_negotiation_failure);
     }
     let plan = Plan::new(args)?;
@@ -268,11 +268,11 @@ async fn serve_on_runtime(
         }
         _ => None,
     };
-    let images = exports::open_all(&plan.opener, specs, &plan.open).await?;
+    let images = served_images::open_all(&plan.opener, specs, &plan.open).await?;
     if let Some(offset) = args.offset {
         let size = images.first().map_or(0, |i| i.image.size());
         if offset > size {
-            if let Err(c) = exports::close_all(images).await {
+            if let Err(c) = served_images::close_all(images).await {
                 tracing::error!(error = %c, "closing the image failed too");
             }
             return Err(ServeError::OffsetBeyondImage { offset, size });
@@ -291,7 +291,7 @@ async fn serve_on_runtime(
     let registry = match registry::Registry::start(images, settings).await {
         Ok(r) => r,
         Err((e, images)) => {
-            if let Err(c) = exports::close_all(images).await {
+            if let Err(c) = served_images::close_all(images).await {
                 tracing::error!(error = %c, "closing the images failed too");
             }
             return Err(e);

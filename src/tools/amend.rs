@@ -11,8 +11,8 @@ use qcow2::crypto::SlotChange;
 use qcow2::engine::{AmendOptions, EngineError, Format, Image, OpenOptions};
 use storage::AnyStorage;
 
-use crate::engine_run::{self, OpenError};
-use crate::options::{self, Kind, OptionsError, Parsed, Spec};
+use crate::common::engine_run::{self, OpenError};
+use crate::common::options::{self, Kind, OptionsError, Parsed, Spec};
 use crate::tools::create::QCOW2_OPTIONS;
 use crate::tools::progress::Progress;
 
@@ -79,7 +79,7 @@ fn slot_change(list: &str, force: bool) -> Result<Option<SlotChange>, AmendCliEr
     let secret = |name: &str| -> Result<Option<Vec<u8>>, AmendCliError> {
         parsed
             .str(name)
-            .map(|id| crate::secrets::secret(id).map_err(AmendCliError::Slots))
+            .map(|id| crate::common::secrets::secret(id).map_err(AmendCliError::Slots))
             .transpose()
     };
     let activate = match parsed.str("encrypt.state") {
@@ -257,9 +257,9 @@ async fn run(args: &AmendArgs) -> Result<(), AmendCliError> {
     }
     let open = OpenOptions {
         format: Some(Format::Qcow2),
-        passwords: crate::secrets::passwords_for(path),
-        data_file: crate::image_name::data_file_for(path),
-        untrusted: crate::engine_run::untrusted(),
+        passwords: crate::common::secrets::passwords_for(path),
+        data_file: crate::common::image_name::data_file_for(path),
+        untrusted: crate::common::engine_run::untrusted(),
         ..OpenOptions::default()
     };
     // Opened before the options are read, as qemu-img does: a dirty lazy-refcount image is
@@ -270,7 +270,7 @@ async fn run(args: &AmendArgs) -> Result<(), AmendCliError> {
     let outcome = async {
         let opts = parse(&list)?;
         if let Some(change) = slot_change(&list, args.force)? {
-            let passwords = crate::secrets::passwords_for(path);
+            let passwords = crate::common::secrets::passwords_for(path);
             let password = passwords.get(0).ok_or_else(|| {
                 AmendCliError::Slots("Parameter 'encrypt.key-secret' is required for cipher".into())
             })?;

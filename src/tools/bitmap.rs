@@ -10,7 +10,7 @@ use clap::{ArgAction, ArgMatches, Args};
 use qcow2::engine::{EngineError, Format, Image, OpenOptions};
 use storage::AnyStorage;
 
-use crate::engine_run::{self, OpenError};
+use crate::common::engine_run::{self, OpenError};
 
 /// `qcow2-nbd bitmap` options.
 #[derive(Args, Debug)]
@@ -61,7 +61,7 @@ pub struct BitmapArgs {
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
-    crate::size_string::parse_size(s).map_err(|e| e.to_string())
+    crate::common::size_string::parse_size(s).map_err(|e| e.to_string())
 }
 
 /// One operation, in command-line order.
@@ -176,7 +176,7 @@ async fn apply(args: &BitmapArgs, ops: Vec<Op>) -> Result<(), BitmapCmdError> {
     let opts = OpenOptions {
         format: Some(Format::Qcow2),
         no_backing: true,
-        untrusted: crate::engine_run::untrusted(),
+        untrusted: crate::common::engine_run::untrusted(),
         ..OpenOptions::default()
     };
     let img: Image<AnyStorage> = Image::open(&engine_run::opener(), &args.filename, &opts)
@@ -237,7 +237,7 @@ async fn merge_source(
         read_only: true,
         format: Some(format),
         no_backing: true,
-        passwords: crate::secrets::passwords_for(file),
+        passwords: crate::common::secrets::passwords_for(file),
         ..OpenOptions::default()
     };
     let src: Image<AnyStorage> = Image::open(&engine_run::opener(), file, &opts)

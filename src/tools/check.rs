@@ -8,6 +8,10 @@ use std::process::ExitCode;
 
 use clap::{Args, ValueEnum};
 use qcow2::check::{self, CheckError, Repair};
+use qcow2::format::header::QCOW2_MAGIC;
+use storage::opener::name::NameKind;
+
+use crate::common::image_bytes::ImageBytes;
 
 /// Output layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -32,7 +36,7 @@ pub struct CheckArgs {
     #[arg(short = 'f', long = "format")]
     pub format: Option<String>,
     #[command(flatten)]
-    pub share: crate::engine_run::ForceShare,
+    pub share: crate::common::engine_run::ForceShare,
     /// The qcow2 image file.
     pub image: PathBuf,
 }
@@ -48,7 +52,7 @@ enum CheckCliError {
     #[error("Could not open '{path}': {source}")]
     Open { path: String, source: CheckError },
     /// The file itself could not be opened (qemu-img names it twice: the image, the file).
-    #[error("Could not open '{path}': Could not open '{path}': {}", crate::engine_run::plain_io(.source))]
+    #[error("Could not open '{path}': Could not open '{path}': {}", crate::common::engine_run::plain_io(.source))]
     OpenFile {
         path: String,
         source: std::io::Error,
@@ -100,7 +104,8 @@ fn check_declared(
     caps: &qcow2::declared::Caps,
 ) -> Result<(), qcow2::declared::Exceeded> {
     use qcow2::declared::{check, Declared};
-    let Ok(file) = std::fs::File::open(image) else {
+    // Shared with writers: the checker's own open that follows takes the locks it needs.
+    let Ok(file) = ImageBytes::open(image, true, None) else {
         return Ok(());
     };
     if let Ok(meta) = qcow2::inspect::inspect(&file) {
@@ -129,7 +134,7 @@ pub fn main(args: &CheckArgs) -> ExitCode {
     match run(args) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("{}: {e}", crate::prog::name());
+            eprintln!("{}: {e}", crate::common::prog::name());
             ExitCode::from(1)
         }
     }
@@ -144,21 +149,24 @@ fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
     let not_checkable = || {
         eprintln!(
             "{}: This image format does not support checks",
-            crate::prog::name()
+            crate::common::prog::name()
         );
         Ok(63)
     };
-    if let Some(client) = crate::engine_run::nbd_connect(&args.image) {
+    if storage::opener::name::kind(&args.image) == NameKind::Nbd {
         // An export opens like a file: a qcow2 image in it is checked as in a file (an image
         // written into an OVA's tar member through qemu-nbd --offset, say); anything else
         // has no checks, as QEMU's raw driver has none.
-        client.map_err(|source| CheckCliError::OpenFile {
-            path: path.clone(),
-            source,
+        let export = ImageBytes::open(&args.image, true, None).map_err(|source| {
+            CheckCliError::OpenFile {
+                path: path.clone(),
+                source,
+            }
         })?;
-        match crate::engine_run::probe_format(&args.image) {
-            Ok(qcow2::engine::Format::Qcow2) if args.format.as_deref() != Some("raw") => {}
-            _ => return not_checkable(),
+        let magic = export.head(4).unwrap_or_default();
+        drop(export);
+        if magic != QCOW2_MAGIC.to_be_bytes() || args.format.as_deref() == Some("raw") {
+            return not_checkable();
         }
     }
     let qcow2_given = match args.format.as_deref() {
@@ -166,9 +174,11 @@ fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
         Some("qcow2") => true,
         Some("raw") => {
             // The file must open all the same, as QEMU opens it before asking the driver.
-            std::fs::File::open(&args.image).map_err(|source| CheckCliError::OpenFile {
-                path: path.clone(),
-                source,
+            ImageBytes::open(&args.image, args.share.force_share, None).map_err(|source| {
+                CheckCliError::OpenFile {
+                    path: path.clone(),
+                    source,
+                }
             })?;
             return not_checkable();
         }
@@ -180,16 +190,16 @@ fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
         }
     };
     let mut log = |f: check::Finding| match f.kind {
-        check::FindingKind::Reported => eprintln!("{}: {}", crate::prog::name(), f.message),
+        check::FindingKind::Reported => eprintln!("{}: {}", crate::common::prog::name(), f.message),
         _ => eprintln!("{}", f.message),
     };
-    if let Some(u) = crate::engine_run::untrusted() {
+    if let Some(u) = crate::common::engine_run::untrusted() {
         check_declared(&args.image, &u.caps).map_err(|source| CheckCliError::Declared {
             path: path.clone(),
             source,
         })?;
     }
-    let locking = crate::engine_run::locking();
+    let locking = crate::common::engine_run::locking();
     let outcome = match check::check_path(
         &args.image,
         repair,
@@ -208,15 +218,16 @@ fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
             ..
         }) => return Err(CheckCliError::OpenFile { path, source }),
         Err(CheckError::Open { source })
-            if crate::engine_run::unsupported_features(&source).is_some() =>
+            if crate::common::engine_run::unsupported_features(&source).is_some() =>
         {
-            let features = crate::engine_run::unsupported_features(&source).unwrap_or_default();
+            let features =
+                crate::common::engine_run::unsupported_features(&source).unwrap_or_default();
             return Err(CheckCliError::Unsupported { path, features });
         }
         Err(CheckError::Open { source }) if source.qemu_open_message().is_some() => {
             let message = source.qemu_open_message().unwrap_or_default();
             // Named as the command line gave it (an option list, a `json:` name), as QEMU does.
-            let path = crate::image_name::given_name(&args.image);
+            let path = crate::common::image_name::given_name(&args.image);
             return Err(CheckCliError::Refused { path, message });
         }
         Err(e @ CheckError::Open { .. }) => {

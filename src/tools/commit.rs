@@ -24,10 +24,10 @@ use clap::Args;
 use qcow2::engine::{EngineError, Format, Image, OpenOptions, Preallocation};
 use storage::AnyStorage;
 
-use crate::daemon::serve::CacheMode;
-use crate::engine_run::{self, OpenError};
-use crate::secrets;
-use crate::size_string::parse_size;
+use crate::common::cache_mode::CacheMode;
+use crate::common::engine_run::{self, OpenError};
+use crate::common::secrets;
+use crate::common::size_string::parse_size;
 use crate::tools::inflight::{BufferPool, CopyError, InFlight};
 use crate::tools::progress::{self, Progress};
 
@@ -189,7 +189,7 @@ async fn open_rw(
         no_backing,
         direct: cache.direct(),
         passwords,
-        untrusted: crate::engine_run::untrusted(),
+        untrusted: crate::common::engine_run::untrusted(),
         ..OpenOptions::default()
     };
     Ok(Image::open(&engine_run::opener(), path, &opts).await?)
@@ -209,7 +209,7 @@ async fn open_ro(
         no_backing,
         force_share: shared,
         passwords,
-        untrusted: crate::engine_run::untrusted(),
+        untrusted: crate::common::engine_run::untrusted(),
         ..OpenOptions::default()
     };
     Ok(Image::open(&engine_run::opener(), path, &opts).await?)

@@ -21,10 +21,10 @@ use qcow2::engine::{EngineError, Extent, Image};
 use storage::{AnyStorage, IoBuf};
 use tokio::task::JoinHandle;
 
-use crate::engine_run::{self, OpenError};
+use crate::common::engine_run::{self, OpenError};
+use crate::common::zeroes::is_zero;
 use crate::tools::inflight::BufferPool;
 use crate::tools::progress::Progress;
-use crate::zeroes::is_zero;
 
 /// How much of the disk one block-status query covers: bounds the extent lists' memory.
 const QUERY_BYTES: u64 = 1 << 30;
@@ -57,7 +57,7 @@ pub struct CompareArgs {
     #[arg(short = 'q', long = "quiet")]
     pub quiet: bool,
     #[command(flatten)]
-    pub share: crate::engine_run::ForceShare,
+    pub share: crate::common::engine_run::ForceShare,
     /// The first image.
     pub first: PathBuf,
     /// The second image.
@@ -490,8 +490,8 @@ async fn compare(args: &CompareArgs) -> Result<Option<String>, CompareError> {
         b,
         // As given on the command line, which is how qemu-img names them.
         names: [
-            crate::image_name::given_name(&args.first),
-            crate::image_name::given_name(&args.second),
+            crate::common::image_name::given_name(&args.first),
+            crate::common::image_name::given_name(&args.second),
         ],
         buffers: BufferPool::default(),
     });
@@ -562,7 +562,7 @@ pub fn main(args: &CompareArgs) -> ExitCode {
 fn run(args: &CompareArgs) -> ExitCode {
     match engine_run::block_on(compare(args)) {
         Err(e) => {
-            eprintln!("{}: starting the runtime: {e}", crate::prog::name());
+            eprintln!("{}: starting the runtime: {e}", crate::common::prog::name());
             ExitCode::from(2)
         }
         Ok(Ok(None)) => {
@@ -574,7 +574,7 @@ fn run(args: &CompareArgs) -> ExitCode {
             ExitCode::from(1)
         }
         Ok(Err(e)) => {
-            eprintln!("{}: {e}", crate::prog::name());
+            eprintln!("{}: {e}", crate::common::prog::name());
             ExitCode::from(e.exit_code())
         }
     }

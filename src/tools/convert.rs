@@ -27,8 +27,8 @@ use qcow2::engine::{BitmapInfo, Format, Image, OpenOptions};
 use storage::AnyStorage;
 use tokio::sync::Notify;
 
-use crate::engine_run::{self, OpenError};
-use crate::options::{self, Parsed};
+use crate::common::engine_run::{self, OpenError};
+use crate::common::options::{self, Parsed};
 use crate::tools::create::{self, option_table, CreateError};
 use crate::tools::inflight::BufferPool;
 use crate::tools::progress::Progress;
@@ -47,7 +47,7 @@ pub struct ConvertArgs {
     #[arg(short = 'f', long = "source-format")]
     pub source_format: Option<String>,
     #[command(flatten)]
-    pub share: crate::engine_run::ForceShare,
+    pub share: crate::common::engine_run::ForceShare,
     /// Format of the target: raw (the default, as in qemu-img) or qcow2.
     #[arg(short = 'O', long = "target-format", default_value = "raw")]
     pub target_format: String,
@@ -139,7 +139,7 @@ pub fn sparse_size(text: Option<&str>) -> Result<u64, ConvertError> {
     let Some(text) = text else {
         return Ok(DEFAULT_SPARSE);
     };
-    let v = crate::size_string::cvtnum("buffer size for sparse output", text)
+    let v = crate::common::size_string::cvtnum("buffer size for sparse output", text)
         .map_err(ConvertError::Sparse)?;
     if v % SECTOR != 0 || v > MAX_SPARSE {
         return Err(ConvertError::Sparse(format!(
@@ -188,9 +188,9 @@ fn target_backing(args: &ConvertArgs, parsed: &Parsed) -> (Option<String>, Optio
     (name, fmt)
 }
 
-async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
-    // qemu-img's order of checks, so that the same mistakes get the same message.
-    let min_sparse = sparse_size(args.sparse.as_deref())?;
+/// The flags qemu-img refuses on their own or together, checked in its order so that the
+/// same mistakes get the same message.
+fn check_flags(args: &ConvertArgs) -> Result<(), ConvertError> {
     if args.copy_offload {
         if args.compress {
             return Err(ConvertError::CopyOffloadCompress);
@@ -214,6 +214,53 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
     if args.target_is_zero && !args.no_create {
         return Err(ConvertError::TargetIsZeroNeedsN);
     }
+    Ok(())
+}
+
+/// `-c` against a target that cannot take compressed clusters.
+fn check_compress(
+    args: &ConvertArgs,
+    target_format: Format,
+    parsed: &Parsed,
+) -> Result<(), ConvertError> {
+    if target_format == Format::Raw && !args.no_create {
+        return Err(ConvertError::CompressRaw);
+    }
+    if parsed.str("preallocation").is_some_and(|p| p != "off") {
+        return Err(ConvertError::CompressPrealloc);
+    }
+    if parsed.has("encrypt.format") || parsed.bool("encryption") == Some(true) {
+        // Compressed clusters are stored in plain text.
+        return Err(ConvertError::CompressEncrypted);
+    }
+    Ok(())
+}
+
+/// `-n`: the existing target must take what the copy writes.
+fn check_existing_target(
+    args: &ConvertArgs,
+    dst: &Image<AnyStorage>,
+    target_format: Format,
+    total: u64,
+) -> Result<(), ConvertError> {
+    if args.bitmaps && !dst.supports_persistent_bitmaps() {
+        return Err(ConvertError::TargetWithoutBitmaps(engine_run::format_name(
+            target_format,
+        )));
+    }
+    if args.compress && !dst.facts().qcow2 {
+        return Err(ConvertError::CompressRaw);
+    }
+    if dst.size() < total {
+        return Err(ConvertError::TargetTooSmall);
+    }
+    Ok(())
+}
+
+async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
+    // qemu-img's order of checks, so that the same mistakes get the same message.
+    let min_sparse = sparse_size(args.sparse.as_deref())?;
+    check_flags(args)?;
     let list = options::join_lists(&args.options)?;
     if list.as_deref().is_some_and(options::wants_help) {
         let format = engine_run::creation_format(&args.target_format)?;
@@ -251,16 +298,7 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
         _ => None,
     };
     if args.compress {
-        if target_format == Format::Raw && !args.no_create {
-            return Err(ConvertError::CompressRaw);
-        }
-        if parsed.str("preallocation").is_some_and(|p| p != "off") {
-            return Err(ConvertError::CompressPrealloc);
-        }
-        if parsed.has("encrypt.format") || parsed.bool("encryption") == Some(true) {
-            // Compressed clusters are stored in plain text.
-            return Err(ConvertError::CompressEncrypted);
-        }
+        check_compress(args, target_format, &parsed)?;
     }
     if args.bitmaps && sources.len() > 1 {
         return Err(ConvertError::BitmapsWithConcatenation);
@@ -273,17 +311,7 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
         false => create_target(args, target_format, &parsed, total, backing, min_sparse).await?,
     };
     if args.no_create {
-        if args.bitmaps && !dst.supports_persistent_bitmaps() {
-            return Err(ConvertError::TargetWithoutBitmaps(engine_run::format_name(
-                target_format,
-            )));
-        }
-        if args.compress && !dst.facts().qcow2 {
-            return Err(ConvertError::CompressRaw);
-        }
-        if dst.size() < total {
-            return Err(ConvertError::TargetTooSmall);
-        }
+        check_existing_target(args, &dst, target_format, total)?;
     }
     let target_has_backing =
         args.backing.is_some() || (!args.no_create && parsed.has("backing_file"));
@@ -358,7 +386,7 @@ async fn bitmaps_to_copy(
         }
         eprintln!(
             "{}: warning: Skipping inconsistent bitmap '{}'",
-            crate::prog::name(),
+            crate::common::prog::name(),
             b.name
         );
     }
@@ -450,7 +478,7 @@ async fn open_target(
         path,
         format,
         min_sparse,
-        crate::secrets::passwords_for(path),
+        crate::common::secrets::passwords_for(path),
     )
     .await
 }
@@ -487,7 +515,7 @@ async fn create_target(
     min_sparse: u64,
 ) -> Result<Image<AnyStorage>, ConvertError> {
     let path = args.target();
-    if path.to_str().is_some_and(storage::null::is_null_name) {
+    if storage::opener::name::kind(path) == storage::opener::name::NameKind::Null {
         return Err(ConvertError::CreateNull);
     }
     let target = path.display().to_string();
@@ -528,7 +556,7 @@ async fn create_target(
         }
     }
     if passwords.is_empty() {
-        passwords = crate::secrets::passwords_for(path);
+        passwords = crate::common::secrets::passwords_for(path);
     }
     let dst = open_target_with(path, format, min_sparse, passwords).await?;
     if noise {
@@ -551,7 +579,7 @@ pub fn main(args: &ConvertArgs) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::zeroes::is_zero;
+    use crate::common::zeroes::is_zero;
 
     #[test]
     fn zero_detection_at_every_alignment() {

@@ -12,9 +12,9 @@ use clap::Args;
 use qcow2::engine::{EngineError, Format, Image, OpenOptions, Preallocation};
 use storage::{AnyStorage, IoBuf};
 
-use crate::engine_run::{self, OpenError};
-use crate::options::Parsed;
-use crate::size_string::cvtnum;
+use crate::common::engine_run::{self, OpenError};
+use crate::common::options::Parsed;
+use crate::common::size_string::cvtnum;
 use crate::tools::create::{self, CreateError};
 
 /// Bytes copied per request: whole blocks, so the output is what block-by-block copying
@@ -167,7 +167,7 @@ async fn create_output(
         &OpenOptions {
             format: Some(format),
             no_backing: true,
-            untrusted: crate::engine_run::untrusted(),
+            untrusted: crate::common::engine_run::untrusted(),
             ..OpenOptions::default()
         },
     )
@@ -210,7 +210,7 @@ async fn dd(args: &DdArgs) -> Result<(), DdError> {
     if start.is_none() {
         eprintln!(
             "{}: {}: cannot skip to specified offset",
-            crate::prog::name(),
+            crate::common::prog::name(),
             input.display()
         );
     }

@@ -1,8 +1,6 @@
 //! `qcow2-nbd info`: print what a qcow2 image contains, in qemu-img's human or JSON layout.
 
-use std::fs::File;
 use std::io::{self, Write};
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use clap::{Args, ValueEnum};
@@ -10,6 +8,10 @@ use qcow2::format::header::QCOW2_MAGIC;
 use qcow2::inspect::{self, ByteSource, ImageInfo, InspectError};
 
 use qcow2::engine::backing_name::{self as backing_chain, BackingError, ChainGuard, Reference};
+use storage::opener::name::NameKind;
+use storage::{AnyStorage, Storage};
+
+use crate::common::image_bytes::ImageBytes;
 
 mod untrusted;
 
@@ -37,7 +39,7 @@ pub struct InfoArgs {
     #[arg(long)]
     pub backing_chain: bool,
     #[command(flatten)]
-    pub share: crate::engine_run::ForceShare,
+    pub share: crate::common::engine_run::ForceShare,
 }
 
 /// Why `info` failed.
@@ -52,7 +54,7 @@ pub enum InfoError {
         source: io::Error,
     },
     /// The file itself could not be opened (qemu-img names it twice: the image, the file).
-    #[error("Could not open '{path}': Could not open '{path}': {}", crate::engine_run::plain_io(.source))]
+    #[error("Could not open '{path}': Could not open '{path}': {}", crate::common::engine_run::plain_io(.source))]
     OpenFile {
         /// The file.
         path: String,
@@ -139,111 +141,56 @@ enum Format {
     Raw,
 }
 
-/// What an image is read from: a file, or an NBD export (an NBD name).
-enum Source {
-    File(File),
-    Nbd(std::sync::Mutex<nbd_client::NbdClient>),
-    /// A `null-co` device: its size; it reads as zeros.
-    Null(u64),
-}
-
-impl Drop for Source {
-    /// An export is left as QEMU's client leaves it, with NBD_CMD_DISC, so the server sees
-    /// a client that said goodbye rather than one that vanished.
-    fn drop(&mut self) {
-        if let Source::Nbd(c) = self {
-            if let Ok(c) = c.get_mut() {
-                c.disconnect();
-            }
-        }
-    }
-}
-
-impl ByteSource for Source {
-    fn byte_len(&self) -> io::Result<u64> {
-        match self {
-            Source::File(f) => f.byte_len(),
-            Source::Nbd(c) => Ok(c.lock().map_err(|_| io::Error::other("poisoned"))?.size()),
-            Source::Null(size) => Ok(*size),
-        }
-    }
-
-    fn read_exact_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        match self {
-            Source::File(f) => f.read_exact_at(offset, buf),
-            Source::Nbd(c) => {
-                let mut c = c.lock().map_err(|_| io::Error::other("poisoned"))?;
-                match c.read(buf, offset) {
-                    Err(nbd_client::ClientError::OutOfRange { .. }) => {
-                        Err(io::ErrorKind::UnexpectedEof.into())
-                    }
-                    r => Ok(r?),
-                }
-            }
-            Source::Null(size) => {
-                match offset.checked_add(buf.len() as u64) {
-                    Some(end) if end <= *size => {}
-                    _ => return Err(io::ErrorKind::UnexpectedEof.into()),
-                }
-                buf.fill(0);
-                Ok(())
-            }
-        }
-    }
-}
-
-/// Opens an image file read-only, holding the read lock QEMU would (shared with every
-/// writer when `force_share`) for as long as the file is open; an NBD name connects to its
-/// export instead.
+/// Opens an image read-only through the storage opener, holding the read lock QEMU would
+/// (shared with every writer when `force_share`) for as long as it is open; an NBD name
+/// connects to its export, a `null-co` name makes its device, and a `blkdebug` name wraps
+/// its file (fault injection changes no metadata: the wrapped file is what is described;
+/// QEMU also lists the blkdebug node as a child, which is not shown here).
 /// For a file an untrusted image names (`confine`), the descriptor opened must lie inside
 /// the allowed directories (where the kernel says it is, so a symlink swapped in after the
 /// name was judged cannot lead outside).
 fn open_confined(
     path: &Path,
     force_share: bool,
-    confine: Option<&storage::AllowDirs>,
-) -> Result<Source, InfoError> {
-    let open_err = |source| InfoError::Open {
-        path: path.display().to_string(),
-        source,
-    };
-    if let Some(client) = crate::engine_run::nbd_connect(path) {
-        let client = client.map_err(|source| InfoError::OpenNbd {
-            path: crate::image_name::given_name(path),
-            source,
-        })?;
-        return Ok(Source::Nbd(std::sync::Mutex::new(client)));
-    }
-    if let Some(name) = path.to_str().filter(|n| storage::null::is_null_name(n)) {
-        let target = storage::null::NullTarget::parse(name).map_err(open_err)?;
-        return Ok(Source::Null(target.size));
-    }
-    // Fault injection changes no metadata: the wrapped file is what is described (QEMU
-    // also lists the blkdebug node as a child, which is not shown here).
-    let wrapped = path.to_str().and_then(storage::blkdebug::image_file);
-    let path = wrapped.as_deref().map_or(path, Path::new);
-    let file = File::open(path).map_err(|source| InfoError::OpenFile {
-        path: path.display().to_string(),
-        source,
-    })?;
-    if let Some(allowed) = confine {
-        allowed.check_open(&file).map_err(open_err)?;
-    }
-    let perms = storage::Permissions::for_open(true, force_share);
-    storage::lock::lock(&file, path, perms, crate::engine_run::locking())
-        .map_err(|e| open_err(e.into()))?;
-    Ok(Source::File(file))
+    confine: Option<&'static storage::AllowDirs>,
+) -> Result<ImageBytes, InfoError> {
+    ImageBytes::open(path, force_share, confine).map_err(|source| {
+        let refused_lock = source
+            .get_ref()
+            .is_some_and(|e| e.is::<storage::LockError>());
+        if storage::opener::name::kind(path) == NameKind::Nbd {
+            InfoError::OpenNbd {
+                path: crate::common::image_name::given_name(path),
+                source,
+            }
+        } else if refused_lock
+            || (confine.is_some() && source.kind() == io::ErrorKind::PermissionDenied)
+        {
+            InfoError::Open {
+                path: path.display().to_string(),
+                source,
+            }
+        } else {
+            let wrapped = path.to_str().and_then(storage::blkdebug::image_file);
+            InfoError::OpenFile {
+                path: wrapped
+                    .as_deref()
+                    .map_or(path, Path::new)
+                    .display()
+                    .to_string(),
+                source,
+            }
+        }
+    })
 }
 
 /// Bytes the file occupies on disk, as `qemu-img info` reports `actual-size`.
-fn allocated_size(source: &Source) -> Option<u64> {
-    let file = match source {
-        Source::File(file) => file,
+fn allocated_size(image: &ImageBytes) -> Option<u64> {
+    match image.storage() {
         // A device that stores nothing occupies nothing.
-        Source::Null(_) => return Some(0),
-        Source::Nbd(_) => return None,
-    };
-    file.metadata().ok().map(|m| m.blocks().saturating_mul(512))
+        AnyStorage::Null(_) => Some(0),
+        storage => storage.allocated_size(),
+    }
 }
 
 /// Builds the report for one file, with everything that needs the path filled in.
@@ -251,7 +198,7 @@ fn describe(
     path: &Path,
     format: Format,
     force_share: bool,
-    confine: Option<&storage::AllowDirs>,
+    confine: Option<&'static storage::AllowDirs>,
     caps: Option<qcow2::declared::Caps>,
 ) -> Result<ImageInfo, InfoError> {
     let file = open_confined(path, force_share, confine)?;
@@ -263,7 +210,7 @@ fn describe(
                     qcow2::metadata::MetadataError::Format(f) => Some(f),
                     _ => None,
                 };
-                let unsupported = format.and_then(crate::engine_run::unsupported_features);
+                let unsupported = format.and_then(crate::common::engine_run::unsupported_features);
                 let refused = format.and_then(|f| f.qemu_open_message());
                 match (unsupported, refused) {
                     (Some(features), _) => InfoError::Unsupported {
@@ -313,10 +260,10 @@ fn describe(
     if let Some(actual) = allocated_size(&file) {
         info.set_actual_size(actual);
     }
-    match file {
-        Source::Nbd(_) => info.set_file_protocol("nbd"),
-        Source::Null(_) => info.set_null_co(),
-        Source::File(_) => {}
+    match file.storage() {
+        AnyStorage::Nbd(_) => info.set_file_protocol("nbd"),
+        AnyStorage::Null(_) => info.set_null_co(),
+        _ => {}
     }
     Ok(info)
 }
@@ -326,7 +273,7 @@ fn describe(
 fn backing_format(
     path: &Path,
     recorded: Option<&str>,
-    confine: Option<&storage::AllowDirs>,
+    confine: Option<&'static storage::AllowDirs>,
 ) -> Result<Format, InfoError> {
     match recorded {
         Some("qcow2") => Ok(Format::Qcow2),
@@ -370,7 +317,7 @@ fn pseudo_filename(image: &Path, format: Format) -> Option<String> {
     if format != Format::Qcow2 {
         return None;
     }
-    let options = crate::image_name::driver_options(image);
+    let options = crate::common::image_name::driver_options(image);
     let secret = options.get("encrypt.key-secret")?;
     let node = serde_json::json!({
         "driver": "qcow2",
@@ -400,7 +347,7 @@ pub fn collect(
     if let Some(name) = pseudo_filename(image, top) {
         infos[0].filename = name;
     }
-    if crate::image_name::driver_options(image)
+    if crate::common::image_name::driver_options(image)
         .get("driver")
         .is_some_and(|d| d == "nbd")
     {
@@ -459,7 +406,7 @@ pub fn run(args: &InfoArgs) -> Result<(), InfoError> {
         args.format.as_deref(),
         args.backing_chain,
         args.share.force_share,
-        crate::engine_run::untrusted(),
+        crate::common::engine_run::untrusted(),
     )?;
     // Refused (`--untrusted`): JSON still shows what was refused and why, for a management
     // tool; the human layout shows only the refusal. Either way the status is 1.

@@ -10,8 +10,8 @@ use clap::{Args, ValueEnum};
 use qcow2::engine::{EngineError, Extent, Image};
 use storage::AnyStorage;
 
-use crate::engine_run::{self, OpenError};
-use crate::size_string;
+use crate::common::engine_run::{self, OpenError};
+use crate::common::size_string;
 
 /// How much of the disk one block-status query covers: bounds memory on huge, fragmented
 /// images while keeping the number of queries small.
@@ -39,7 +39,7 @@ pub struct MapArgs {
     #[arg(short = 'f', long = "format")]
     pub format: Option<String>,
     #[command(flatten)]
-    pub share: crate::engine_run::ForceShare,
+    pub share: crate::common::engine_run::ForceShare,
     /// First guest byte to map (size suffixes allowed).
     #[arg(short = 's', long = "start-offset", value_parser = parse_size_arg)]
     pub start_offset: Option<u64>,

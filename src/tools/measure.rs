@@ -16,8 +16,8 @@ use qcow2::engine::{EngineError, Format, Image, Preallocation};
 use qcow2::measure::{self, MeasureError, RequiredData, SourceBitmap, Target};
 use storage::AnyStorage;
 
-use crate::engine_run::{self, OpenError};
-use crate::options::{self, OptionsError, Parsed, Spec};
+use crate::common::engine_run::{self, OpenError};
+use crate::common::options::{self, OptionsError, Parsed, Spec};
 use crate::tools::convert::{snapshot_param, ConvertError};
 use crate::tools::create::{self, CreateError};
 
@@ -58,7 +58,7 @@ pub struct MeasureArgs {
     #[arg(short = 'l', long = "snapshot")]
     pub snapshot: Option<String>,
     #[command(flatten)]
-    pub share: crate::engine_run::ForceShare,
+    pub share: crate::common::engine_run::ForceShare,
     /// The image whose copy (`convert`) is measured: only its data clusters count.
     pub filename: Option<PathBuf>,
 }

@@ -2,7 +2,8 @@
 //! `map`, `convert`, `compare`, `measure`, `bitmap`, `snapshot`, `resize`, `amend`, `commit`,
 //! `rebase`, `dd`), each taking that subcommand's arguments and running it to an exit code; and
 //! what several of them share to copy data between images: `inflight` (requests in flight)
-//! and `progress` (`-p`).
+//! and `progress` (`-p`). They never import the daemon (`crate::daemon`); what both need is
+//! in `crate::common`.
 
 pub mod amend;
 pub mod bitmap;

@@ -32,7 +32,7 @@ impl Progress<Box<dyn Write>> {
     /// Progress as the name the binary was invoked by shows it: qemu-img's lines on stdout,
     /// only when asked for (`-p`, unless `-q`); else the bar on stderr ([`wanted`]).
     pub fn for_tool(total: u64, force: bool, quiet: bool) -> Self {
-        if crate::prog::current() == crate::prog::Personality::QemuImg {
+        if crate::common::prog::current() == crate::common::prog::Personality::QemuImg {
             let out: Option<Box<dyn Write>> =
                 (force && !quiet).then(|| Box::new(std::io::stdout()) as Box<dyn Write>);
             let p = Progress {

@@ -17,10 +17,10 @@ use qcow2::engine::backing_name;
 use qcow2::engine::{EngineError, Format, Image, OpenOptions};
 use storage::{AnyStorage, IoBuf};
 
-use crate::engine_run::{self, OpenError};
+use crate::common::engine_run::{self, OpenError};
+use crate::common::zeroes::is_zero;
 use crate::tools::inflight::{BufferPool, CopyError, InFlight};
 use crate::tools::progress::{self, Progress};
-use crate::zeroes::is_zero;
 
 /// How much of the image one block-status query covers.
 const QUERY_BYTES: u64 = 1 << 30;
@@ -407,8 +407,8 @@ async fn open_image(
     let opts = OpenOptions {
         format: Some(format),
         no_backing,
-        passwords: crate::secrets::passwords_for(&args.image),
-        untrusted: crate::engine_run::untrusted(),
+        passwords: crate::common::secrets::passwords_for(&args.image),
+        untrusted: crate::common::engine_run::untrusted(),
         ..OpenOptions::default()
     };
     Image::open(&engine_run::opener(), &args.image, &opts)

@@ -9,7 +9,7 @@ use clap::Args;
 use qcow2::engine::{EngineError, Format, Image, OpenOptions, Preallocation};
 use storage::AnyStorage;
 
-use crate::engine_run::{self, OpenError};
+use crate::common::engine_run::{self, OpenError};
 
 /// Arguments of `resize`.
 #[derive(Args, Debug)]
@@ -115,7 +115,7 @@ fn parse_requested(s: &str) -> Result<Requested, ResizeCliError> {
         Some(b'-') => (-1, &s[1..]),
         _ => (0, s),
     };
-    let n = crate::size_string::parse_size(digits).map_err(|_| ResizeCliError::BadSize)?;
+    let n = crate::common::size_string::parse_size(digits).map_err(|_| ResizeCliError::BadSize)?;
     Ok(match sign {
         0 => Requested::Absolute(n),
         _ => Requested::Relative(sign * i128::from(n)),
@@ -142,7 +142,7 @@ fn new_size(
         return Err(ResizeCliError::PreallocNotGrowing);
     }
     if total < current && !shrink {
-        return Err(ResizeCliError::ShrinkNotAllowed(crate::prog::name()));
+        return Err(ResizeCliError::ShrinkNotAllowed(crate::common::prog::name()));
     }
     Ok(total)
 }
@@ -166,8 +166,8 @@ async fn run(args: &ResizeArgs) -> Result<(), ResizeCliError> {
     };
     let opts = OpenOptions {
         format: Some(format),
-        passwords: crate::secrets::passwords_for(&args.filename),
-        untrusted: crate::engine_run::untrusted(),
+        passwords: crate::common::secrets::passwords_for(&args.filename),
+        untrusted: crate::common::engine_run::untrusted(),
         ..OpenOptions::default()
     };
     let img: Image<AnyStorage> = Image::open(&engine_run::opener(), &args.filename, &opts)

@@ -9,7 +9,7 @@ use qcow2::engine::{libc_errno, EngineError, Format, Image, OpenOptions, Snapsho
 use qcow2::inspect::{snapshot_list, SnapshotInfo};
 use storage::AnyStorage;
 
-use crate::engine_run::{self, ForceShare, OpenError};
+use crate::common::engine_run::{self, ForceShare, OpenError};
 
 /// `qcow2-nbd snapshot` options.
 #[derive(Args, Debug)]
@@ -144,7 +144,7 @@ async fn change(
 ) -> Result<(), SnapshotCmdError> {
     let opts = OpenOptions {
         format: Some(format),
-        untrusted: crate::engine_run::untrusted(),
+        untrusted: crate::common::engine_run::untrusted(),
         ..OpenOptions::default()
     };
     let img: Image<AnyStorage> = Image::open(&engine_run::opener(), &args.filename, &opts)

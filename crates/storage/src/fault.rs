@@ -101,16 +101,18 @@ impl CrashPlan {
                 .map(|i| v.get(i).copied().unwrap_or(Survival::Lost))
                 .collect(),
             CrashPlan::Random { seed, tear } => {
-                let mut rng = SplitMix(*seed);
+                let mut rng = crate::rng::Rng(*seed);
                 // Vary the keep probability per plan so that "nothing", "everything" and
                 // prefix-like outcomes are common, not just half-and-half subsets.
-                let keep_in_8 = rng.next() % 9;
+                let keep_in_8 = rng.next_u64() % 9;
                 (0..n)
                     .map(|_| {
-                        if rng.next() % 8 >= keep_in_8 {
+                        if rng.next_u64() % 8 >= keep_in_8 {
                             Survival::Lost
-                        } else if *tear && rng.next() % 4 == 0 {
-                            Survival::Torn { seed: rng.next() }
+                        } else if *tear && rng.next_u64() % 4 == 0 {
+                            Survival::Torn {
+                                seed: rng.next_u64(),
+                            }
                         } else {
                             Survival::Kept
                         }
@@ -118,19 +120,6 @@ impl CrashPlan {
                     .collect()
             }
         }
-    }
-}
-
-/// SplitMix64: tiny, deterministic, good enough to pick crash subsets.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
     }
 }
 
@@ -192,12 +181,12 @@ impl Modification {
             Modification::Zero { offset, len } => (*offset, *len),
             _ => return self.apply(data),
         };
-        let mut rng = SplitMix(seed);
+        let mut rng = crate::rng::Rng(seed);
         let end = offset + len;
         let mut pos = offset;
         while pos < end {
             let piece_end = end.min((pos / SECTOR + 1) * SECTOR);
-            if rng.next() & 1 == 1 {
+            if rng.next_u64() & 1 == 1 {
                 match self {
                     Modification::Write { data: bytes, .. } => {
                         let a = usize::try_from(pos - offset).unwrap_or(usize::MAX);

@@ -12,7 +12,6 @@ mod dir;
 pub mod nbd_server;
 mod process;
 mod qemu_nbd;
-mod rng;
 mod runtime;
 mod tls;
 mod tools;
@@ -20,8 +19,9 @@ mod tools;
 pub use dir::Dir;
 pub use process::{exit_within, peak_rss_mib, process_exited, rss_bytes, wait_until};
 pub use qemu_nbd::QemuNbd;
-pub use rng::Rng;
 pub use runtime::run;
+/// The workspace's deterministic random source (SplitMix64), which the fault storage uses too.
+pub use storage::rng::Rng;
 pub use tls::{Pki, CLIENT_DN, PSK_USER};
 pub use tools::{
     assert_check_clean, assert_same_bytes, assert_same_contents, create_image, nbd_tcp_uri,

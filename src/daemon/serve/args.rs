@@ -1,13 +1,14 @@
 //! The `serve` command line: qemu-nbd's option names and defaults, and the checks that turn
 //! it into settings (combinations qemu-nbd refuses are refused here too).
 
-pub use super::export_spec::FormatArg;
+pub use super::export_option::FormatArg;
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 
-use crate::daemon::export::{DetectZeroes, DiscardMode};
-use crate::size_string;
+use crate::common::cache_mode::CacheMode;
+use crate::common::size_string;
+use crate::daemon::image_export::{DetectZeroes, DiscardMode};
 
 /// Default of `--control-clients`.
 pub const DEFAULT_CLIENTS: u16 = 16;
@@ -43,11 +44,11 @@ pub struct ServeArgs {
     #[arg(
         long = "export",
         value_name = "SPEC",
-        value_parser = super::export_spec::parse_export_spec,
+        value_parser = super::export_option::parse_export_spec,
         conflicts_with_all = ["image", "export_name", "description", "read_only", "format",
                               "bitmaps", "snapshot", "load_snapshot"]
     )]
-    pub exports: Vec<super::export_spec::ExportSpec>,
+    pub exports: Vec<super::export_option::ExportSpec>,
 
     /// Listen on this Unix socket instead of TCP.
     #[arg(short = 'k', long = "socket", value_name = "PATH", conflicts_with_all = ["port", "bind"])]
@@ -356,8 +357,8 @@ impl LogLevel {
 
 impl ServeArgs {
     /// The flags that decide TLS.
-    pub fn tls_flags(&self) -> super::tls::TlsFlags {
-        super::tls::TlsFlags {
+    pub fn tls_flags(&self) -> crate::common::tls::TlsFlags {
+        crate::common::tls::TlsFlags {
             objects: self.objects.clone(),
             creds: self.tls_creds.clone(),
             authz: self.tls_authz.clone(),
@@ -387,38 +388,6 @@ fn parse_offset(s: &str) -> Result<u64, String> {
 
 fn parse_size(s: &str) -> Result<u64, String> {
     size_string::parse_size(s).map_err(|e| e.to_string())
-}
-
-/// `--cache`: QEMU's modes, each a combination of O_DIRECT, writethrough and ignored flushes.
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CacheMode {
-    /// O_DIRECT, flushes honoured.
-    None,
-    /// Page cache, flushes honoured.
-    Writeback,
-    /// Page cache, every write persisted before it completes.
-    Writethrough,
-    /// O_DIRECT, every write persisted before it completes.
-    Directsync,
-    /// Page cache, flushes ignored (fast, loses data on a host crash).
-    Unsafe,
-}
-
-impl CacheMode {
-    /// Files are opened with O_DIRECT.
-    pub fn direct(self) -> bool {
-        matches!(self, Self::None | Self::Directsync)
-    }
-
-    /// Every write completes only once durable.
-    pub fn writethrough(self) -> bool {
-        matches!(self, Self::Writethrough | Self::Directsync)
-    }
-
-    /// FLUSH and FUA are no-ops.
-    pub fn ignore_flush(self) -> bool {
-        self == Self::Unsafe
-    }
 }
 
 /// `--aio`.

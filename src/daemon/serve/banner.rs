@@ -42,7 +42,7 @@ pub fn text(banner: &Banner<'_>) -> String {
     for e in banner.exports {
         out.push_str(&format!(
             "{}: serving {} ({}{}) as export {:?}; Ctrl-C stops it.\n",
-            crate::prog::name(),
+            crate::common::prog::name(),
             e.image.display(),
             human(e.size),
             if e.read_only { ", read-only" } else { "" },

@@ -40,7 +40,7 @@ impl Cleaner {
                     }
                     Err(e) => tracing::warn!(error = %e, "cleaning idle cache entries failed"),
                 }
-                crate::malloc_tuning::release_free_heap();
+                crate::common::malloc_tuning::release_free_heap();
             }
         });
         Some(Cleaner { stop, task })

@@ -4,7 +4,8 @@
 use qcow2::engine::EngineError;
 
 use super::control::error::ControlError;
-use super::{args, listen, overlay, tls};
+use super::{args, listen, overlay};
+use crate::common::tls;
 use crate::daemon::stats::http::MetricsBindError;
 
 /// Why `serve` failed.

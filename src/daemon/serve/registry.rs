@@ -20,9 +20,9 @@ use tokio::task::JoinHandle;
 
 use super::cleaner::Cleaner;
 use super::error::ServeError;
-use super::export_spec::MAX_EXPORTS;
-use super::exports::{close_all, ImageSpec, OpenImage, Origin};
-use crate::daemon::export::{ExportPolicy, ImageExport};
+use super::export_option::MAX_EXPORTS;
+use super::served_images::{close_all, ImageSpec, OpenImage, Origin};
+use crate::daemon::image_export::{ExportPolicy, ImageExport};
 use crate::daemon::stats::{Gauges, StatsRegistry};
 
 /// Events kept for a control client that reads them slowly; one further behind misses the
@@ -358,13 +358,13 @@ async fn entry(
     settings: &OpenSettings,
 ) -> Result<ExportEntry<ImageExport>, ServeError> {
     let spec = &open.spec;
-    let bitmaps = crate::daemon::export::exported_bitmaps(&open.image, &spec.bitmaps)
+    let bitmaps = crate::daemon::image_export::exported_bitmaps(&open.image, &spec.bitmaps)
         .await
         .map_err(|reason| spec.bitmap_error(reason))?;
     let policy = ExportPolicy {
         // Writes under `-s` go to the overlay, whose format is known.
         probed_raw: spec.probed && spec.overlay.is_none(),
-        compressed_writes: crate::image_name::compressed_writes(&spec.path),
+        compressed_writes: crate::common::image_name::compressed_writes(&spec.path),
         ..settings.policy
     };
     let mut export = ImageExport::new(open.image.clone(), policy).with_bitmaps(bitmaps);

@@ -13,9 +13,9 @@ use tokio::task::JoinSet;
 use super::error::ConvertError;
 use super::plan::{self, Chunk, Planner, Settings, Source, Status};
 use super::sparse::{self};
+use crate::common::zeroes::is_zero;
 use crate::tools::inflight::BufferPool;
 use crate::tools::progress::Progress;
-use crate::zeroes::is_zero;
 
 /// Largest copy request: big enough for sequential throughput, small enough that eight in
 /// flight stay cheap in memory (qemu-img's buffer size too).

@@ -3,8 +3,8 @@
 
 use qcow2::engine::EngineError;
 
-use crate::engine_run::OpenError;
-use crate::options::OptionsError;
+use crate::common::engine_run::OpenError;
+use crate::common::options::OptionsError;
 use crate::tools::create::CreateError;
 
 /// Why `convert` failed.
@@ -100,7 +100,7 @@ pub enum ConvertError {
     #[error("Format driver '{0}' does not support bitmaps")]
     TargetWithoutBitmaps(&'static str),
     /// A source bitmap left in use by a crash.
-    #[error("Cannot copy inconsistent bitmap '{0}'\nTry --skip-broken-bitmaps, or use '{prog} bitmap --remove' to delete it", prog = crate::prog::name())]
+    #[error("Cannot copy inconsistent bitmap '{0}'\nTry --skip-broken-bitmaps, or use '{prog} bitmap --remove' to delete it", prog = crate::common::prog::name())]
     InconsistentBitmap(String),
     /// A copy task died (a bug: tasks return their errors).
     #[error("internal error: a copy task failed: {0}")]

@@ -4,7 +4,7 @@
 //! written with the data so that requests are not broken up, and run ends move to multiples
 //! of SIZE (a power of two at most) so that writes do not start or end mid-block.
 
-use crate::zeroes::is_zero;
+use crate::common::zeroes::is_zero;
 
 /// The unit sparse detection works in.
 pub const SECTOR: u64 = 512;

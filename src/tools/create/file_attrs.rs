@@ -6,7 +6,7 @@
 use std::os::fd::AsRawFd;
 use std::path::Path;
 
-use crate::options::Parsed;
+use crate::common::options::Parsed;
 
 /// The hint QEMU sets when none is given.
 const DEFAULT_EXTENT_SIZE_HINT: u32 = 1 << 20;
@@ -61,7 +61,7 @@ impl FileAttrs {
     /// The file is emptied only once the write lock is held, as QEMU's file driver does
     /// on create: a file another process is using is refused, never truncated.
     pub fn prepare(&self, path: &Path) -> std::io::Result<()> {
-        if path.to_str().is_some_and(nbd_client::is_nbd_name) {
+        if storage::opener::name::kind(path) == storage::opener::name::NameKind::Nbd {
             return Ok(());
         }
         let file = std::fs::OpenOptions::new()
@@ -74,7 +74,7 @@ impl FileAttrs {
             &file,
             path,
             storage::Permissions::for_open(false, false),
-            crate::engine_run::locking(),
+            crate::common::engine_run::locking(),
         )?;
         file.set_len(0)?;
         let fd = file.as_raw_fd();
@@ -95,8 +95,8 @@ impl FileAttrs {
             if self.extent_size_hint.is_some_and(|h| h != 0) {
                 eprintln!(
                     "{}: warning: Failed to set extent size hint: {}",
-                    crate::prog::name(),
-                    crate::engine_run::plain_io(&e)
+                    crate::common::prog::name(),
+                    crate::common::engine_run::plain_io(&e)
                 );
             }
         }

@@ -9,11 +9,12 @@ use clap::Args;
 use qcow2::engine::{
     self as engine, CreateOptions, EngineError, Format, Image, NewEncryption, Preallocation,
 };
+use storage::opener::name;
 use storage::{IoBuf, Opener, Storage};
 
-use crate::engine_run::{self, OpenError};
-use crate::options::{self, OptionsError, Parsed};
-use crate::size_string::{self, ParseSizeError};
+use crate::common::engine_run::{self, OpenError};
+use crate::common::options::{self, OptionsError, Parsed};
+use crate::common::size_string::{self, ParseSizeError};
 
 mod file_attrs;
 mod plan;
@@ -54,7 +55,9 @@ impl CreateArgs {
     pub fn format_name(&self) -> &str {
         match &self.format {
             Some(f) => f,
-            None if crate::prog::current() == crate::prog::Personality::QemuImg => "raw",
+            None if crate::common::prog::current() == crate::common::prog::Personality::QemuImg => {
+                "raw"
+            }
             None => "qcow2",
         }
     }
@@ -238,7 +241,7 @@ async fn create(args: &CreateArgs) -> Result<(), CreateError> {
         OpenError::NoCreation(_) => CreateError::invalid(&image)(e.to_string()),
         other => CreateError::Format(other),
     })?;
-    let file = crate::image_name::protocol_path(named.as_os_str()).map_err(|reason| {
+    let file = storage::opener::protocol_path(named.as_os_str()).map_err(|reason| {
         CreateError::Invalid {
             image: image.clone(),
             detail: reason.to_string(),
@@ -249,11 +252,9 @@ async fn create(args: &CreateArgs) -> Result<(), CreateError> {
     let size = requested_size(args, &parsed, &image)?;
     match format {
         // QEMU's null device holds no image: refused before anything is announced.
-        _ if image_path.to_str().is_some_and(storage::null::is_null_name) => {
-            Err(CreateError::invalid(&image)(
-                "Protocol driver 'null-co' does not support image creation".into(),
-            ))
-        }
+        _ if name::kind(image_path) == name::NameKind::Null => Err(CreateError::invalid(&image)(
+            "Protocol driver 'null-co' does not support image creation".into(),
+        )),
         Format::Raw => create_raw_image(args, image_path, &image, &parsed, size).await,
         Format::Qcow2 => create_qcow2_image(args, image_path, &image, &parsed, size).await,
     }
@@ -487,9 +488,12 @@ async fn set_backing(
     let fmt = backing_fmt.map(engine_run::parse_format).transpose()?;
     // An NBD name given here is the user's own choice, so its export is read for the size
     // (names stored in images are still not followed: see `backing_name`).
-    let resolved = match nbd_client::NbdTarget::parse(name) {
-        Ok(target) if nbd_client::is_nbd_name(name) => Ok(PathBuf::from(target.display_name())),
-        _ => engine::backing_name::resolve(path, name),
+    let export = (name::kind_of_text(name) == name::NameKind::Nbd)
+        .then(|| storage::opener::protocol_path(std::ffi::OsStr::new(name)).ok())
+        .flatten();
+    let resolved = match export {
+        Some(export) => Ok(export),
+        None => engine::backing_name::resolve(path, name),
     };
     if let Ok(r) = &resolved {
         if same_file(r, path) {
@@ -532,7 +536,7 @@ async fn set_backing(
         read_only: true,
         format: Some(fmt),
         no_io: true,
-        passwords: crate::secrets::passwords_for(&resolved),
+        passwords: crate::common::secrets::passwords_for(&resolved),
         ..engine::OpenOptions::default()
     };
     let backing = Image::open(&engine_run::opener(), &resolved, &opts)

@@ -5,8 +5,8 @@
 use qcow2::engine::compress::Codec;
 use qcow2::engine::{CreateOptions, Format, NewEncryption, Preallocation};
 
-use crate::engine_run::format_name;
-use crate::options::{Kind, OptionsError, Parsed, Spec, Value};
+use crate::common::engine_run::format_name;
+use crate::common::options::{Kind, OptionsError, Parsed, Spec, Value};
 
 /// Options of qcow2 images (`-o help` lists them).
 pub const QCOW2_OPTIONS: &[Spec] = &[
@@ -220,9 +220,9 @@ pub fn option_table(format: Format) -> Vec<Spec> {
 /// layout).
 pub fn creation_help(format: Format, with_file: bool) -> String {
     if with_file {
-        return crate::options::help_text(&option_table(format));
+        return crate::common::options::help_text(&option_table(format));
     }
-    let text = crate::options::help_text(format_options(format));
+    let text = crate::common::options::help_text(format_options(format));
     format!(
         "{}\nThe protocol level may support further options.\nSpecify the target filename to include those options.\n",
         text.replacen(
@@ -273,7 +273,7 @@ pub fn encryption_settings(p: &Parsed) -> Result<Option<NewEncryption>, String> 
         let id = p
             .str("encrypt.key-secret")
             .ok_or("Parameter 'encrypt.key-secret' is required for cipher")?;
-        crate::secrets::secret(id)
+        crate::common::secrets::secret(id)
     };
     let bad = |name: &str, v: &str| format!("Invalid parameter '{v}' for {name}");
     match format {

@@ -8,8 +8,8 @@ use serde_json::{json, Map, Value};
 
 use super::args::{Args, Running};
 use super::qmp::{ErrorClass, QmpError};
-use crate::daemon::serve::exports::{refuse_nbd_name, ImageSpec, Origin};
 use crate::daemon::serve::registry::{ChangeError, Record, Registry};
+use crate::daemon::serve::served_images::{refuse_nbd_name, ImageSpec, Origin};
 use qcow2::engine::Format;
 
 /// A handler's answer that needs no waiting.

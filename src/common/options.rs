@@ -5,7 +5,11 @@
 
 use std::collections::BTreeMap;
 
-use crate::size_string;
+use crate::common::size_string;
+
+/// Lists are split, and booleans read, as image names' option lists are (storage's opener
+/// owns that syntax).
+pub use storage::opener::image_opts::{parse_bool, split};
 
 /// The type of an option's value, as qemu-img names it in `-o help`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,42 +107,6 @@ pub fn join_lists(lists: &[String]) -> Result<Option<String>, OptionsError> {
         check_list(l)?;
     }
     Ok((!lists.is_empty()).then(|| lists.join(",")))
-}
-
-/// Splits a list into raw `(key, value)` pairs in order; `None` for a key without `=`.
-pub fn split(list: &str) -> Vec<(String, Option<String>)> {
-    let mut out = Vec::new();
-    let mut rest = list;
-    while !rest.is_empty() {
-        // The name ends at '=' or ','; names have no escapes.
-        let name_end = rest.find(['=', ',']).unwrap_or(rest.len());
-        let name = rest[..name_end].to_string();
-        rest = &rest[name_end..];
-        if let Some(after_eq) = rest.strip_prefix('=') {
-            // The value ends at a ',' that is not doubled; ",," is a literal ','.
-            let mut value = String::new();
-            let mut chars = after_eq.char_indices().peekable();
-            let mut consumed = after_eq.len();
-            while let Some((i, c)) = chars.next() {
-                if c == ',' {
-                    if matches!(chars.peek(), Some((_, ','))) {
-                        chars.next();
-                        value.push(',');
-                        continue;
-                    }
-                    consumed = i;
-                    break;
-                }
-                value.push(c);
-            }
-            out.push((name, Some(value)));
-            rest = &after_eq[consumed..];
-        } else {
-            out.push((name, None));
-        }
-        rest = rest.strip_prefix(',').unwrap_or(rest);
-    }
-    out
 }
 
 /// True when the list asks for help (`help` or `?` as a key without a value).
@@ -242,15 +210,6 @@ impl Parsed {
     }
 }
 
-/// QEMU's boolean spellings (`qapi_bool_parse`): lower case only.
-pub fn parse_bool(s: &str) -> Option<bool> {
-    match s {
-        "on" | "yes" | "true" | "y" => Some(true),
-        "off" | "no" | "false" | "n" => Some(false),
-        _ => None,
-    }
-}
-
 /// An unsigned number the way QEMU's number options read it (C's `strtoull`): decimal, or
 /// hexadecimal with `0x`, or octal with a leading `0`; a leading `-` negates modulo 2^64, so
 /// `-1` is the largest value (which the option's own check then refuses, with its message).
@@ -316,20 +275,6 @@ mod tests {
 
     fn parse(list: &str) -> Result<Parsed, OptionsError> {
         Parsed::parse(list, SPECS, &["data_file"])
-    }
-
-    #[test]
-    fn split_handles_escapes_and_bare_keys() {
-        assert_eq!(
-            split("a=1,,2,b,c=,d=x,,"),
-            vec![
-                ("a".into(), Some("1,2".into())),
-                ("b".into(), None),
-                ("c".into(), Some(String::new())),
-                ("d".into(), Some("x,".into())),
-            ]
-        );
-        assert_eq!(split("=4k"), vec![(String::new(), Some("4k".into()))]);
     }
 
     #[test]

@@ -25,7 +25,7 @@ struct Registry {
 
 /// The type of the object `spec` defines (`TYPE,...` or `qom-type=TYPE,...`).
 fn object_type(spec: &str) -> Option<String> {
-    let parts = crate::options::split(spec);
+    let parts = crate::common::options::split(spec);
     parts
         .iter()
         .enumerate()
@@ -40,7 +40,7 @@ static REGISTRY: OnceLock<Registry> = OnceLock::new();
 
 /// Parses `secret,id=ID,data=TEXT|file=PATH[,format=raw]`; `Ok(None)` for other objects.
 fn parse_secret(spec: &str) -> Result<Option<(String, Vec<u8>)>, String> {
-    let parts = crate::options::split(spec);
+    let parts = crate::common::options::split(spec);
     let mut kind = None;
     let (mut id, mut data, mut file) = (None, None, None);
     for (i, (key, value)) in parts.iter().enumerate() {
@@ -65,8 +65,12 @@ fn parse_secret(spec: &str) -> Result<Option<(String, Vec<u8>)>, String> {
     let id = id.ok_or_else(|| "Parameter 'id' is missing".to_string())?;
     let bytes = match (data, file) {
         (Some(d), None) => d,
-        (None, Some(f)) => std::fs::read(&f)
-            .map_err(|e| format!("Unable to read {f}: {}", crate::os_error::plain_io(&e)))?,
+        (None, Some(f)) => std::fs::read(&f).map_err(|e| {
+            format!(
+                "Unable to read {f}: {}",
+                crate::common::os_error::plain_io(&e)
+            )
+        })?,
         _ => return Err("Either 'data' or 'file' must be provided".to_string()),
     };
     Ok(Some((id, bytes)))
@@ -76,7 +80,7 @@ fn parse_secret(spec: &str) -> Result<Option<(String, Vec<u8>)>, String> {
 /// image-name reader the subcommands use (so an option string and a `json:` name give their
 /// keys alike); `None` for a name it refuses, which the subcommand then reports.
 fn layer_keys(name: &OsStr, image_opts: bool) -> Option<(PathBuf, Vec<Option<String>>)> {
-    let read = crate::image_name::parse(name, image_opts).ok()?;
+    let read = storage::opener::parse(name, image_opts).ok()?;
     let mut keys: Vec<Option<String>> = Vec::new();
     for (key, id) in &read.options {
         let mut depth = 0;
@@ -128,7 +132,8 @@ pub fn take_from_args(args: Vec<OsString>) -> Result<Vec<OsString>, String> {
                 reg.secrets.insert(id, bytes);
                 continue;
             }
-            if !serving && object_type(&spec).is_some_and(|t| crate::nbd_tls::is_creds_type(&t)) {
+            if !serving && object_type(&spec).is_some_and(|t| crate::common::tls::is_creds_type(&t))
+            {
                 if text.as_deref() == Some("--object") {
                     it.next();
                 }
@@ -153,7 +158,7 @@ pub fn take_from_args(args: Vec<OsString>) -> Result<Vec<OsString>, String> {
         out.push(a);
     }
     let _ = REGISTRY.set(reg);
-    crate::nbd_tls::set_objects(tls_objects);
+    crate::common::tls::set_objects(tls_objects);
     Ok(out)
 }
 

@@ -8,7 +8,7 @@ use storage::{AnyStorage, FileOpener};
 
 use super::args::ServeArgs;
 use super::error::ServeError;
-use super::export_spec::{ExportSpec, MAX_EXPORTS};
+use super::export_option::{ExportSpec, MAX_EXPORTS};
 
 /// One image to serve and how clients see it.
 #[derive(Debug, Clone)]
@@ -25,7 +25,7 @@ pub struct ImageSpec {
     pub format: Option<Format>,
     /// The format was not given and probing guessed raw (the positional IMAGE only, as
     /// qemu-nbd probes): the export then guards its first sector (see
-    /// [`crate::daemon::export::ExportPolicy::probed_raw`]).
+    /// [`crate::daemon::image_export::ExportPolicy::probed_raw`]).
     pub probed: bool,
     /// Opened as untrusted (`untrusted=on`, or `--untrusted` for the whole server).
     pub untrusted: bool,
@@ -84,7 +84,7 @@ pub fn image_specs(
 /// the export refuses such writes). A file that cannot be read is left to the open, which
 /// says why.
 fn probe(path: &Path, read_only: bool) -> (Option<Format>, bool) {
-    match crate::engine_run::probe_format(path) {
+    match crate::common::engine_run::probe_format(path) {
         Ok(Format::Raw) => {
             if !read_only {
                 eprintln!(
@@ -104,8 +104,10 @@ fn probe(path: &Path, read_only: bool) -> (Option<Format>, bool) {
 
 /// Refuses an NBD name as an image to serve (see [`ServeError::NbdName`]).
 pub fn refuse_nbd_name(path: &Path) -> Result<(), ServeError> {
-    match path.to_str() {
-        Some(name) if nbd_client::is_nbd_name(name) => Err(ServeError::NbdName(name.to_string())),
+    match storage::opener::name::kind(path) {
+        storage::opener::name::NameKind::Nbd => {
+            Err(ServeError::NbdName(path.display().to_string()))
+        }
         _ => Ok(()),
     }
 }
@@ -151,9 +153,9 @@ impl ImageSpec {
         OpenOptions {
             read_only: self.read_only,
             format: self.format,
-            passwords: crate::secrets::passwords_for(&self.path),
+            passwords: crate::common::secrets::passwords_for(&self.path),
             untrusted: match self.untrusted {
-                true => Some(crate::engine_run::untrusted_settings()),
+                true => Some(crate::common::engine_run::untrusted_settings()),
                 false => server.untrusted,
             },
             ..server.clone()

@@ -23,8 +23,8 @@ use qcow2::engine::{libc_errno, EngineError, Image, ReadPart};
 use qcow2::format::BitmapData;
 use storage::{AnyStorage, IoBuf};
 
+use crate::common::zeroes::is_zero;
 use crate::daemon::stats::{Command, ExportStats};
-use crate::zeroes::is_zero;
 
 /// Largest block size we advertise as preferred: a write of this many bytes never needs a
 /// copy-on-write of the rest of its (sub)cluster, and it stays far below the 32 MiB payload.
@@ -829,9 +829,6 @@ impl Export for ImageExport {
         result
     }
 }
-
-#[cfg(test)]
-mod remote_model;
 
 #[cfg(test)]
 mod tests {

@@ -1,5 +1,9 @@
-/// SplitMix64: a small deterministic random source. Tests must be reproducible from the seed
-/// they print, and must not depend on a crate just for this.
+//! SplitMix64, the one deterministic random source of the workspace: the fault storage picks
+//! crash subsets and torn sectors with it, and tests (through `test-support`) draw their
+//! operations from it, so a run is reproducible from the seed it prints without a crate
+//! just for this.
+
+/// SplitMix64: a small deterministic random source.
 #[derive(Debug, Clone, Default)]
 pub struct Rng(pub u64);
 

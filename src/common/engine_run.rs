@@ -2,15 +2,20 @@
 //! runtime the engine expects, format names and probing, and opening images; and what every
 //! subcommand shares about image locks (`--locking`, `-U`).
 
-pub use crate::os_error::plain_io;
+pub use crate::common::os_error::plain_io;
 use std::fmt::Display;
 use std::future::Future;
-use std::io::Read;
 use std::path::Path;
 use std::process::ExitCode;
 
 use qcow2::engine::{EngineError, Format, Image, OpenOptions};
-use storage::{Aio, AnyStorage, FileOpener, Locking};
+use qcow2::format::header::QCOW2_MAGIC;
+use storage::AnyStorage;
+
+use super::image_bytes;
+pub use super::settings::{
+    locking, opener, set_locking, set_untrusted, untrusted, untrusted_settings,
+};
 
 /// `-U`/`--force-share`, as the read-only tools (`info`, `map`, `check`, `convert`) take it.
 #[derive(clap::Args, Debug, Clone, Copy, Default)]
@@ -19,66 +24,6 @@ pub struct ForceShare {
     /// `-U`): no lock keeps writers out, so what is read may be inconsistent.
     #[arg(short = 'U', long = "force-share")]
     pub force_share: bool,
-}
-
-/// The `--locking` mode of this run, set once from the command line.
-static LOCKING: std::sync::OnceLock<Locking> = std::sync::OnceLock::new();
-
-/// Records the `--locking` mode every file open of this process uses.
-pub fn set_locking(locking: Locking) {
-    let _ = LOCKING.set(locking);
-}
-
-/// The `--locking` mode of this run (`auto` unless the command line said otherwise).
-pub fn locking() -> Locking {
-    LOCKING.get().copied().unwrap_or_default()
-}
-
-/// `--untrusted`, `--allow-dir` and the caps, set once from the command line.
-static UNTRUSTED: std::sync::OnceLock<(bool, qcow2::engine::Untrusted)> =
-    std::sync::OnceLock::new();
-
-/// Records `--untrusted`, the `--allow-dir` directories (made canonical; each must be a
-/// directory) and the caps on what an untrusted image may declare.
-pub fn set_untrusted(
-    untrusted: bool,
-    allow: &[std::path::PathBuf],
-    caps: qcow2::declared::Caps,
-) -> std::io::Result<()> {
-    let allow = storage::AllowDirs::new(allow)?.leak();
-    let _ = UNTRUSTED.set((untrusted, qcow2::engine::Untrusted { allow, caps }));
-    Ok(())
-}
-
-/// How an image marked untrusted (`--untrusted`, or an export's `untrusted=on`) is opened:
-/// the `--allow-dir` directories (none unless given) and the caps.
-pub fn untrusted_settings() -> qcow2::engine::Untrusted {
-    static NONE: storage::AllowDirs = storage::AllowDirs::none();
-    UNTRUSTED.get().map_or(
-        qcow2::engine::Untrusted {
-            allow: &NONE,
-            caps: qcow2::declared::Caps::default(),
-        },
-        |u| u.1,
-    )
-}
-
-/// The confinement every image opened by this run gets: `Some` under `--untrusted`.
-pub fn untrusted() -> Option<qcow2::engine::Untrusted> {
-    UNTRUSTED
-        .get()
-        .is_some_and(|u| u.0)
-        .then(untrusted_settings)
-}
-
-/// The file opener every subcommand uses: io_uring (falling back to threads), page cache on,
-/// image locks as `--locking` says.
-pub fn opener() -> FileOpener {
-    FileOpener {
-        aio: Aio::IoUring,
-        direct: false,
-        locking: locking(),
-    }
 }
 
 /// Runs `f` on a current-thread runtime inside a `LocalSet`, as the engine requires.
@@ -278,71 +223,23 @@ pub fn format_name(f: Format) -> &'static str {
     }
 }
 
-/// A connection to the export `path` names when it is an NBD name (`None`: a file), for
-/// the tools that read an image without the engine.
-pub fn nbd_connect(path: &Path) -> Option<std::io::Result<nbd_client::NbdClient>> {
-    let name = path.to_str().filter(|n| nbd_client::is_nbd_name(n))?;
-    Some(
-        nbd_client::NbdTarget::parse(name)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
-            .and_then(|target| {
-                nbd_client::NbdClient::connect(&target, nbd_client::DEFAULT_IO_TIMEOUT)
-                    .map_err(std::io::Error::from)
-            }),
-    )
-}
-
-/// Guesses a file's format the way qemu-img does for the formats we know: the qcow2 magic,
-/// otherwise raw. Only used for images opened read-only, where guessing raw is harmless.
+/// Guesses an image's format the way qemu-img does for the formats we know: the qcow2
+/// magic, otherwise raw. Used before read-only and read-write opens alike: the name is
+/// opened as the storage opener opens every name (a file, an NBD export, a `null-co`
+/// device, the file under a `blkdebug` wrapper, whose injected faults change no bytes),
+/// read-only and sharing writes for the four bytes it reads; the open that follows takes
+/// the locks its subcommand needs.
 pub fn probe_format(path: &Path) -> Result<Format, OpenError> {
     let probe_err = |source| OpenError::Probe {
         path: path.display().to_string(),
         source,
     };
-    let mut magic = [0u8; 4];
-    // A null-co device reads as zeros: no format's magic.
-    if path.to_str().is_some_and(storage::null::is_null_name) {
-        return Ok(Format::Raw);
-    }
-    if let Some(name) = path.to_str().filter(|n| nbd_client::is_nbd_name(n)) {
-        let target = nbd_client::NbdTarget::parse(name)
-            .map_err(|e| probe_err(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?;
-        let mut client = nbd_client::NbdClient::connect(&target, nbd_client::DEFAULT_IO_TIMEOUT)
-            .map_err(|e| probe_err(e.into()))?;
-        let got = client.size().min(4) as usize;
-        client
-            .read(&mut magic[..got], 0)
-            .map_err(|e| probe_err(e.into()))?;
-        client.disconnect();
-        return Ok(
-            if got == 4 && magic == qcow2::format::header::QCOW2_MAGIC.to_be_bytes() {
-                Format::Qcow2
-            } else {
-                Format::Raw
-            },
-        );
-    }
-    if let Some((_, image)) = path.to_str().and_then(storage::blkdebug::split_name) {
-        // Fault injection changes no bytes: the wrapped file tells the format.
-        return probe_format(Path::new(image));
-    }
-    let mut f = std::fs::File::open(path).map_err(probe_err)?;
-    let mut got = 0;
-    while got < magic.len() {
-        match f.read(&mut magic[got..]) {
-            Ok(0) => break,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(probe_err(e)),
-        }
-    }
-    Ok(
-        if got == 4 && magic == qcow2::format::header::QCOW2_MAGIC.to_be_bytes() {
-            Format::Qcow2
-        } else {
-            Format::Raw
-        },
-    )
+    let magic = image_bytes::read_head(path, 4).map_err(probe_err)?;
+    Ok(if magic == QCOW2_MAGIC.to_be_bytes() {
+        Format::Qcow2
+    } else {
+        Format::Raw
+    })
 }
 
 /// Opens `path` read-only with its backing chain; `format` `None` probes it; `force_share`
@@ -362,8 +259,8 @@ pub async fn open_read_only(
         format: Some(format),
         snapshot,
         force_share,
-        passwords: crate::secrets::passwords_for(path),
-        data_file: crate::image_name::data_file_for(path),
+        passwords: crate::common::secrets::passwords_for(path),
+        data_file: crate::common::image_name::data_file_for(path),
         untrusted: untrusted(),
         ..OpenOptions::default()
     };
@@ -376,7 +273,7 @@ pub fn exit_code<E: Display>(result: Result<(), E>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("{}: {e}", crate::prog::name());
+            eprintln!("{}: {e}", crate::common::prog::name());
             ExitCode::FAILURE
         }
     }

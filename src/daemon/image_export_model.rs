@@ -4,36 +4,20 @@
 //! every read against what it wrote. Afterwards the whole image must read as the union of the
 //! models, in the engine and in QEMU, and `qemu-img check` must find it clean.
 
-use super::*;
+use super::image_export::{DiscardMode, ExportPolicy, ImageExport, Payload};
 use nbd_server::remote::{dispatch, Remote};
 use nbd_server::{Export, ReadChunk, WriteZeroesFlags};
-use qcow2::engine::OpenOptions;
+use qcow2::engine::{Image, OpenOptions};
 use std::path::Path;
 use std::process::Command;
 use std::rc::Rc;
 use storage::{Aio, FileOpener, Locking};
+use test_support::Rng;
 
 const THREADS: u64 = 3;
 const REGION: u64 = 3 << 20;
 const OPS: usize = 250;
 const MAX_LEN: u64 = 160 << 10;
-
-/// SplitMix64: small and deterministic, so a failing seed can be replayed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 /// What one region must read as: `None` where a trim left the contents unspecified.
 type Model = Vec<Option<u8>>;

@@ -1,6 +1,10 @@
 //! TLS on the command line: qemu-nbd's `--object tls-creds-x509|tls-creds-psk|authz-simple`
 //! with `--tls-creds` and `--tls-authz`, and nbdkit-style short forms (`--tls-certificates`,
-//! `--tls-psk`, `--tls-verify-peer`), turned into one [`TlsServer`].
+//! `--tls-psk`, `--tls-verify-peer`), turned into one [`TlsServer`] (or, for `serve --list`,
+//! a [`TlsClient`]); and the client side of the image tools: the `tls-creds-x509` /
+//! `tls-creds-psk` objects of an image tool's command line, taken out of it with the
+//! secrets at start, and the client registered for each export an `nbd` node of an image
+//! name reaches with `tls-creds` ([`note`]).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -388,6 +392,48 @@ pub fn qemu_negotiation_words(reason: &str) -> String {
 /// Where QEMU's `tls-creds-psk,dir=DIR` finds its keys.
 pub fn psk_file(dir: &Path) -> PathBuf {
     dir.join("keys.psk")
+}
+
+/// The credential objects of the command line, in their `--object` text.
+static OBJECTS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+
+/// The object types an `nbd` node's `tls-creds` may name.
+const CREDS_TYPES: &[&str] = &["tls-creds-x509", "tls-creds-psk"];
+
+/// Whether `object_type` is a type of TLS credentials object.
+pub fn is_creds_type(object_type: &str) -> bool {
+    CREDS_TYPES.contains(&object_type)
+}
+
+/// Keeps the command line's credential objects (once, at start).
+pub fn set_objects(objects: Vec<String>) {
+    let _ = OBJECTS.set(objects);
+}
+
+/// Notes that the NBD export `path` names is reached over TLS with the credentials object
+/// `id` of the command line (and `hostname` to check the server's certificate against).
+pub fn note(path: &Path, id: &str, hostname: Option<String>) -> Result<(), String> {
+    let objects = OBJECTS.get().cloned().unwrap_or_default();
+    let has = |o: &String| parse_object(o).is_ok_and(|o| o.id == id);
+    if !objects.iter().any(has) {
+        return Err(format!("No TLS credentials with id '{id}'"));
+    }
+    let flags = TlsFlags {
+        objects,
+        creds: Some(id.to_owned()),
+        ..Default::default()
+    };
+    let client = tls_client(&flags)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("No TLS credentials with id '{id}'"))?;
+    nbd_client::register_tls(
+        &path.display().to_string(),
+        nbd_client::ClientTls {
+            client: std::sync::Arc::new(client),
+            hostname,
+        },
+    );
+    Ok(())
 }
 
 #[cfg(test)]

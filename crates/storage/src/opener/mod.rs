@@ -1,4 +1,15 @@
-//! Run-time choice of file backend (`--aio io_uring|threads`) and the [`Opener`] for files.
+//! Run-time choice of file backend (`--aio io_uring|threads`) and the [`Opener`] for image
+//! names: what a name opens ([`name`]) is decided here and nowhere else.
+
+pub mod image_opts;
+pub mod json;
+pub mod name;
+mod nodes;
+mod parse_name;
+
+pub use parse_name::{parse, protocol_path};
+
+use name::NameKind;
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -127,7 +138,7 @@ impl Opener for FileOpener {
 
     async fn open(&self, path: &Path, opts: OpenOptions) -> io::Result<AnyStorage> {
         if opts.confine.is_some() {
-            if let Some(what) = path.to_str().and_then(not_a_file) {
+            if let Some(what) = name::kind(path).not_a_file() {
                 let refusal = crate::Refusal::NotAFile { what };
                 return Err(io::Error::new(
                     io::ErrorKind::PermissionDenied,
@@ -135,29 +146,16 @@ impl Opener for FileOpener {
                 ));
             }
         }
-        if let Some(name) = path.to_str().filter(|n| nbd_client::is_nbd_name(n)) {
-            return crate::nbd::NbdStorage::open(name, opts).map(AnyStorage::Nbd);
-        }
-        if let Some(name) = path.to_str().filter(|n| crate::null::is_null_name(n)) {
-            return crate::null::NullStorage::open(name).map(AnyStorage::Null);
-        }
-        if let Some((config, image)) = path.to_str().and_then(crate::blkdebug::split_name) {
-            let rules = crate::blkdebug::Rules::read_config(Path::new(config))
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-            // Boxed: opening the wrapped file is a call of this same function.
-            let inner = Box::pin(self.open(Path::new(image), opts)).await?;
-            return Ok(AnyStorage::Blkdebug(Box::new(crate::BlkdebugStorage::new(
-                inner, rules,
-            ))));
-        }
-        if let Some(node) = path.to_str().and_then(crate::blkdebug::Node::parse) {
-            let rules = node
-                .rules()
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-            let inner = Box::pin(self.open(Path::new(&node.image), opts)).await?;
-            return Ok(AnyStorage::Blkdebug(Box::new(crate::BlkdebugStorage::new(
-                inner, rules,
-            ))));
+        let text = path.to_str().unwrap_or_default();
+        match name::kind(path) {
+            NameKind::Nbd => return crate::nbd::NbdStorage::open(text, opts).map(AnyStorage::Nbd),
+            NameKind::Null => return crate::null::NullStorage::open(text).map(AnyStorage::Null),
+            NameKind::Blkdebug => {
+                if let Some(storage) = self.open_blkdebug(text, opts).await {
+                    return storage;
+                }
+            }
+            NameKind::File => {}
         }
         let opts = OpenOptions {
             direct: opts.direct || self.direct,
@@ -182,12 +180,7 @@ impl Opener for FileOpener {
     /// Resolved on a thread of its own within `opts.bound`: walking a path on a file system
     /// that does not answer blocks like opening a file there.
     async fn canonical(&self, path: &Path, opts: OpenOptions) -> io::Result<PathBuf> {
-        if path.to_str().is_some_and(|n| {
-            nbd_client::is_nbd_name(n)
-                || crate::null::is_null_name(n)
-                || n.starts_with("blkdebug:")
-                || crate::blkdebug::Node::parse(n).is_some()
-        }) {
+        if name::kind(path) != NameKind::File {
             return Ok(path.to_path_buf());
         }
         let owned = path.to_path_buf();
@@ -195,6 +188,34 @@ impl Opener for FileOpener {
             Ok(owned.canonicalize().unwrap_or(owned))
         })
         .await
+    }
+}
+
+impl FileOpener {
+    /// The file a `blkdebug` name wraps, opened and wrapped in its rules (`None`: the name
+    /// does not parse as one, and is opened as a file of that name).
+    async fn open_blkdebug(&self, text: &str, opts: OpenOptions) -> Option<io::Result<AnyStorage>> {
+        let (rules, image) = if let Some((config, image)) = crate::blkdebug::split_name(text) {
+            (
+                crate::blkdebug::Rules::read_config(Path::new(config)),
+                image.to_string(),
+            )
+        } else {
+            let node = crate::blkdebug::Node::parse(text)?;
+            (node.rules(), node.image.clone())
+        };
+        let rules = match rules {
+            Ok(rules) => rules,
+            Err(e) => return Some(Err(io::Error::new(io::ErrorKind::InvalidInput, e))),
+        };
+        // Boxed: opening the wrapped file is a call of `open` itself.
+        let inner = match Box::pin(self.open(Path::new(&image), opts)).await {
+            Ok(inner) => inner,
+            Err(e) => return Some(Err(e)),
+        };
+        Some(Ok(AnyStorage::Blkdebug(Box::new(
+            crate::BlkdebugStorage::new(inner, rules),
+        ))))
     }
 }
 
@@ -211,13 +232,5 @@ fn warn_fallback(e: &io::Error) {
 /// What `name` is, when the file opener would open something other than a local file for
 /// it: an NBD export, a `null-co` device, or a `blkdebug` fault-injection node.
 pub fn not_a_file(name: &str) -> Option<&'static str> {
-    if nbd_client::is_nbd_name(name) {
-        Some("an NBD export")
-    } else if crate::null::is_null_name(name) {
-        Some("a null-co device")
-    } else if name.starts_with("blkdebug:") || crate::blkdebug::Node::parse(name).is_some() {
-        Some("a blkdebug fault-injection node")
-    } else {
-        None
-    }
+    name::kind_of_text(name).not_a_file()
 }

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use clap::ValueEnum;
 use qcow2::engine::Format;
 
-use crate::options;
+use crate::common::options;
 
 /// Most `--export` definitions one server takes: each holds an open image, its files, its
 /// caches and a task per connection, so a command line cannot make the server hold
