@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use nbd_proto::Errno;
 use nbd_server::remote::{dispatch, Remote, RemoteHandle};
-use nbd_server::{Export, ExportFeatures, Extent, ReadChunk, SendBuf, WriteZeroesFlags};
+use nbd_server::{Buffer, Export, ExportFeatures, Extent, ReadChunk, WriteZeroesFlags};
 use qcow2::engine::{create, CreateOptions, Image, OpenOptions, ReadPart};
 use storage::{IoBuf, MemFs, MemStorage};
 use tokio::task::{JoinSet, LocalSet};
@@ -46,7 +46,7 @@ impl AsMut<[u8]> for Buf {
     }
 }
 
-impl SendBuf for Buf {
+impl Buffer for Buf {
     fn zeroed(len: usize) -> Self {
         Buf(IoBuf::zeroed(len))
     }
@@ -57,10 +57,6 @@ struct Engine(Image<MemStorage>);
 
 impl Export for Engine {
     type Buf = Buf;
-
-    fn alloc(&self, len: usize) -> Buf {
-        Buf::zeroed(len)
-    }
 
     fn size(&self) -> u64 {
         self.0.size()

@@ -118,7 +118,7 @@ impl AsMut<[u8]> for Payload {
     }
 }
 
-impl nbd_server::SendBuf for Payload {
+impl nbd_server::Buffer for Payload {
     fn zeroed(len: usize) -> Self {
         Payload(IoBuf::zeroed(len))
     }
@@ -681,10 +681,6 @@ impl ImageExport {
 
 impl Export for ImageExport {
     type Buf = Payload;
-
-    fn alloc(&self, len: usize) -> Payload {
-        Payload(IoBuf::zeroed(len))
-    }
 
     fn size(&self) -> u64 {
         // As QEMU's block layer, which counts whole 512-byte sectors: a raw file of 1000

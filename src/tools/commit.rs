@@ -30,6 +30,7 @@ use crate::common::secrets;
 use crate::common::size_string::parse_size;
 use crate::tools::inflight::{BufferPool, CopyError, InFlight};
 use crate::tools::progress::{self, Progress};
+use crate::tools::same_file;
 
 /// How much of the top one block-status query covers.
 const QUERY_BYTES: u64 = 1 << 30;
@@ -213,14 +214,6 @@ async fn open_ro(
         ..OpenOptions::default()
     };
     Ok(Image::open(&engine_run::opener(), path, &opts).await?)
-}
-
-/// True when `a` and `b` name the same existing file.
-fn same_file(a: &Path, b: &Path) -> bool {
-    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
-        (Ok(x), Ok(y)) => x == y,
-        _ => false,
-    }
 }
 
 /// The depth of the image `-b` names in `chain` (below the top), as QEMU looks it up: an

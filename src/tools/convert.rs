@@ -32,6 +32,7 @@ use crate::common::options::{self, Parsed};
 use crate::tools::create::{self, option_table, CreateError};
 use crate::tools::inflight::BufferPool;
 use crate::tools::progress::Progress;
+use crate::tools::same_file;
 use plan::{Settings, Source};
 use sparse::SECTOR;
 
@@ -163,14 +164,6 @@ pub fn snapshot_param(s: &str) -> Result<String, ConvertError> {
             Ok(v.clone())
         }
         _ => Err(bad()),
-    }
-}
-
-/// True when `a` and `b` are the same existing file.
-fn same_file(a: &Path, b: &Path) -> bool {
-    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
-        (Ok(x), Ok(y)) => x == y,
-        _ => false,
     }
 }
 

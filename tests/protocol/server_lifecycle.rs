@@ -31,9 +31,6 @@ struct Gated {
 
 impl Export for Gated {
     type Buf = Vec<u8>;
-    fn alloc(&self, len: usize) -> Vec<u8> {
-        self.inner.alloc(len)
-    }
     fn size(&self) -> u64 {
         self.inner.size()
     }

@@ -177,16 +177,31 @@ pub struct Extent {
 /// A block device the server exports. Single-threaded by design: the futures need not be
 /// `Send`, and several connections share one export on one thread.
 ///
+/// A payload buffer an export reads into and writes from, made without its export (so a
+/// worker thread can make one for an export on another thread).
+pub trait Buffer: AsRef<[u8]> + AsMut<[u8]> {
+    /// A zero-filled buffer of exactly `len` bytes.
+    fn zeroed(len: usize) -> Self;
+}
+
+impl Buffer for Vec<u8> {
+    fn zeroed(len: usize) -> Self {
+        vec![0; len]
+    }
+}
+
 /// The server validates every request against [`Export::size`] and [`ExportFeatures`]
 /// before calling a method, so implementations see only in-range, aligned, supported calls.
 #[allow(async_fn_in_trait)] // single-threaded by design: futures are deliberately !Send
 pub trait Export {
     /// Payload buffer, so an engine can hand out O_DIRECT-aligned memory: WRITE payloads
     /// are read straight into it and READ data is sent straight from it.
-    type Buf: AsRef<[u8]> + AsMut<[u8]>;
+    type Buf: Buffer;
 
     /// A zero-filled buffer of exactly `len` bytes.
-    fn alloc(&self, len: usize) -> Self::Buf;
+    fn alloc(&self, len: usize) -> Self::Buf {
+        Self::Buf::zeroed(len)
+    }
 
     /// Export size in bytes.
     fn size(&self) -> u64;

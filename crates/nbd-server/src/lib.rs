@@ -35,7 +35,7 @@ pub use accept::report_negotiation_failures;
 pub use connection::{serve_client, serve_connection, ConnectionEnd, ConnectionError, Transport};
 pub use control::Control;
 pub use export::{
-    BlockSize, BlockSizeError, Export, ExportFeatures, Extent, ReadChunk, WriteZeroesFlags,
+    BlockSize, BlockSizeError, Buffer, Export, ExportFeatures, Extent, ReadChunk, WriteZeroesFlags,
 };
 pub use exports::{Attachment, CloseMode, ExportEntry, ExportState, Exports, ExportsError};
 pub use mem_export::{MemExport, MemStats};

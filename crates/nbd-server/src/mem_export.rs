@@ -405,10 +405,6 @@ impl MemExport {
 impl Export for MemExport {
     type Buf = Vec<u8>;
 
-    fn alloc(&self, len: usize) -> Vec<u8> {
-        vec![0; len]
-    }
-
     fn size(&self) -> u64 {
         self.size
     }

@@ -14,19 +14,12 @@ use tokio::task::JoinSet;
 
 use nbd_proto::errno::Errno;
 
-use crate::export::{Export, ExportFeatures, Extent, ReadChunk, WriteZeroesFlags};
+use crate::export::{Buffer, Export, ExportFeatures, Extent, ReadChunk, WriteZeroesFlags};
 
-/// A payload buffer that can cross threads and be made without its export.
-pub trait SendBuf: AsRef<[u8]> + AsMut<[u8]> + Send + 'static {
-    /// A zero-filled buffer of exactly `len` bytes, as [`Export::alloc`] makes them.
-    fn zeroed(len: usize) -> Self;
-}
+/// A payload buffer that can cross threads.
+pub trait SendBuf: Buffer + Send + 'static {}
 
-impl SendBuf for Vec<u8> {
-    fn zeroed(len: usize) -> Self {
-        vec![0; len]
-    }
-}
+impl<B: Buffer + Send + 'static> SendBuf for B {}
 
 type Reply<T> = oneshot::Sender<Result<T, Errno>>;
 
@@ -156,10 +149,6 @@ impl<B: SendBuf> Remote<B> {
 
 impl<B: SendBuf> Export for Remote<B> {
     type Buf = B;
-
-    fn alloc(&self, len: usize) -> B {
-        B::zeroed(len)
-    }
 
     fn size(&self) -> u64 {
         self.handle.size

@@ -41,44 +41,9 @@ fn bucket(key: &str) -> u32 {
     1_103_515_243u32.wrapping_mul(value).wrapping_add(12345) % BUCKETS
 }
 
-/// Rewrites QEMU's JSON dialect into standard JSON: single-quoted strings become
-/// double-quoted ones (a `"` inside is escaped, `\'` becomes `'`).
-pub fn requote(json: &str) -> Result<String, String> {
-    let mut out = String::with_capacity(json.len() + 16);
-    let mut chars = json.chars();
-    let mut quote: Option<char> = None;
-    while let Some(c) = chars.next() {
-        match (quote, c) {
-            (None, '\'') => {
-                quote = Some('\'');
-                out.push('"');
-            }
-            (None, '"') => {
-                quote = Some('"');
-                out.push('"');
-            }
-            (None, c) => out.push(c),
-            (Some(q), '\\') => {
-                let Some(next) = chars.next() else {
-                    return Err("unterminated escape at the end".to_string());
-                };
-                if q == '\'' && next == '\'' {
-                    out.push('\'');
-                } else {
-                    out.push('\\');
-                    out.push(next);
-                }
-            }
-            (Some(q), c) if c == q => {
-                quote = None;
-                out.push('"');
-            }
-            (Some('\''), '"') => out.push_str("\\\""),
-            (Some(_), c) => out.push(c),
-        }
-    }
-    Ok(out)
-}
+/// QEMU's JSON dialect (single-quoted strings) is read by the opener, which owns image
+/// names; backing file names in `json:` form go through the same reader.
+pub use storage::opener::json::requote;
 
 /// `v` as QEMU's tools print it (no trailing newline).
 pub fn to_pretty(v: &Value) -> String {

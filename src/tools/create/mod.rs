@@ -550,13 +550,7 @@ async fn set_backing(
 
 /// True when `a` and `b` name the same file: equal as written, or equal once canonicalized.
 fn same_file(a: &Path, b: &Path) -> bool {
-    if a == b {
-        return true;
-    }
-    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
-        (Ok(x), Ok(y)) => x == y,
-        _ => false,
-    }
+    a == b || crate::tools::same_file(a, b)
 }
 
 /// Runs `create` and returns the exit status.

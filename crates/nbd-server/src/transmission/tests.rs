@@ -80,10 +80,6 @@ struct SlowStart(MemExport);
 impl Export for SlowStart {
     type Buf = Vec<u8>;
 
-    fn alloc(&self, len: usize) -> Vec<u8> {
-        self.0.alloc(len)
-    }
-
     fn size(&self) -> u64 {
         self.0.size()
     }
