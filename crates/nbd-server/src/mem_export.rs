@@ -496,4 +496,5 @@ impl Export for MemExport {
 }
 
 #[cfg(test)]
+#[path = "mem_export_tests.rs"]
 mod tests;

@@ -561,4 +561,5 @@ fn is_known(option: u32) -> bool {
 }
 
 #[cfg(test)]
+#[path = "options_tests.rs"]
 mod tests;

@@ -329,4 +329,5 @@ fn status_chunks(to: &ReplyTo, out: &mut Serialized<'_>, chunks: &[BlockStatusCh
 }
 
 #[cfg(test)]
+#[path = "reply_writer_tests.rs"]
 mod tests;

@@ -323,4 +323,5 @@ fn read_action(h: &RequestHeader, limits: &Limits) -> Result<Action, Refusal> {
 }
 
 #[cfg(test)]
+#[path = "validate_tests.rs"]
 mod tests;
