@@ -24,6 +24,7 @@ ITEM_RE = re.compile(
     re.M,
 )
 MACRO_RE = re.compile(r"^\s*macro_rules!\s*([A-Za-z_][A-Za-z0-9_]*)", re.M)
+PATH_ATTR_RE = re.compile(r'#\[path\s*=\s*"([^"]+)"\]\s*(?:#\[[^\]]*\]\s*)*(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)\s*;')
 MOD_DECL_RE = re.compile(
     r"^\s*(?:#\[[^\]]*\]\s*)*(?:pub(?:\([^)]*\))?\s+)?mod\s+([A-Za-z_][A-Za-z0-9_]*)\s*;", re.M
 )
@@ -139,13 +140,18 @@ class Crate:
     def _load(self, path, file, parent):
         mod = Module(path, file, parent)
         self.modules[path] = mod
-        text = strip_comments_and_strings(open(file, encoding="utf-8").read())
+        raw = open(file, encoding="utf-8").read()
+        text = strip_comments_and_strings(raw)
         self.files[file] = text
         base = os.path.dirname(file)
         stem = os.path.splitext(os.path.basename(file))[0]
         own_dir = base if stem in ("mod", "lib", "main") or path == () else os.path.join(base, stem)
+        # `#[path = "x.rs"] mod name;` names its file relative to this file's directory.
+        given = {m.group(2): os.path.join(base, m.group(1)) for m in PATH_ATTR_RE.finditer(raw)}
         for name in MOD_DECL_RE.findall(text):
-            for cand in (os.path.join(own_dir, name + ".rs"), os.path.join(own_dir, name, "mod.rs")):
+            cands = [given[name]] if name in given else []
+            cands += [os.path.join(own_dir, name + ".rs"), os.path.join(own_dir, name, "mod.rs")]
+            for cand in cands:
                 if os.path.exists(cand):
                     mod.children[name] = self._load(path + (name,), cand, mod)
                     break
