@@ -348,6 +348,25 @@ impl<E: Export + 'static> Server<E> {
             }
         }
         drop(listeners);
+        self.drain(&mut clients, &stop_tx, &force_tx, force, &mut report)
+            .await;
+        if let Some(workers) = workers {
+            workers.finish(&self.exports).await;
+        }
+        self.flush_exports().await?;
+        Ok(report)
+    }
+
+    /// Tells every connection to stop, then waits for them to end: for the grace period,
+    /// or until `force`, after which the remaining ones are closed at once.
+    async fn drain(
+        &self,
+        clients: &mut JoinSet<Handled>,
+        stop_tx: &watch::Sender<bool>,
+        force_tx: &watch::Sender<bool>,
+        force: impl Future<Output = ()>,
+        report: &mut ServeReport,
+    ) {
         let _ = stop_tx.send(true);
         let grace = tokio::time::sleep(self.config.shutdown_grace);
         tokio::pin!(grace);
@@ -376,9 +395,10 @@ impl<E: Export + 'static> Server<E> {
                 report.failed_connections += 1;
             }
         }
-        if let Some(workers) = workers {
-            workers.finish(&self.exports).await;
-        }
+    }
+
+    /// Flushes every export still offered.
+    async fn flush_exports(&self) -> Result<(), ServerError> {
         // Exports being closed are flushed and closed by whoever closed them, once their
         // last client is gone (which the end of every connection above ensured).
         for entry in self.exports.entries() {
@@ -391,7 +411,7 @@ impl<E: Export + 'static> Server<E> {
                     errno,
                 })?;
         }
-        Ok(report)
+        Ok(())
     }
 }
 
