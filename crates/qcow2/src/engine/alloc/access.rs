@@ -15,14 +15,36 @@ use storage::Storage;
 /// growth, snapshot and refcount-structure changes) that must not interleave with another
 /// allocation. Released when dropped; never held across guest data I/O.
 #[must_use = "the allocator is exclusive only while the transaction is held"]
-pub(crate) struct MetaTxn<'a> {
+pub(crate) struct MetaTxn<'a, S: Storage + 'static> {
+    alloc: &'a Allocator<S>,
     _guard: tokio::sync::MutexGuard<'a, ()>,
+}
+
+impl<S: Storage + 'static> MetaTxn<'_, S> {
+    /// Allocates `n` contiguous clusters for a metadata operation's own use (a table, or
+    /// clusters it preallocates or expands): their refcounts only. Entries reach them through
+    /// [`Allocator::place`], after [`Allocator::refcounts_before_l2`] or a flush.
+    pub(crate) async fn claim_clusters(&self, n: u64) -> Result<HostOffset> {
+        self.alloc.alloc_clusters(n).await
+    }
+
+    /// Drops one reference from each of `n` clusters at `host` that a metadata operation no
+    /// longer points to (`punch`: punch those freed out of the file).
+    pub(crate) async fn release_clusters(
+        &self,
+        host: HostOffset,
+        n: u64,
+        punch: bool,
+    ) -> Result<()> {
+        self.alloc.free_clusters(host, n, punch).await
+    }
 }
 
 impl<S: Storage + 'static> Allocator<S> {
     /// Waits for exclusive use of the allocator's metadata (see [`MetaTxn`]).
-    pub(crate) async fn exclusive(&self) -> MetaTxn<'_> {
+    pub(crate) async fn exclusive(&self) -> MetaTxn<'_, S> {
         MetaTxn {
+            alloc: self,
             _guard: self.meta_lock.lock().await,
         }
     }

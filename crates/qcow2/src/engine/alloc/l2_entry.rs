@@ -104,7 +104,7 @@ impl<S: Storage + 'static> Allocator<S> {
 
     /// Stores an L2 entry of layer 0; its table must already be writable (COPIED). The caller
     /// has set the cache dependencies that order this entry after what it points to.
-    pub(crate) async fn set_l2_entry(
+    pub(super) async fn set_l2_entry(
         &self,
         cluster: GuestOffset,
         word: u64,

@@ -208,7 +208,7 @@ impl<S: Storage + 'static> Allocator<S> {
     /// Allocates `n` contiguous clusters (refcount 0 → 1) and returns the byte offset of the
     /// first. The caller holds the meta lock and makes the L2 cache depend on the refcount
     /// cache before pointing an L2 entry at them.
-    pub(crate) async fn alloc_clusters(&self, n: u64) -> Result<HostOffset> {
+    pub(super) async fn alloc_clusters(&self, n: u64) -> Result<HostOffset> {
         let (_, _, epb) = self.rc_geometry();
         self.top().announce(storage::Event::ClusterAlloc);
         'retry: loop {
@@ -234,7 +234,7 @@ impl<S: Storage + 'static> Allocator<S> {
     /// Frees `n` clusters starting at byte offset `host` (refcount - 1 each), and forgets any
     /// cached table that lived there. With `punch`, clusters reaching 0 are deallocated in the
     /// file too.
-    pub(crate) async fn free_clusters(&self, host: HostOffset, n: u64, punch: bool) -> Result<()> {
+    pub(super) async fn free_clusters(&self, host: HostOffset, n: u64, punch: bool) -> Result<()> {
         let (cs, _, _) = self.rc_geometry();
         let first = self.cluster_of(host).0;
         self.top().announce(storage::Event::ClusterFree);

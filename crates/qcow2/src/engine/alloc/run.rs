@@ -203,6 +203,15 @@ impl<S: Storage + 'static> Allocator<S> {
         self.release_entry(released, punch).await
     }
 
+    /// Points the guest cluster at `cluster` at `word`/`bitmap` for a metadata operation
+    /// (preallocation, zero-cluster expansion) that claimed the clusters through its
+    /// [`MetaTxn`](super::MetaTxn) and ordered their refcounts before this entry itself: no
+    /// ordering, dirty marking or release of its own, so the operation's crash order is the
+    /// one it chose.
+    pub(crate) async fn place(&self, cluster: GuestOffset, word: u64, bitmap: u64) -> Result<()> {
+        self.set_l2_entry(cluster, word, bitmap).await
+    }
+
     /// Drops the reference an old L2 entry `old_word` held on its host cluster(s), if any.
     async fn release_entry(&self, old_word: u64, punch: bool) -> Result<()> {
         // Clusters in an external data file are not refcounted.

@@ -59,9 +59,9 @@ pub(crate) struct Inner<S: Storage + 'static> {
 
 /// The whole image held by one operation (see [`Inner::quiesce`]); dropping it lets
 /// requests in again.
-pub(crate) struct Quiesced<'a> {
+pub(crate) struct Quiesced<'a, S: Storage + 'static> {
     _range: Option<RangeGuard<'a>>,
-    _meta: MetaTxn<'a>,
+    _meta: MetaTxn<'a, S>,
 }
 
 /// Facts about an open image, for `info`/`map` style output and for NBD negotiation.
@@ -354,7 +354,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// locked exclusively, then the allocator's metadata held, in that order (the order every
     /// request takes them). For operations that change the image as a whole (snapshots, the
     /// refcount width).
-    pub(crate) async fn quiesce(&self) -> Result<Quiesced<'_>> {
+    pub(crate) async fn quiesce(&self) -> Result<Quiesced<'_, S>> {
         let alloc = self.alloc()?;
         let range = self
             .lock_range(GuestOffset(0), self.top().size.get(), LockMode::Exclusive)

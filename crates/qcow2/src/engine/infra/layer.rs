@@ -101,7 +101,8 @@ impl<S: Storage + 'static> Layer<S> {
 
     /// `[host, host + len)` of the data storage as runs of (holds data, length), in order and
     /// covering it exactly; holes of the file read as zeros.
-    pub async fn stored_runs(&self, host: u64, len: u64) -> Result<Vec<(bool, u64)>> {
+    pub async fn stored_runs(&self, host: HostOffset, len: u64) -> Result<Vec<(bool, u64)>> {
+        let host = host.0;
         let mut runs = Vec::new();
         let mut pos = 0;
         while pos < len {
@@ -119,7 +120,12 @@ impl<S: Storage + 'static> Layer<S> {
 
     /// `[host, host + len)` of the data storage as runs of block status (data, zeros, both or
     /// neither, as the storage tells them), in order and covering it exactly.
-    pub async fn status_runs(&self, host: u64, len: u64) -> Result<Vec<(storage::RunStatus, u64)>> {
+    pub async fn status_runs(
+        &self,
+        host: HostOffset,
+        len: u64,
+    ) -> Result<Vec<(storage::RunStatus, u64)>> {
+        let host = host.0;
         let mut runs = Vec::new();
         let mut pos = 0;
         while pos < len {

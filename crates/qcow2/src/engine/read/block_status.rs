@@ -70,8 +70,9 @@ impl<S: Storage + 'static> Image<S> {
             _ => out.push(e),
         };
         for p in pieces {
+            // Extents are the public answer: the typed offsets end here.
             let base = Extent {
-                start: p.start,
+                start: p.start.0,
                 len: p.len,
                 data: false,
                 zero: true,
@@ -83,7 +84,7 @@ impl<S: Storage + 'static> Image<S> {
             match p.src {
                 // A zero cluster that keeps its host cluster has an offset, as in QEMU.
                 Source::Zero { host } => push(Extent {
-                    offset: host,
+                    offset: host.map(|h| h.0),
                     ..base
                 }),
                 Source::Compressed { .. } => push(Extent {
@@ -104,7 +105,7 @@ impl<S: Storage + 'static> Image<S> {
                         push(Extent {
                             data: true,
                             zero: false,
-                            offset: (!encrypted).then_some(host),
+                            offset: (!encrypted).then_some(host.0),
                             ..base
                         });
                         continue;
@@ -116,12 +117,12 @@ impl<S: Storage + 'static> Image<S> {
                         for (st, n) in layer.status_runs(host, p.len).await? {
                             let known = st.data || st.zero;
                             push(Extent {
-                                start: p.start + pos,
+                                start: p.start.0 + pos,
                                 len: n,
                                 data: st.data,
                                 zero: st.zero,
                                 present: p.present && known,
-                                offset: known.then_some(host + pos),
+                                offset: known.then_some(host.0 + pos),
                                 ..base
                             });
                             pos += n;
@@ -131,11 +132,11 @@ impl<S: Storage + 'static> Image<S> {
                     let mut pos = 0;
                     for (stored, n) in layer.stored_runs(host, p.len).await? {
                         push(Extent {
-                            start: p.start + pos,
+                            start: p.start.0 + pos,
                             len: n,
                             data: true,
                             zero: !stored,
-                            offset: Some(host + pos),
+                            offset: Some(host.0 + pos),
                             ..base
                         });
                         pos += n;

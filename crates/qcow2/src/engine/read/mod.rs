@@ -12,7 +12,7 @@ use super::infra::image::{Image, Inner};
 use super::infra::join_all::join_all;
 use super::infra::range_lock::LockMode;
 use crate::crypto::SECTOR_SIZE;
-use crate::format::{CompressedDescriptor, GuestOffset, Location, Structure};
+use crate::format::{CompressedDescriptor, GuestOffset, HostOffset, Location, Structure};
 use std::rc::Rc;
 use storage::{Event, IoBuf, Storage};
 
@@ -35,7 +35,10 @@ const MAX_BRIDGE: usize = 64 << 10;
 /// Whether a run starting at `(at, layer, host)` continues `last` across an uncovered gap: same
 /// file, the same distance apart in the file as in the buffer, and the gap small enough that
 /// reading it costs less than a second request.
-fn bridges(last: (usize, u64, usize, u64), (at, layer, host): (usize, usize, u64)) -> bool {
+fn bridges(
+    last: (usize, u64, usize, HostOffset),
+    (at, layer, host): (usize, usize, HostOffset),
+) -> bool {
     let (last_at, last_len, last_layer, last_host) = last;
     let Some(last_end) = last_at.checked_add(last_len as usize) else {
         return false;
@@ -43,7 +46,7 @@ fn bridges(last: (usize, u64, usize, u64), (at, layer, host): (usize, usize, u64
     layer == last_layer
         && at > last_end
         && at - last_end <= MAX_BRIDGE
-        && host.checked_sub(last_host) == Some((at - last_at) as u64)
+        && host.0.checked_sub(last_host.0) == Some((at - last_at) as u64)
 }
 
 impl<S: Storage + 'static> Inner<S> {
@@ -87,7 +90,7 @@ impl<S: Storage + 'static> Inner<S> {
         if let Err(e) = self.resolve(offset, len, &mut pieces).await {
             return (Err(e), buf);
         }
-        let res = self.fill(offset.0, &pieces, &mut buf).await;
+        let res = self.fill(offset, &pieces, &mut buf).await;
         (res, buf)
     }
 
@@ -113,11 +116,17 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Deciphers `buf`, just read from `host` of layer `li` for guest offset `guest`, when
     /// that layer is encrypted.
-    pub(crate) fn decrypt(&self, li: usize, host: u64, guest: u64, buf: &mut [u8]) -> Result<()> {
+    pub(crate) fn decrypt(
+        &self,
+        li: usize,
+        host: HostOffset,
+        guest: GuestOffset,
+        buf: &mut [u8],
+    ) -> Result<()> {
         let layer = &self.layer(li);
         match layer.qcow2().and_then(|m| m.crypto.as_ref()) {
             Some(c) => c
-                .decrypt(host, guest, buf)
+                .decrypt(host.0, guest.0, buf)
                 .map_err(|source| EngineError::Crypto {
                     image: layer.name.clone(),
                     source,
@@ -135,18 +144,21 @@ impl<S: Storage + 'static> Inner<S> {
     /// uncovered bytes at the same distance in the file (a copy-on-write's head and tail
     /// around a small write) are read as one, straight into `buf`: one device request, no
     /// bounce buffers, no copy.
-    pub(crate) async fn fill(&self, base: u64, pieces: &[Piece], buf: &mut IoBuf) -> Result<()> {
+    pub(crate) async fn fill(
+        &self,
+        base: GuestOffset,
+        pieces: &[Piece],
+        buf: &mut IoBuf,
+    ) -> Result<()> {
         // (offset in buf, length, layer, host offset) of each run of data to read.
-        let mut runs: Vec<(usize, u64, usize, u64)> = Vec::new();
+        let mut runs: Vec<(usize, u64, usize, HostOffset)> = Vec::new();
         // With the pieces in increasing order, a data piece right after another lies after the
         // last run with no piece in between: what may be bridged is uncovered.
-        let ordered = pieces
-            .windows(2)
-            .all(|w| w[0].start + w[0].len <= w[1].start);
+        let ordered = pieces.windows(2).all(|w| w[0].end() <= w[1].start);
         let mut i = 0;
         while i < pieces.len() {
             let p = pieces[i];
-            let at = (p.start - base) as usize;
+            let at = (p.start.0 - base.0) as usize;
             match p.src {
                 Source::Zero { .. } => {
                     buf[at..at + p.len as usize].fill(0);
@@ -154,7 +166,7 @@ impl<S: Storage + 'static> Inner<S> {
                 }
                 Source::Compressed { raw, cluster } => {
                     let data = self.decompress(p.layer, raw).await?;
-                    let from = (p.start - cluster) as usize;
+                    let from = (p.start.0 - cluster.0) as usize;
                     buf[at..at + p.len as usize]
                         .copy_from_slice(&data[from..from + p.len as usize]);
                     i += 1;
@@ -190,12 +202,12 @@ impl<S: Storage + 'static> Inner<S> {
             let owned = std::mem::replace(buf, IoBuf::zeroed(0));
             let (res, slice) = layer
                 .data_storage()
-                .read_at(owned.slice(at..at + len as usize), host)
+                .read_at(owned.slice(at..at + len as usize), host.0)
                 .await;
             *buf = slice.into_inner();
-            res.map_err(|e| layer.io_error("reading data", host, e))?;
+            res.map_err(|e| layer.io_error("reading data", host.0, e))?;
             let run = &mut buf[at..at + len as usize];
-            return self.decrypt(li, host, base + at as u64, run);
+            return self.decrypt(li, host, GuestOffset(base.0 + at as u64), run);
         }
         let reads = runs.iter().map(|&(_, len, li, host)| async move {
             let layer = &self.layer(li);
@@ -203,17 +215,22 @@ impl<S: Storage + 'static> Inner<S> {
             let tmp = IoBuf::zeroed(len as usize);
             let (res, slice) = layer
                 .data_storage()
-                .read_at(tmp.slice(0..len as usize), host)
+                .read_at(tmp.slice(0..len as usize), host.0)
                 .await;
             (
-                res.map_err(|e| layer.io_error("reading data", host, e)),
+                res.map_err(|e| layer.io_error("reading data", host.0, e)),
                 slice.into_inner(),
             )
         });
         let done = join_all(reads.collect()).await;
         for (&(at, len, li, host), (res, mut tmp)) in runs.iter().zip(done) {
             res?;
-            self.decrypt(li, host, base + at as u64, &mut tmp[..len as usize])?;
+            self.decrypt(
+                li,
+                host,
+                GuestOffset(base.0 + at as u64),
+                &mut tmp[..len as usize],
+            )?;
             buf[at..at + len as usize].copy_from_slice(&tmp[..len as usize]);
         }
         Ok(())

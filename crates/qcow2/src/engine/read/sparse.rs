@@ -16,7 +16,7 @@ use crate::engine::infra::error::Result;
 use crate::engine::infra::image::Image;
 use crate::engine::infra::join_all::join_all;
 use crate::engine::infra::range_lock::LockMode;
-use crate::format::GuestOffset;
+use crate::format::{GuestOffset, HostOffset};
 use storage::{IoBuf, Storage};
 
 /// A part of a sparse read, in guest order.
@@ -63,7 +63,9 @@ impl<S: Storage + 'static> Image<S> {
                     let mut pos = 0;
                     for (stored, n) in layer.stored_runs(host, p.len).await? {
                         let src = if stored {
-                            Source::Data { host: host + pos }
+                            Source::Data {
+                                host: HostOffset(host.0 + pos),
+                            }
                         } else {
                             Source::Zero { host: None }
                         };

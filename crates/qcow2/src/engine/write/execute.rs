@@ -291,7 +291,7 @@ impl<S: Storage + 'static> Inner<S> {
             zero_uncovered(&mut span, span_from.0, &mut covered);
         }
         let pieces: Vec<Piece> = fills.iter().flat_map(|f| f.2.iter().copied()).collect();
-        if let Err(e) = self.fill(span_from.0, &pieces, &mut span).await {
+        if let Err(e) = self.fill(span_from, &pieces, &mut span).await {
             self.give_span(span);
             return (Err(e), buf);
         }

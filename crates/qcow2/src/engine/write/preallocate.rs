@@ -87,8 +87,8 @@ impl<S: Storage + 'static> Image<S> {
             return self.preallocate_data_file_run(first, n, mode).await;
         }
         let host = {
-            let _g = w.exclusive().await;
-            w.alloc_clusters(n).await?.0
+            let txn = w.exclusive().await;
+            txn.claim_clusters(n).await?.0
         };
         let len = n * cs;
         let end = host + len;
@@ -119,7 +119,7 @@ impl<S: Storage + 'static> Image<S> {
         w.note_file_end(HostOffset(end));
         w.refcounts_before_l2().await?;
         for i in 0..n {
-            w.set_l2_entry(first + i * cs, l2::owned_word(host + i * cs), 0)
+            w.place(first + i * cs, l2::owned_word(host + i * cs), 0)
                 .await?;
         }
         Ok(())
@@ -165,7 +165,7 @@ impl<S: Storage + 'static> Image<S> {
                 .map_err(|e| top.io_error("extending the data file", end, e))?;
         }
         for i in 0..n {
-            w.set_l2_entry(first + i * cs, l2::owned_word(host + i * cs), 0)
+            w.place(first + i * cs, l2::owned_word(host + i * cs), 0)
                 .await?;
         }
         Ok(())

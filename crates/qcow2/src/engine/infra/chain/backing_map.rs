@@ -19,6 +19,7 @@ use super::window::walk_window;
 use crate::engine::infra::error::{EngineError, Result};
 use crate::engine::infra::layer::Layer;
 use crate::engine::infra::metacache::L2Cache;
+use crate::format::{GuestOffset, HostOffset};
 use std::io;
 use std::rc::Rc;
 use storage::Storage;
@@ -71,25 +72,33 @@ impl<S: Storage + 'static> cache::Backend<u64> for MapBackend<S> {
             .ok_or_else(|| io::Error::other("backing map slot out of range"))?;
         let len = span.min(u64::MAX - start);
         let mut pieces = Vec::new();
-        walk_window(&self.layers, &self.l2, start, len, 1, &mut pieces)
-            .await
-            .map_err(|e| io::Error::other(e.to_string()))?;
+        walk_window(
+            &self.layers,
+            &self.l2,
+            GuestOffset(start),
+            len,
+            1,
+            &mut pieces,
+        )
+        .await
+        .map_err(|e| io::Error::other(e.to_string()))?;
         let mut p = 0;
         for i in 0..PER_SLOT {
             let gs = start + i * g;
             let ge = gs.saturating_add(g);
-            while p < pieces.len() && pieces[p].start + pieces[p].len <= gs {
+            while p < pieces.len() && pieces[p].end().0 <= gs {
                 p += 1;
             }
             let out = &mut buf[i as usize * GRANULE_BYTES..(i as usize + 1) * GRANULE_BYTES];
             match pieces.get(p) {
-                Some(q) if q.start <= gs && q.start + q.len >= ge => match q.src {
+                Some(q) if q.start.0 <= gs && q.end().0 >= ge => match q.src {
+                    // The map stores plain words: the typed offsets end here.
                     Source::Zero { host: Some(h) } => {
-                        encode(ZERO_AT, q.layer, h + (gs - q.start), out)
+                        encode(ZERO_AT, q.layer, h.0 + (gs - q.start.0), out)
                     }
                     Source::Zero { host: None } if q.present => encode(ZERO, q.layer, 0, out),
                     Source::Zero { host: None } => encode(ABSENT, q.layer, 0, out),
-                    Source::Data { host } => encode(DATA, q.layer, host + (gs - q.start), out),
+                    Source::Data { host } => encode(DATA, q.layer, host.0 + (gs - q.start.0), out),
                     Source::Compressed { .. } => encode(DESCEND, q.layer, 0, out),
                 },
                 _ => encode(DESCEND, 1, 0, out),
@@ -145,7 +154,8 @@ impl<S: Storage + 'static> BackingMap<S> {
     }
 
     /// Appends the pieces of `[start, start + len)` as the backing layers provide them.
-    pub async fn resolve(&self, start: u64, len: u64, out: &mut Vec<Piece>) -> Result<()> {
+    pub async fn resolve(&self, start: GuestOffset, len: u64, out: &mut Vec<Piece>) -> Result<()> {
+        let start = start.0;
         let bits = self.granule_bits;
         let end = start + len;
         let mut descend: Vec<(u64, u64)> = Vec::new();
@@ -173,13 +183,13 @@ impl<S: Storage + 'static> BackingMap<S> {
                             ZERO => Some((Source::Zero { host: None }, true)),
                             ZERO_AT => Some((
                                 Source::Zero {
-                                    host: Some(host + (gs - g0)),
+                                    host: Some(HostOffset(host + (gs - g0))),
                                 },
                                 true,
                             )),
                             DATA => Some((
                                 Source::Data {
-                                    host: host + (gs - g0),
+                                    host: HostOffset(host + (gs - g0)),
                                 },
                                 true,
                             )),
@@ -189,7 +199,7 @@ impl<S: Storage + 'static> BackingMap<S> {
                             Some((src, present)) => push_piece(
                                 out,
                                 Piece {
-                                    start: gs,
+                                    start: GuestOffset(gs),
                                     len: ge - gs,
                                     src,
                                     layer,
@@ -215,7 +225,7 @@ impl<S: Storage + 'static> BackingMap<S> {
         for (s, l) in descend {
             // `walk` needs the layers and L2 cache the backend already holds.
             let b = self.cache.backend();
-            walk(&b.layers, &b.l2, s, l, 1, None, out).await?;
+            walk(&b.layers, &b.l2, GuestOffset(s), l, 1, None, out).await?;
         }
         Ok(())
     }
@@ -240,12 +250,12 @@ impl<S: Storage + 'static> BackingMap<S> {
 /// Appends a piece, merging it into the previous one when it continues it exactly.
 fn push_piece(out: &mut Vec<Piece>, p: Piece) {
     if let Some(last) = out.last_mut() {
-        if last.start + last.len == p.start && last.layer == p.layer && last.present == p.present {
+        if last.end() == p.start && last.layer == p.layer && last.present == p.present {
             let merge = match (last.src, p.src) {
                 (Source::Zero { host: a }, Source::Zero { host: b }) => {
                     super::piece::host_continues(a, last.len, b)
                 }
-                (Source::Data { host: a }, Source::Data { host: b }) => a + last.len == b,
+                (Source::Data { host: a }, Source::Data { host: b }) => a.0 + last.len == b.0,
                 _ => false,
             };
             if merge {

@@ -17,19 +17,19 @@ pub(crate) enum RunKind {
     Unallocated,
     /// Reads as zeros (zero flag, zero subclusters); `host` is where the run's first byte
     /// would be when the cluster keeps a host cluster allocated.
-    Zero { host: Option<u64> },
+    Zero { host: Option<HostOffset> },
     /// Data at this offset of the layer's data storage (for the run's first byte).
-    Data { host: u64 },
+    Data { host: HostOffset },
     /// Part of a compressed cluster: the raw L2 word and the guest offset where the cluster
     /// starts.
-    Compressed { raw: u64, cluster: u64 },
+    Compressed { raw: u64, cluster: GuestOffset },
 }
 
 /// A run of guest bytes of one kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Run {
     /// First guest byte.
-    pub start: u64,
+    pub start: GuestOffset,
     /// Length in bytes.
     pub len: u64,
     /// What the bytes are.
@@ -38,13 +38,13 @@ pub(crate) struct Run {
 
 impl Run {
     /// One past the last guest byte.
-    pub fn end(&self) -> u64 {
-        self.start + self.len
+    pub fn end(&self) -> GuestOffset {
+        GuestOffset(self.start.0 + self.len)
     }
 }
 
 /// Appends a run, merging it into the previous one when they continue each other.
-pub(crate) fn push_run(out: &mut Vec<Run>, start: u64, len: u64, kind: RunKind) {
+pub(crate) fn push_run(out: &mut Vec<Run>, start: GuestOffset, len: u64, kind: RunKind) {
     if len == 0 {
         return;
     }
@@ -55,7 +55,7 @@ pub(crate) fn push_run(out: &mut Vec<Run>, start: u64, len: u64, kind: RunKind) 
                 (RunKind::Zero { host: a }, RunKind::Zero { host: b }) => {
                     super::piece::host_continues(a, last.len, b)
                 }
-                (RunKind::Data { host: a }, RunKind::Data { host: b }) => a + last.len == b,
+                (RunKind::Data { host: a }, RunKind::Data { host: b }) => a.0 + last.len == b.0,
                 _ => false,
             };
             if merge {
@@ -77,11 +77,12 @@ pub(crate) async fn map_layer<S: Storage + 'static>(
     layers: &[Layer<S>],
     l2: &L2Cache<S>,
     li: usize,
-    start: u64,
+    start: GuestOffset,
     len: u64,
     pre: Option<&Prefetched>,
     out: &mut Vec<Run>,
 ) -> Result<()> {
+    let start = start.0;
     let layer = &layers[li];
     let meta = layer
         .qcow2()
@@ -103,7 +104,7 @@ pub(crate) async fn map_layer<S: Storage + 'static>(
         let chunk_end = end.min(slice_end);
         let l1_index = g.l1_index(GuestOffset(pos));
         match meta.l2_table(l1_index) {
-            None => push_run(out, pos, chunk_end - pos, RunKind::Unallocated),
+            None => push_run(out, GuestOffset(pos), chunk_end - pos, RunKind::Unallocated),
             Some(table) => {
                 let l2_index = g.l2_index(GuestOffset(pos)) as u64;
                 let key = L2Key {
@@ -177,11 +178,11 @@ fn decode_slice<S>(
             match e.entry {
                 L2Entry::Compressed(_) => push_run(
                     out,
-                    pos,
+                    GuestOffset(pos),
                     cluster_end - pos,
                     RunKind::Compressed {
                         raw: word,
-                        cluster: cluster_start,
+                        cluster: GuestOffset(cluster_start),
                     },
                 ),
                 _ => {
@@ -201,14 +202,14 @@ fn decode_slice<S>(
                         let kind = match state {
                             SubclusterState::Unallocated => RunKind::Unallocated,
                             SubclusterState::Zero => RunKind::Zero {
-                                host: host.map(|h| h + (pos - cluster_start)),
+                                host: host.map(|h| HostOffset(h + (pos - cluster_start))),
                             },
                             SubclusterState::Allocated => RunKind::Data {
                                 // Allocated subclusters imply a host offset (decode checked).
-                                host: host.unwrap_or(0) + (pos - cluster_start),
+                                host: HostOffset(host.unwrap_or(0) + (pos - cluster_start)),
                             },
                         };
-                        push_run(out, pos, run_end - pos, kind);
+                        push_run(out, GuestOffset(pos), run_end - pos, kind);
                         pos = run_end;
                     }
                     continue;
@@ -219,20 +220,20 @@ fn decode_slice<S>(
             let kind = match e {
                 L2Entry::Unallocated => RunKind::Unallocated,
                 L2Entry::Zero { preallocated, .. } => RunKind::Zero {
-                    host: preallocated.map(|h| h.0 + (pos - cluster_start)),
+                    host: preallocated.map(|h| HostOffset(h.0 + (pos - cluster_start))),
                 },
                 L2Entry::Normal { host, .. } => {
                     check_data_cluster(layer, meta, table, index, Some(host.0), cluster_start)?;
                     RunKind::Data {
-                        host: host.0 + (pos - cluster_start),
+                        host: HostOffset(host.0 + (pos - cluster_start)),
                     }
                 }
                 L2Entry::Compressed(_) => RunKind::Compressed {
                     raw: word,
-                    cluster: cluster_start,
+                    cluster: GuestOffset(cluster_start),
                 },
             };
-            push_run(out, pos, cluster_end - pos, kind);
+            push_run(out, GuestOffset(pos), cluster_end - pos, kind);
         }
         pos = cluster_end;
     }
@@ -276,40 +277,68 @@ mod tests {
     #[test]
     fn push_run_merges_contiguous_runs_only() {
         let mut v = Vec::new();
-        push_run(&mut v, 0, 512, RunKind::Data { host: 4096 });
-        push_run(&mut v, 512, 512, RunKind::Data { host: 4608 });
-        push_run(&mut v, 1024, 512, RunKind::Data { host: 8192 });
-        push_run(&mut v, 1536, 10, RunKind::Zero { host: None });
-        push_run(&mut v, 1546, 10, RunKind::Zero { host: None });
-        push_run(&mut v, 1556, 0, RunKind::Unallocated);
-        let c = RunKind::Compressed { raw: 1, cluster: 0 };
-        push_run(&mut v, 1556, 4, c);
-        push_run(&mut v, 1560, 4, c);
+        push_run(
+            &mut v,
+            GuestOffset(0),
+            512,
+            RunKind::Data {
+                host: HostOffset(4096),
+            },
+        );
+        push_run(
+            &mut v,
+            GuestOffset(512),
+            512,
+            RunKind::Data {
+                host: HostOffset(4608),
+            },
+        );
+        push_run(
+            &mut v,
+            GuestOffset(1024),
+            512,
+            RunKind::Data {
+                host: HostOffset(8192),
+            },
+        );
+        push_run(&mut v, GuestOffset(1536), 10, RunKind::Zero { host: None });
+        push_run(&mut v, GuestOffset(1546), 10, RunKind::Zero { host: None });
+        push_run(&mut v, GuestOffset(1556), 0, RunKind::Unallocated);
+        let c = RunKind::Compressed {
+            raw: 1,
+            cluster: GuestOffset(0),
+        };
+        push_run(&mut v, GuestOffset(1556), 4, c);
+        push_run(&mut v, GuestOffset(1560), 4, c);
         assert_eq!(
             v,
             vec![
                 Run {
-                    start: 0,
+                    start: GuestOffset(0),
                     len: 1024,
-                    kind: RunKind::Data { host: 4096 }
+                    kind: RunKind::Data {
+                        host: HostOffset(4096)
+                    }
                 },
                 Run {
-                    start: 1024,
+                    start: GuestOffset(1024),
                     len: 512,
-                    kind: RunKind::Data { host: 8192 }
+                    kind: RunKind::Data {
+                        host: HostOffset(8192)
+                    }
                 },
                 Run {
-                    start: 1536,
+                    start: GuestOffset(1536),
                     len: 20,
                     kind: RunKind::Zero { host: None }
                 },
                 Run {
-                    start: 1556,
+                    start: GuestOffset(1556),
                     len: 4,
                     kind: c
                 },
                 Run {
-                    start: 1560,
+                    start: GuestOffset(1560),
                     len: 4,
                     kind: c
                 },

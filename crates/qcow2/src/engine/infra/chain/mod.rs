@@ -76,7 +76,6 @@ impl<S: Storage + 'static> Chain<S> {
         from: usize,
         out: &mut Vec<Piece>,
     ) -> Result<()> {
-        let start = start.0;
         match &self.backing_map {
             Some(map) if from == 0 => {
                 let first = out.len();

@@ -1,23 +1,25 @@
 //! What resolving a guest range through the chain produces: pieces of guest bytes, each with
 //! where its bytes come from and which layer decided.
 
+use crate::format::{GuestOffset, HostOffset};
+
 /// Where the bytes of a piece come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Source {
     /// Zeros (a zero cluster or subcluster, or nothing allocated anywhere); `host` is the
     /// host cluster a zero cluster keeps allocated (for the start of the piece), if any.
-    Zero { host: Option<u64> },
+    Zero { host: Option<HostOffset> },
     /// Bytes at `host` of the layer's data storage.
-    Data { host: u64 },
+    Data { host: HostOffset },
     /// Part of a compressed cluster (raw L2 word, guest offset of the cluster's start).
-    Compressed { raw: u64, cluster: u64 },
+    Compressed { raw: u64, cluster: GuestOffset },
 }
 
 /// A run of guest bytes and where they come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Piece {
     /// First guest byte.
-    pub start: u64,
+    pub start: GuestOffset,
     /// Length.
     pub len: u64,
     /// Where the bytes come from.
@@ -31,10 +33,10 @@ pub(crate) struct Piece {
 
 /// True when a run of `len` bytes at host offset `a` is followed by host offset `b` (both
 /// absent counts as continuing, for zeros with no host cluster).
-pub(crate) fn host_continues(a: Option<u64>, len: u64, b: Option<u64>) -> bool {
+pub(crate) fn host_continues(a: Option<HostOffset>, len: u64, b: Option<HostOffset>) -> bool {
     match (a, b) {
         (None, None) => true,
-        (Some(a), Some(b)) => a.checked_add(len) == Some(b),
+        (Some(a), Some(b)) => a.0.checked_add(len) == Some(b.0),
         _ => false,
     }
 }
@@ -47,12 +49,17 @@ impl Source {
 }
 
 impl Piece {
+    /// The guest offset just past the piece.
+    pub(crate) fn end(&self) -> GuestOffset {
+        GuestOffset(self.start.0 + self.len)
+    }
+
     /// True when `next` is data that continues this data piece in the same file, in guest
     /// and host order alike, so one I/O can read both.
     pub(crate) fn continues_data(&self, next: &Piece) -> bool {
         match (self.src, next.src) {
             (Source::Data { host: a }, Source::Data { host: b }) => {
-                next.layer == self.layer && b == a + self.len && next.start == self.start + self.len
+                next.layer == self.layer && b.0 == a.0 + self.len && next.start == self.end()
             }
             _ => false,
         }
@@ -60,7 +67,7 @@ impl Piece {
 }
 
 /// Zeros nobody allocated; `deepest` is the last layer that covers them.
-pub(crate) fn absent(start: u64, len: u64, deepest: usize) -> Piece {
+pub(crate) fn absent(start: GuestOffset, len: u64, deepest: usize) -> Piece {
     Piece {
         start,
         len,

@@ -6,6 +6,7 @@ use super::piece::{absent, Piece, Source};
 use crate::engine::infra::error::Result;
 use crate::engine::infra::layer::{Layer, LayerFormat};
 use crate::engine::infra::metacache::L2Cache;
+use crate::format::{GuestOffset, HostOffset};
 use storage::Storage;
 
 /// Walks the chain from layer `from` for `[start, start + len)`, appending pieces in guest
@@ -14,10 +15,10 @@ use storage::Storage;
 pub(crate) async fn walk<S: Storage + 'static>(
     layers: &[Layer<S>],
     l2: &L2Cache<S>,
-    start: u64,
+    start: GuestOffset,
     len: u64,
     from: usize,
-    mut stop_below: Option<&mut Vec<(u64, u64)>>,
+    mut stop_below: Option<&mut Vec<(GuestOffset, u64)>>,
     out: &mut Vec<Piece>,
 ) -> Result<()> {
     let first = out.len();
@@ -50,30 +51,36 @@ pub(crate) async fn step<S: Storage + 'static>(
     layers: &[Layer<S>],
     l2: &L2Cache<S>,
     li: usize,
-    s: u64,
+    s: GuestOffset,
     l: u64,
     pre: Option<&Prefetched>,
     runs: &mut Vec<Run>,
     out: &mut Vec<Piece>,
-    below: &mut Vec<(u64, u64)>,
+    below: &mut Vec<(GuestOffset, u64)>,
 ) -> Result<()> {
     let layer = &layers[li];
     let size = layer.size.get();
-    if s >= size {
+    if s.0 >= size {
         // Past the end of this (shorter) backing layer: zeros, and QEMU does not look
         // further down.
         out.push(absent(s, l, li.saturating_sub(1)));
         return Ok(());
     }
-    let inside = l.min(size - s);
+    let inside = l.min(size - s.0);
     if inside < l {
-        out.push(absent(s + inside, l - inside, li.saturating_sub(1)));
+        out.push(absent(
+            GuestOffset(s.0 + inside),
+            l - inside,
+            li.saturating_sub(1),
+        ));
     }
     match &layer.format {
         LayerFormat::Raw => out.push(Piece {
             start: s,
             len: inside,
-            src: Source::Data { host: s },
+            src: Source::Data {
+                host: HostOffset(s.0),
+            },
             layer: li,
             present: true,
         }),

@@ -36,14 +36,14 @@ pub(crate) const WAVE: usize = 256;
 pub(crate) async fn walk_window<S: Storage + 'static>(
     layers: &[Layer<S>],
     l2: &L2Cache<S>,
-    start: u64,
+    start: GuestOffset,
     len: u64,
     from: usize,
     out: &mut Vec<Piece>,
 ) -> Result<()> {
     debug_assert!(from >= 1, "the writable layer is never prefetched");
     let first = out.len();
-    let mut pending: Vec<(u64, u64)> = vec![(start, len)];
+    let mut pending: Vec<(GuestOffset, u64)> = vec![(start, len)];
     let mut pre = Prefetched::new();
     let mut fetched_to = from;
     let mut runs = Vec::new();
@@ -62,7 +62,7 @@ pub(crate) async fn walk_window<S: Storage + 'static>(
             prefetch(layers, l2.entry_size(), li..fetched_to, &pending, &mut pre).await?;
         }
         let p = (li >= 1).then_some(&pre);
-        let mut next: Vec<(u64, u64)> = Vec::new();
+        let mut next: Vec<(GuestOffset, u64)> = Vec::new();
         for (s, l) in pending.drain(..) {
             step(layers, l2, li, s, l, p, &mut runs, out, &mut next).await?;
         }
@@ -78,7 +78,7 @@ async fn prefetch<S: Storage + 'static>(
     layers: &[Layer<S>],
     slice_bytes: usize,
     range: std::ops::Range<usize>,
-    pending: &[(u64, u64)],
+    pending: &[(GuestOffset, u64)],
     pre: &mut Prefetched,
 ) -> Result<()> {
     let mut keys: Vec<(usize, L2Key, u64)> = Vec::new();
@@ -88,7 +88,7 @@ async fn prefetch<S: Storage + 'static>(
         let g = &meta.geom;
         let per_slice = (slice_bytes as u64 / g.l2_entry_size()).max(1);
         let size = layer.size.get();
-        for &(s, l) in pending {
+        for &(GuestOffset(s), l) in pending {
             if s >= size {
                 continue;
             }

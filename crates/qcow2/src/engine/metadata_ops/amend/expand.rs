@@ -204,8 +204,8 @@ impl<S: Storage + 'static> Image<S> {
                 0
             } else {
                 let new = {
-                    let _g = w.exclusive().await;
-                    let new = w.alloc_clusters(1).await?;
+                    let txn = w.exclusive().await;
+                    let new = txn.claim_clusters(1).await?;
                     if users > 1 {
                         w.update_refcount(HostCluster(new.0 / cs), (users - 1) as i64)
                             .await?;
@@ -249,24 +249,22 @@ impl<S: Storage + 'static> Image<S> {
         let owned = l2::is_copied(word);
         if host != 0 && owned {
             self.zero_host(host, cs).await?;
-            return w
-                .set_l2_entry(cluster, l2::without_zero_flag(word), 0)
-                .await;
+            return w.place(cluster, l2::without_zero_flag(word), 0).await;
         }
         if host == 0 && !backed {
-            return w.set_l2_entry(cluster, 0, 0).await;
+            return w.place(cluster, 0, 0).await;
         }
         // A new cluster of zeros: over a backing file, or instead of a shared one.
         let new = {
-            let _g = w.exclusive().await;
-            w.alloc_clusters(1).await?.0
+            let txn = w.exclusive().await;
+            txn.claim_clusters(1).await?.0
         };
         self.zero_host(new, cs).await?;
         w.refcounts_before_l2().await?;
-        w.set_l2_entry(cluster, l2::owned_word(new), 0).await?;
+        w.place(cluster, l2::owned_word(new), 0).await?;
         if host != 0 {
-            let _g = w.exclusive().await;
-            w.free_clusters(HostOffset(host), 1, false).await?;
+            let txn = w.exclusive().await;
+            txn.release_clusters(HostOffset(host), 1, false).await?;
         }
         Ok(())
     }

@@ -8,6 +8,7 @@
 //! entries past its end that nothing reads.
 
 use super::ResizeError;
+use crate::engine::alloc::MetaTxn;
 use crate::engine::infra::error::{EngineError, Result};
 use crate::engine::infra::image::Image;
 use crate::engine::infra::layer::write_zero_data;
@@ -38,8 +39,8 @@ impl<S: Storage + 'static> Image<S> {
         }
         let w = self.inner.alloc()?;
         if needed > meta.l1.borrow().len() as u64 {
-            let _g = w.exclusive().await;
-            self.grow_l1(needed).await?;
+            let txn = w.exclusive().await;
+            self.grow_l1(needed, &txn).await?;
         }
         let cs = meta.geom.cluster_size();
         // The partial cluster at the old end already belongs to the disk: it keeps what it has,
@@ -156,7 +157,7 @@ impl<S: Storage + 'static> Image<S> {
     }
 
     /// Replaces the L1 table with one of at least `entries` entries. Holds the meta lock.
-    async fn grow_l1(&self, entries: u64) -> Result<()> {
+    async fn grow_l1(&self, entries: u64, txn: &MetaTxn<'_, S>) -> Result<()> {
         let top = self.inner.top();
         let meta = top.qcow2_required()?;
         let w = self.inner.alloc()?;
@@ -167,7 +168,7 @@ impl<S: Storage + 'static> Image<S> {
             .max(old.len() as u64 + old.len() as u64 / 2)
             .min(limits::MAX_L1_SIZE_BYTES / 8);
         let clusters = (len * 8).div_ceil(cs);
-        let new_off = w.alloc_clusters(clusters).await?.0;
+        let new_off = txn.claim_clusters(clusters).await?.0;
         // Its refcounts must be durable before the header points to it.
         w.flush_refcounts().await?;
         let table = be::table_bytes(&old, (clusters * cs) as usize);
@@ -188,7 +189,7 @@ impl<S: Storage + 'static> Image<S> {
         w.forget_metadata(HostOffset(old_off));
         w.record_metadata(HostOffset(new_off), clusters * cs, MetaKind::L1Table);
         if old_clusters > 0 {
-            w.free_clusters(HostOffset(old_off), old_clusters, false)
+            txn.release_clusters(HostOffset(old_off), old_clusters, false)
                 .await?;
         }
         Ok(())

@@ -14,6 +14,7 @@
 //! 4. the file is cut only past the last referenced cluster;
 //! 5. the size field is written last.
 
+use crate::engine::alloc::MetaTxn;
 use crate::engine::infra::error::Result;
 use crate::engine::infra::image::Image;
 use crate::engine::infra::range_lock::LockMode;
@@ -36,8 +37,8 @@ impl<S: Storage + 'static> Image<S> {
         let keep = super::grow::l1_entries_for(meta, &top.name, new_size)?;
         let w = self.inner.alloc()?;
         {
-            let _g = w.exclusive().await;
-            self.clear_l1_tail(keep).await?;
+            let txn = w.exclusive().await;
+            self.clear_l1_tail(keep, &txn).await?;
             self.inner.flush().await?;
             w.drop_unused_refblocks().await?;
             self.inner.flush().await?;
@@ -113,7 +114,7 @@ impl<S: Storage + 'static> Image<S> {
 
     /// Clears the L1 entries from index `keep` on and frees their L2 tables. Holds the meta
     /// lock; the L2 tables' entries were cleared and flushed before.
-    async fn clear_l1_tail(&self, keep: u64) -> Result<()> {
+    async fn clear_l1_tail(&self, keep: u64, txn: &MetaTxn<'_, S>) -> Result<()> {
         let top = self.inner.top();
         let meta = top.qcow2_required()?;
         let w = self.inner.alloc()?;
@@ -137,7 +138,7 @@ impl<S: Storage + 'static> Image<S> {
         for word in &old[keep..] {
             let table = l1::table_of(*word);
             if table != 0 {
-                w.free_clusters(HostOffset(table), 1, true).await?;
+                txn.release_clusters(HostOffset(table), 1, true).await?;
             }
         }
         Ok(())
