@@ -750,6 +750,46 @@ fn bad_credentials_and_flags_are_refused_at_start_naming_the_problem() {
     }
 }
 
+/// What one `-L` run printed and how it ended, with the program name before each message
+/// dropped, so qemu-nbd's output and ours can be compared.
+fn list_outcome(mut cmd: Command, args: &[&str]) -> String {
+    let out = cmd.args(args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let err: Vec<&str> = err
+        .lines()
+        .map(|l| l.split_once(": ").map_or(l, |(_, rest)| rest))
+        .collect();
+    format!(
+        "{}{}\n{}",
+        if out.status.success() {
+            "ok\n"
+        } else {
+            "failed\n"
+        },
+        String::from_utf8_lossy(&out.stdout),
+        err.join("\n")
+    )
+}
+
+/// Runs `-L` with `args` through qemu-nbd and through ours: qemu-nbd's output must contain
+/// `want`, and ours must be the same.
+fn check_list(what: &str, args: &[&str], want: &str) {
+    let mut ours = Command::new(BIN);
+    ours.arg("serve");
+    let theirs = list_outcome(qemu("qemu-nbd"), args);
+    let ours = list_outcome(ours, args);
+    assert!(theirs.contains(want), "{what}: qemu-nbd changed: {theirs}");
+    assert_eq!(ours, theirs, "{what}: ours (left) against qemu-nbd (right)");
+}
+
+/// `base` followed by the credentials object `obj` as `tls0`, then `more`.
+fn list_args(base: &[&str], obj: &str, more: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = base.iter().map(|s| s.to_string()).collect();
+    v.extend(["--object", obj, "--tls-creds", "tls0"].map(str::to_owned));
+    v.extend(more.iter().map(|s| s.to_string()));
+    v
+}
+
 /// `serve -L` with `--object tls-creds-*,endpoint=client --tls-creds`, against one of our
 /// TLS servers, says what `qemu-nbd -L` with the same arguments says: the listing, or the
 /// same refusal (only the program name before the first colon differs).
@@ -771,62 +811,32 @@ fn list_mode_over_tls_says_what_qemu_nbd_says() {
             dir.display()
         )
     };
-    let both = |args: &[&str]| -> (String, String) {
-        let run = |mut cmd: Command| {
-            let out = cmd.args(args).output().unwrap();
-            let err = String::from_utf8_lossy(&out.stderr);
-            let err: Vec<&str> = err
-                .lines()
-                .map(|l| l.split_once(": ").map_or(l, |(_, rest)| rest))
-                .collect();
-            format!(
-                "{}{}\n{}",
-                if out.status.success() {
-                    "ok\n"
-                } else {
-                    "failed\n"
-                },
-                String::from_utf8_lossy(&out.stdout),
-                err.join("\n")
-            )
-        };
-        let mut ours = Command::new(BIN);
-        ours.arg("serve");
-        (run(qemu("qemu-nbd")), run(ours))
-    };
-    let check = |what: &str, args: &[&str], want: &str| {
-        let (theirs, ours) = both(args);
-        assert!(theirs.contains(want), "{what}: qemu-nbd changed: {theirs}");
-        assert_eq!(ours, theirs, "{what}: ours (left) against qemu-nbd (right)");
-    };
     let client = client_obj(&pki.client());
     let wrong_ca = client_obj(&pki.wrong_ca_client());
     let x509_server = x509(&pki.server(), ",verify-peer=on");
     let tcp = Server::tcp(&["--object", &x509_server, "--tls-creds", "tls0", "-t", &disk]);
     let port = tcp.port.unwrap().to_string();
     let at_tcp = ["-L", "-b", "127.0.0.1", "-p", port.as_str()];
-    let with = |base: &[&str], obj: &str, more: &[&str]| -> Vec<String> {
-        let mut v: Vec<String> = base.iter().map(|s| s.to_string()).collect();
-        v.extend(["--object", obj, "--tls-creds", "tls0"].map(str::to_owned));
-        v.extend(more.iter().map(|s| s.to_string()));
-        v
-    };
-    check(
+    check_list(
         "x509 over TCP",
-        &strs(&with(&at_tcp, &client, &[])),
+        &strs(&list_args(&at_tcp, &client, &[])),
         "export: ''",
     );
-    check(
+    check_list(
         "a certificate for another host",
-        &strs(&with(&at_tcp, &client, &["--tls-hostname=example.invalid"])),
+        &strs(&list_args(
+            &at_tcp,
+            &client,
+            &["--tls-hostname=example.invalid"],
+        )),
         "Certificate does not match the hostname example.invalid",
     );
-    check(
+    check_list(
         "another CA",
-        &strs(&with(&at_tcp, &wrong_ca, &[])),
+        &strs(&list_args(&at_tcp, &wrong_ca, &[])),
         "The certificate hasn't got a known issuer",
     );
-    check(
+    check_list(
         "no TLS",
         &at_tcp,
         "TLS negotiation required before option 3 (list)",
@@ -835,14 +845,18 @@ fn list_mode_over_tls_says_what_qemu_nbd_says() {
     let unix = Server::unix(&["--object", &x509_server, "--tls-creds", "tls0", "-t", &disk]);
     let sock = unix.socket.to_str().unwrap().to_owned();
     let at_unix = ["-L", "-k", sock.as_str()];
-    check(
+    check_list(
         "x509 over a Unix socket",
-        &strs(&with(&at_unix, &client, &[])),
+        &strs(&list_args(&at_unix, &client, &[])),
         "No hostname for certificate validation",
     );
-    check(
+    check_list(
         "x509 over a Unix socket with a host name",
-        &strs(&with(&at_unix, &client, &["--tls-hostname", "localhost"])),
+        &strs(&list_args(
+            &at_unix,
+            &client,
+            &["--tls-hostname", "localhost"],
+        )),
         "export: ''",
     );
     unix.stop_ok();
@@ -851,14 +865,18 @@ fn list_mode_over_tls_says_what_qemu_nbd_says() {
     let unix = Server::unix(&["--object", &psk_server, "--tls-creds", "tls0", "-t", &disk]);
     let sock = unix.socket.to_str().unwrap().to_owned();
     let at_unix = ["-L", "-k", sock.as_str()];
-    check(
+    check_list(
         "PSK",
-        &strs(&with(&at_unix, &psk_obj(&pki.psk_dir(), PSK_USER), &[])),
+        &strs(&list_args(
+            &at_unix,
+            &psk_obj(&pki.psk_dir(), PSK_USER),
+            &[],
+        )),
         "export: ''",
     );
-    check(
+    check_list(
         "a wrong PSK",
-        &strs(&with(
+        &strs(&list_args(
             &at_unix,
             &psk_obj(&pki.wrong_psk_dir(), PSK_USER),
             &[],
@@ -868,9 +886,9 @@ fn list_mode_over_tls_says_what_qemu_nbd_says() {
     unix.stop_ok();
     let plain = Server::unix(&["-t", &disk]);
     let sock = plain.socket.to_str().unwrap().to_owned();
-    check(
+    check_list(
         "TLS to a server without it",
-        &strs(&with(
+        &strs(&list_args(
             &["-L", "-k", sock.as_str()],
             &client,
             &["--tls-hostname", "localhost"],
