@@ -8,8 +8,9 @@
 use std::path::Path;
 
 use libfuzzer_sys::fuzz_target;
-use qcow2::engine::backing_name::{self, Described, Reference};
+use qcow2::engine::backing_name::{self, Reference};
 use qcow2::format::Header;
+use storage::opener::described::{describe, Described};
 
 fuzz_target!(|data: &[u8]| {
     let mut names: Vec<String> = Vec::new();
@@ -42,7 +43,7 @@ fuzz_target!(|data: &[u8]| {
         let Some(json) = name.strip_prefix("json:") else {
             continue;
         };
-        if let Ok(Described::Blkdebug(node)) = backing_name::json_node(json) {
+        if let Ok(Described::Blkdebug(node)) = describe(json) {
             // Only nodes without a configuration file: the fuzzer reads no file.
             if node.config.is_none() && node.rules().is_ok() {
                 let made = node.name();

@@ -41,10 +41,6 @@ fn bucket(key: &str) -> u32 {
     1_103_515_243u32.wrapping_mul(value).wrapping_add(12345) % BUCKETS
 }
 
-/// QEMU's JSON dialect (single-quoted strings) is read by the opener, which owns image
-/// names; backing file names in `json:` form go through the same reader.
-pub use storage::opener::json::requote;
-
 /// `v` as QEMU's tools print it (no trailing newline).
 pub fn to_pretty(v: &Value) -> String {
     let mut out = String::new();

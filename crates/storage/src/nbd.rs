@@ -9,7 +9,7 @@
 use std::cell::RefCell;
 use std::io;
 
-use nbd_client::{NbdClient, NbdTarget, DEFAULT_IO_TIMEOUT};
+use nbd_client::{NbdClient, DEFAULT_IO_TIMEOUT};
 
 use crate::{BufResult, OpenOptions, Slice, Storage};
 
@@ -21,10 +21,10 @@ pub struct NbdStorage {
 }
 
 impl NbdStorage {
-    /// Connects to the export `name` names (see [`nbd_client::is_nbd_name`]).
+    /// Connects to the export `name` names (see [`crate::opener::nbd_name`]).
     pub fn open(name: &str, opts: OpenOptions) -> io::Result<NbdStorage> {
-        let target =
-            NbdTarget::parse(name).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        let target = crate::opener::nbd_name::parse(name)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         let client = NbdClient::connect(&target, DEFAULT_IO_TIMEOUT).map_err(io::Error::from)?;
         let size = client.size();
         let read_only = opts.read_only || client.read_only();

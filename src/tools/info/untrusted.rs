@@ -4,8 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
-use qcow2::engine::backing_name::{self, BackingError, Described, Reference};
+use qcow2::engine::backing_name::{self, BackingError, Reference};
 use qcow2::inspect::{ImageInfo, ReferenceReport};
+use storage::opener::described::{describe, Described};
 use storage::AllowDirs;
 
 /// One file an image names, with the verdict.
@@ -37,13 +38,11 @@ pub fn references(path: &Path, info: &ImageInfo, allowed: &AllowDirs) -> Vec<Jud
 
 /// Judges one name `path` gives as `kind`.
 fn judge(path: &Path, name: &str, kind: Reference, allowed: &AllowDirs) -> Judged {
-    let driver = name
-        .strip_prefix("json:")
-        .map(|json| match backing_name::json_node(json) {
-            Ok(Described::File(_)) => "file".to_string(),
-            Ok(Described::Blkdebug(_)) => "blkdebug".to_string(),
-            Err(_) => "unknown".to_string(),
-        });
+    let driver = name.strip_prefix("json:").map(|json| match describe(json) {
+        Ok(Described::File(_)) => "file".to_string(),
+        Ok(Described::Blkdebug(_)) => "blkdebug".to_string(),
+        Err(_) => "unknown".to_string(),
+    });
     let mut resolved = None;
     let verdict = backing_name::resolve_untrusted(path, name, kind).and_then(|p| {
         // A name that does not resolve is judged as it stands: absolute and plain it may

@@ -1,9 +1,11 @@
 //! Run-time choice of file backend (`--aio io_uring|threads`) and the [`Opener`] for image
 //! names: what a name opens ([`name`]) is decided here and nowhere else.
 
+pub mod described;
 pub mod image_opts;
-pub mod json;
+mod json;
 pub mod name;
+pub mod nbd_name;
 mod nodes;
 mod parse_name;
 

@@ -38,7 +38,7 @@ pub fn kind(name: &Path) -> NameKind {
 
 /// What the name `text` opens.
 pub fn kind_of_text(text: &str) -> NameKind {
-    if nbd_client::is_nbd_name(text) {
+    if super::nbd_name::is_nbd_name(text) {
         NameKind::Nbd
     } else if crate::null::is_null_name(text) {
         NameKind::Null
@@ -126,7 +126,7 @@ pub enum Reason {
     NoFilename,
     /// An NBD name or `nbd` driver options that do not name an export.
     #[error("{0}")]
-    Nbd(#[from] nbd_client::NameError),
+    Nbd(#[from] super::nbd_name::NbdNameError),
     /// An `nbd` driver option this tool does not know or does not implement.
     #[error("Block protocol 'nbd' doesn't support the option '{0}'")]
     NbdOption(String),

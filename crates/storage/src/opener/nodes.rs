@@ -90,7 +90,8 @@ const NBD_TLS_OPTIONS: &[&str] = &["tls-creds", "tls-hostname", "x-dirty-bitmap"
 fn nbd_node(
     mut members: BTreeMap<String, Val>,
 ) -> Result<(PathBuf, BTreeMap<String, String>), Reason> {
-    use nbd_client::{NameError, NbdTarget, ServerAddr, DEFAULT_PORT};
+    use super::nbd_name::NbdNameError;
+    use nbd_client::{NbdTarget, ServerAddr, DEFAULT_PORT};
     let mut tls = BTreeMap::new();
     for key in NBD_TLS_OPTIONS {
         if let Some(v) = text(members.remove(*key)) {
@@ -112,11 +113,11 @@ fn nbd_node(
         (Some("inet") | None, None, Some(host)) => {
             let port = match port {
                 None => DEFAULT_PORT,
-                Some(p) => p.parse().map_err(|_| NameError::BadPort(p))?,
+                Some(p) => p.parse().map_err(|_| NbdNameError::BadPort(p))?,
             };
             ServerAddr::Inet { host, port }
         }
-        _ => return Err(Reason::Nbd(NameError::NoServer("nbd".into()))),
+        _ => return Err(Reason::Nbd(NbdNameError::NoServer("nbd".into()))),
     };
     Ok((
         PathBuf::from(NbdTarget { server, export }.display_name()),
@@ -319,8 +320,9 @@ fn compress_node(
 
 /// A `blkdebug` node under the format driver (the `file` of a qcow2 or raw node): its rules
 /// (`inject-error` and `set-state` lists, a `config` file) checked as a configuration file's
-/// are, its limits as [`blkdebug_filter_options`] checks them, and its `image` a `file`
-/// node. Its name is the node's JSON name, which the storage opener wraps the file by.
+/// are when the node is opened, its limits as [`blkdebug_filter_options`] checks them, and
+/// its `image` a `file` node. Its name is the node's JSON name, which the storage opener
+/// wraps the file by.
 fn blkdebug_node(mut members: BTreeMap<String, Val>) -> Result<PathBuf, Reason> {
     use crate::blkdebug::{Node, MAX_RULES};
     let (image_direct, image) = take_node(&mut members, "image")?;
@@ -359,7 +361,8 @@ fn blkdebug_node(mut members: BTreeMap<String, Val>) -> Result<PathBuf, Reason> 
         rules.extend(by_index.into_values());
     }
     blkdebug_filter_options(&members)?;
-    node.rules()?;
+    // Its rules are read by whoever opens it ([`super::parse`] for a name given to a tool),
+    // so that an image's name can be refused before its `config` file is read.
     Ok(PathBuf::from(node.name()))
 }
 

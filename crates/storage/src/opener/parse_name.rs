@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use super::image_opts::flatten_list;
 use super::json::flatten_json;
 use super::name::{ImageName, NameError, Reason};
+use super::nbd_name;
 use super::nodes::interpret;
 
 /// Reads `name` as qemu-img would: an option list with `image_opts`, else a `json:` name, a
@@ -32,14 +33,23 @@ pub fn parse(name: &OsStr, image_opts: bool) -> Result<ImageName, NameError> {
         name: shown.clone(),
         reason,
     };
-    if image_opts {
-        let flat = flatten_list(text()?);
-        return interpret(flat).map_err(open_err);
-    }
-    match name.to_str().and_then(|s| s.strip_prefix("json:")) {
-        Some(json) => {
-            let flat = flatten_json(json).map_err(open_err)?;
-            interpret(flat).map_err(open_err)
+    let flat = if image_opts {
+        Some(flatten_list(text()?))
+    } else {
+        match name.to_str().and_then(|s| s.strip_prefix("json:")) {
+            Some(json) => Some(flatten_json(json).map_err(open_err)?),
+            None => None,
+        }
+    };
+    match flat {
+        Some(flat) => {
+            let read = interpret(flat).map_err(open_err)?;
+            // A blkdebug node's rules, read here so that a bad rule or `config` file is
+            // refused as the name's fault.
+            if let Some(node) = read.path.to_str().and_then(crate::blkdebug::Node::parse) {
+                node.rules().map_err(|e| open_err(e.into()))?;
+            }
+            Ok(read)
         }
         None => Ok(ImageName {
             path: protocol_path(name).map_err(open_err)?,
@@ -55,9 +65,9 @@ pub fn parse(name: &OsStr, image_opts: bool) -> Result<ImageName, NameError> {
 /// in QEMU; `file:` is the only protocol here, and a path behind it that itself looks
 /// prefixed is made relative with `./` (as QEMU shows it) so that it is never read as one.
 pub fn protocol_path(name: &OsStr) -> Result<PathBuf, Reason> {
-    if let Some(text) = name.to_str().filter(|n| nbd_client::is_nbd_name(n)) {
+    if let Some(text) = name.to_str().filter(|n| nbd_name::is_nbd_name(n)) {
         // The storage opener connects by this name; it is also how QEMU shows the export.
-        let target = nbd_client::NbdTarget::parse(text)?;
+        let target = nbd_name::parse(text)?;
         return Ok(PathBuf::from(target.display_name()));
     }
     let bytes = name.as_encoded_bytes();

@@ -6,6 +6,9 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
+use storage::opener::described::{describe, Described};
+use storage::opener::name::Reason;
+
 /// Longest backing chain we follow. Real chains reach a few hundred layers; a longer one is
 /// almost certainly a crafted image trying to exhaust file descriptors or time.
 pub const MAX_CHAIN_DEPTH: usize = 1024;
@@ -107,8 +110,8 @@ pub fn resolve_untrusted(
         rule,
     };
     let path = match name.strip_prefix("json:") {
-        Some(json) => match json_node(json) {
-            Ok(Described::File(f)) => PathBuf::from(f),
+        Some(json) => match describe(json) {
+            Ok(Described::File(f)) => f,
             Ok(Described::Blkdebug(_)) => {
                 return Err(refused(storage::Refusal::NotAFile {
                     what: "a blkdebug fault-injection node",
@@ -118,7 +121,7 @@ pub fn resolve_untrusted(
                 return Err(BackingError::Json {
                     image: image.display().to_string(),
                     name: name.into(),
-                    reason,
+                    reason: json_reason(reason),
                 })
             }
         },
@@ -163,7 +166,7 @@ pub fn protocol_prefix(name: &str) -> Option<&str> {
 /// Resolves `name` (as stored in `image`) to a path, as QEMU's `path_combine` does: absolute
 /// names as they are, relative ones against the image's directory. Refuses `json:` and
 /// protocol-prefixed names; a `json:` name becomes the file (or blkdebug node name) it
-/// describes ([`json_name`]).
+/// describes (read by the storage opener).
 pub fn resolve(image: &Path, name: &str) -> Result<PathBuf, BackingError> {
     if let Some(json) = name.strip_prefix("json:") {
         return json_name(json).map_err(|reason| BackingError::Json {
@@ -196,31 +199,13 @@ pub fn resolve(image: &Path, name: &str) -> Result<PathBuf, BackingError> {
         .map_or_else(|| path.to_path_buf(), |dir| dir.join(path)))
 }
 
-/// The longest `json:` backing file name read (a header holds at most 1023 bytes of name;
-/// this bounds a name given any other way).
-const MAX_JSON_NAME: usize = 1 << 20;
-
-/// Options of any node that change no data.
-const NODE_NOOPS: &[&str] = &[
-    "node-name",
-    "read-only",
-    "auto-read-only",
-    "force-share",
-    "discard",
-    "detect-zeroes",
-    "cache",
-];
-
-/// Options of the `file` protocol that change no data.
-const FILE_NOOPS: &[&str] = &["aio", "aio-max-batch", "locking", "drop-cache"];
-
 /// The file a `json:{...}` backing file name describes, as the opener takes it: the `file`
 /// node's file name as given (QEMU does not make it relative to the image), or a blkdebug
-/// node's name ([`storage::blkdebug::Node`]). Dotted keys (`file.filename`) count as nested
-/// members, as in QEMU.
-pub fn json_name(json: &str) -> Result<PathBuf, String> {
-    match json_node(json)? {
-        Described::File(f) => Ok(PathBuf::from(f)),
+/// node's name ([`storage::blkdebug::Node`]) once its rules read. The name is read by the
+/// storage opener's parser of image names ([`describe`]).
+fn json_name(json: &str) -> Result<PathBuf, String> {
+    match describe(json).map_err(json_reason)? {
+        Described::File(f) => Ok(f),
         Described::Blkdebug(node) => {
             node.rules().map_err(|e| e.to_string())?;
             Ok(PathBuf::from(node.name()))
@@ -228,144 +213,11 @@ pub fn json_name(json: &str) -> Result<PathBuf, String> {
     }
 }
 
-/// What a `json:` name describes, read without opening or reading any file.
-#[derive(Debug)]
-pub enum Described {
-    /// A file node's file name, as given.
-    File(String),
-    /// A blkdebug node over a file node; its rules (and its `config` file) not read yet.
-    Blkdebug(storage::blkdebug::Node),
-}
-
-/// Parses a `json:` name (without the prefix) into what it describes, reading no file.
-pub fn json_node(json: &str) -> Result<Described, String> {
-    use serde_json::{Map, Value};
-    if json.len() > MAX_JSON_NAME {
-        return Err(format!("longer than {MAX_JSON_NAME} bytes"));
-    }
-    let standard = crate::qemu_json::requote(json)?;
-    let Value::Object(top) = serde_json::from_str::<Value>(&standard).map_err(|e| e.to_string())?
-    else {
-        return Err("not a JSON object".into());
-    };
-    let mut top = nest(top)?;
-    let driver = take_text(&mut top, "driver")?;
-    let check = |m: &Map<String, Value>, node: &str, more: &[&str]| match m
-        .keys()
-        .find(|k| !NODE_NOOPS.contains(&k.as_str()) && !more.contains(&k.as_str()))
-    {
-        Some(k) => Err(format!("option '{k}' of the {node} node is not supported")),
-        None => Ok(()),
-    };
-    let file_node = |mut m: Map<String, Value>| -> Result<String, String> {
-        match take_text(&mut m, "driver")?.as_deref() {
-            None | Some("file") => {}
-            Some(d) => return Err(format!("driver '{d}' is not supported")),
-        }
-        let name = take_text(&mut m, "filename")?.ok_or("the file node has no filename")?;
-        check(&m, "file", FILE_NOOPS)?;
-        Ok(name)
-    };
-    match driver.as_deref() {
-        Some("file") => return file_node(top).map(Described::File),
-        None | Some("qcow2") | Some("raw") => {}
-        Some(d) => return Err(format!("driver '{d}' is not supported")),
-    }
-    let file = match top.remove("file") {
-        Some(Value::Object(m)) => m,
-        Some(_) => return Err("the file node is given by reference".into()),
-        None => return Err("no file node".into()),
-    };
-    check(&top, driver.as_deref().unwrap_or("format"), &[])?;
-    let mut file = file;
-    if file.get("driver").and_then(Value::as_str) != Some("blkdebug") {
-        return file_node(file).map(Described::File);
-    }
-    file.remove("driver");
-    let mut node = storage::blkdebug::Node {
-        config: take_text(&mut file, "config")?,
-        ..Default::default()
-    };
-    for (list, rules) in [
-        ("inject-error", &mut node.inject),
-        ("set-state", &mut node.set_state),
-    ] {
-        let items = match file.remove(list) {
-            None => Vec::new(),
-            Some(Value::Array(items)) => items,
-            Some(_) => return Err(format!("blkdebug option '{list}' is not a list")),
-        };
-        for item in items {
-            let Value::Object(m) = item else {
-                return Err(format!(
-                    "an item of blkdebug option '{list}' is not an object"
-                ));
-            };
-            let pairs = m
-                .into_iter()
-                .map(|(k, v)| Ok((k.clone(), scalar(&k, v)?)))
-                .collect::<Result<Vec<_>, String>>()?;
-            rules.push(pairs);
-        }
-    }
-    node.image = match file.remove("image") {
-        Some(Value::Object(m)) => file_node(m)?,
-        _ => return Err("the blkdebug node has no image file node".into()),
-    };
-    check(&file, "blkdebug", storage::blkdebug::LIMITS)?;
-    Ok(Described::Blkdebug(node))
-}
-
-/// Members with dotted keys (`file.filename`) moved into nested objects.
-fn nest(
-    map: serde_json::Map<String, serde_json::Value>,
-) -> Result<serde_json::Map<String, serde_json::Value>, String> {
-    use serde_json::{Map, Value};
-    let mut out = Map::new();
-    for (key, value) in map {
-        let value = match value {
-            Value::Object(m) => Value::Object(nest(m)?),
-            v => v,
-        };
-        let mut parts = key.split('.').collect::<Vec<_>>();
-        let last = parts.pop().unwrap_or_default();
-        let mut at = &mut out;
-        for part in parts {
-            let entry = at
-                .entry(part.to_string())
-                .or_insert_with(|| Value::Object(Map::new()));
-            at = match entry {
-                Value::Object(m) => m,
-                _ => return Err(format!("option '{key}' conflicts with '{part}'")),
-            };
-        }
-        if at.insert(last.to_string(), value).is_some() {
-            return Err(format!("option '{key}' is given twice"));
-        }
-    }
-    Ok(out)
-}
-
-/// A member that must be a string, taken out.
-fn take_text(
-    map: &mut serde_json::Map<String, serde_json::Value>,
-    key: &str,
-) -> Result<Option<String>, String> {
-    match map.remove(key) {
-        None => Ok(None),
-        Some(serde_json::Value::String(s)) => Ok(Some(s)),
-        Some(_) => Err(format!("option '{key}' is not a string")),
-    }
-}
-
-/// A rule field's value as the text a configuration file would give.
-fn scalar(key: &str, v: serde_json::Value) -> Result<String, String> {
-    use serde_json::Value;
-    match v {
-        Value::String(s) => Ok(s),
-        Value::Number(n) => Ok(n.to_string()),
-        Value::Bool(b) => Ok(if b { "on" } else { "off" }.into()),
-        _ => Err(format!("blkdebug rule option '{key}' is not a scalar")),
+/// Why a `json:` name is not followed, in this crate's words for a driver it does not have.
+fn json_reason(reason: Reason) -> String {
+    match reason {
+        Reason::UnknownDriver(d) => format!("driver '{d}' is not supported"),
+        other => other.to_string(),
     }
 }
 
