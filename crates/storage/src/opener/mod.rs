@@ -1,6 +1,7 @@
 //! Run-time choice of file backend (`--aio io_uring|threads`) and the [`Opener`] for image
 //! names: what a name opens ([`name`]) is decided here and nowhere else.
 
+pub mod blkdebug_name;
 pub mod described;
 pub mod image_opts;
 mod json;
@@ -9,7 +10,7 @@ pub mod nbd_name;
 mod nodes;
 mod parse_name;
 
-pub use parse_name::{parse, protocol_path};
+pub use parse_name::{parse, protocol_path, protocol_prefix};
 
 use name::NameKind;
 

@@ -103,6 +103,12 @@ pub fn protocol_path(name: &OsStr) -> Result<PathBuf, Reason> {
     Ok(PathBuf::from(rest))
 }
 
+/// The protocol prefix of `name`, if it has one: a ':' before any '/' (QEMU's rule), so
+/// `./a:b` is a file and `nbd:host` is not.
+pub fn protocol_prefix(name: &str) -> Option<&str> {
+    protocol_colon(name.as_bytes()).map(|colon| &name[..colon])
+}
+
 /// Where a protocol prefix ends: the first `:` if it comes before any `/`.
 fn protocol_colon(bytes: &[u8]) -> Option<usize> {
     let i = bytes.iter().position(|&b| b == b':' || b == b'/')?;
@@ -123,6 +129,15 @@ mod tests {
             Err(NameError::Open { reason, .. }) => reason,
             other => panic!("{s}: expected a refusal, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn protocol_prefixes_follow_qemus_rule() {
+        assert_eq!(protocol_prefix("nbd:localhost:10809"), Some("nbd"));
+        assert_eq!(protocol_prefix("http://x/y"), Some("http"));
+        assert_eq!(protocol_prefix("./a:b.qcow2"), None);
+        assert_eq!(protocol_prefix("/abs/a:b"), None);
+        assert_eq!(protocol_prefix("base.qcow2"), None);
     }
 
     #[test]

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use storage::opener::described::{describe, Described};
 use storage::opener::name::Reason;
+use storage::opener::protocol_prefix;
 
 /// Longest backing chain we follow. Real chains reach a few hundred layers; a longer one is
 /// almost certainly a crafted image trying to exhaust file descriptors or time.
@@ -153,16 +154,6 @@ pub fn admit(
         })
 }
 
-/// The protocol prefix of `name`, if it has one: a ':' before any '/' (QEMU's rule), so
-/// `./a:b` is a file and `nbd:host` is not.
-pub fn protocol_prefix(name: &str) -> Option<&str> {
-    let colon = name.find(':')?;
-    match name.find('/') {
-        Some(slash) if slash < colon => None,
-        _ => Some(&name[..colon]),
-    }
-}
-
 /// Resolves `name` (as stored in `image`) to a path, as QEMU's `path_combine` does: absolute
 /// names as they are, relative ones against the image's directory. Refuses `json:` and
 /// protocol-prefixed names; a `json:` name becomes the file (or blkdebug node name) it
@@ -261,15 +252,6 @@ impl ChainGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn protocol_prefixes_follow_qemus_rule() {
-        assert_eq!(protocol_prefix("nbd:localhost:10809"), Some("nbd"));
-        assert_eq!(protocol_prefix("http://x/y"), Some("http"));
-        assert_eq!(protocol_prefix("./a:b.qcow2"), None);
-        assert_eq!(protocol_prefix("/abs/a:b"), None);
-        assert_eq!(protocol_prefix("base.qcow2"), None);
-    }
 
     #[test]
     fn resolves_relative_names_against_the_image_directory() {
