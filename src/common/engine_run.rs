@@ -13,9 +13,7 @@ use qcow2::format::header::QCOW2_MAGIC;
 use storage::AnyStorage;
 
 use super::image_bytes;
-pub use super::settings::{
-    locking, opener, set_locking, set_untrusted, untrusted, untrusted_settings,
-};
+pub use super::settings::{locking, opener, untrusted, untrusted_settings};
 
 /// `-U`/`--force-share`, as the read-only tools (`info`, `map`, `check`, `convert`) take it.
 #[derive(clap::Args, Debug, Clone, Copy, Default)]

@@ -6,7 +6,8 @@
 //! storage seam.
 
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Mutex, OnceLock};
 
 use storage::{AnyStorage, IoBuf, Opener, Storage};
 
@@ -65,15 +66,81 @@ impl ImageBytes {
     }
 }
 
-/// The first `n` bytes of the image at `path` (fewer when it is shorter), opened as
-/// [`ImageBytes::open`] opens it, sharing writes. Read on a thread of its own, so that code
-/// already driving a runtime (a subcommand probing a format mid-way) may ask too.
+/// The first `n` bytes of the image at `path` (fewer when it is shorter), opened through the
+/// storage opener as [`ImageBytes::open`] opens it (read-only, sharing writes, with its
+/// locks and its bounded open). Read by the process's one probe thread, which keeps one
+/// runtime for every probe, so that code already driving a runtime (a subcommand probing a
+/// format mid-way) may ask too.
 pub fn read_head(path: &Path, n: usize) -> io::Result<Vec<u8>> {
-    std::thread::scope(|s| {
-        s.spawn(|| ImageBytes::open(path, true, None)?.head(n))
-            .join()
-            .unwrap_or_else(|_| Err(io::Error::other("reading the image's first bytes failed")))
-    })
+    let (reply, answer) = mpsc::sync_channel(1);
+    let job = Probe {
+        path: path.to_path_buf(),
+        n,
+        reply,
+    };
+    probes()?
+        .lock()
+        .map_err(|_| io::Error::other("the probe thread is gone"))?
+        .send(job)
+        .map_err(|_| io::Error::other("the probe thread is gone"))?;
+    answer
+        .recv()
+        .unwrap_or_else(|_| Err(io::Error::other("reading the image's first bytes failed")))
+}
+
+/// One [`read_head`] asked of the probe thread.
+struct Probe {
+    path: PathBuf,
+    n: usize,
+    reply: mpsc::SyncSender<io::Result<Vec<u8>>>,
+}
+
+/// The probe thread's queue, the thread started on first use.
+fn probes() -> io::Result<&'static Mutex<mpsc::Sender<Probe>>> {
+    static PROBES: OnceLock<Mutex<mpsc::Sender<Probe>>> = OnceLock::new();
+    if let Some(probes) = PROBES.get() {
+        return Ok(probes);
+    }
+    let (send, queue) = mpsc::channel::<Probe>();
+    std::thread::Builder::new()
+        .name("image-probe".into())
+        .spawn(move || serve_probes(&queue))?;
+    Ok(PROBES.get_or_init(|| Mutex::new(send)))
+}
+
+/// Answers probes until the process ends, on one runtime (or with the reason there is none).
+fn serve_probes(queue: &mpsc::Receiver<Probe>) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build();
+    let local = tokio::task::LocalSet::new();
+    while let Ok(probe) = queue.recv() {
+        let answer = match &runtime {
+            Ok(runtime) => local.block_on(runtime, head_of(&probe.path, probe.n)),
+            Err(e) => Err(io::Error::new(e.kind(), e.to_string())),
+        };
+        let _ = probe.reply.send(answer);
+    }
+}
+
+/// The first `n` bytes of the image at `path`, opened read-only and sharing writes.
+async fn head_of(path: &Path, n: usize) -> io::Result<Vec<u8>> {
+    let opts = storage::OpenOptions {
+        read_only: true,
+        force_share: true,
+        ..storage::OpenOptions::default()
+    };
+    let storage = super::settings::opener().open(path, opts).await?;
+    let len = storage.len().await?;
+    let n = n.min(usize::try_from(len).unwrap_or(usize::MAX));
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let (result, slice) = storage
+        .read_at(storage::Slice::from(IoBuf::zeroed(n)), 0)
+        .await;
+    result?;
+    Ok(slice.to_vec())
 }
 
 impl qcow2::metadata::ByteSource for ImageBytes {
@@ -98,5 +165,28 @@ impl qcow2::metadata::ByteSource for ImageBytes {
         result?;
         buf.copy_from_slice(&slice);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heads_are_read_from_inside_a_runtime_and_bounded_by_the_file() {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), b"QFI\xfbrest").unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (head, all) = rt.block_on(async {
+            (
+                read_head(file.path(), 4).unwrap(),
+                read_head(file.path(), 1 << 20).unwrap(),
+            )
+        });
+        assert_eq!(head, b"QFI\xfb");
+        assert_eq!(all, b"QFI\xfbrest");
+        assert!(read_head(Path::new("/nonexistent/image"), 4).is_err());
     }
 }

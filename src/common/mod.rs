@@ -1,8 +1,9 @@
-//! What the image tools and the daemon both need, below both: the single-threaded runtime
-//! and image opening (`engine_run`), image names as the command line gives them
-//! (`image_name`), the TLS credential objects (`tls`), secrets, cache modes,
-//! size strings, option lists, OS error wording and the program's name. Nothing here
-//! imports `tools` or `daemon`; they never import each other.
+//! What the image tools and the daemon both need, below both: the start-up before any
+//! subcommand runs (`startup`), the single-threaded runtime and image opening
+//! (`engine_run`), image names as the command line gives them (`image_name`), the TLS
+//! credential objects (`tls`), secrets, cache modes, size strings, option lists, OS error
+//! wording and the program's name. Nothing here imports `tools` or `daemon`; they never
+//! import each other.
 
 pub mod cache_mode;
 pub mod engine_run;
@@ -15,5 +16,6 @@ pub mod prog;
 pub mod secrets;
 pub mod settings;
 pub mod size_string;
+pub mod startup;
 pub mod tls;
 pub mod zeroes;

@@ -197,7 +197,7 @@ fn qcow2_settings(p: &Parsed) -> Result<Qcow2Settings, MeasureCliError> {
             .ok_or_else(|| MeasureCliError::Invalid(format!("invalid parameter value: {s}")))?,
     };
     // A LUKS header takes clusters of its own; its size follows from the cipher.
-    let luks_len = match crate::create::encryption_settings(p).map_err(MeasureCliError::Invalid)? {
+    let luks_len = match super::create::encryption_settings(p).map_err(MeasureCliError::Invalid)? {
         Some(qcow2::engine::NewEncryption::Luks { opts, .. }) => {
             qcow2::crypto::luks::area_len(&opts).next_multiple_of(cluster_size)
         }
