@@ -10,7 +10,7 @@ use std::path::Path;
 use libfuzzer_sys::fuzz_target;
 use qcow2::engine::backing_name::{self, Reference};
 use qcow2::format::Header;
-use storage::opener::described::{describe, Described};
+use storage::opener::described::{describe_name, Described};
 
 fuzz_target!(|data: &[u8]| {
     let mut names: Vec<String> = Vec::new();
@@ -40,10 +40,7 @@ fuzz_target!(|data: &[u8]| {
                 );
             }
         }
-        let Some(json) = name.strip_prefix("json:") else {
-            continue;
-        };
-        if let Ok(Described::Blkdebug(node)) = describe(json) {
+        if let Some(Ok(Described::Blkdebug(node))) = describe_name(&name) {
             // Only nodes without a configuration file: the fuzzer reads no file.
             if node.config.is_none() && node.rules().is_ok() {
                 let made = node.name();

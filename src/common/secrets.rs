@@ -146,7 +146,7 @@ pub fn take_from_args(args: Vec<OsString>) -> Result<Vec<OsString>, String> {
             .is_some_and(|p| p == "-o" || p == "--options" || p == "--object");
         let image_name = match text.as_deref() {
             Some(t) if image_opts => !after_o && !t.starts_with('-') && t.contains('='),
-            Some(t) => t.starts_with("json:"),
+            Some(t) => storage::opener::described::is_json_name(t),
             None => false,
         };
         if image_name {

@@ -240,12 +240,13 @@ fn describe(
                 // qemu-img shows where the name points even without opening it; a name we
                 // would never follow, and a `json:` name (which QEMU takes as it is), are
                 // shown as stored.
-                info.full_backing_filename = Some(if backing.starts_with("json:") {
-                    backing.clone()
-                } else {
-                    backing_chain::resolve(path, backing)
-                        .map_or_else(|_| backing.clone(), |p| p.display().to_string())
-                });
+                info.full_backing_filename =
+                    Some(if storage::opener::described::is_json_name(backing) {
+                        backing.clone()
+                    } else {
+                        backing_chain::resolve(path, backing)
+                            .map_or_else(|_| backing.clone(), |p| p.display().to_string())
+                    });
             }
             info
         }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use qcow2::engine::backing_name::{self, BackingError, Reference};
 use qcow2::inspect::{ImageInfo, ReferenceReport};
-use storage::opener::described::{describe, Described};
+use storage::opener::described::{describe_name, Described};
 use storage::AllowDirs;
 
 /// One file an image names, with the verdict.
@@ -38,7 +38,7 @@ pub fn references(path: &Path, info: &ImageInfo, allowed: &AllowDirs) -> Vec<Jud
 
 /// Judges one name `path` gives as `kind`.
 fn judge(path: &Path, name: &str, kind: Reference, allowed: &AllowDirs) -> Judged {
-    let driver = name.strip_prefix("json:").map(|json| match describe(json) {
+    let driver = describe_name(name).map(|described| match described {
         Ok(Described::File(_)) => "file".to_string(),
         Ok(Described::Blkdebug(_)) => "blkdebug".to_string(),
         Err(_) => "unknown".to_string(),

@@ -21,6 +21,18 @@ pub enum Described {
     Blkdebug(Node),
 }
 
+/// True when `name` is a `json:{...}` pseudo-filename, which [`super::parse`] (or, for a
+/// name an image stores, [`describe_name`]) reads as options rather than as a path.
+pub fn is_json_name(name: &str) -> bool {
+    name.starts_with("json:")
+}
+
+/// What `name` describes when it is a `json:` name an image stores (see [`describe`]);
+/// `None` for any other name.
+pub fn describe_name(name: &str) -> Option<Result<Described, Reason>> {
+    name.strip_prefix("json:").map(describe)
+}
+
 /// Reads `json` (a `json:` name without the prefix) into the file or blkdebug node it
 /// describes. Drivers other than `qcow2`, `raw` and `file` above, and `file` and `blkdebug`
 /// below, are refused, and so are nodes an image's name cannot carry (a `backing` or

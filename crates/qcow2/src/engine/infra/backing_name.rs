@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use storage::opener::described::{describe, Described};
+use storage::opener::described::{describe_name, Described};
 use storage::opener::name::Reason;
 use storage::opener::protocol_prefix;
 
@@ -110,8 +110,8 @@ pub fn resolve_untrusted(
         name: name.into(),
         rule,
     };
-    let path = match name.strip_prefix("json:") {
-        Some(json) => match describe(json) {
+    let path = match describe_name(name) {
+        Some(described) => match described {
             Ok(Described::File(f)) => f,
             Ok(Described::Blkdebug(_)) => {
                 return Err(refused(storage::Refusal::NotAFile {
@@ -159,8 +159,8 @@ pub fn admit(
 /// protocol-prefixed names; a `json:` name becomes the file (or blkdebug node name) it
 /// describes (read by the storage opener).
 pub fn resolve(image: &Path, name: &str) -> Result<PathBuf, BackingError> {
-    if let Some(json) = name.strip_prefix("json:") {
-        return json_name(json).map_err(|reason| BackingError::Json {
+    if let Some(described) = describe_name(name) {
+        return json_name(described).map_err(|reason| BackingError::Json {
             image: image.display().to_string(),
             name: name.into(),
             reason,
@@ -193,9 +193,9 @@ pub fn resolve(image: &Path, name: &str) -> Result<PathBuf, BackingError> {
 /// The file a `json:{...}` backing file name describes, as the opener takes it: the `file`
 /// node's file name as given (QEMU does not make it relative to the image), or a blkdebug
 /// node's name ([`storage::blkdebug::Node`]) once its rules read. The name is read by the
-/// storage opener's parser of image names ([`describe`]).
-fn json_name(json: &str) -> Result<PathBuf, String> {
-    match describe(json).map_err(json_reason)? {
+/// storage opener's parser of image names ([`describe_name`]).
+fn json_name(described: Result<Described, Reason>) -> Result<PathBuf, String> {
+    match described.map_err(json_reason)? {
         Described::File(f) => Ok(f),
         Described::Blkdebug(node) => {
             node.rules().map_err(|e| e.to_string())?;
