@@ -37,7 +37,7 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 restarts=3
 only=ours,qemu
 qemu_guest=1
-kernel_restart=0
+kernel_restart=1
 bin=""
 profile=release
 keep=0
@@ -47,7 +47,7 @@ while (($#)); do
     --restarts) restarts=$2; shift 2 ;;
     --only) only=$2; shift 2 ;;
     --skip-qemu-guest) qemu_guest=0; shift ;;
-    --kernel-restart) kernel_restart=1; shift ;;
+    --skip-kernel-restart) kernel_restart=0; shift ;;
     --bin) bin=$2; shift 2 ;;
     --debug) profile=debug; shift ;;
     --keep) keep=1; shift ;;
@@ -106,6 +106,9 @@ has fio || missing+=(fio)
 has blkdiscard || missing+=(util-linux)
 has qemu-img && has qemu-io && has qemu-nbd || missing+=(qemu-utils)
 has cpio || missing+=(cpio)
+has cc || missing+=(gcc)
+[ -e /usr/include/linux/nbd-netlink.h ] && [ -n "$(find /usr/lib -name libc.a -print -quit 2>/dev/null)" ] ||
+    missing+=(libc6-dev linux-libc-dev)
 if ((${#missing[@]})); then
     as_root "${missing[*]}"
     echo "vm-tests: installing ${missing[*]}" >&2
@@ -220,6 +223,9 @@ build_initramfs() {
         esac
         echo "/lib/modules/$(basename "${dest%.*}" .ko).ko" >>"$root/lib/modules/order"
     done
+    # The reconnect helper (scripts/vm/nbd-reconnect.c): static, so it needs no library.
+    cc -O2 -Wall -static -o "$root/usr/bin/nbd-reconnect" "$repo/scripts/vm/nbd-reconnect.c" ||
+        die "could not build scripts/vm/nbd-reconnect.c (needs cc and the static C library, libc6-dev)"
     cp "$repo/scripts/vm/init" "$root/init"
     cp "$repo/scripts/vm/carry" "$root/bin/carry"
     chmod 755 "$root/init" "$root/bin/carry"
@@ -230,7 +236,8 @@ build_initramfs() {
 
 initrd="$cache/initramfs-$kver.gz"
 # Rebuilt when the guest scripts or this one change (its checksum names the image).
-sum=$(sha256sum "$repo/scripts/vm/init" "$repo/scripts/vm/carry" "$0" | sha256sum | cut -c1-12)
+sum=$(sha256sum "$repo/scripts/vm/init" "$repo/scripts/vm/carry" "$repo/scripts/vm/nbd-reconnect.c" "$0" |
+    sha256sum | cut -c1-12)
 initrd="${initrd%.gz}-$sum.gz"
 if [ ! -s "$initrd" ]; then
     echo "vm-tests: building the initramfs" >&2
@@ -262,5 +269,5 @@ trap cleanup EXIT
 args=(--kernel "$vmlinuz" --initrd "$initrd" --bin "$bin" --scratch "$scratch"
     --restarts "$restarts" --only "$only")
 [ "$qemu_guest" = 1 ] || args+=(--skip-qemu-guest)
-[ "$kernel_restart" = 0 ] || args+=(--kernel-restart)
+[ "$kernel_restart" = 1 ] || args+=(--skip-kernel-restart)
 python3 "$repo/scripts/vm/host.py" "${args[@]}"
