@@ -16,13 +16,14 @@
 # qemu-system-x86 from bookworm-backports (installed; bookworm's 7.2 faults under TCG), the
 # cloud kernel 6.12 from backports (downloaded and unpacked into the cache, not installed),
 # and the guest's tools (busybox-static unpacked; nbd-client, socat, e2fsprogs, xfsprogs, fio
-# installed on the host and copied into the initramfs with their shared libraries).
+# installed on the host and copied into the initramfs with their shared libraries). The
+# guest's reconnect helper, scripts/vm/nbd-reconnect.c, is compiled static with the host's cc
+# when the initramfs is built (nbd-client 3.24 gives a netlink device no new connection after
+# a restart of its server; the helper does).
 #
 # Usage: scripts/vm-tests.sh [options]
-#   --restarts N    server restarts in the restart tests (default 3)
-#   --kernel-restart  also restart the server under the kernel client (nbd-client -persist);
-#                   nbd-client 3.24 does not reconnect a netlink device, so this fails for
-#                   every server: kept to show it (see docs/kernel-client.md)
+#   --restarts N    server restarts in each restart test (default 3)
+#   --skip-kernel-restart  leave out the restarts under the kernel client
 #   --only LIST     comma-separated server kinds: ours, qemu (default both)
 #   --skip-qemu-guest  leave out the QEMU-guest VM
 #   --bin PATH      the binary to test (default: cargo build --release)
