@@ -84,6 +84,7 @@ def kernel_client(args, kind, results):
         steps += [] if args.skip_qemu_guest else [qemu_disk]
         steps += [] if args.skip_kernel_restart else [kernel_restart]
         for step in steps:
+            t0 = time.monotonic()
             try:
                 step(setup, guest, results, ro_sum=ro_sum)
             except Hung as e:
@@ -92,6 +93,9 @@ def kernel_client(args, kind, results):
             except (subprocess.CalledProcessError, RuntimeError, TimeoutError, OSError) as e:
                 detail = getattr(e, "stderr", "") or ""
                 results.check(kind, step.__name__, False, f"{e} {detail}".strip()[:400])
+            finally:
+                # Where the stage's time goes, for keeping it within CI's budget.
+                print(f"vm-tests: [{kind}] {step.__name__} took {time.monotonic() - t0:.0f} s", flush=True)
         guest.stop()
         guest = None
         if not args.skip_qemu_guest and getattr(setup, "qemu_sums", None) is not None:
