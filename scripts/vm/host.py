@@ -277,7 +277,7 @@ def main():
     ap.add_argument("--restarts", type=int, default=3)
     ap.add_argument("--only", default="ours,qemu")
     ap.add_argument("--skip-qemu-guest", action="store_true")
-    ap.add_argument("--kernel-restart", action="store_true")
+    ap.add_argument("--skip-kernel-restart", action="store_true")
     args = ap.parse_args()
     # A SIGTERM (CI's timeout) unwinds like an error: every guest and server is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
