@@ -98,6 +98,12 @@ pub struct ExportPolicy {
     /// cluster; a partial cluster is merged with what it reads as; as in QEMU, only clusters
     /// not allocated yet take compressed data). Zeroing and trims pass through.
     pub compressed_writes: bool,
+    /// Advertise exactly what qemu-nbd advertises (the binary runs as `qemu-nbd`, where
+    /// scripts compare listings): FUA on read-only exports too, multi-conn only when several
+    /// clients may connect, and a preferred block size of 4 KiB (or the minimum). Otherwise
+    /// a read-only export also offers multi-conn and the preferred size is the subcluster,
+    /// the write that never copies the rest of its (sub)cluster.
+    pub qemu_nbd_flags: bool,
 }
 
 /// A request or reply payload: the engine's aligned [`IoBuf`], moved (never copied) between
@@ -180,14 +186,12 @@ pub async fn exported_bitmaps(
         if out.iter().any(|b| &b.name == name) {
             return Err(format!("Bitmap '{name}' is given twice"));
         }
-        let info = listed
-            .iter()
-            .find(|b| &b.name == name)
-            .ok_or_else(|| format!("Bitmap '{name}' is not found"))?;
+        let Some(info) = listed.iter().find(|b| &b.name == name) else {
+            out.push(backing_bitmap(image, name).await?);
+            continue;
+        };
         if info.inconsistent {
-            return Err(format!(
-                "Bitmap '{name}' is inconsistent and cannot be used"
-            ));
+            return Err(inconsistent(name));
         }
         let source = if image.is_read_only() {
             let data = image.bitmap_data(name).await.map_err(|e| e.to_string())?;
@@ -204,6 +208,28 @@ pub async fn exported_bitmaps(
     Ok(out)
 }
 
+fn inconsistent(name: &str) -> String {
+    format!("Bitmap '{name}' is inconsistent and cannot be used")
+}
+
+/// A `-B` bitmap the top image lacks, found down its backing chain as qemu-nbd finds it.
+/// Nothing writes a backing layer, so its bitmap is exported as stored.
+async fn backing_bitmap(image: &Image<AnyStorage>, name: &str) -> Result<ExportedBitmap, String> {
+    match image.backing_bitmap(name).await {
+        Ok(Some((info, data))) => Ok(ExportedBitmap {
+            name: name.to_owned(),
+            granularity: info.granularity,
+            source: BitmapSource::Stored(data),
+        }),
+        Ok(None) => Err(format!("Bitmap '{name}' is not found")),
+        Err(qcow2::engine::EngineError::Bitmap {
+            source: qcow2::engine::BitmapError::Inconsistent(_),
+            ..
+        }) => Err(inconsistent(name)),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 impl ImageExport {
     /// Wraps an open image; the advertised features follow qemu-nbd's for the same flags.
     pub fn new(image: Image<AnyStorage>, policy: ExportPolicy) -> Self {
@@ -212,30 +238,36 @@ impl ImageExport {
         // A client that writes whole subclusters never makes us copy-on-write a backing
         // file's data, so that is the efficient size; raw images and small subclusters get
         // the page size.
-        let preferred = u32::try_from(facts.subcluster_size)
-            .unwrap_or(MAX_PREFERRED)
-            .clamp(4096, MAX_PREFERRED);
+        let minimum = if policy.compressed_writes {
+            u32::try_from(facts.cluster_size)
+                .unwrap_or(1 << 16)
+                .min(1 << 16)
+        } else if policy.probed_raw {
+            SECTOR as u32
+        } else {
+            1
+        };
+        let exact = policy.qemu_nbd_flags;
+        let preferred = if exact {
+            minimum.max(4096)
+        } else {
+            u32::try_from(facts.subcluster_size)
+                .unwrap_or(MAX_PREFERRED)
+                .clamp(4096, MAX_PREFERRED)
+        };
         let features = ExportFeatures {
             read_only: !writable,
             flush: true,
-            fua: writable,
+            fua: writable || exact,
             trim: writable,
             write_zeroes: writable,
             fast_zero: writable,
             cache: true,
-            // Read-only exports are trivially consistent across connections (qemu-nbd too).
-            multi_conn: policy.multi_conn || !writable,
+            // Read-only exports are trivially consistent across connections.
+            multi_conn: policy.multi_conn || (!writable && !exact),
             rotational: false,
             block_size: BlockSize {
-                minimum: if policy.compressed_writes {
-                    u32::try_from(facts.cluster_size)
-                        .unwrap_or(1 << 16)
-                        .min(1 << 16)
-                } else if policy.probed_raw {
-                    SECTOR as u32
-                } else {
-                    1
-                },
+                minimum,
                 preferred,
                 maximum: nbd_proto::wire::MAX_PAYLOAD,
             },

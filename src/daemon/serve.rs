@@ -166,6 +166,8 @@ impl Plan {
             // Per image: see `registry::entry`.
             probed_raw: false,
             compressed_writes: false,
+            qemu_nbd_flags: crate::common::prog::current()
+                == crate::common::prog::Personality::QemuNbd,
         };
         let config = ServerConfig {
             persistent: args.persistent,

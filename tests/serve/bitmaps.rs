@@ -155,6 +155,43 @@ fn a_writable_export_shows_writes_as_they_are_tracked() {
     }
 }
 
+/// A `-B` bitmap the top image lacks is found in its backing file, as qemu-nbd finds it,
+/// whether the export is read-only or writable (writes go to the top, never to the backing
+/// file's bitmap); one neither layer has is refused in qemu-nbd's words.
+#[test]
+fn a_bitmap_of_the_backing_file_is_exported_as_qemu_nbd_exports_it() {
+    let d = Dir::new();
+    images(&d);
+    // One top per server, over its own copy of the base, each with a bitmap of its own.
+    let tops = ["ours", "qemu"].map(|who| {
+        let top = format!("top-{who}.qcow2");
+        d.create(
+            &top,
+            "qcow2",
+            "",
+            Some((&format!("{who}.qcow2"), "qcow2")),
+            "64M",
+        );
+        qemu_img(&["bitmap", "--add", &d.s(&top), "top"]);
+        qemu_io("qcow2", &d.s(&top), &["write 2M 64k"]);
+        d.s(&top)
+    });
+    for writable in [false, true] {
+        let ro: &[&str] = if writable { &[] } else { &["-r"] };
+        let bitmaps = ["-B", "top", "-B", "b1", "-B", "b3"];
+        let server = Server::unix(&[&["-t"][..], ro, &bitmaps, &[tops[0].as_str()]].concat());
+        let qemu = QemuNbd::unix(&[ro, &["-f", "qcow2"], &bitmaps].concat(), tops[1].as_ref());
+        compare(&server, &qemu, &["top", "b1", "b3"]);
+        server.stop_ok();
+        qemu.stop();
+    }
+    let missing = serve_fails(&["-r", "-B", "nowhere", &tops[0]]);
+    assert!(
+        missing.contains("Bitmap 'nowhere' is not found"),
+        "{missing}"
+    );
+}
+
 #[test]
 fn bitmaps_that_cannot_be_exported_are_refused_as_qemu_nbd_refuses_them() {
     let d = Dir::new();

@@ -196,6 +196,44 @@ fn list_mode_prints_what_qemu_nbd_lists() {
     ours.stop_ok();
 }
 
+/// Run as `qemu-nbd`, the binary advertises what qemu-nbd advertises for the same command
+/// line, so that the real `qemu-nbd -L` lists both servers alike: flags (FUA on a read-only
+/// export, multi-conn only with `-e` above 1, block status payloads under extended headers),
+/// block sizes and contexts.
+#[test]
+fn as_qemu_nbd_an_export_is_listed_as_qemu_nbds_own() {
+    let images = Dir::new();
+    let img = images.create("disk.qcow2", "qcow2", "", None, "4M");
+    let as_qemu_nbd = images.path("qemu-nbd");
+    std::os::unix::fs::symlink(BIN, &as_qemu_nbd).unwrap();
+    let list = |socket: &std::path::Path| {
+        let out = qemu("qemu-nbd")
+            .args(["-L", "-k"])
+            .arg(socket)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    for args in [
+        &["-r", "-A", "-f", "qcow2", "-x", "disk"][..],
+        &["-e", "2", "-f", "qcow2"][..],
+        &["-f", "qcow2", "-D", "a disk"][..],
+    ] {
+        let theirs = QemuNbd::unix(args, &img);
+        let want = list(&theirs.socket);
+        theirs.stop();
+        let ours = QemuNbd::unix_by(Command::new(&as_qemu_nbd), args, &img);
+        let got = list(&ours.socket);
+        ours.stop();
+        assert_eq!(got, want, "qemu-nbd -L of {args:?}");
+    }
+}
+
 #[test]
 fn list_mode_says_when_there_is_no_server() {
     let images = Dir::new();

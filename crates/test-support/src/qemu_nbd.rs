@@ -20,9 +20,15 @@ impl QemuNbd {
     /// Starts qemu-nbd on a fresh Unix socket and waits until it accepts connections. The
     /// deadline only keeps a broken qemu-nbd from hanging the test.
     pub fn unix(args: &[&str], image: &Path) -> QemuNbd {
+        Self::unix_by(qemu("qemu-nbd"), args, image)
+    }
+
+    /// [`QemuNbd::unix`] with `program` in qemu-nbd's place: our binary run as `qemu-nbd`
+    /// (a link of that name), to compare with the real one.
+    pub fn unix_by(mut program: std::process::Command, args: &[&str], image: &Path) -> QemuNbd {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("qemu-nbd.sock");
-        let mut child = qemu("qemu-nbd")
+        let mut child = program
             .arg("-t")
             .arg("-k")
             .arg(&socket)

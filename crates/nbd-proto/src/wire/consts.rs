@@ -53,7 +53,7 @@ pub const FLAG_SEND_RESIZE: u16 = 1 << 9;
 pub const FLAG_SEND_CACHE: u16 = 1 << 10;
 /// Transmission flag: `CMD_FLAG_FAST_ZERO` is supported.
 pub const FLAG_SEND_FAST_ZERO: u16 = 1 << 11;
-/// Transmission flag: block status accepts a context-id payload (never advertised here).
+/// Transmission flag: block status accepts a payload that names the contexts to answer for.
 pub const FLAG_BLOCK_STATUS_PAYLOAD: u16 = 1 << 12;
 
 /// Option: choose an export and enter transmission (no error path).

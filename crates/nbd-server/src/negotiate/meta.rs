@@ -42,6 +42,18 @@ impl MetaContext {
             Self::DirtyBitmap(n) => 3 + u32::from(n),
         }
     }
+
+    /// The context an id names (the inverse of [`MetaContext::id`]), if any can have it.
+    pub fn from_id(id: u32) -> Option<Self> {
+        match id {
+            1 => Some(Self::BaseAllocation),
+            2 => Some(Self::AllocationDepth),
+            n => {
+                let bitmap = u8::try_from(n.checked_sub(3)?).ok()?;
+                (usize::from(bitmap) < MAX_DIRTY_BITMAPS).then_some(Self::DirtyBitmap(bitmap))
+            }
+        }
+    }
 }
 
 /// The contexts selected for transmission (or offered by an export).
@@ -92,7 +104,8 @@ impl MetaSelection {
         out
     }
 
-    fn insert(&mut self, ctx: MetaContext) {
+    /// Adds `ctx` to the selection.
+    pub fn insert(&mut self, ctx: MetaContext) {
         match ctx {
             MetaContext::BaseAllocation => self.base_allocation = true,
             MetaContext::AllocationDepth => self.allocation_depth = true,
@@ -100,7 +113,8 @@ impl MetaSelection {
         }
     }
 
-    fn offers(&self, ctx: MetaContext) -> bool {
+    /// Whether `ctx` is in the selection.
+    pub fn offers(&self, ctx: MetaContext) -> bool {
         match ctx {
             MetaContext::BaseAllocation => self.base_allocation,
             MetaContext::AllocationDepth => self.allocation_depth,

@@ -282,12 +282,16 @@ impl OptionState {
             Some((for_export, sel)) if for_export == index && mode != Mode::Simple => sel,
             _ => MetaSelection::default(),
         };
+        let mut flags = transmission_flags(&features, mode);
+        if mode == Mode::Extended && !meta.is_empty() {
+            flags |= FLAG_BLOCK_STATUS_PAYLOAD;
+        }
         Some(Negotiated {
             export: index,
             mode,
             meta,
             size: entry.export.size(),
-            flags: transmission_flags(&features, mode),
+            flags,
             block_size,
         })
     }
@@ -370,9 +374,16 @@ impl OptionState {
             preferred: n.block_size.preferred,
             maximum: n.block_size.maximum,
         }));
+        // As qemu-nbd: OPT_INFO under extended headers offers block status payloads whether
+        // or not contexts were chosen yet (the client may still choose before OPT_GO).
+        let flags = if option == OPT_INFO && n.mode == Mode::Extended {
+            n.flags | FLAG_BLOCK_STATUS_PAYLOAD
+        } else {
+            n.flags
+        };
         replies.push(info(InfoReply::Export {
             size: n.size,
-            flags: n.flags,
+            flags,
         }));
         if option == OPT_INFO && !asked && required > 1 {
             // As qemu-nbd: a client that only asks about an export with a minimum block size

@@ -214,7 +214,47 @@ fn structured_and_extended_negotiation_rules() {
         Step::Go(_, n) => {
             assert_eq!(n.mode, Mode::Extended);
             assert_ne!(n.flags & FLAG_SEND_DF, 0);
+            // No context was chosen, so there is nothing a payload could narrow.
+            assert_eq!(n.flags & FLAG_BLOCK_STATUS_PAYLOAD, 0);
         }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The transmission flags of the `NBD_INFO_EXPORT` item among `replies`.
+fn info_export_flags(replies: &[OptReply]) -> u16 {
+    let item = replies
+        .iter()
+        .find(|r| r.reply_type == REP_INFO && r.data[..2] == INFO_EXPORT.to_be_bytes())
+        .expect("an NBD_INFO_EXPORT item");
+    u16::from_be_bytes([item.data[10], item.data[11]])
+}
+
+#[test]
+fn block_status_payloads_are_offered_as_qemu_nbd_offers_them() {
+    let ex = exports();
+    let base: [&[u8]; 1] = [b"base:allocation"];
+    let mut extended = fixed();
+    continue_replies(extended.handle(&ex, OPT_EXTENDED_HEADERS, b""));
+    // OPT_INFO under extended headers offers them before any context is chosen.
+    let r = continue_replies(extended.handle(&ex, OPT_INFO, &go_data(b"", &[])));
+    assert_ne!(info_export_flags(&r) & FLAG_BLOCK_STATUS_PAYLOAD, 0);
+    continue_replies(extended.handle(&ex, OPT_SET_META_CONTEXT, &meta_data(b"", &base)));
+    match extended.handle(&ex, OPT_GO, &go_data(b"", &[])) {
+        Step::Go(replies, n) => {
+            assert_ne!(n.flags & FLAG_BLOCK_STATUS_PAYLOAD, 0);
+            assert_eq!(info_export_flags(&replies), n.flags);
+        }
+        other => panic!("{other:?}"),
+    }
+    // Structured replies have no payloads on block status.
+    let mut structured = fixed();
+    continue_replies(structured.handle(&ex, OPT_STRUCTURED_REPLY, b""));
+    let r = continue_replies(structured.handle(&ex, OPT_INFO, &go_data(b"", &[])));
+    assert_eq!(info_export_flags(&r) & FLAG_BLOCK_STATUS_PAYLOAD, 0);
+    continue_replies(structured.handle(&ex, OPT_SET_META_CONTEXT, &meta_data(b"", &base)));
+    match structured.handle(&ex, OPT_GO, &go_data(b"", &[])) {
+        Step::Go(_, n) => assert_eq!(n.flags & FLAG_BLOCK_STATUS_PAYLOAD, 0),
         other => panic!("{other:?}"),
     }
 }

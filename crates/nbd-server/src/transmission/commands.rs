@@ -17,8 +17,6 @@ pub struct ExecContext {
     pub mode: Mode,
     /// Export size.
     pub size: u64,
-    /// Selected metadata contexts.
-    pub meta: MetaSelection,
 }
 
 /// Runs `action`; `payload` is the write data for [`Action::Write`].
@@ -56,7 +54,8 @@ pub async fn execute<E: Export>(
             offset,
             len,
             req_one,
-        } => block_status(export, ctx, offset, len, req_one).await,
+            meta,
+        } => block_status(export, ctx, (offset, len), req_one, meta).await,
         Action::Nothing | Action::Disc => Outcome::Done,
     }
 }
@@ -90,14 +89,15 @@ async fn read<E: Export>(export: &E, offset: u64, len: usize, df: bool) -> Outco
     }
 }
 
+/// Answers block status for the contexts `meta` over `len` bytes at `offset`.
 async fn block_status<E: Export>(
     export: &E,
     ctx: &ExecContext,
-    offset: u64,
-    len: u64,
+    (offset, len): (u64, u64),
     req_one: bool,
+    meta: MetaSelection,
 ) -> Outcome<E::Buf> {
-    let extents = if ctx.meta.wants_allocation() {
+    let extents = if meta.wants_allocation() {
         match export.block_status(offset, len).await {
             Ok(e) => e,
             Err(e) => return Outcome::Error(e, "block status failed"),
@@ -113,8 +113,8 @@ async fn block_status<E: Export>(
         size: ctx.size,
     };
     let mut chunks = Vec::new();
-    for meta in ctx.meta.contexts() {
-        let d = match meta {
+    for context in meta.contexts() {
+        let d = match context {
             MetaContext::BaseAllocation => descriptors(&extents, Allocation::Base, &q),
             MetaContext::AllocationDepth => descriptors(&extents, Allocation::Depth, &q),
             MetaContext::DirtyBitmap(n) => {
@@ -130,7 +130,7 @@ async fn block_status<E: Export>(
             return Outcome::Error(Errno::Io, "export returned no extent");
         }
         chunks.push(BlockStatusChunk {
-            context_id: meta.id(),
+            context_id: context.id(),
             descriptors: d,
         });
     }

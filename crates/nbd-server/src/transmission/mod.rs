@@ -34,7 +34,10 @@ use crate::export::Export;
 use crate::negotiate::{drain, read_or_eof, Mode, Negotiated};
 use commands::{execute, ExecContext};
 use reply_writer::{Outcome, ReplyTo, Serialized};
-use validate::{payload_of, validate, Limits, Payload};
+use validate::{
+    payload_of, status_filter, validate, validate_filtered, Limits, Payload, StatusFilter,
+    MAX_STATUS_PAYLOAD,
+};
 
 /// Most requests of one connection being served at once; further requests wait unread.
 pub const MAX_IN_FLIGHT: usize = 128;
@@ -116,7 +119,6 @@ impl<E: Export, W: AsyncWrite + Unpin> Conn<E, W> {
             exec: ExecContext {
                 mode: negotiated.mode,
                 size: negotiated.size,
-                meta: negotiated.meta,
             },
             write_failed: Cell::new(false),
             stop: Notify::new(),
@@ -263,13 +265,14 @@ where
         };
 
         let read = read_payload(&mut reader, &conn, &header, &limits, payload);
-        let data = match unless_forced(read, &control.force).await {
-            Ok(data) => data,
+        let (data, checked) = match unless_forced(read, &control.force).await {
+            Ok(Body::Filter(filter)) => (None, validate_filtered(&header, &limits, filter)),
+            Ok(Body::Data(data)) => (data, validate(&header, &limits, payload)),
             Err(Skip::Request) => continue,
             Err(Skip::Connection(end)) => break end,
         };
 
-        let action = match validate(&header, &limits, payload) {
+        let action = match checked {
             Ok(validate::Action::Disc) => break Ok(TransmissionEnd::Disconnect),
             Ok(action) => Ok(action),
             Err(refusal) => {
@@ -423,15 +426,22 @@ async fn unless_forced<T>(
     }
 }
 
-/// Reads (or drains) the payload that follows a request header: the write data to execute
-/// with, or nothing.
+/// What followed a request header.
+enum Body<B> {
+    /// The write data to execute with, or nothing.
+    Data(Option<B>),
+    /// A block status payload, decoded (`None`: one to refuse).
+    Filter(Option<StatusFilter>),
+}
+
+/// Reads (or drains) the payload that follows a request header.
 async fn read_payload<R, W, E>(
     reader: &mut R,
     conn: &Conn<E, W>,
     header: &RequestHeader,
     limits: &Limits,
     payload: Payload,
-) -> Result<Option<E::Buf>, Skip>
+) -> Result<Body<E::Buf>, Skip>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -439,7 +449,13 @@ where
 {
     let io_end = |e: std::io::Error| Skip::Connection(Err(e.into()));
     match payload {
-        Payload::None => Ok(None),
+        Payload::None => Ok(Body::Data(None)),
+        Payload::Filter(n) => {
+            let mut bytes = [0u8; MAX_STATUS_PAYLOAD];
+            let bytes = &mut bytes[..n.min(MAX_STATUS_PAYLOAD)];
+            reader.read_exact(bytes).await.map_err(io_end)?;
+            Ok(Body::Filter(status_filter(bytes, &limits.meta)))
+        }
         Payload::Read(n) => {
             let mut buf = conn.export.alloc(n);
             if buf.as_ref().len() != n {
@@ -458,11 +474,11 @@ where
                 return Err(Skip::Request);
             }
             reader.read_exact(buf.as_mut()).await.map_err(io_end)?;
-            Ok(Some(buf))
+            Ok(Body::Data(Some(buf)))
         }
         Payload::Drain(n) => {
             drain(reader, n).await.map_err(io_end)?;
-            Ok(None)
+            Ok(Body::Data(None))
         }
         Payload::Disconnect => Err(Skip::Connection(Err(TransmissionError::Protocol(format!(
             "{} payload of {} bytes exceeds the maximum of {}",

@@ -8,7 +8,11 @@ use tokio::io::AsyncWrite;
 use tokio::sync::watch;
 
 use nbd_proto::errno::Errno;
-use nbd_proto::wire::consts::{CMD_DISC, CMD_READ, REQUEST_MAGIC, SIMPLE_REPLY_MAGIC};
+use nbd_proto::wire::consts::{
+    CMD_BLOCK_STATUS, CMD_DISC, CMD_FLAG_PAYLOAD_LEN, CMD_READ, EXTENDED_REPLY_MAGIC,
+    EXTENDED_REQUEST_MAGIC, REPLY_TYPE_BLOCK_STATUS_EXT, REPLY_TYPE_ERROR, REQUEST_MAGIC,
+    SIMPLE_REPLY_MAGIC,
+};
 
 use super::{transmit, TransmissionEnd};
 use crate::control::Control;
@@ -130,6 +134,16 @@ fn run<E: Export + 'static>(export: E, input: &[u8], out: Recorder) -> Transmiss
         flags: 0,
         block_size: BlockSize::default(),
     };
+    run_negotiated(export, input, out, negotiated)
+}
+
+/// Runs a transmission phase as `negotiated` over `input`, returning how it ended.
+fn run_negotiated<E: Export + 'static>(
+    export: E,
+    input: &[u8],
+    out: Recorder,
+    negotiated: Negotiated,
+) -> TransmissionEnd {
     let (_shutdown_tx, shutdown) = watch::channel(false);
     let (_force_tx, force) = watch::channel(false);
     let control = Control::new(shutdown, force);
@@ -203,4 +217,89 @@ fn requests_that_wait_are_answered_after_those_that_did_not() {
             "data of cookie {cookie}"
         );
     }
+}
+
+/// An extended request header followed by `payload`, its length in the header.
+fn extended_request(command: u16, flags: u16, cookie: u64, offset: u64, payload: &[u8]) -> Vec<u8> {
+    let mut r = Vec::with_capacity(32 + payload.len());
+    r.extend_from_slice(&EXTENDED_REQUEST_MAGIC.to_be_bytes());
+    r.extend_from_slice(&flags.to_be_bytes());
+    r.extend_from_slice(&command.to_be_bytes());
+    r.extend_from_slice(&cookie.to_be_bytes());
+    r.extend_from_slice(&offset.to_be_bytes());
+    r.extend_from_slice(&(payload.len() as u64).to_be_bytes());
+    r.extend_from_slice(payload);
+    r
+}
+
+/// Extended reply chunks as (cookie, type, payload).
+fn extended_chunks(bytes: &[u8]) -> Vec<(u64, u16, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut rest = bytes;
+    while !rest.is_empty() {
+        assert_eq!(rest[..4], EXTENDED_REPLY_MAGIC.to_be_bytes());
+        let kind = u16::from_be_bytes([rest[6], rest[7]]);
+        let cookie = u64::from_be_bytes(rest[8..16].try_into().unwrap());
+        let len = usize::try_from(u64::from_be_bytes(rest[24..32].try_into().unwrap())).unwrap();
+        out.push((cookie, kind, rest[32..32 + len].to_vec()));
+        rest = &rest[32 + len..];
+    }
+    out
+}
+
+#[test]
+fn a_block_status_payload_answers_for_the_contexts_it_names_and_a_bad_one_is_refused() {
+    let export = MemExport::new(1 << 20);
+    export.fill(0, &[1; 4096]);
+    let negotiated = Negotiated {
+        export: 0,
+        mode: Mode::Extended,
+        meta: MetaSelection {
+            base_allocation: true,
+            allocation_depth: true,
+            dirty_bitmaps: 0,
+        },
+        size: export.size(),
+        flags: 0,
+        block_size: BlockSize::default(),
+    };
+    let payload = |len: u64, ids: &[u32]| {
+        let mut p = len.to_be_bytes().to_vec();
+        ids.iter()
+            .for_each(|id| p.extend_from_slice(&id.to_be_bytes()));
+        p
+    };
+    let mut input = Vec::new();
+    for (cookie, ids) in [(1u64, &[2u32][..]), (2, &[2, 2]), (3, &[1])] {
+        let p = payload(8192, ids);
+        input.extend(extended_request(
+            CMD_BLOCK_STATUS,
+            CMD_FLAG_PAYLOAD_LEN,
+            cookie,
+            0,
+            &p,
+        ));
+    }
+    input.extend(extended_request(CMD_DISC, 0, 9, 0, &[]));
+    let out = Recorder::default();
+
+    let end = run_negotiated(export, &input, out.clone(), negotiated);
+
+    assert_eq!(end, TransmissionEnd::Disconnect);
+    let chunks = extended_chunks(&out.bytes.borrow());
+    let of = |cookie| chunks.iter().filter(move |c| c.0 == cookie);
+    // Only the context named, allocation depth (id 2), over the effect length.
+    let first: Vec<_> = of(1).collect();
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert_eq!(first[0].1, REPLY_TYPE_BLOCK_STATUS_EXT);
+    assert_eq!(first[0].2[..4], 2u32.to_be_bytes());
+    // A context named twice is refused, and its payload was consumed: the next request
+    // is read from the right place and answered for base:allocation (id 1) only.
+    let second: Vec<_> = of(2).collect();
+    assert_eq!(second.len(), 1);
+    assert_eq!(second[0].1, REPLY_TYPE_ERROR);
+    assert_eq!(second[0].2[..4], Errno::Inval.code().to_be_bytes());
+    let third: Vec<_> = of(3).collect();
+    assert_eq!(third.len(), 1);
+    assert_eq!(third[0].2[..4], 1u32.to_be_bytes());
 }

@@ -6,7 +6,7 @@ use nbd_proto::wire::consts::*;
 use nbd_proto::wire::request::{Command, RequestHeader};
 
 use crate::export::WriteZeroesFlags;
-use crate::negotiate::meta::MetaSelection;
+use crate::negotiate::meta::{MetaContext, MetaSelection, MAX_DIRTY_BITMAPS};
 use crate::negotiate::{Mode, Negotiated};
 
 /// What follows a request header on the wire.
@@ -18,6 +18,8 @@ pub enum Payload {
     Read(usize),
     /// Bytes to read and throw away (a payload we refuse but can skip).
     Drain(u64),
+    /// A block status payload of this many bytes (see [`status_filter`]).
+    Filter(usize),
     /// A payload too large to skip politely: hang up, as the spec recommends.
     Disconnect,
 }
@@ -32,6 +34,11 @@ pub fn payload_of(h: &RequestHeader, mode: Mode, max_payload: u32) -> Payload {
             if h.length > max {
                 return Payload::Disconnect;
             }
+            if h.command == Command::BlockStatus {
+                if let Ok(n @ ..=MAX_STATUS_PAYLOAD) = usize::try_from(h.length) {
+                    return Payload::Filter(n);
+                }
+            }
             h.length
         }
         Mode::Extended => return Payload::None,
@@ -43,6 +50,69 @@ pub fn payload_of(h: &RequestHeader, mode: Mode, max_payload: u32) -> Payload {
         return usize::try_from(payload_len).map_or(Payload::Drain(payload_len), Payload::Read);
     }
     Payload::Drain(payload_len)
+}
+
+/// The longest block status payload that can be valid: the effect length and one id for
+/// each context an export can offer. Longer ones are drained and refused.
+pub const MAX_STATUS_PAYLOAD: usize = 8 + 4 * (2 + MAX_DIRTY_BITMAPS);
+
+/// What a block status payload asks for: the effect length, and the contexts (a subset of
+/// those negotiated) to answer for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatusFilter {
+    /// The effect length (the header's length is the payload's).
+    pub len: u64,
+    /// The contexts to answer for.
+    pub meta: MetaSelection,
+}
+
+/// Decodes a block status payload (a 64-bit effect length, then 32-bit context ids) against
+/// the contexts `negotiated`. `None` when the payload is malformed, empty of ids, names a
+/// context that was not negotiated, or names one twice: the request is then refused, as
+/// qemu-nbd refuses it.
+pub fn status_filter(bytes: &[u8], negotiated: &MetaSelection) -> Option<StatusFilter> {
+    let (len, ids) = bytes.split_first_chunk::<8>()?;
+    if ids.is_empty() || ids.len() % 4 != 0 {
+        return None;
+    }
+    let mut meta = MetaSelection::default();
+    for id in ids.chunks_exact(4) {
+        let id = u32::from_be_bytes(id.try_into().ok()?);
+        let ctx = MetaContext::from_id(id).filter(|c| negotiated.offers(*c))?;
+        if meta.offers(ctx) {
+            return None;
+        }
+        meta.insert(ctx);
+    }
+    Some(StatusFilter {
+        len: u64::from_be_bytes(*len),
+        meta,
+    })
+}
+
+/// Checks a block status request that came with a payload, decoded by [`status_filter`]:
+/// as [`validate`] would with the effect length and only the contexts the payload names.
+pub fn validate_filtered(
+    h: &RequestHeader,
+    limits: &Limits,
+    filter: Option<StatusFilter>,
+) -> Result<Action, Refusal> {
+    let Some(filter) = filter else {
+        return Err(refuse(
+            Errno::Inval,
+            "block status payload is malformed or names a context not negotiated",
+        ));
+    };
+    let h = RequestHeader {
+        flags: h.flags & !CMD_FLAG_PAYLOAD_LEN,
+        length: filter.len,
+        ..*h
+    };
+    let limits = Limits {
+        meta: filter.meta,
+        ..*limits
+    };
+    validate(&h, &limits, Payload::None)
 }
 
 /// The transmission parameters a request is checked against.
@@ -129,6 +199,8 @@ pub enum Action {
         len: u64,
         /// At most one extent per context.
         req_one: bool,
+        /// The contexts to answer for.
+        meta: MetaSelection,
     },
     /// A zero-length write, trim, zero or cache: succeeds without touching the export.
     Nothing,
@@ -217,7 +289,7 @@ fn check_payload(cmd: Command, payload: Payload) -> Result<(), Refusal> {
         )),
         Payload::Drain(_) => Err(refuse(Errno::Inval, "command does not take a payload")),
         Payload::Disconnect => Err(refuse(Errno::Inval, "payload too large")),
-        Payload::None | Payload::Read(_) => Ok(()),
+        Payload::None | Payload::Read(_) | Payload::Filter(_) => Ok(()),
     }
 }
 
@@ -299,6 +371,7 @@ fn action(h: &RequestHeader, limits: &Limits) -> Result<Action, Refusal> {
             offset,
             len,
             req_one: h.flags & CMD_FLAG_REQ_ONE != 0,
+            meta: limits.meta,
         }),
         Command::Flush | Command::Disc | Command::Unknown(_) => {
             Err(refuse(Errno::Inval, "unexpected command"))

@@ -120,7 +120,8 @@ fn good_requests_become_actions() {
         Ok(Action::BlockStatus {
             offset: 0,
             len: 1,
-            req_one: true
+            req_one: true,
+            meta: l.meta,
         })
     );
     assert_eq!(check(req(Command::Flush, 0, 0, 0), &l), Ok(Action::Flush));
@@ -330,4 +331,110 @@ fn alignment_and_maximum_payload() {
     assert_eq!(check(big, &large), Err(Errno::Inval));
     // Effect lengths of zeroing and trimming are not bounded by the payload maximum.
     assert!(check(req(Command::WriteZeroes, 0, 0, 1 << 29), &large).is_ok());
+}
+
+/// A block status payload: the effect length, then the context ids.
+fn status_payload(len: u64, ids: &[u32]) -> Vec<u8> {
+    let mut out = len.to_be_bytes().to_vec();
+    for id in ids {
+        out.extend_from_slice(&id.to_be_bytes());
+    }
+    out
+}
+
+fn extended_with_contexts() -> Limits {
+    let mut l = limits(Mode::Extended, ExportFeatures::default());
+    l.meta = MetaSelection {
+        base_allocation: true,
+        allocation_depth: true,
+        dirty_bitmaps: 0b1,
+    };
+    l
+}
+
+#[test]
+fn block_status_payloads_are_read_only_under_extended_headers_and_when_small() {
+    let max = MAX_PAYLOAD;
+    let with = |len| req(Command::BlockStatus, CMD_FLAG_PAYLOAD_LEN, 0, len);
+    assert_eq!(
+        payload_of(&with(12), Mode::Extended, max),
+        Payload::Filter(12)
+    );
+    let longest = MAX_STATUS_PAYLOAD as u64;
+    assert_eq!(
+        payload_of(&with(longest), Mode::Extended, max),
+        Payload::Filter(MAX_STATUS_PAYLOAD)
+    );
+    assert_eq!(
+        payload_of(&with(longest + 4), Mode::Extended, max),
+        Payload::Drain(longest + 4)
+    );
+    // Without extended headers the length is the effect length, never a payload.
+    assert_eq!(payload_of(&with(12), Mode::Structured, max), Payload::None);
+    let plain = req(Command::BlockStatus, 0, 0, 12);
+    assert_eq!(payload_of(&plain, Mode::Extended, max), Payload::None);
+}
+
+#[test]
+fn a_block_status_payload_selects_negotiated_contexts_only() {
+    let l = extended_with_contexts();
+    let only_depth = status_filter(&status_payload(4096, &[2]), &l.meta);
+    assert_eq!(
+        only_depth,
+        Some(StatusFilter {
+            len: 4096,
+            meta: MetaSelection {
+                allocation_depth: true,
+                ..MetaSelection::default()
+            }
+        })
+    );
+    let bitmap_and_base = status_filter(&status_payload(1, &[3, 1]), &l.meta).unwrap();
+    assert!(bitmap_and_base.meta.base_allocation && !bitmap_and_base.meta.allocation_depth);
+    assert_eq!(bitmap_and_base.meta.dirty_bitmaps, 1);
+    // No ids, a repeated id, an id never negotiated or never given, a ragged tail.
+    for bad in [
+        status_payload(1, &[]),
+        status_payload(1, &[1, 1]),
+        status_payload(1, &[4]),
+        status_payload(1, &[0]),
+        status_payload(1, &[u32::MAX]),
+        [status_payload(1, &[1]), vec![0, 0]].concat(),
+        vec![0; 7],
+    ] {
+        assert_eq!(status_filter(&bad, &l.meta), None, "{bad:?}");
+    }
+    let none = MetaSelection::default();
+    assert_eq!(status_filter(&status_payload(1, &[1]), &none), None);
+}
+
+#[test]
+fn a_filtered_block_status_runs_with_its_effect_length_and_contexts() {
+    let l = extended_with_contexts();
+    let h = req(
+        Command::BlockStatus,
+        CMD_FLAG_PAYLOAD_LEN | CMD_FLAG_REQ_ONE,
+        512,
+        12,
+    );
+    let filter = status_filter(&status_payload(4096, &[1]), &l.meta);
+    assert_eq!(
+        validate_filtered(&h, &l, filter),
+        Ok(Action::BlockStatus {
+            offset: 512,
+            len: 4096,
+            req_one: true,
+            meta: MetaSelection {
+                base_allocation: true,
+                ..MetaSelection::default()
+            },
+        })
+    );
+    let refused = |filter| validate_filtered(&h, &l, filter).map_err(|r| r.errno);
+    assert_eq!(refused(None), Err(Errno::Inval));
+    // The effect length is checked like a header's: zero, or past the export's end.
+    let zero = status_filter(&status_payload(0, &[1]), &l.meta);
+    assert_eq!(refused(zero), Err(Errno::Inval));
+    let past = status_filter(&status_payload(SIZE, &[1]), &l.meta);
+    assert_eq!(refused(past), Err(Errno::Inval));
 }

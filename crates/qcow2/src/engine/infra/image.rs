@@ -251,6 +251,11 @@ impl<S: Storage + 'static> Inner<S> {
         &self.chain.layers[index]
     }
 
+    /// How many layers the chain has (1: no backing file).
+    pub(crate) fn depth(&self) -> usize {
+        self.chain.layers.len()
+    }
+
     /// The image has a backing file under layer 0.
     pub(crate) fn has_backing(&self) -> bool {
         self.chain.layers.len() > 1

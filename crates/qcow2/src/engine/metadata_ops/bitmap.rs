@@ -4,6 +4,7 @@
 use crate::engine::infra::bitmaps::{self, BitmapError, BitmapInfo, Bitmaps};
 use crate::engine::infra::error::{EngineError, Result};
 use crate::engine::infra::image::Image;
+use crate::engine::infra::layer::Layer;
 use crate::format::BitmapData;
 use storage::Storage;
 
@@ -87,18 +88,47 @@ impl<S: Storage + 'static> Image<S> {
                 .with_bitmaps(|set| set.data(name).cloned())
                 .map_err(|e| self.bitmap_error(e));
         }
-        let top = self.inner.top();
-        let not_found = || self.bitmap_error(BitmapError::NotFound(name.to_string()));
-        let meta = top.qcow2().ok_or_else(not_found)?;
-        let entries = bitmaps::directory(top, meta).await?;
-        let entry = entries
-            .iter()
-            .find(|e| e.name == name.as_bytes())
-            .ok_or_else(not_found)?;
+        match self.stored_bitmap(self.inner.top(), name).await? {
+            Some((_, data)) => Ok(data),
+            None => Err(self.bitmap_error(BitmapError::NotFound(name.to_string()))),
+        }
+    }
+
+    /// Bitmap `name` of the first backing layer that has one (below the top, which the
+    /// caller looked at already), as qemu-nbd's `-B` finds a bitmap down the backing chain:
+    /// its description and data, as stored (nothing writes a backing layer), sized to the
+    /// image as a bitmap follows its disk. `None` when no layer has it.
+    pub async fn backing_bitmap(&self, name: &str) -> Result<Option<(BitmapInfo, BitmapData)>> {
+        for index in 1..self.inner.depth() {
+            if let Some((info, mut data)) =
+                self.stored_bitmap(self.inner.layer(index), name).await?
+            {
+                data.resize(self.inner.top().size.get());
+                return Ok(Some((info, data)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Bitmap `name` as stored in `layer`, if it has one; a bitmap left in use by a crash
+    /// has no trustworthy data and is refused.
+    async fn stored_bitmap(
+        &self,
+        layer: &Layer<S>,
+        name: &str,
+    ) -> Result<Option<(BitmapInfo, BitmapData)>> {
+        let Some(meta) = layer.qcow2() else {
+            return Ok(None);
+        };
+        let entries = bitmaps::directory(layer, meta).await?;
+        let Some(entry) = entries.iter().find(|e| e.name == name.as_bytes()) else {
+            return Ok(None);
+        };
         if entry.in_use() {
             return Err(self.bitmap_error(BitmapError::Inconsistent(name.to_string())));
         }
-        bitmaps::load_data(top, meta, entry, top.size.get()).await
+        let data = bitmaps::load_data(layer, meta, entry, layer.size.get()).await?;
+        Ok(Some((BitmapInfo::stored(entry), data)))
     }
 
     /// The dirty and clean runs `(length, dirty)` of bitmap `name` of a writable image over
