@@ -116,13 +116,10 @@ where
                 what: "internal snapshots of a raw file".into(),
             });
         }
-        // QEMU counts a file's length in whole sectors: the disk of a raw file whose length
-        // is not a multiple of 512 ends at the next multiple, its tail reading as zeros.
-        let size = file_len.checked_next_multiple_of(512).unwrap_or(file_len);
         return Ok(Layer {
             name,
             file,
-            size: Cell::new(size),
+            size: Cell::new(file_len),
             format: LayerFormat::Raw,
             sync_failed: Cell::new(false),
         });
