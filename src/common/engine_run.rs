@@ -241,7 +241,8 @@ pub fn probe_format(path: &Path) -> Result<Format, OpenError> {
 }
 
 /// Opens `path` read-only with its backing chain; `format` `None` probes it; `force_share`
-/// reads it even while another process writes it (qemu-img's `-U`).
+/// reads it even while another process writes it (qemu-img's `-U`). O_DIRECT when its name
+/// asked for it (`cache.direct`).
 pub async fn open_read_only(
     path: &Path,
     format: Option<Format>,
@@ -259,6 +260,7 @@ pub async fn open_read_only(
         force_share,
         passwords: crate::common::secrets::passwords_for(path),
         data_file: crate::common::image_name::data_file_for(path),
+        direct: crate::common::image_name::direct_for(path),
         untrusted: untrusted(),
         ..OpenOptions::default()
     };

@@ -75,6 +75,7 @@ pub fn resolve(
         return Err(NameError::FormatWithImageOpts);
     }
     let read = parse(path.as_os_str(), image_opts)?;
+    let direct = image_opts && asks_direct(&path.to_string_lossy());
     if let Some(node) = &read.backing {
         check_backing_node(&read.path, node).map_err(|reason| NameError::Open {
             name: path.display().to_string(),
@@ -102,7 +103,38 @@ pub fn resolve(
     if let Ok(mut names) = GIVEN.lock() {
         names.push((path.clone(), given));
     }
+    if direct {
+        if let Ok(mut all) = DIRECT.lock() {
+            all.push(path.clone());
+        }
+    }
     Ok(())
+}
+
+/// The files an option list asked to be read with O_DIRECT, for [`direct_for`].
+static DIRECT: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// Whether an `--image-opts` list asks for O_DIRECT on its file: `file.cache.direct` when
+/// given, else `cache.direct` of the node above, which its `file` child inherits in QEMU.
+fn asks_direct(list: &str) -> bool {
+    let pairs = storage::opener::image_opts::split(list);
+    let value = |key: &str| {
+        pairs.iter().rev().find(|(k, _)| k == key).map(|(_, v)| {
+            // A bare key means `on`, as QEMU reads it.
+            v.as_deref()
+                .map_or(Some(true), storage::opener::image_opts::parse_bool)
+                .unwrap_or(false)
+        })
+    };
+    value("file.cache.direct")
+        .or_else(|| value("cache.direct"))
+        .unwrap_or(false)
+}
+
+/// Whether the image that resolved to `path` in this run was given with `cache.direct=on`
+/// (QEMU's O_DIRECT), which changes how block status rounds a data run at the end of file.
+pub fn direct_for(path: &Path) -> bool {
+    DIRECT.lock().is_ok_and(|all| all.iter().any(|p| p == path))
 }
 
 /// The names as given on the command line, by what they resolved to, for [`given_name`].
@@ -183,5 +215,20 @@ mod tests {
             (path.as_path(), format.as_deref()),
             (Path::new("/t/z"), Some("qcow2"))
         );
+    }
+
+    #[test]
+    fn cache_direct_of_the_file_or_inherited() {
+        assert!(asks_direct("driver=raw,file.filename=/t/z,cache.direct=on"));
+        assert!(asks_direct(
+            "driver=raw,file.filename=/t/z,file.cache.direct"
+        ));
+        assert!(!asks_direct("driver=raw,file.filename=/t/z"));
+        assert!(!asks_direct(
+            "driver=raw,file.filename=/t/z,cache.direct=on,file.cache.direct=off"
+        ));
+        assert!(!asks_direct(
+            "driver=raw,file.filename=/t/z,cache.direct=off"
+        ));
     }
 }

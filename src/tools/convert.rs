@@ -264,7 +264,12 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
     if args.files.len() < 2 {
         return Err(ConvertError::NoSource);
     }
-    let target_format = engine_run::parse_format(&args.target_format)?;
+    // A format QEMU only reads is refused as QEMU refuses it as a target. QEMU opens the
+    // sources first, but we cannot open those formats, so the target is judged first.
+    let target_format = match args.no_create {
+        true => engine_run::parse_format(&args.target_format)?,
+        false => engine_run::creation_format(&args.target_format)?,
+    };
     let parsed = target_options(target_format, list.as_deref())?;
     let (mut sources, size) = open_sources(args).await?;
     let (backing, backing_fmt) = match args.no_create {

@@ -206,32 +206,80 @@ impl<W: Write> Printer<W> {
     }
 }
 
-/// The merged map of `[start, end)`, handed to `emit` run by run in guest order.
+/// The merged map of `[start, end)`, handed to `emit` run by run in guest order. Past the
+/// image's size (`end` may reach [`disk_size`]) the run is the tail of the last sector of a
+/// raw file: zeros at their offset in the file, as QEMU maps them; but with O_DIRECT
+/// (`direct`) QEMU's file driver answers in whole blocks, so the run before it reaches on
+/// into the tail.
 pub async fn walk(
     img: &Image<AnyStorage>,
-    start: u64,
-    end: u64,
+    (start, end): (u64, u64),
+    direct: bool,
     mut emit: impl FnMut(&MapEntry) -> Result<(), MapError>,
 ) -> Result<(), MapError> {
     let mut pending: Option<MapEntry> = None;
-    let mut pos = start;
-    while pos < end {
-        // Queries end on QUERY_BYTES boundaries so that runs split the same way every time.
-        let len = (QUERY_BYTES - pos % QUERY_BYTES).min(end - pos);
-        for ext in img.block_status(GuestOffset(pos), len).await? {
-            let e = MapEntry::from(&ext);
-            if !pending.as_mut().is_some_and(|p| p.try_merge(&e)) {
-                if let Some(p) = pending.replace(e) {
-                    emit(&p)?;
-                }
+    // Merges `e` into the run before it, or hands that run on and keeps `e`.
+    let push = |pending: &mut Option<MapEntry>,
+                e: MapEntry,
+                emit: &mut dyn FnMut(&MapEntry) -> Result<(), MapError>|
+     -> Result<(), MapError> {
+        if !pending.as_mut().is_some_and(|p| p.try_merge(&e)) {
+            if let Some(p) = pending.replace(e) {
+                emit(&p)?;
             }
         }
+        Ok(())
+    };
+    let data_end = end.min(img.size());
+    let mut pos = start;
+    while pos < data_end {
+        // Queries end on QUERY_BYTES boundaries so that runs split the same way every time.
+        let len = (QUERY_BYTES - pos % QUERY_BYTES).min(data_end - pos);
+        for ext in img.block_status(GuestOffset(pos), len).await? {
+            push(&mut pending, MapEntry::from(&ext), &mut emit)?;
+        }
         pos += len;
+    }
+    let tail = start.max(data_end);
+    if end > tail {
+        let last = pending
+            .as_ref()
+            .filter(|p| direct && p.start + p.length == tail);
+        let entry = match last {
+            Some(p) => MapEntry {
+                start: tail,
+                length: end - tail,
+                offset: p.offset.map(|o| o + p.length),
+                ..p.clone()
+            },
+            None => MapEntry {
+                start: tail,
+                length: end - tail,
+                depth: 0,
+                present: true,
+                zero: true,
+                data: false,
+                compressed: false,
+                offset: Some(tail),
+            },
+        };
+        push(&mut pending, entry, &mut emit)?;
     }
     if let Some(p) = pending {
         emit(&p)?;
     }
     Ok(())
+}
+
+/// The disk as QEMU maps it: a raw file's length counted in whole 512-byte sectors (QEMU's
+/// block layer has no smaller unit), the tail past the file reading as zeros; a qcow2
+/// image's size, always whole sectors.
+fn disk_size(img: &Image<AnyStorage>) -> u64 {
+    let size = img.size();
+    if img.facts().qcow2 {
+        return size;
+    }
+    size.checked_next_multiple_of(512).unwrap_or(size)
 }
 
 async fn map(args: &MapArgs) -> Result<(), MapError> {
@@ -241,7 +289,7 @@ async fn map(args: &MapArgs) -> Result<(), MapError> {
         .map(engine_run::parse_format)
         .transpose()?;
     let img = engine_run::open_read_only(&args.image, format, None, args.share.force_share).await?;
-    let size = img.size();
+    let size = disk_size(&img);
     let start = args.start_offset.unwrap_or(0).min(size);
     let end = match args.max_length {
         Some(l) => start.saturating_add(l).min(size),
@@ -269,7 +317,8 @@ async fn map(args: &MapArgs) -> Result<(), MapError> {
         };
         p.entry(&empty)?;
     }
-    let res = walk(&img, start, end, |e| p.entry(e)).await;
+    let direct = crate::common::image_name::direct_for(&args.image);
+    let res = walk(&img, (start, end), direct, |e| p.entry(e)).await;
     // What was printed stays printed (qemu-img also stops mid-way on compressed clusters).
     p.out.flush()?;
     res?;

@@ -23,6 +23,7 @@ mod nbd_urls;
 mod option_lists;
 mod qemu_img_options;
 mod qemu_img_outputs;
+mod raw_files;
 mod rebase_compress;
 mod resize;
 mod snapshot;

@@ -379,7 +379,12 @@ impl<R: RawFile> Storage for FileStorage<R> {
     }
 
     async fn data_run(&self, offset: u64, len: u64) -> io::Result<(bool, u64)> {
-        let (data, end) = crate::sys::data_run(self.raw.file(), offset, !self.memory_fs)?;
+        let (data, mut end) = crate::sys::data_run(self.raw.file(), offset, !self.memory_fs)?;
+        if data && end != u64::MAX {
+            // With O_DIRECT, QEMU's file driver answers in whole blocks: a data run that ends
+            // at an end of file inside a block reaches that block's end.
+            end = end.checked_next_multiple_of(self.align).unwrap_or(end);
+        }
         Ok((data, end.saturating_sub(offset).min(len).max(1).min(len)))
     }
 

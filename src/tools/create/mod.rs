@@ -191,6 +191,8 @@ pub async fn create_qcow2(
 
 /// Writes a new raw image: a sparse file of `size` bytes (rounded up to 512 as QEMU does),
 /// reserved (`falloc`) or written with zeros (`full`) when asked, with `attrs` set first.
+/// Unless written whole, its first block is written with zeros as QEMU's `file` driver
+/// writes it ([`storage::allocate_first_block`]).
 pub async fn create_raw(
     path: &Path,
     size: u64,
@@ -207,8 +209,14 @@ pub async fn create_raw(
     file.set_len(0).await?;
     file.set_len(size).await?;
     match prealloc {
-        Preallocation::Off | Preallocation::Metadata => {}
-        Preallocation::Falloc => file.write_zeroes_at(0, size, false).await?,
+        Preallocation::Off | Preallocation::Metadata => {
+            // An optimisation in QEMU, so a failure does not fail the creation there either.
+            let _ = storage::allocate_first_block(&file, size).await;
+        }
+        Preallocation::Falloc => {
+            file.write_zeroes_at(0, size, false).await?;
+            let _ = storage::allocate_first_block(&file, size).await;
+        }
         Preallocation::Full => {
             const CHUNK: u64 = 1 << 20;
             let mut pos = 0;

@@ -537,7 +537,7 @@ where
 }
 
 /// Creates an external data file as QEMU's `file` driver creates one: emptied, then sized to
-/// the disk (sparse).
+/// the disk (sparse but for its first block).
 async fn create_data_file<O>(opener: &O, path: &std::path::Path, size: u64) -> Result<()>
 where
     O: Opener,
@@ -558,6 +558,9 @@ where
     file.set_len(size)
         .await
         .map_err(io("sizing the data file"))?;
+    // QEMU's `file` driver grows the new data file from empty, writing its first block; a
+    // failure there is ignored, as QEMU ignores it.
+    let _ = storage::allocate_first_block(&file, size).await;
     file.flush().await.map_err(io("flushing the data file"))?;
     Ok(())
 }

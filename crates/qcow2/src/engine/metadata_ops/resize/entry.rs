@@ -85,7 +85,8 @@ impl<S: Storage + 'static> Image<S> {
     }
 
     /// A raw file is its disk: truncate or extend it, reserving (`falloc`) or writing
-    /// (`full`) the new space when asked.
+    /// (`full`) the new space when asked; an empty file grown gets its first block written
+    /// ([`storage::allocate_first_block`]).
     async fn resize_raw(
         &self,
         old_size: u64,
@@ -103,6 +104,12 @@ impl<S: Storage + 'static> Image<S> {
             _ if new_size < old_size => return Err(refuse(ResizeError::PreallocShrink)),
             _ => {}
         }
+        let was_empty = top
+            .file
+            .len()
+            .await
+            .map_err(|e| top.io_error("reading the file's length", 0, e))?
+            == 0;
         top.file
             .set_len(new_size)
             .await
@@ -116,6 +123,11 @@ impl<S: Storage + 'static> Image<S> {
                 .map_err(|e| top.io_error("preallocating", old_size, e))?,
             Preallocation::Full => write_zero_data(top, old_size, grown).await?,
             Preallocation::Off | Preallocation::Metadata => {}
+        }
+        if was_empty && prealloc != Preallocation::Full {
+            // QEMU's `file` driver writes the first block of a file it grows from empty; an
+            // optimisation there, so a failure is ignored as QEMU ignores it.
+            let _ = storage::allocate_first_block(&top.file, new_size).await;
         }
         top.file
             .flush()
