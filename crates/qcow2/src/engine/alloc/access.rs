@@ -23,7 +23,8 @@ pub(crate) struct MetaTxn<'a, S: Storage + 'static> {
 impl<S: Storage + 'static> MetaTxn<'_, S> {
     /// Allocates `n` contiguous clusters for a metadata operation's own use (a table, or
     /// clusters it preallocates or expands): their refcounts only. Entries reach them through
-    /// [`Allocator::place`], after [`Allocator::refcounts_before_l2`] or a flush.
+    /// [`Allocator::change_l2`] with [`Precedes::CallerOrder`](super::Precedes::CallerOrder),
+    /// or after a flush.
     pub(crate) async fn claim_clusters(&self, n: u64) -> Result<HostOffset> {
         self.alloc.alloc_clusters(n).await
     }
