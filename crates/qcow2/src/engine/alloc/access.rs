@@ -51,7 +51,7 @@ impl<S: Storage + 'static> Allocator<S> {
     }
 
     /// True when refcounts may lag behind L2 entries (the dirty bit covers them).
-    pub(crate) fn lazy_refcounts(&self) -> bool {
+    pub(super) fn lazy_refcounts(&self) -> bool {
         self.lazy_refcounts.get()
     }
 

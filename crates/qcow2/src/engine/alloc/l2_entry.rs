@@ -22,7 +22,7 @@ pub(crate) struct RawEntry {
 
 impl RawEntry {
     /// Where the entry lives, for messages and decode errors (0 when it has no table).
-    pub fn table_offset(&self) -> HostOffset {
+    pub(crate) fn table_offset(&self) -> HostOffset {
         self.table.unwrap_or_default()
     }
 }

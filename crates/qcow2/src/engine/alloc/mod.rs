@@ -86,7 +86,7 @@ pub(crate) struct Allocator<S: Storage + 'static> {
 
 impl<S: Storage + 'static> Allocator<S> {
     /// Builds the allocator for layer 0 of `layers`, reading and validating the refcount table.
-    pub async fn open(
+    pub(crate) async fn open(
         layers: &Rc<Vec<Layer<S>>>,
         l2: &Rc<L2Cache<S>>,
         refcount_cache_bytes: u64,
@@ -166,7 +166,7 @@ impl<S: Storage + 'static> Allocator<S> {
     }
 
     /// The writable layer (layer 0).
-    pub fn top(&self) -> &Layer<S> {
+    pub(crate) fn top(&self) -> &Layer<S> {
         &self.layers[0]
     }
 
