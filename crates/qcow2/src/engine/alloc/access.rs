@@ -138,16 +138,6 @@ impl<S: Storage + 'static> Allocator<S> {
         self.meta.borrow_mut().remove(start);
     }
 
-    /// Marks `[offset, offset + len)` dirty in every enabled persistent bitmap.
-    pub(crate) fn mark_bitmaps(&self, offset: u64, len: u64) {
-        self.bitmaps.borrow_mut().mark(offset, len);
-    }
-
-    /// True when the image has persistent bitmaps.
-    pub(crate) fn has_bitmaps(&self) -> bool {
-        !self.bitmaps.borrow().list.is_empty()
-    }
-
     /// Applies `f` to the persistent bitmaps as held in memory.
     pub(crate) fn with_bitmaps<R>(&self, f: impl FnOnce(&Bitmaps) -> R) -> R {
         f(&self.bitmaps.borrow())
