@@ -23,7 +23,8 @@ pub(crate) struct MetaTxn<'a, S: Storage + 'static> {
 impl<S: Storage + 'static> MetaTxn<'_, S> {
     /// Allocates `n` contiguous clusters for a metadata operation's own use (a table, or
     /// clusters it preallocates or expands): their refcounts only. Entries reach them through
-    /// [`Allocator::place`], after [`Allocator::refcounts_before_l2`] or a flush.
+    /// [`Allocator::change_l2`] with [`Precedes::CallerOrder`](super::Precedes::CallerOrder),
+    /// or after a flush.
     pub(crate) async fn claim_clusters(&self, n: u64) -> Result<HostOffset> {
         self.alloc.alloc_clusters(n).await
     }
@@ -50,7 +51,7 @@ impl<S: Storage + 'static> Allocator<S> {
     }
 
     /// True when refcounts may lag behind L2 entries (the dirty bit covers them).
-    pub(crate) fn lazy_refcounts(&self) -> bool {
+    pub(super) fn lazy_refcounts(&self) -> bool {
         self.lazy_refcounts.get()
     }
 
@@ -135,16 +136,6 @@ impl<S: Storage + 'static> Allocator<S> {
     /// Forgets the metadata range that starts at `start` (its clusters may now hold data).
     pub(crate) fn forget_metadata(&self, start: HostOffset) {
         self.meta.borrow_mut().remove(start);
-    }
-
-    /// Marks `[offset, offset + len)` dirty in every enabled persistent bitmap.
-    pub(crate) fn mark_bitmaps(&self, offset: u64, len: u64) {
-        self.bitmaps.borrow_mut().mark(offset, len);
-    }
-
-    /// True when the image has persistent bitmaps.
-    pub(crate) fn has_bitmaps(&self) -> bool {
-        !self.bitmaps.borrow().list.is_empty()
     }
 
     /// Applies `f` to the persistent bitmaps as held in memory.

@@ -22,7 +22,7 @@ pub(crate) struct RawEntry {
 
 impl RawEntry {
     /// Where the entry lives, for messages and decode errors (0 when it has no table).
-    pub fn table_offset(&self) -> HostOffset {
+    pub(crate) fn table_offset(&self) -> HostOffset {
         self.table.unwrap_or_default()
     }
 }
@@ -102,21 +102,10 @@ impl<S: Storage + 'static> Allocator<S> {
         Ok(out)
     }
 
-    /// Stores an L2 entry of layer 0; its table must already be writable (COPIED). The caller
-    /// has set the cache dependencies that order this entry after what it points to.
-    pub(super) async fn set_l2_entry(
-        &self,
-        cluster: GuestOffset,
-        word: u64,
-        bitmap: u64,
-    ) -> Result<()> {
-        self.update_l2_entry(cluster, |_, _| Some((word, bitmap)))
-            .await
-            .map(|_| ())
-    }
-
     /// Read-modify-write of one L2 entry of layer 0 in a single synchronous step, so that
-    /// concurrent updates of other bits of the same entry are never lost. `f` gets the current
+    /// concurrent updates of other bits of the same entry are never lost; its table must
+    /// already be writable (COPIED). Only [`Allocator::change_l2`] calls it, after ordering
+    /// what the entry points to before it. `f` gets the current
     /// words and returns the new ones (`None`: leave it). Returns the words `f` saw.
     pub(super) async fn update_l2_entry(
         &self,

@@ -7,8 +7,8 @@
 //! - [`refcount`]: refcounts, finding and freeing clusters, refcount blocks and table growth;
 //! - [`l2_table`]: giving a guest range a writable L2 table;
 //! - [`l2_entry`]: reading and atomically updating L2 entries through the cache;
-//! - [`run`]: a write's transaction (`allocate`, then `Allocation::commit` or `abandon`) and
-//!   the L2 changes that allocate nothing, each in the order a crash needs.
+//! - [`run`]: the one door for L2 changes (`change_l2`, in the order a crash needs) and a
+//!   write's allocation (`allocate`, then `change_l2` or `abandon`).
 //!
 //! Write, zero, discard, compressed write and resize plan what to change and call these.
 
@@ -25,7 +25,7 @@ mod shrink;
 mod snapshots;
 
 use prealloc::{GrowAhead, PausedGrowth};
-pub(crate) use run::{NewEntry, Replaced};
+pub(crate) use run::{L2Change, NewWords, OldClusters, Precedes};
 pub(crate) use snapshots::RefCounts;
 
 use super::infra::bitmaps::Bitmaps;
@@ -86,7 +86,7 @@ pub(crate) struct Allocator<S: Storage + 'static> {
 
 impl<S: Storage + 'static> Allocator<S> {
     /// Builds the allocator for layer 0 of `layers`, reading and validating the refcount table.
-    pub async fn open(
+    pub(crate) async fn open(
         layers: &Rc<Vec<Layer<S>>>,
         l2: &Rc<L2Cache<S>>,
         refcount_cache_bytes: u64,
@@ -166,7 +166,7 @@ impl<S: Storage + 'static> Allocator<S> {
     }
 
     /// The writable layer (layer 0).
-    pub fn top(&self) -> &Layer<S> {
+    pub(crate) fn top(&self) -> &Layer<S> {
         &self.layers[0]
     }
 

@@ -50,7 +50,7 @@ impl GrowAhead {
     /// with reserved blocks would keep every cluster's blocks once the cluster is in use,
     /// where a subcluster's write must leave the rest of its cluster a hole. So do files on a
     /// file system without cheap zeroing (growing would write the zeros).
-    pub(crate) fn new<S: Storage>(file: &S, len: u64, subclusters: bool) -> Self {
+    pub(super) fn new<S: Storage>(file: &S, len: u64, subclusters: bool) -> Self {
         let on = file.alignment() > 1;
         let how = if subclusters || !file.zeroes_are_cheap() {
             Growth::Sparse
@@ -66,7 +66,7 @@ impl GrowAhead {
     /// Makes sure `file` (of image `name`, disk size `disk_size`) reaches `end`, the end of
     /// clusters just allocated, growing it a step ahead when it does not. Best effort: if the
     /// file system refuses, growing ahead stops and the writes extend the file themselves.
-    pub(crate) async fn grow<S: Storage>(&self, file: &S, name: &str, disk_size: u64, end: u64) {
+    pub(super) async fn grow<S: Storage>(&self, file: &S, name: &str, disk_size: u64, end: u64) {
         let grown = self.to.get();
         if grown == 0 || end <= grown {
             return;

@@ -33,18 +33,18 @@ impl RefTable {
     }
 
     /// Entries the table has room for.
-    pub(crate) fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         self.capacity
     }
 
     /// Entry `index`, or `None` past the table's capacity.
-    pub(crate) fn get(&self, index: usize) -> Option<u64> {
+    pub(super) fn get(&self, index: usize) -> Option<u64> {
         (index < self.capacity).then(|| self.used.get(index).copied().unwrap_or(0))
     }
 
     /// Sets entry `index` (which must be below the capacity; an index past it is ignored,
     /// since the table in the file has no room for it either).
-    pub(crate) fn set(&mut self, index: usize, block: u64) {
+    pub(super) fn set(&mut self, index: usize, block: u64) {
         if index >= self.capacity {
             return;
         }
@@ -63,7 +63,7 @@ impl RefTable {
     }
 
     /// Every entry, the zeros past the used ones included: the table as the file holds it.
-    pub(crate) fn to_vec(&self) -> Vec<u64> {
+    pub(super) fn to_vec(&self) -> Vec<u64> {
         let mut all = self.used.clone();
         all.resize(self.capacity, 0);
         all

@@ -1,17 +1,18 @@
-//! A write's side of the allocator, as one transaction per run of guest clusters:
-//! `allocate` (writable L2 tables and host clusters, under the allocator's own lock), then the
-//! caller writes the data, then [`Allocation::commit`] points the L2 entries at it in the
-//! order a crash needs and frees what they replaced (or [`Allocation::abandon`] gives the
-//! clusters back after a failed data write). The L2 changes that allocate nothing (discard,
-//! zeroing, `make_empty`, shrinking, a write marking subclusters allocated) go through
-//! [`Allocator::remap`] and [`Allocator::mark_allocated`] here too. Preallocation and amend's
-//! zero-cluster expansion keep an order of their own (refcounts first even with lazy
-//! refcounts, no dirty bit) through [`Allocator::refcounts_before_l2`] and `set_l2_entry`.
+//! Every change to an L2 entry of the writable layer goes through one function,
+//! [`Allocator::change_l2`]: it takes the changes as [`L2Change`] values (the guest cluster,
+//! its new words or the rule that updates them, and what the clusters the entry referenced
+//! before become) and a [`Precedes`] that says what must reach disk before them. A write
+//! that needs new clusters first gets an [`Allocation`] (`allocate` or `allocate_packed`:
+//! writable L2 tables and host clusters, under the allocator's own lock), writes its data,
+//! and then hands the allocation to `change_l2` (or gives it back with
+//! [`Allocation::abandon`] after a failed data write).
 //!
 //! Ordering before an L2 update, in one place: with lazy refcounts the dirty bit is set
 //! first; otherwise the refcounts of clusters just allocated reach disk before the entry
 //! (compressed bytes always, as QEMU orders them); data written for the entry reaches disk
 //! before the L2 table does. Old clusters are freed only after their entries changed.
+//! Preallocation and amend's zero-cluster expansion keep an order of their own
+//! ([`Precedes::CallerOrder`]: refcounts first even with lazy refcounts, no dirty bit).
 
 use super::Allocator;
 use crate::engine::infra::error::{EngineError, Result};
@@ -21,8 +22,9 @@ use crate::format::{GuestOffset, HostOffset, L1Index};
 use storage::Storage;
 
 /// Host clusters given to a run of guest clusters, not yet referenced by any L2 entry:
-/// write their data, then [`commit`](Allocation::commit) or [`abandon`](Allocation::abandon).
-#[must_use = "an allocation is referenced only once it is committed"]
+/// write their data, then point entries at them with [`Precedes::Allocation`] or give them
+/// back with [`abandon`](Allocation::abandon).
+#[must_use = "an allocation is referenced only once entries point at it"]
 pub(crate) struct Allocation<'a, S: Storage + 'static> {
     alloc: &'a Allocator<S>,
     /// Where the run's first cluster (or the compressed bytes) lives; the others follow it.
@@ -37,22 +39,76 @@ pub(crate) struct Allocation<'a, S: Storage + 'static> {
     clusters: u64,
 }
 
-/// Clusters an L2 entry referenced before a write replaced it.
-pub(crate) enum Replaced {
-    /// A standard cluster shared with a snapshot or another entry.
-    Shared(HostOffset),
-    /// A compressed cluster, by its raw L2 descriptor.
-    Compressed(u64),
+/// One change to the L2 entry of a guest cluster of the writable layer.
+pub(crate) struct L2Change {
+    /// Guest offset of the cluster's first byte.
+    pub cluster: GuestOffset,
+    /// What the entry becomes.
+    pub new: NewWords,
+    /// What the clusters the entry referenced before become once it changed.
+    pub old: OldClusters,
 }
 
-/// One L2 entry a commit writes: the guest cluster, its new words, and what it held before
-/// that the commit frees.
-pub(crate) struct NewEntry {
-    pub cluster: GuestOffset,
-    pub word: u64,
-    /// Subcluster bitmap (0 without extended L2 entries).
-    pub bitmap: u64,
-    pub replaced: Option<Replaced>,
+impl L2Change {
+    /// Points the guest cluster at `cluster` at `word`/`bitmap`, keeping what it held.
+    pub(crate) fn set(cluster: GuestOffset, word: u64, bitmap: u64) -> L2Change {
+        L2Change {
+            cluster,
+            new: NewWords::Set { word, bitmap },
+            old: OldClusters::Kept,
+        }
+    }
+
+    /// As it is, dropping the reference of the entry `old_word` held (0: none) once the
+    /// entry changed (`punch`: punch a cluster that is then free out of the file).
+    pub(crate) fn releasing(self, old_word: u64, punch: bool) -> L2Change {
+        let old = match (old_word, punch) {
+            (0, _) => OldClusters::Kept,
+            (w, false) => OldClusters::Freed(w),
+            (w, true) => OldClusters::Punched(w),
+        };
+        L2Change { old, ..self }
+    }
+}
+
+/// What an L2 entry becomes.
+pub(crate) enum NewWords {
+    /// These words (`bitmap`: the subcluster bitmap, 0 without extended L2 entries).
+    Set { word: u64, bitmap: u64 },
+    /// Its own words with the subclusters `bits` allocated (their zero bits cleared), after a
+    /// write filled the cluster in place at `host`. An entry that no longer points at `host`
+    /// means the image changed under the write: it stays as it is and the image is marked
+    /// corrupt.
+    MarkAllocated { host: HostOffset, bits: u32 },
+}
+
+/// What the clusters an L2 entry referenced become once the entry changed.
+pub(crate) enum OldClusters {
+    /// Still referenced, or nothing to release.
+    Kept,
+    /// One reference dropped; the raw word of the entry as it was (standard or compressed).
+    Freed(u64),
+    /// As [`Freed`](OldClusters::Freed), and a standard cluster left unreferenced is punched
+    /// out of the file.
+    Punched(u64),
+}
+
+/// What must reach disk before the L2 entries of a [`change_l2`](Allocator::change_l2).
+pub(crate) enum Precedes<'a, S: Storage + 'static> {
+    /// Nothing but the dirty bit (lazy refcounts): the entries point at no new cluster and
+    /// no data was written for them.
+    Nothing,
+    /// Data written for the entries (and the dirty bit).
+    Data,
+    /// The clusters of an allocation the entries point at: their refcounts (unless lazy
+    /// refcounts cover them; compressed bytes always), the data written into them, the dirty
+    /// bit.
+    Allocation(Allocation<'a, S>),
+    /// The caller's own order, for a metadata operation (preallocation, zero-cluster
+    /// expansion) that claimed its clusters through a [`MetaTxn`](super::MetaTxn): no dirty
+    /// bit; `refcounts`: the refcounts of the clusters it claimed reach disk first, even with
+    /// lazy refcounts.
+    CallerOrder { refcounts: bool },
 }
 
 impl<S: Storage + 'static> Allocator<S> {
@@ -116,9 +172,41 @@ impl<S: Storage + 'static> Allocator<S> {
         })
     }
 
-    /// Sets what must precede an L2 update on disk: the dirty bit (lazy refcounts), the
-    /// refcounts (`refcounts_first`), and the data written before it.
-    async fn before_l2_update(&self, refcounts_first: bool) -> Result<()> {
+    /// Applies `changes` to layer 0's L2 entries, after what `before` says must precede
+    /// them on disk; then drops the references the old entries held, as each change says.
+    /// The only way an L2 entry of the writable layer changes; its table must already be
+    /// writable (`allocate`, or [`l2_for_write`](Self::l2_for_write) under the caller's
+    /// [`MetaTxn`](super::MetaTxn)).
+    pub(crate) async fn change_l2(
+        &self,
+        before: Precedes<'_, S>,
+        changes: impl IntoIterator<Item = L2Change>,
+    ) -> Result<()> {
+        match before {
+            Precedes::Nothing => self.before_l2_update(false, false).await?,
+            Precedes::Data => self.before_l2_update(false, true).await?,
+            Precedes::Allocation(a) => {
+                let refcounts = a.allocated && (a.packed || !self.lazy_refcounts());
+                self.before_l2_update(refcounts, true).await?;
+            }
+            Precedes::CallerOrder { refcounts: true } => self.refcounts_before_l2().await?,
+            Precedes::CallerOrder { refcounts: false } => {}
+        }
+        let mut released = Vec::new();
+        for c in changes {
+            self.apply(c.cluster, c.new).await?;
+            match c.old {
+                OldClusters::Kept => {}
+                OldClusters::Freed(word) => released.push((word, false)),
+                OldClusters::Punched(word) => released.push((word, true)),
+            }
+        }
+        self.release(released).await
+    }
+
+    /// Sets what must precede an L2 update on disk: the refcounts (`refcounts_first`), the
+    /// dirty bit (lazy refcounts), and the data written before it (`after_data`).
+    async fn before_l2_update(&self, refcounts_first: bool, after_data: bool) -> Result<()> {
         self.ensure_usable()?;
         if refcounts_first {
             self.refcounts_before_l2().await?;
@@ -126,13 +214,15 @@ impl<S: Storage + 'static> Allocator<S> {
         if self.lazy_refcounts() {
             self.mark_dirty().await?;
         }
-        self.l2.set_flush_before_writeback();
+        if after_data {
+            self.l2.set_flush_before_writeback();
+        }
         Ok(())
     }
 
     /// Makes the L2 cache write back only after the refcount cache: the refcounts of clusters
     /// just allocated reach disk before any L2 entry that points to them.
-    pub(crate) async fn refcounts_before_l2(&self) -> Result<()> {
+    async fn refcounts_before_l2(&self) -> Result<()> {
         self.ensure_usable()?;
         self.l2
             .set_dependency(self.refcounts_flush())
@@ -143,17 +233,17 @@ impl<S: Storage + 'static> Allocator<S> {
             })
     }
 
-    /// Sets the allocation bits `bits` (clearing their zero bits) of the entry of the guest
-    /// cluster at `cluster`, which a write just filled in place at `host`, after its data.
-    /// An entry that no longer points at `host` means the image changed under the write: it
-    /// is marked corrupt.
-    pub(crate) async fn mark_allocated(
-        &self,
-        cluster: GuestOffset,
-        host: HostOffset,
-        bits: u32,
-    ) -> Result<()> {
-        self.before_l2_update(false).await?;
+    /// Stores the new words of the entry of the guest cluster at `cluster`.
+    async fn apply(&self, cluster: GuestOffset, new: NewWords) -> Result<()> {
+        let (host, bits) = match new {
+            NewWords::Set { word, bitmap } => {
+                return self
+                    .update_l2_entry(cluster, |_, _| Some((word, bitmap)))
+                    .await
+                    .map(drop)
+            }
+            NewWords::MarkAllocated { host, bits } => (host, bits),
+        };
         let (word, _) = self
             .update_l2_entry(cluster, |word, bitmap| {
                 if l2::host_of(word) != host.0 {
@@ -177,85 +267,28 @@ impl<S: Storage + 'static> Allocator<S> {
         Ok(())
     }
 
-    /// Points the guest cluster at `cluster` at `word`/`bitmap` (nothing, or zeros), which
-    /// allocates nothing, and then drops the references the old entry `released` held (0:
-    /// none; `punch`: punch freed clusters out of the file). `after_data`: data was written
-    /// that this entry must not reach disk before.
-    pub(crate) async fn remap(
-        &self,
-        cluster: GuestOffset,
-        (word, bitmap): (u64, u64),
-        released: u64,
-        punch: bool,
-        after_data: bool,
-    ) -> Result<()> {
-        self.ensure_usable()?;
-        if after_data {
-            self.l2.set_flush_before_writeback();
-        }
-        if self.lazy_refcounts() {
-            self.mark_dirty().await?;
-        }
-        self.set_l2_entry(cluster, word, bitmap).await?;
-        if released == 0 {
-            return Ok(());
-        }
-        self.release_entry(released, punch).await
-    }
-
-    /// Points the guest cluster at `cluster` at `word`/`bitmap` for a metadata operation
-    /// (preallocation, zero-cluster expansion) that claimed the clusters through its
-    /// [`MetaTxn`](super::MetaTxn) and ordered their refcounts before this entry itself: no
-    /// ordering, dirty marking or release of its own, so the operation's crash order is the
-    /// one it chose.
-    pub(crate) async fn place(&self, cluster: GuestOffset, word: u64, bitmap: u64) -> Result<()> {
-        self.set_l2_entry(cluster, word, bitmap).await
-    }
-
-    /// Drops the reference an old L2 entry `old_word` held on its host cluster(s), if any.
-    async fn release_entry(&self, old_word: u64, punch: bool) -> Result<()> {
+    /// Drops the reference each old L2 entry word held on its host cluster(s), if any
+    /// (`true`: punch a cluster left unreferenced out of the file).
+    async fn release(&self, old: Vec<(u64, bool)>) -> Result<()> {
         // Clusters in an external data file are not refcounted.
-        if self.meta().data_file.is_some() {
+        if old.is_empty() || self.meta().data_file.is_some() {
             return Ok(());
         }
         self.ensure_usable()?;
         let _g = self.meta_lock.lock().await;
-        if l2::is_compressed(old_word) {
-            self.free_compressed(old_word).await
-        } else if l2::host_of(old_word) != 0 {
-            self.free_clusters(HostOffset(l2::host_of(old_word)), 1, punch)
-                .await
-        } else {
-            Ok(())
-        }
-    }
-}
-
-impl<S: Storage + 'static> Allocation<'_, S> {
-    /// Points `entries` at the allocation (in the order a crash needs, see the module doc),
-    /// then frees what they replaced.
-    pub(crate) async fn commit(self, entries: impl IntoIterator<Item = NewEntry>) -> Result<()> {
-        let a = self.alloc;
-        a.before_l2_update(self.allocated && (self.packed || !a.lazy_refcounts()))
-            .await?;
-        let mut replaced = Vec::new();
-        for e in entries {
-            a.set_l2_entry(e.cluster, e.word, e.bitmap).await?;
-            replaced.extend(e.replaced);
-        }
-        if replaced.is_empty() {
-            return Ok(());
-        }
-        let _g = a.meta_lock.lock().await;
-        for old in replaced {
-            match old {
-                Replaced::Shared(host) => a.free_clusters(host, 1, false).await?,
-                Replaced::Compressed(raw) => a.free_compressed(raw).await?,
+        for (word, punch) in old {
+            if l2::is_compressed(word) {
+                self.free_compressed(word).await?;
+            } else if l2::host_of(word) != 0 {
+                self.free_clusters(HostOffset(l2::host_of(word)), 1, punch)
+                    .await?;
             }
         }
         Ok(())
     }
+}
 
+impl<S: Storage + 'static> Allocation<'_, S> {
     /// Gives back the clusters of an allocation whose data could not be written.
     pub(crate) async fn abandon(self) {
         if self.allocated && !self.packed {

@@ -389,7 +389,7 @@ impl<S: Storage + 'static> Inner<S> {
     /// data, so it is marked too, as QEMU marks it.
     pub(crate) fn track(&self, offset: GuestOffset, len: u64) {
         if let Some(a) = &self.alloc {
-            a.mark_bitmaps(offset.0, len);
+            a.change_bitmaps(|b| b.mark(offset.0, len));
         }
     }
 }

@@ -239,12 +239,7 @@ impl<S: Storage + 'static> Layer<S> {
 impl<S> Layer<S> {
     /// An I/O error in this layer's file.
     pub fn io_error(&self, what: &'static str, offset: u64, source: std::io::Error) -> EngineError {
-        EngineError::Io {
-            image: self.name.clone(),
-            what,
-            offset,
-            source,
-        }
+        EngineError::io(self.name.clone(), what, offset, source)
     }
 
     /// A metadata inconsistency in this layer.

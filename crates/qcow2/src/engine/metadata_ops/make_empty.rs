@@ -2,6 +2,7 @@
 //! data: every L2 entry becomes unallocated (not zero: the backing file is meant to show
 //! through again) and the clusters the entries held are released.
 
+use crate::engine::alloc::{L2Change, Precedes};
 use crate::engine::infra::error::{EngineError, Result};
 use crate::engine::infra::image::Image;
 use crate::engine::infra::range_lock::LockMode;
@@ -48,8 +49,9 @@ impl<S: Storage + 'static> Image<S> {
                 if e.table.is_none() || (e.word, e.bitmap) == (0, 0) {
                     continue;
                 }
-                w.remap(e.cluster, (0, 0), e.word, self.inner.punches_holes(), true)
-                    .await?;
+                let change =
+                    L2Change::set(e.cluster, 0, 0).releasing(e.word, self.inner.punches_holes());
+                w.change_l2(Precedes::Data, [change]).await?;
             }
             pos += n;
         }

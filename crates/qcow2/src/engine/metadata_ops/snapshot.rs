@@ -155,7 +155,7 @@ impl<S: Storage + 'static> Image<S> {
     /// up), including the disk size it had. The snapshot stays.
     pub async fn apply_snapshot(&self, id_or_name: &str) -> Result<()> {
         let t = self.snapshot_target()?;
-        if t.alloc.has_bitmaps() {
+        if t.alloc.with_bitmaps(|b| !b.list.is_empty()) {
             return Err(self.snapshot_error(SnapshotError::ActiveBitmaps));
         }
         let _quiet = self.inner.quiesce().await?;

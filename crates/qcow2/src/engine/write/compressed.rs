@@ -2,7 +2,7 @@
 //! cluster, packed into shared host clusters as QEMU packs them. Data that does not compress
 //! is written as a normal cluster.
 
-use crate::engine::alloc::NewEntry;
+use crate::engine::alloc::{L2Change, Precedes};
 use crate::engine::compress;
 use crate::engine::infra::error::{EngineError, Result};
 use crate::engine::infra::image::Image;
@@ -181,13 +181,10 @@ impl<S: Storage + 'static> Image<S> {
                 source,
             }
         })?);
-        allocation
-            .commit([NewEntry {
-                cluster,
-                word,
-                bitmap: 0,
-                replaced: None,
-            }])
-            .await
+        w.change_l2(
+            Precedes::Allocation(allocation),
+            [L2Change::set(cluster, word, 0)],
+        )
+        .await
     }
 }

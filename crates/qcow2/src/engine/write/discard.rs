@@ -2,6 +2,7 @@
 //! afterwards whenever a backing file could otherwise show through, and clusters whose
 //! refcount drops to zero are freed (and punched out of the file with discard passthrough).
 
+use crate::engine::alloc::{L2Change, Precedes};
 use crate::engine::infra::error::Result;
 use crate::engine::infra::image::Image;
 use crate::engine::infra::range_lock::LockMode;
@@ -81,14 +82,9 @@ impl<S: Storage + 'static> Image<S> {
             }
             // The entry reaches disk before the refcount drops, and after any data
             // written before it.
-            w.remap(
-                e.cluster,
-                (word, bitmap),
-                e.word,
-                self.inner.punches_holes(),
-                true,
-            )
-            .await?;
+            let change = L2Change::set(e.cluster, word, bitmap)
+                .releasing(e.word, self.inner.punches_holes());
+            w.change_l2(Precedes::Data, [change]).await?;
         }
         Ok(())
     }

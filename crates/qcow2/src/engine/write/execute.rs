@@ -4,7 +4,7 @@
 //! points their L2 entries at them and releases the old clusters).
 
 use super::plan::{Action, ClusterPlan, GuestRange, Old};
-use crate::engine::alloc::{NewEntry, Replaced};
+use crate::engine::alloc::{L2Change, NewWords, OldClusters, Precedes};
 use crate::engine::infra::chain::Piece;
 use crate::engine::infra::error::{EngineError, Result};
 use crate::engine::infra::image::Inner;
@@ -145,9 +145,15 @@ impl<S: Storage + 'static> Inner<S> {
             for p in plans {
                 if let Action::InPlace { host, set_alloc } = p.action {
                     if set_alloc != 0 {
-                        self.alloc()?
-                            .mark_allocated(p.start, host, set_alloc)
-                            .await?;
+                        let change = L2Change {
+                            cluster: p.start,
+                            new: NewWords::MarkAllocated {
+                                host,
+                                bits: set_alloc,
+                            },
+                            old: OldClusters::Kept,
+                        };
+                        self.alloc()?.change_l2(Precedes::Data, [change]).await?;
                     }
                 }
             }
@@ -200,22 +206,25 @@ impl<S: Storage + 'static> Inner<S> {
             else {
                 return None;
             };
-            Some(NewEntry {
+            Some(L2Change {
                 cluster: p.start,
-                word: l2::owned_word((host + k as u64 * cs).0),
-                bitmap: if g.extended_l2() {
-                    pack_bitmap(alloc, zero & !alloc)
-                } else {
-                    0
+                new: NewWords::Set {
+                    word: l2::owned_word((host + k as u64 * cs).0),
+                    bitmap: if g.extended_l2() {
+                        pack_bitmap(alloc, zero & !alloc)
+                    } else {
+                        0
+                    },
                 },
-                replaced: match old {
-                    Old::Shared { host } => Some(Replaced::Shared(host)),
-                    Old::Compressed { raw } => Some(Replaced::Compressed(raw)),
-                    Old::Keep => None,
+                old: match old {
+                    Old::Shared { host } => OldClusters::Freed(l2::owned_word(host.0)),
+                    Old::Compressed { raw } => OldClusters::Freed(raw),
+                    Old::Keep => OldClusters::Kept,
                 },
             })
         });
-        (allocation.commit(entries).await, buf)
+        let res = w.change_l2(Precedes::Allocation(allocation), entries).await;
+        (res, buf)
     }
 
     /// Builds the bytes of a filling run (copies plus guest data) and writes them.

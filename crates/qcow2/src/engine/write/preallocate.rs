@@ -8,6 +8,7 @@
 //! (the L2 cache depends on the refcount cache), and the data area exists in the file before
 //! either; the caller flushes before it reports the space as part of the disk.
 
+use crate::engine::alloc::{Allocator, L2Change, Precedes};
 use crate::engine::infra::error::{EngineError, Result};
 use crate::engine::infra::image::Image;
 use crate::engine::infra::layer::{write_zero_data, write_zeros_into};
@@ -64,8 +65,14 @@ impl<S: Storage + 'static> Image<S> {
                     continue;
                 }
                 let run = entries[i..].iter().take_while(|e| free(e)).count();
-                self.preallocate_run(entries[i].cluster, run as u64, mode)
-                    .await?;
+                let first = entries[i].cluster;
+                let placed = if meta.data_file.is_some() {
+                    self.preallocate_data_file_run(first, run as u64, cs, mode)
+                        .await?
+                } else {
+                    self.preallocate_run(run as u64, cs, mode).await?
+                };
+                place_run(w, first, placed, run as u64, cs).await?;
                 i += run;
             }
             pos = table_end;
@@ -73,19 +80,13 @@ impl<S: Storage + 'static> Image<S> {
         Ok(())
     }
 
-    /// Gives the `n` guest clusters from `first` (all in one L2 table, all unallocated) one
-    /// contiguous run of new host clusters.
-    async fn preallocate_run(&self, first: GuestOffset, n: u64, mode: Preallocation) -> Result<()> {
+    /// Gives a run of `n` unallocated guest clusters (all in one L2 table) one contiguous
+    /// run of new host clusters, with the data area `mode` asks for, and orders their
+    /// refcounts before the entries that will point to them. Returns the run's first host
+    /// cluster.
+    async fn preallocate_run(&self, n: u64, cs: u64, mode: Preallocation) -> Result<Placed> {
         let w = self.inner.alloc()?;
         let top = self.inner.top();
-        let cs = top
-            .qcow2()
-            .expect("qcow2 checked by the caller")
-            .geom
-            .cluster_size();
-        if top.qcow2().is_some_and(|m| m.data_file.is_some()) {
-            return self.preallocate_data_file_run(first, n, mode).await;
-        }
         let host = {
             let txn = w.exclusive().await;
             txn.claim_clusters(n).await?.0
@@ -117,12 +118,10 @@ impl<S: Storage + 'static> Image<S> {
                 })?;
         }
         w.note_file_end(HostOffset(end));
-        w.refcounts_before_l2().await?;
-        for i in 0..n {
-            w.place(first + i * cs, l2::owned_word(host + i * cs), 0)
-                .await?;
-        }
-        Ok(())
+        Ok(Placed {
+            host,
+            claimed: true,
+        })
     }
 
     /// [`Self::preallocate_run`] for an image with an external data file: there every guest
@@ -132,15 +131,10 @@ impl<S: Storage + 'static> Image<S> {
         &self,
         first: GuestOffset,
         n: u64,
+        cs: u64,
         mode: Preallocation,
-    ) -> Result<()> {
-        let w = self.inner.alloc()?;
+    ) -> Result<Placed> {
         let top = self.inner.top();
-        let cs = top
-            .qcow2()
-            .expect("qcow2 checked by the caller")
-            .geom
-            .cluster_size();
         let data = top.data_storage();
         let host = first.0;
         let len = n * cs;
@@ -164,10 +158,37 @@ impl<S: Storage + 'static> Image<S> {
                 .await
                 .map_err(|e| top.io_error("extending the data file", end, e))?;
         }
-        for i in 0..n {
-            w.place(first + i * cs, l2::owned_word(host + i * cs), 0)
-                .await?;
-        }
-        Ok(())
+        Ok(Placed {
+            host,
+            claimed: false,
+        })
     }
+}
+
+/// Where a preallocated run of guest clusters lives.
+struct Placed {
+    /// Host offset of the run's first cluster.
+    host: u64,
+    /// The clusters were claimed in the image file: their refcounts reach disk before the
+    /// entries.
+    claimed: bool,
+}
+
+/// Points the `n` guest clusters from `first` at the run `placed`, one cluster each.
+async fn place_run<S: Storage + 'static>(
+    w: &Allocator<S>,
+    first: GuestOffset,
+    placed: Placed,
+    n: u64,
+    cs: u64,
+) -> Result<()> {
+    let changes =
+        (0..n).map(|i| L2Change::set(first + i * cs, l2::owned_word(placed.host + i * cs), 0));
+    w.change_l2(
+        Precedes::CallerOrder {
+            refcounts: placed.claimed,
+        },
+        changes,
+    )
+    .await
 }

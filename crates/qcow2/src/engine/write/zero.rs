@@ -4,6 +4,7 @@
 //! and are otherwise written as zero data. A fast-zero request fails with `ZeroNotFast`
 //! before changing anything if any part would need data written.
 
+use crate::engine::alloc::{L2Change, Precedes};
 use crate::engine::infra::error::{EngineError, Result};
 use crate::engine::infra::image::Image;
 use crate::engine::infra::range_lock::LockMode;
@@ -236,8 +237,8 @@ impl<S: Storage + 'static> Image<S> {
         }
         let released = if !z.v3 || unmap { e.word } else { 0 };
         let punch = z.may_unmap && self.inner.punches_holes();
-        w.remap(e.cluster, (word, bitmap), released, punch, false)
-            .await
+        let change = L2Change::set(e.cluster, word, bitmap).releasing(released, punch);
+        w.change_l2(Precedes::Nothing, [change]).await
     }
 
     /// True when `[offset, offset + len)` currently reads as zeros (metadata only, no data

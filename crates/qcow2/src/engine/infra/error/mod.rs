@@ -241,6 +241,16 @@ pub enum EngineError {
 }
 
 impl EngineError {
+    /// Doing `what` at `offset` of `image`'s file failed with `source`.
+    pub(crate) fn io(image: String, what: &'static str, offset: u64, source: io::Error) -> Self {
+        EngineError::Io {
+            image,
+            what,
+            offset,
+            source,
+        }
+    }
+
     /// A failure to load `image`'s metadata, in the engine's terms: a structure past the
     /// end of the file contradicts the rest of the image, so it is corruption.
     pub(crate) fn from_metadata(image: &str, e: MetadataError) -> EngineError {
@@ -251,12 +261,7 @@ impl EngineError {
                 offset,
                 source,
                 ..
-            } => EngineError::Io {
-                image,
-                what,
-                offset,
-                source,
-            },
+            } => EngineError::io(image, what, offset, source),
             MetadataError::Format(source) => EngineError::Format { image, source },
             past_end @ MetadataError::PastEnd { .. } => EngineError::Corrupt {
                 image,

@@ -10,6 +10,7 @@
 //! refcount cache); the header still says version 3 until all of it is flushed.
 
 use super::progress::Steps;
+use crate::engine::alloc::{L2Change, Precedes};
 use crate::engine::infra::error::Result;
 use crate::engine::infra::image::Image;
 use crate::format::L1Index;
@@ -249,10 +250,18 @@ impl<S: Storage + 'static> Image<S> {
         let owned = l2::is_copied(word);
         if host != 0 && owned {
             self.zero_host(host, cs).await?;
-            return w.place(cluster, l2::without_zero_flag(word), 0).await;
+            let change = L2Change::set(cluster, l2::without_zero_flag(word), 0);
+            return w
+                .change_l2(Precedes::CallerOrder { refcounts: false }, [change])
+                .await;
         }
         if host == 0 && !backed {
-            return w.place(cluster, 0, 0).await;
+            return w
+                .change_l2(
+                    Precedes::CallerOrder { refcounts: false },
+                    [L2Change::set(cluster, 0, 0)],
+                )
+                .await;
         }
         // A new cluster of zeros: over a backing file, or instead of a shared one.
         let new = {
@@ -260,13 +269,10 @@ impl<S: Storage + 'static> Image<S> {
             txn.claim_clusters(1).await?.0
         };
         self.zero_host(new, cs).await?;
-        w.refcounts_before_l2().await?;
-        w.place(cluster, l2::owned_word(new), 0).await?;
-        if host != 0 {
-            let txn = w.exclusive().await;
-            txn.release_clusters(HostOffset(host), 1, false).await?;
-        }
-        Ok(())
+        // The shared cluster loses this entry's reference once the entry changed.
+        let change = L2Change::set(cluster, l2::owned_word(new), 0).releasing(word, false);
+        w.change_l2(Precedes::CallerOrder { refcounts: true }, [change])
+            .await
     }
 
     /// Makes host cluster `host` read as zeros.

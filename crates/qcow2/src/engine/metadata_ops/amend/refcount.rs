@@ -106,12 +106,7 @@ impl<S: Storage + 'static> Image<S> {
                 what,
                 offset,
                 source,
-            } => EngineError::Io {
-                image,
-                what,
-                offset,
-                source,
-            },
+            } => EngineError::io(image, what, offset, source),
             other => EngineError::Corrupt {
                 image,
                 detail: format!("could not change the refcount width: {other}"),

@@ -108,7 +108,7 @@ impl<S: Storage + 'static> Image<S> {
         if other != 0 {
             return refuse(AmendError::DowngradeFeatures(other));
         }
-        if self.inner.alloc()?.has_bitmaps() {
+        if self.inner.alloc()?.with_bitmaps(|b| !b.list.is_empty()) {
             return refuse(AmendError::DowngradeBitmaps);
         }
         let scan = self.scan_snapshot_tables().await?;

@@ -14,7 +14,7 @@
 //! 4. the file is cut only past the last referenced cluster;
 //! 5. the size field is written last.
 
-use crate::engine::alloc::MetaTxn;
+use crate::engine::alloc::{L2Change, MetaTxn, Precedes};
 use crate::engine::infra::error::Result;
 use crate::engine::infra::image::Image;
 use crate::engine::infra::range_lock::LockMode;
@@ -79,7 +79,8 @@ impl<S: Storage + 'static> Image<S> {
                     if !l2::is_compressed(e.word) && l2::host_of(e.word) != 0 {
                         hosts.push(l2::host_of(e.word));
                     }
-                    w.remap(e.cluster, (0, 0), e.word, false, false).await?;
+                    let change = L2Change::set(e.cluster, 0, 0).releasing(e.word, false);
+                    w.change_l2(Precedes::Nothing, [change]).await?;
                 }
             }
             pos = table_end;
