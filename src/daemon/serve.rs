@@ -379,7 +379,8 @@ async fn serve_images(
         .pid_file
         .as_deref()
         .map(|p| {
-            daemon::PidFile::write(p).map_err(|source| ServeError::PidFile {
+            let keep = crate::common::prog::current() == crate::common::prog::Personality::QemuNbd;
+            daemon::PidFile::write(p, keep).map_err(|source| ServeError::PidFile {
                 path: p.display().to_string(),
                 source,
             })

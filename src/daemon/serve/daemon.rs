@@ -93,11 +93,15 @@ pub fn fork_and_wait() -> io::Result<Readiness> {
 pub struct PidFile {
     path: PathBuf,
     contents: String,
+    /// Leave the file when the server ends, as qemu-nbd leaves its own (scripts written
+    /// for qemu-nbd read it after the server stopped, and remove it themselves).
+    keep: bool,
 }
 
 impl PidFile {
     /// Writes this process's id to `path` (atomically: a reader sees all of it or nothing).
-    pub fn write(path: &Path) -> io::Result<PidFile> {
+    /// The file is removed when the server ends, unless `keep`.
+    pub fn write(path: &Path, keep: bool) -> io::Result<PidFile> {
         let contents = format!("{}\n", std::process::id());
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(".tmp");
@@ -109,6 +113,7 @@ impl PidFile {
         Ok(PidFile {
             path: path.to_owned(),
             contents,
+            keep,
         })
     }
 }
@@ -116,7 +121,7 @@ impl PidFile {
 impl Drop for PidFile {
     fn drop(&mut self) {
         // Only our own: another server may have taken the path over since.
-        if std::fs::read_to_string(&self.path).is_ok_and(|c| c == self.contents) {
+        if !self.keep && std::fs::read_to_string(&self.path).is_ok_and(|c| c == self.contents) {
             let _ = std::fs::remove_file(&self.path);
         }
     }
@@ -130,16 +135,27 @@ mod tests {
     fn pid_file_holds_our_pid_and_is_removed_only_if_still_ours() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("serve.pid");
-        let pid = PidFile::write(&path).unwrap();
+        let pid = PidFile::write(&path, false).unwrap();
         assert_eq!(
             std::fs::read_to_string(&path).unwrap(),
             format!("{}\n", std::process::id())
         );
         drop(pid);
         assert!(!path.exists());
-        let pid = PidFile::write(&path).unwrap();
+        let pid = PidFile::write(&path, false).unwrap();
         std::fs::write(&path, "12345\n").unwrap();
         drop(pid);
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "12345\n");
+    }
+
+    #[test]
+    fn a_kept_pid_file_outlives_the_server_as_qemu_nbds_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kept.pid");
+        drop(PidFile::write(&path, true).unwrap());
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            format!("{}\n", std::process::id())
+        );
     }
 }
