@@ -196,6 +196,21 @@ fn list_mode_prints_what_qemu_nbd_lists() {
     ours.stop_ok();
 }
 
+/// What the real `qemu-nbd -L -k SOCKET` prints of the server on `socket`.
+fn qemu_nbd_listing(socket: &std::path::Path) -> String {
+    let out = qemu("qemu-nbd")
+        .args(["-L", "-k"])
+        .arg(socket)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 /// Run as `qemu-nbd`, the binary advertises what qemu-nbd advertises for the same command
 /// line, so that the real `qemu-nbd -L` lists both servers alike: flags (FUA on a read-only
 /// export, multi-conn only with `-e` above 1, block status payloads under extended headers),
@@ -206,29 +221,16 @@ fn as_qemu_nbd_an_export_is_listed_as_qemu_nbds_own() {
     let img = images.create("disk.qcow2", "qcow2", "", None, "4M");
     let as_qemu_nbd = images.path("qemu-nbd");
     std::os::unix::fs::symlink(BIN, &as_qemu_nbd).unwrap();
-    let list = |socket: &std::path::Path| {
-        let out = qemu("qemu-nbd")
-            .args(["-L", "-k"])
-            .arg(socket)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    };
     for args in [
         &["-r", "-A", "-f", "qcow2", "-x", "disk"][..],
         &["-e", "2", "-f", "qcow2"][..],
         &["-f", "qcow2", "-D", "a disk"][..],
     ] {
         let theirs = QemuNbd::unix(args, &img);
-        let want = list(&theirs.socket);
+        let want = qemu_nbd_listing(&theirs.socket);
         theirs.stop();
         let ours = QemuNbd::unix_by(Command::new(&as_qemu_nbd), args, &img);
-        let got = list(&ours.socket);
+        let got = qemu_nbd_listing(&ours.socket);
         ours.stop();
         assert_eq!(got, want, "qemu-nbd -L of {args:?}");
     }
@@ -307,20 +309,9 @@ fn a_raw_file_given_without_a_format_is_probed_and_guarded_like_qemu_nbd() {
     let images = Dir::new();
     let raw = images.path("disk.raw");
     let list = |socket: &std::path::Path| {
-        let out = qemu("qemu-nbd")
-            .arg("-L")
-            .arg("-k")
-            .arg(socket)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        // The flags differ in one ours adds (block-status-payload); the sizes are the point.
-        String::from_utf8(out.stdout)
-            .unwrap()
+        // `serve` differs in flags on purpose (multi-conn on a read-only export, no FUA
+        // there); the sizes are the point.
+        qemu_nbd_listing(socket)
             .lines()
             .filter(|l| !l.starts_with("  flags:"))
             .collect::<Vec<_>>()
