@@ -68,9 +68,8 @@ impl ImageBytes {
 
 /// The first `n` bytes of the image at `path` (fewer when it is shorter), opened through the
 /// storage opener as [`ImageBytes::open`] opens it (read-only, sharing writes, with its
-/// locks and its bounded open). Read by the process's one probe thread, which keeps one
-/// runtime for every probe, so that code already driving a runtime (a subcommand probing a
-/// format mid-way) may ask too.
+/// locks and its bounded open). Read by the process's one probe thread, so that code already
+/// driving a runtime (a subcommand probing a format mid-way) may ask too.
 pub fn read_head(path: &Path, n: usize) -> io::Result<Vec<u8>> {
     let (reply, answer) = mpsc::sync_channel(1);
     let job = Probe {
@@ -108,16 +107,24 @@ fn probes() -> io::Result<&'static Mutex<mpsc::Sender<Probe>>> {
     Ok(PROBES.get_or_init(|| Mutex::new(send)))
 }
 
-/// Answers probes until the process ends, on one runtime (or with the reason there is none).
+/// Answers probes until the process ends. Each probe gets a runtime of its own, dropped
+/// before the answer goes back: dropping it waits for the I/O threads still holding the
+/// file, so the probe's descriptor (and its lock) is closed before the caller, which may
+/// open the same image for writing next, goes on.
 fn serve_probes(queue: &mpsc::Receiver<Probe>) {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build();
-    let local = tokio::task::LocalSet::new();
     while let Ok(probe) = queue.recv() {
-        let answer = match &runtime {
-            Ok(runtime) => local.block_on(runtime, head_of(&probe.path, probe.n)),
-            Err(e) => Err(io::Error::new(e.kind(), e.to_string())),
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build();
+        let answer = match runtime {
+            Ok(runtime) => {
+                let local = tokio::task::LocalSet::new();
+                let answer = local.block_on(&runtime, head_of(&probe.path, probe.n));
+                drop(local);
+                drop(runtime);
+                answer
+            }
+            Err(e) => Err(e),
         };
         let _ = probe.reply.send(answer);
     }
