@@ -9,6 +9,7 @@ with one summary line otherwise. Standard library only, so CI needs nothing inst
 
     scripts/long-functions.py [--max N] [--self-test] [DIR...]   (default: src crates tests benches)
 """
+import importlib.util
 import os
 import re
 import sys
@@ -16,55 +17,16 @@ import sys
 FN_RE = re.compile(r"\bfn\s+([A-Za-z_][A-Za-z0-9_]*)")
 
 
-def strip_code(text):
-    """Blanks comments, strings and char literals, keeping newlines so line numbers hold."""
-    out = []
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if text.startswith("//", i):
-            j = text.find("\n", i)
-            j = n if j < 0 else j
-            i = j
-        elif text.startswith("/*", i):
-            depth, j = 1, i + 2
-            while j < n and depth:
-                if text.startswith("/*", j):
-                    depth, j = depth + 1, j + 2
-                elif text.startswith("*/", j):
-                    depth, j = depth - 1, j + 2
-                else:
-                    j += 1
-            out.append("\n" * text.count("\n", i, j))
-            i = j
-        elif c == "r" and re.match(r'r#*"', text[i:i + 10]) and not (
-            i and (text[i - 1].isalnum() or text[i - 1] == "_")
-        ):
-            hashes = re.match(r'r(#*)"', text[i:]).group(1)
-            end = '"' + hashes
-            j = text.find(end, i + 2 + len(hashes))
-            j = n if j < 0 else j + len(end)
-            out.append("\n" * text.count("\n", i, j))
-            i = j
-        elif c == '"':
-            j = i + 1
-            while j < n and text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
-            out.append('""' + "\n" * text.count("\n", i, j))
-            i = j + 1
-        elif c == "'":
-            # A char literal ('x', '\n', '\u{..}') or a lifetime ('a): only the former is skipped.
-            m = re.match(r"'(\\.[^']*|[^\\'])'", text[i:])
-            if m:
-                out.append("' '")
-                i += m.end()
-            else:
-                out.append(c)
-                i += 1
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
+def load_stripper():
+    """import-circles.py's stripper of comments, strings and char literals (one copy of it)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "import-circles.py")
+    spec = importlib.util.spec_from_file_location("import_circles", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.strip_comments_and_strings
+
+
+strip_code = load_stripper()
 
 
 def long_functions(text, limit):
