@@ -429,3 +429,97 @@ fn metadata_preallocation_under_o_direct_stays_sparse() {
         "{used} bytes on disk against qemu-img's {qemu_used}"
     );
 }
+
+/// An empty image with 1 MiB clusters of 32 KiB subclusters: room for a 4 KiB write to
+/// leave most of its subcluster unwritten.
+fn wide_subcluster_image(dir: &tempfile::TempDir) -> PathBuf {
+    let path = dir.path().join("wide.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        "extended_l2=on,cluster_size=1M",
+        path.to_str().unwrap(),
+        "64M",
+    ]);
+    path
+}
+
+/// A 4 KiB write into a new subcluster of a cluster already in use writes its own bytes
+/// only: the rest of that subcluster was never written, so it is a hole and reads as zeros
+/// already. (Writing its zeros out would cost the disk eight times the data.)
+#[test]
+fn a_write_into_a_new_subcluster_of_a_cluster_in_use_leaves_the_rest_a_hole() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = wide_subcluster_image(&dir);
+    let grown = run(async {
+        let img = open_direct(&path).await;
+        let write =
+            |at: u64, byte: u8| img.write(GuestOffset(at), IoBuf::from_slice(&[byte; 4096]), false);
+        write(0, 1).await.0.expect("write into a fresh cluster");
+        let before = disk_use(&path);
+        for sc in 1..8u64 {
+            write(sc * 32 * 1024, sc as u8 + 1)
+                .await
+                .0
+                .expect("write into a new subcluster");
+        }
+        let grown = disk_use(&path) - before;
+        img.close().await.expect("close");
+        grown
+    });
+    // Their own bytes, and one block of the L2 table, which may first reach the file in
+    // between; writing each subcluster whole would take 7 × 32 KiB.
+    assert!(
+        grown <= 8 * 4096,
+        "seven 4 KiB writes into new subclusters took {grown} bytes of disk"
+    );
+    assert_check_clean(&path);
+    let mut cmds = Vec::new();
+    for sc in 0..8u64 {
+        let at = sc * 32 * 1024;
+        cmds.push(format!("read -P {} {at} 4096", sc + 1));
+        cmds.push(format!("read -P 0 {} {}", at + 4096, 28 * 1024));
+    }
+    let cmds: Vec<&str> = cmds.iter().map(String::as_str).collect();
+    qemu_io("qcow2", &path, &cmds);
+}
+
+/// Where a subcluster's bytes are still in the file after it was zeroed (a zero flag, the
+/// data left in place), a new write into it writes the zeros around its data: the file does
+/// not read as zeros there.
+#[test]
+fn a_write_into_a_zeroed_subcluster_whose_old_bytes_remain_writes_its_zeros() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = wide_subcluster_image(&dir);
+    run(async {
+        let img = open_direct(&path).await;
+        let sub = 32 * 1024;
+        let old = IoBuf::from_slice(&vec![0xaa; sub as usize]);
+        img.write(GuestOffset(0), old, false)
+            .await
+            .0
+            .expect("write a whole subcluster");
+        img.write_zeroes(GuestOffset(0), sub, false, false)
+            .await
+            .expect("zero it, keeping its cluster");
+        let new = IoBuf::from_slice(&[0xbb; 4096]);
+        img.write(GuestOffset(0), new, false)
+            .await
+            .0
+            .expect("write into it again");
+        img.close().await.expect("close");
+    });
+    assert_check_clean(&path);
+    qemu_io(
+        "qcow2",
+        &path,
+        &[
+            "read -P 0xbb 0 4096",
+            "read -P 0 4096 28672",
+            "read -P 0 32768 1015808",
+        ],
+    );
+}

@@ -24,9 +24,15 @@ use std::cell::Cell;
 
 use storage::Storage;
 
-/// How much the file is grown at a time, at most (the image's virtual size bounds it, so a
-/// small image does not grow a large tail).
+/// How much the file is grown at a time with reserved blocks, at most (the image's virtual
+/// size bounds it, so a small image does not grow a large tail).
 const STEP: u64 = 64 << 20;
+
+/// How much the file's length is moved ahead at a time when it grows sparsely, at most (also
+/// bounded by the virtual size). Moving the length costs no blocks, but it takes the inode
+/// lock exclusively and waits for every direct write in flight, so each step stalls the
+/// whole queue once: long steps keep that rare.
+const SPARSE_STEP: u64 = 1 << 30;
 
 /// How the file grows ahead (see the module's text).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,7 +77,11 @@ impl GrowAhead {
         if grown == 0 || end <= grown {
             return;
         }
-        let step = STEP.min(disk_size.max(1 << 20));
+        let most = match self.how {
+            Growth::Zeroed => STEP,
+            Growth::Sparse => SPARSE_STEP,
+        };
+        let step = most.min(disk_size.max(1 << 20));
         let target = end.div_ceil(step).saturating_mul(step).max(end);
         // Claim the range first: a concurrent allocation past it must not grow it again.
         self.to.set(target);

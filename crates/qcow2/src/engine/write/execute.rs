@@ -109,6 +109,17 @@ impl<S: Storage + 'static> Inner<S> {
         )
     }
 
+    /// Whether `[host, host + len)` of the data file is a hole, which reads as zeros. Only
+    /// asked for the part of a cluster a fill would zero, under the write's exclusive lock on
+    /// that cluster: nothing else writes there meanwhile, so the answer holds until the
+    /// write. A file that cannot tell says data, and the zeros are written.
+    async fn host_is_hole(&self, host: HostOffset, len: u64) -> bool {
+        match self.top().data_storage().data_run(host.0, len).await {
+            Ok((false, n)) => n >= len,
+            _ => false,
+        }
+    }
+
     /// Remembers how far the image file may hold data.
     fn note_written(&self, end: HostOffset) {
         let top = self.top();
@@ -238,14 +249,15 @@ impl<S: Storage + 'static> Inner<S> {
     ) -> (Result<()>, IoBuf) {
         let meta = self.top().qcow2().expect("qcow2");
         let cs = meta.geom.cluster_size();
-        // A fresh cluster of an encrypted image reads as ciphertext, not zeros: every byte
-        // of it must be written, zeros enciphered like any data.
-        let fresh = fresh && meta.crypto.is_none();
+        // A cluster of an encrypted image reads as ciphertext, not zeros, even where the
+        // file has a hole: every byte of it must be written, zeros enciphered like any data.
+        let plain = meta.crypto.is_none();
         let first = plans[0].start;
         let end = offset + buf.len() as u64;
         let data_from = offset.max(first);
         let data_to = end.min(plans[plans.len() - 1].start + cs);
-        // What each fill reads as now; zeros need no copy into a fresh cluster.
+        // What each fill reads as now; zeros need no copy where the file already reads as
+        // zeros: a fresh cluster, or a part of a cluster that was never written.
         let mut fills: Vec<(GuestOffset, GuestOffset, Vec<Piece>)> = Vec::new();
         for p in plans {
             for &(s, t) in &p.fills {
@@ -256,7 +268,10 @@ impl<S: Storage + 'static> Inner<S> {
                 if let Err(e) = self.resolve(s, t - s, &mut pieces).await {
                     return (Err(e), buf);
                 }
-                if fresh && pieces.iter().all(|q| q.src.is_zero()) {
+                if plain
+                    && pieces.iter().all(|q| q.src.is_zero())
+                    && (fresh || self.host_is_hole(host + (s - first), t - s).await)
+                {
                     continue;
                 }
                 fills.push((s, t, pieces));
