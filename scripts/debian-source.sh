@@ -98,3 +98,37 @@ debian_orig_tarball() { # BINARY-PACKAGE CACHE
     }
     echo "$tarball"
 }
+
+# When the installed version's source has left Debian's archive (its pool keeps only the
+# versions some suite still carries), the same source package from a newer release: stable,
+# testing or unstable, trying each version apt lists, newest first, until one's orig tarball
+# arrives. The suites are the same project's, one release on; the message says which.
+#
+#   debian_newer_orig_tarball BINARY-PACKAGE CACHE-DIR
+debian_newer_orig_tarball() {
+    local pkg=$1 cache=$2 src installed apt_dir opts v tarball
+    src=$(dpkg-query -W -f='${source:Package}' "$pkg" 2>/dev/null) && [ -n "$src" ] || return 1
+    installed=$(dpkg-query -W -f='${Version}' "$pkg")
+    tarball=$(ls "$cache/${src}_"*.orig.tar.* 2>/dev/null | grep -v '\.asc$' | sort -V | tail -1 || true)
+    if [ -z "$tarball" ]; then
+        command -v apt-get >/dev/null || return 1
+        apt_dir="$cache/apt-newer"
+        mkdir -p "$apt_dir/lists/partial" "$apt_dir/archives/partial"
+        printf 'deb-src http://deb.debian.org/debian %s main\n' stable testing unstable >"$apt_dir/sources.list"
+        opts=(-o "Dir::Etc::SourceList=$apt_dir/sources.list" -o Dir::Etc::SourceParts=/dev/null
+            -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir" -o "Dir::Cache::archives=$apt_dir/archives"
+            -o Debug::NoLocking=1 -o APT::Sandbox::User="$(id -un)")
+        apt-get "${opts[@]}" -qq update >"$apt_dir/log" 2>&1 || return 1
+        for v in $(apt-cache "${opts[@]}" showsrc "$src" 2>/dev/null | sed -n 's/^Version: //p' | sort -rV | uniq); do
+            (cd "$cache" && apt-get "${opts[@]}" -qq source --download-only "$src=$v") >>"$apt_dir/log" 2>&1 || true
+            tarball=$(ls "$cache/${src}_"*.orig.tar.* 2>/dev/null | grep -v '\.asc$' | sort -V | tail -1 || true)
+            [ -n "$tarball" ] && break
+        done
+    fi
+    [ -n "$tarball" ] || {
+        echo "no version of $src's source can be had from Debian's archive (apt's messages: $cache/apt-newer/log)" >&2
+        return 1
+    }
+    echo "the source of $src $installed (installed) is gone from Debian's archive; using $(basename "$tarball"), a newer release's" >&2
+    echo "$tarball"
+}
