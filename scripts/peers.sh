@@ -273,8 +273,14 @@ nbd_tester() { # SRC
     local tester modes m role format transport dir conn r size extra args
     tester=$(nbd_build "$1") || exit 1
     # Modes as the tester's own runs (tests/run/simple_test) use them against nbd-server.
-    modes=(read oversize write flush rowrite integrity)
-    [ "$all" = 1 ] && modes+=(handshake integrityhuge)
+    modes=(read oversize write flush rowrite integrity list tls tlswrongcert)
+    [ "$all" = 1 ] && modes+=(handshake integrityhuge tlshuge)
+    # qemu-nbd's x509 directory takes the tester's certificates under its own file names.
+    local certs="$scratch/nbd-certs" c="$1/tests/run/certs"
+    mkdir -p "$certs"
+    ln -sf "$c/ca-cert.pem" "$c/server-cert.pem" "$c/server-key.pem" "$certs/"
+    local tls_server=(--object "tls-creds-x509,id=tls0,endpoint=server,dir=$certs,verify-peer=on" --tls-creds tls0)
+    local tls_client=(-C "$c/client-cert.pem" -K "$c/client-key.pem" -A "$c/ca-cert.pem" -H localhost)
     for m in "${modes[@]}"; do
         for format in raw qcow2 probed; do
             for transport in unix tcp; do
@@ -283,8 +289,10 @@ nbd_tester() { # SRC
                     mkdir -p "$dir"
                     extra=()
                     [ "$m" = rowrite ] && extra=(-r)
+                    [ "$m" = list ] && extra=(-r)
+                    [[ $m == tls* ]] && extra=("${tls_server[@]}")
                     size=4M
-                    [[ $m == integrity* ]] && size=50M
+                    [[ $m == integrity* || $m == tls* ]] && size=50M
                     read -ra conn <<<"$(nbd_server "$role" "$format" "$transport" "$dir" "$size" "${extra[@]}")"
                     args=()
                     case "$m" in
@@ -296,8 +304,20 @@ nbd_tester() { # SRC
                     integrityhuge) args=(-i -t "$1/tests/run/integrityhuge-test.tr") ;;
                     oversize) args=(-o) ;;
                     rowrite) args=(-w -F) ;;
+                    list) args=() ;;
+                    tls) args=(-i -t "$1/tests/run/integrity-test.tr" "${tls_client[@]}") ;;
+                    tlshuge) args=(-i -t "$1/tests/run/integrityhuge-test.tr" "${tls_client[@]}") ;;
+                    # A certificate the server's CA did not sign: the connection must fail.
+                    tlswrongcert) args=(-t "$1/tests/run/integrity-test.tr" -C "$c/selfsigned-cert.pem"
+                        -K "$c/selfsigned-key.pem" -A "$c/ca-cert.pem" -H localhost -F) ;;
                     esac
-                    r=$(run_test "$role" "$dir" "$dir/log" "$tester" "${conn[@]}" -N export "${args[@]}")
+                    if [ "$m" = list ]; then
+                        # The installed nbd-client's listing, then a read of the export it names.
+                        r=$(run_test "$role" "$dir" "$dir/log" sh -c 'nbd-client -l "$@" | grep -qx export && exec "$0" "$@" -N export' \
+                            "$tester" "${conn[@]}")
+                    else
+                        r=$(run_test "$role" "$dir" "$dir/log" "$tester" "${conn[@]}" -N export "${args[@]}")
+                    fi
                     kill "$(cat "$dir/pid" 2>/dev/null)" 2>/dev/null || true
                     printf 'nbd %s %s %s\t%s\t%s\n' "$m" "$format" "$transport" "$role" "$r" >>"$scratch/results"
                 done
