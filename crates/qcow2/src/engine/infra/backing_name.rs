@@ -291,6 +291,23 @@ mod tests {
     }
 
     #[test]
+    fn relative_names_have_no_directory_on_a_quorum_node() {
+        let node = storage::quorum::QuorumNode {
+            threshold: 1,
+            children: vec!["/a/top.qcow2".into(), "/b/top.qcow2".into()],
+        };
+        let image = PathBuf::from(node.name());
+        assert!(matches!(
+            resolve(&image, "base.qcow2"),
+            Err(BackingError::NoBaseDirectory { .. })
+        ));
+        assert_eq!(
+            resolve(&image, "/c/base.qcow2").unwrap(),
+            Path::new("/c/base.qcow2")
+        );
+    }
+
+    #[test]
     fn refuses_json_and_protocol_names() {
         let top = Path::new("top.qcow2");
         assert!(matches!(
