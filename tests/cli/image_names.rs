@@ -404,7 +404,8 @@ fn info_of_an_image_on_a_quorum_node() {
 }
 
 /// Reads through a quorum node return what at least `vote-threshold` children agree on, and
-/// fail with an I/O error when too few agree.
+/// fail with an I/O error when too few agree (`compare` in qemu-img's words; `convert`'s
+/// wording of a failed read is its own).
 #[test]
 fn reads_through_a_quorum_node_vote() {
     let p = Pair::new(quorum_files);
@@ -416,6 +417,7 @@ fn reads_through_a_quorum_node_vote() {
         p.same(&["compare", "-f", "raw", "-F", "raw", &out, "b.raw"]);
     }
     let name = quorum_name("raw", "3", &["a.raw", "b.raw", "c.raw"]);
+    p.same(&["compare", "-f", "raw", "-F", "raw", &name, "b.raw"]);
     let (q, o) = p.run(&["convert", "-O", "raw", &name, "out3.raw"]);
     assert_eq!((o.status.code(), q.status.code()), (Some(1), Some(1)));
     for err in [&o.stderr, &q.stderr] {
