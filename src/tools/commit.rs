@@ -112,8 +112,10 @@ pub enum CommitError {
         /// The error.
         source: CopyError,
     },
-    /// The base holds everything, but emptying the top failed.
-    #[error("Image committed, but emptying '{top}' failed: {source}")]
+    /// The base holds everything, but emptying the top failed. Said as QEMU says it (the
+    /// system's words for the failure, which scripts match); the failing request is in the
+    /// debug log.
+    #[error("Failed to empty {top}: {}", os_words(source.as_ref()))]
     Empty {
         /// The top image.
         top: String,
@@ -128,6 +130,12 @@ pub enum CommitError {
 /// The system's words for the I/O error under `e`, as QEMU's block job reports it; the whole
 /// text when no I/O error is under it.
 fn job_failure(e: &CopyError) -> String {
+    os_words(e)
+}
+
+/// The system's words for the I/O error under `e`, as QEMU reports a failed request; the
+/// whole text when no I/O error is under it.
+fn os_words(e: &(dyn std::error::Error + 'static)) -> String {
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(c) = cause {
         if let Some(code) = c
@@ -420,9 +428,12 @@ async fn commit(args: &CommitArgs) -> Result<(), CommitError> {
     // The base must hold everything durably before the top lets go of anything.
     base.close().await.map_err(|e| copy_err(e.into()))?;
     job.progress.finish();
-    let empty_err = |e| CommitError::Empty {
-        top: args.top.display().to_string(),
-        source: Box::new(e),
+    let empty_err = |e: EngineError| {
+        tracing::debug!("emptying '{}' failed: {e}", args.top.display());
+        CommitError::Empty {
+            top: args.top.display().to_string(),
+            source: Box::new(e),
+        }
     };
     if !args.drop && args.base.is_none() {
         opened.top.make_empty().await.map_err(empty_err)?;

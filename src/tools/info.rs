@@ -239,14 +239,17 @@ fn describe(
             if let Some(backing) = &info.backing_filename {
                 // qemu-img shows where the name points even without opening it; a name we
                 // would never follow, and a `json:` name (which QEMU takes as it is), are
-                // shown as stored.
-                info.full_backing_filename =
-                    Some(if storage::opener::described::is_json_name(backing) {
-                        backing.clone()
-                    } else {
-                        backing_chain::resolve(path, backing)
-                            .map_or_else(|_| backing.clone(), |p| p.display().to_string())
-                    });
+                // shown as stored; a relative name in an image with no directory of its own
+                // (over a `quorum` node) points nowhere QEMU can tell.
+                info.full_backing_filename = if storage::opener::described::is_json_name(backing) {
+                    Some(backing.clone())
+                } else {
+                    match backing_chain::resolve(path, backing) {
+                        Ok(p) => Some(p.display().to_string()),
+                        Err(BackingError::NoBaseDirectory { .. }) => None,
+                        Err(_) => Some(backing.clone()),
+                    }
+                };
             }
             info
         }

@@ -260,3 +260,68 @@ fn wrong_inline_blkdebug_rules_are_refused_in_qemu_words() {
         assert_eq!(out.status.code(), Some(1));
     }
 }
+
+/// A 64 MiB image over a backing file, with data in its first cluster and one far behind
+/// it, and a rule failing every request once `event` is announced.
+fn top_over_base(d: &Dir, event: &str) {
+    d.create("base.qcow2", "qcow2", "", None, "64M");
+    d.qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "base.qcow2",
+        "-F",
+        "qcow2",
+        "top.qcow2",
+        "64M",
+    ]);
+    d.qemu_io(
+        "qcow2",
+        "top.qcow2",
+        &["write -P 3 0 64k", "write -P 4 10M 64k"],
+    );
+    std::fs::write(
+        d.path("empty.conf"),
+        format!("[inject-error]\nevent = \"{event}\"\n"),
+    )
+    .expect("write the rules");
+}
+
+/// `commit` empties a version 3 top image as QEMU does: a new minimal structure at the start
+/// of the file, which ends right after it; `check` finds the same, and the image, cut from
+/// its backing file, maps the same.
+#[test]
+fn commit_empties_the_top_as_qemu_does() {
+    let p = Pair::new(|d| top_over_base(d, "none"));
+    p.same(&["commit", "top.qcow2"]);
+    let len = |d: &Dir| std::fs::metadata(d.path("top.qcow2")).expect("top").len();
+    assert_eq!(len(&p.ours), len(&p.qemu), "the emptied top's length");
+    p.same(&["check", "top.qcow2"]);
+    for d in [&p.qemu, &p.ours] {
+        d.qemu_img(&["rebase", "-u", "-b", "", "top.qcow2"]);
+    }
+    p.same(&["map", "--output=json", "top.qcow2"]);
+    p.same(&["info", "top.qcow2"]);
+}
+
+/// A failure at each point QEMU announces while it empties the top: the same message, and
+/// an image `check` finds in the same state (dirty, with the old structure or the half-built
+/// new one) and repairs the same way.
+#[test]
+fn a_failure_while_emptying_the_top_leaves_what_qemu_leaves() {
+    for event in [
+        "l1_update",
+        "empty_image_prepare",
+        "reftable_update",
+        "refblock_alloc",
+    ] {
+        let p = Pair::new(|d| top_over_base(d, event));
+        let out = p.same(&["commit", "blkdebug:empty.conf:top.qcow2"]);
+        assert_eq!(out.status.code(), Some(1), "{event}");
+        p.same(&["check", "top.qcow2"]);
+        p.same(&["check", "-r", "all", "top.qcow2"]);
+        p.same(&["check", "top.qcow2"]);
+    }
+}

@@ -320,3 +320,108 @@ fn info_of_a_missing_file_says_what_qemu_img_says() {
     p.same(&["info", "missing.qcow2"]);
     p.same(&["info", "-f", "qcow2", "missing.qcow2"]);
 }
+
+/// A qcow2 image over a backing file named relatively, a copy of it, and three raw files of
+/// which two hold the same bytes.
+fn quorum_files(d: &Dir) {
+    chain(d);
+    d.qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "base.qcow2",
+        "-F",
+        "qcow2",
+        "rel.qcow2",
+        "64M",
+    ]);
+    std::fs::copy(d.path("rel.qcow2"), d.path("rel.copy")).expect("copy the image");
+    for (name, pattern) in [("a.raw", "0x33"), ("b.raw", "0x44"), ("c.raw", "0x44")] {
+        d.create(name, "raw", "", None, "1M");
+        d.qemu_io("raw", name, &[&format!("write -P {pattern} 0 64k")]);
+    }
+}
+
+/// The `json:` name of `format` over a quorum node of `children` with `threshold`.
+fn quorum_name(format: &str, threshold: &str, children: &[&str]) -> String {
+    let children: Vec<String> = children
+        .iter()
+        .map(|c| format!("{{'driver':'file','filename':'{c}'}}"))
+        .collect();
+    format!(
+        "json:{{'driver':'{format}','file':{{'driver':'quorum','vote-threshold':{threshold},\
+         'children':[{}]}}}}",
+        children.join(",")
+    )
+}
+
+/// The lines of `info` that describe the image rather than the nodes it is opened through
+/// (QEMU also names the node in its own JSON layout and lists the quorum's children, which
+/// is not shown here).
+fn described(d: &Dir, out: &[u8]) -> Vec<String> {
+    let root = d.root().to_str().expect("UTF-8 path");
+    String::from_utf8_lossy(out)
+        .replace(root, "DIR")
+        .lines()
+        .take_while(|l| !l.starts_with("Child node"))
+        .filter(|l| !l.starts_with("image: ") && !l.starts_with("disk size"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// `info` of an image on a quorum node: the image is described as on one file, and a
+/// relative backing name has no actual path, since the children may lie in different
+/// directories; thresholds QEMU refuses are refused in its words.
+#[test]
+fn info_of_an_image_on_a_quorum_node() {
+    let p = Pair::new(quorum_files);
+    for children in [["rel.qcow2", "rel.copy"], ["top.qcow2", "top.qcow2"]] {
+        let (q, o) = p.run(&["info", &quorum_name("qcow2", "1", &children)]);
+        assert_eq!((o.status.code(), q.status.code()), (Some(0), Some(0)));
+        assert_eq!(
+            described(&p.ours, &o.stdout),
+            described(&p.qemu, &q.stdout),
+            "{children:?}"
+        );
+    }
+    let (_, o) = p.run(&[
+        "info",
+        &quorum_name("qcow2", "2", &["rel.qcow2", "rel.copy"]),
+    ]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("backing file: base.qcow2 (cannot determine actual path)"),
+        "{text}"
+    );
+    for threshold in ["0", "3"] {
+        p.same(&[
+            "info",
+            &quorum_name("qcow2", threshold, &["rel.qcow2", "rel.copy"]),
+        ]);
+    }
+}
+
+/// Reads through a quorum node return what at least `vote-threshold` children agree on, and
+/// fail with an I/O error when too few agree (`compare` in qemu-img's words; `convert`'s
+/// wording of a failed read is its own).
+#[test]
+fn reads_through_a_quorum_node_vote() {
+    let p = Pair::new(quorum_files);
+    for threshold in ["1", "2"] {
+        let name = quorum_name("raw", threshold, &["a.raw", "b.raw", "c.raw"]);
+        let out = format!("out{threshold}.raw");
+        p.same(&["convert", "-O", "raw", &name, &out]);
+        p.same(&["compare", "-f", "raw", "-F", "raw", &name, "b.raw"]);
+        p.same(&["compare", "-f", "raw", "-F", "raw", &out, "b.raw"]);
+    }
+    let name = quorum_name("raw", "3", &["a.raw", "b.raw", "c.raw"]);
+    p.same(&["compare", "-f", "raw", "-F", "raw", &name, "b.raw"]);
+    let (q, o) = p.run(&["convert", "-O", "raw", &name, "out3.raw"]);
+    assert_eq!((o.status.code(), q.status.code()), (Some(1), Some(1)));
+    for err in [&o.stderr, &q.stderr] {
+        let text = String::from_utf8_lossy(err);
+        assert!(text.contains("Input/output error"), "{text}");
+    }
+}

@@ -54,6 +54,7 @@ mod mem;
 pub mod nbd;
 pub mod null;
 pub mod opener;
+pub mod quorum;
 pub mod rng;
 pub mod size_string;
 mod sys;
@@ -71,6 +72,7 @@ pub use first_block::{allocate_first_block, first_block_len};
 pub use lock::{LockError, Locking, Permissions};
 pub use mem::{MemFs, MemStorage};
 pub use opener::{not_a_file, Aio, AnyStorage, FileOpener};
+pub use quorum::QuorumStorage;
 pub use threads::ThreadsStorage;
 pub use uring::{Reactor, UringStorage};
 

@@ -16,9 +16,9 @@ mod values;
 
 pub use model::Header;
 pub use update::{
-    active_disk_update, autoclear_update, compatible_update, incompatible_update, l1_update,
-    nb_snapshots_update, refcount_structure_update, reftable_update, size_update, snapshots_update,
-    FieldUpdate,
+    active_disk_update, autoclear_update, compatible_update, emptied_tables_update,
+    incompatible_update, l1_update, nb_snapshots_update, refcount_structure_update,
+    reftable_update, size_update, snapshots_update, FieldUpdate,
 };
 pub use values::{
     Strictness, COMPRESSION_ZLIB, COMPRESSION_ZSTD, CRYPT_AES, CRYPT_LUKS, CRYPT_NONE, QCOW2_MAGIC,

@@ -87,6 +87,18 @@ fn active_disk_update_switches_size_and_l1_together() {
 }
 
 #[test]
+fn emptied_tables_update_moves_l1_and_refcount_tables_only() {
+    let (before, mut buf) = image();
+    apply(&mut buf, emptied_tables_update(9 << 16, 4 << 16, 2));
+    let after = Header::decode(&buf).expect("still valid");
+    let mut expected = before;
+    expected.l1_table_offset = 9 << 16;
+    expected.refcount_table_offset = 4 << 16;
+    expected.refcount_table_clusters = 2;
+    assert_eq!(after, expected, "l1_size and nb_snapshots around them stay");
+}
+
+#[test]
 fn refcount_structure_update_keeps_the_fields_between() {
     let (mut before, mut buf) = image();
     before.compatible_features = features::COMPAT_LAZY_REFCOUNTS;

@@ -105,6 +105,21 @@ pub fn refcount_structure_update(
     FieldUpdate::new(field::REFCOUNT_TABLE_OFFSET, bytes)
 }
 
+/// The update that points the header at the L1 and refcount tables of an emptied image in
+/// one write: `l1_table_offset`, `refcount_table_offset` and `refcount_table_clusters` are
+/// contiguous (`l1_size` stays, since the emptied L1 table keeps its size).
+pub fn emptied_tables_update(
+    l1_table_offset: u64,
+    refcount_table_offset: u64,
+    refcount_table_clusters: u32,
+) -> FieldUpdate<20> {
+    let mut bytes = [0u8; 20];
+    bytes[..8].copy_from_slice(&l1_table_offset.to_be_bytes());
+    bytes[8..16].copy_from_slice(&refcount_table_offset.to_be_bytes());
+    bytes[16..].copy_from_slice(&refcount_table_clusters.to_be_bytes());
+    FieldUpdate::new(field::L1_TABLE_OFFSET, bytes)
+}
+
 /// The update that sets `nb_snapshots` and `snapshots_offset` together.
 pub fn snapshots_update(nb_snapshots: u32, snapshots_offset: u64) -> FieldUpdate<12> {
     FieldUpdate::new(

@@ -56,6 +56,8 @@ pub enum AnyStorage {
     /// A file behind QEMU's `blkdebug` fault injection (a `blkdebug:CONFIG:FILE` name or a
     /// blkdebug node's JSON name).
     Blkdebug(Box<crate::BlkdebugStorage<AnyStorage>>),
+    /// Several files that vote on every read (a `quorum` node's JSON name).
+    Quorum(Box<crate::QuorumStorage<AnyStorage>>),
 }
 
 impl AnyStorage {
@@ -65,6 +67,7 @@ impl AnyStorage {
             AnyStorage::Uring(_) => Aio::IoUring,
             AnyStorage::Threads(_) | AnyStorage::Nbd(_) | AnyStorage::Null(_) => Aio::Threads,
             AnyStorage::Blkdebug(s) => s.inner().aio(),
+            AnyStorage::Quorum(s) => s.children().first().map_or(Aio::Threads, AnyStorage::aio),
         }
     }
 }
@@ -77,6 +80,7 @@ macro_rules! each {
             AnyStorage::Nbd($s) => $e,
             AnyStorage::Null($s) => $e,
             AnyStorage::Blkdebug($s) => $e,
+            AnyStorage::Quorum($s) => $e,
         }
     };
 }
@@ -158,6 +162,11 @@ impl Opener for FileOpener {
                     return storage;
                 }
             }
+            NameKind::Quorum => {
+                if let Some(storage) = self.open_quorum(text, opts).await {
+                    return storage;
+                }
+            }
             NameKind::File => {}
         }
         let opts = OpenOptions {
@@ -219,6 +228,27 @@ impl FileOpener {
         Some(Ok(AnyStorage::Blkdebug(Box::new(
             crate::BlkdebugStorage::new(inner, rules),
         ))))
+    }
+}
+
+impl FileOpener {
+    /// The children a `quorum` name names, opened and wrapped (`None`: the name does not
+    /// parse as one, and is opened as a file of that name).
+    async fn open_quorum(&self, text: &str, opts: OpenOptions) -> Option<io::Result<AnyStorage>> {
+        let node = crate::quorum::QuorumNode::parse(text)?;
+        let mut children = Vec::with_capacity(node.children.len());
+        for child in &node.children {
+            // Boxed: opening a child is a call of `open` itself.
+            match Box::pin(self.open(Path::new(child), opts)).await {
+                Ok(c) => children.push(c),
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        Some(
+            crate::QuorumStorage::new(children, node.threshold)
+                .map(|q| AnyStorage::Quorum(Box::new(q)))
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e)),
+        )
     }
 }
 

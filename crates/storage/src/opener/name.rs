@@ -1,6 +1,6 @@
 //! What an image name names, and what reading one gives: [`kind`] tells a local file from an
-//! NBD export (`nbd://`, `nbd+unix://`, `nbd:...`), a `null-co` device and a `blkdebug`
-//! wrapper, for the opener and for everyone who must know before opening; [`ImageName`] is
+//! NBD export (`nbd://`, `nbd+unix://`, `nbd:...`), a `null-co` device, a `blkdebug`
+//! wrapper and a `quorum` node, for the opener and for everyone who must know before opening; [`ImageName`] is
 //! a name read ([`super::parse`]), and [`NameError`] / [`Reason`] say why one was refused.
 
 use std::collections::BTreeMap;
@@ -17,6 +17,8 @@ pub enum NameKind {
     Null,
     /// A file behind QEMU's `blkdebug` fault injection.
     Blkdebug,
+    /// QEMU's `quorum` node over several files.
+    Quorum,
 }
 
 impl NameKind {
@@ -27,6 +29,7 @@ impl NameKind {
             NameKind::Nbd => Some("an NBD export"),
             NameKind::Null => Some("a null-co device"),
             NameKind::Blkdebug => Some("a blkdebug fault-injection node"),
+            NameKind::Quorum => Some("a quorum node"),
         }
     }
 }
@@ -44,6 +47,8 @@ pub fn kind_of_text(text: &str) -> NameKind {
         NameKind::Null
     } else if text.starts_with("blkdebug:") || crate::blkdebug::Node::parse(text).is_some() {
         NameKind::Blkdebug
+    } else if crate::quorum::QuorumNode::parse(text).is_some() {
+        NameKind::Quorum
     } else {
         NameKind::File
     }
@@ -160,6 +165,12 @@ pub enum Reason {
     /// A `blkdebug` limit that is not a size or breaks QEMU's constraints.
     #[error("Cannot meet constraints with {0}")]
     BlkdebugLimit(String),
+    /// A `quorum` node QEMU would refuse (its children or its threshold).
+    #[error("{0}")]
+    Quorum(#[from] crate::quorum::QuorumError),
+    /// A `quorum` option value QEMU would refuse.
+    #[error("Parameter '{0}' expects {1}")]
+    QuorumValue(String, &'static str),
     /// An option given both as a value and as an object with members.
     #[error("Option '{0}' is given both as a value and as an object")]
     Conflict(String),

@@ -186,6 +186,11 @@ pub(super) fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Re
             members.remove("driver");
             blkdebug_node(members)?
         }
+        Some(Val::Text(d)) if d == "quorum" && file_direct.is_none() => {
+            let mut members = file_members;
+            members.remove("driver");
+            quorum_node(members)?
+        }
         _ => file_node(file_direct, file_members)?,
     };
     // A layer's encryption key (`encrypt.key-secret`, `backing.encrypt.key-secret`, ...) is
@@ -364,6 +369,72 @@ fn blkdebug_node(mut members: BTreeMap<String, Val>) -> Result<PathBuf, Reason> 
     // Its rules are read by whoever opens it ([`super::parse`] for a name given to a tool),
     // so that an image's name can be refused before its `config` file is read.
     Ok(PathBuf::from(node.name()))
+}
+
+/// A `quorum` node under the format driver: its `children` (each a `file` node, in the order
+/// of their indices) and its `vote-threshold`, checked as QEMU checks them, turned into the
+/// node's JSON name ([`crate::quorum::QuorumNode`]), which the storage opener opens. QEMU's
+/// default `read-pattern` (`quorum`) is taken; its other options (reading the first child
+/// only, rewriting the children that lose a vote, blkverify's mode) are refused.
+fn quorum_node(mut members: BTreeMap<String, Val>) -> Result<PathBuf, Reason> {
+    use crate::quorum::{check_threshold, QuorumNode};
+    let (direct, items) = take_node(&mut members, "children")?;
+    if let Some(v) = direct {
+        let shown = match v {
+            Val::Text(t) => t,
+            Val::Null => "null".into(),
+        };
+        return Err(Reason::NodeRef(shown));
+    }
+    // `N.key` members, grouped by child in the order of N.
+    let mut by_index: BTreeMap<usize, BTreeMap<String, Val>> = BTreeMap::new();
+    for (key, value) in items {
+        let (index, field) = key
+            .split_once('.')
+            .and_then(|(i, f)| Some((i.parse::<usize>().ok()?, f)))
+            .ok_or_else(|| Reason::FormatOption {
+                driver: "quorum".into(),
+                option: format!("children.{key}"),
+            })?;
+        by_index
+            .entry(index)
+            .or_default()
+            .insert(field.to_string(), value);
+    }
+    // QEMU counts the children from index 0 up to the first one missing.
+    if by_index.keys().enumerate().any(|(n, &i)| n != i) {
+        return Err(Reason::FormatOption {
+            driver: "quorum".into(),
+            option: "children".into(),
+        });
+    }
+    let children = by_index
+        .into_values()
+        .map(|child| file_node(None, child).map(|p| p.to_string_lossy().into_owned()))
+        .collect::<Result<Vec<String>, Reason>>()?;
+    let threshold = match text(members.remove("vote-threshold")) {
+        None => 0,
+        Some(t) => t
+            .parse::<usize>()
+            .map_err(|_| Reason::QuorumValue("vote-threshold".into(), "a number"))?,
+    };
+    if let Some(p) = text(members.remove("read-pattern")) {
+        if p != "quorum" {
+            return Err(Reason::FormatOption {
+                driver: "quorum".into(),
+                option: "read-pattern".into(),
+            });
+        }
+    }
+    check_leftover(&members, "quorum", &[])?;
+    check_threshold(threshold, children.len())?;
+    Ok(PathBuf::from(
+        QuorumNode {
+            threshold,
+            children,
+        }
+        .name(),
+    ))
 }
 
 /// Checks the options of a `blkdebug` filter node above the image: limits that are sizes

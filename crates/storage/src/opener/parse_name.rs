@@ -118,7 +118,7 @@ fn protocol_colon(bytes: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::opener::name::{COMPRESS_OPTION, MAX_JSON_LEN};
+    use crate::opener::name::{NameKind, COMPRESS_OPTION, MAX_JSON_LEN};
 
     fn p(s: &str, opts: bool) -> Result<ImageName, NameError> {
         parse(OsStr::new(s), opts)
@@ -334,6 +334,38 @@ mod tests {
             reason("driver=quorum,children.0.file.filename=a", true),
             Reason::UnknownDriver("quorum".into())
         );
+        // A quorum node under the format: its children in index order, its threshold
+        // checked as QEMU checks it.
+        let quorum = "driver=qcow2,file.driver=quorum,file.children.1.filename=/t/b,\
+                      file.children.0.filename=/t/a";
+        let n = p(&format!("{quorum},file.vote-threshold=2"), true).unwrap();
+        assert_eq!(
+            crate::quorum::QuorumNode::parse(n.path.to_str().unwrap()),
+            Some(crate::quorum::QuorumNode {
+                threshold: 2,
+                children: vec!["/t/a".into(), "/t/b".into()],
+            })
+        );
+        assert_eq!(crate::opener::name::kind(&n.path), NameKind::Quorum);
+        for (extra, why) in [
+            (
+                "",
+                Reason::Quorum(crate::quorum::QuorumError::ThresholdZero),
+            ),
+            (
+                ",file.vote-threshold=3",
+                Reason::Quorum(crate::quorum::QuorumError::ThresholdTooHigh),
+            ),
+            (
+                ",file.vote-threshold=1,file.read-pattern=fifo",
+                Reason::FormatOption {
+                    driver: "quorum".into(),
+                    option: "read-pattern".into(),
+                },
+            ),
+        ] {
+            assert_eq!(reason(&format!("{quorum}{extra}"), true), why, "{extra}");
+        }
         // NBD: the export's name, as the opener connects by it and QEMU shows it.
         let nbd = p("driver=nbd,host=127.0.0.1", true).unwrap();
         assert_eq!(nbd.path, PathBuf::from("nbd://127.0.0.1:10809"));

@@ -7,6 +7,7 @@
 //! - [`refcount`]: refcounts, finding and freeing clusters, refcount blocks and table growth;
 //! - [`l2_table`]: giving a guest range a writable L2 table;
 //! - [`l2_entry`]: reading and atomically updating L2 entries through the cache;
+//! - [`empty`]: emptying the image completely after a commit, as QEMU does;
 //! - [`run`]: the one door for L2 changes (`change_l2`, in the order a crash needs) and a
 //!   write's allocation (`allocate`, then `change_l2` or `abandon`).
 //!
@@ -15,6 +16,7 @@
 mod access;
 pub(crate) use access::MetaTxn;
 mod bitmaps;
+mod empty;
 pub(crate) mod l2_entry;
 mod l2_table;
 mod prealloc;

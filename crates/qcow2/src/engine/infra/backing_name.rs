@@ -59,6 +59,15 @@ pub enum BackingError {
         /// The rule it breaks.
         rule: storage::Refusal,
     },
+    /// A relative name in an image whose file has no one directory to resolve it against:
+    /// a `quorum` node's children may each lie elsewhere, so QEMU gives such a node none.
+    #[error("Cannot generate a base directory for quorum nodes")]
+    NoBaseDirectory {
+        /// The image naming it.
+        image: String,
+        /// The name.
+        name: String,
+    },
     /// The chain is deeper than [`MAX_CHAIN_DEPTH`].
     #[error("{image}: backing chain is deeper than {MAX_CHAIN_DEPTH} images")]
     TooDeep {
@@ -155,7 +164,8 @@ pub fn admit(
 }
 
 /// Resolves `name` (as stored in `image`) to a path, as QEMU's `path_combine` does: absolute
-/// names as they are, relative ones against the image's directory. Refuses `json:` and
+/// names as they are, relative ones against the image's directory (refused, as in QEMU, when
+/// the image's file is a `quorum` node, which has none). Refuses `json:` and
 /// protocol-prefixed names; a `json:` name becomes the file (or blkdebug node name) it
 /// describes (read by the storage opener).
 pub fn resolve(image: &Path, name: &str) -> Result<PathBuf, BackingError> {
@@ -181,6 +191,12 @@ pub fn resolve(image: &Path, name: &str) -> Result<PathBuf, BackingError> {
     let path = Path::new(name);
     if path.is_absolute() {
         return Ok(path.to_path_buf());
+    }
+    if storage::opener::name::kind(image) == storage::opener::name::NameKind::Quorum {
+        return Err(BackingError::NoBaseDirectory {
+            image: image.display().to_string(),
+            name: name.into(),
+        });
     }
     // Behind fault injection, the image's own file is what names are relative to.
     let file = image.to_str().and_then(storage::blkdebug::image_file);
@@ -271,6 +287,23 @@ mod tests {
         assert_eq!(
             resolve(Path::new("top.qcow2"), "b.qcow2").unwrap(),
             PathBuf::from("b.qcow2")
+        );
+    }
+
+    #[test]
+    fn relative_names_have_no_directory_on_a_quorum_node() {
+        let node = storage::quorum::QuorumNode {
+            threshold: 1,
+            children: vec!["/a/top.qcow2".into(), "/b/top.qcow2".into()],
+        };
+        let image = PathBuf::from(node.name());
+        assert!(matches!(
+            resolve(&image, "base.qcow2"),
+            Err(BackingError::NoBaseDirectory { .. })
+        ));
+        assert_eq!(
+            resolve(&image, "/c/base.qcow2").unwrap(),
+            Path::new("/c/base.qcow2")
         );
     }
 

@@ -89,19 +89,25 @@ where
         offset: 0,
         source,
     })?;
-    let magic = read_exact(&file, &name, "reading the header", 0, 4).await?;
-    let is_qcow2 = file_len >= 4 && magic[..4] == QCOW2_MAGIC.to_be_bytes();
     let format = match format {
         Some(f) => f,
-        None if is_qcow2 => Format::Qcow2,
-        None if top => {
-            return Err(EngineError::Unsupported {
-                image: name,
-                what: "opening a file that is not qcow2 without an explicit format (use raw)"
-                    .into(),
-            })
+        // Only a probe reads the magic: a format given is taken as it is, and a raw image's
+        // first bytes are then read only when the guest reads them (a read that fails, as
+        // when a quorum's children disagree, fails that read, as in QEMU).
+        None => {
+            let magic = read_exact(&file, &name, "reading the header", 0, 4).await?;
+            if file_len >= 4 && magic[..4] == QCOW2_MAGIC.to_be_bytes() {
+                Format::Qcow2
+            } else if top {
+                return Err(EngineError::Unsupported {
+                    image: name,
+                    what: "opening a file that is not qcow2 without an explicit format (use raw)"
+                        .into(),
+                });
+            } else {
+                Format::Raw
+            }
         }
-        None => Format::Raw,
     };
     if format == Format::Raw {
         if data_file.is_some() {

@@ -1,6 +1,8 @@
 //! Emptying layer 0, as `qemu-img commit` does to the top image once the base holds its
 //! data: every L2 entry becomes unallocated (not zero: the backing file is meant to show
-//! through again) and the clusters the entries held are released.
+//! through again). A version 3 image whose clusters all belong to the active disk gets a new,
+//! minimal structure, as in QEMU (`alloc/empty.rs`); any other image has the clusters its
+//! entries held released one by one.
 
 use crate::engine::alloc::{L2Change, Precedes};
 use crate::engine::infra::error::{EngineError, Result};
@@ -41,6 +43,9 @@ impl<S: Storage + 'static> Image<S> {
             .lock_range(GuestOffset(0), size, LockMode::Exclusive)
             .await;
         let w = self.inner.alloc()?;
+        if w.can_empty_completely() {
+            return w.make_completely_empty().await;
+        }
         let step = STEP_CLUSTERS.saturating_mul(meta.geom.cluster_size());
         let mut pos = 0;
         while pos < size {
