@@ -229,16 +229,12 @@ fn now() -> (u32, u32) {
     (t.as_secs() as u32, t.subsec_micros() * 1000)
 }
 
-/// Why an operation failed: QEMU's words (its errno text) for what QEMU refuses too, with
-/// our detail after them; anything else in full.
+/// Why an operation failed: for what QEMU refuses too, only its words (the errno text), as
+/// scripts compare them; anything else in full.
 fn reason(e: &EngineError) -> String {
     match e {
         EngineError::Snapshot { source, .. } => {
-            let words = engine_run::plain_io(&std::io::Error::from_raw_os_error(source.errno()));
-            match source {
-                SnapshotError::NotQcow2 | SnapshotError::DataFile => words,
-                other => format!("{words} ({other})"),
-            }
+            engine_run::plain_io(&std::io::Error::from_raw_os_error(source.errno()))
         }
         other => other.to_string(),
     }

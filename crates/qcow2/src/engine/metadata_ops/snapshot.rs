@@ -7,9 +7,11 @@
 //! the old state to the new are header writes within the first sector: `nb_snapshots` with
 //! `snapshots_offset`, or the guest size with the active L1 table's size and offset.
 //!
-//! - create: the copy of the active L1 table and the raised refcounts are durable, then the
-//!   active disk's COPIED flags are cleared (a crash between leaves an unused reference
-//!   beside a flag still set: a leak), then the new table is written and switched to.
+//! - create: the copy of the active L1 table is written first, as QEMU writes it (so a
+//!   refusal to raise a refcount leaks its clusters, as in QEMU); the copy and the raised
+//!   refcounts are durable, then the active disk's COPIED flags are cleared (a crash
+//!   between leaves an unused reference beside a flag still set: a leak), then the new
+//!   table is written and switched to.
 //! - apply: the snapshot's references are raised and the flags of its tables cleared, a new
 //!   active L1 table is written, the header switches to it (and to the snapshot's size), and
 //!   only then are the old active disk's references dropped. A crash shows the old disk or
@@ -91,13 +93,17 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.flush().await?;
         let active: Vec<u64> = t.meta.l1.borrow().clone();
         let refs = t.alloc.tree_refs(&active).await?;
-        t.alloc.check_refs_fit(&refs).await?;
         // The copy keeps the flags as they are, as QEMU's does: a snapshot's flags are
-        // never relied on.
+        // never relied on. It is written before the references are judged, as QEMU writes
+        // it: a refusal leaves its clusters leaked, as QEMU leaves them.
         let copy = t
             .alloc
             .write_new_l1(&active, MetaKind::SnapshotL1Table)
             .await?;
+        if let Err(refused) = t.alloc.check_refs_fit(&refs).await {
+            self.persist(&t).await?;
+            return Err(refused);
+        }
         t.alloc.add_refs(&refs).await?;
         self.persist(&t).await?;
         // Every cluster of the active disk is now shared with the snapshot.

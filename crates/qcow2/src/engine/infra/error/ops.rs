@@ -127,6 +127,15 @@ pub enum SnapshotError {
         /// The largest refcount the image can store.
         max: u64,
     },
+    /// A cluster the snapshot would reference has no refcount block, and the refcount table
+    /// has room for one: QEMU would create the block and fail with EAGAIN, asking its caller
+    /// to start over; nothing is created here.
+    #[error("cluster {0:#x} has no refcount block")]
+    RefcountBlockMissing(u64),
+    /// A cluster the snapshot would reference lies beyond what a refcount table within
+    /// QEMU's limit can describe.
+    #[error("cluster {0:#x} lies beyond what a refcount table of QEMU's size limit can describe")]
+    BeyondRefcountTable(u64),
     /// The snapshot's disk needs a larger L1 table than QEMU allows.
     #[error("the snapshot's disk of {0} bytes needs an L1 table larger than QEMU's 32 MiB")]
     TooLarge(u64),
@@ -139,7 +148,10 @@ impl SnapshotError {
             SnapshotError::NotFound(_) => libc_errno::ENOENT,
             SnapshotError::NotQcow2 | SnapshotError::DataFile => libc_errno::ENOTSUP,
             SnapshotError::ActiveBitmaps => libc_errno::EBUSY,
-            SnapshotError::TooMany(_) | SnapshotError::TooLarge(_) => libc_errno::EFBIG,
+            SnapshotError::TooMany(_)
+            | SnapshotError::TooLarge(_)
+            | SnapshotError::BeyondRefcountTable(_) => libc_errno::EFBIG,
+            SnapshotError::RefcountBlockMissing(_) => libc_errno::EAGAIN,
             SnapshotError::RefcountLimit { .. } => libc_errno::EINVAL,
         }
     }
