@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 use qcow2::crypto::SlotChange;
-use qcow2::engine::{AmendOptions, EngineError, Format, Image, OpenOptions};
+use qcow2::engine::{AmendError, AmendOptions, EngineError, Format, Image, OpenOptions};
 use storage::AnyStorage;
 
 use crate::common::engine_run::{self, OpenError};
@@ -169,6 +169,19 @@ enum AmendCliError {
     Slots(String),
 }
 
+/// An amend that failed; a snapshot's L1 table that stopped it is named on a line of its
+/// own first, as qemu-img names it.
+fn engine_failed(e: EngineError) -> AmendCliError {
+    if let EngineError::Amend {
+        source: AmendError::ZeroExpansion(problem),
+        ..
+    } = &e
+    {
+        eprintln!("{}: {problem}", crate::common::prog::name());
+    }
+    AmendCliError::Engine(e)
+}
+
 /// QEMU's reason alone where it has one, anything else in full.
 fn engine_reason(e: &EngineError) -> String {
     match e {
@@ -287,7 +300,7 @@ async fn run(args: &AmendArgs) -> Result<(), AmendCliError> {
             |percent: f64| progress.set((percent * PROGRESS_UNITS as f64 / 100.0).round() as u64);
         let done = img.amend_with_progress(&opts, &report).await;
         progress.finish();
-        done.map_err(AmendCliError::Engine)
+        done.map_err(engine_failed)
     }
     .await;
     let closed = img.close().await.map_err(AmendCliError::Engine);

@@ -23,7 +23,7 @@ use std::process::ExitCode;
 use std::rc::Rc;
 
 use clap::Args;
-use qcow2::engine::{BitmapInfo, Format, Image, OpenOptions};
+use qcow2::engine::{BitmapInfo, EngineError, Format, Image, OpenOptions, SnapshotError};
 use storage::AnyStorage;
 use tokio::sync::Notify;
 
@@ -456,7 +456,17 @@ async fn open_sources(args: &ConvertArgs) -> Result<(Vec<Source>, u64), ConvertE
             Some(snap),
             args.share.force_share,
         )
-        .await?;
+        .await
+        .map_err(|e| match e {
+            OpenError::Engine(e) => match *e {
+                EngineError::Snapshot {
+                    source: SnapshotError::L1Table(problem),
+                    ..
+                } => ConvertError::LoadSnapshot(problem),
+                other => OpenError::Engine(Box::new(other)).into(),
+            },
+            other => other.into(),
+        })?;
         let active = out[0].span;
         let mut s = Source::new(image, active);
         s.span = active;

@@ -148,7 +148,6 @@ impl<'a, R: MetaSource> Loader<'a, R> {
     pub async fn snapshot_table(
         &self,
         header: &Header,
-        geom: &Geometry,
     ) -> Result<Vec<(SnapshotTableEntry, u64)>, MetadataError> {
         let table = header.snapshots_offset;
         let mut cursor = SnapshotTableCursor::new(table);
@@ -173,7 +172,7 @@ impl<'a, R: MetaSource> Loader<'a, R> {
             let whole = self
                 .read_inside(at, SNAPSHOT_ENTRY, offset, len as u64)
                 .await?;
-            let (entry, used) = SnapshotTableEntry::decode(&whole, offset, index, geom)?;
+            let (entry, used) = SnapshotTableEntry::decode(&whole, offset, index)?;
             cursor.advance(used)?;
             out.push((entry, used as u64));
         }
@@ -295,7 +294,7 @@ mod tests {
         let loader = Loader::new(&src, Strictness::Open);
         let err = run_ready(async {
             let h = loader.header().await?;
-            loader.snapshot_table(&h, &h.geometry()?).await
+            loader.snapshot_table(&h).await
         })
         .unwrap_err();
         assert!(matches!(err, MetadataError::PastEnd { .. }), "{err}");

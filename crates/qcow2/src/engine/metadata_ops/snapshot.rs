@@ -56,7 +56,6 @@ impl<S: Storage + 'static> Image<S> {
             &top.file,
             &top.name,
             &h,
-            &meta.geom,
             meta.file_end.get(),
         )
         .await?;
@@ -138,8 +137,12 @@ impl<S: Storage + 'static> Image<S> {
         t.alloc.sync().await
     }
 
-    /// Reads and validates a snapshot's L1 table.
+    /// Reads and validates a snapshot's L1 table: QEMU's judgement of where it is comes
+    /// first, in QEMU's words, as the image was opened without it.
     async fn snapshot_l1(&self, t: &Target<'_, S>, sn: &SnapshotTableEntry) -> Result<Vec<u64>> {
+        if let Some(problem) = sn.l1_table_problem(t.meta.geom.cluster_size()) {
+            return Err(self.snapshot_error(SnapshotError::L1Table(problem)));
+        }
         let len = usize::try_from(u64::from(sn.l1_size) * 8).map_err(|_| {
             t.layer
                 .corrupt(format!("snapshot {:?}: L1 table too large", sn.id_lossy()))
