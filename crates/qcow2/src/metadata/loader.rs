@@ -144,22 +144,24 @@ impl<'a, R: MetaSource> Loader<'a, R> {
     }
 
     /// The snapshot table, one entry at a time (so a few snapshots do not cost a 64 MiB
-    /// read), each entry with the bytes it occupies including padding.
+    /// read), each entry with the bytes it occupies including padding. What lies past the
+    /// end of the file reads as zeros, as QEMU reads it (an empty entry), whatever the
+    /// strictness: QEMU opens such an image.
     pub async fn snapshot_table(
         &self,
         header: &Header,
     ) -> Result<Vec<(SnapshotTableEntry, u64)>, MetadataError> {
         let table = header.snapshots_offset;
         let mut cursor = SnapshotTableCursor::new(table);
-        // nb_snapshots ≤ 65536 was checked with the header; each entry is at least 40 bytes
-        // and must be in the file, so the Vec never outgrows the file.
+        // nb_snapshots ≤ 65536 was checked with the header, and the entries add up to at
+        // most QEMU's 64 MiB (checked below, before each is read).
         let mut out = Vec::new();
         let mut total = 0u64;
         for index in 0..u64::from(header.nb_snapshots) {
             let offset = cursor.next_offset()?;
             let at = Location::entry(Structure::SnapshotTable, table, index);
             let fixed = limits::SNAPSHOT_ENTRY_FIXED_SIZE;
-            let head = self.read_inside(at, SNAPSHOT_ENTRY, offset, fixed).await?;
+            let head = self.read_raw(SNAPSHOT_ENTRY, offset, fixed).await?;
             let len = SnapshotTableEntry::entry_len(&head, at)?;
             total = total.saturating_add(len as u64);
             if total > limits::MAX_SNAPSHOT_TABLE_BYTES {
@@ -169,9 +171,7 @@ impl<'a, R: MetaSource> Loader<'a, R> {
                 }
                 .into());
             }
-            let whole = self
-                .read_inside(at, SNAPSHOT_ENTRY, offset, len as u64)
-                .await?;
+            let whole = self.read_raw(SNAPSHOT_ENTRY, offset, len as u64).await?;
             let (entry, used) = SnapshotTableEntry::decode(&whole, offset, index)?;
             cursor.advance(used)?;
             out.push((entry, used as u64));

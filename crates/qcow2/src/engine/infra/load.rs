@@ -393,7 +393,10 @@ async fn metadata_regions<S: Storage + 'static>(
             used - (40 + e.extra_data.len() + e.id.len() + e.name.len()) as u64
         });
         let len = snapshots.iter().map(|s| s.1).sum::<u64>() - padding;
-        regions.push((header.snapshots_offset, len, "the snapshot table"));
+        // What lies past the end of the file read as zeros, as QEMU reads it: only the part
+        // inside must keep clear of the other structures.
+        let inside = at.len.saturating_sub(header.snapshots_offset).min(len);
+        regions.push((header.snapshots_offset, inside, "the snapshot table"));
     }
     if let Some(b) = header.bitmaps() {
         regions.push((b.directory_offset, b.directory_size, "the bitmap directory"));
