@@ -1,23 +1,27 @@
 //! Changing the refcount width of an image (`amend -o refcount_bits=N`), with the checker's
-//! machinery: every reference is counted into the in-memory refcount table as a check counts
-//! it, a narrower width that cannot hold some count is refused before anything is written,
-//! and `rebuild` writes a structure of the new width into clusters the old one leaves free.
+//! machinery: every stored refcount is copied into the in-memory refcount table, as QEMU
+//! copies them, a narrower width that cannot hold some refcount is refused before anything
+//! is written, and `rebuild` writes a structure of the new width into clusters the old one
+//! leaves free.
 //!
 //! Crash safety: until the one header write that names the new table, its size and the new
 //! width together (52 bytes inside the first sector), the old structure is in charge and the
 //! new one is only leaked clusters; the new structure is durable before that write, which is
 //! flushed too. After it, the old structure's clusters are unreferenced: free.
 //!
-//! The count starts from what is on disk: the engine flushes (and clears a lazy-refcount
-//! dirty bit) first, and an image whose stored refcounts fall short of its references is
-//! refused rather than rebuilt behind the user's back. Leaked clusters are simply not counted,
-//! and the old structure's clusters, taken while the new one is written, get refcount 0 in
-//! it: the new structure has no leaks.
+//! The copy starts from what is on disk: the engine flushes (and clears a lazy-refcount
+//! dirty bit) first. Refcounts that disagree with the references are carried over as they
+//! are, as QEMU carries them (leaks stay leaks, a refcount below its references stays below:
+//! a check repairs them after, as after QEMU's change). But a cluster in use whose refcount
+//! is 0 or cannot be read is refused: the new structure takes its clusters from those that
+//! read as free, and could land on it. The old structure's clusters, taken while the new one
+//! is written, get refcount 0 in it.
 
 use super::error::CheckError;
 use super::imrt::Imrt;
 use super::io;
 use super::meta;
+use super::ondisk::Refblocks;
 use super::pass::{Fix, Pass};
 use super::report::{Finding, FindingKind};
 use crate::format::header;
@@ -58,7 +62,7 @@ pub(crate) async fn change_refcount_order<S: Storage>(
 
 impl<S: Storage> Pass<'_, S> {
     async fn change_width(&mut self, order: u32) -> Result<Switched, CheckError> {
-        let mut imrt = self.count_consistent().await?;
+        let mut imrt = self.stored_counts().await?;
         let max = refcount::max_value(order).unwrap_or(u64::MAX);
         if let Some(first_over) = imrt.first_above(max) {
             return Err(CheckError::RefcountTooWide {
@@ -101,9 +105,9 @@ impl<S: Storage> Pass<'_, S> {
         (table..table + table_clusters).chain(blocks).collect()
     }
 
-    /// Every cluster's count of references, once the stored refcounts are found to cover
-    /// them all (leaks allowed).
-    async fn count_consistent(&mut self) -> Result<Imrt, CheckError> {
+    /// Every cluster's stored refcount, once every cluster in use is found to have one that
+    /// can be read.
+    async fn stored_counts(&mut self) -> Result<Imrt, CheckError> {
         self.read_snapshots().await?;
         let clusters = self.meta.clusters(self.file_len);
         if clusters > i32::MAX as u64 {
@@ -113,11 +117,19 @@ impl<S: Storage> Pass<'_, S> {
         let mut rebuild = false;
         self.calculate(&mut imrt, &mut rebuild).await?;
         self.compare(&imrt, Fix::NONE, &mut rebuild).await?;
-        if rebuild || self.res.corruptions > 0 || self.res.check_errors > 0 {
-            return Err(CheckError::Inconsistent {
-                corruptions: self.res.corruptions,
-                check_errors: self.res.check_errors,
-            });
+        let refused = |corruptions, check_errors| CheckError::Inconsistent {
+            corruptions,
+            check_errors,
+        };
+        if rebuild || self.res.check_errors > 0 {
+            return Err(refused(self.res.corruptions, self.res.check_errors));
+        }
+        let mut rb = Refblocks::default();
+        for k in 0..imrt.len() {
+            match self.stored_refcount(&mut rb, k).await {
+                Ok(stored) => imrt.set(k, stored),
+                Err(_) => return Err(refused(self.res.corruptions, self.res.check_errors + 1)),
+            }
         }
         Ok(imrt)
     }
