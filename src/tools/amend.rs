@@ -102,8 +102,9 @@ fn slot_change(list: &str, force: bool) -> Result<Option<SlotChange>, AmendCliEr
     }))
 }
 
-/// Progress is counted in hundredths of a percent.
-const PROGRESS_UNITS: u64 = 10_000;
+/// Progress is counted in billionths: qemu-img prints a value once it is more than a point
+/// past the last one printed, judged on the exact value, so hundredths would print late.
+const PROGRESS_UNITS: u64 = 1_000_000_000;
 
 /// Arguments of `amend`.
 #[derive(Args, Debug)]

@@ -38,6 +38,133 @@ pub(crate) struct Switched {
     pub table_clusters: u32,
     /// Its entries: refcount block offsets, 0 where there is none.
     pub table: Vec<u64>,
+    /// How QEMU would have walked the old refcount table for the same change, for the
+    /// progress it reports.
+    pub walks: Walks,
+}
+
+/// The walks QEMU's width change makes over the old refcount table: walks that allocate
+/// the new blocks, as long as one allocated anything, then one that writes them. Each walk
+/// reports its progress entry by entry out of a total that grows with the walks, so the
+/// percentages `amend -p` prints go back when a walk more is needed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Walks {
+    /// Entries of the old refcount table (QEMU's steps per walk).
+    pub entries: u64,
+    /// Walks that allocate, before the one that writes.
+    pub allocating: u64,
+}
+
+impl Walks {
+    /// Every (done, total) pair QEMU reports, in order.
+    pub fn reports(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        let rt = self.entries;
+        (0..=self.allocating).flat_map(move |walk| {
+            let total = if walk < self.allocating {
+                (walk + 2).max(3)
+            } else {
+                walk + 1
+            };
+            (0..=rt).map(move |i| (walk * rt + i, total * rt))
+        })
+    }
+
+    /// Replays QEMU's allocating walks over `used` (the stored refcounts, old width): each
+    /// new block that covers a used cluster gets a cluster when the walk has passed all it
+    /// covers, from the first free one on, and after a walk that allocated, the new table
+    /// gets clusters (the one taken before freed first). Allocation starts at cluster 0,
+    /// as QEMU's does in a freshly opened image.
+    fn replay(used: &Imrt, entries: u64, old_per_block: u64, new_per_block: u64, cs: u64) -> Self {
+        let span = entries.saturating_mul(old_per_block);
+        let blocks = span.div_ceil(new_per_block.max(1));
+        let mut sim = Replay {
+            used,
+            changed: std::collections::BTreeMap::new(),
+            free_from: 0,
+        };
+        let per_table_cluster = (cs / 8).max(1);
+        let mut table: Vec<bool> = Vec::new();
+        let mut table_at: Option<(u64, u64)> = None;
+        let mut allocating = 0u64;
+        loop {
+            let mut allocated = false;
+            for j in 0..blocks {
+                let (a, b) = (j * new_per_block, ((j + 1) * new_per_block).min(span));
+                let has = table.get(j as usize).copied().unwrap_or(false);
+                if !has && sim.any_used(a, b) {
+                    if table.len() as u64 <= j {
+                        let len = (j + 1).next_multiple_of(per_table_cluster);
+                        table.resize(len as usize, false);
+                    }
+                    table[j as usize] = true;
+                    sim.take(1);
+                    allocated = true;
+                }
+            }
+            allocating += 1;
+            // A walk allocates only blocks it has not got: the walks end, and the bound
+            // only guards against a replay that would not.
+            if !allocated || allocating > blocks.saturating_add(2) {
+                break;
+            }
+            if let Some((first, n)) = table_at {
+                sim.free(first, n);
+            }
+            let n = (table.len() as u64 * 8).div_ceil(cs).max(1);
+            table_at = Some((sim.take(n), n));
+        }
+        Walks {
+            entries,
+            allocating,
+        }
+    }
+}
+
+/// The stored refcounts as QEMU's allocations during the walks change them.
+struct Replay<'a> {
+    used: &'a Imrt,
+    /// Clusters taken (true) or freed again (false) by the replay.
+    changed: std::collections::BTreeMap<u64, bool>,
+    /// Where QEMU's search for a free cluster starts.
+    free_from: u64,
+}
+
+impl Replay<'_> {
+    fn is_used(&self, k: u64) -> bool {
+        self.changed
+            .get(&k)
+            .copied()
+            .unwrap_or_else(|| self.used.get(k) > 0)
+    }
+
+    /// Clusters the replay frees are ones it took, never ones in use before.
+    fn any_used(&self, a: u64, b: u64) -> bool {
+        self.used.any_used(a, b) || self.changed.range(a..b).any(|(_, &v)| v)
+    }
+
+    /// Takes `n` contiguous free clusters, the first run from `free_from` on.
+    fn take(&mut self, n: u64) -> u64 {
+        let mut start = self.free_from;
+        let mut k = start;
+        while k < start + n {
+            if self.is_used(k) {
+                start = k + 1;
+            }
+            k += 1;
+        }
+        for c in start..start + n {
+            self.changed.insert(c, true);
+        }
+        self.free_from = start + n;
+        start
+    }
+
+    fn free(&mut self, first: u64, n: u64) {
+        for c in first..first + n {
+            self.changed.insert(c, false);
+        }
+        self.free_from = self.free_from.min(first);
+    }
 }
 
 /// Rewrites the refcount structure of the image in `file` with refcounts of `order` (2^order
@@ -71,6 +198,13 @@ impl<S: Storage> Pass<'_, S> {
                 refcount: imrt.get(first_over),
             });
         }
+        let walks = Walks::replay(
+            &imrt,
+            self.meta.reftable.len() as u64,
+            self.meta.refblock_entries(),
+            (self.meta.cluster_size * 8) >> order,
+            self.meta.cluster_size,
+        );
         let old = self.old_structure();
         let new = self.write_structure(&mut imrt, order, &old).await?;
         let mut h = self.meta.header.clone();
@@ -86,6 +220,7 @@ impl<S: Storage> Pass<'_, S> {
             table_offset: new.table_offset,
             table_clusters: new.table_clusters,
             table: new.table,
+            walks,
         })
     }
 
