@@ -316,6 +316,9 @@ fn snapshot_l1_tables_are_judged_when_used() {
     }
 }
 
+/// Changes an image in place.
+type Patcher = Box<dyn Fn(&Dir)>;
+
 /// Snapshot creation fails as QEMU's fails: with EFBIG for a full table (here 65536 entries
 /// past the end of the file, which read as empty ones), and for an L2 entry whose cluster
 /// no refcount table of QEMU's size can reach, and with EAGAIN for one whose refcount block
@@ -332,7 +335,7 @@ fn snapshot_creation_fails_in_qemus_words() {
             poke(d, "s.qcow2", 0x4_0000, &word.to_be_bytes());
         }
     };
-    let cases: [(&str, Box<dyn Fn(&Dir)>); 3] = [
+    let cases: [(&str, Patcher); 3] = [
         ("a full table", Box::new(table_full)),
         ("past any table", Box::new(l2_entry(0xbfff_ffff_ffff_0000))),
         ("no block", Box::new(l2_entry(0x8000_00ff_ffff_0000))),
