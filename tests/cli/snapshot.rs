@@ -290,8 +290,9 @@ fn peek64(d: &Dir, name: &str, offset: usize) -> u64 {
 }
 
 /// QEMU opens an image whose snapshot's L1 table it would not use, and refuses the table
-/// only when the snapshot is used: `convert -l`, `-a`, `-d` and the zero expansion of a
-/// downgrade, each in its own words (iotest 080); a check reports it and counts on.
+/// only when the snapshot is used: `convert -l`, `measure -l`, `-a`, `-d` and the zero
+/// expansion of a downgrade, each in its own words (iotest 080); a check reports it and
+/// counts on.
 #[test]
 fn snapshot_l1_tables_are_judged_when_used() {
     let cases: [(&str, u64, &[u8]); 2] = [
@@ -309,6 +310,7 @@ fn snapshot_l1_tables_are_judged_when_used() {
         eprintln!("{what}");
         p.same(&["info", "s.qcow2"]);
         p.same(&["convert", "-l", "test", "s.qcow2", "c.raw"]);
+        p.same(&["measure", "-l", "test", "s.qcow2"]);
         p.same(&["snapshot", "-a", "test", "s.qcow2"]);
         p.same(&["snapshot", "-d", "test", "s.qcow2"]);
         p.same(&["amend", "-o", "compat=0.10", "s.qcow2"]);
