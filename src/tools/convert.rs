@@ -23,7 +23,7 @@ use std::process::ExitCode;
 use std::rc::Rc;
 
 use clap::Args;
-use qcow2::engine::{BitmapInfo, EngineError, Format, Image, OpenOptions, SnapshotError};
+use qcow2::engine::{BitmapInfo, Format, Image, OpenOptions};
 use storage::AnyStorage;
 use tokio::sync::Notify;
 
@@ -422,28 +422,6 @@ fn target_options(format: Format, list: Option<&str>) -> Result<Parsed, ConvertE
     })
 }
 
-/// Opens `path` read-only at its internal snapshot `snapshot` (`-l`), refusing a snapshot
-/// whose L1 table QEMU would not use in qemu-img's words.
-pub async fn open_snapshot(
-    path: &Path,
-    format: Option<Format>,
-    snapshot: String,
-    force_share: bool,
-) -> Result<Image<AnyStorage>, ConvertError> {
-    engine_run::open_read_only(path, format, Some(snapshot), force_share)
-        .await
-        .map_err(|e| match e {
-            OpenError::Engine(e) => match *e {
-                EngineError::Snapshot {
-                    source: SnapshotError::L1Table(problem),
-                    ..
-                } => ConvertError::LoadSnapshot(problem),
-                other => OpenError::Engine(Box::new(other)).into(),
-            },
-            other => other.into(),
-        })
-}
-
 /// Opens the sources (the first at the snapshot `-l` names, if any), each placed after the
 /// ones before it; returns them with the size of the first as the target sees it.
 async fn open_sources(args: &ConvertArgs) -> Result<(Vec<Source>, u64), ConvertError> {
@@ -472,10 +450,10 @@ async fn open_sources(args: &ConvertArgs) -> Result<(Vec<Source>, u64), ConvertE
         // qemu-img convert -l swaps in the snapshot's L1 table but keeps the active disk's
         // size: the copy is that long, reading zeros past the snapshot's own end (or
         // dropping what the snapshot has past the active end).
-        let image = open_snapshot(
+        let image = engine_run::open_read_only(
             &args.sources()[0],
             source_format,
-            snap,
+            Some(snap),
             args.share.force_share,
         )
         .await?;

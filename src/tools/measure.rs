@@ -18,7 +18,7 @@ use storage::AnyStorage;
 
 use crate::common::engine_run::{self, OpenError};
 use crate::common::options::{self, OptionsError, Parsed, Spec};
-use crate::tools::convert::{open_snapshot, snapshot_param, ConvertError};
+use crate::tools::convert::{snapshot_param, ConvertError};
 use crate::tools::create::{self, CreateError};
 
 /// How much of the source one block-status query covers.
@@ -316,10 +316,7 @@ async fn open_source(args: &MeasureArgs, path: &Path) -> Result<Source, MeasureC
         .map(engine_run::parse_format)
         .transpose()?;
     let force = args.share.force_share;
-    let img = match snapshot.clone() {
-        Some(snap) => open_snapshot(path, format, snap, force).await?,
-        None => engine_run::open_read_only(path, format, None, force).await?,
-    };
+    let img = engine_run::open_read_only(path, format, snapshot.clone(), force).await?;
     let size = match snapshot {
         Some(_) => engine_run::open_read_only(path, format, None, force)
             .await?

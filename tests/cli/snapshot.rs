@@ -290,9 +290,9 @@ fn peek64(d: &Dir, name: &str, offset: usize) -> u64 {
 }
 
 /// QEMU opens an image whose snapshot's L1 table it would not use, and refuses the table
-/// only when the snapshot is used: `convert -l`, `measure -l`, `-a`, `-d` and the zero
-/// expansion of a downgrade, each in its own words (iotest 080); a check reports it and
-/// counts on.
+/// only when the snapshot is used: `convert -l`, `measure -l`, `qemu-nbd -l`, `-a`, `-d`
+/// and the zero expansion of a downgrade, each in its own words (iotest 080); a check
+/// reports it and counts on.
 #[test]
 fn snapshot_l1_tables_are_judged_when_used() {
     let cases: [(&str, u64, &[u8]); 2] = [
@@ -311,6 +311,30 @@ fn snapshot_l1_tables_are_judged_when_used() {
         p.same(&["info", "s.qcow2"]);
         p.same(&["convert", "-l", "test", "s.qcow2", "c.raw"]);
         p.same(&["measure", "-l", "test", "s.qcow2"]);
+        // qemu-nbd loads the snapshot as qemu-img does (the timeout only bounds a server
+        // that would wrongly start).
+        std::os::unix::fs::symlink(BIN, p.ours.path("qemu-nbd")).expect("link");
+        let nbd = |d: &Dir, prog: &str| {
+            let out = d.run(
+                "timeout",
+                &[
+                    "10",
+                    prog,
+                    "-r",
+                    "-l",
+                    "test",
+                    "-k",
+                    &d.s("n.sock"),
+                    "s.qcow2",
+                ],
+            );
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        };
+        let ours = nbd(&p.ours, p.ours.s("qemu-nbd").as_str());
+        assert_eq!(ours, nbd(&p.qemu, "qemu-nbd"), "{what}");
         p.same(&["snapshot", "-a", "test", "s.qcow2"]);
         p.same(&["snapshot", "-d", "test", "s.qcow2"]);
         p.same(&["amend", "-o", "compat=0.10", "s.qcow2"]);

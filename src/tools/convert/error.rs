@@ -57,9 +57,6 @@ pub enum ConvertError {
     /// A target backing file with several sources.
     #[error("Having a backing file for the target makes no sense when concatenating multiple input images")]
     BackingWithConcatenation,
-    /// The snapshot `-l` names has an L1 table QEMU will not use (QEMU's words).
-    #[error("Failed to load snapshot: {0}")]
-    LoadSnapshot(qcow2::format::SnapshotL1Problem),
     /// `-l` with several sources.
     #[error("No support for concatenating multiple snapshot")]
     SnapshotWithConcatenation,

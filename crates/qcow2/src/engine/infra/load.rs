@@ -435,9 +435,9 @@ fn l1_in_use<S: Storage + 'static>(
             })?;
     // QEMU judges a snapshot's L1 table only now that it is to be used, in its words.
     if let Some(problem) = snap.l1_table_problem(geom.cluster_size()) {
-        return Err(EngineError::Snapshot {
+        return Err(EngineError::LoadSnapshot {
             image: at.name.to_string(),
-            source: crate::engine::infra::error::SnapshotError::L1Table(problem),
+            problem,
         });
     }
     let l1_bytes = u64::from(snap.l1_size) * 8;
