@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 use qcow2::crypto::SlotChange;
-use qcow2::engine::{AmendOptions, EngineError, Format, Image, OpenOptions};
+use qcow2::engine::{AmendError, AmendOptions, EngineError, Format, Image, OpenOptions};
 use storage::AnyStorage;
 
 use crate::common::engine_run::{self, OpenError};
@@ -102,8 +102,9 @@ fn slot_change(list: &str, force: bool) -> Result<Option<SlotChange>, AmendCliEr
     }))
 }
 
-/// Progress is counted in hundredths of a percent.
-const PROGRESS_UNITS: u64 = 10_000;
+/// Progress is counted in billionths: qemu-img prints a value once it is more than a point
+/// past the last one printed, judged on the exact value, so hundredths would print late.
+const PROGRESS_UNITS: u64 = 1_000_000_000;
 
 /// Arguments of `amend`.
 #[derive(Args, Debug)]
@@ -167,6 +168,19 @@ enum AmendCliError {
     /// A key slot change refused, in QEMU's words.
     #[error("{0}")]
     Slots(String),
+}
+
+/// An amend that failed; a snapshot's L1 table that stopped it is named on a line of its
+/// own first, as qemu-img names it.
+fn engine_failed(e: EngineError) -> AmendCliError {
+    if let EngineError::Amend {
+        source: AmendError::ZeroExpansion(problem),
+        ..
+    } = &e
+    {
+        eprintln!("{}: {problem}", crate::common::prog::name());
+    }
+    AmendCliError::Engine(e)
 }
 
 /// QEMU's reason alone where it has one, anything else in full.
@@ -287,7 +301,7 @@ async fn run(args: &AmendArgs) -> Result<(), AmendCliError> {
             |percent: f64| progress.set((percent * PROGRESS_UNITS as f64 / 100.0).round() as u64);
         let done = img.amend_with_progress(&opts, &report).await;
         progress.finish();
-        done.map_err(AmendCliError::Engine)
+        done.map_err(engine_failed)
     }
     .await;
     let closed = img.close().await.map_err(AmendCliError::Engine);

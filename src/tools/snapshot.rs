@@ -175,12 +175,21 @@ async fn create(img: &Image<AnyStorage>, name: &str) -> Result<(), SnapshotCmdEr
 }
 
 async fn apply(img: &Image<AnyStorage>, name: &str) -> Result<(), SnapshotCmdError> {
-    img.apply_snapshot(name)
-        .await
-        .map_err(|e| SnapshotCmdError::Apply {
+    img.apply_snapshot(name).await.map_err(|e| {
+        // qemu-img reports what is wrong with the snapshot's L1 table on a line of its own,
+        // and then only that loading the snapshot failed, with the errno.
+        if let EngineError::Snapshot {
+            source: SnapshotError::L1Table(problem),
+            ..
+        } = &e
+        {
+            eprintln!("{}: {problem}", crate::common::prog::name());
+        }
+        SnapshotCmdError::Apply {
             name: name.to_string(),
             why: apply_reason(&e),
-        })
+        }
+    })
 }
 
 async fn delete(img: &Image<AnyStorage>, name: &str) -> Result<(), SnapshotCmdError> {
@@ -229,19 +238,23 @@ fn now() -> (u32, u32) {
     (t.as_secs() as u32, t.subsec_micros() * 1000)
 }
 
-/// Why an operation failed: QEMU's words (its errno text) for what QEMU refuses too, with
-/// our detail after them; anything else in full.
+/// Why an operation failed: for what QEMU refuses too, only its words (the errno text), as
+/// scripts compare them; anything else in full.
 fn reason(e: &EngineError) -> String {
     match e {
-        EngineError::Snapshot { source, .. } => {
-            let words = engine_run::plain_io(&std::io::Error::from_raw_os_error(source.errno()));
-            match source {
-                SnapshotError::NotQcow2 | SnapshotError::DataFile => words,
-                other => format!("{words} ({other})"),
-            }
-        }
+        // QEMU words this one itself.
+        EngineError::Snapshot {
+            source: SnapshotError::L1Table(problem),
+            ..
+        } => problem.to_string(),
+        EngineError::Snapshot { source, .. } => errno_words(source),
         other => other.to_string(),
     }
+}
+
+/// The text of the errno QEMU fails with for `source`.
+fn errno_words(source: &SnapshotError) -> String {
+    engine_run::plain_io(&std::io::Error::from_raw_os_error(source.errno()))
 }
 
 /// [`reason`] for `-a`, where qemu-img words a few refusals its own way.
@@ -250,6 +263,9 @@ fn apply_reason(e: &EngineError) -> String {
         EngineError::Snapshot { source, .. } => match source.errno() {
             libc_errno::ENOENT => "Failed to load snapshot: No such file or directory".into(),
             libc_errno::EBUSY => "Device has active dirty bitmaps".into(),
+            _ if matches!(source, SnapshotError::L1Table(_)) => {
+                format!("Failed to load snapshot: {}", errno_words(source))
+            }
             _ if matches!(source, SnapshotError::NotQcow2) => {
                 "Block driver does not support snapshots".into()
             }

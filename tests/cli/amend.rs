@@ -580,3 +580,66 @@ fn the_repair_of_a_dirty_image_on_open_is_printed_as_qemu_img_prints_it() {
     );
     p.ours.assert_check_clean("dirty.qcow2");
 }
+
+/// QEMU's width change copies the stored refcounts, whatever the references say: an image
+/// whose 1-bit refcount cannot count a second reference changes width, and a check then
+/// repairs the refcount (iotest 112).
+#[test]
+fn a_width_change_carries_refcounts_that_disagree_over_as_qemu_img_does() {
+    let p = crate::qemu_img_options::Pair::new(|d| {
+        d.create("s.qcow2", "qcow2", "refcount_bits=1", None, "64M");
+        d.qemu_io("qcow2", "s.qcow2", &["write 0 64k"]);
+        // The second L2 entry points at the first one's cluster too.
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(d.path("s.qcow2"))
+            .expect("open");
+        use std::io::{Seek, SeekFrom, Write};
+        f.seek(SeekFrom::Start(0x4_0008)).expect("seek");
+        f.write_all(&0x8000_0000_0005_0000u64.to_be_bytes())
+            .expect("poke");
+    });
+    p.same(&["check", "s.qcow2"]);
+    p.same(&["amend", "-o", "refcount_bits=2", "s.qcow2"]);
+    p.same(&["info", "s.qcow2"]);
+    p.same(&["check", "-r", "all", "s.qcow2"]);
+}
+
+/// `amend -p` prints the percentages of QEMU's walks over the refcount table, including the
+/// step back when the new blocks force a walk more (iotest 112), and those of a width change
+/// after an upgrade.
+#[test]
+fn a_width_change_reports_progress_as_qemu_img_does() {
+    let p = crate::qemu_img_options::Pair::new(|d| {
+        d.create(
+            "walks.qcow2",
+            "qcow2",
+            "refcount_bits=1,cluster_size=512",
+            None,
+            "64k",
+        );
+        d.qemu_io("qcow2", "walks.qcow2", &[&format!("write 0 {}", 58 * 512)]);
+        d.create("wide.qcow2", "qcow2", "", None, "64M");
+        d.qemu_io("qcow2", "wide.qcow2", &["write 16M 32M"]);
+        d.create("v2.qcow2", "qcow2", "compat=0.10", None, "64M");
+        d.qemu_io("qcow2", "v2.qcow2", &["write 16M 32M"]);
+    });
+    let walks = p.same(&["amend", "-o", "refcount_bits=64", "-p", "walks.qcow2"]);
+    let printed = String::from_utf8_lossy(&walks.stdout);
+    assert!(
+        printed.contains("(66.67/100%)\r    (50.00/100%)"),
+        "{printed:?}"
+    );
+    p.same(&["amend", "-o", "refcount_bits=1", "-p", "wide.qcow2"]);
+    p.same(&["amend", "-o", "refcount_bits=64", "-p", "wide.qcow2"]);
+    p.same(&[
+        "amend",
+        "-o",
+        "compat=1.1,refcount_bits=4",
+        "-p",
+        "v2.qcow2",
+    ]);
+    for img in ["walks.qcow2", "wide.qcow2", "v2.qcow2"] {
+        p.same(&["check", img]);
+    }
+}

@@ -31,4 +31,4 @@ pub use l1::L1Entry;
 pub use l2::L2Entry;
 pub use l2_extended::{ExtendedL2Entry, SubclusterState};
 pub use refcount::RefcountTableEntry;
-pub use snapshot::SnapshotTableEntry;
+pub use snapshot::{SnapshotL1Problem, SnapshotTableEntry};

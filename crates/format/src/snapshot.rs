@@ -3,9 +3,19 @@
 
 use super::be;
 use super::error::{FormatError, Location, Structure};
-use super::geometry::Geometry;
 use super::header::Strictness;
 use super::limits;
+
+/// Why QEMU will not use a snapshot's L1 table, in its words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SnapshotL1Problem {
+    /// More entries than QEMU keeps in memory (it fails with EFBIG).
+    #[error("Snapshot L1 table too large")]
+    TooLarge,
+    /// Not aligned to a cluster, or ending past 2^63 bytes (it fails with EINVAL).
+    #[error("Snapshot L1 table offset invalid")]
+    OffsetInvalid,
+}
 
 /// One snapshot table entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -176,30 +186,34 @@ impl SnapshotTableEntry {
     }
 
     /// Decodes entry `index` from `buf`, which starts at the entry; returns it and its length
-    /// including padding (where the next entry starts).
+    /// including padding (where the next entry starts). Where its L1 table is, is not
+    /// judged: QEMU opens an image whatever its snapshots' L1 tables look like, and judges
+    /// one only when it uses it ([`SnapshotTableEntry::l1_table_problem`]).
     pub fn decode(
         buf: &[u8],
         entry_offset: u64,
         index: u64,
-        geometry: &Geometry,
     ) -> Result<(SnapshotTableEntry, usize), FormatError> {
-        let (entry, len) = Self::decode_with(buf, entry_offset, index, Strictness::Open)?;
-        let at = Location::entry(Structure::SnapshotTable, entry_offset, index);
-        geometry.validate_table(&super::geometry::TableBounds {
-            at,
-            offset_field: "l1_table_offset",
-            offset: entry.l1_table_offset,
-            size_field: "l1_size",
-            entries: entry.l1_size.into(),
-            entry_size: 8,
-            max_bytes: limits::MAX_L1_SIZE_BYTES,
-            why: "QEMU keeps L1 tables in memory, at most 32 MiB",
-        })?;
-        Ok((entry, len))
+        Self::decode_with(buf, entry_offset, index, Strictness::Open)
     }
 
-    /// Decodes the entry's bytes without judging where its L1 table is, which
-    /// [`SnapshotTableEntry::decode`] does for an open and a check reports on itself. At
+    /// What QEMU finds wrong with the snapshot's L1 table when it is about to use it (to
+    /// apply, delete or load the snapshot, or expand its zero clusters), if anything: more
+    /// entries than its 32 MiB, or an offset not aligned to a cluster or with the table
+    /// ending past 2^63.
+    pub fn l1_table_problem(&self, cluster_size: u64) -> Option<SnapshotL1Problem> {
+        let entries = u64::from(self.l1_size);
+        if entries > limits::MAX_L1_SIZE_BYTES / 8 {
+            return Some(SnapshotL1Problem::TooLarge);
+        }
+        let ends_past = (i64::MAX as u64) - entries * 8 < self.l1_table_offset;
+        if ends_past || cluster_size == 0 || self.l1_table_offset % cluster_size != 0 {
+            return Some(SnapshotL1Problem::OffsetInvalid);
+        }
+        None
+    }
+
+    /// Decodes the entry's bytes without judging where its L1 table is. At
     /// [`Strictness::Check`], `buf` holds only the extra data
     /// [`SnapshotEntrySizes::kept_extra_data`] keeps, followed by the ID and name, and the
     /// length returned is that of the entry as laid out in `buf`.
@@ -344,7 +358,6 @@ pub fn decode_table(
     buf: &[u8],
     table_offset: u64,
     nb_snapshots: u32,
-    geometry: &Geometry,
 ) -> Result<Vec<SnapshotTableEntry>, FormatError> {
     if nb_snapshots > limits::MAX_SNAPSHOTS {
         return Err(FormatError::LimitExceeded {
@@ -361,7 +374,7 @@ pub fn decode_table(
     for index in 0..u64::from(nb_snapshots) {
         let entry_offset = cursor.next_offset()?;
         let rest = buf.get(pos..).unwrap_or(&[]);
-        let (entry, len) = SnapshotTableEntry::decode(rest, entry_offset, index, geometry)?;
+        let (entry, len) = SnapshotTableEntry::decode(rest, entry_offset, index)?;
         cursor.advance(len)?;
         pos += len; // len was read from within buf
         entries.push(entry);
@@ -477,7 +490,6 @@ mod tests {
         let t = encode_qemu_table(&entries).expect("encodes");
         // 40 + 24 + 1 + 1 = 66, padded to 72; then 40 + 24 + 2 + 1 = 67, unpadded.
         assert_eq!(t.len(), 72 + 67);
-        let g = Geometry::new(16, false, 4, 1 << 20).expect("geometry");
-        assert_eq!(decode_table(&t, 1 << 16, 2, &g).expect("decodes"), entries);
+        assert_eq!(decode_table(&t, 1 << 16, 2).expect("decodes"), entries);
     }
 }

@@ -283,14 +283,13 @@ proptest! {
     #[test]
     fn snapshot_tables_round_trip(bits in cluster_bits(), entries in proptest::collection::vec(
             (1u64..1000, 0u32..1000, bytes(20), bytes(40), any::<u32>(), any::<u32>(), any::<u64>(), any::<u32>(), bytes(64)), 0..8)) {
-        let g = Geometry::new(bits, false, 4, 0).unwrap();
         let entries: Vec<_> = entries.into_iter().map(|(l1c, l1_size, id, name, ds, dn, clock, vm32, extra)| SnapshotTableEntry {
             l1_table_offset: l1c << bits, l1_size, id, name, date_sec: ds, date_nsec: dn, vm_clock_nsec: clock,
             vm_state_size_32: vm32, extra_data: extra,
         }).collect();
         let bytes = snapshot::encode_table(&entries).unwrap();
         prop_assert_eq!(bytes.len() % 8, 0);
-        let decoded = snapshot::decode_table(&bytes, 0x20000, entries.len() as u32, &g).unwrap();
+        let decoded = snapshot::decode_table(&bytes, 0x20000, entries.len() as u32).unwrap();
         prop_assert_eq!(&decoded, &entries);
         prop_assert_eq!(snapshot::encode_table(&decoded).unwrap(), bytes);
     }

@@ -97,8 +97,8 @@ pub enum CheckError {
         /// Its refcount.
         refcount: u64,
     },
-    /// The refcounts disagree with the references, so a structure built from the references
-    /// would not describe the image as it is stored.
+    /// A cluster in use has no refcount, or one that cannot be read, so a structure placed
+    /// in clusters that read as free could land on it.
     #[error("the image has {corruptions} refcount corruptions and {check_errors} internal errors; repair it first (check -r all)")]
     Inconsistent {
         /// Corruptions a check found.

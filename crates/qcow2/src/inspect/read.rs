@@ -57,7 +57,7 @@ pub fn inspect<S: ByteSource + ?Sized>(src: &S) -> Result<ImageMetadata, Inspect
     run_ready(async {
         let header = loader.header().await?;
         let geometry = header.geometry()?;
-        let snapshots = loader.snapshot_table(&header, &geometry).await?;
+        let snapshots = loader.snapshot_table(&header).await?;
         let bitmaps = loader.bitmap_directory(&header, &geometry).await?;
         let luks = match header.fde_pointer() {
             Some(p) if p.length <= crate::crypto::luks::MAX_AREA => src

@@ -414,7 +414,9 @@ fn snapshot_bitmap_header_cases() -> Vec<Case> {
     vec![
         Case {
             name: "snapshot_l1_table_unaligned",
-            engine: Some("l1_table_offset 0x15200 is not aligned"),
+            // QEMU opens it and judges the table only when the snapshot is used (iotest
+            // 080): the engine opens it too.
+            engine: None,
             base: "snap",
             patch: |p, _| {
                 let at = p.snapshots_offset();

@@ -501,7 +501,7 @@ async fn index_snapshots<S: Storage + 'static>(
     let g = &meta.geom;
     let cs = g.cluster_size();
     let snaps =
-        super::infra::load::snapshot_table(&layer.file, &layer.name, h, g, meta.file_end.get())
+        super::infra::load::snapshot_table(&layer.file, &layer.name, h, meta.file_end.get())
             .await?;
     let len: u64 = snaps.iter().map(|s| s.1).sum();
     index.insert(
@@ -509,7 +509,11 @@ async fn index_snapshots<S: Storage + 'static>(
         len.div_ceil(cs) * cs,
         MetaKind::SnapshotTable,
     );
-    for (s, _) in &snaps {
+    // A table QEMU would not use is refused when it is used; it guards nothing meanwhile.
+    for (s, _) in snaps
+        .iter()
+        .filter(|(s, _)| s.l1_table_problem(cs).is_none())
+    {
         index.insert(
             HostOffset(s.l1_table_offset),
             (u64::from(s.l1_size) * 8).div_ceil(cs) * cs,

@@ -274,7 +274,7 @@ impl<S: Storage + 'static> Allocator<S> {
         Ok(())
     }
 
-    fn has_block(&self, ti: u64) -> bool {
+    pub(super) fn has_block(&self, ti: u64) -> bool {
         usize::try_from(ti)
             .ok()
             .and_then(|i| self.reftable.borrow().get(i))

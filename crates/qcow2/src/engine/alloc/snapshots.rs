@@ -17,7 +17,7 @@ use crate::engine::infra::metacache::L2Key;
 use crate::engine::infra::overlap::MetaKind;
 use crate::format::snapshot::encode_qemu_table;
 use crate::format::{
-    be, header, l1, l2, refcount, CompressedDescriptor, HostCluster, HostOffset, Location,
+    be, header, l1, l2, limits, refcount, CompressedDescriptor, HostCluster, HostOffset, Location,
     SnapshotTableEntry, Structure,
 };
 use std::collections::BTreeMap;
@@ -117,21 +117,41 @@ impl<S: Storage + 'static> Allocator<S> {
     }
 
     /// Refuses references that a refcount cannot hold (say, a second one with 1-bit
-    /// refcounts), before anything is written.
+    /// refcounts), or that reach a cluster without a refcount block, before any refcount
+    /// changes. QEMU fails the same references with the same errno, but only once it gets
+    /// to them, having raised the refcounts before; here none is raised.
     pub(crate) async fn check_refs_fit(&self, refs: &RefCounts) -> Result<()> {
         let max = refcount::max_value(self.meta().refcount_geom.get().refcount_order())
             .unwrap_or(u64::MAX);
+        let (_, _, epb) = self.rc_geometry();
+        let refused = |source| EngineError::Snapshot {
+            image: self.top().name.clone(),
+            source,
+        };
         for (&c, &n) in refs {
+            let offset = c << self.meta().geom.cluster_bits();
+            let ti = c / epb;
+            if !self.has_block(ti) {
+                // QEMU creates the missing block (growing the table, with half as many
+                // entries again to spare, unless that passes its limit, which it compares
+                // with the entry count) and then asks its caller to start over.
+                let entries = ti.saturating_add(1);
+                let grown = entries.saturating_add(entries.div_ceil(2));
+                let fits = ti < self.reftable.borrow().len() as u64
+                    || grown <= limits::MAX_REFCOUNT_TABLE_BYTES;
+                return Err(refused(if fits {
+                    SnapshotError::RefcountBlockMissing(offset)
+                } else {
+                    SnapshotError::BeyondRefcountTable(offset)
+                }));
+            }
             let now = self.refcount(HostCluster(c)).await?;
             if now.checked_add(n).is_none_or(|v| v > max) {
-                return Err(EngineError::Snapshot {
-                    image: self.top().name.clone(),
-                    source: SnapshotError::RefcountLimit {
-                        offset: c << self.meta().geom.cluster_bits(),
-                        refcount: now,
-                        max,
-                    },
-                });
+                return Err(refused(SnapshotError::RefcountLimit {
+                    offset,
+                    refcount: now,
+                    max,
+                }));
             }
         }
         Ok(())

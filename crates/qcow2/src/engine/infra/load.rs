@@ -390,7 +390,7 @@ async fn metadata_regions<S: Storage + 'static>(
     ));
     let snapshots = at
         .loader()
-        .snapshot_table(header, geom)
+        .snapshot_table(header)
         .await
         .map_err(|e| at.load_error(e))?;
     if header.nb_snapshots > 0 {
@@ -399,7 +399,10 @@ async fn metadata_regions<S: Storage + 'static>(
             used - (40 + e.extra_data.len() + e.id.len() + e.name.len()) as u64
         });
         let len = snapshots.iter().map(|s| s.1).sum::<u64>() - padding;
-        regions.push((header.snapshots_offset, len, "the snapshot table"));
+        // What lies past the end of the file read as zeros, as QEMU reads it: only the part
+        // inside must keep clear of the other structures.
+        let inside = at.len.saturating_sub(header.snapshots_offset).min(len);
+        regions.push((header.snapshots_offset, inside, "the snapshot table"));
     }
     if let Some(b) = header.bitmaps() {
         regions.push((b.directory_offset, b.directory_size, "the bitmap directory"));
@@ -436,6 +439,13 @@ fn l1_in_use<S: Storage + 'static>(
                 image: at.name.to_string(),
                 wanted: wanted.to_string(),
             })?;
+    // QEMU judges a snapshot's L1 table only now that it is to be used, in its words.
+    if let Some(problem) = snap.l1_table_problem(geom.cluster_size()) {
+        return Err(EngineError::LoadSnapshot {
+            image: at.name.to_string(),
+            problem,
+        });
+    }
     let l1_bytes = u64::from(snap.l1_size) * 8;
     let mut r = vec![(snap.l1_table_offset, l1_bytes, "the snapshot's L1 table")];
     check_regions(&mut r, at.len, geom.cluster_size()).map_err(|d| at.corrupt(d))?;
@@ -591,12 +601,11 @@ pub(crate) async fn snapshot_table<S: Storage + 'static>(
     file: &S,
     name: &str,
     header: &Header,
-    geom: &Geometry,
     file_len: u64,
 ) -> Result<Vec<(SnapshotTableEntry, u64)>> {
     let src = StorageSource::new(file, file_len);
     Loader::new(&src, Strictness::Open)
-        .snapshot_table(header, geom)
+        .snapshot_table(header)
         .await
         .map_err(|e| EngineError::from_metadata(name, e))
 }

@@ -7,9 +7,11 @@
 //! the old state to the new are header writes within the first sector: `nb_snapshots` with
 //! `snapshots_offset`, or the guest size with the active L1 table's size and offset.
 //!
-//! - create: the copy of the active L1 table and the raised refcounts are durable, then the
-//!   active disk's COPIED flags are cleared (a crash between leaves an unused reference
-//!   beside a flag still set: a leak), then the new table is written and switched to.
+//! - create: the copy of the active L1 table is written first, as QEMU writes it (so a
+//!   refusal to raise a refcount leaks its clusters, as in QEMU); the copy and the raised
+//!   refcounts are durable, then the active disk's COPIED flags are cleared (a crash
+//!   between leaves an unused reference beside a flag still set: a leak), then the new
+//!   table is written and switched to.
 //! - apply: the snapshot's references are raised and the flags of its tables cleared, a new
 //!   active L1 table is written, the header switches to it (and to the snapshot's size), and
 //!   only then are the old active disk's references dropped. A crash shows the old disk or
@@ -54,7 +56,6 @@ impl<S: Storage + 'static> Image<S> {
             &top.file,
             &top.name,
             &h,
-            &meta.geom,
             meta.file_end.get(),
         )
         .await?;
@@ -91,13 +92,17 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.flush().await?;
         let active: Vec<u64> = t.meta.l1.borrow().clone();
         let refs = t.alloc.tree_refs(&active).await?;
-        t.alloc.check_refs_fit(&refs).await?;
         // The copy keeps the flags as they are, as QEMU's does: a snapshot's flags are
-        // never relied on.
+        // never relied on. It is written before the references are judged, as QEMU writes
+        // it: a refusal leaves its clusters leaked, as QEMU leaves them.
         let copy = t
             .alloc
             .write_new_l1(&active, MetaKind::SnapshotL1Table)
             .await?;
+        if let Err(refused) = t.alloc.check_refs_fit(&refs).await {
+            self.persist(&t).await?;
+            return Err(refused);
+        }
         t.alloc.add_refs(&refs).await?;
         self.persist(&t).await?;
         // Every cluster of the active disk is now shared with the snapshot.
@@ -132,8 +137,12 @@ impl<S: Storage + 'static> Image<S> {
         t.alloc.sync().await
     }
 
-    /// Reads and validates a snapshot's L1 table.
+    /// Reads and validates a snapshot's L1 table: QEMU's judgement of where it is comes
+    /// first, in QEMU's words, as the image was opened without it.
     async fn snapshot_l1(&self, t: &Target<'_, S>, sn: &SnapshotTableEntry) -> Result<Vec<u64>> {
+        if let Some(problem) = sn.l1_table_problem(t.meta.geom.cluster_size()) {
+            return Err(self.snapshot_error(SnapshotError::L1Table(problem)));
+        }
         let len = usize::try_from(u64::from(sn.l1_size) * 8).map_err(|_| {
             t.layer
                 .corrupt(format!("snapshot {:?}: L1 table too large", sn.id_lossy()))

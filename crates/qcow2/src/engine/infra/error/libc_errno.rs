@@ -6,6 +6,8 @@ pub const EPERM: i32 = 1;
 pub const EIO: i32 = 5;
 /// No such file or directory.
 pub const ENOENT: i32 = 2;
+/// Resource temporarily unavailable.
+pub const EAGAIN: i32 = 11;
 /// Device or resource busy.
 pub const EBUSY: i32 = 16;
 /// Invalid argument.

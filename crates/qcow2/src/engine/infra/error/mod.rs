@@ -230,6 +230,15 @@ pub enum EngineError {
         /// An earlier failure to free the old snapshot table (leaked too), if any.
         table_leaked: Option<Box<EngineError>>,
     },
+    /// The internal snapshot to open has an L1 table QEMU would not use (QEMU's words, as
+    /// every tool that loads a snapshot prints them).
+    #[error("Failed to load snapshot: {problem}")]
+    LoadSnapshot {
+        /// The image.
+        image: String,
+        /// What is wrong with the table.
+        problem: crate::format::SnapshotL1Problem,
+    },
     /// An internal snapshot that does not exist.
     #[error("{image}: no snapshot with id or name {wanted:?}")]
     NoSuchSnapshot {

@@ -3,6 +3,7 @@
 
 use super::libc_errno;
 use crate::format::FormatError;
+use crate::format::SnapshotL1Problem;
 
 /// An amendment QEMU refuses too (in its words), or one we refuse where QEMU would leave a
 /// damaged image.
@@ -44,6 +45,13 @@ pub enum AmendError {
     /// QEMU downgrades and leaves the bitmaps inconsistent and their clusters leaked.
     #[error("Cannot downgrade an image with persistent bitmaps: compat=0.10 cannot keep them (remove them first)")]
     DowngradeBitmaps,
+    /// A snapshot's L1 table that QEMU will not use stopped the expansion of zero clusters
+    /// (QEMU reports the problem first, then this with its errno).
+    #[error("Failed to turn zero into data clusters: {}", match .0 {
+        SnapshotL1Problem::TooLarge => "File too large",
+        SnapshotL1Problem::OffsetInvalid => "Invalid argument",
+    })]
+    ZeroExpansion(SnapshotL1Problem),
 }
 
 /// Why a bitmap operation was refused, in QEMU's words where QEMU has them.
@@ -127,6 +135,18 @@ pub enum SnapshotError {
         /// The largest refcount the image can store.
         max: u64,
     },
+    /// A cluster the snapshot would reference has no refcount block, and the refcount table
+    /// has room for one: QEMU would create the block and fail with EAGAIN, asking its caller
+    /// to start over; nothing is created here.
+    #[error("cluster {0:#x} has no refcount block")]
+    RefcountBlockMissing(u64),
+    /// A cluster the snapshot would reference lies beyond what a refcount table within
+    /// QEMU's limit can describe.
+    #[error("cluster {0:#x} lies beyond what a refcount table of QEMU's size limit can describe")]
+    BeyondRefcountTable(u64),
+    /// The snapshot's L1 table is not one QEMU would use (QEMU's words).
+    #[error("{0}")]
+    L1Table(SnapshotL1Problem),
     /// The snapshot's disk needs a larger L1 table than QEMU allows.
     #[error("the snapshot's disk of {0} bytes needs an L1 table larger than QEMU's 32 MiB")]
     TooLarge(u64),
@@ -139,7 +159,12 @@ impl SnapshotError {
             SnapshotError::NotFound(_) => libc_errno::ENOENT,
             SnapshotError::NotQcow2 | SnapshotError::DataFile => libc_errno::ENOTSUP,
             SnapshotError::ActiveBitmaps => libc_errno::EBUSY,
-            SnapshotError::TooMany(_) | SnapshotError::TooLarge(_) => libc_errno::EFBIG,
+            SnapshotError::TooMany(_)
+            | SnapshotError::TooLarge(_)
+            | SnapshotError::BeyondRefcountTable(_) => libc_errno::EFBIG,
+            SnapshotError::RefcountBlockMissing(_) => libc_errno::EAGAIN,
+            SnapshotError::L1Table(SnapshotL1Problem::TooLarge) => libc_errno::EFBIG,
+            SnapshotError::L1Table(SnapshotL1Problem::OffsetInvalid) => libc_errno::EINVAL,
             SnapshotError::RefcountLimit { .. } => libc_errno::EINVAL,
         }
     }

@@ -108,7 +108,7 @@ impl<S: Storage + 'static> Image<S> {
         }
         if bits != u64::from(old_bits) {
             steps.start(Operation::RefcountWidth);
-            self.change_refcount_width(order).await?;
+            self.change_refcount_width(order, &steps).await?;
         }
         if lazy != lazy_now {
             self.set_lazy_refcounts(lazy).await?;

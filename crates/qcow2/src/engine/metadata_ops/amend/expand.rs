@@ -11,7 +11,7 @@
 
 use super::progress::Steps;
 use crate::engine::alloc::{L2Change, Precedes};
-use crate::engine::infra::error::Result;
+use crate::engine::infra::error::{AmendError, EngineError, Result};
 use crate::engine::infra::image::Image;
 use crate::format::L1Index;
 use crate::format::{l1, l2, GuestOffset, HostCluster, HostOffset};
@@ -32,6 +32,10 @@ impl<S: Storage + 'static> Image<S> {
         let ext = meta.geom.extended_l2();
         let mut scan = Scan::default();
         for s in self.snapshot_list().await? {
+            // A table QEMU will not use stops the expansion that follows, as in QEMU.
+            if s.l1_table_problem(meta.geom.cluster_size()).is_some() {
+                continue;
+            }
             let l1_len = usize::try_from(s.l1_size).unwrap_or(usize::MAX);
             let l1 = top
                 .read_file(
@@ -117,6 +121,12 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.flush().await?;
         let mut done = l1_len;
         for s in &snapshots {
+            if let Some(problem) = s.l1_table_problem(cs) {
+                return Err(EngineError::Amend {
+                    image: top.name.clone(),
+                    source: AmendError::ZeroExpansion(problem),
+                });
+            }
             let l1_len = usize::try_from(s.l1_size).unwrap_or(usize::MAX);
             let l1 = top
                 .read_file(

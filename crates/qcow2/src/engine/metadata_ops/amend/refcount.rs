@@ -9,6 +9,7 @@
 //! durable.
 
 use super::entry::AmendError;
+use super::progress::Steps;
 use crate::check::{self, CheckError, Switched};
 use crate::engine::infra::error::{EngineError, Result};
 use crate::engine::infra::image::Image;
@@ -18,7 +19,7 @@ use storage::Storage;
 
 impl<S: Storage + 'static> Image<S> {
     /// Rewrites the refcount structure with refcounts `order` wide (2^order bits).
-    pub(super) async fn change_refcount_width(&self, order: u32) -> Result<()> {
+    pub(super) async fn change_refcount_width(&self, order: u32, steps: &Steps<'_>) -> Result<()> {
         let w = self.inner.alloc()?;
         let top = self.inner.top();
         let meta = top.qcow2_required()?;
@@ -40,6 +41,9 @@ impl<S: Storage + 'static> Image<S> {
         // The switch is durable: from here on the new structure is the image's.
         self.adopt_refcounts(&new, order);
         meta.refcount_geom.set(geom);
+        for (done, total) in new.walks.reports() {
+            steps.at(done, total);
+        }
         Ok(())
     }
 

@@ -38,8 +38,7 @@ impl<S: Storage + 'static> Image<S> {
         if h.nb_snapshots == 0 {
             return Ok(Vec::new());
         }
-        let table =
-            snapshot_table(&top.file, &top.name, &h, &meta.geom, meta.file_end.get()).await?;
+        let table = snapshot_table(&top.file, &top.name, &h, meta.file_end.get()).await?;
         Ok(table.into_iter().map(|(s, _)| s).collect())
     }
 
