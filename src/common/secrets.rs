@@ -90,7 +90,9 @@ fn layer_keys(name: &OsStr, image_opts: bool) -> Option<(PathBuf, Vec<Option<Str
             rest = r;
         }
         // A chain is never deeper than the engine opens, so neither is the list.
-        if rest != "encrypt.key-secret" || depth >= qcow2::engine::backing_name::MAX_CHAIN_DEPTH {
+        // A LUKS volume's key is its own `key-secret`, a qcow2 layer's `encrypt.key-secret`.
+        let is_key = rest == "encrypt.key-secret" || (depth == 0 && rest == "key-secret");
+        if !is_key || depth >= qcow2::engine::backing_name::MAX_CHAIN_DEPTH {
             continue;
         }
         if keys.len() <= depth {

@@ -521,6 +521,22 @@ async fn create_target(
     let mut passwords = qcow2::crypto::Passwords::default();
     let mut noise = false;
     match format {
+        Format::Luks => {
+            let prealloc =
+                create::raw_preallocation(parsed.str("preallocation")).map_err(&invalid)?;
+            let attrs = create::FileAttrs::from_parsed(parsed).map_err(&invalid)?;
+            let (password, opts) = create::luks_volume_settings(parsed).map_err(&invalid)?;
+            create::create_luks(path, size, &password, &opts, prealloc, attrs)
+                .await
+                .map_err(|source| CreateError::Io {
+                    image: target.clone(),
+                    what: "creating the LUKS volume",
+                    source,
+                })?;
+            // Unwritten sectors of a new volume read as noise: the copy writes zeros too.
+            noise = true;
+            passwords.set(0, password);
+        }
         Format::Raw => {
             let prealloc =
                 create::raw_preallocation(parsed.str("preallocation")).map_err(&invalid)?;
