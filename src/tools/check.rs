@@ -57,6 +57,9 @@ enum CheckCliError {
         path: String,
         source: std::io::Error,
     },
+    /// A LUKS volume that does not open (no secret, a wrong one, a bad header).
+    #[error(transparent)]
+    OpenVolume(crate::common::engine_run::OpenError),
     /// `-f` names a format we do not have (qemu-img's words for a driver it lacks).
     #[error("Could not open '{path}': Unknown driver '{format}'")]
     UnknownDriver { path: String, format: String },
@@ -168,6 +171,27 @@ fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
         if magic != QCOW2_MAGIC.to_be_bytes() || args.format.as_deref() == Some("raw") {
             return not_checkable();
         }
+    }
+    let luks = match args.format.as_deref() {
+        Some(f) => f == "luks",
+        None => matches!(
+            crate::common::engine_run::probe_format(&args.image),
+            Ok(qcow2::engine::Format::Luks)
+        ),
+    };
+    if luks {
+        // QEMU's `luks` driver has no checks, but the volume must open (with its secret)
+        // before qemu-img learns that.
+        let opened =
+            crate::common::engine_run::block_on(crate::common::engine_run::open_read_only(
+                &args.image,
+                Some(qcow2::engine::Format::Luks),
+                None,
+                args.share.force_share,
+            ))?;
+        let img = opened.map_err(CheckCliError::OpenVolume)?;
+        drop(img);
+        return not_checkable();
     }
     let qcow2_given = match args.format.as_deref() {
         None => false,

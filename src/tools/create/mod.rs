@@ -323,6 +323,13 @@ async fn create_luks_image(
         println!("{}", formatting_line(image, Format::Luks, parsed, size));
     }
     let (password, opts) = luks_volume_settings(parsed).map_err(&invalid)?;
+    if std::str::from_utf8(&password).is_err() {
+        // QEMU takes a LUKS passphrase as UTF-8 text only, and finds out after it created
+        // the file, which it then deletes (a file that was there before included).
+        let _ = std::fs::remove_file(path);
+        let id = parsed.str("key-secret").unwrap_or_default();
+        return Err(invalid(format!("Data from secret {id} is not valid UTF-8")));
+    }
     create_luks(path, size, &password, &opts, prealloc, attrs)
         .await
         .map_err(|source| CreateError::Io {
