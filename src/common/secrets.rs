@@ -109,7 +109,9 @@ fn layer_keys(name: &OsStr, image_opts: bool) -> Option<(PathBuf, Vec<Option<Str
 pub fn take_from_args(args: Vec<OsString>) -> Result<Vec<OsString>, String> {
     let mut reg = Registry::default();
     let mut tls_objects = Vec::new();
-    let image_opts = args.iter().any(|a| a == "--image-opts");
+    let image_opts = args
+        .iter()
+        .any(|a| a == "--image-opts" || a == "--target-image-opts");
     // The server takes its TLS objects itself; every other subcommand is a client.
     let serving = args
         .iter()

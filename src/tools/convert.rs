@@ -66,6 +66,10 @@ pub struct ConvertArgs {
     /// zeroed in it.
     #[arg(short = 'n', long = "no-create")]
     pub no_create: bool,
+    /// With -n: TARGET is an option string (`driver=luks,key-secret=ID,file.filename=F`),
+    /// as `--image-opts` makes the sources.
+    #[arg(long = "target-image-opts")]
+    pub target_image_opts: bool,
     /// Give the new target this backing file (stored as given; -F names its format): only
     /// what the source's own top layer holds is copied, the rest is left to the backing
     /// file, which should read as the source's backing chain does.

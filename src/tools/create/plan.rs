@@ -344,10 +344,15 @@ pub fn luks_volume_settings(p: &Parsed) -> Result<(Vec<u8>, LuksCreate), String>
     }
 }
 
-/// The header settings a new LUKS volume's options name (no secret needed): what `measure
-/// -O luks` sizes the header by.
+/// The header settings a new LUKS volume's options name: what `measure -O luks` sizes the
+/// header by. QEMU reads the whole creation options there, so the secret must be named and
+/// defined, though it is not used.
 pub fn luks_header_settings(p: &Parsed) -> Result<LuksCreate, String> {
     use qcow2::crypto::{CipherAlg, CipherMode};
+    let id = p
+        .str("key-secret")
+        .ok_or("Parameter 'key-secret' is required for cipher")?;
+    crate::common::secrets::secret(id)?;
     let bad = |name: &str, v: &str| format!("Invalid parameter '{v}' for {name}");
     let mut opts = LuksCreate::default();
     if let Some(v) = p.str("cipher-alg") {
