@@ -143,6 +143,30 @@ pub fn main(args: &CheckArgs) -> ExitCode {
     }
 }
 
+/// Whether the image is a LUKS volume (named so by `-f`, or probed).
+fn is_luks(args: &CheckArgs) -> bool {
+    match args.format.as_deref() {
+        Some(f) => f == "luks",
+        None => matches!(
+            crate::common::engine_run::probe_format(&args.image),
+            Ok(qcow2::engine::Format::Luks)
+        ),
+    }
+}
+
+/// QEMU's `luks` driver has no checks, but the volume must open (with its secret) before
+/// qemu-img learns that.
+fn check_luks(args: &CheckArgs) -> Result<(), CheckCliError> {
+    let opened = crate::common::engine_run::block_on(crate::common::engine_run::open_read_only(
+        &args.image,
+        Some(qcow2::engine::Format::Luks),
+        None,
+        args.share.force_share,
+    ))?;
+    drop(opened.map_err(CheckCliError::OpenVolume)?);
+    Ok(())
+}
+
 fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
     let repair = args.repair.unwrap_or_default();
     let path = args.image.display().to_string();
@@ -172,26 +196,14 @@ fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
             return not_checkable();
         }
     }
-    let luks = match args.format.as_deref() {
-        Some(f) => f == "luks",
-        None => matches!(
-            crate::common::engine_run::probe_format(&args.image),
-            Ok(qcow2::engine::Format::Luks)
-        ),
-    };
-    if luks {
-        // QEMU's `luks` driver has no checks, but the volume must open (with its secret)
-        // before qemu-img learns that.
-        let opened =
-            crate::common::engine_run::block_on(crate::common::engine_run::open_read_only(
-                &args.image,
-                Some(qcow2::engine::Format::Luks),
-                None,
-                args.share.force_share,
-            ))?;
-        let img = opened.map_err(CheckCliError::OpenVolume)?;
-        drop(img);
-        return not_checkable();
+    if is_luks(args) {
+        return check_luks(args).map(|()| {
+            eprintln!(
+                "{}: This image format does not support checks",
+                crate::common::prog::name()
+            );
+            63
+        });
     }
     let qcow2_given = match args.format.as_deref() {
         None => false,
