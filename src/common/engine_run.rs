@@ -35,8 +35,8 @@ pub fn block_on<F: Future>(f: F) -> std::io::Result<F::Output> {
 /// Why an image could not be opened (or its format not determined).
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
-    /// A format name other than qcow2 or raw.
-    #[error("Unknown or unsupported file format '{0}' (qcow2-nbd handles qcow2 and raw)")]
+    /// A format name other than qcow2, raw or luks.
+    #[error("Unknown or unsupported file format '{0}' (qcow2-nbd handles qcow2, raw and luks)")]
     UnknownFormat(String),
     /// A backing file could not be opened: QEMU names the top image and each level down.
     #[error(
