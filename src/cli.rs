@@ -123,6 +123,17 @@ fn resolve_image_names(
                     a.source_format = format;
                 }
             }
+            // An existing target (-n) is named as QEMU names an image to open: a `json:`
+            // name, or an option string with --target-image-opts, whose driver is its format.
+            if a.no_create {
+                if let Some(target) = a.files.last_mut() {
+                    let mut format = None;
+                    resolve(target, &mut format, a.target_image_opts)?;
+                    if let Some(f) = format {
+                        a.target_format = f;
+                    }
+                }
+            }
             Ok(())
         }
         Command::Compare(a) => {

@@ -35,8 +35,8 @@ pub fn block_on<F: Future>(f: F) -> std::io::Result<F::Output> {
 /// Why an image could not be opened (or its format not determined).
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
-    /// A format name other than qcow2 or raw.
-    #[error("Unknown or unsupported file format '{0}' (qcow2-nbd handles qcow2 and raw)")]
+    /// A format name other than qcow2, raw or luks.
+    #[error("Unknown or unsupported file format '{0}' (qcow2-nbd handles qcow2, raw and luks)")]
     UnknownFormat(String),
     /// A backing file could not be opened: QEMU names the top image and each level down.
     #[error(
@@ -218,11 +218,12 @@ pub fn format_name(f: Format) -> &'static str {
     match f {
         Format::Qcow2 => "qcow2",
         Format::Raw => "raw",
+        Format::Luks => "luks",
     }
 }
 
 /// Guesses an image's format the way qemu-img does for the formats we know: the qcow2
-/// magic, otherwise raw. Used before read-only and read-write opens alike: the name is
+/// magic, the LUKS magic, otherwise raw. Used before read-only and read-write opens alike: the name is
 /// opened as the storage opener opens every name (a file, an NBD export, a `null-co`
 /// device, the file under a `blkdebug` wrapper, whose injected faults change no bytes),
 /// read-only and sharing writes for the four bytes it reads; the open that follows takes
@@ -232,9 +233,11 @@ pub fn probe_format(path: &Path) -> Result<Format, OpenError> {
         path: path.display().to_string(),
         source,
     };
-    let magic = image_bytes::read_head(path, 4).map_err(probe_err)?;
-    Ok(if magic == QCOW2_MAGIC.to_be_bytes() {
+    let head = image_bytes::read_head(path, 6).map_err(probe_err)?;
+    Ok(if head.get(..4) == Some(&QCOW2_MAGIC.to_be_bytes()[..]) {
         Format::Qcow2
+    } else if qcow2::crypto::luks::is_luks(&head) {
+        Format::Luks
     } else {
         Format::Raw
     })

@@ -90,7 +90,9 @@ fn layer_keys(name: &OsStr, image_opts: bool) -> Option<(PathBuf, Vec<Option<Str
             rest = r;
         }
         // A chain is never deeper than the engine opens, so neither is the list.
-        if rest != "encrypt.key-secret" || depth >= qcow2::engine::backing_name::MAX_CHAIN_DEPTH {
+        // A LUKS volume's key is its own `key-secret`, a qcow2 layer's `encrypt.key-secret`.
+        let is_key = rest == "encrypt.key-secret" || (depth == 0 && rest == "key-secret");
+        if !is_key || depth >= qcow2::engine::backing_name::MAX_CHAIN_DEPTH {
             continue;
         }
         if keys.len() <= depth {
@@ -107,7 +109,9 @@ fn layer_keys(name: &OsStr, image_opts: bool) -> Option<(PathBuf, Vec<Option<Str
 pub fn take_from_args(args: Vec<OsString>) -> Result<Vec<OsString>, String> {
     let mut reg = Registry::default();
     let mut tls_objects = Vec::new();
-    let image_opts = args.iter().any(|a| a == "--image-opts");
+    let image_opts = args
+        .iter()
+        .any(|a| a == "--image-opts" || a == "--target-image-opts");
     // The server takes its TLS objects itself; every other subcommand is a client.
     let serving = args
         .iter()

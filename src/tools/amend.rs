@@ -73,16 +73,40 @@ fn amend_options() -> Vec<Spec> {
 /// The key slot change the options ask for, if any; secrets are looked up by id.
 fn slot_change(list: &str, force: bool) -> Result<Option<SlotChange>, AmendCliError> {
     let parsed = Parsed::parse(list, &amend_options(), &[]).map_err(AmendCliError::Options)?;
-    if !KEY_SLOT_OPTIONS.iter().any(|s| parsed.has(s.name)) {
+    slot_change_of(&parsed, "encrypt.", force)
+}
+
+/// The key slot options of a LUKS volume: qcow2's without the `encrypt.` prefix.
+fn luks_amend_options() -> Vec<Spec> {
+    KEY_SLOT_OPTIONS
+        .iter()
+        .map(|s| Spec {
+            name: s.name.strip_prefix("encrypt.").unwrap_or(s.name),
+            ..*s
+        })
+        .collect()
+}
+
+/// The key slot change parsed options ask for, their names prefixed with `prefix`.
+fn slot_change_of(
+    parsed: &Parsed,
+    prefix: &str,
+    force: bool,
+) -> Result<Option<SlotChange>, AmendCliError> {
+    let key = |name: &str| format!("{prefix}{name}");
+    if !KEY_SLOT_OPTIONS
+        .iter()
+        .any(|s| parsed.has(&key(s.name.strip_prefix("encrypt.").unwrap_or(s.name))))
+    {
         return Ok(None);
     }
     let secret = |name: &str| -> Result<Option<Vec<u8>>, AmendCliError> {
         parsed
-            .str(name)
+            .str(&key(name))
             .map(|id| crate::common::secrets::secret(id).map_err(AmendCliError::Slots))
             .transpose()
     };
-    let activate = match parsed.str("encrypt.state") {
+    let activate = match parsed.str(&key("state")) {
         Some("active") => true,
         Some("inactive") => false,
         Some(other) => {
@@ -94,10 +118,10 @@ fn slot_change(list: &str, force: bool) -> Result<Option<SlotChange>, AmendCliEr
     };
     Ok(Some(SlotChange {
         activate,
-        new_password: secret("encrypt.new-secret")?,
-        old_password: secret("encrypt.old-secret")?,
-        keyslot: parsed.num("encrypt.keyslot"),
-        iter_time_ms: parsed.num("encrypt.iter-time"),
+        new_password: secret("new-secret")?,
+        old_password: secret("old-secret")?,
+        keyslot: parsed.num(&key("keyslot")),
+        iter_time_ms: parsed.num(&key("iter-time")),
         force,
     }))
 }
@@ -208,12 +232,55 @@ fn amend_help() -> String {
 fn amendable_format(name: &str) -> Result<Format, AmendCliError> {
     match engine_run::parse_format(name) {
         Ok(Format::Qcow2) => Ok(Format::Qcow2),
+        Ok(Format::Luks) => Ok(Format::Luks),
         Ok(Format::Raw) => Err(AmendCliError::NotAmendable("raw".into())),
         Err(_) if engine_run::QEMU_DRIVERS.contains(&name) => {
             Err(AmendCliError::NotAmendable(name.to_string()))
         }
         Err(e) => Err(e.into()),
     }
+}
+
+/// `amend -o help` for a LUKS volume.
+fn luks_amend_help() -> String {
+    options::help_text(&luks_amend_options()).replacen(
+        "Supported options:",
+        "Amend options for 'luks':",
+        1,
+    )
+}
+
+/// `amend` of a LUKS volume: only its key slots change.
+async fn amend_luks(
+    args: &AmendArgs,
+    path: &std::path::Path,
+    list: &str,
+) -> Result<(), AmendCliError> {
+    let parsed = Parsed::parse(list, &luks_amend_options(), &[]).map_err(AmendCliError::Options)?;
+    let passwords = crate::common::secrets::passwords_for(path);
+    let open = OpenOptions {
+        format: Some(Format::Luks),
+        passwords: passwords.clone(),
+        untrusted: crate::common::engine_run::untrusted(),
+        ..OpenOptions::default()
+    };
+    let img: Image<AnyStorage> = Image::open(&engine_run::opener(), path, &open)
+        .await
+        .map_err(OpenError::from)?;
+    let outcome = async {
+        let Some(change) = slot_change_of(&parsed, "", args.force)? else {
+            return Ok(());
+        };
+        let password = passwords.get(0).ok_or_else(|| {
+            AmendCliError::Slots("Parameter 'key-secret' is required for cipher".into())
+        })?;
+        img.change_key_slots(password, &change)
+            .await
+            .map_err(AmendCliError::Engine)
+    }
+    .await;
+    let closed = img.close().await.map_err(AmendCliError::Engine);
+    outcome.and(closed)
 }
 
 /// Runs `qcow2-nbd amend`.
@@ -257,17 +324,29 @@ async fn run(args: &AmendArgs) -> Result<(), AmendCliError> {
     };
     // With a format named, help needs no image; without, the image's format decides.
     let named = args.format.as_deref().map(amendable_format).transpose()?;
+    if named == Some(Format::Luks) && options::wants_help(&list) {
+        print!("{}", luks_amend_help());
+        return Ok(());
+    }
     if named.is_some() && options::wants_help(&list) {
         print!("{}", amend_help());
         return Ok(());
     }
     let path = args.filename.as_ref().ok_or(AmendCliError::NoImage)?;
-    if named.is_none() {
-        amendable_format(engine_run::format_name(engine_run::probe_format(path)?))?;
+    let format = match named {
+        Some(f) => f,
+        None => amendable_format(engine_run::format_name(engine_run::probe_format(path)?))?,
+    };
+    if format == Format::Luks {
         if options::wants_help(&list) {
-            print!("{}", amend_help());
+            print!("{}", luks_amend_help());
             return Ok(());
         }
+        return amend_luks(args, path, &list).await;
+    }
+    if named.is_none() && options::wants_help(&list) {
+        print!("{}", amend_help());
+        return Ok(());
     }
     let open = OpenOptions {
         format: Some(Format::Qcow2),

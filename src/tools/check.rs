@@ -57,6 +57,9 @@ enum CheckCliError {
         path: String,
         source: std::io::Error,
     },
+    /// A LUKS volume that does not open (no secret, a wrong one, a bad header).
+    #[error(transparent)]
+    OpenVolume(crate::common::engine_run::OpenError),
     /// `-f` names a format we do not have (qemu-img's words for a driver it lacks).
     #[error("Could not open '{path}': Unknown driver '{format}'")]
     UnknownDriver { path: String, format: String },
@@ -140,6 +143,30 @@ pub fn main(args: &CheckArgs) -> ExitCode {
     }
 }
 
+/// Whether the image is a LUKS volume (named so by `-f`, or probed).
+fn is_luks(args: &CheckArgs) -> bool {
+    match args.format.as_deref() {
+        Some(f) => f == "luks",
+        None => matches!(
+            crate::common::engine_run::probe_format(&args.image),
+            Ok(qcow2::engine::Format::Luks)
+        ),
+    }
+}
+
+/// QEMU's `luks` driver has no checks, but the volume must open (with its secret) before
+/// qemu-img learns that.
+fn check_luks(args: &CheckArgs) -> Result<(), CheckCliError> {
+    let opened = crate::common::engine_run::block_on(crate::common::engine_run::open_read_only(
+        &args.image,
+        Some(qcow2::engine::Format::Luks),
+        None,
+        args.share.force_share,
+    ))?;
+    drop(opened.map_err(CheckCliError::OpenVolume)?);
+    Ok(())
+}
+
 fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
     let repair = args.repair.unwrap_or_default();
     let path = args.image.display().to_string();
@@ -168,6 +195,15 @@ fn run(args: &CheckArgs) -> Result<u8, CheckCliError> {
         if magic != QCOW2_MAGIC.to_be_bytes() || args.format.as_deref() == Some("raw") {
             return not_checkable();
         }
+    }
+    if is_luks(args) {
+        return check_luks(args).map(|()| {
+            eprintln!(
+                "{}: This image format does not support checks",
+                crate::common::prog::name()
+            );
+            63
+        });
     }
     let qcow2_given = match args.format.as_deref() {
         None => false,

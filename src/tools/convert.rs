@@ -66,6 +66,10 @@ pub struct ConvertArgs {
     /// zeroed in it.
     #[arg(short = 'n', long = "no-create")]
     pub no_create: bool,
+    /// With -n: TARGET is an option string (`driver=luks,key-secret=ID,file.filename=F`),
+    /// as `--image-opts` makes the sources.
+    #[arg(long = "target-image-opts")]
+    pub target_image_opts: bool,
     /// Give the new target this backing file (stored as given; -F names its format): only
     /// what the source's own top layer holds is copied, the rest is left to the backing
     /// file, which should read as the source's backing chain does.
@@ -521,6 +525,22 @@ async fn create_target(
     let mut passwords = qcow2::crypto::Passwords::default();
     let mut noise = false;
     match format {
+        Format::Luks => {
+            let prealloc =
+                create::raw_preallocation(parsed.str("preallocation")).map_err(&invalid)?;
+            let attrs = create::FileAttrs::from_parsed(parsed).map_err(&invalid)?;
+            let (password, opts) = create::luks_volume_settings(parsed).map_err(&invalid)?;
+            create::create_luks(path, size, &password, &opts, prealloc, attrs)
+                .await
+                .map_err(|source| CreateError::Io {
+                    image: target.clone(),
+                    what: "creating the LUKS volume",
+                    source,
+                })?;
+            // Unwritten sectors of a new volume read as noise: the copy writes zeros too.
+            noise = true;
+            passwords.set(0, password);
+        }
         Format::Raw => {
             let prealloc =
                 create::raw_preallocation(parsed.str("preallocation")).map_err(&invalid)?;

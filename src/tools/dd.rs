@@ -139,6 +139,11 @@ async fn create_output(
 ) -> Result<Image<AnyStorage>, CreateError> {
     let image = path.display().to_string();
     match format {
+        Format::Luks => {
+            return Err(CreateError::invalid(&image)(
+                "dd cannot create a LUKS volume: its secret cannot be given here".into(),
+            ))
+        }
         Format::Raw => {
             create::create_raw(path, size, Preallocation::Off, create::FileAttrs::default())
                 .await

@@ -306,6 +306,25 @@ fn measure_raw(size: u64, source: Option<&Source>) -> Result<Measured, MeasureCl
     })
 }
 
+/// A LUKS volume holds its header and every byte of the disk (unwritten sectors are
+/// enciphered too), whatever is allocated in the source.
+fn measure_luks(
+    parsed: &Parsed,
+    size: u64,
+    source: Option<&Source>,
+) -> Result<Measured, MeasureCliError> {
+    let size = source.map_or(size, |s| s.size);
+    let opts = create::luks_header_settings(parsed).map_err(MeasureCliError::Invalid)?;
+    let bytes = qcow2::crypto::luks::area_len(&opts)
+        .checked_add(size)
+        .ok_or(MeasureError::Overflow(size))?;
+    Ok(Measured {
+        required: bytes,
+        fully_allocated: bytes,
+        bitmaps: None,
+    })
+}
+
 /// Opens FILENAME (at the `-l` snapshot, if any); the size of a copy is the active disk's,
 /// as for `convert -l`.
 async fn open_source(args: &MeasureArgs, path: &Path) -> Result<Source, MeasureCliError> {
@@ -370,6 +389,7 @@ async fn run(args: &MeasureArgs) -> Result<(), MeasureCliError> {
     let measured = match target {
         Format::Qcow2 => measure_qcow2(&parsed, size, source.as_ref()).await?,
         Format::Raw => measure_raw(size, source.as_ref())?,
+        Format::Luks => measure_luks(&parsed, size, source.as_ref())?,
     };
     let mut out = std::io::stdout().lock();
     out.write_all(measured.render(args.output).as_bytes())?;

@@ -18,6 +18,7 @@ mod drop_in;
 mod encryption;
 mod image_names;
 mod interop_writes;
+mod luks_volumes;
 mod nbd_tls;
 mod nbd_urls;
 mod option_lists;

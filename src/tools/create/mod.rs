@@ -6,9 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::Args;
-use qcow2::engine::{
-    self as engine, CreateOptions, EngineError, Format, Image, NewEncryption, Preallocation,
-};
+use qcow2::crypto::LuksCreate;
+use qcow2::engine::{self as engine, CreateOptions, EngineError, Format, Image, Preallocation};
 use storage::opener::name;
 use storage::{IoBuf, Opener, Storage};
 
@@ -233,9 +232,6 @@ pub async fn create_raw(
 }
 
 async fn create(args: &CreateArgs) -> Result<(), CreateError> {
-    if args.format_name() == "luks" {
-        return create_luks_image(args).await;
-    }
     let list = options::join_lists(&args.options).map_err(CreateError::List)?;
     if list.as_deref().is_some_and(options::wants_help) {
         let format = engine_run::creation_format(args.format_name())?;
@@ -265,99 +261,82 @@ async fn create(args: &CreateArgs) -> Result<(), CreateError> {
         )),
         Format::Raw => create_raw_image(args, image_path, &image, &parsed, size).await,
         Format::Qcow2 => create_qcow2_image(args, image_path, &image, &parsed, size).await,
+        Format::Luks => create_luks_image(args, image_path, &image, &parsed, size).await,
     }
 }
 
-/// Creates a raw LUKS volume (`-f luks`): the LUKS header and key material, then the
-/// payload. Only created here, never opened: the encryption this project serves is
-/// qcow2's own.
-async fn create_luks_image(args: &CreateArgs) -> Result<(), CreateError> {
-    let image_path = args.image.as_ref().ok_or(CreateError::NoImage)?;
-    let image = image_path.display().to_string();
-    let options_error = |source| CreateError::Options {
-        image: image.clone(),
-        source,
-    };
-    let list = options::join_lists(&args.options).map_err(options_error)?;
-    if list.as_deref().is_some_and(options::wants_help) {
-        print!("{}", options::help_text(LUKS_OPTIONS));
-        return Ok(());
-    }
-    let parsed = match list.as_deref() {
-        Some(l) => Parsed::parse(l, LUKS_OPTIONS, &[]).map_err(options_error)?,
-        None => Parsed::default(),
-    };
-    let invalid = CreateError::invalid(&image);
-    let size = match (&args.size, parsed.num("size")) {
-        (Some(s), _) => {
-            size_string::parse_size(s).map_err(|_| CreateError::InvalidSize(s.clone()))?
-        }
-        (None, Some(n)) => n,
-        (None, None) => return Err(invalid("Image creation needs a size parameter".into())),
-    };
-    if !args.quiet {
-        let mut line = format!("Formatting '{image}', fmt=luks size={size}");
-        for name in [
-            "key-secret",
-            "cipher-alg",
-            "cipher-mode",
-            "ivgen-alg",
-            "ivgen-hash-alg",
-            "hash-alg",
-            "iter-time",
-        ] {
-            if let Some(v) = parsed.given(name).map(|(_, t)| t.to_string()) {
-                line.push_str(&format!(" {name}={v}"));
+/// Creates a LUKS volume (`-f luks`, QEMU's `luks` driver): the file sized to the LUKS
+/// area and `size` (reserved or written as `prealloc` says, as QEMU sizes it before the
+/// header goes in), then the header and key material at its start.
+pub async fn create_luks(
+    path: &Path,
+    size: u64,
+    password: &[u8],
+    opts: &LuksCreate,
+    prealloc: Preallocation,
+    attrs: FileAttrs,
+) -> std::io::Result<()> {
+    let (area, _) = qcow2::crypto::luks::create(password, opts).map_err(std::io::Error::other)?;
+    let area_len = area.len() as u64;
+    let total = area_len
+        .checked_add(size)
+        .ok_or_else(|| std::io::Error::other("size too large"))?;
+    attrs.prepare(path)?;
+    let file = engine_run::opener()
+        .open(path, storage::OpenOptions::create())
+        .await?;
+    file.set_len(0).await?;
+    file.set_len(total).await?;
+    match prealloc {
+        Preallocation::Off | Preallocation::Metadata => {}
+        Preallocation::Falloc => file.write_zeroes_at(0, total, false).await?,
+        Preallocation::Full => {
+            const CHUNK: u64 = 1 << 20;
+            let mut pos = area_len;
+            while pos < total {
+                let n = CHUNK.min(total - pos);
+                // n <= 1 MiB.
+                let (res, _) = file.write_at(IoBuf::zeroed(n as usize).into(), pos).await;
+                res?;
+                pos += n;
             }
         }
-        println!("{line}");
     }
-    // The qcow2 option names, so that one reading serves both.
-    let mut prefixed = Parsed::default();
-    for spec in QCOW2_OPTIONS
-        .iter()
-        .filter(|s| s.name.starts_with("encrypt."))
-    {
-        if let Some(v) = parsed
-            .given(&spec.name["encrypt.".len()..])
-            .map(|(_, t)| t.to_string())
-        {
-            prefixed.set_raw(spec, &v);
-        }
-    }
-    prefixed.set_raw(
-        QCOW2_OPTIONS
-            .iter()
-            .find(|s| s.name == "encrypt.format")
-            .expect("listed"),
-        "luks",
-    );
-    let luks = encryption_settings(&prefixed).map_err(|e| invalid(e.replace("encrypt.", "")))?;
-    let Some(NewEncryption::Luks { password, opts }) = luks else {
-        return Err(invalid("LUKS options expected".into()));
-    };
-    let io = |what| {
-        let image = image.clone();
-        move |source| CreateError::Io {
-            image: image.clone(),
-            what,
-            source,
-        }
-    };
-    let (area, _) =
-        qcow2::crypto::luks::create(&password, &opts).map_err(|e| invalid(e.to_string()))?;
-    let size = size.div_ceil(512) * 512;
-    let file = engine_run::opener()
-        .open(image_path, storage::OpenOptions::create())
-        .await
-        .map_err(io("creating the LUKS volume"))?;
-    file.set_len(0).await.map_err(io("truncating"))?;
     let (res, _) = file.write_at(IoBuf::from_slice(&area).into(), 0).await;
-    res.map_err(io("writing the LUKS header"))?;
-    file.set_len(area.len() as u64 + size)
+    res?;
+    file.flush().await
+}
+
+/// `create -f luks`: the "Formatting" line, then the volume.
+async fn create_luks_image(
+    args: &CreateArgs,
+    path: &Path,
+    image: &str,
+    parsed: &Parsed,
+    size: Option<u64>,
+) -> Result<(), CreateError> {
+    let invalid = CreateError::invalid(image);
+    let size = size.ok_or_else(|| invalid("Image creation needs a size parameter".into()))?;
+    let prealloc = raw_preallocation(parsed.str("preallocation")).map_err(&invalid)?;
+    let attrs = FileAttrs::from_parsed(parsed).map_err(&invalid)?;
+    if !args.quiet {
+        println!("{}", formatting_line(image, Format::Luks, parsed, size));
+    }
+    let (password, opts) = luks_volume_settings(parsed).map_err(&invalid)?;
+    if std::str::from_utf8(&password).is_err() {
+        // QEMU takes a LUKS passphrase as UTF-8 text only, and finds out after it created
+        // the file, which it then deletes (a file that was there before included).
+        let _ = std::fs::remove_file(path);
+        let id = parsed.str("key-secret").unwrap_or_default();
+        return Err(invalid(format!("Data from secret {id} is not valid UTF-8")));
+    }
+    create_luks(path, size, &password, &opts, prealloc, attrs)
         .await
-        .map_err(io("sizing the LUKS volume"))?;
-    file.flush().await.map_err(io("flushing"))
+        .map_err(|source| CreateError::Io {
+            image: image.to_string(),
+            what: "creating the LUKS volume",
+            source,
+        })
 }
 
 /// Parses the `-o` list and lets `-b` and `-F` override it, as qemu-img does.

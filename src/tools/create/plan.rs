@@ -2,6 +2,7 @@
 //! `convert -O` and `measure`), the qcow2 plan with qemu-img's checks and messages, and the
 //! "Formatting" line qemu-img prints.
 
+use qcow2::crypto::LuksCreate;
 use qcow2::engine::compress::Codec;
 use qcow2::engine::{CreateOptions, Format, NewEncryption, Preallocation};
 
@@ -162,6 +163,11 @@ pub const LUKS_OPTIONS: &[Spec] = &[
         help: "Name of encryption cipher mode",
     },
     Spec {
+        name: "detached-header",
+        kind: Kind::Bool,
+        help: "Create a detached LUKS header",
+    },
+    Spec {
         name: "hash-alg",
         kind: Kind::Str,
         help: "Name of encryption hash algorithm",
@@ -184,7 +190,7 @@ pub const LUKS_OPTIONS: &[Spec] = &[
     Spec {
         name: "key-secret",
         kind: Kind::Str,
-        help: "ID of secret providing LUKS passphrase",
+        help: "ID of the secret that provides the keyslot passphrase",
     },
     Spec {
         name: "size",
@@ -198,6 +204,7 @@ pub fn format_options(format: Format) -> &'static [Spec] {
     match format {
         Format::Qcow2 => QCOW2_OPTIONS,
         Format::Raw => RAW_OPTIONS,
+        Format::Luks => LUKS_OPTIONS,
     }
 }
 
@@ -306,6 +313,55 @@ pub fn encryption_settings(p: &Parsed) -> Result<Option<NewEncryption>, String> 
             "Parameter 'encrypt.format' does not accept value '{other}'"
         )),
     }
+}
+
+/// The password and header settings of a new LUKS volume (`-f luks`), from options named as
+/// QEMU's `luks` driver names them (qcow2's `encrypt.*` without the prefix), with its
+/// messages.
+pub fn luks_volume_settings(p: &Parsed) -> Result<(Vec<u8>, LuksCreate), String> {
+    if p.bool("detached-header") == Some(true) {
+        return Err("a detached LUKS header is not supported".into());
+    }
+    // The qcow2 option names, so that one reading serves both.
+    let mut prefixed = Parsed::default();
+    for spec in QCOW2_OPTIONS
+        .iter()
+        .filter(|s| s.name.starts_with("encrypt."))
+    {
+        if let Some(v) = p
+            .given(&spec.name["encrypt.".len()..])
+            .map(|(_, t)| t.to_string())
+        {
+            prefixed.set_raw(spec, &v);
+        }
+    }
+    if let Some(spec) = QCOW2_OPTIONS.iter().find(|s| s.name == "encrypt.format") {
+        prefixed.set_raw(spec, "luks");
+    }
+    match encryption_settings(&prefixed).map_err(|e| e.replace("encrypt.", ""))? {
+        Some(NewEncryption::Luks { password, opts }) => Ok((password, opts)),
+        _ => Err("LUKS options expected".into()),
+    }
+}
+
+/// The header settings a new LUKS volume's options name: what `measure -O luks` sizes the
+/// header by. QEMU reads the whole creation options there, so the secret must be named and
+/// defined, though it is not used.
+pub fn luks_header_settings(p: &Parsed) -> Result<LuksCreate, String> {
+    use qcow2::crypto::{CipherAlg, CipherMode};
+    let id = p
+        .str("key-secret")
+        .ok_or("Parameter 'key-secret' is required for cipher")?;
+    crate::common::secrets::secret(id)?;
+    let bad = |name: &str, v: &str| format!("Invalid parameter '{v}' for {name}");
+    let mut opts = LuksCreate::default();
+    if let Some(v) = p.str("cipher-alg") {
+        opts.cipher = CipherAlg::from_name(v).ok_or_else(|| bad("cipher-alg", v))?;
+    }
+    if let Some(v) = p.str("cipher-mode") {
+        opts.mode = CipherMode::from_name(v).ok_or_else(|| bad("cipher-mode", v))?;
+    }
+    Ok(opts)
 }
 
 /// Decides the qcow2 settings from parsed options, with qemu-img's checks and messages (size
@@ -502,6 +558,22 @@ const RAW_LINE_ORDER: &[(&str, Option<&str>)] = &[
     ("extent_size_hint", None),
 ];
 
+/// A LUKS volume's options in the order of QEMU's `luks` driver, then its file's.
+const LUKS_LINE_ORDER: &[(&str, Option<&str>)] = &[
+    ("size", None),
+    ("key-secret", None),
+    ("cipher-alg", None),
+    ("cipher-mode", None),
+    ("ivgen-alg", None),
+    ("ivgen-hash-alg", None),
+    ("hash-alg", None),
+    ("iter-time", None),
+    ("detached-header", None),
+    ("nocow", None),
+    ("preallocation", None),
+    ("extent_size_hint", None),
+];
+
 /// The line qemu-img prints before creating an image: every option given or with a default,
 /// in the format's order; text with `,` doubled, numbers and sizes as the signed value read
 /// (as QEMU prints them), booleans as written. `size` is the size the image gets.
@@ -509,6 +581,7 @@ pub fn formatting_line(image: &str, format: Format, parsed: &Parsed, size: u64) 
     let order = match format {
         Format::Qcow2 => QCOW2_LINE_ORDER,
         Format::Raw => RAW_LINE_ORDER,
+        Format::Luks => LUKS_LINE_ORDER,
     };
     let mut s = format!("Formatting '{image}', fmt={}", format_name(format));
     for &(name, default) in order {

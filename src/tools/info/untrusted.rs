@@ -25,7 +25,7 @@ pub fn references(path: &Path, info: &ImageInfo, allowed: &AllowDirs) -> Vec<Jud
     let data_file = info
         .format_specific
         .as_ref()
-        .and_then(|f| f.data.data_file.clone());
+        .and_then(|f| f.data.qcow2()?.data_file.clone());
     let named = [
         (Reference::BackingFile, info.backing_filename.clone()),
         (Reference::DataFile, data_file),

@@ -27,6 +27,9 @@ pub enum CryptoError {
     /// An encrypted image opened for I/O without a secret.
     #[error("Parameter 'encrypt.key-secret' is required for cipher")]
     MissingSecret,
+    /// A LUKS volume opened for I/O without a secret.
+    #[error("Parameter 'key-secret' is required for cipher")]
+    MissingVolumeSecret,
     /// A key of the wrong size for its cipher.
     #[error("{alg}: key of {len} bytes is the wrong size")]
     KeyLength {

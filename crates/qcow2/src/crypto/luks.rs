@@ -109,7 +109,23 @@ fn material_len(key_len: u32, stripes: u32) -> u64 {
     (u64::from(key_len) * u64::from(stripes)).div_ceil(SECTOR_SIZE) * SECTOR_SIZE
 }
 
+/// Whether `head` (a file's first bytes, at least six) starts with the LUKS magic: how
+/// QEMU's probe tells a LUKS volume.
+pub fn is_luks(head: &[u8]) -> bool {
+    head.len() >= MAGIC.len() && head[..MAGIC.len()] == MAGIC
+}
+
 impl LuksHeader {
+    /// The bytes of the LUKS area a header declares (its payload offset): how much of a LUKS
+    /// volume to read before [`LuksHeader::parse`]. `head` is the volume's first
+    /// [`HEADER_LEN`] bytes.
+    pub fn area_len_of(head: &[u8]) -> Result<u64, CryptoError> {
+        if head.len() < HEADER_LEN || head[..6] != MAGIC {
+            return Err(CryptoError::NotLuks);
+        }
+        Ok(u64::from(be32(head, 104)) * SECTOR_SIZE)
+    }
+
     /// Parses and checks the first [`HEADER_LEN`] bytes of `area` (the whole LUKS area, key
     /// material included: every slot must lie inside it).
     pub fn parse(area: &[u8]) -> Result<LuksHeader, CryptoError> {

@@ -116,6 +116,15 @@ impl DataCrypto {
         }
     }
 
+    /// A LUKS volume (QEMU's `luks` driver): the master key's cipher, IVs from guest sector
+    /// numbers, since the volume's disk starts at its payload offset.
+    pub fn luks_volume(cipher: SectorCipher) -> DataCrypto {
+        DataCrypto {
+            cipher: Some(cipher),
+            by_host: false,
+        }
+    }
+
     /// An encrypted layer opened without its password: every data I/O fails.
     pub fn locked() -> DataCrypto {
         DataCrypto {

@@ -2,7 +2,7 @@
 
 use std::fmt::Write;
 
-use super::report::{ChildInfo, ImageInfo, Qcow2Specific, SnapshotInfo};
+use super::report::{ChildInfo, ImageInfo, Qcow2Specific, SnapshotInfo, SpecificData};
 
 /// Formats a byte count like QEMU's `size_to_str`: three significant digits and a binary
 /// unit, switching unit once the value reaches 1000 of the smaller one (e.g. `1.29 MiB`).
@@ -123,7 +123,8 @@ fn specific(out: &mut String, d: &Qcow2Specific) {
     };
     line("refcount bits", &d.refcount_bits);
     if let Some(e) = &d.encrypt {
-        encrypt(out, e);
+        let _ = writeln!(out, "    encrypt:");
+        encrypt(out, e, "        ");
     }
     let mut line = |key: &str, value: &dyn std::fmt::Display| {
         let _ = writeln!(out, "    {key}: {value}");
@@ -205,7 +206,10 @@ impl ImageInfo {
         }
         if let Some(fs) = &self.format_specific {
             let _ = writeln!(out, "Format specific information:");
-            specific(&mut out, &fs.data);
+            match &fs.data {
+                SpecificData::Qcow2(d) => specific(&mut out, d),
+                SpecificData::Luks(e) => encrypt(&mut out, e, "    "),
+            }
         }
         for c in &self.children {
             child(&mut out, c);
@@ -214,11 +218,11 @@ impl ImageInfo {
     }
 }
 
-/// The encrypt block, in qemu-img's order.
-fn encrypt(out: &mut String, e: &super::report::EncryptInfo) {
-    let _ = writeln!(out, "    encrypt:");
+/// The LUKS facts (a qcow2 image's encrypt block, a LUKS volume's format-specific block),
+/// in qemu-img's order, each line indented by `ind`.
+fn encrypt(out: &mut String, e: &super::report::EncryptInfo, ind: &str) {
     let mut line = |key: &str, value: &dyn std::fmt::Display| {
-        let _ = writeln!(out, "        {key}: {value}");
+        let _ = writeln!(out, "{ind}{key}: {value}");
     };
     if let Some(v) = &e.ivgen_alg {
         line("ivgen alg", v);
@@ -235,26 +239,28 @@ fn encrypt(out: &mut String, e: &super::report::EncryptInfo) {
     if let Some(v) = &e.uuid {
         line("uuid", v);
     }
-    line("format", &e.format);
+    if let Some(v) = &e.format {
+        line("format", v);
+    }
     if let Some(v) = &e.cipher_mode {
         line("cipher mode", v);
     }
     if let Some(slots) = &e.slots {
-        let _ = writeln!(out, "        slots:");
+        let _ = writeln!(out, "{ind}slots:");
         for (i, s) in slots.iter().enumerate() {
-            let _ = writeln!(out, "            [{i}]:");
-            let _ = writeln!(out, "                active: {}", s.active);
+            let _ = writeln!(out, "{ind}    [{i}]:");
+            let _ = writeln!(out, "{ind}        active: {}", s.active);
             if let Some(n) = s.iters {
-                let _ = writeln!(out, "                iters: {n}");
+                let _ = writeln!(out, "{ind}        iters: {n}");
             }
-            let _ = writeln!(out, "                key offset: {}", s.key_offset);
+            let _ = writeln!(out, "{ind}        key offset: {}", s.key_offset);
             if let Some(n) = s.stripes {
-                let _ = writeln!(out, "                stripes: {n}");
+                let _ = writeln!(out, "{ind}        stripes: {n}");
             }
         }
     }
     let mut line = |key: &str, value: &dyn std::fmt::Display| {
-        let _ = writeln!(out, "        {key}: {value}");
+        let _ = writeln!(out, "{ind}{key}: {value}");
     };
     if let Some(v) = e.payload_offset {
         line("payload offset", &v);

@@ -13,5 +13,5 @@ pub use read::{
 };
 pub use report::{
     BitmapInfo, ChildInfo, EmptyData, EncryptInfo, FileNodeInfo, FileSpecific, FormatSpecific,
-    ImageInfo, Qcow2Specific, ReferenceReport, SnapshotInfo,
+    ImageInfo, Qcow2Specific, ReferenceReport, SnapshotInfo, SpecificData,
 };

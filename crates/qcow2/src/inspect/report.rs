@@ -111,14 +111,34 @@ impl SnapshotInfo {
     }
 }
 
-/// `format-specific`: `{ "type": "qcow2", "data": {...} }`.
+/// `format-specific`: `{ "type": "qcow2", "data": {...} }` (or `luks`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct FormatSpecific {
-    /// Always `qcow2`.
+    /// `qcow2` or `luks`.
     #[serde(rename = "type")]
     pub kind: String,
     /// The facts.
-    pub data: Qcow2Specific,
+    pub data: SpecificData,
+}
+
+/// The facts of one format.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum SpecificData {
+    /// A qcow2 image's.
+    Qcow2(Qcow2Specific),
+    /// A LUKS volume's: its header, as a qcow2 image's `encrypt` shows it without `format`.
+    Luks(EncryptInfo),
+}
+
+impl SpecificData {
+    /// The qcow2 facts, if this is a qcow2 image.
+    pub fn qcow2(&self) -> Option<&Qcow2Specific> {
+        match self {
+            SpecificData::Qcow2(q) => Some(q),
+            SpecificData::Luks(_) => None,
+        }
+    }
 }
 
 /// qcow2-specific facts, keyed like qemu-img's `ImageInfoSpecificQCow2`.
@@ -173,8 +193,9 @@ pub struct EncryptInfo {
     /// The volume UUID.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uuid: Option<String>,
-    /// `aes` or `luks`.
-    pub format: String,
+    /// `aes` or `luks` (absent for a LUKS volume, where the format says it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub format: Option<String>,
     /// Cipher mode.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cipher_mode: Option<String>,
@@ -214,7 +235,7 @@ impl EncryptInfo {
             hash_alg: None,
             cipher_alg: None,
             uuid: None,
-            format: format.into(),
+            format: Some(format.into()),
             cipher_mode: None,
             slots: None,
             payload_offset: None,
@@ -230,7 +251,7 @@ impl EncryptInfo {
             hash_alg: Some(l.hash_alg.clone()),
             cipher_alg: Some(l.cipher_alg.clone()),
             uuid: Some(l.uuid.clone()),
-            format: "luks".into(),
+            format: Some("luks".into()),
             cipher_mode: Some(l.cipher_mode.clone()),
             slots: Some(
                 l.slots
@@ -392,7 +413,7 @@ impl ImageInfo {
             snapshots: (!snapshots.is_empty()).then_some(snapshots),
             format_specific: Some(FormatSpecific {
                 kind: "qcow2".into(),
-                data,
+                data: SpecificData::Qcow2(data),
             }),
             children: vec![ChildInfo::file(filename, meta.file_len, None)],
             untrusted_references: None,
@@ -415,6 +436,39 @@ impl ImageInfo {
             backing_filename_format: None,
             snapshots: None,
             format_specific: None,
+            children: vec![ChildInfo::file(filename, file_len, None)],
+            untrusted_references: None,
+        }
+    }
+
+    /// The report for a LUKS volume (QEMU's `luks` driver): its disk is the file after the
+    /// payload offset, and its header's facts are the format's (`None` when the header
+    /// could not be read).
+    pub fn luks(
+        filename: &str,
+        file_len: u64,
+        header: Option<&crate::crypto::LuksInfo>,
+    ) -> ImageInfo {
+        let payload = header.map_or(0, |l| l.payload_offset);
+        ImageInfo {
+            filename: filename.into(),
+            format: "luks".into(),
+            virtual_size: file_len.saturating_sub(payload),
+            actual_size: None,
+            cluster_size: None,
+            encrypted: Some(true),
+            dirty_flag: Some(false),
+            backing_filename: None,
+            full_backing_filename: None,
+            backing_filename_format: None,
+            snapshots: None,
+            format_specific: header.map(|l| FormatSpecific {
+                kind: "luks".into(),
+                data: SpecificData::Luks(EncryptInfo {
+                    format: None,
+                    ..EncryptInfo::luks(l)
+                }),
+            }),
             children: vec![ChildInfo::file(filename, file_len, None)],
             untrusted_references: None,
         }

@@ -49,8 +49,12 @@ const FILE_NOOP_OPTIONS: &[&str] = &[
 /// A feature that takes a driver option adds its key here.
 const PASS_THROUGH: &[&str] = &[];
 
-/// True for `encrypt.key-secret` of the image or of a layer below it (`backing.` repeated).
+/// True for `encrypt.key-secret` of the image or of a layer below it (`backing.` repeated),
+/// and for a LUKS volume's own `key-secret`.
 fn is_key_secret(key: &str) -> bool {
+    if key == "key-secret" {
+        return true;
+    }
     let mut rest = key;
     while let Some(r) = rest.strip_prefix("backing.") {
         rest = r;
@@ -163,7 +167,7 @@ pub(super) fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Re
     let format = match driver.as_deref() {
         None if file_direct.is_none() && file_members.is_empty() => return Err(Reason::Nothing),
         None => None,
-        Some("qcow2") | Some("raw") => driver.clone(),
+        Some("qcow2") | Some("raw") | Some("luks") => driver.clone(),
         Some("compress") => return compress_node(file_direct, file_members, &flat),
         Some(other) => return node_alone(other, flat, file_direct, file_members),
     };
@@ -195,7 +199,13 @@ pub(super) fn interpret(mut flat: BTreeMap<String, Val>) -> Result<ImageName, Re
     };
     // A layer's encryption key (`encrypt.key-secret`, `backing.encrypt.key-secret`, ...) is
     // read from the command line by `secrets`, which gives it to the open.
-    let keys: Vec<String> = flat.keys().filter(|k| is_key_secret(k)).cloned().collect();
+    // Only QEMU's `luks` driver takes `key-secret` at the top: to any other it is unknown.
+    let luks = format.as_deref() == Some("luks");
+    let keys: Vec<String> = flat
+        .keys()
+        .filter(|k| is_key_secret(k) && (luks || *k != "key-secret"))
+        .cloned()
+        .collect();
     for key in keys {
         if let Some(Val::Text(v)) = flat.remove(&key) {
             options.insert(key, v);

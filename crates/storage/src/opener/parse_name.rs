@@ -330,6 +330,20 @@ mod tests {
                 .map(String::as_str),
             Some("b")
         );
+        // A LUKS volume's key is its own `key-secret`, which no other driver takes.
+        let n = p("driver=luks,key-secret=s,file.filename=/t/v", true).unwrap();
+        assert_eq!(
+            (n.path.as_path(), n.format.as_deref()),
+            (Path::new("/t/v"), Some("luks"))
+        );
+        assert_eq!(n.options.get("key-secret").map(String::as_str), Some("s"));
+        assert_eq!(
+            reason("driver=qcow2,file.filename=/t/y,key-secret=s", true),
+            Reason::FormatOption {
+                driver: "qcow2".into(),
+                option: "key-secret".into()
+            }
+        );
         assert_eq!(
             reason("driver=quorum,children.0.file.filename=a", true),
             Reason::UnknownDriver("quorum".into())

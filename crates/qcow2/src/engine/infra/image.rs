@@ -235,10 +235,7 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// Whether the chain holds encrypted data.
     pub(crate) fn encrypted(&self) -> bool {
-        self.chain
-            .layers
-            .iter()
-            .any(|l| l.qcow2().is_some_and(|m| m.crypto.is_some()))
+        self.chain.layers.iter().any(|l| l.crypto().is_some())
     }
 
     /// Layer 0, the file writes go to.

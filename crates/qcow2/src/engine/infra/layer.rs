@@ -1,5 +1,6 @@
 //! One layer of a backing chain: a qcow2 image (header, geometry, L1 table, optional external
-//! data file) or a raw file. Layer 0 is the image that was opened; layer n is its n-th backing
+//! data file), a raw file, or a LUKS volume (QEMU's `luks` driver: a LUKS header, then the
+//! enciphered disk). Layer 0 is the image that was opened; layer n is its n-th backing
 //! file.
 
 use super::compress::Codec;
@@ -25,7 +26,7 @@ pub(crate) struct Layer<S> {
     pub sync_failed: Cell<bool>,
 }
 
-/// Raw or qcow2.
+/// Raw, qcow2 or a LUKS volume.
 // One value per layer, built once on open: boxing the large variant would only add an
 // indirection on every request.
 #[allow(clippy::large_enum_variant)]
@@ -34,6 +35,17 @@ pub(crate) enum LayerFormat<S> {
     Raw,
     /// A qcow2 image.
     Qcow2(Qcow2Meta<S>),
+    /// A LUKS volume: guest byte `g` is enciphered at `payload + g` of the file.
+    Luks(LuksMeta),
+}
+
+/// The state of a LUKS volume layer.
+pub(crate) struct LuksMeta {
+    /// Where the enciphered disk starts in the file (the LUKS header's payload offset).
+    pub payload: u64,
+    /// The volume's data cipher, its sectors numbered by guest offset as QEMU's `luks`
+    /// driver numbers them.
+    pub crypto: crate::crypto::DataCrypto,
 }
 
 /// The in-memory state of a qcow2 layer.
@@ -71,7 +83,38 @@ impl<S: Storage + 'static> Layer<S> {
     pub fn qcow2(&self) -> Option<&Qcow2Meta<S>> {
         match &self.format {
             LayerFormat::Qcow2(m) => Some(m),
+            LayerFormat::Raw | LayerFormat::Luks(_) => None,
+        }
+    }
+
+    /// The data cipher of an encrypted layer (qcow2 with encryption, or a LUKS volume).
+    pub fn crypto(&self) -> Option<&crate::crypto::DataCrypto> {
+        match &self.format {
+            LayerFormat::Qcow2(m) => m.crypto.as_ref(),
+            LayerFormat::Luks(l) => Some(&l.crypto),
             LayerFormat::Raw => None,
+        }
+    }
+
+    /// Whether guest byte `g` is byte `g` of the file (a raw layer), so that the file's own
+    /// allocation status is the guest's.
+    pub fn is_raw(&self) -> bool {
+        matches!(self.format, LayerFormat::Raw)
+    }
+
+    /// An operation this layer's format cannot do.
+    pub(crate) fn unsupported_here(&self, what: &str) -> EngineError {
+        EngineError::Unsupported {
+            image: self.name.clone(),
+            what: what.into(),
+        }
+    }
+
+    /// The LUKS volume's state, if this is a LUKS volume layer.
+    pub fn luks(&self) -> Option<&LuksMeta> {
+        match &self.format {
+            LayerFormat::Luks(l) => Some(l),
+            _ => None,
         }
     }
 

@@ -4,7 +4,7 @@
 
 use super::compress::Codec;
 use super::error::{EngineError, Result};
-use super::layer::{read_exact, Layer, LayerFormat, Qcow2Meta};
+use super::layer::{read_exact, Layer, LayerFormat, LuksMeta, Qcow2Meta};
 use crate::crypto::{CryptoError, DataCrypto, LuksHeader, Unlock, SECTOR_SIZE};
 use crate::engine::backing_name;
 use crate::format::header::{CRYPT_AES, CRYPT_NONE, QCOW2_MAGIC};
@@ -21,6 +21,8 @@ pub enum Format {
     Qcow2,
     /// A raw disk image.
     Raw,
+    /// A LUKS volume (QEMU's `luks` driver).
+    Luks,
 }
 
 impl Format {
@@ -30,6 +32,7 @@ impl Format {
         match name {
             "qcow2" => Some(Format::Qcow2),
             "raw" => Some(Format::Raw),
+            "luks" => Some(Format::Luks),
             _ => None,
         }
     }
@@ -39,6 +42,7 @@ impl Format {
         match self {
             Format::Qcow2 => "qcow2",
             Format::Raw => "raw",
+            Format::Luks => "luks",
         }
     }
 }
@@ -109,24 +113,38 @@ where
             }
         }
     };
-    if format == Format::Raw {
+    if format != Format::Qcow2 {
         if data_file.is_some() {
             return Err(EngineError::Unsupported {
                 image: name,
-                what: "an external data file for a raw image".into(),
+                what: format!("an external data file for a {} image", format.name()),
             });
         }
         if snapshot.is_some() {
             return Err(EngineError::Unsupported {
                 image: name,
-                what: "internal snapshots of a raw file".into(),
+                what: format!("internal snapshots of a {} file", format.name()),
             });
         }
+        let (size, format) = if format == Format::Luks {
+            let at = LayerFile {
+                name: &name,
+                len: file_len,
+                src: StorageSource::new(&file, file_len),
+            };
+            let meta = open_luks_volume(&at, key).await?;
+            (
+                file_len.saturating_sub(meta.payload),
+                LayerFormat::Luks(meta),
+            )
+        } else {
+            (file_len, LayerFormat::Raw)
+        };
         return Ok(Layer {
             name,
             file,
-            size: Cell::new(file_len),
-            format: LayerFormat::Raw,
+            size: Cell::new(size),
+            format,
             sync_failed: Cell::new(false),
         });
     }
@@ -335,6 +353,31 @@ async fn unlock<S: Storage + 'static>(
     let (_, master) = luks.unlock(&area, password).map_err(fail)?;
     let cipher = luks.data_cipher(&master).map_err(fail)?;
     Ok(Some(DataCrypto::luks(cipher)))
+}
+
+/// A LUKS volume's header, unlocked with the password (or opened locked, for opens that
+/// read no data).
+async fn open_luks_volume<S: Storage + 'static>(
+    at: &LayerFile<'_, S>,
+    key: Unlock<'_>,
+) -> Result<LuksMeta> {
+    let fail = |source| EngineError::Crypto {
+        image: at.name.to_string(),
+        source,
+    };
+    let head = read_luks_area(at, 0, crate::crypto::luks::HEADER_LEN as u64).await?;
+    let payload = LuksHeader::area_len_of(&head).map_err(fail)?;
+    let area = read_luks_area(at, 0, payload).await?;
+    let header = LuksHeader::parse(&area).map_err(fail)?;
+    let crypto = match key {
+        Unlock::Locked => DataCrypto::locked(),
+        Unlock::Missing => return Err(fail(CryptoError::MissingVolumeSecret)),
+        Unlock::With(password) => {
+            let (_, master) = header.unlock(&area, password).map_err(fail)?;
+            DataCrypto::luks_volume(header.data_cipher(&master).map_err(fail)?)
+        }
+    };
+    Ok(LuksMeta { payload, crypto })
 }
 
 /// The LUKS area of an image (header and key material), bounded in size.

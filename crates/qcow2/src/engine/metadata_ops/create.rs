@@ -355,10 +355,7 @@ fn new_header(
         }
     }
     if let Some((name, fmt)) = &opts.backing {
-        let fmt = match fmt {
-            Format::Qcow2 => "qcow2",
-            Format::Raw => "raw",
-        };
+        let fmt = fmt.name();
         h.extensions
             .push(HeaderExtension::BackingFormat(fmt.as_bytes().to_vec()));
         h.backing_file = Some(name.as_bytes().to_vec());

@@ -1,5 +1,6 @@
-//! Changing the key slots of a LUKS-encrypted image (`amend -o encrypt.state=...`): the LUKS
-//! area is read, changed in memory and written back in place, then flushed.
+//! Changing the key slots of a LUKS-encrypted image (`amend -o encrypt.state=...`) or a LUKS
+//! volume (`amend -o state=...`): the LUKS area is read, changed in memory and written back
+//! in place, then flushed.
 
 use crate::crypto::luks::HEADER_LEN;
 use crate::crypto::{LuksHeader, SlotChange};
@@ -14,12 +15,16 @@ impl<S: Storage + 'static> Image<S> {
         let inner = &self.inner;
         inner.check_writable()?;
         let top = inner.top();
-        let meta = top.qcow2_required()?;
-        let fde = meta
-            .header
-            .borrow()
-            .fde_pointer()
-            .map(|p| (p.offset, p.length));
+        // A LUKS volume's area starts the file and ends at its payload.
+        let fde = match top.luks() {
+            Some(l) => Some((0, l.payload)),
+            None => top
+                .qcow2_required()?
+                .header
+                .borrow()
+                .fde_pointer()
+                .map(|p| (p.offset, p.length)),
+        };
         let crypto = |source| EngineError::Crypto {
             image: top.name.clone(),
             source,

@@ -98,10 +98,10 @@ impl<S: Storage + 'static> Image<S> {
                     // layer asks its file only when QEMU would (metadata preallocation), and
                     // then data over a hole is data that reads as zeros.
                     let layer = &inner.layer(p.layer);
-                    let raw = layer.qcow2().is_none();
+                    let raw = layer.is_raw();
                     if !raw && !self.metadata_preallocated(p.layer).await {
                         // Ciphertext is no copy of the guest's data: like QEMU, no offset.
-                        let encrypted = layer.qcow2().is_some_and(|m| m.crypto.is_some());
+                        let encrypted = layer.crypto().is_some();
                         push(Extent {
                             data: true,
                             zero: false,

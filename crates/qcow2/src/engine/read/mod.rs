@@ -124,7 +124,7 @@ impl<S: Storage + 'static> Inner<S> {
         buf: &mut [u8],
     ) -> Result<()> {
         let layer = &self.layer(li);
-        match layer.qcow2().and_then(|m| m.crypto.as_ref()) {
+        match layer.crypto() {
             Some(c) => c
                 .decrypt(host.0, guest.0, buf)
                 .map_err(|source| EngineError::Crypto {

@@ -54,8 +54,8 @@ impl<S: Storage + 'static> Image<S> {
                 Source::Zero { .. } | Source::Compressed { .. } => classified.push(p),
                 Source::Data { host } => {
                     let layer = &inner.layer(p.layer);
-                    let ask = layer.qcow2().is_none()
-                        || (p.layer == 0 && self.metadata_preallocated(0).await);
+                    let ask =
+                        layer.is_raw() || (p.layer == 0 && self.metadata_preallocated(0).await);
                     if !ask {
                         classified.push(p);
                         continue;

@@ -20,6 +20,11 @@ impl<S: Storage + 'static> Image<S> {
         self.inner.track(offset, len);
         let offset = offset.0;
         let top = self.inner.top();
+        if top.luks().is_some() {
+            // A hole under a LUKS volume would read back as noise: QEMU's `luks` driver
+            // discards nothing either.
+            return Ok(());
+        }
         let Some(meta) = top.qcow2() else {
             let punch = self.inner.punches_holes();
             if punch && len > 0 {

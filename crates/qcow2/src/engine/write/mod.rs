@@ -14,6 +14,7 @@ pub(crate) mod compressed;
 mod discard;
 mod execute;
 mod flush;
+mod luks;
 mod plan;
 mod preallocate;
 mod zero;
@@ -51,6 +52,9 @@ impl<S: Storage + 'static> Inner<S> {
         }
         self.track(offset, len);
         let top = self.top();
+        if top.luks().is_some() {
+            return self.write_luks(offset, buf).await;
+        }
         if top.qcow2().is_none() {
             // A raw layer 0 is the guest's disk byte for byte.
             let (res, slice) = top.file.write_at(buf.into(), offset.0).await;
@@ -120,6 +124,9 @@ impl<S: Storage + 'static> Inner<S> {
 
     /// [`Inner::write_unlocked`] of whole sectors (any range, for an unencrypted image).
     async fn write_aligned(&self, offset: GuestOffset, buf: IoBuf) -> (Result<()>, IoBuf) {
+        if self.top().luks().is_some() {
+            return self.seal_luks(offset, buf).await;
+        }
         match self.plan(offset, buf.len() as u64).await {
             Err(e) => (Err(e), buf),
             Ok(plans) => self.execute(offset, buf, &plans).await,

@@ -78,6 +78,14 @@ impl<S: Storage + 'static> Image<S> {
         flag_unallocated: bool,
     ) -> Result<()> {
         let top = self.inner.top();
+        if top.luks().is_some() {
+            // Zeros of a LUKS volume are enciphered data like any other (QEMU's `luks`
+            // driver has no way to zero either, and writes them).
+            if fast {
+                return Err(EngineError::ZeroNotFast { offset, len });
+            }
+            return self.inner.write_luks_zeroes(offset, len).await;
+        }
         let Some(meta) = top.qcow2() else {
             if fast && !top.file.zeroes_are_cheap() {
                 return Err(EngineError::ZeroNotFast { offset, len });

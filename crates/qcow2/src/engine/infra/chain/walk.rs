@@ -84,6 +84,15 @@ pub(crate) async fn step<S: Storage + 'static>(
             layer: li,
             present: true,
         }),
+        LayerFormat::Luks(m) => out.push(Piece {
+            start: s,
+            len: inside,
+            src: Source::Data {
+                host: HostOffset(m.payload.saturating_add(s.0)),
+            },
+            layer: li,
+            present: true,
+        }),
         LayerFormat::Qcow2(_) => {
             runs.clear();
             map_layer(layers, l2, li, s, inside, pre, runs).await?;

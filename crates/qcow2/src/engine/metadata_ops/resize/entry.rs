@@ -23,6 +23,7 @@ impl<S: Storage + 'static> Image<S> {
         };
         let old_size = top.size.get();
         let Some(meta) = top.qcow2() else {
+            // A raw file or a LUKS volume: the file is the disk (after the LUKS header).
             return self.resize_raw(old_size, new_size, prealloc).await;
         };
         // A raw file takes any length; qcow2 sizes are whole sectors.
@@ -98,6 +99,12 @@ impl<S: Storage + 'static> Image<S> {
             image: top.name.clone(),
             source,
         };
+        // A LUKS volume's disk starts after its header: the file is its payload offset longer.
+        let base = top.luks().map_or(0, |m| m.payload);
+        let (old_end, new_end) = match (base.checked_add(old_size), base.checked_add(new_size)) {
+            (Some(o), Some(n)) => (o, n),
+            _ => return Err(top.unsupported_here("a size past the largest file offset")),
+        };
         match prealloc {
             Preallocation::Metadata => return Err(refuse(ResizeError::RawMetadata)),
             Preallocation::Off => {}
@@ -111,23 +118,23 @@ impl<S: Storage + 'static> Image<S> {
             .map_err(|e| top.io_error("reading the file's length", 0, e))?
             == 0;
         top.file
-            .set_len(new_size)
+            .set_len(new_end)
             .await
-            .map_err(|e| top.io_error("resizing the file", new_size, e))?;
+            .map_err(|e| top.io_error("resizing the file", new_end, e))?;
         let grown = new_size.saturating_sub(old_size);
         match prealloc {
             Preallocation::Falloc => top
                 .file
-                .write_zeroes_at(old_size, grown, false)
+                .write_zeroes_at(old_end, grown, false)
                 .await
-                .map_err(|e| top.io_error("preallocating", old_size, e))?,
-            Preallocation::Full => write_zero_data(top, old_size, grown).await?,
+                .map_err(|e| top.io_error("preallocating", old_end, e))?,
+            Preallocation::Full => write_zero_data(top, old_end, grown).await?,
             Preallocation::Off | Preallocation::Metadata => {}
         }
         if was_empty && prealloc != Preallocation::Full {
             // QEMU's `file` driver writes the first block of a file it grows from empty; an
             // optimisation there, so a failure is ignored as QEMU ignores it.
-            let _ = storage::allocate_first_block(&top.file, new_size).await;
+            let _ = storage::allocate_first_block(&top.file, new_end).await;
         }
         top.file
             .flush()
