@@ -330,6 +330,19 @@ mod tests {
                 .map(String::as_str),
             Some("b")
         );
+        assert_eq!(reason("driver=qcow2", true), Reason::NoFileNode);
+        assert_eq!(
+            reason("driver=qcow2,file.driver=file", true),
+            Reason::NoFilename
+        );
+        assert_eq!(
+            reason("driver=qcow2,file.filename=x,file.bogus=1", true),
+            Reason::FileOption("bogus".into())
+        );
+    }
+
+    #[test]
+    fn option_lists_of_a_luks_volume() {
         // A LUKS volume's key is its own `key-secret`, which no other driver takes.
         let n = p("driver=luks,key-secret=s,file.filename=/t/v", true).unwrap();
         assert_eq!(
@@ -344,6 +357,10 @@ mod tests {
                 option: "key-secret".into()
             }
         );
+    }
+
+    #[test]
+    fn option_lists_of_a_quorum_node() {
         assert_eq!(
             reason("driver=quorum,children.0.file.filename=a", true),
             Reason::UnknownDriver("quorum".into())
@@ -380,6 +397,10 @@ mod tests {
         ] {
             assert_eq!(reason(&format!("{quorum}{extra}"), true), why, "{extra}");
         }
+    }
+
+    #[test]
+    fn option_lists_of_an_nbd_node() {
         // NBD: the export's name, as the opener connects by it and QEMU shows it.
         let nbd = p("driver=nbd,host=127.0.0.1", true).unwrap();
         assert_eq!(nbd.path, PathBuf::from("nbd://127.0.0.1:10809"));
@@ -406,15 +427,6 @@ mod tests {
             reason("driver=nbd,server.type=unix", true),
             Reason::Nbd(_)
         ));
-        assert_eq!(reason("driver=qcow2", true), Reason::NoFileNode);
-        assert_eq!(
-            reason("driver=qcow2,file.driver=file", true),
-            Reason::NoFilename
-        );
-        assert_eq!(
-            reason("driver=qcow2,file.filename=x,file.bogus=1", true),
-            Reason::FileOption("bogus".into())
-        );
     }
 
     #[test]
