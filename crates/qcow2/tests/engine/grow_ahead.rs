@@ -123,16 +123,22 @@ fn an_image_left_open_with_its_file_grown_ahead_checks_clean_and_reopens() {
     assert_reads_back(&path, 0..48);
 }
 
-/// An empty 256 MiB image with extended L2 entries (64 KiB clusters, 2 KiB subclusters).
+/// An empty image of `size` with extended L2 entries (64 KiB clusters, 2 KiB subclusters).
 fn ext_image(dir: &tempfile::TempDir, name: &str, size: &str) -> PathBuf {
+    ext_image_with(dir, name, size, "64k")
+}
+
+/// An empty image of `size` with extended L2 entries and clusters of `cluster_size`.
+fn ext_image_with(dir: &tempfile::TempDir, name: &str, size: &str, cluster_size: &str) -> PathBuf {
     let path = dir.path().join(name);
+    let opts = format!("extended_l2=on,cluster_size={cluster_size}");
     qemu_img(&[
         "create",
         "-q",
         "-f",
         "qcow2",
         "-o",
-        "extended_l2=on,cluster_size=64k",
+        &opts,
         path.to_str().unwrap(),
         size,
     ]);
@@ -433,18 +439,7 @@ fn metadata_preallocation_under_o_direct_stays_sparse() {
 /// An empty image with 1 MiB clusters of 32 KiB subclusters: room for a 4 KiB write to
 /// leave most of its subcluster unwritten.
 fn wide_subcluster_image(dir: &tempfile::TempDir) -> PathBuf {
-    let path = dir.path().join("wide.qcow2");
-    qemu_img(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-o",
-        "extended_l2=on,cluster_size=1M",
-        path.to_str().unwrap(),
-        "64M",
-    ]);
-    path
+    ext_image_with(dir, "wide.qcow2", "64M", "1M")
 }
 
 /// A 4 KiB write into a new subcluster of a cluster already in use writes its own bytes

@@ -140,16 +140,8 @@ impl<S: Storage + 'static> Allocator<S> {
 
     /// Cuts the file after the new structure, as QEMU does once the image is clean again.
     async fn cut_after_structure(&self) -> Result<()> {
-        let top = self.top();
         let cs = self.meta().geom.cluster_size();
-        let end = (LEAD_CLUSTERS + self.l1_clusters()) * cs;
-        top.file
-            .set_len(end)
+        self.truncate_file((LEAD_CLUSTERS + self.l1_clusters()) * cs)
             .await
-            .map_err(|e| top.io_error("truncating the file", end, e))?;
-        self.physical_len.set(end);
-        self.meta().file_end.set(end);
-        self.grow.truncated(end);
-        Ok(())
     }
 }

@@ -137,6 +137,21 @@ impl<S: Storage + 'static> Allocator<S> {
         })
     }
 
+    /// Truncates layer 0's file to `end` and brings every record of where the file ends
+    /// along: how far it may hold data, where the image ends, and where growing ahead goes
+    /// on from.
+    async fn truncate_file(&self, end: u64) -> Result<()> {
+        let top = self.top();
+        top.file
+            .set_len(end)
+            .await
+            .map_err(|e| top.io_error("truncating the file", end, e))?;
+        self.physical_len.set(end);
+        self.meta().file_end.set(end);
+        self.grow.truncated(end);
+        Ok(())
+    }
+
     /// Makes sure the file reaches `end` (the end of clusters just allocated), growing it a
     /// step ahead when that pays (see [`GrowAhead`]).
     pub(super) async fn grow_ahead(&self, end: u64) {

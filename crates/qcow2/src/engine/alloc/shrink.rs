@@ -111,13 +111,7 @@ impl<S: Storage + 'static> Allocator<S> {
         if end >= len {
             return Ok(());
         }
-        top.file
-            .set_len(end)
-            .await
-            .map_err(|e| top.io_error("truncating the file", end, e))?;
-        self.physical_len.set(end);
-        self.meta().file_end.set(end);
-        self.grow.truncated(end);
+        self.truncate_file(end).await?;
         if self.free_hint.get().0 > end / cs {
             self.free_hint.set(HostCluster(end / cs));
         }
