@@ -67,6 +67,11 @@ impl QuorumNode {
     }
 }
 
+/// Most children a quorum node may have. Every request goes to each child with a buffer of
+/// its own, so a name (possibly an image's backing name) must not make one read cost
+/// thousands of buffers and open files; QEMU sets no limit, real quorums have a few children.
+pub const MAX_CHILDREN: usize = 32;
+
 /// Why a quorum node cannot be built, in QEMU's words.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum QuorumError {
@@ -79,12 +84,19 @@ pub enum QuorumError {
     /// More votes asked for than there are children.
     #[error("threshold may not exceed children count")]
     ThresholdTooHigh,
+    /// More children than [`MAX_CHILDREN`].
+    #[error("Number of provided children must be at most {MAX_CHILDREN}")]
+    TooManyChildren,
 }
 
-/// Checks a threshold against the number of children, as QEMU does when it opens the node.
+/// Checks a threshold against the number of children, as QEMU does when it opens the node,
+/// and the number of children against [`MAX_CHILDREN`].
 pub fn check_threshold(threshold: usize, children: usize) -> Result<(), QuorumError> {
     if children == 0 {
         return Err(QuorumError::NoChildren);
+    }
+    if children > MAX_CHILDREN {
+        return Err(QuorumError::TooManyChildren);
     }
     if threshold == 0 {
         return Err(QuorumError::ThresholdZero);
@@ -312,6 +324,11 @@ mod tests {
         assert_eq!(check_threshold(0, 2), Err(QuorumError::ThresholdZero));
         assert_eq!(check_threshold(3, 2), Err(QuorumError::ThresholdTooHigh));
         assert_eq!(check_threshold(2, 2), Ok(()));
+        assert_eq!(check_threshold(1, MAX_CHILDREN), Ok(()));
+        assert_eq!(
+            check_threshold(1, MAX_CHILDREN + 1),
+            Err(QuorumError::TooManyChildren)
+        );
     }
 
     #[test]

@@ -397,6 +397,17 @@ mod tests {
         ] {
             assert_eq!(reason(&format!("{quorum}{extra}"), true), why, "{extra}");
         }
+        // A name cannot make every read fan out to more children than the bound.
+        let many: String = (0..=crate::quorum::MAX_CHILDREN)
+            .map(|i| format!(",file.children.{i}.filename=/t/c{i}"))
+            .collect();
+        assert_eq!(
+            reason(
+                &format!("driver=qcow2,file.driver=quorum{many},file.vote-threshold=1"),
+                true
+            ),
+            Reason::Quorum(crate::quorum::QuorumError::TooManyChildren)
+        );
     }
 
     #[test]
