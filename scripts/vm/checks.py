@@ -38,6 +38,16 @@ class Setup:
         self.servers[name] = s
         return s
 
+    def log_tails(self, lines=5):
+        """The last LINES lines of each server's log, for a check that hung."""
+        tails = {}
+        for name, s in self.servers.items():
+            try:
+                tails[name] = open(s.log, errors="replace").read().splitlines()[-lines:]
+            except OSError as e:
+                tails[name] = [str(e)]
+        return tails
+
     def stop_all(self):
         for s in self.servers.values():
             s.stop()
@@ -88,7 +98,8 @@ def kernel_client(args, kind, results):
             try:
                 step(setup, guest, results, ro_sum=ro_sum)
             except Hung as e:
-                results.check(kind, step.__name__, False, f"guest hung ({e}); console: {guest.dmesg_tail()[-400:]!r}")
+                results.check(kind, step.__name__, False, f"guest hung ({e}); console: {guest.dmesg_tail()[-400:]!r}"
+                              f"; servers' logs: {setup.log_tails()!r}")
                 break
             except (subprocess.CalledProcessError, RuntimeError, TimeoutError, OSError) as e:
                 detail = getattr(e, "stderr", "") or ""

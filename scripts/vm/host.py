@@ -66,7 +66,8 @@ class Server:
         common += ["-r"] if readonly else []
         if kind == "ours":
             self.cmd = [binary, "serve", *common, "--handshake-limit", "300"]
-            self.cmd += ["--log", "trace"] if trace else []
+            # info: each connection's end is logged, for a check that hangs.
+            self.cmd += ["--log", "trace" if trace else "info"]
         else:
             self.cmd = ["qemu-nbd", *common, "--handshake-limit=300"]
             self.cmd += ["--trace", f"enable=nbd_receive_request,file={log}.trace"] if trace else []
