@@ -60,6 +60,7 @@ impl<S: Storage + 'static> Allocator<S> {
         self.flush_refcounts().await?;
         self.l2.forget(|k| k.layer == 0);
         self.refcounts.forget(|_| true);
+        self.unwritten.borrow_mut().clear();
         self.mapping_changed();
         let bits = self.meta().header.borrow().incompatible_features;
         self.write_incompatible(bits | INCOMPAT_DIRTY).await?;

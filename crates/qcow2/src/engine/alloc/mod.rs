@@ -25,10 +25,12 @@ mod reftable;
 mod run;
 mod shrink;
 mod snapshots;
+mod unwritten;
 
 use prealloc::{GrowAhead, PausedGrowth};
 pub(crate) use run::{L2Change, NewWords, OldClusters, Precedes};
 pub(crate) use snapshots::RefCounts;
+use unwritten::Unwritten;
 
 use super::infra::bitmaps::Bitmaps;
 use super::infra::error::{EngineError, Result};
@@ -84,6 +86,8 @@ pub(crate) struct Allocator<S: Storage + 'static> {
     mapping_generation: Cell<u64>,
     /// How far the file has been grown ahead of the allocations.
     grow: GrowAhead,
+    /// The subclusters of clusters allocated fresh that were never written.
+    unwritten: RefCell<Unwritten>,
 }
 
 impl<S: Storage + 'static> Allocator<S> {
@@ -134,6 +138,7 @@ impl<S: Storage + 'static> Allocator<S> {
             free_byte_offset: Cell::new(0),
             mapping_generation: Cell::new(0),
             grow: GrowAhead::new(&layer.file, meta.file_end.get(), h.has_extended_l2()),
+            unwritten: RefCell::new(Unwritten::new(&meta.geom, meta.crypto.is_some())),
         })
     }
 
@@ -149,7 +154,19 @@ impl<S: Storage + 'static> Allocator<S> {
         self.physical_len.set(end);
         self.meta().file_end.set(end);
         self.grow.truncated(end);
+        self.unwritten.borrow_mut().truncated(end);
         Ok(())
+    }
+
+    /// Guest data is about to be written to `[host, host + len)` of layer 0's file.
+    pub(crate) fn writing_data(&self, host: HostOffset, len: u64) {
+        self.unwritten.borrow_mut().writing(host, len);
+    }
+
+    /// Whether `[host, host + len)` lies in subclusters allocated fresh in this session and
+    /// never written since, so that the file holds zeros there (false: not known).
+    pub(crate) fn known_unwritten(&self, host: HostOffset, len: u64) -> bool {
+        self.unwritten.borrow().is_unwritten(host, len)
     }
 
     /// Makes sure the file reaches `end` (the end of clusters just allocated), growing it a

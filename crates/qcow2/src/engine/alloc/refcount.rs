@@ -135,6 +135,10 @@ impl<S: Storage + 'static> Allocator<S> {
                 if new == 0 && cluster < self.free_hint.get() {
                     self.free_hint.set(cluster);
                 }
+                if new == 0 || (delta > 0 && new == delta.unsigned_abs()) {
+                    // Freed, or taken from free: its bytes are no longer what we know of.
+                    self.unwritten.borrow_mut().forget(cluster);
+                }
                 Ok(new)
             }
             Err(detail) => Err(self.mark_corrupt(detail).await),

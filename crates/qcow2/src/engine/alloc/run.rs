@@ -138,7 +138,11 @@ impl<S: Storage + 'static> Allocator<S> {
             None if self.meta().data_file.is_some() => (HostOffset(first.0), false, false),
             None => {
                 let h = self.alloc_clusters(n).await?;
-                (h, true, h.0 >= fresh_from)
+                let fresh = h.0 >= fresh_from;
+                if fresh {
+                    self.unwritten.borrow_mut().allocated_fresh(h, n);
+                }
+                (h, true, fresh)
             }
         };
         Ok(Allocation {

@@ -75,7 +75,9 @@ impl<S: Storage + 'static> Inner<S> {
         host: HostOffset,
     ) -> (Result<()>, IoBuf) {
         let checked = match self.alloc() {
-            Ok(a) => a.check_overlap(host, to - from).await,
+            Ok(a) => a.check_overlap(host, to - from).await.map(|()| {
+                a.writing_data(host, to - from);
+            }),
             Err(e) => Err(e),
         };
         if let Err(e) = checked {
@@ -112,8 +114,12 @@ impl<S: Storage + 'static> Inner<S> {
     /// Whether `[host, host + len)` of the data file is a hole, which reads as zeros. Only
     /// asked for the part of a cluster a fill would zero, under the write's exclusive lock on
     /// that cluster: nothing else writes there meanwhile, so the answer holds until the
-    /// write. A file that cannot tell says data, and the zeros are written.
+    /// write. The allocator knows the subclusters it handed out unwritten without asking the
+    /// file; a file that cannot tell says data, and the zeros are written.
     async fn host_is_hole(&self, host: HostOffset, len: u64) -> bool {
+        if self.alloc().is_ok_and(|a| a.known_unwritten(host, len)) {
+            return true;
+        }
         match self.top().data_storage().data_run(host.0, len).await {
             Ok((false, n)) => n >= len,
             _ => false,

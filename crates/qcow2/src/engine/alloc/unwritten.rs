@@ -1,0 +1,270 @@
+//! Which subclusters of the data clusters allocated in this session have never been written:
+//! their bytes in the file are still the zeros of the hole they were allocated from.
+//!
+//! A write of part of an unallocated subcluster must leave the rest of the subcluster reading
+//! as zeros. Where the file already holds zeros there, nothing needs writing; asking the file
+//! (`SEEK_DATA`) costs a system call that waits for the inode lock every allocating direct
+//! write holds, so at queue depth it stalls the thread that runs every request. What the
+//! allocator handed out from past the end of everything written, and what was written into it
+//! since, answers the same question from memory.
+//!
+//! The record is only ever an under-statement of what reads as zeros:
+//! - a cluster enters it only when allocated fresh (past everything the file may hold);
+//! - every data write clears the subclusters it touches before it is issued (a write that
+//!   fails may still have written some of its bytes);
+//! - a cluster leaves it whenever its refcount leaves or reaches 0, or the file is cut below
+//!   it, so a cluster freed and handed out again (perhaps to metadata, whose writes do not
+//!   pass through here) is never taken for a hole.
+//!
+//! Holes the record does not know of (an image opened with unwritten parts, a record that is
+//! full) are still found by asking the file.
+
+use std::collections::HashMap;
+
+use crate::format::{Geometry, HostCluster, HostOffset};
+
+/// How many clusters the record follows at most: about 40 bytes each, so under 3 MiB. Past
+/// it, new clusters are not followed and their holes are found by asking the file.
+const MAX_CLUSTERS: usize = 1 << 16;
+
+/// The never-written subclusters of freshly allocated clusters (see the module's text).
+pub(super) struct Unwritten {
+    /// Per followed cluster, a bit per subcluster never written (bit `i`: subcluster `i`).
+    clusters: HashMap<HostCluster, u32>,
+    cluster_bits: u32,
+    subcluster_bits: u32,
+    /// Every subcluster of a cluster.
+    all: u32,
+    /// Off for images without subclusters (a cluster is written whole when allocated) and
+    /// for encrypted ones (a hole does not read as enciphered zeros).
+    on: bool,
+}
+
+impl Unwritten {
+    pub(super) fn new(geom: &Geometry, encrypted: bool) -> Unwritten {
+        let per_cluster = geom.subclusters_per_cluster();
+        Unwritten {
+            clusters: HashMap::new(),
+            cluster_bits: geom.cluster_bits(),
+            subcluster_bits: geom.subcluster_bits(),
+            all: u32::MAX >> (32 - per_cluster.clamp(1, 32)),
+            on: geom.extended_l2() && !encrypted,
+        }
+    }
+
+    /// `n` clusters from `first` were just allocated past everything the file may hold.
+    pub(super) fn allocated_fresh(&mut self, first: HostOffset, n: u64) {
+        if !self.on {
+            return;
+        }
+        let c = first.0 >> self.cluster_bits;
+        for k in c..c.saturating_add(n) {
+            if self.clusters.len() >= MAX_CLUSTERS {
+                return;
+            }
+            self.clusters.insert(HostCluster(k), self.all);
+        }
+    }
+
+    /// `[host, host + len)` is about to be written: its subclusters may hold data from now on.
+    pub(super) fn writing(&mut self, host: HostOffset, len: u64) {
+        if self.clusters.is_empty() || len == 0 {
+            return;
+        }
+        let Some(last) = host.0.checked_add(len - 1) else {
+            self.clusters.clear();
+            return;
+        };
+        for c in (host.0 >> self.cluster_bits)..=(last >> self.cluster_bits) {
+            let touched = self.touched(c, host.0, last);
+            let Some(bits) = self.clusters.get_mut(&HostCluster(c)) else {
+                continue;
+            };
+            *bits &= !touched;
+            if *bits == 0 {
+                self.clusters.remove(&HostCluster(c));
+            }
+        }
+    }
+
+    /// Whether every byte of `[host, host + len)` lies in subclusters never written.
+    pub(super) fn is_unwritten(&self, host: HostOffset, len: u64) -> bool {
+        if self.clusters.is_empty() || len == 0 {
+            return false;
+        }
+        let Some(last) = host.0.checked_add(len - 1) else {
+            return false;
+        };
+        (host.0 >> self.cluster_bits..=last >> self.cluster_bits).all(|c| {
+            let want = self.touched(c, host.0, last);
+            self.clusters
+                .get(&HostCluster(c))
+                .is_some_and(|&bits| bits & want == want)
+        })
+    }
+
+    /// The cluster's refcount left or reached 0: whatever it holds next is not ours to know.
+    pub(super) fn forget(&mut self, cluster: HostCluster) {
+        self.clusters.remove(&cluster);
+    }
+
+    /// The file now ends at `end`.
+    pub(super) fn truncated(&mut self, end: u64) {
+        let first_gone = end.div_ceil(1 << self.cluster_bits);
+        self.clusters.retain(|c, _| c.0 < first_gone);
+    }
+
+    /// Everything the record holds is void (the image was emptied).
+    pub(super) fn clear(&mut self) {
+        self.clusters.clear();
+    }
+
+    /// The bits of cluster `c`'s subclusters that `[from, last]` touches.
+    fn touched(&self, c: u64, from: u64, last: u64) -> u32 {
+        let start = c << self.cluster_bits;
+        let end = start + (1 << self.cluster_bits) - 1;
+        let lo = (from.max(start) - start) >> self.subcluster_bits;
+        let hi = (last.min(end) - start) >> self.subcluster_bits;
+        let upto = if hi >= 31 {
+            u32::MAX
+        } else {
+            (1u32 << (hi + 1)) - 1
+        };
+        (upto & !((1u32 << lo) - 1)) & self.all
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 64 KiB clusters of 32 subclusters of 2 KiB.
+    fn record() -> Unwritten {
+        let geom = Geometry::new(16, true, 4, 1 << 30).expect("geometry");
+        Unwritten::new(&geom, false)
+    }
+
+    const CS: u64 = 64 * 1024;
+    const SUB: u64 = 2048;
+
+    #[test]
+    fn a_fresh_cluster_is_unwritten_until_written() {
+        let mut u = record();
+        assert!(!u.is_unwritten(HostOffset(CS), SUB), "nothing followed yet");
+        u.allocated_fresh(HostOffset(CS), 2);
+        assert!(u.is_unwritten(HostOffset(CS), 2 * CS));
+        u.writing(HostOffset(CS + 5 * SUB + 100), 10);
+        assert!(!u.is_unwritten(HostOffset(CS + 5 * SUB), SUB));
+        assert!(
+            !u.is_unwritten(HostOffset(CS + 5 * SUB + 200), 1),
+            "the whole subcluster"
+        );
+        assert!(u.is_unwritten(HostOffset(CS + 4 * SUB), SUB));
+        assert!(u.is_unwritten(HostOffset(CS + 6 * SUB), CS - 6 * SUB + CS));
+        assert!(!u.is_unwritten(HostOffset(CS + 4 * SUB), 2 * SUB + 1));
+    }
+
+    #[test]
+    fn a_write_across_clusters_clears_both_ends() {
+        let mut u = record();
+        u.allocated_fresh(HostOffset(0), 2);
+        u.writing(HostOffset(CS - 1), 2);
+        assert!(!u.is_unwritten(HostOffset(CS - SUB), SUB));
+        assert!(!u.is_unwritten(HostOffset(CS), SUB));
+        assert!(u.is_unwritten(HostOffset(CS - 2 * SUB), SUB));
+        assert!(u.is_unwritten(HostOffset(CS + SUB), SUB));
+    }
+
+    #[test]
+    fn a_cluster_written_whole_or_freed_is_forgotten() {
+        let mut u = record();
+        u.allocated_fresh(HostOffset(0), 3);
+        u.writing(HostOffset(0), CS);
+        assert!(!u.clusters.contains_key(&HostCluster(0)));
+        u.forget(HostCluster(1));
+        assert!(!u.is_unwritten(HostOffset(CS), 1));
+        u.truncated(2 * CS + 1);
+        assert!(
+            u.is_unwritten(HostOffset(2 * CS), CS),
+            "the cut keeps a partial cluster"
+        );
+        u.truncated(2 * CS);
+        assert!(!u.is_unwritten(HostOffset(2 * CS), 1));
+    }
+
+    #[test]
+    fn off_without_subclusters_or_with_encryption() {
+        let std = Geometry::new(16, false, 4, 1 << 30).expect("geometry");
+        let mut u = Unwritten::new(&std, false);
+        u.allocated_fresh(HostOffset(0), 1);
+        assert!(!u.is_unwritten(HostOffset(0), 1));
+        let ext = Geometry::new(16, true, 4, 1 << 30).expect("geometry");
+        let mut u = Unwritten::new(&ext, true);
+        u.allocated_fresh(HostOffset(0), 1);
+        assert!(!u.is_unwritten(HostOffset(0), 1));
+    }
+
+    /// Through the engine: a fresh cluster is followed until freed, and a cluster taken
+    /// again from the free list is not taken for a hole.
+    #[test]
+    fn the_allocator_follows_fresh_clusters_only_while_they_are_in_use() {
+        use crate::engine::{create, CreateOptions, Image, OpenOptions};
+        use crate::format::GuestOffset;
+        use std::path::Path;
+        use storage::{IoBuf, MemFs, MemStorage};
+        test_support::run(async {
+            let mem = MemStorage::new();
+            let opts = CreateOptions {
+                size: 64 << 20,
+                cluster_size: CS,
+                extended_l2: true,
+                ..CreateOptions::default()
+            };
+            create(&mem, &opts).await.expect("create");
+            let fs = MemFs::new();
+            let path = Path::new("/img.qcow2");
+            fs.insert(path, mem);
+            let img = Image::open(&fs, path, &OpenOptions::default())
+                .await
+                .expect("open");
+            let host_of = |guest: u64| {
+                let img = img.clone();
+                async move {
+                    let map = img
+                        .block_status(GuestOffset(guest), SUB)
+                        .await
+                        .expect("map");
+                    HostOffset(map[0].offset.expect("allocated"))
+                }
+            };
+            let write = |at: u64| img.write(GuestOffset(at), IoBuf::from_slice(&[7; 4096]), false);
+            write(0).await.0.expect("write");
+            let a = host_of(0).await;
+            let alloc = img.inner.alloc().expect("writable");
+            assert!(!alloc.known_unwritten(a, SUB), "written");
+            assert!(
+                alloc.known_unwritten(a + 2 * SUB, CS - 2 * SUB),
+                "the rest of it"
+            );
+            img.discard(GuestOffset(0), CS).await.expect("discard");
+            assert!(!alloc.known_unwritten(a + 2 * SUB, SUB), "freed");
+            write(5 * CS).await.0.expect("write");
+            assert_eq!(host_of(5 * CS).await, a, "the freed cluster is taken again");
+            assert!(!alloc.known_unwritten(a + 2 * SUB, SUB), "not fresh");
+            img.close().await.expect("close");
+        });
+    }
+
+    #[test]
+    fn the_record_is_bounded_and_ends_of_the_address_space_are_safe() {
+        let mut u = record();
+        u.allocated_fresh(HostOffset(0), MAX_CLUSTERS as u64 + 10);
+        assert_eq!(u.clusters.len(), MAX_CLUSTERS);
+        assert!(!u.is_unwritten(HostOffset(u64::MAX - 1), 10));
+        u.writing(HostOffset(u64::MAX - 1), 10);
+        assert!(
+            u.clusters.is_empty(),
+            "an impossible write forgets everything"
+        );
+    }
+}
