@@ -744,7 +744,9 @@ usage() { # SCENARIO: the servers' median CPU and disk cost per request, "qemu /
         echo
         echo "qd32: $QD32_IOS writes per run; limit: fio (io_uring, O_DIRECT, QD32) writing as many random"
         echo "4 KiB blocks into a fresh sparse raw file of the same size, in the same rounds; disk use: the"
-        echo "image (or the limit's raw file) after the run, medians."
+        echo "image (or the limit's raw file) after the run, medians. Over a backing file each write must"
+        echo "write its whole allocation unit (the bytes copied around its own 4 KiB): the unit-sized limit"
+        echo "is fio writing as many blocks of that size the same way, where the unit is above 4 KiB."
         ;;
     esac
     echo

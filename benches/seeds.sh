@@ -544,6 +544,9 @@ slice_table() { # CLUSTER
         echo "(the same order for both servers), without backing file and over a fully written raw one."
         echo "Limit: fio writing as many random 4 KiB blocks (io_uring, O_DIRECT, QD32) into a fresh sparse"
         echo "raw file whose length was set first, in the same rounds. Disk use: the image after the run."
+        echo "Over a backing file each write must write its whole allocation unit (the bytes copied around"
+        echo "its own 4 KiB): where that unit is above 4 KiB, the unit-sized limit is fio writing as many"
+        echo "blocks of that size the same way."
         echo
         QD32_MIB=$((ALLOC_GIB << 10)) qd32_table
         for cfg in $QD32_CONFIGS; do
