@@ -27,6 +27,8 @@ mod alloc;
 pub(crate) mod infra;
 mod metadata_ops;
 mod read;
+#[cfg(test)]
+mod tests;
 mod write;
 
 pub use crate::declared::Untrusted;

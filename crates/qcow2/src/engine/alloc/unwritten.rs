@@ -204,57 +204,6 @@ mod tests {
         assert!(!u.is_unwritten(HostOffset(0), 1));
     }
 
-    /// Through the engine: a fresh cluster is followed until freed, and a cluster taken
-    /// again from the free list is not taken for a hole.
-    #[test]
-    fn the_allocator_follows_fresh_clusters_only_while_they_are_in_use() {
-        use crate::engine::{create, CreateOptions, Image, OpenOptions};
-        use crate::format::GuestOffset;
-        use std::path::Path;
-        use storage::{IoBuf, MemFs, MemStorage};
-        test_support::run(async {
-            let mem = MemStorage::new();
-            let opts = CreateOptions {
-                size: 64 << 20,
-                cluster_size: CS,
-                extended_l2: true,
-                ..CreateOptions::default()
-            };
-            create(&mem, &opts).await.expect("create");
-            let fs = MemFs::new();
-            let path = Path::new("/img.qcow2");
-            fs.insert(path, mem);
-            let img = Image::open(&fs, path, &OpenOptions::default())
-                .await
-                .expect("open");
-            let host_of = |guest: u64| {
-                let img = img.clone();
-                async move {
-                    let map = img
-                        .block_status(GuestOffset(guest), SUB)
-                        .await
-                        .expect("map");
-                    HostOffset(map[0].offset.expect("allocated"))
-                }
-            };
-            let write = |at: u64| img.write(GuestOffset(at), IoBuf::from_slice(&[7; 4096]), false);
-            write(0).await.0.expect("write");
-            let a = host_of(0).await;
-            let alloc = img.inner.alloc().expect("writable");
-            assert!(!alloc.known_unwritten(a, SUB), "written");
-            assert!(
-                alloc.known_unwritten(a + 2 * SUB, CS - 2 * SUB),
-                "the rest of it"
-            );
-            img.discard(GuestOffset(0), CS).await.expect("discard");
-            assert!(!alloc.known_unwritten(a + 2 * SUB, SUB), "freed");
-            write(5 * CS).await.0.expect("write");
-            assert_eq!(host_of(5 * CS).await, a, "the freed cluster is taken again");
-            assert!(!alloc.known_unwritten(a + 2 * SUB, SUB), "not fresh");
-            img.close().await.expect("close");
-        });
-    }
-
     #[test]
     fn the_record_is_bounded_and_ends_of_the_address_space_are_safe() {
         let mut u = record();
