@@ -378,6 +378,29 @@ rss_scenarios() {
         done
     done
     rm -f "$WORK/rss-qemu.qcow2" "$WORK/rss-ours.qcow2"
+    long_read_scenarios
+}
+
+# 5b. Peak RSS of one full sequential read (1 MiB requests, QD1 and QD4) of the allocated
+# DATA_MIB image, recorded with its throughput and CPU per request.
+long_read_scenarios() {
+    log "RSS of a long read: ${DATA_MIB} MiB allocated image"
+    make_data_image
+    local r qd kind iops bw cpu disk
+    for r in $(seq 1 "$ROUNDS"); do
+        for qd in 1 4; do
+            for kind in $(order "$r"); do
+                start_server "$kind" "$WORK/data-$kind.qcow2" ro=1
+                read -r iops bw _ cpu disk < <(run_fio read --rw=read --bs=1M --iodepth="$qd")
+                record "long read qd$qd peak rss MiB" "$kind" "$(hwm_mib)"
+                stop_server
+                record "long read qd$qd" "$kind" "$bw"
+                record_usage "long read qd$qd" "$kind" "$cpu" "$disk"
+                log "long read qd$qd round $r $kind: $bw MiB/s, $iops IOPS"
+            done
+        done
+    done
+    rm -f "$WORK/data.raw" "$WORK/data-qemu.qcow2" "$WORK/data-ours.qcow2"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -713,6 +736,10 @@ usage() { # SCENARIO: the servers' median CPU and disk cost per request, "qemu /
     row "rss loaded MiB" "RSS after random reads (l2 $RSS_L2_CACHE)" MiB lower
     row "rss peak MiB" "peak RSS (l2 $RSS_L2_CACHE)" MiB lower
     row "rss after clean MiB" "RSS after cache-clean-interval" MiB lower
+    for qd in 1 4; do
+        row "long read qd$qd" "full sequential read, 1M QD$qd" MiB/s higher
+        row "long read qd$qd peak rss MiB" "full sequential read, 1M QD$qd: peak RSS" MiB lower
+    done
     for sc in $TLS_SCENARIOS; do
         IFS=: read -r label _ bs _ <<<"$sc"
         unit=IOPS

@@ -10,7 +10,8 @@
 #
 # The list names mangled symbols; a stale entry (code renamed or removed since) is skipped
 # by the linker and only costs memory, never correctness. Run it again after large changes.
-# Needs valgrind (callgrind) and qemu-io; takes about a minute.
+# Needs valgrind (callgrind) and qemu-io (and uses fio with its nbd engine where installed);
+# takes about a minute.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 command -v valgrind >/dev/null || { echo "hot-code.sh: valgrind is needed (apt-get install -y valgrind)" >&2; exit 1; }
@@ -48,15 +49,38 @@ serve_run() { # NAME IMAGE SERVE-OPTIONS...
     rm -f "$work/s.sock"
 }
 serve_run serve "$work/top.qcow2"
+# libnbd's client (fio's nbd engine, what benches/compare.sh drives) negotiates otherwise
+# than qemu-io, and the benchmarks serve read-only with the format given: their start-up and
+# request path run functions of their own.
+if command -v fio >/dev/null && fio --enghelp=nbd >/dev/null 2>&1; then
+    valgrind --tool=callgrind --demangle=no --callgrind-out-file="$work/cg.fio" \
+        "$bin" serve -k "$work/s.sock" -t -r -f qcow2 -e 1 --threads 1 --cache=none \
+        --aio=io_uring "$work/base.qcow2" 2>/dev/null &
+    pid=$!
+    for _ in $(seq 120); do [ -S "$work/s.sock" ] && break; sleep 0.5; done
+    for job in "--rw=read --bs=1M --iodepth=4" "--rw=randread --bs=4k --iodepth=4 --io_size=256k"; do
+        # shellcheck disable=SC2086
+        fio --name=hot --ioengine=nbd --uri="nbd+unix:///?socket=$work/s.sock" --size=4M \
+            $job >/dev/null
+    done
+    kill -TERM "$pid"
+    wait "$pid" || true
+    rm -f "$work/s.sock"
+fi
 serve_run direct "$work/top.qcow2" --cache=none --aio=io_uring
 serve_run ext "$work/ext.qcow2" --cache=none --aio=io_uring
 
-# Every function of the binary that ran, in the order callgrind first lists it.
+# Every function of the binary that ran, in the order callgrind first lists it, the server's
+# runs first (O_DIRECT with io_uring leading, as production exports run): a function the
+# server never calls placed among its code would make the server keep that page resident.
 python3 - "$work" "$repo/build/hot-code.txt" <<'PY'
-import glob, re, sys
+import os, re, sys
 work, out = sys.argv[1], sys.argv[2]
 seen, order = set(), []
-for path in sorted(glob.glob(work + "/cg.*")):
+for run in ["direct", "fio", "ext", "serve", "info", "convert"]:
+    path = work + "/cg." + run
+    if not os.path.exists(path):
+        continue
     objs, names, current = {}, {}, None
     for line in open(path, errors="replace"):
         m = re.match(r"^c?ob=\((\d+)\)(?: (.*))?", line)

@@ -33,10 +33,12 @@ pub fn tune_for_io_buffers() {
     }
 }
 
-/// Returns the heap's free pages to the kernel (glibc only; elsewhere nothing to do). Costs a
-/// walk over the free chunks, and the next allocations that reuse those pages fault them in
-/// again: call it when memory matters more than the next few requests, not per request.
+/// Returns the heap's free pages to the kernel (glibc only; elsewhere only the spare I/O
+/// buffers are freed). Costs a walk over the free chunks, and the next allocations that reuse
+/// those pages fault them in again: call it when memory matters more than the next few
+/// requests, not per request.
 pub fn release_free_heap() {
+    storage::release_spare_buffers();
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         // SAFETY: malloc_trim only gives free memory of the allocator's own arenas back to

@@ -8,6 +8,7 @@ use std::alloc::{self, Layout};
 use std::fmt;
 use std::ops::{Deref, DerefMut, Range};
 use std::ptr::NonNull;
+use std::sync::{Mutex, PoisonError};
 
 /// Alignment of every [`IoBuf`] allocation: enough for O_DIRECT on any common device.
 pub const BUF_ALIGN: usize = 4096;
@@ -128,17 +129,31 @@ fn layout(cap: usize) -> Layout {
 }
 
 /// An allocation for a buffer of `cap` bytes, the buffer zeroed: the allocation and the
-/// buffer's aligned start inside it.
+/// buffer's aligned start inside it. A spare one of the same size is reused when there is.
 fn alloc_zeroed(cap: usize) -> (NonNull<u8>, NonNull<u8>) {
-    let layout = layout(cap);
-    // SAFETY: `layout` has a non-zero size (at least BUF_ALIGN).
-    let raw = unsafe { alloc::alloc(layout) };
-    let raw = NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout));
+    let spare = keeps(cap)
+        .then(|| {
+            SPARES
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take(cap)
+        })
+        .flatten();
+    let raw = match spare {
+        Some(spare) => spare.raw,
+        None => {
+            let layout = layout(cap);
+            // SAFETY: `layout` has a non-zero size (at least BUF_ALIGN).
+            let raw = unsafe { alloc::alloc(layout) };
+            NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout))
+        }
+    };
     let offset = raw.as_ptr().align_offset(BUF_ALIGN);
     debug_assert!(offset < BUF_ALIGN);
     // SAFETY: offset < BUF_ALIGN, so `offset + cap` bytes lie within the `cap + BUF_ALIGN`
-    // bytes allocated, and the pointer is non-null as `raw` is. Only the buffer's own bytes
-    // are zeroed, as before (calloc would also clear the padding).
+    // bytes allocated (a spare of capacity `cap` has that layout too), and the pointer is
+    // non-null as `raw` is. Only the buffer's own bytes are zeroed, as before (calloc would
+    // also clear the padding).
     let ptr = unsafe {
         let ptr = raw.as_ptr().add(offset);
         std::ptr::write_bytes(ptr, 0, cap);
@@ -147,10 +162,102 @@ fn alloc_zeroed(cap: usize) -> (NonNull<u8>, NonNull<u8>) {
     (raw, ptr)
 }
 
+/// Frees the allocation of a buffer of `cap` bytes, or keeps it as a spare.
+fn free(raw: NonNull<u8>, cap: usize) {
+    if !keeps(cap) {
+        // SAFETY: `raw` came from alloc_zeroed with the layout of `cap` and is freed once.
+        unsafe { alloc::dealloc(raw.as_ptr(), layout(cap)) };
+        return;
+    }
+    let evicted = SPARES
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .put(Spare { raw, cap });
+    // Freed outside the lock: the allocator may take its time.
+    for spare in evicted {
+        // SAFETY: every spare came from alloc_zeroed with the layout of its capacity and is
+        // owned by nobody else once out of the list.
+        unsafe { alloc::dealloc(spare.raw.as_ptr(), layout(spare.cap)) };
+    }
+}
+
+/// Gives the spare buffers back to the allocator, for when memory matters more than the next
+/// few requests (the server calls it where it returns idle memory to the kernel).
+pub fn release_spare_buffers() {
+    let spares = std::mem::take(&mut SPARES.lock().unwrap_or_else(PoisonError::into_inner).list);
+    for spare in spares {
+        // SAFETY: as in `free`.
+        unsafe { alloc::dealloc(spare.raw.as_ptr(), layout(spare.cap)) };
+    }
+}
+
+/// Buffers from this size up are kept as spares when freed. Requests and copy-on-writes
+/// allocate them by the thousand, each the same size as the last; given back to the
+/// allocator, a freed one is soon split for small allocations made meanwhile (the allocator
+/// prefers a free chunk to the heap's top), the next buffer of that size no longer fits
+/// and the heap grows: a sequential read holding four 1 MiB buffers at a time grew it by
+/// seven. Smaller buffers are rarely split that way and are cheap to allocate.
+const SPARE_MIN: usize = 64 << 10;
+/// At most this many spares: a few requests' worth, at the queue depths clients use.
+const SPARE_BUFFERS: usize = 8;
+/// At most this many bytes of spares (one buffer of NBD's largest request).
+const SPARE_BYTES: usize = 32 << 20;
+
+/// Spare buffers, for every thread: buffers move between threads with their operations.
+static SPARES: Mutex<Spares> = Mutex::new(Spares {
+    list: Vec::new(),
+    bytes: 0,
+});
+
+/// Whether a freed buffer of capacity `cap` may be kept as a spare.
+fn keeps(cap: usize) -> bool {
+    (SPARE_MIN..=SPARE_BYTES).contains(&cap)
+}
+
+/// A freed buffer's allocation, kept for the next buffer of the same capacity.
+struct Spare {
+    raw: NonNull<u8>,
+    cap: usize,
+}
+
+// SAFETY: a spare is an allocation nobody else refers to, like a freed IoBuf's.
+unsafe impl Send for Spare {}
+
+/// The spare list: most recently freed last, bounded by [`SPARE_BUFFERS`] and
+/// [`SPARE_BYTES`].
+struct Spares {
+    list: Vec<Spare>,
+    bytes: usize,
+}
+
+impl Spares {
+    /// The most recently freed spare of capacity `cap`, if any.
+    fn take(&mut self, cap: usize) -> Option<Spare> {
+        let i = self.list.iter().rposition(|s| s.cap == cap)?;
+        let spare = self.list.remove(i);
+        self.bytes -= spare.cap;
+        Some(spare)
+    }
+
+    /// Keeps `spare` (of a capacity [`keeps`] allows), returning the oldest spares that no
+    /// longer fit the bounds, to be freed.
+    fn put(&mut self, spare: Spare) -> Vec<Spare> {
+        debug_assert!(keeps(spare.cap));
+        let mut evicted = Vec::new();
+        while self.list.len() >= SPARE_BUFFERS || self.bytes + spare.cap > SPARE_BYTES {
+            let oldest = self.list.remove(0);
+            self.bytes -= oldest.cap;
+            evicted.push(oldest);
+        }
+        self.bytes += spare.cap;
+        self.list.push(spare);
+        evicted
+    }
+}
+
 impl Drop for IoBuf {
     fn drop(&mut self) {
-        // SAFETY: `raw` came from alloc_zeroed with exactly this layout and is freed once.
-        unsafe { alloc::dealloc(self.raw.as_ptr(), layout(self.cap)) };
+        free(self.raw, self.cap);
     }
 }
 
@@ -306,6 +413,69 @@ mod tests {
         let whole = Slice::from(buf.clone());
         assert_eq!(whole.range(), 0..256);
         assert_eq!(whole.into_inner(), buf);
+    }
+
+    fn spare(cap: usize) -> Spare {
+        // Never dereferenced nor freed: the list only moves spares around.
+        Spare {
+            raw: NonNull::dangling(),
+            cap,
+        }
+    }
+
+    #[test]
+    fn spares_come_back_at_their_exact_size_most_recent_first() {
+        let mut spares = Spares {
+            list: Vec::new(),
+            bytes: 0,
+        };
+        let a = round_capacity(1 << 20);
+        let b = round_capacity(256 << 10);
+        for cap in [a, b, a] {
+            assert!(spares.put(spare(cap)).is_empty());
+        }
+        assert!(spares.take(a + BUF_ALIGN).is_none());
+        assert!(spares.take(b - BUF_ALIGN).is_none());
+        assert_eq!(spares.take(b).map(|s| s.cap), Some(b));
+        assert_eq!(spares.take(a).map(|s| s.cap), Some(a));
+        assert_eq!(spares.list.len(), 1);
+        assert_eq!(spares.bytes, a);
+    }
+
+    #[test]
+    fn spares_stay_within_their_count_and_bytes() {
+        let mut spares = Spares {
+            list: Vec::new(),
+            bytes: 0,
+        };
+        let small = SPARE_MIN;
+        let mut evicted = 0;
+        for _ in 0..3 * SPARE_BUFFERS {
+            evicted += spares.put(spare(small)).len();
+            assert!(spares.list.len() <= SPARE_BUFFERS);
+        }
+        assert_eq!(evicted, 2 * SPARE_BUFFERS);
+        // A buffer as large as the byte bound pushes every other spare out.
+        let out = spares.put(spare(SPARE_BYTES));
+        assert_eq!(out.len(), SPARE_BUFFERS);
+        assert!(out.iter().all(|s| s.cap == small), "the oldest go first");
+        assert_eq!((spares.list.len(), spares.bytes), (1, SPARE_BYTES));
+        assert!(!keeps(SPARE_MIN - 1) && !keeps(SPARE_BYTES + 1));
+    }
+
+    #[test]
+    fn reused_buffers_are_aligned_and_zero() {
+        let cap = round_capacity(SPARE_MIN + 1);
+        for _ in 0..4 {
+            let mut buf = IoBuf::zeroed(cap);
+            assert_eq!(buf.as_ptr() as usize % BUF_ALIGN, 0);
+            assert!(
+                buf.iter().all(|&b| b == 0),
+                "a reused buffer kept old bytes"
+            );
+            buf.fill(0xa5);
+        }
+        release_spare_buffers();
     }
 
     #[test]

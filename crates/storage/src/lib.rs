@@ -63,7 +63,7 @@ pub mod uring;
 
 pub use blkdebug::BlkdebugStorage;
 pub use bounded::{BoundError, OpenBound};
-pub use buf::{IoBuf, Slice, BUF_ALIGN};
+pub use buf::{release_spare_buffers, IoBuf, Slice, BUF_ALIGN};
 pub use confine::{AllowDirs, Refusal};
 pub use error::{checked_end, FileKind, NotAnImageFile, RangeError, MAX_OFFSET};
 pub use event::Event;

@@ -191,10 +191,36 @@ async fn write_replies<E: Export, W: AsyncWrite + Unpin>(conn: Rc<Conn<E, W>>) {
             conn.replies_ready.notified().await;
             continue;
         }
-        conn.write_batch(&batch).await;
-        // Releases the requests' slots and memory charges.
-        batch.clear();
+        while !batch.is_empty() {
+            let n = group_len(&batch);
+            conn.write_batch(&batch[..n]).await;
+            // Releases the requests' buffers, slots and memory charges as soon as their
+            // replies are out, not when the whole batch is.
+            batch.drain(..n);
+        }
     }
+}
+
+/// Replies of at most this many payload bytes share one write (a larger one goes alone).
+/// Small replies gain from sharing a `writev`; a large one takes several writes anyway, and
+/// held back until the replies after it were written too, its buffer would stay allocated
+/// while the client, having read it, already sends the next request: one more buffer per
+/// connection than the queue depth.
+const GROUP_BYTES: usize = 128 << 10;
+
+/// How many replies from the front of `batch` to write together: at least one, and more
+/// while their payloads fit in [`GROUP_BYTES`].
+fn group_len<B: AsRef<[u8]>>(batch: &[Queued<B>]) -> usize {
+    let mut bytes = 0usize;
+    let mut n = 0;
+    for q in batch {
+        bytes = bytes.saturating_add(q.outcome.payload_len());
+        if n > 0 && bytes > GROUP_BYTES {
+            break;
+        }
+        n += 1;
+    }
+    n
 }
 
 /// Stops the writer task when the transmission phase ends, however it ends.

@@ -34,6 +34,22 @@ pub enum Outcome<B> {
     Status(Vec<BlockStatusChunk>),
 }
 
+impl<B: AsRef<[u8]>> Outcome<B> {
+    /// Bytes of read data this reply carries (holes and headers not counted).
+    pub fn payload_len(&self) -> usize {
+        match self {
+            Outcome::Read { chunks, .. } => chunks
+                .iter()
+                .map(|c| match c {
+                    ReadChunk::Data(b) => b.as_ref().len(),
+                    ReadChunk::Hole(_) => 0,
+                })
+                .sum(),
+            Outcome::Done | Outcome::Error(..) | Outcome::Status(_) => 0,
+        }
+    }
+}
+
 /// A part of a serialized reply.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Part<'a> {

@@ -303,3 +303,33 @@ fn a_block_status_payload_answers_for_the_contexts_it_names_and_a_bad_one_is_ref
     assert_eq!(third.len(), 1);
     assert_eq!(third[0].2[..4], 1u32.to_be_bytes());
 }
+
+/// A reply waiting in the writer's queue, carrying `data` bytes of read data.
+fn queued(data: usize) -> super::Queued<Vec<u8>> {
+    super::Queued {
+        to: super::reply_writer::ReplyTo {
+            mode: Mode::Structured,
+            cookie: 1,
+            offset: 0,
+            is_read: true,
+        },
+        outcome: super::reply_writer::Outcome::Read {
+            offset: 0,
+            chunks: vec![ReadChunk::Data(vec![0; data]), ReadChunk::Hole(1 << 20)],
+            df: false,
+        },
+        _held: None,
+    }
+}
+
+#[test]
+fn large_replies_are_written_alone_small_ones_together() {
+    let sizes = |s: &[usize]| s.iter().map(|&n| queued(n)).collect::<Vec<_>>();
+    // A large reply leaves the queue, buffer and all, before the replies after it are written.
+    assert_eq!(super::group_len(&sizes(&[1 << 20, 4096, 4096])), 1);
+    assert_eq!(super::group_len(&sizes(&[4096, 1 << 20])), 1);
+    // Small ones share a write up to the group's bytes; holes cost nothing.
+    let small = sizes(&[4096; 64]);
+    assert_eq!(super::group_len(&small), super::GROUP_BYTES / 4096);
+    assert_eq!(super::group_len(&sizes(&[0; 5])), 5);
+}
