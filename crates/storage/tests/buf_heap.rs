@@ -8,19 +8,14 @@
 //! This runs that loop in a process of its own (one test, so no other thread allocates
 //! meanwhile) and bounds the heap's growth.
 
+mod common;
+
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[test]
 fn same_size_buffers_reuse_the_heap() {
     use storage::IoBuf;
 
-    // As the server sets it: buffers up to 32 MiB come from the heap, which is not trimmed.
-    // SAFETY: mallopt only changes allocator parameters, with values glibc accepts.
-    unsafe {
-        assert_eq!(libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20), 1);
-        assert_eq!(libc::mallopt(libc::M_TRIM_THRESHOLD, 32 << 20), 1);
-    }
-    // SAFETY: mallinfo2 only reads the allocator's statistics.
-    let heap = || unsafe { libc::mallinfo2() }.arena;
+    let heap = common::server_heap();
     const BUF: usize = 1 << 20;
     // Where a buffer starts relative to a 4 KiB boundary depends on what the heap held
     // before; each pad puts the heap's top at another offset, so one of them is the case

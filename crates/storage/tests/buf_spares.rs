@@ -10,20 +10,15 @@
 //! merge again. This runs that pattern in a process of its own (one test, so no other thread
 //! allocates meanwhile) and bounds the heap's growth.
 
+mod common;
+
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[test]
 fn a_queue_of_buffers_with_allocations_between_keeps_the_heap_bounded() {
     use std::collections::VecDeque;
     use storage::{IoBuf, BUF_ALIGN};
 
-    // As the server sets it: buffers up to 32 MiB come from the heap, which is not trimmed.
-    // SAFETY: mallopt only changes allocator parameters, with values glibc accepts.
-    unsafe {
-        assert_eq!(libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20), 1);
-        assert_eq!(libc::mallopt(libc::M_TRIM_THRESHOLD, 32 << 20), 1);
-    }
-    // SAFETY: mallinfo2 only reads the allocator's statistics.
-    let heap = || unsafe { libc::mallinfo2() }.arena;
+    let heap = common::server_heap();
     const BUF: usize = 1 << 20;
     const DEPTH: usize = 4;
     let before = heap();

@@ -160,3 +160,17 @@ pub async fn read<S: Storage>(s: &S, offset: u64, len: usize) -> Vec<u8> {
     res.unwrap_or_else(|e| panic!("read of {len} bytes at {offset}: {e}"));
     buf.to_vec()
 }
+
+/// Sets glibc's heap as the server does (buffers up to 32 MiB come from the heap, which is
+/// not trimmed) and returns a probe of the heap's size in bytes, for the tests that bound
+/// its growth.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+pub fn server_heap() -> impl Fn() -> usize {
+    // SAFETY: mallopt only changes allocator parameters, with values glibc accepts.
+    unsafe {
+        assert_eq!(libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20), 1);
+        assert_eq!(libc::mallopt(libc::M_TRIM_THRESHOLD, 32 << 20), 1);
+    }
+    // SAFETY: mallinfo2 only reads the allocator's statistics.
+    || unsafe { libc::mallinfo2() }.arena
+}
