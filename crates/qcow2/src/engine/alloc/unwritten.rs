@@ -31,10 +31,7 @@ const MAX_CLUSTERS: usize = 1 << 16;
 pub(super) struct Unwritten {
     /// Per followed cluster, a bit per subcluster never written (bit `i`: subcluster `i`).
     clusters: HashMap<HostCluster, u32>,
-    cluster_bits: u32,
-    subcluster_bits: u32,
-    /// Every subcluster of a cluster.
-    all: u32,
+    geom: Geometry,
     /// Off for images without subclusters (a cluster is written whole when allocated) and
     /// for encrypted ones (a hole does not read as enciphered zeros).
     on: bool,
@@ -42,12 +39,9 @@ pub(super) struct Unwritten {
 
 impl Unwritten {
     pub(super) fn new(geom: &Geometry, encrypted: bool) -> Unwritten {
-        let per_cluster = geom.subclusters_per_cluster();
         Unwritten {
             clusters: HashMap::new(),
-            cluster_bits: geom.cluster_bits(),
-            subcluster_bits: geom.subcluster_bits(),
-            all: u32::MAX >> (32 - per_cluster.clamp(1, 32)),
+            geom: *geom,
             on: geom.extended_l2() && !encrypted,
         }
     }
@@ -57,12 +51,13 @@ impl Unwritten {
         if !self.on {
             return;
         }
-        let c = first.0 >> self.cluster_bits;
+        // Extended L2 entries: 32 subclusters, a bit each.
+        let HostCluster(c) = self.geom.host_cluster(first);
         for k in c..c.saturating_add(n) {
             if self.clusters.len() >= MAX_CLUSTERS {
                 return;
             }
-            self.clusters.insert(HostCluster(k), self.all);
+            self.clusters.insert(HostCluster(k), u32::MAX);
         }
     }
 
@@ -75,7 +70,8 @@ impl Unwritten {
             self.clusters.clear();
             return;
         };
-        for c in (host.0 >> self.cluster_bits)..=(last >> self.cluster_bits) {
+        let (first, end) = self.cluster_span(host, last);
+        for c in first..=end {
             let touched = self.touched(c, host.0, last);
             let Some(bits) = self.clusters.get_mut(&HostCluster(c)) else {
                 continue;
@@ -95,7 +91,8 @@ impl Unwritten {
         let Some(last) = host.0.checked_add(len - 1) else {
             return false;
         };
-        (host.0 >> self.cluster_bits..=last >> self.cluster_bits).all(|c| {
+        let (first, end) = self.cluster_span(host, last);
+        (first..=end).all(|c| {
             let want = self.touched(c, host.0, last);
             self.clusters
                 .get(&HostCluster(c))
@@ -110,7 +107,7 @@ impl Unwritten {
 
     /// The file now ends at `end`.
     pub(super) fn truncated(&mut self, end: u64) {
-        let first_gone = end.div_ceil(1 << self.cluster_bits);
+        let first_gone = self.geom.size_to_clusters(end);
         self.clusters.retain(|c, _| c.0 < first_gone);
     }
 
@@ -119,18 +116,26 @@ impl Unwritten {
         self.clusters.clear();
     }
 
+    /// The indexes of the clusters from the one holding `host` to the one holding `last`.
+    fn cluster_span(&self, host: HostOffset, last: u64) -> (u64, u64) {
+        let HostCluster(first) = self.geom.host_cluster(host);
+        let HostCluster(end) = self.geom.host_cluster(HostOffset(last));
+        (first, end)
+    }
+
     /// The bits of cluster `c`'s subclusters that `[from, last]` touches.
     fn touched(&self, c: u64, from: u64, last: u64) -> u32 {
-        let start = c << self.cluster_bits;
-        let end = start + (1 << self.cluster_bits) - 1;
-        let lo = (from.max(start) - start) >> self.subcluster_bits;
-        let hi = (last.min(end) - start) >> self.subcluster_bits;
+        let cs = self.geom.cluster_size();
+        let start = c * cs;
+        let sub = self.geom.subcluster_bits();
+        let lo = (from.max(start) - start) >> sub;
+        let hi = (last.min(start + cs - 1) - start) >> sub;
         let upto = if hi >= 31 {
             u32::MAX
         } else {
             (1u32 << (hi + 1)) - 1
         };
-        (upto & !((1u32 << lo) - 1)) & self.all
+        upto & !((1u32 << lo) - 1)
     }
 }
 
