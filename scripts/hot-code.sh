@@ -31,11 +31,20 @@ cg convert "$bin" convert -O qcow2 "$work/top.qcow2" "$work/copy.qcow2" >/dev/nu
 # and O_DIRECT with io_uring (what a production export and benches/seeds.sh use), each on an
 # image with and one without extended L2 entries.
 qemu-img create -q -f qcow2 -o cluster_size=2M,extended_l2=on "$work/ext.qcow2" 64M
-serve_run() { # NAME IMAGE SERVE-OPTIONS...
+uri="nbd+unix:///?socket=$work/s.sock"
+serve_start() { # NAME IMAGE SERVE-OPTIONS...: the server under callgrind, once it listens
     valgrind --tool=callgrind --demangle=no --callgrind-out-file="$work/cg.$1" \
         "$bin" serve -k "$work/s.sock" -t "${@:3}" "$2" 2>/dev/null &
-    local pid=$! uri="nbd+unix:///?socket=$work/s.sock"
+    server=$!
     for _ in $(seq 120); do [ -S "$work/s.sock" ] && break; sleep 0.5; done
+}
+serve_stop() {
+    kill -TERM "$server"
+    wait "$server" || true
+    rm -f "$work/s.sock"
+}
+serve_run() { # NAME IMAGE SERVE-OPTIONS...
+    serve_start "$@"
     # Small writes scattered over the image, as a guest's random writes are: each allocates
     # and sends the allocator through its refcount and L2 updates and their write-backs.
     local scattered=()
@@ -44,28 +53,19 @@ serve_run() { # NAME IMAGE SERVE-OPTIONS...
         "${scattered[@]}" -c 'write -z 8M 1M' -c 'discard 1M 64k' -c 'flush' -c 'read 0 8M' \
         "$uri" >/dev/null
     qemu-img map --output=json -f raw "$uri" >/dev/null
-    kill -TERM "$pid"
-    wait "$pid" || true
-    rm -f "$work/s.sock"
+    serve_stop
 }
 serve_run serve "$work/top.qcow2"
 # libnbd's client (fio's nbd engine, what benches/compare.sh drives) negotiates otherwise
 # than qemu-io, and the benchmarks serve read-only with the format given: their start-up and
 # request path run functions of their own.
 if command -v fio >/dev/null && fio --enghelp=nbd >/dev/null 2>&1; then
-    valgrind --tool=callgrind --demangle=no --callgrind-out-file="$work/cg.fio" \
-        "$bin" serve -k "$work/s.sock" -t -r -f qcow2 -e 1 --threads 1 --cache=none \
-        --aio=io_uring "$work/base.qcow2" 2>/dev/null &
-    pid=$!
-    for _ in $(seq 120); do [ -S "$work/s.sock" ] && break; sleep 0.5; done
+    serve_start fio "$work/base.qcow2" -r -f qcow2 -e 1 --threads 1 --cache=none --aio=io_uring
     for job in "--rw=read --bs=1M --iodepth=4" "--rw=randread --bs=4k --iodepth=4 --io_size=256k"; do
         # shellcheck disable=SC2086
-        fio --name=hot --ioengine=nbd --uri="nbd+unix:///?socket=$work/s.sock" --size=4M \
-            $job >/dev/null
+        fio --name=hot --ioengine=nbd --uri="$uri" --size=4M $job >/dev/null
     done
-    kill -TERM "$pid"
-    wait "$pid" || true
-    rm -f "$work/s.sock"
+    serve_stop
 fi
 serve_run direct "$work/top.qcow2" --cache=none --aio=io_uring
 serve_run ext "$work/ext.qcow2" --cache=none --aio=io_uring
