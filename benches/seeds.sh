@@ -653,6 +653,7 @@ slice_table() { # CLUSTER
             [ "$so" = - ] && [ "$(m "fail stream $depth" ours)" != - ] && so="failed" && behind "stream $depth: our convert failed"
             echo "| $depth | $q | $o | $(ratio "$q" "$o") | $(m "chain raw reread ms" raw) | $(m "cpu chain $depth reread ms" qemu) / $(m "cpu chain $depth reread ms" ours) | $(rss_cell "chain $depth idle") | $(rss_cell "chain $depth read") | $sq / $so | $(rss_cell "stream $depth") |"
             awk -v q="$q" -v o="$o" 'BEGIN { exit !(q ~ /^[0-9.]+$/ && o ~ /^[0-9.]+$/ && o > 1.05 * q) }' && behind "chain $depth re-read: ours $o ms > qemu-nbd $q ms" || true
+            awk -v q="$sq" -v o="$so" 'BEGIN { exit !(q ~ /^[0-9.]+$/ && o ~ /^[0-9.]+$/ && o > 1.05 * q) }' && behind "stream $depth: ours $so ms > qemu-img $sq ms" || true
             plot chain-time "depth $depth" "qemu-nbd re-read" "$q"
             plot chain-time "depth $depth" "ours re-read" "$o"
             plot chain-time "depth $depth" "qemu-img convert" "$(m "stream $depth ms" qemu)"

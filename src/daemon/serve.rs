@@ -149,6 +149,10 @@ impl Plan {
             no_io: false,
             data_file: None,
             untrusted: crate::common::engine_run::untrusted(),
+            // Even with --cache=unsafe the engine's own ordering flushes stay (only the
+            // clients' flushes are ignored): a served image lives on, and a host crash
+            // should cost the writes not yet written, never a consistent image.
+            ignore_flush: false,
             open_bound: storage::OpenBound {
                 timeout: Duration::from_secs(args.open_timeout),
                 max_stuck: usize::try_from(args.open_stuck_max).unwrap_or(usize::MAX),

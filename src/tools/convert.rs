@@ -27,6 +27,7 @@ use qcow2::engine::{BitmapInfo, Format, Image, OpenOptions};
 use storage::AnyStorage;
 use tokio::sync::Notify;
 
+use crate::common::cache_mode::CacheMode;
 use crate::common::engine_run::{self, OpenError};
 use crate::common::options::{self, Parsed};
 use crate::tools::create::{self, option_table, CreateError};
@@ -55,6 +56,14 @@ pub struct ConvertArgs {
     /// Target format options, as for `create` (`-o help` lists them); may be repeated.
     #[arg(short = 'o', long = "target-options")]
     pub options: Vec<String>,
+    /// Host cache mode of the target: none, writeback, writethrough, directsync or unsafe
+    /// (none and directsync write with O_DIRECT; writethrough and directsync make every
+    /// write durable before the next). The default, as in qemu-img, is unsafe: nothing is
+    /// flushed, so the copy runs at page-cache speed, and until the system writes the page
+    /// cache out a host crash may lose or corrupt the target. Every other mode flushes the
+    /// target before convert reports success.
+    #[arg(short = 't', long = "cache", value_enum, default_value = "unsafe")]
+    pub cache: CacheMode,
     /// Compress every cluster of the (qcow2) target.
     #[arg(short = 'c', long = "compress")]
     pub compress: bool,
@@ -309,7 +318,7 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
     let bitmaps = bitmaps_to_copy(args, &src0, target_format, &parsed).await?;
     let total = plan::total_span(&sources);
     let dst = match args.no_create {
-        true => open_target(args.target(), target_format, min_sparse).await?,
+        true => open_target(args.target(), target_format, min_sparse, args.cache).await?,
         false => create_target(args, target_format, &parsed, total, backing, min_sparse).await?,
     };
     if args.no_create {
@@ -353,6 +362,7 @@ async fn convert(args: &ConvertArgs) -> Result<(), ConvertError> {
         compress: args.compress.then(|| dst.compressor()).transpose()?,
         target: args.target().display().to_string(),
         ordered: dst.facts().qcow2 && !args.unordered,
+        writethrough: args.cache.writethrough(),
         turn: Cell::new(0),
         turn_changed: Notify::new(),
         buffers: BufferPool::default(),
@@ -475,21 +485,24 @@ async fn open_target(
     path: &Path,
     format: Format,
     min_sparse: u64,
+    cache: CacheMode,
 ) -> Result<Image<AnyStorage>, ConvertError> {
     open_target_with(
         path,
         format,
         min_sparse,
+        cache,
         crate::common::secrets::passwords_for(path),
     )
     .await
 }
 
-/// Opens the target with the passwords of its encryption, if any.
+/// Opens the target in `cache` mode with the passwords of its encryption, if any.
 async fn open_target_with(
     path: &Path,
     format: Format,
     min_sparse: u64,
+    cache: CacheMode,
     passwords: qcow2::crypto::Passwords,
 ) -> Result<Image<AnyStorage>, ConvertError> {
     Ok(Image::open(
@@ -499,6 +512,8 @@ async fn open_target_with(
             format: Some(format),
             discard_passthrough: min_sparse != 0,
             passwords,
+            direct: cache.direct(),
+            ignore_flush: cache.ignore_flush(),
             ..OpenOptions::default()
         },
     )
@@ -576,7 +591,7 @@ async fn create_target(
     if passwords.is_empty() {
         passwords = crate::common::secrets::passwords_for(path);
     }
-    let dst = open_target_with(path, format, min_sparse, passwords).await?;
+    let dst = open_target_with(path, format, min_sparse, args.cache, passwords).await?;
     if noise {
         dst.write_zeroes(GuestOffset(0), dst.size(), false, false)
             .await

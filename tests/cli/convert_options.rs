@@ -212,6 +212,38 @@ fn convert_b_leaves_to_the_backing_file_what_the_source_does() {
 }
 
 #[test]
+fn convert_t_takes_every_cache_mode() {
+    let p = Pair::new(chain);
+    for mode in ["none", "writeback", "writethrough", "directsync", "unsafe"] {
+        let target = format!("{mode}.qcow2");
+        same_target(
+            &p,
+            &["convert", "-t", mode, "-O", "qcow2", "top.qcow2", &target],
+            &target,
+            "qcow2",
+        );
+        let target = format!("{mode}.raw");
+        same_target(
+            &p,
+            &["convert", "-t", mode, "top.qcow2", &target],
+            &target,
+            "raw",
+        );
+    }
+    // A mode that does not exist is refused before anything is created, naming the modes.
+    let out = p.ours.run(
+        p.ours.path("qemu-img"),
+        &["convert", "-t", "fast", "top.qcow2", "fast.raw"],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("writethrough"),
+        "{err}"
+    );
+    assert!(!p.ours.path("fast.raw").exists());
+}
+
+#[test]
 fn convert_s_sets_the_sparse_detection_size() {
     let p = Pair::new(|d| {
         chain(d);

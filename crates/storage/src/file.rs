@@ -62,6 +62,8 @@ pub struct FileStorage<R> {
     /// nothing new to make durable skips the call, as QEMU's block layer does, so closing an
     /// image that was only read costs no disk flush.
     synced: Cell<u64>,
+    /// Opened with [`OpenOptions::ignore_flush`]: flushes do nothing.
+    ignore_flush: bool,
 }
 
 /// What a file storage learns about its file once, when it is opened: on a file system that
@@ -74,6 +76,7 @@ pub struct FileFacts {
     cheap_zeroes: bool,
     size: u64,
     memory_fs: bool,
+    ignore_flush: bool,
 }
 
 impl FileFacts {
@@ -88,6 +91,7 @@ impl FileFacts {
             cheap_zeroes: crate::sys::fs_has_cheap_zeroes(file),
             size: file.metadata().map(|m| m.len()).unwrap_or(0),
             memory_fs: crate::sys::fs_is_memory(file),
+            ignore_flush: false,
         }
     }
 
@@ -103,7 +107,10 @@ pub async fn open_file(path: &Path, opts: OpenOptions) -> io::Result<(File, File
     let owned = path.to_path_buf();
     crate::bounded::run("opening", path, opts.bound, move || {
         let file = crate::sys::open(&owned, opts)?;
-        let facts = FileFacts::of(&file, opts.direct);
+        let facts = FileFacts {
+            ignore_flush: opts.ignore_flush,
+            ..FileFacts::of(&file, opts.direct)
+        };
         Ok((file, facts))
     })
     .await
@@ -127,6 +134,7 @@ impl<R: RawFile> FileStorage<R> {
             memory_fs: facts.memory_fs,
             changes: Cell::new(0),
             synced: Cell::new(0),
+            ignore_flush: facts.ignore_flush,
         }
     }
 
@@ -457,7 +465,7 @@ impl<R: RawFile> Storage for FileStorage<R> {
         // Only modifications complete now are the flush's to make durable (as for a flush
         // request over NBD); one completing during the fdatasync counts after it.
         let covered = self.changes.get();
-        if covered == self.synced.get() {
+        if covered == self.synced.get() || self.ignore_flush {
             return Ok(());
         }
         self.raw
@@ -494,5 +502,41 @@ impl<R: RawFile> Storage for FileStorage<R> {
 
     fn alignment(&self) -> usize {
         usize::try_from(self.align).unwrap_or(1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ThreadsStorage;
+
+    /// What each flush made durable, as the storage counts it, after one write and a flush.
+    async fn synced_after_write_and_flush(path: &Path, ignore_flush: bool) -> (u64, u64) {
+        let opts = OpenOptions {
+            ignore_flush,
+            ..OpenOptions::create()
+        };
+        let s = ThreadsStorage::open(path, opts).await.unwrap();
+        let (res, _) = s.write_at(IoBuf::from_slice(b"data").into(), 0).await;
+        res.unwrap();
+        s.flush().await.unwrap();
+        (s.changes.get(), s.synced.get())
+    }
+
+    #[test]
+    fn a_storage_opened_to_ignore_flushes_never_syncs() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        rt.block_on(async {
+            let (changes, synced) =
+                synced_after_write_and_flush(&dir.path().join("kept.img"), false).await;
+            assert_eq!((changes, synced), (1, 1), "a flush syncs what was written");
+            let (changes, synced) =
+                synced_after_write_and_flush(&dir.path().join("unsafe.img"), true).await;
+            assert_eq!((changes, synced), (1, 0), "ignore_flush: nothing synced");
+        });
     }
 }

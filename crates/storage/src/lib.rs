@@ -167,6 +167,10 @@ pub struct OpenOptions {
     /// files (NBD, `null-co`, `blkdebug`) are refused ([`confine`]). Memory storages ignore
     /// it.
     pub confine: Option<&'static AllowDirs>,
+    /// Flushes return at once without making anything durable (QEMU's `cache=unsafe`): for
+    /// a file whose loss in a host crash costs nothing but redoing the work, such as the
+    /// target of a copy. File storages honour it; the others ignore it.
+    pub ignore_flush: bool,
 }
 
 impl Default for OpenOptions {
@@ -179,6 +183,7 @@ impl Default for OpenOptions {
             locking: Locking::Off,
             bound: OpenBound::default(),
             confine: None,
+            ignore_flush: false,
         }
     }
 }

@@ -69,6 +69,8 @@ pub(super) struct Job {
     /// Write in guest order (reads still overlap), so that a qcow2 target allocates its
     /// clusters in guest order as qemu-img does, instead of fragmenting by completion order.
     pub(super) ordered: bool,
+    /// Every write is made durable before it counts as done (`-t writethrough|directsync`).
+    pub(super) writethrough: bool,
     /// Sequence number of the request whose turn it is to write (when `ordered`).
     pub(super) turn: Cell<u64>,
     pub(super) turn_changed: Notify,
@@ -224,7 +226,7 @@ impl Job {
             if only.data {
                 let job = Rc::clone(self);
                 writes.push(tokio::task::spawn_local(async move {
-                    let (res, buf) = job.dst.write(GuestOffset(off), buf, false).await;
+                    let (res, buf) = job.dst.write(GuestOffset(off), buf, job.writethrough).await;
                     job.buffers.give(buf);
                     res
                 }));
@@ -241,7 +243,10 @@ impl Job {
             let piece = IoBuf::from_slice(&buf[run.start..run.start + run.len]);
             let job = Rc::clone(self);
             writes.push(tokio::task::spawn_local(async move {
-                job.dst.write(GuestOffset(at), piece, false).await.0
+                job.dst
+                    .write(GuestOffset(at), piece, job.writethrough)
+                    .await
+                    .0
             }));
             self.let_it_allocate().await;
         }
@@ -257,15 +262,26 @@ impl Job {
         let job = Rc::clone(self);
         let task = tokio::task::spawn_local(async move {
             if job.zero_flags {
-                job.dst.write_zero_flags(GuestOffset(off), len, true).await
+                job.dst
+                    .write_zero_flags(GuestOffset(off), len, true)
+                    .await?;
             } else {
                 job.dst
                     .write_zeroes(GuestOffset(off), len, true, false)
-                    .await
+                    .await?;
             }
+            job.durable().await
         });
         self.let_it_allocate().await;
         Some(task)
+    }
+
+    /// With `writethrough`, makes what was written so far durable.
+    async fn durable(&self) -> Result<(), EngineError> {
+        match self.writethrough {
+            true => self.dst.flush().await,
+            false => Ok(()),
+        }
     }
 
     /// In ordered mode, lets the write just spawned run up to its first wait.
@@ -333,6 +349,7 @@ impl Job {
     ) -> Result<Vec<Write>, EngineError> {
         for (at, p) in packed {
             self.dst.write_packed(GuestOffset(at), p).await?;
+            self.durable().await?;
         }
         let mut writes = Vec::new();
         for (at, len) in zeros {

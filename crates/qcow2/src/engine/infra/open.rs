@@ -53,6 +53,10 @@ pub struct OpenOptions {
     /// these directories, and names that are not files are refused, before anything is
     /// read from them.
     pub untrusted: Option<Untrusted>,
+    /// Flushes of the image's files return at once, durable or not (QEMU's `cache=unsafe`,
+    /// `qemu-img convert`'s default): the metadata's write order no longer reaches the
+    /// disk, so a host crash may leave the image inconsistent.
+    pub ignore_flush: bool,
 }
 
 impl<S: Storage + 'static> Image<S> {
@@ -67,6 +71,7 @@ impl<S: Storage + 'static> Image<S> {
             direct: opts.direct,
             force_share: opts.force_share,
             bound: opts.open_bound,
+            ignore_flush: opts.ignore_flush,
             ..storage::OpenOptions::default()
         };
         let mut guard = ChainGuard::default();
