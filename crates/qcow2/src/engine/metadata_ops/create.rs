@@ -404,11 +404,12 @@ fn first_clusters(
     layout: &Layout,
     geom: &Geometry,
     refcount_order: u32,
-) -> Result<Vec<u8>> {
+) -> Result<IoBuf> {
     let cs = layout.cluster_size;
     let epb = geom.refcount_block_entries();
     let (reftable_off, refblock_off) = (layout.reftable_offset(), layout.refblock_offset());
-    let mut meta = vec![0u8; ((1 + layout.rt + layout.rb) * cs) as usize];
+    // Built in the buffer that is written: these clusters are large with large clusters.
+    let mut meta = IoBuf::zeroed(((1 + layout.rt + layout.rb) * cs) as usize);
     meta[..header.len()].copy_from_slice(header);
     for j in 0..layout.rb {
         let entry = (reftable_off + j * 8) as usize;
@@ -460,7 +461,7 @@ pub async fn create<S: Storage + 'static>(file: &S, opts: &CreateOptions) -> Res
     // An NBD export keeps its size and its old bytes, so nothing past what is written here
     // can be taken to read as zeros.
     let kept_old_bytes = file.len().await.map_err(io("getting the file size", 0))? > 0;
-    let (res, _) = file.write_at(IoBuf::from_slice(&meta).into(), 0).await;
+    let (res, _) = file.write_at(meta.into(), 0).await;
     res.map_err(io("writing the metadata", 0))?;
     // The L1 table is all zeros: the file just has to reach its end, as QEMU leaves it.
     let l1_off = layout.l1_offset();
