@@ -137,7 +137,12 @@ impl<S: Storage + 'static> Allocator<S> {
             bitmaps: RefCell::new(bitmaps),
             free_byte_offset: Cell::new(0),
             mapping_generation: Cell::new(0),
-            grow: GrowAhead::new(&layer.file, meta.file_end.get(), h.has_extended_l2()),
+            grow: GrowAhead::new(
+                &layer.file,
+                meta.file_end.get(),
+                meta.geom.cluster_size(),
+                h.has_extended_l2(),
+            ),
             unwritten: RefCell::new(Unwritten::new(&meta.geom, meta.crypto.is_some())),
         })
     }

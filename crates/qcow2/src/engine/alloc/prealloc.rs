@@ -51,13 +51,24 @@ pub(crate) struct GrowAhead {
 }
 
 impl GrowAhead {
-    /// Growing ahead for a file of `len` bytes, off for buffered files (the page cache
-    /// already absorbs extending writes). Images with subclusters grow sparsely: a range grown
-    /// with reserved blocks would keep every cluster's blocks once the cluster is in use,
-    /// where a subcluster's write must leave the rest of its cluster a hole. So do files on a
-    /// file system without cheap zeroing (growing would write the zeros).
-    pub(super) fn new<S: Storage>(file: &S, len: u64, subclusters: bool) -> Self {
+    /// Growing ahead for a file of `len` bytes with clusters of `cluster_size`, off for
+    /// buffered files (the page cache already absorbs extending writes). Images with
+    /// subclusters grow sparsely: a range grown with reserved blocks would keep every
+    /// cluster's blocks once the cluster is in use, where a subcluster's write must leave the
+    /// rest of its cluster a hole. So do files on a file system without cheap zeroing
+    /// (growing would write the zeros). Growth starts at the first whole cluster: a file that
+    /// ends inside its last cluster (a new image ends with its L1 table) keeps that
+    /// cluster's unused tail a hole, as QEMU leaves it.
+    pub(super) fn new<S: Storage>(
+        file: &S,
+        len: u64,
+        cluster_size: u64,
+        subclusters: bool,
+    ) -> Self {
         let on = file.alignment() > 1;
+        let len = len
+            .div_ceil(cluster_size.max(1))
+            .saturating_mul(cluster_size.max(1));
         let how = if subclusters || !file.zeroes_are_cheap() {
             Growth::Sparse
         } else {
@@ -142,5 +153,68 @@ impl Drop for PausedGrowth<'_> {
         if self.resume != 0 {
             self.grow.to.set(self.resume.max(self.file_end.get()));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+    use std::io;
+    use storage::{BufResult, Slice};
+
+    /// An O_DIRECT file with cheap zeroing that records the ranges it is asked to zero.
+    #[derive(Default)]
+    struct Recorder {
+        zeroed: RefCell<Vec<(u64, u64)>>,
+        len: Cell<u64>,
+    }
+
+    impl Storage for Recorder {
+        async fn read_at(&self, buf: Slice, _: u64) -> BufResult<Slice> {
+            (Err(io::Error::other("not read here")), buf)
+        }
+        async fn write_at(&self, buf: Slice, _: u64) -> BufResult<Slice> {
+            (Err(io::Error::other("not written here")), buf)
+        }
+        async fn write_zeroes_at(&self, offset: u64, len: u64, _: bool) -> io::Result<()> {
+            self.zeroed.borrow_mut().push((offset, len));
+            self.len.set(self.len.get().max(offset + len));
+            Ok(())
+        }
+        async fn discard_at(&self, _: u64, _: u64) -> io::Result<()> {
+            Ok(())
+        }
+        async fn flush(&self) -> io::Result<()> {
+            Ok(())
+        }
+        async fn len(&self) -> io::Result<u64> {
+            Ok(self.len.get())
+        }
+        async fn set_len(&self, len: u64) -> io::Result<()> {
+            self.len.set(len);
+            Ok(())
+        }
+        fn zeroes_are_cheap(&self) -> bool {
+            true
+        }
+        fn alignment(&self) -> usize {
+            4096
+        }
+    }
+
+    #[test]
+    fn growth_starts_at_the_first_whole_cluster_past_the_files_end() {
+        const CS: u64 = 65536;
+        // A new image: header, refcount table and block, then an L1 table of 256 bytes.
+        let end_of_l1 = 3 * CS + 256;
+        let file = Recorder::default();
+        file.len.set(end_of_l1);
+        let grow = GrowAhead::new(&file, end_of_l1, CS, false);
+        test_support::run(grow.grow(&file, "a.qcow2", 16 << 30, 5 * CS));
+        let zeroed = file.zeroed.borrow().clone();
+        assert_eq!(zeroed.len(), 1, "{zeroed:?}");
+        assert_eq!(zeroed[0].0, 4 * CS, "the L1 table's cluster is left alone");
+        assert!(zeroed[0].0 + zeroed[0].1 >= 5 * CS);
     }
 }
