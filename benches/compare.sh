@@ -773,7 +773,9 @@ usage() { # SCENARIO: the servers' median CPU and disk cost per request, "qemu /
         echo "4 KiB blocks into a fresh sparse raw file of the same size, in the same rounds; disk use: the"
         echo "image (or the limit's raw file) after the run, medians. Over a backing file each write must"
         echo "write its whole allocation unit (the bytes copied around its own 4 KiB): the unit-sized limit"
-        echo "is fio writing as many blocks of that size the same way, where the unit is above 4 KiB."
+        echo "is fio writing as many blocks of that size the same way, where the unit is above 4 KiB;"
+        echo "the copy limit, fio reading as many unit-sized blocks of the backing file while it writes"
+        echo "them (QD16 each), pairs per second."
         ;;
     esac
     echo

@@ -215,7 +215,8 @@ alloc_scenarios() {
         [ "$unit" -lt 4096 ] && unit=4096
         units=$((size / unit))
         n=$((ALLOC_IOS < units ? ALLOC_IOS : units))
-        alloc_iolog "$label" "$unit" "$n" "$units" >"$WORK/alloc.iolog"
+        alloc_iolog "$label" "$unit" "$n" "$units" $((ALLOC_QD > 1 ? 2 * ALLOC_QD : 0)) \
+            >"$WORK/alloc.iolog"
         for r in $(seq 1 "$ROUNDS"); do
             for kind in $(order "$r"); do
                 if [ "$mode" = none ]; then
@@ -271,15 +272,21 @@ alloc_scenarios() {
 QD32_CONFIGS=${QD32_CONFIGS:-"std-64k:64k:off ext-128k/4k:128k:on ext-2m/64k:2M:on"}
 QD32_MODES=${QD32_MODES:-"none backing"}
 
-# alloc_iolog LABEL UNIT N UNITS: the fio iolog of N 4 KiB writes, each at the start of a
-# distinct one of UNITS allocation units of UNIT bytes, in an order fixed by LABEL (offsets
-# printed with %.0f: mawk's %d stops at 2 GiB).
+# alloc_iolog LABEL UNIT N UNITS [TAIL]: the fio iolog of N 4 KiB writes, each at the start
+# of a distinct one of UNITS allocation units of UNIT bytes, in an order fixed by LABEL
+# (offsets printed with %.0f: mawk's %d stops at 2 GiB), then TAIL 4 KiB reads of the first
+# write's place. At queue depth, fio disconnects as the log ends without waiting for what is
+# in flight, and qemu-nbd drops some of those requests where ours carries them out: the
+# reads (of data already written, changing nothing on disk) are what is left in flight
+# then, so both servers carry out every write, and disk use compares the same work.
 alloc_iolog() {
     echo "fio version 2 iolog"
     echo "nbd add"
     echo "nbd open"
     shuf -i 0-$(($4 - 1)) -n "$3" --random-source=<(yes "$1") |
-        awk -v u="$2" '{ printf "nbd write %.0f 4096\n", $1 * u }'
+        awk -v u="$2" -v tail="${5:-0}" '{ printf "nbd write %.0f 4096\n", $1 * u }
+            NR == 1 { first = $1 * u }
+            END { for (i = 0; i < tail; i++) printf "nbd read %.0f 4096\n", first }'
     echo "nbd close"
 }
 
@@ -294,6 +301,23 @@ qd32_limit() {
     fio --name=limit --filename="$1" --ioengine=io_uring --direct=1 --rw=randwrite --bs="$bs" \
         --iodepth=32 --size="$2" --io_size=$(($3 * bs)) --output-format=terse \
         --terse-version=3 2>"$WORK/fio.err" | awk -F';' '$1 == "3" { print $49 }'
+}
+
+# qd32_copy_limit BACKING SPARSE SIZE N UNIT: the rate of N copy-on-write pairs of UNIT bytes
+# any server could reach over BACKING: fio reading N random UNIT-sized blocks of BACKING and
+# writing as many into a fresh sparse raw file SPARSE of SIZE bytes at the same time (O_DIRECT,
+# io_uring, QD16 each: 32 in flight in all), pairs per second by the slower of the two.
+qd32_copy_limit() {
+    local bs=$5
+    rm -f "$2"
+    truncate -s "$3" "$2"
+    fio --ioengine=io_uring --direct=1 --bs="$bs" --iodepth=16 --size="$3" \
+        --io_size=$(($4 * bs)) --output-format=terse --terse-version=3 \
+        --name=read --filename="$1" --rw=randread \
+        --name=write --filename="$2" --rw=randwrite 2>"$WORK/fio.err" |
+        awk -F';' -v n="$4" '$1 == "3" { ms = $9 > $50 ? $9 : $50; if (ms > max) max = ms }
+            END { if (max > 0) printf "%.0f\n", n * 1000 / max; else print "-" }'
+    rm -f "$2"
 }
 
 qd32_scenarios() {
@@ -313,7 +337,8 @@ qd32_scenarios() {
                 if [ "$ext" = on ]; then unit=$((cluster / 32)); else unit=$cluster; fi
                 [ "$unit" -lt 4096 ] && unit=4096
                 units=$((size / unit))
-                alloc_iolog "$label" "$unit" $((n < units ? n : units)) "$units" >"$WORK/qd32.iolog"
+                alloc_iolog "$label" "$unit" $((n < units ? n : units)) "$units" 64 \
+                    >"$WORK/qd32.iolog"
                 key="qd32 $label $mode"
                 for kind in $(order "$r") raw; do
                     img=$WORK/qd32.qcow2
@@ -331,6 +356,11 @@ qd32_scenarios() {
                             record "$key" cow "$iops"
                             rm -f "$WORK/qd32-limit.raw"
                             log "$key round $r limit for $unit-byte writes: $iops IOPS"
+                            # And the copy itself: the unit read from the backing file too.
+                            iops=$(qd32_copy_limit "$backing" "$WORK/qd32-limit.raw" "$size" \
+                                "$n" "$unit")
+                            record "$key" copy "$iops"
+                            log "$key round $r limit for $unit-byte copies: $iops per second"
                         fi
                         continue
                     fi
@@ -363,20 +393,20 @@ qd32_scenarios() {
 
 # qd32_table: the markdown table of qd32_scenarios' medians.
 qd32_table() {
-    local mode cfg label q o w c
-    echo "| 4 KiB random writes, QD32, empty ${QD32_MIB} MiB image | qemu-nbd IOPS | ours IOPS | ours / qemu-nbd | limit: fio, sparse raw | ours / limit | limit, unit-sized writes | ours / it | CPU µs/req q / o | disk use MiB q / o / limit |"
-    echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    local mode cfg label q o w c p
+    echo "| 4 KiB random writes, QD32, empty ${QD32_MIB} MiB image | qemu-nbd IOPS | ours IOPS | ours / qemu-nbd | limit: fio, sparse raw | ours / limit | limit, unit-sized writes | ours / it | limit, unit-sized copies | ours / it | CPU µs/req q / o | disk use MiB q / o / limit |"
+    echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     for mode in $QD32_MODES; do
         for cfg in $QD32_CONFIGS; do
             IFS=: read -r label _ _ <<<"$cfg"
             local key="qd32 $label $mode"
             q=$(median "$key" qemu) o=$(median "$key" ours) w=$(median "$key" raw)
-            c=$(median "$key" cow)
+            c=$(median "$key" cow) p=$(median "$key" copy)
             [ "$q$o" = -- ] && continue
-            printf '| %s, %s | %s | %s | %s | %s | %s | %s | %s | %s / %s | %s / %s / %s |\n' "$label" \
+            printf '| %s, %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s / %s | %s / %s / %s |\n' "$label" \
                 "$([ "$mode" = backing ] && echo "over a backing file" || echo "no backing file")" \
                 "$q" "$o" "$(qd32_ratio "$o" "$q")" "$w" "$(qd32_ratio "$o" "$w")" \
-                "$c" "$(qd32_ratio "$o" "$c")" \
+                "$c" "$(qd32_ratio "$o" "$c")" "$p" "$(qd32_ratio "$o" "$p")" \
                 "$(median "cpu $key" qemu)" "$(median "cpu $key" ours)" \
                 "$(median "du $key" qemu)" "$(median "du $key" ours)" "$(median "du $key" raw)"
         done

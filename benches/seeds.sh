@@ -546,7 +546,8 @@ slice_table() { # CLUSTER
         echo "raw file whose length was set first, in the same rounds. Disk use: the image after the run."
         echo "Over a backing file each write must write its whole allocation unit (the bytes copied around"
         echo "its own 4 KiB): where that unit is above 4 KiB, the unit-sized limit is fio writing as many"
-        echo "blocks of that size the same way."
+        echo "blocks of that size the same way, and the copy limit fio reading as many unit-sized blocks"
+        echo "of the backing file while it writes them (QD16 each), pairs per second."
         echo
         QD32_MIB=$((ALLOC_GIB << 10)) qd32_table
         for cfg in $QD32_CONFIGS; do
