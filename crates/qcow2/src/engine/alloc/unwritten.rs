@@ -19,18 +19,22 @@
 //! Holes the record does not know of (an image opened with unwritten parts, a record that is
 //! full) are still found by asking the file.
 
-use std::collections::HashMap;
+use std::collections::VecDeque;
 
 use crate::format::{Geometry, HostCluster, HostOffset};
 
-/// How many clusters the record follows at most: about 40 bytes each, so under 3 MiB. Past
-/// it, new clusters are not followed and their holes are found by asking the file.
-const MAX_CLUSTERS: usize = 1 << 16;
+/// How many clusters the record follows at most: 4 bytes each, so 256 KiB. Past it, the
+/// oldest are let go and their holes are found by asking the file.
+const MAX_CLUSTERS: u64 = 1 << 16;
 
 /// The never-written subclusters of freshly allocated clusters (see the module's text).
+/// Fresh clusters come from the end of the file, in increasing order, so the clusters
+/// followed form one window: a word per cluster from `base` on, rather than a map entry.
 pub(super) struct Unwritten {
-    /// Per followed cluster, a bit per subcluster never written (bit `i`: subcluster `i`).
-    clusters: HashMap<HostCluster, u32>,
+    /// Per cluster from `base` on, a bit per subcluster never written (bit `i`: subcluster
+    /// `i`); 0 for a cluster not followed. Never starts with a 0.
+    window: VecDeque<u32>,
+    base: u64,
     geom: Geometry,
     /// Off for images without subclusters (a cluster is written whole when allocated) and
     /// for encrypted ones (a hole does not read as enciphered zeros).
@@ -40,7 +44,8 @@ pub(super) struct Unwritten {
 impl Unwritten {
     pub(super) fn new(geom: &Geometry, encrypted: bool) -> Unwritten {
         Unwritten {
-            clusters: HashMap::new(),
+            window: VecDeque::new(),
+            base: 0,
             geom: *geom,
             on: geom.extended_l2() && !encrypted,
         }
@@ -54,38 +59,79 @@ impl Unwritten {
         // Extended L2 entries: 32 subclusters, a bit each.
         let HostCluster(c) = self.geom.host_cluster(first);
         for k in c..c.saturating_add(n) {
-            if self.clusters.len() >= MAX_CLUSTERS {
-                return;
+            if let Some(bits) = self.slot(k) {
+                *bits = u32::MAX;
             }
-            self.clusters.insert(HostCluster(k), u32::MAX);
+        }
+    }
+
+    /// The word of cluster `k`, the window moved or grown to hold it (`None` for a cluster
+    /// below the window, which is not followed).
+    fn slot(&mut self, k: u64) -> Option<&mut u32> {
+        if self.window.is_empty() {
+            self.base = k;
+        }
+        let mut idx = k.checked_sub(self.base)?;
+        if idx >= MAX_CLUSTERS {
+            let past = idx - MAX_CLUSTERS + 1;
+            if past >= self.window.len() as u64 {
+                self.window.clear();
+                self.base = k;
+            } else {
+                self.window.drain(..past as usize);
+                self.base += past;
+            }
+            self.trim_front();
+            if self.window.is_empty() {
+                self.base = k;
+            }
+            idx = k - self.base;
+        }
+        let idx = idx as usize;
+        if idx >= self.window.len() {
+            self.window.resize(idx + 1, 0);
+        }
+        self.window.get_mut(idx)
+    }
+
+    /// The word of cluster `k`, if the window holds it.
+    fn word(&self, k: u64) -> Option<u32> {
+        let idx = usize::try_from(k.checked_sub(self.base)?).ok()?;
+        self.window.get(idx).copied()
+    }
+
+    /// Lets go of the clusters at the window's start that have nothing left unwritten.
+    fn trim_front(&mut self) {
+        while self.window.front() == Some(&0) {
+            self.window.pop_front();
+            self.base += 1;
         }
     }
 
     /// `[host, host + len)` is about to be written: its subclusters may hold data from now on.
     pub(super) fn writing(&mut self, host: HostOffset, len: u64) {
-        if self.clusters.is_empty() || len == 0 {
+        if self.window.is_empty() || len == 0 {
             return;
         }
         let Some(last) = host.0.checked_add(len - 1) else {
-            self.clusters.clear();
+            self.clear();
             return;
         };
         let (first, end) = self.cluster_span(host, last);
-        for c in first..=end {
+        let from = first.max(self.base);
+        let to = end.min(self.base + self.window.len() as u64 - 1);
+        for c in from..=to {
             let touched = self.touched(c, host.0, last);
-            let Some(bits) = self.clusters.get_mut(&HostCluster(c)) else {
-                continue;
-            };
-            *bits &= !touched;
-            if *bits == 0 {
-                self.clusters.remove(&HostCluster(c));
+            if let Some(bits) = self.window.get_mut((c - self.base) as usize) {
+                *bits &= !touched;
             }
         }
+        self.trim_front();
     }
 
     /// Whether every byte of `[host, host + len)` lies in subclusters never written.
     pub(super) fn is_unwritten(&self, host: HostOffset, len: u64) -> bool {
-        if self.clusters.is_empty() || len == 0 {
+        if self.window.is_empty() || len == 0 {
             return false;
         }
         let Some(last) = host.0.checked_add(len - 1) else {
@@ -94,26 +140,38 @@ impl Unwritten {
         let (first, end) = self.cluster_span(host, last);
         (first..=end).all(|c| {
             let want = self.touched(c, host.0, last);
-            self.clusters
-                .get(&HostCluster(c))
-                .is_some_and(|&bits| bits & want == want)
+            self.word(c).is_some_and(|bits| bits & want == want)
         })
     }
 
     /// The cluster's refcount left or reached 0: whatever it holds next is not ours to know.
-    pub(super) fn forget(&mut self, cluster: HostCluster) {
-        self.clusters.remove(&cluster);
+    pub(super) fn forget(&mut self, HostCluster(c): HostCluster) {
+        if let Some(idx) = c.checked_sub(self.base) {
+            if let Some(bits) = self.window.get_mut(idx as usize) {
+                *bits = 0;
+            }
+        }
+        self.trim_front();
     }
 
     /// The file now ends at `end`.
     pub(super) fn truncated(&mut self, end: u64) {
         let first_gone = self.geom.size_to_clusters(end);
-        self.clusters.retain(|c, _| c.0 < first_gone);
+        let keep = first_gone.saturating_sub(self.base);
+        if keep < self.window.len() as u64 {
+            self.window.truncate(keep as usize);
+        }
     }
 
     /// Everything the record holds is void (the image was emptied).
     pub(super) fn clear(&mut self) {
-        self.clusters.clear();
+        self.window.clear();
+    }
+
+    /// Whether cluster `c` is followed (some subcluster of it never written).
+    #[cfg(test)]
+    fn follows(&self, c: u64) -> bool {
+        self.word(c).is_some_and(|bits| bits != 0)
     }
 
     /// The indexes of the clusters from the one holding `host` to the one holding `last`.
@@ -170,6 +228,32 @@ mod tests {
     }
 
     #[test]
+    fn clusters_allocated_apart_are_followed_and_the_gap_is_not() {
+        let mut u = record();
+        u.allocated_fresh(HostOffset(4 * CS), 1);
+        u.allocated_fresh(HostOffset(8 * CS), 2);
+        assert!(u.is_unwritten(HostOffset(4 * CS), CS));
+        assert!(
+            !u.is_unwritten(HostOffset(5 * CS), 1),
+            "a cluster in the gap"
+        );
+        assert!(u.is_unwritten(HostOffset(8 * CS), 2 * CS));
+        assert!(!u.is_unwritten(HostOffset(3 * CS), 1), "below the window");
+        // The first cluster written whole: the window now starts at the next one followed.
+        u.writing(HostOffset(4 * CS), CS);
+        assert_eq!(u.base, 8);
+        assert!(u.is_unwritten(HostOffset(8 * CS), 2 * CS));
+        u.forget(HostCluster(8));
+        u.truncated(9 * CS + 1);
+        assert!(
+            u.is_unwritten(HostOffset(9 * CS), CS),
+            "the cut keeps a partial cluster"
+        );
+        u.truncated(8 * CS);
+        assert!(u.window.is_empty());
+    }
+
+    #[test]
     fn a_write_across_clusters_clears_both_ends() {
         let mut u = record();
         u.allocated_fresh(HostOffset(0), 2);
@@ -185,7 +269,7 @@ mod tests {
         let mut u = record();
         u.allocated_fresh(HostOffset(0), 3);
         u.writing(HostOffset(0), CS);
-        assert!(!u.clusters.contains_key(&HostCluster(0)));
+        assert!(!u.follows(0));
         u.forget(HostCluster(1));
         assert!(!u.is_unwritten(HostOffset(CS), 1));
         u.truncated(2 * CS + 1);
@@ -212,12 +296,21 @@ mod tests {
     #[test]
     fn the_record_is_bounded_and_ends_of_the_address_space_are_safe() {
         let mut u = record();
-        u.allocated_fresh(HostOffset(0), MAX_CLUSTERS as u64 + 10);
-        assert_eq!(u.clusters.len(), MAX_CLUSTERS);
+        u.allocated_fresh(HostOffset(0), MAX_CLUSTERS + 10);
+        assert_eq!(u.window.len() as u64, MAX_CLUSTERS);
+        assert!(!u.follows(9), "the oldest are let go");
+        assert!(
+            u.follows(10) && u.follows(MAX_CLUSTERS + 9),
+            "the newest are followed"
+        );
+        // A fresh cluster far past the window starts it anew.
+        u.allocated_fresh(HostOffset(10 * MAX_CLUSTERS * CS), 1);
+        assert_eq!(u.window.len(), 1);
+        assert!(u.is_unwritten(HostOffset(10 * MAX_CLUSTERS * CS), CS));
         assert!(!u.is_unwritten(HostOffset(u64::MAX - 1), 10));
         u.writing(HostOffset(u64::MAX - 1), 10);
         assert!(
-            u.clusters.is_empty(),
+            u.window.is_empty(),
             "an impossible write forgets everything"
         );
     }
