@@ -190,19 +190,35 @@ fn extended_l2_disk_use_after_growing_ahead_is_no_more_than_qemus() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let ours = ext_image(&dir, "ours.qcow2", "256M");
     let theirs = ext_image(&dir, "theirs.qcow2", "256M");
-    run(async {
-        let img = open_direct(&ours).await;
-        write_spread(&img, 0..64).await;
-        img.close().await.expect("close");
-    });
-    let cmds: Vec<String> = (0..64u64)
-        .map(|i| format!("write -q -P {} {} 4096", i + 1, i * MIB))
-        .collect();
+    spread_through_ours(&ours, 64);
+    let cmds = spread_commands(64);
     let cmds: Vec<&str> = cmds.iter().map(String::as_str).collect();
     qemu_io("qcow2", &theirs, &cmds);
-    assert_check_clean(&ours);
-    assert_reads_back(&ours, 0..64);
-    let (used, qemu_used) = (disk_use(&ours), disk_use(&theirs));
+    assert_clean_and_no_larger(&ours, &theirs, 64);
+}
+
+/// [`write_spread`] of `0..n` through ours with O_DIRECT, then a clean close.
+fn spread_through_ours(path: &Path, n: u64) {
+    run(async {
+        let img = open_direct(path).await;
+        write_spread(&img, 0..n).await;
+        img.close().await.expect("close");
+    });
+}
+
+/// The qemu-io commands of [`write_spread`] of `0..n`.
+fn spread_commands(n: u64) -> Vec<String> {
+    (0..n)
+        .map(|i| format!("write -q -P {} {} 4096", i + 1, i * MIB))
+        .collect()
+}
+
+/// `ours`, written with `n` spread writes, checks clean, reads them back and takes no more
+/// disk space than `theirs`, the same writes through QEMU.
+fn assert_clean_and_no_larger(ours: &Path, theirs: &Path, n: u64) {
+    assert_check_clean(ours);
+    assert_reads_back(ours, 0..n);
+    let (used, qemu_used) = (disk_use(ours), disk_use(theirs));
     assert!(
         used <= qemu_used,
         "{used} bytes on disk against QEMU's {qemu_used}"
@@ -220,27 +236,15 @@ fn standard_cluster_disk_use_after_growing_ahead_is_no_more_than_qemus() {
     for p in [&ours, &theirs] {
         qemu_img(&["create", "-q", "-f", "qcow2", p.to_str().unwrap(), "256M"]);
     }
-    run(async {
-        let img = open_direct(&ours).await;
-        write_spread(&img, 0..8).await;
-        img.close().await.expect("close");
-    });
-    let cmds: Vec<String> = (0..8u64)
-        .map(|i| format!("write -q -P {} {} 4096", i + 1, i * MIB))
-        .collect();
+    spread_through_ours(&ours, 8);
+    let cmds = spread_commands(8);
     let mut qemu_io_direct = test_support::qemu("qemu-io");
     qemu_io_direct.args(["-n", "-f", "qcow2"]);
     for c in &cmds {
         qemu_io_direct.args(["-c", c]);
     }
     test_support::run_ok(qemu_io_direct.arg(&theirs));
-    assert_check_clean(&ours);
-    assert_reads_back(&ours, 0..8);
-    let (used, qemu_used) = (disk_use(&ours), disk_use(&theirs));
-    assert!(
-        used <= qemu_used,
-        "{used} bytes on disk against QEMU's {qemu_used}"
-    );
+    assert_clean_and_no_larger(&ours, &theirs, 8);
 }
 
 /// An extended-L2 image left open (as by a crash after a flush) with its length grown ahead
