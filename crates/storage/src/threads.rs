@@ -102,3 +102,39 @@ fn lost_buffer(range: std::ops::Range<usize>) -> Slice {
     tracing::error!("storage worker lost its buffer (range {range:?})");
     crate::IoBuf::zeroed(0).slice(0..0)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{IoBuf, Storage};
+
+    /// What each flush made durable, as the storage counts it, after one write and a flush.
+    async fn synced_after_write_and_flush(path: &Path, ignore_flush: bool) -> (u64, u64) {
+        let opts = OpenOptions {
+            ignore_flush,
+            ..OpenOptions::create()
+        };
+        let s = ThreadsStorage::open(path, opts).await.unwrap();
+        let (res, _) = s.write_at(IoBuf::from_slice(b"data").into(), 0).await;
+        res.unwrap();
+        s.flush().await.unwrap();
+        s.sync_counts()
+    }
+
+    #[test]
+    fn a_storage_opened_to_ignore_flushes_never_syncs() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        rt.block_on(async {
+            let (changes, synced) =
+                synced_after_write_and_flush(&dir.path().join("kept.img"), false).await;
+            assert_eq!((changes, synced), (1, 1), "a flush syncs what was written");
+            let (changes, synced) =
+                synced_after_write_and_flush(&dir.path().join("unsafe.img"), true).await;
+            assert_eq!((changes, synced), (1, 0), "ignore_flush: nothing synced");
+        });
+    }
+}
