@@ -775,7 +775,8 @@ usage() { # SCENARIO: the servers' median CPU and disk cost per request, "qemu /
         echo "write its whole allocation unit (the bytes copied around its own 4 KiB): the unit-sized limit"
         echo "is fio writing as many blocks of that size the same way, where the unit is above 4 KiB;"
         echo "the copy limit, fio reading as many unit-sized blocks of the backing file while it writes"
-        echo "them (QD16 each), pairs per second."
+        echo "them (QD16 each), pairs per second. Limit through NBD: our server exporting a fresh sparse"
+        echo "raw file, the same writes by the same client: what the NBD hop leaves of the limit."
         ;;
     esac
     echo

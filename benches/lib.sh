@@ -348,6 +348,17 @@ qd32_scenarios() {
                         record "du $key" raw "$(du_mib "$WORK/qd32-limit.raw")"
                         rm -f "$WORK/qd32-limit.raw"
                         log "$key round $r limit (fio, sparse raw): $iops IOPS"
+                        # The same writes through NBD: our server exporting a fresh sparse raw
+                        # file, fio's nbd engine as for the two servers. What the client and
+                        # the NBD hop leave of the limit, with no qcow2 in the way.
+                        truncate -s "$size" "$WORK/qd32-limit.raw"
+                        start_server raw "$WORK/qd32-limit.raw"
+                        read -r iops _ <<<"$(run_fio write --read_iolog="$WORK/qd32.iolog" \
+                            --size="$size" --iodepth=32)"
+                        stop_server
+                        rm -f "$WORK/qd32-limit.raw"
+                        record "$key" export "$iops"
+                        log "$key round $r limit (our raw export of a sparse raw file): $iops IOPS"
                         if [ "$mode" = backing ] && [ "$unit" -gt 4096 ]; then
                             # Over a backing file each write must write its whole allocation
                             # unit (the copied bytes around its own): the same count of
@@ -393,19 +404,20 @@ qd32_scenarios() {
 
 # qd32_table: the markdown table of qd32_scenarios' medians.
 qd32_table() {
-    local mode cfg label q o w c p
-    echo "| 4 KiB random writes, QD32, empty ${QD32_MIB} MiB image | qemu-nbd IOPS | ours IOPS | ours / qemu-nbd | limit: fio, sparse raw | ours / limit | limit, unit-sized writes | ours / it | limit, unit-sized copies | ours / it | CPU µs/req q / o | disk use MiB q / o / limit |"
-    echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    local mode cfg label q o w c p x
+    echo "| 4 KiB random writes, QD32, empty ${QD32_MIB} MiB image | qemu-nbd IOPS | ours IOPS | ours / qemu-nbd | limit: fio, sparse raw | ours / limit | limit through NBD: our raw export | ours / it | limit, unit-sized writes | ours / it | limit, unit-sized copies | ours / it | CPU µs/req q / o | disk use MiB q / o / limit |"
+    echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     for mode in $QD32_MODES; do
         for cfg in $QD32_CONFIGS; do
             IFS=: read -r label _ _ <<<"$cfg"
             local key="qd32 $label $mode"
             q=$(median "$key" qemu) o=$(median "$key" ours) w=$(median "$key" raw)
-            c=$(median "$key" cow) p=$(median "$key" copy)
+            c=$(median "$key" cow) p=$(median "$key" copy) x=$(median "$key" export)
             [ "$q$o" = -- ] && continue
-            printf '| %s, %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s / %s | %s / %s / %s |\n' "$label" \
+            printf '| %s, %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s / %s | %s / %s / %s |\n' "$label" \
                 "$([ "$mode" = backing ] && echo "over a backing file" || echo "no backing file")" \
                 "$q" "$o" "$(qd32_ratio "$o" "$q")" "$w" "$(qd32_ratio "$o" "$w")" \
+                "$x" "$(qd32_ratio "$o" "$x")" \
                 "$c" "$(qd32_ratio "$o" "$c")" "$p" "$(qd32_ratio "$o" "$p")" \
                 "$(median "cpu $key" qemu)" "$(median "cpu $key" ours)" \
                 "$(median "du $key" qemu)" "$(median "du $key" ours)" "$(median "du $key" raw)"

@@ -547,7 +547,8 @@ slice_table() { # CLUSTER
         echo "Over a backing file each write must write its whole allocation unit (the bytes copied around"
         echo "its own 4 KiB): where that unit is above 4 KiB, the unit-sized limit is fio writing as many"
         echo "blocks of that size the same way, and the copy limit fio reading as many unit-sized blocks"
-        echo "of the backing file while it writes them (QD16 each), pairs per second."
+        echo "of the backing file while it writes them (QD16 each), pairs per second. The limit through"
+        echo "NBD is our server exporting a fresh sparse raw file, the same writes by the same client."
         echo
         QD32_MIB=$((ALLOC_GIB << 10)) qd32_table
         for cfg in $QD32_CONFIGS; do
