@@ -58,7 +58,9 @@ impl Unwritten {
         }
         // Extended L2 entries: 32 subclusters, a bit each.
         let HostCluster(c) = self.geom.host_cluster(first);
-        for k in c..c.saturating_add(n) {
+        let end = c.saturating_add(n);
+        // Of a longer run, only the last clusters fit in the window.
+        for k in c.max(end.saturating_sub(MAX_CLUSTERS))..end {
             if let Some(bits) = self.slot(k) {
                 *bits = u32::MAX;
             }
@@ -73,14 +75,10 @@ impl Unwritten {
         }
         let mut idx = k.checked_sub(self.base)?;
         if idx >= MAX_CLUSTERS {
-            let past = idx - MAX_CLUSTERS + 1;
-            if past >= self.window.len() as u64 {
-                self.window.clear();
-                self.base = k;
-            } else {
-                self.window.drain(..past as usize);
-                self.base += past;
-            }
+            // Let the oldest go, so that `k` is the window's last place.
+            let past = (idx - MAX_CLUSTERS + 1).min(self.window.len() as u64);
+            self.window.drain(..past as usize);
+            self.base += past;
             self.trim_front();
             if self.window.is_empty() {
                 self.base = k;
