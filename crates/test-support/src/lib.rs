@@ -26,6 +26,6 @@ pub use tls::{Pki, CLIENT_DN, PSK_USER};
 pub use tools::{
     assert_check_clean, assert_same_bytes, assert_same_contents, create_image, nbd_tcp_uri,
     nbd_unix_uri, nbdinfo, parse_nbdinfo_map, python_with_libnbd, qemu, qemu_bitmaps,
-    qemu_contents, qemu_dirty_ranges, qemu_img, qemu_io, qemu_io_read_only, require, run_ok,
-    stdout, text, QemuBitmap,
+    qemu_contents, qemu_dirty_ranges, qemu_img, qemu_io, qemu_io_direct, qemu_io_read_only,
+    require, run_ok, stdout, text, QemuBitmap,
 };

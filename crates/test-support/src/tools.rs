@@ -91,6 +91,11 @@ pub fn qemu_io_read_only(
     qemu_io_with(qemu("qemu-io"), &["-r", "-f", fmt], target.as_ref(), cmds)
 }
 
+/// [`qemu_io`] opening `target` with O_DIRECT (`-n`, QEMU's `cache=none`).
+pub fn qemu_io_direct(fmt: &str, target: &(impl AsRef<OsStr> + ?Sized), cmds: &[&str]) -> String {
+    qemu_io_with(qemu("qemu-io"), &["-n", "-f", fmt], target.as_ref(), cmds)
+}
+
 /// Runs `qemu-io OPTS -c CMD... TARGET` as `cmd` (which may have a working directory set).
 pub(crate) fn qemu_io_with(
     mut cmd: Command,

@@ -238,12 +238,8 @@ fn standard_cluster_disk_use_after_growing_ahead_is_no_more_than_qemus() {
     }
     spread_through_ours(&ours, 8);
     let cmds = spread_commands(8);
-    let mut qemu_io_direct = test_support::qemu("qemu-io");
-    qemu_io_direct.args(["-n", "-f", "qcow2"]);
-    for c in &cmds {
-        qemu_io_direct.args(["-c", c]);
-    }
-    test_support::run_ok(qemu_io_direct.arg(&theirs));
+    let cmds: Vec<&str> = cmds.iter().map(String::as_str).collect();
+    test_support::qemu_io_direct("qcow2", &theirs, &cmds);
     assert_clean_and_no_larger(&ours, &theirs, 8);
 }
 
